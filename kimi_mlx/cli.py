@@ -1,0 +1,60 @@
+"""`kimi-mlx` command line: one subcommand per module, each with `add_arguments` and `run`.
+
+To add a command, add a line to COMMANDS; the module is imported only when the command
+(or `--help`) needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (name, module, one-line help)
+COMMANDS = [
+    ("generate", "kimi_mlx.generate", "one-shot generation, streamed (like mlx_lm.generate)"),
+    ("chat", "kimi_mlx.chat_cli", "multi-turn chat REPL that keeps reasoning between turns"),
+    ("eval", "kimi_mlx.evaluate", "perplexity and tokens/s of a checkpoint on a text file"),
+    ("plan", "kimi_mlx.cluster.plan_cli", "which Macs hold which layers of a checkpoint"),
+    ("cluster", "kimi_mlx.cluster.cli", "zeroconf discovery, stage service and launcher"),
+    ("prune", "kimi_mlx.prune.cli", "REAP expert pruning to a single-Mac checkpoint"),
+    ("bench", "kimi_mlx.bench_cli", "benchmarks (kernels, model vs mlx-lm)"),
+]
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kimi-mlx", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module_name, help_text in COMMANDS:
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text, add_help=False)
+            continue
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            continue  # command not built yet
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = argv[0] if argv and not argv[0].startswith("-") else None
+    parser = build_parser(only=command)
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2 if command else 0
+    try:
+        return args._run(args) or 0
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
