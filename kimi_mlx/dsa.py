@@ -1,0 +1,170 @@
+"""Gated DeepSeek Sparse Attention layer (24 of K3.1's 93 layers): K3's gated MLA plus the
+K3.1 lightning indexer.
+
+Sources: K31_SPEC.md section 3 ("Gated MLA / Gated DSA", "K3.1 lightning indexer") and the
+conventions table (indexer tensor names, `dsa_config`); DeepSeek-V3.2 for the indexer math.
+No rotary embedding anywhere (the 64 "rope" dims are used raw; k_pe is shared by all heads).
+
+Cache per token: MLA latent c (kv_lora_rank=512), rope key k_pe (64), indexer key (128).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+
+from .config import ModelArgs
+from .metal.dsa import dsa_index_scores, dsa_topk_mask
+
+
+class DSACache(KVCache):
+    """mlx-lm KVCache (keys = latent [B,1,T,512], values = k_pe [B,1,T,64]) that also keeps
+    the indexer keys [B,1,T,Di] at the same offsets (keys only: no zero values stored).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.index_keys = None
+
+    def update_and_fetch_all(
+        self, latent: mx.array, k_pe: mx.array, k_idx: mx.array
+    ) -> Tuple[mx.array, mx.array, mx.array]:
+        """Append L new tokens; return all cached (latent, k_pe, k_idx) up to the offset."""
+        prev = self.offset
+        latent, k_pe = self.update_and_fetch(latent, k_pe)
+        cap = self.keys.shape[2]
+        if self.index_keys is None or self.index_keys.shape[2] != cap:
+            new = mx.zeros((*k_idx.shape[:2], cap, k_idx.shape[-1]), k_idx.dtype)
+            if self.index_keys is not None and prev:
+                new[..., :prev, :] = self.index_keys[..., :prev, :]
+            self.index_keys = new
+        self.index_keys[..., prev : self.offset, :] = k_idx
+        return latent, k_pe, self.index_keys[..., : self.offset, :]
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.index_keys, self.offset
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.index_keys, self.offset = v
+
+    @property
+    def nbytes(self):
+        n = super().nbytes
+        return n + (self.index_keys.nbytes if self.index_keys is not None else 0)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: `self_attn.indexer.{wq_b, wk, weights_proj, k_norm}`.
+
+    wq_b [Hi*Di, q_lora_rank] reads the normalised MLA query latent qr; wk [Di, hidden];
+    weights_proj [Hi, hidden]; k_norm LayerNorm(Di) with weight and bias, eps=rms_norm_eps.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.index_n_heads
+        self.head_dim = args.index_head_dim
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=args.rms_norm_eps)
+
+    def keys(self, x: mx.array) -> mx.array:
+        """Index keys for x [B, L, hidden] -> [B, 1, L, Di]."""
+        return self.k_norm(self.wk(x))[:, None]
+
+    def queries(self, x: mx.array, qr: mx.array) -> Tuple[mx.array, mx.array]:
+        """(q_idx [B, L, Hi, Di], head weights [B, L, Hi]) for x and the query latent qr."""
+        B, L, _ = x.shape
+        q = self.wq_b(qr).reshape(B, L, self.n_heads, self.head_dim)
+        return q, self.weights_proj(x)
+
+
+class GatedDSA(nn.Module):
+    """Gated MLA (no RoPE) whose softmax is restricted to the indexer's top-k keys.
+
+    Parameter names are the checkpoint's: q_a_proj, q_a_layernorm, q_b_proj,
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj [H*(nope+v), kv_lora_rank], g_proj,
+    o_proj, indexer.*. x: [B, L, hidden] -> [B, L, hidden].
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.q_lora_rank is None:
+            raise ValueError("q_lora_rank: the K3.1 indexer needs the MLA query latent")
+        self.num_heads = H = args.num_attention_heads
+        self.nope = args.qk_nope_head_dim
+        self.rope = args.qk_rope_head_dim
+        self.v_dim = args.v_head_dim
+        self.kv_rank = args.kv_lora_rank
+        self.scale = (self.nope + self.rope) ** -0.5
+        self.index_topk = args.index_topk
+        self.use_gate = args.mla_use_output_gate
+        d = args.hidden_size
+        self.q_a_proj = nn.Linear(d, args.q_lora_rank, bias=False)
+        self.q_a_layernorm = nn.RMSNorm(args.q_lora_rank, eps=1e-6)
+        self.q_b_proj = nn.Linear(args.q_lora_rank, H * (self.nope + self.rope), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_rank + self.rope, bias=False)
+        self.kv_a_layernorm = nn.RMSNorm(self.kv_rank, eps=1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_rank, H * (self.nope + self.v_dim), bias=False)
+        if self.use_gate:
+            self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
+        self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
+        self.indexer = Indexer(args)
+
+    def _kv_b(self) -> Tuple[mx.array, mx.array]:
+        """(W_UK [H, nope, rank], W_UV [H, v, rank]) views of kv_b_proj."""
+        w = self.kv_b_proj.weight.reshape(self.num_heads, self.nope + self.v_dim, self.kv_rank)
+        return w[:, : self.nope], w[:, self.nope :]
+
+    def __call__(self, x: mx.array, cache: Optional[DSACache] = None) -> mx.array:
+        B, L, _ = x.shape
+        H = self.num_heads
+        qr = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).reshape(B, L, H, self.nope + self.rope).transpose(0, 2, 1, 3)
+        q_nope, q_pe = q[..., : self.nope], q[..., self.nope :]
+
+        ckv = self.kv_a_proj_with_mqa(x)
+        latent = self.kv_a_layernorm(ckv[..., : self.kv_rank])[:, None]  # [B,1,L,rank]
+        k_pe = ckv[..., self.kv_rank :][:, None]  # [B,1,L,rope]
+        k_idx = self.indexer.keys(x)  # [B,1,L,Di]
+        offset = cache.offset if cache is not None else 0
+        if cache is not None:
+            latent, k_pe, k_idx = cache.update_and_fetch_all(latent, k_pe, k_idx)
+        S = latent.shape[2]
+
+        # Additive score mask: scaled rope-part scores, -inf outside the selected set.
+        allowed = self._selection(x, qr, k_idx[:, 0], offset, L, S)  # [B or 1, L, S]
+        pe = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # [B,H,L,S]
+        bias = mx.where(allowed[:, None], pe, mx.array(-mx.inf, pe.dtype))
+
+        w_uk, w_uv = self._kv_b()
+        if L == 1:  # absorbed: attend in the 512-dim latent, then unembed per head
+            q_lat = q_nope @ w_uk  # [B,H,1,rank]
+            o = mx.fast.scaled_dot_product_attention(
+                q_lat, latent, latent, scale=self.scale, mask=bias
+            )
+            o = o @ w_uv.swapaxes(-1, -2)  # [B,H,1,v]
+        else:  # expanded: per-head keys/values from the latent
+            k = latent @ w_uk.swapaxes(-1, -2)  # [B,H,S,nope]
+            v = latent @ w_uv.swapaxes(-1, -2)  # [B,H,S,v]
+            o = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale, mask=bias)
+        o = o.transpose(0, 2, 1, 3).reshape(B, L, H * self.v_dim)
+        if self.use_gate:
+            o = o * mx.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    def _selection(self, x, qr, k_idx, offset: int, L: int, S: int) -> mx.array:
+        """Boolean [B|1, L, S]: causal, and within the indexer's top-`index_topk` when the
+        context is longer than that (otherwise exactly dense causal MLA)."""
+        causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]
+        if S <= self.index_topk:
+            return causal[None]
+        q_idx, w = self.indexer.queries(x, qr)
+        scores = dsa_index_scores(q_idx, w, k_idx, offset)
+        return dsa_topk_mask(scores, self.index_topk)

@@ -1,0 +1,123 @@
+"""Kimi Delta Attention layer (69 of K3.1's 93 layers).
+
+Source: Kimi Linear (arXiv 2510.26692); K31_SPEC.md section 3 "KDA"; config
+`linear_attn_config` {num_heads, head_dim, short_conv_kernel_size, gate_lower_bound,
+use_full_rank_gate}. Parameter names are the checkpoint's own (`q_proj`, `q_conv1d`,
+`f_a_proj`, `A_log`, ...), so the loader maps nothing here but the A_log padding.
+
+Cache: mlx-lm `ArraysCache(2)` = [conv state [B, K-1, 3P] (act dtype),
+recurrent state [B, H, Dv, Dk] float32], constant size in the sequence length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .config import ModelArgs
+from .metal.kda import kda_gate, kda_gate_softplus, kda_update, l2_normalize
+
+
+def causal_depthwise_conv(x: mx.array, weight: mx.array, state: mx.array):
+    """Short causal depthwise conv; the last tap multiplies the current token.
+
+    Args:
+        x: [B, T, C] new inputs.
+        weight: [C, 1, K] (the checkpoint's layout; F32 in the release).
+        state: [B, K-1, C] the previous K-1 inputs (zeros at sequence start).
+    Returns:
+        (y [B, T, C] in x's dtype, new state [B, K-1, C]).
+    """
+    K = weight.shape[-1]
+    T = x.shape[1]
+    xs = mx.concatenate([state.astype(x.dtype), x], axis=1)  # [B, T+K-1, C]
+    w = weight[:, 0, :].astype(mx.float32)  # [C, K]
+    y = xs[:, 0:T].astype(mx.float32) * w[:, 0]
+    for j in range(1, K):
+        y = y + xs[:, j : j + T].astype(mx.float32) * w[:, j]
+    return y.astype(x.dtype), xs[:, -(K - 1) :]
+
+
+class KimiDeltaAttention(nn.Module):
+    """KDA: q,k,v = SiLU(conv(W x)); L2-normalised q (x Dk^-1/2), k; per-channel decay;
+    delta-rule recurrence; per-head RMSNorm output times sigmoid(g_proj x); o_proj.
+
+    x: [B, T, hidden] -> [B, T, hidden].
+    """
+
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        cfg = args.linear_attn_config
+        self.layer_idx = layer_idx
+        self.num_heads = H = cfg["num_heads"]
+        self.head_dim = D = cfg["head_dim"]
+        self.conv_size = cfg["short_conv_kernel_size"]
+        self.lower_bound = cfg.get("gate_lower_bound")
+        P = H * D
+        d = args.hidden_size
+        for name in ("q", "k", "v"):
+            setattr(self, f"{name}_proj", nn.Linear(d, P, bias=False))
+            setattr(self, f"{name}_conv1d", _Conv(P, self.conv_size))
+        self.f_a_proj = nn.Linear(d, D, bias=False)
+        self.f_b_proj = nn.Linear(D, P, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        if not cfg.get("use_full_rank_gate", True):
+            raise ValueError(
+                "linear_attn_config.use_full_rank_gate=false (low-rank KDA output gate) "
+                "is not a K3/K3.1 layout"
+            )
+        self.g_proj = nn.Linear(d, P, bias=False)
+        self.A_log = mx.zeros((H,), dtype=mx.float32)
+        self.dt_bias = mx.zeros((P,), dtype=mx.float32)
+        self.o_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
+        self.o_proj = nn.Linear(P, d, bias=False)
+
+    def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        P = H * D
+        conv_state = cache[0] if cache is not None else None
+        state = cache[1] if cache is not None else None
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_size - 1, 3 * P), dtype=x.dtype)
+
+        streams, new_conv = [], []
+        for i, name in enumerate("qkv"):
+            y, s = causal_depthwise_conv(
+                getattr(self, f"{name}_proj")(x),
+                getattr(self, f"{name}_conv1d").weight,
+                conv_state[..., i * P : (i + 1) * P],
+            )
+            streams.append(nn.silu(y).reshape(B, T, H, D))
+            new_conv.append(s)
+        q, k, v = streams
+        q = l2_normalize(q) * (D**-0.5)
+        k = l2_normalize(k)
+
+        raw = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
+        A_log = self.A_log.reshape(H, 1)
+        dt_bias = self.dt_bias.reshape(H, D)
+        if self.lower_bound is not None:
+            g = kda_gate(raw, A_log, dt_bias, float(self.lower_bound))
+        else:
+            g = kda_gate_softplus(raw, A_log, dt_bias)
+        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+
+        o, state = kda_update(q, k, v, g, beta, state)
+
+        if cache is not None:
+            cache[0] = mx.concatenate(new_conv, axis=-1)
+            cache[1] = state
+        gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
+        o = self.o_norm(o.astype(x.dtype)) * gate
+        return self.o_proj(o.reshape(B, T, P))
+
+
+class _Conv(nn.Module):
+    """Holds a depthwise conv weight under the checkpoint name `<q|k|v>_conv1d.weight`."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = mx.zeros((channels, 1, kernel), dtype=mx.float32)
