@@ -1,0 +1,172 @@
+"""`kimi-mlx generate`: one-shot generation, streamed, with mlx_lm.generate's flags.
+
+A thin layer over mlx-lm's `stream_generate` (sampling, generation loop, statistics):
+we only add the K3.1 chat encoding (`--reasoning-effort`), our loader, and input checks.
+Ends with prompt / generation tokens-per-second and peak memory, as mlx-lm prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+DEFAULT_MAX_TOKENS = 256
+EFFORTS = ("low", "high", "max")
+
+
+class InputError(ValueError):
+    """Bad user input (empty prompt, prompt longer than the context, ...)."""
+
+
+def default_model() -> Optional[Path]:
+    """The shipped default checkpoint (trained micro model), if this install has one."""
+    path = Path(__file__).parent / "assets" / "micro"
+    return path if (path / "config.json").exists() else None
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared with chat / cluster launch: --model and sampling."""
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
+    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="maximum number of tokens to generate")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="cap on cached context tokens (prompt + generation); "
+                        "KDA state is constant, DSA caches grow per token")
+    p.add_argument("--reasoning-effort", choices=EFFORTS, default="max",
+                   help="K3.1 thinking effort in the chat encoding")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--prompt", "-p", default=None, help="prompt text, or '-' to read stdin")
+    p.add_argument("--system-prompt", default=None, help="system message")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="feed the prompt as raw text, without the chat encoding")
+    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
+                   default=True, help="print timing and memory at the end (default: True)")
+
+
+def resolve_model_arg(spec: Optional[str]) -> str:
+    """--model value, or the shipped default; InputError when neither exists."""
+    if spec:
+        return spec
+    path = default_model()
+    if path is None:
+        raise InputError("no --model given and this install ships no default checkpoint")
+    return str(path)
+
+
+def build_prompt(tokenizer, prompt: str, system: Optional[str], raw: bool, effort: str) -> List[int]:
+    """Token ids for the prompt: K3.1 chat encoding unless `raw`."""
+    if not prompt:
+        raise InputError("the prompt is empty")
+    if raw:
+        text = prompt if system is None else f"{system}\n{prompt}"
+        return tokenizer.encode(text)
+    from .chat_format import encode_chat
+
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    return encode_chat(tokenizer, messages, reasoning_effort=effort, add_generation_prompt=True)
+
+
+def check_context(n_prompt: int, max_tokens: int, context: int, source: str) -> int:
+    """Number of tokens that may still be generated; InputError when the prompt is too long."""
+    if n_prompt >= context:
+        raise InputError(
+            f"the prompt is {n_prompt} tokens, longer than the context of {context} tokens "
+            f"({source})"
+        )
+    return min(max_tokens, context - n_prompt) if max_tokens >= 0 else context - n_prompt
+
+
+def load_for_generation(spec: str):
+    """(model, mlx-lm TokenizerWrapper, our KimiTokenizer, config) for a checkpoint."""
+    from mlx_lm.utils import load_tokenizer
+
+    from .hub import resolve
+    from .loader import load_model
+    from .tokenizer import KimiTokenizer, register_with_transformers
+
+    model_dir = resolve(spec)
+    model, config, _ = load_model(model_dir)
+    kimi_tok = KimiTokenizer.from_pretrained(model_dir)
+    register_with_transformers()
+    wrapper = load_tokenizer(model_dir, eos_token_ids=kimi_tok.eos_token_ids)
+    return model, wrapper, kimi_tok, config
+
+
+def stream(model, wrapper, prompt_ids: List[int], args) -> Iterator:
+    """mlx-lm `stream_generate` with our sampler settings; yields GenerationResponse."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    yield from stream_generate(
+        model, wrapper, prompt_ids, max_tokens=args.max_tokens, sampler=sampler
+    )
+
+
+def run(args) -> int:
+    try:
+        spec = resolve_model_arg(args.model)
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if prompt is None:
+            raise InputError("give a prompt with --prompt TEXT (or --prompt - for stdin)")
+        model, wrapper, tok, config = load_for_generation(spec)
+        ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
+                           args.reasoning_effort)
+        context = model.args.max_position_embeddings
+        source = "max_position_embeddings in config.json"
+        if args.max_kv_size:
+            context, source = min(context, args.max_kv_size), "--max-kv-size"
+        args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
+    except (InputError, FileNotFoundError, ValueError) as e:
+        print(f"kimi-mlx generate: error: {e}", file=sys.stderr)
+        return 2
+
+    from .chat_format import ReplyStream
+
+    pretty = ReplyStream() if not args.ignore_chat_template else None
+    dim = sys.stdout.isatty()
+    if args.verbose:
+        print("=" * 10)
+    response = None
+    for response in stream(model, wrapper, ids, args):
+        if pretty is None:
+            print(response.text, end="", flush=True)
+            continue
+        for channel, text in pretty.feed(response.text):
+            if channel == "reasoning" and dim:
+                text = f"\033[2m{text}\033[0m"
+            print(text, end="", flush=True)
+    if pretty is not None:
+        for channel, text in pretty.finish():
+            print(text, end="", flush=True)
+    print()
+    if args.verbose and response is not None:
+        print("=" * 10)
+        print(f"Prompt: {response.prompt_tokens} tokens, "
+              f"{response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, "
+              f"{response.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kimi-mlx generate")
+    add_arguments(p)
+    return run(p.parse_args(argv))

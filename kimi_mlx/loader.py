@@ -1,0 +1,283 @@
+"""Load a Kimi K3.1 checkpoint in the official layout, or only a layer range of it.
+
+Reads `config.json`, `model.safetensors.index.json` and only the shards holding the
+requested layers. Every shard header is checked against the index and the file size
+before any tensor is read; every tensor is checked against the model's expected shape and
+dtype class. MXFP4 experts go into MLX `mxfp4` quantized switch layers bit for bit (no
+dequantise / requantise); all other tensors keep their stored dtype.
+
+Errors name the file, tensor or key and what was expected (`CheckpointError`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .config import ConfigError, ModelArgs, read_config
+from .tensor_map import TensorError, in_range, kind, original_names, sanitize_weights
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
+    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
+}
+_FLOAT_DTYPES = {"F16", "BF16", "F32"}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file/tensor/key."""
+
+
+@dataclass
+class TensorInfo:
+    """One tensor's entry in a shard header: dtype (safetensors name), shape, byte range."""
+
+    dtype: str
+    shape: Tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass
+class LoadReport:
+    """What a load touched: shards opened, tensors read and skipped."""
+
+    shards_opened: List[str] = field(default_factory=list)
+    tensors_loaded: int = 0
+    bytes_loaded: int = 0
+    skipped: Dict[str, int] = field(default_factory=dict)
+
+
+def read_header(path: Path) -> Dict[str, TensorInfo]:
+    """Parse and validate a safetensors header (8-byte little-endian length + JSON).
+
+    Raises:
+        CheckpointError: file missing, header malformed, or a tensor's bytes extend past
+            the end of the file (truncated shard) or disagree with its dtype and shape.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise CheckpointError(f"{path}: truncated, not even a safetensors header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > min(size - 8, 100 << 20):
+                raise CheckpointError(f"{path}: header length {n} exceeds the file ({size} B)")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: malformed safetensors header ({e})") from None
+    base = 8 + n
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = meta["dtype"], tuple(meta["shape"])
+        start, end = meta["data_offsets"]
+        count = 1
+        for s in shape:
+            count *= s
+        if dtype in _DTYPE_BYTES and end - start != count * _DTYPE_BYTES[dtype]:
+            raise CheckpointError(
+                f"{path}: tensor {name} has {end - start} bytes, expected "
+                f"{count * _DTYPE_BYTES[dtype]} for {dtype} {list(shape)}"
+            )
+        if base + end > size:
+            raise CheckpointError(
+                f"{path}: truncated: tensor {name} needs bytes up to {base + end}, "
+                f"file has {size}"
+            )
+        out[name] = TensorInfo(dtype, shape, base + start, base + end)
+    return out
+
+
+def weight_map(model_dir: Path) -> Dict[str, str]:
+    """Tensor name -> shard file name, from the index (or the single-file header).
+
+    Raises:
+        CheckpointError: no index and no single `model.safetensors`, or a bad index.
+    """
+    index = model_dir / INDEX_FILE
+    if index.exists():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' ({e})") from None
+        return dict(wm)
+    single = model_dir / SINGLE_FILE
+    if single.exists():
+        return {name: SINGLE_FILE for name in read_header(single)}
+    raise CheckpointError(f"{model_dir}: no {INDEX_FILE} and no {SINGLE_FILE}")
+
+
+def needed_shards(model_dir, start: int = 0, end: Optional[int] = None) -> List[str]:
+    """Shard files a model of layers [start, end) must open (sorted)."""
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_config(read_config(model_dir), str(model_dir / "config.json"))
+    end = args.num_hidden_layers if end is None else end
+    wm = weight_map(model_dir)
+    return sorted({f for n, f in wm.items() if in_range(n, args, start, end)})
+
+
+def _check_model_type(config: dict, wm: Dict[str, str], path: Path) -> None:
+    text = config.get("text_config", config)
+    if config.get("model_type") == "kimi_k3" and "dsa_config" not in text:
+        if not any(".self_attn.indexer." in n for n in wm):
+            raise CheckpointError(
+                f"{path}: model_type 'kimi_k3' without dsa_config or indexer tensors is "
+                "Kimi K3, not K3.1; load it with mlx-lm's kimi_k3"
+            )
+
+
+def load_model(
+    path,
+    start: int = 0,
+    end: Optional[int] = None,
+    lazy: bool = False,
+    verbose: bool = True,
+) -> Tuple[nn.Module, dict, LoadReport]:
+    """Load layers [start, end) (default: all) of a checkpoint folder.
+
+    Args:
+        path: local checkpoint folder (use `hub.resolve` for hub ids).
+        start, end: 0-based layer range; embedding loads only with start == 0, output
+            mix + norm + lm_head only with end == num_hidden_layers.
+        lazy: leave tensors unevaluated (read from disk on first use).
+        verbose: print the one-line notice about skipped vision / MTP tensors.
+    Returns:
+        (model, config dict, LoadReport).
+    Raises:
+        FileNotFoundError / ConfigError: config.json missing or invalid (named key).
+        CheckpointError / TensorError: missing or truncated shard, missing, extra or
+            misshapen tensor (named, with its shard and the expected shape/dtype).
+    """
+    from .model import Model
+
+    model_dir = Path(path)
+    config = read_config(model_dir)
+    args = ModelArgs.from_config(config, str(model_dir / "config.json"))
+    end = args.num_hidden_layers if end is None else end
+    wm = weight_map(model_dir)
+    _check_model_type(config, wm, model_dir)
+
+    report = LoadReport()
+    wanted: Dict[str, str] = {}
+    for name, shard in wm.items():
+        k = kind(name, args)
+        if k != "text":
+            report.skipped[k] = report.skipped.get(k, 0) + 1
+        elif in_range(name, args, start, end):
+            wanted[name] = shard
+
+    weights: Dict[str, mx.array] = {}
+    where: Dict[str, str] = {}
+    for shard in sorted(set(wanted.values())):
+        shard_path = model_dir / shard
+        header = read_header(shard_path)
+        names = [n for n, s in wanted.items() if s == shard]
+        absent = [n for n in names if n not in header]
+        if absent:
+            raise CheckpointError(
+                f"{shard_path}: tensor {absent[0]} is listed in {INDEX_FILE} but not in "
+                f"the shard ({len(absent)} missing)"
+            )
+        try:
+            arrays = mx.load(str(shard_path))
+        except Exception as e:  # MLX raises RuntimeError/ValueError for bad files
+            raise CheckpointError(f"{shard_path}: cannot read safetensors ({e})") from None
+        report.shards_opened.append(shard)
+        for n in names:
+            weights[n] = arrays[n]
+            where[n] = shard
+            report.tensors_loaded += 1
+            report.bytes_loaded += header[n].end - header[n].start
+        del arrays
+
+    if verbose and report.skipped:
+        parts = [f"{v} {k} tensors" for k, v in sorted(report.skipped.items())]
+        print(f"[kimi-mlx] skipping {' and '.join(parts)} (text model only)", file=sys.stderr)
+
+    try:
+        sanitized = sanitize_weights(weights, args, start, end)
+    except TensorError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    model = Model(args, start, end)
+    quant = args.quantization or MXFP4
+    nn.quantize(
+        model,
+        group_size=quant["group_size"],
+        bits=quant["bits"],
+        mode=quant.get("mode", "affine"),
+        class_predicate=lambda p, m: f"{p}.scales" in sanitized and hasattr(m, "to_quantized"),
+    )
+    _check_tensors(model, sanitized, args, where, model_dir)
+    model.load_weights(list(sanitized.items()), strict=True)
+    model.eval()
+    if not lazy:
+        mx.eval(model.parameters())
+    return model, config, report
+
+
+def _check_tensors(model, weights, args, where, model_dir: Path) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+
+    def shard_of(key):
+        for name in original_names(key, args):
+            if name in where:
+                return where[name]
+        return "?"
+
+    for key, ref in expected.items():
+        if key not in weights:
+            names = original_names(key, args)
+            raise CheckpointError(
+                f"{model_dir}: tensor {names[0]} is missing (expected shape "
+                f"{list(ref.shape)}; not in {INDEX_FILE})"
+            )
+        got = weights[key]
+        if tuple(got.shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{model_dir / shard_of(key)}: tensor {original_names(key, args)[0]} has "
+                f"shape {list(got.shape)}, expected {list(ref.shape)}"
+            )
+        want_float = mx.issubdtype(ref.dtype, mx.floating)
+        if want_float != mx.issubdtype(got.dtype, mx.floating) or (
+            not want_float and got.dtype != ref.dtype
+        ):
+            raise CheckpointError(
+                f"{model_dir / shard_of(key)}: tensor {original_names(key, args)[0]} has "
+                f"dtype {got.dtype}, expected {'a float type' if want_float else ref.dtype}"
+            )
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise CheckpointError(
+            f"{model_dir / shard_of(extra[0])}: unexpected tensor {extra[0]} "
+            f"({len(extra)} unexpected; not part of a Kimi K3.1 text model with this config)"
+        )
+
+
+def load(path_or_repo, start: int = 0, end: Optional[int] = None, lazy: bool = False):
+    """Resolve a local folder or hub id, then `load_model`; returns (model, tokenizer, config).
+
+    Only the shards of layers [start, end) are downloaded / opened.
+    """
+    from .hub import resolve
+    from .tokenizer import KimiTokenizer
+
+    model_dir = resolve(path_or_repo, start=start, end=end)
+    model, config, _ = load_model(model_dir, start, end, lazy=lazy)
+    return model, KimiTokenizer.from_pretrained(model_dir), config
