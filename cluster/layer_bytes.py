@@ -30,6 +30,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import kimi_mlx
 from kimi_mlx.config import ModelArgs, read_config
+from kimi_mlx.hub import looks_local
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -288,8 +289,9 @@ def expected_tensors(args: ModelArgs, vision: Optional[Mapping[str, Any]] = None
             linear(f"{a}f_a_proj", hd, h)
             linear(f"{a}f_b_proj", proj, hd)
             linear(f"{a}b_proj", heads, h)
-            # [128] for 96 heads in the release: per-head values zero-padded (s.2).
-            t[f"{a}A_log"] = ("F32", (max(heads, hd),))
+            # [128] for 96 heads in the release: per-head values zero-padded (s.2); our
+            # checkpoint writers pad to 128 as well (kimi_mlx.testing).
+            t[f"{a}A_log"] = ("F32", (max(heads, 128),))
             t[f"{a}dt_bias"] = ("F32", (proj,))
             t[f"{a}o_norm.weight"] = ("F32", (hd,))
             linear(f"{a}o_proj", h, proj)
@@ -618,7 +620,8 @@ def _hf_cached_file(model_id: str, filename: str) -> Optional[Path]:
 def model_bytes(model: str) -> ModelBytes:
     """Per-layer bytes for `--model`: a local folder, else a hub id resolved offline.
 
-    Order: a local folder (real header sizes); a hub id whose index and shards are all
+    Order: a local folder (real header sizes); a path-like name that is not a folder
+    is an error (`kimi_mlx.hub.looks_local`: the same rule as generate); a hub id whose index and shards are all
     in the local Hugging Face cache (header sizes); its cached config.json (computed
     sizes); the shipped config of the same repo name; otherwise the shipped
     Kimi-K3.1-Pro config, with a note saying so. Nothing is downloaded.
@@ -629,7 +632,7 @@ def model_bytes(model: str) -> ModelBytes:
     path = Path(model).expanduser()
     if path.is_dir():
         return model_bytes_from_checkpoint(path)
-    if model.startswith(("/", ".", "~")) or model.count("/") > 1 or path.exists():
+    if looks_local(model) or path.exists():
         raise FileNotFoundError(f"{model}: no such checkpoint folder")
     index = _hf_cached_file(model, INDEX_FILE)
     if index is not None:

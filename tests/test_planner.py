@@ -2,6 +2,7 @@
 
 import json
 import struct
+from dataclasses import replace
 
 import mlx.core as mx
 import pytest
@@ -62,8 +63,8 @@ KDA = (4 * 8 * 16 * 2                      # q,k,v,g_proj [8,16]
        + 3 * 8 * 4 * 4                     # q,k,v conv1d [8,1,4] F32
        + 4 * 16 * 2 + 8 * 4 * 2            # f_a [4,16], f_b [8,4]
        + 2 * 16 * 2                        # b_proj [2,16]
-       + 4 * 4 + 8 * 4 + 4 * 4             # A_log [4] F32, dt_bias [8] F32, o_norm [4] F32
-       + 16 * 8 * 2)                       # o_proj [16,8]           = 1984
+       + 128 * 4 + 8 * 4 + 4 * 4           # A_log [128] (zero padded), dt_bias [8], o_norm [4]: F32
+       + 16 * 8 * 2)                       # o_proj [16,8]           = 2480
 MLA = (8 * 16 * 2 + 8 * 2                  # q_a [8,16], q_a_layernorm [8]
        + 12 * 8 * 2                        # q_b [2*(4+2), 8]
        + 10 * 16 * 2 + 8 * 2               # kv_a_proj_with_mqa [8+2,16], kv_a_layernorm [8]
@@ -83,12 +84,12 @@ HEAD = 3 * 16 * 2 + 64 * 16 * 2            # norm, output_attn_res norm+proj, lm
 
 
 def test_tiny_config_bytes_by_hand():
-    assert TINY_LAYERS == [4480, 13952, 14032, 13952]
+    assert TINY_LAYERS == [4976, 13952, 14528, 13952]
     m = model_bytes_from_config(tiny_config())
     assert [l.weight_bytes for l in m.layers] == TINY_LAYERS
     assert [l.kind for l in m.layers] == ["kda", "dsa", "kda", "dsa"]
     assert (m.embed_bytes, m.head_bytes) == (EMBED, HEAD)
-    assert m.weight_bytes == sum(TINY_LAYERS) + EMBED + HEAD == 50608
+    assert m.weight_bytes == sum(TINY_LAYERS) + EMBED + HEAD == 51600
     assert [l.routed_expert_bytes for l in m.layers] == [0] + [4 * EXPERT] * 3
     assert [l.router_bytes for l in m.layers] == [0] + [ROUTER] * 3
     # DSA: latent 8 + rope 2 (+ index key 4) bf16 per token; KDA: conv 3*(3*8) bf16 + [2,4,4] f32.
@@ -96,7 +97,7 @@ def test_tiny_config_bytes_by_hand():
     assert [l.state_bytes_per_sequence for l in m.layers] == [272, 0, 272, 0]
     # One decode step at 10 tokens: 2 of 4 experts; 10 index keys, min(10, topk 3) latents.
     assert m.layers[1].read_bytes(10) == (13952 - 4 * EXPERT) + 2 * EXPERT + 8 * 10 + 20 * 3
-    assert m.layers[2].read_bytes(10) == (14032 - 4 * EXPERT) + 2 * EXPERT + 272
+    assert m.layers[2].read_bytes(10) == (14528 - 4 * EXPERT) + 2 * EXPERT + 272
     # Two sequences: E(1-(1-k/E)^2) = 4 * (1 - 1/4) = 3 experts, caches twice.
     assert m.layers[1].read_bytes(10, 2) == (13952 - 4 * EXPERT) + 3 * EXPERT + 2 * 140
     # Pruned to 3 experts: one expert and one router row fewer.
@@ -174,8 +175,9 @@ def test_headers_match_config_and_report_unloaded(tmp_path):
     assert dict(real.not_loaded) == {"vision": 128, "mtp": 1024}
     assert real.source.startswith("headers:")
     assert model_bytes(str(folder)).layers == real.layers
-    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
-        model_bytes(str(tmp_path / "typo"))
+    for typo in (str(tmp_path / "typo"), "Kimi-K3.1-Pro", "a/b/c"):
+        with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+            model_bytes(typo)
 
 
 def test_pruned_checkpoint_counts_its_own_experts(tmp_path):
@@ -188,6 +190,21 @@ def test_pruned_checkpoint_counts_its_own_experts(tmp_path):
     assert [l.num_experts for l in m.layers] == [0, 4, 4, 3]
     assert m.layers[3].routed_expert_bytes == 3 * EXPERT
     assert m.layers[3].read_bytes(1) == 13952 - 4 * EXPERT + 2 * EXPERT + 8 + 20
+
+
+def test_shape_table_matches_the_project_checkpoint_builder(tiny_ckpt):
+    """kimi_mlx.testing writes checkpoints from the model itself: same bytes per layer."""
+    real = model_bytes_from_checkpoint(tiny_ckpt)
+    config = read_config(tiny_ckpt)
+    computed = model_bytes_from_config(config)
+    head_dim = config["text_config"]["linear_attn_config"]["head_dim"]
+    for r, c in zip(real.layers, computed.layers):
+        # The builder writes KDA o_norm in BF16; K31_SPEC.md s.2 (and we) say F32.
+        slack = (0, head_dim * 2) if c.kind == "kda" else (0,)
+        assert c.weight_bytes - r.weight_bytes in slack, (r, c)
+        assert replace(r, weight_bytes=0) == replace(c, weight_bytes=0)
+    assert (real.embed_bytes, real.head_bytes) == (computed.embed_bytes, computed.head_bytes)
+    assert set(real.not_loaded) == {"vision", "mtp"}
 
 
 def test_header_reader_reads_only_the_header(tmp_path):
