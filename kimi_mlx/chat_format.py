@@ -356,14 +356,13 @@ class ReplyStream:
 
     def _holdback(self, text: str) -> int:
         """Length of the longest suffix of ``text`` that may start a marker."""
-        start = text.rfind("<", max(0, len(text) - max(map(len, self._ALL_MARKERS))))
+        longest = max(map(len, self._ALL_MARKERS))
+        start = text.find("<", max(0, len(text) - longest + 1))
         while start >= 0:
             tail = text[start:]
             if any(m.startswith(tail) for m in self._ALL_MARKERS):
                 return len(text) - start
             start = text.find("<", start + 1)
-            if start < 0:
-                break
         return 0
 
     def _process(self, final: bool) -> list:

@@ -76,6 +76,8 @@ _K3_SPECIAL_OFFSETS = {
 END_OF_MSG = "<|end_of_msg|>"
 MODEL_MAX_LENGTH = 1048576
 
+_AUTO = object()  # "use the K3 default name if the vocabulary has it"
+
 # Written into tokenizer_config.json like the release does; our loader never follows it.
 _RELEASE_AUTO_MAP = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
 
@@ -299,6 +301,8 @@ class KimiTokenizer:
             and the largest special id that no entry names become
             ``<|reserved_token_{id}|>`` (as the release's loader does).
         bos_token, eos_token, pad_token, unk_token: names of special tokens, or None.
+            Left out: "[BOS]", "<|end_of_msg|>" (else "[EOS]"), "[PAD]", "[UNK]" when
+            present. (Loading from files uses what tokenizer_config.json names.)
         source: file or folder name used in error messages.
 
     Raises ``ValueError`` (naming ``source``) for rank gaps or duplicates, missing
@@ -314,10 +318,10 @@ class KimiTokenizer:
         mergeable_ranks: dict[bytes, int],
         special_tokens: Mapping[str, int],
         *,
-        bos_token: str | None = "[BOS]",
-        eos_token: str | None = END_OF_MSG,
-        pad_token: str | None = None,
-        unk_token: str | None = None,
+        bos_token: str | None = _AUTO,
+        eos_token: str | None = _AUTO,
+        pad_token: str | None = _AUTO,
+        unk_token: str | None = _AUTO,
         source: str = "<memory>",
     ):
         _check_ranks(mergeable_ranks, source)
@@ -358,6 +362,15 @@ class KimiTokenizer:
             special_tokens=self.special_tokens,
         )
         self.vocab_size = n + len(specials)
+
+        if bos_token is _AUTO:
+            bos_token = "[BOS]" if "[BOS]" in self.special_tokens else None
+        if eos_token is _AUTO:
+            eos_token = next((t for t in (END_OF_MSG, "[EOS]") if t in self.special_tokens), None)
+        if pad_token is _AUTO:
+            pad_token = "[PAD]" if "[PAD]" in self.special_tokens else None
+        if unk_token is _AUTO:
+            unk_token = "[UNK]" if "[UNK]" in self.special_tokens else None
 
         def named(name, what):
             if name is None:
