@@ -1,0 +1,626 @@
+// metal/sim runtime: runs one kernel dispatch on the CPU.
+//
+// Compiled once (as C++) into its own shared library by metal/sim/_native.py;
+// kernel libraries never include this file. Entry point: msim_dispatch().
+//
+// Model: every threadgroup of the grid runs in turn on the calling OS thread.
+// Within a threadgroup each simulated thread is a ucontext fiber with its own
+// stack. A fiber runs until it reaches a rendezvous (threadgroup_barrier, a
+// SIMD-group function, simdgroup_barrier) or finishes. When no fiber can run,
+// the scheduler
+//   1. completes every pending SIMD-group operation: within a SIMD-group the
+//      lanes blocked at the same call site are that operation's active lanes
+//      (this is how divergent lanes behave on the GPU: lanes in the other
+//      branch are inactive), then
+//   2. releases a threadgroup barrier once every thread of the group waits at
+//      that same barrier, or reports a deadlock (threads finished or waiting
+//      at another barrier) instead of hanging.
+// Faults (SIGSEGV/SIGBUS/SIGFPE/SIGILL, fiber stack overflow included) and an
+// optional wall-clock watchdog abandon the dispatch with an error message
+// instead of killing the process or hanging it.
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <ucontext.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "msim_abi.h"
+
+namespace {
+
+enum ThreadState { T_RUNNABLE, T_AT_SIMD, T_AT_BARRIER, T_DONE };
+
+struct SimThread {
+  ucontext_t ctx;
+  msim_thread_attrs attrs;
+  ThreadState state;
+  int kind;
+  const char* file;
+  uint32_t line, col;
+  const void* value;
+  uint32_t size;
+  uint32_t mask;
+};
+
+struct TgVar {
+  uint32_t slot;
+  uint64_t size;
+  uint64_t offset;
+  const char* name;
+};
+
+struct Sched {
+  const msim_launch* L = nullptr;
+  ucontext_t main_ctx;
+  std::vector<SimThread> threads;
+  int nthreads = 0;  // threads in the current threadgroup
+  int cur = -1;
+  char* stack_map = nullptr;
+  size_t stack_map_len = 0;
+  size_t stack_stride = 0;
+  std::vector<unsigned char> lanes;  // [simdgroup][32][MSIM_LANE_BYTES]
+  std::vector<unsigned char> tg_mem;
+  uint64_t tg_used = 0;
+  std::vector<TgVar> tg_vars;
+  msim_uint3 tg_pos{0, 0, 0};
+  int err_code = MSIM_OK;
+  std::string err;
+  sigjmp_buf fault_jmp;
+  volatile sig_atomic_t in_kernel = 0;
+  volatile sig_atomic_t timed_out = 0;
+};
+
+thread_local Sched* g_sched = nullptr;
+
+const int kFaultSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
+constexpr int kNumFaultSignals = 4;
+int watchdog_signal() { return SIGRTMIN + 4; }
+
+std::string fmt(const char* f, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, f);
+  vsnprintf(buf, sizeof(buf), f, ap);
+  va_end(ap);
+  return buf;
+}
+
+std::string describe_thread(const SimThread& t) {
+  const auto& a = t.attrs;
+  return fmt(
+      "thread_position_in_grid=(%u,%u,%u), thread_position_in_threadgroup="
+      "(%u,%u,%u), threadgroup_position_in_grid=(%u,%u,%u)",
+      a.thread_position_in_grid.x, a.thread_position_in_grid.y,
+      a.thread_position_in_grid.z, a.thread_position_in_threadgroup.x,
+      a.thread_position_in_threadgroup.y, a.thread_position_in_threadgroup.z,
+      a.threadgroup_position_in_grid.x, a.threadgroup_position_in_grid.y,
+      a.threadgroup_position_in_grid.z);
+}
+
+std::string site(const char* file, uint32_t line, uint32_t col) {
+  return fmt("%s:%u:%u", file ? file : "?", line, col);
+}
+
+// Stop the current fiber for good and return to the scheduler.
+[[noreturn]] void fail_current(int code, const std::string& msg) {
+  Sched* s = g_sched;
+  if (s->err_code == MSIM_OK) {
+    s->err_code = code;
+    s->err = msg;
+    if (s->cur >= 0) {
+      s->err += " [" + describe_thread(s->threads[s->cur]) + "]";
+    }
+  }
+  setcontext(&s->main_ctx);
+  abort();  // unreachable
+}
+
+// ---------------------------------------------------------------- api -----
+
+uint32_t api_simd_sync(int kind, const void* value, uint32_t size,
+                       const char* file, uint32_t line, uint32_t col,
+                       const unsigned char** lanes, uint32_t* lane) {
+  Sched* s = g_sched;
+  SimThread& t = s->threads[s->cur];
+  if (size > MSIM_LANE_BYTES) {
+    fail_current(MSIM_ERR_KERNEL,
+                 fmt("SIMD-group operation at %s on a %u-byte value (the "
+                     "simulator supports up to %d bytes)",
+                     site(file, line, col).c_str(), size, MSIM_LANE_BYTES));
+  }
+  t.state = T_AT_SIMD;
+  t.kind = kind;
+  t.file = file;
+  t.line = line;
+  t.col = col;
+  t.value = value;
+  t.size = size;
+  swapcontext(&t.ctx, &s->main_ctx);
+  uint32_t sg = t.attrs.simdgroup_index_in_threadgroup;
+  *lanes = s->lanes.data() + (size_t)sg * 32 * MSIM_LANE_BYTES;
+  *lane = t.attrs.thread_index_in_simdgroup;
+  return t.mask;
+}
+
+void api_barrier(const char* file, uint32_t line, uint32_t col) {
+  Sched* s = g_sched;
+  SimThread& t = s->threads[s->cur];
+  t.state = T_AT_BARRIER;
+  t.file = file;
+  t.line = line;
+  t.col = col;
+  swapcontext(&t.ctx, &s->main_ctx);
+}
+
+void* api_tg_alloc(uint32_t slot, uint64_t size, uint64_t align,
+                   const char* name) {
+  Sched* s = g_sched;
+  for (const TgVar& v : s->tg_vars) {
+    if (v.slot == slot) {
+      if (v.size != size) {
+        fail_current(MSIM_ERR_KERNEL,
+                     fmt("threadgroup variable '%s' declared with %llu bytes "
+                         "by one thread and %llu by another",
+                         name, (unsigned long long)v.size,
+                         (unsigned long long)size));
+      }
+      return s->tg_mem.data() + v.offset;
+    }
+  }
+  if (align == 0) align = 1;
+  uint64_t off = (s->tg_used + align - 1) / align * align;
+  uint64_t limit = s->L->max_threadgroup_bytes;
+  if (off + size > limit || off + size > s->tg_mem.size()) {
+    fail_current(MSIM_ERR_KERNEL,
+                 fmt("threadgroup memory: '%s' needs %llu bytes, total %llu "
+                     "exceeds the %llu-byte limit",
+                     name, (unsigned long long)size,
+                     (unsigned long long)(off + size),
+                     (unsigned long long)limit));
+  }
+  s->tg_vars.push_back(TgVar{slot, size, off, name});
+  s->tg_used = off + size;
+  return s->tg_mem.data() + off;
+}
+
+void api_oob(const char* name, int64_t index, int64_t lo, int64_t hi) {
+  fail_current(MSIM_ERR_OOB,
+               fmt("out-of-bounds access to '%s': element %lld, valid "
+                   "elements are [%lld, %lld)",
+                   name ? name : "?", (long long)index, (long long)lo,
+                   (long long)hi));
+}
+
+void api_fail(const char* msg) { fail_current(MSIM_ERR_KERNEL, msg); }
+
+const msim_api kApi = {MSIM_ABI_VERSION, api_simd_sync, api_barrier,
+                       api_tg_alloc,     api_oob,        api_fail};
+
+// ---------------------------------------------------------- scheduler -----
+
+void fiber_main() {
+  Sched* s = g_sched;
+  SimThread& t = s->threads[s->cur];
+  s->L->fn(&kApi, &t.attrs, s->L->buffers);
+  t.state = T_DONE;
+  // uc_link returns to main_ctx
+}
+
+bool same_site(const SimThread& a, const SimThread& b) {
+  return a.line == b.line && a.col == b.col && a.kind == b.kind &&
+         (a.file == b.file || (a.file && b.file && !strcmp(a.file, b.file)));
+}
+
+// Complete pending SIMD-group operations; true if any thread became runnable.
+bool resolve_simd(Sched* s) {
+  bool progressed = false;
+  int n = s->nthreads;
+  for (int base = 0; base < n; base += 32) {
+    int end = base + 32 < n ? base + 32 : n;
+    uint32_t handled = 0;
+    for (int i = base; i < end; ++i) {
+      SimThread& ti = s->threads[i];
+      if (ti.state != T_AT_SIMD || (handled >> (i - base) & 1u)) continue;
+      int lo = base, hi = end;
+      if (ti.kind == MSIM_SYNC_QUAD) {
+        lo = base + ((i - base) & ~3);
+        hi = lo + 4 < end ? lo + 4 : end;
+      }
+      uint32_t mask = 0;
+      for (int j = lo; j < hi; ++j) {
+        SimThread& tj = s->threads[j];
+        if (tj.state == T_AT_SIMD && !(handled >> (j - base) & 1u) &&
+            same_site(ti, tj)) {
+          if (tj.size != ti.size) {
+            s->cur = j;
+            s->err_code = MSIM_ERR_KERNEL;
+            s->err = fmt("SIMD-group operation at %s called with %u-byte and "
+                         "%u-byte values by lanes of one SIMD-group",
+                         site(ti.file, ti.line, ti.col).c_str(), ti.size,
+                         tj.size);
+            return false;
+          }
+          mask |= 1u << (j - base);
+        }
+      }
+      unsigned char* slots =
+          s->lanes.data() + (size_t)(base / 32) * 32 * MSIM_LANE_BYTES;
+      for (int j = lo; j < hi; ++j) {
+        if (!(mask >> (j - base) & 1u)) continue;
+        SimThread& tj = s->threads[j];
+        if (tj.size) {
+          memcpy(slots + (size_t)(j - base) * MSIM_LANE_BYTES, tj.value,
+                 tj.size);
+        }
+        tj.mask = mask;
+        tj.state = T_RUNNABLE;
+      }
+      handled |= mask;
+      progressed = true;
+    }
+  }
+  return progressed;
+}
+
+// All threads are blocked at barriers or done: release or report deadlock.
+bool resolve_barrier(Sched* s) {
+  int n = s->nthreads;
+  int first = -1, waiting = 0, done = 0, other = -1, first_done = -1;
+  int other_count = 0;
+  for (int i = 0; i < n; ++i) {
+    SimThread& t = s->threads[i];
+    if (t.state == T_AT_BARRIER) {
+      if (first < 0) {
+        first = i;
+        waiting++;
+      } else if (same_site(s->threads[first], t)) {
+        waiting++;
+      } else {
+        if (other < 0) other = i;
+        other_count++;
+      }
+    } else if (t.state == T_DONE) {
+      if (first_done < 0) first_done = i;
+      done++;
+    }
+  }
+  if (first < 0) return false;
+  SimThread& f = s->threads[first];
+  std::string where = site(f.file, f.line, f.col);
+  if (other >= 0) {
+    SimThread& o = s->threads[other];
+    s->cur = other;
+    s->err_code = MSIM_ERR_DEADLOCK;
+    s->err = fmt("deadlock: threads of one threadgroup wait at different "
+                 "threadgroup_barrier calls: %d at %s and %d at %s",
+                 waiting, where.c_str(), other_count,
+                 site(o.file, o.line, o.col).c_str());
+    return false;
+  }
+  if (done > 0) {
+    s->cur = first_done;
+    s->err_code = MSIM_ERR_DEADLOCK;
+    s->err = fmt("deadlock: threadgroup_barrier at %s is not reached by all "
+                 "threads of the threadgroup: %d of %d threads wait there, "
+                 "%d finished without reaching it (e.g. the thread below)",
+                 where.c_str(), waiting, n, done);
+    return false;
+  }
+  for (int i = 0; i < n; ++i) s->threads[i].state = T_RUNNABLE;
+  return true;
+}
+
+void init_thread_attrs(Sched* s, const msim_uint3& tg, const msim_uint3& size,
+                       const msim_uint3& groups) {
+  const msim_launch* L = s->L;
+  uint32_t n = size.x * size.y * size.z;
+  uint32_t dispatch_n = L->threadgroup[0] * L->threadgroup[1] *
+                        L->threadgroup[2];
+  uint32_t i = 0;
+  for (uint32_t z = 0; z < size.z; ++z)
+    for (uint32_t y = 0; y < size.y; ++y)
+      for (uint32_t x = 0; x < size.x; ++x, ++i) {
+        msim_thread_attrs& a = s->threads[i].attrs;
+        a.thread_position_in_threadgroup = {x, y, z};
+        a.threadgroup_position_in_grid = tg;
+        a.thread_position_in_grid = {tg.x * L->threadgroup[0] + x,
+                                     tg.y * L->threadgroup[1] + y,
+                                     tg.z * L->threadgroup[2] + z};
+        a.threads_per_threadgroup = size;
+        a.dispatch_threads_per_threadgroup = {
+            L->threadgroup[0], L->threadgroup[1], L->threadgroup[2]};
+        a.threadgroups_per_grid = groups;
+        a.threads_per_grid = {L->grid[0], L->grid[1], L->grid[2]};
+        a.grid_origin = {0, 0, 0};
+        a.thread_index_in_threadgroup = i;
+        a.thread_index_in_simdgroup = i % 32;
+        a.simdgroup_index_in_threadgroup = i / 32;
+        a.simdgroups_per_threadgroup = (n + 31) / 32;
+        a.dispatch_simdgroups_per_threadgroup = (dispatch_n + 31) / 32;
+        a.threads_per_simdgroup = 32;
+        a.thread_execution_width = 32;
+        a.thread_index_in_quadgroup = i % 4;
+        a.quadgroup_index_in_threadgroup = i / 4;
+        a.quadgroups_per_threadgroup = (n + 3) / 4;
+        a.dispatch_quadgroups_per_threadgroup = (dispatch_n + 3) / 4;
+      }
+}
+
+// Runs one threadgroup; false on error (s->err set).
+bool run_threadgroup(Sched* s, const msim_uint3& tg, const msim_uint3& groups) {
+  const msim_launch* L = s->L;
+  msim_uint3 size;
+  size.x = L->grid[0] - tg.x * L->threadgroup[0];
+  size.y = L->grid[1] - tg.y * L->threadgroup[1];
+  size.z = L->grid[2] - tg.z * L->threadgroup[2];
+  if (size.x > L->threadgroup[0]) size.x = L->threadgroup[0];
+  if (size.y > L->threadgroup[1]) size.y = L->threadgroup[1];
+  if (size.z > L->threadgroup[2]) size.z = L->threadgroup[2];
+  int n = (int)(size.x * size.y * size.z);
+  s->nthreads = n;
+  s->tg_pos = tg;
+  s->tg_vars.clear();
+  s->tg_used = 0;
+  if (L->poison_threadgroup) {
+    memset(s->tg_mem.data(), 0xFF, s->tg_mem.size());
+  }
+  init_thread_attrs(s, tg, size, groups);
+  for (int i = 0; i < n; ++i) {
+    SimThread& t = s->threads[i];
+    t.state = T_RUNNABLE;
+    t.mask = 0;
+    getcontext(&t.ctx);
+    // Stacks grow down; the guard page sits at the low end of each slot.
+    t.ctx.uc_stack.ss_sp = s->stack_map + (size_t)i * s->stack_stride +
+                           (size_t)sysconf(_SC_PAGESIZE);
+    t.ctx.uc_stack.ss_size = s->stack_stride - (size_t)sysconf(_SC_PAGESIZE);
+    t.ctx.uc_link = &s->main_ctx;
+    makecontext(&t.ctx, fiber_main, 0);
+  }
+  for (;;) {
+    bool ran = false;
+    for (int i = 0; i < n; ++i) {
+      if (s->threads[i].state != T_RUNNABLE) continue;
+      ran = true;
+      s->cur = i;
+      swapcontext(&s->main_ctx, &s->threads[i].ctx);
+      if (s->err_code != MSIM_OK) return false;
+    }
+    if (ran) continue;
+    bool all_done = true;
+    for (int i = 0; i < n; ++i) {
+      if (s->threads[i].state != T_DONE) {
+        all_done = false;
+        break;
+      }
+    }
+    if (all_done) break;
+    if (!resolve_simd(s) && s->err_code == MSIM_OK && !resolve_barrier(s) &&
+        s->err_code == MSIM_OK) {
+      s->err_code = MSIM_ERR_DEADLOCK;
+      s->err = "deadlock: no simulated thread can make progress";
+    }
+    if (s->err_code != MSIM_OK) {
+      if (s->cur >= 0 && s->cur < n) {
+        s->err += " [" + describe_thread(s->threads[s->cur]) + "]";
+      }
+      return false;
+    }
+  }
+  s->cur = -1;
+  return true;
+}
+
+// ------------------------------------------------------------ signals -----
+
+struct SignalGuard {
+  struct sigaction old[kNumFaultSignals];
+  struct sigaction old_watch;
+  stack_t old_stack;
+  std::vector<char> alt;
+  bool installed = false;
+};
+
+void on_signal(int sig, siginfo_t* info, void*) {
+  Sched* s = g_sched;
+  if (s == nullptr || !s->in_kernel) {
+    if (sig == watchdog_signal()) return;  // late watchdog: ignore
+    signal(sig, SIG_DFL);  // not ours; let it fault again normally
+    return;
+  }
+  s->in_kernel = 0;
+  if (sig == watchdog_signal()) {
+    s->err_code = MSIM_ERR_TIMEOUT;
+    s->err = "timeout: the dispatch ran longer than its watchdog limit "
+             "(infinite loop?)";
+  } else {
+    s->err_code = MSIM_ERR_FAULT;
+    char* addr = info ? (char*)info->si_addr : nullptr;
+    bool in_stacks = addr && s->stack_map && addr >= s->stack_map &&
+                     addr < s->stack_map + s->stack_map_len;
+    if (sig == SIGFPE) {
+      s->err = "arithmetic fault (SIGFPE): integer division by zero or "
+               "INT_MIN / -1 (undefined on the GPU)";
+    } else if (in_stacks) {
+      s->err = fmt("stack overflow of a simulated thread (%zu KiB stacks; "
+                   "set KIMI_MLX_SIM_STACK_KB to raise)",
+                   (s->stack_stride - (size_t)sysconf(_SC_PAGESIZE)) >> 10);
+    } else if (sig == SIGILL) {
+      s->err = "illegal instruction (SIGILL)";
+    } else {
+      s->err = fmt("invalid memory access (%s) at address %p: a raw pointer "
+                   "(e.g. from &buf[i] or a cast) went outside its buffer",
+                   sig == SIGBUS ? "SIGBUS" : "SIGSEGV", (void*)addr);
+    }
+  if (s->cur >= 0 && s->cur < s->nthreads) {
+    s->err += " [" + describe_thread(s->threads[s->cur]) + "]";
+  }
+  siglongjmp(s->fault_jmp, 1);
+}
+
+void install_signals(SignalGuard& g) {
+  g.alt.resize(1 << 16);
+  stack_t st;
+  st.ss_sp = g.alt.data();
+  st.ss_size = g.alt.size();
+  st.ss_flags = 0;
+  sigaltstack(&st, &g.old_stack);
+  struct sigaction sa;
+  memset(&sa, 0, sizeof(sa));
+  sa.sa_sigaction = on_signal;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  for (int i = 0; i < kNumFaultSignals; ++i) {
+    sigaction(kFaultSignals[i], &sa, &g.old[i]);
+  }
+  sigaction(watchdog_signal(), &sa, &g.old_watch);
+  g.installed = true;
+}
+
+void restore_signals(SignalGuard& g) {
+  if (!g.installed) return;
+  for (int i = 0; i < kNumFaultSignals; ++i) {
+    sigaction(kFaultSignals[i], &g.old[i], nullptr);
+  }
+  sigaction(watchdog_signal(), &g.old_watch, nullptr);
+  if (g.old_stack.ss_flags & SS_DISABLE) {
+    stack_t st;
+    memset(&st, 0, sizeof(st));
+    st.ss_flags = SS_DISABLE;
+    sigaltstack(&st, nullptr);
+  } else {
+    sigaltstack(&g.old_stack, nullptr);
+  }
+  g.installed = false;
+}
+
+struct Watchdog {
+  std::mutex m;
+  std::condition_variable cv;
+  bool done = false;
+  std::thread th;
+
+  void start(double seconds, pthread_t target, Sched* s) {
+    th = std::thread([this, seconds, target, s] {
+      std::unique_lock<std::mutex> lk(m);
+      auto until = std::chrono::steady_clock::now() +
+                   std::chrono::duration<double>(seconds);
+      if (!cv.wait_until(lk, until, [this] { return done; })) {
+        s->timed_out = 1;
+        pthread_kill(target, watchdog_signal());
+      }
+    });
+  }
+  void stop() {
+    if (!th.joinable()) return;
+    {
+      std::lock_guard<std::mutex> lk(m);
+      done = true;
+    }
+    cv.notify_all();
+    th.join();
+  }
+};
+
+void set_err(const msim_launch* L, const std::string& msg) {
+  if (L->err && L->err_len) {
+    snprintf(L->err, L->err_len, "%s", msg.c_str());
+  }
+}
+
+}  // namespace
+
+extern "C" int msim_abi_version() { return MSIM_ABI_VERSION; }
+
+// Runs the whole grid. Returns MSIM_OK or an MSIM_ERR_* code with the
+// message in L->err. Never throws; never leaves signal handlers changed.
+extern "C" int msim_dispatch(const msim_launch* L) {
+  for (int d = 0; d < 3; ++d) {
+    if (L->threadgroup[d] == 0) {
+      set_err(L, "threadgroup dimensions must be positive");
+      return MSIM_ERR_CONFIG;
+    }
+  }
+  if (L->grid[0] == 0 || L->grid[1] == 0 || L->grid[2] == 0) return MSIM_OK;
+  uint64_t tg_threads =
+      (uint64_t)L->threadgroup[0] * L->threadgroup[1] * L->threadgroup[2];
+  if (tg_threads > 1024) {
+    set_err(L, fmt("threadgroup of %llu threads exceeds 1024",
+                   (unsigned long long)tg_threads));
+    return MSIM_ERR_CONFIG;
+  }
+  msim_uint3 groups = {(L->grid[0] + L->threadgroup[0] - 1) / L->threadgroup[0],
+                       (L->grid[1] + L->threadgroup[1] - 1) / L->threadgroup[1],
+                       (L->grid[2] + L->threadgroup[2] - 1) / L->threadgroup[2]};
+
+  Sched* s = new Sched();
+  Sched* prev = g_sched;
+  g_sched = s;
+  s->L = L;
+  s->threads.resize(tg_threads);
+  s->lanes.assign(((tg_threads + 31) / 32) * 32 * MSIM_LANE_BYTES, 0);
+  s->tg_mem.assign(L->max_threadgroup_bytes ? L->max_threadgroup_bytes : 1, 0);
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  size_t stack = L->stack_bytes ? (size_t)L->stack_bytes : (size_t)256 << 10;
+  stack = (stack + page - 1) / page * page;
+  s->stack_stride = stack + page;
+  s->stack_map_len = s->stack_stride * tg_threads;
+  void* m = mmap(nullptr, s->stack_map_len, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) {
+    set_err(L, "could not map fiber stacks");
+    g_sched = prev;
+    delete s;
+    return MSIM_ERR_CONFIG;
+  }
+  s->stack_map = (char*)m;
+  for (uint64_t i = 0; i < tg_threads; ++i) {
+    mprotect(s->stack_map + i * s->stack_stride, page, PROT_NONE);
+  }
+
+  SignalGuard guard;
+  Watchdog dog;
+  install_signals(guard);
+  if (L->timeout_s > 0) dog.start(L->timeout_s, pthread_self(), s);
+
+  if (sigsetjmp(s->fault_jmp, 1) == 0) {
+    s->in_kernel = 1;
+    bool ok = true;
+    for (uint32_t z = 0; ok && z < groups.z; ++z)
+      for (uint32_t y = 0; ok && y < groups.y; ++y)
+        for (uint32_t x = 0; ok && x < groups.x; ++x) {
+          if (s->timed_out) {
+            ok = false;
+            s->err_code = MSIM_ERR_TIMEOUT;
+            s->err = "timeout: the dispatch ran longer than its watchdog limit";
+            break;
+          }
+          if (!run_threadgroup(s, msim_uint3{x, y, z}, groups)) ok = false;
+        }
+    s->in_kernel = 0;
+  }
+  // (a fault or the watchdog lands here too, with err_code set)
+  s->in_kernel = 0;
+  dog.stop();
+  restore_signals(guard);
+
+  int code = s->err_code;
+  if (code != MSIM_OK) set_err(L, s->err);
+  munmap(s->stack_map, s->stack_map_len);
+  g_sched = prev;
+  delete s;
+  return code;
+}
