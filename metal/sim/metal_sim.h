@@ -1150,7 +1150,7 @@ struct tg_array {
       __builtin_unreachable();
     }
     if constexpr (std::is_array_v<E>) {
-      return tg_array<E>{&p[k], name};
+      return tg_array<E>{p[k], name};
     } else {
       return p[k];
     }

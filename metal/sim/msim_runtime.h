@@ -465,6 +465,7 @@ void on_signal(int sig, siginfo_t* info, void*) {
                    "(e.g. from &buf[i] or a cast) went outside its buffer",
                    sig == SIGBUS ? "SIGBUS" : "SIGSEGV", (void*)addr);
     }
+  }
   if (s->cur >= 0 && s->cur < s->nthreads) {
     s->err += " [" + describe_thread(s->threads[s->cur]) + "]";
   }
