@@ -508,6 +508,44 @@ def test_simdgroup_matrix_multiply():
     np.testing.assert_allclose(np.array(C), A @ B.T + 1.0, rtol=1e-5, atol=1e-5)
 
 
+HELPER_HEADER = """
+#include <metal_stdlib>
+using namespace metal;
+
+constant float kOffset = 0.25f;
+
+template <typename T>
+METAL_FUNC float load_scaled(const device T* x, uint i, constant float& s) {
+  return static_cast<float>(x[i]) * s + kOffset;
+}
+
+inline void store2(device float* y, uint i, float2 v [[maybe_unused]]) {
+  y[2 * i] = v.x;
+  y[2 * i + 1] = v.y;
+}
+"""
+
+HELPER_BODY = """
+    uint i = thread_position_in_grid.x;
+    const device uint32_t* bits = reinterpret_cast<const device uint32_t*>(inp);
+    float a = load_scaled(inp, i, scale);
+    float b = as_type<float>(bits[i]) + 1.0h;
+    store2(out, i, float2(a, b));
+"""
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_header_helpers_address_spaces_and_casts(checked):
+    """Helpers taking device/constant pointers and references, a
+    reinterpret_cast between buffer types, a half literal, <metal_stdlib>."""
+    k = sim.metal_kernel("helpers", ["inp", "scale"], ["out"], HELPER_BODY,
+                         header=HELPER_HEADER, checked=checked)
+    x = np.arange(6, dtype=np.float32)
+    (out,) = k(inputs=[mx.array(x), 3.0], grid=(6, 1, 1), threadgroup=(8, 1, 1),
+               output_shapes=[(12,)], output_dtypes=[mx.float32])
+    np.testing.assert_allclose(np.array(out).reshape(6, 2), np.stack([x * 3 + 0.25, x + 1], 1))
+
+
 # ----------------------------------------------------------- broken kernels
 
 
@@ -586,6 +624,18 @@ def test_crash_and_infinite_loop_do_not_kill_the_process():
     with pytest.raises(sim.MetalSimTimeoutError, match="spin"):
         run_guarded(lambda: spin(inputs=[0], grid=(4, 1, 1), threadgroup=(4, 1, 1),
                                  output_shapes=[(4,)], output_dtypes=[mx.float32]))
+    deep = sim.metal_kernel("deep_recursion", ["n"], ["out"], """
+        out[thread_position_in_grid.x] = rec(n);
+    """, header="""
+        int rec(int n) {
+          volatile char buf[512];
+          buf[0] = (char)n;
+          return n == 0 ? 0 : rec(n - 1) + buf[0];
+        }
+    """)
+    with pytest.raises(sim.MetalSimFaultError, match="deep_recursion.*stack overflow"):
+        deep(inputs=[1 << 20], grid=(2, 1, 1), threadgroup=(2, 1, 1),
+             output_shapes=[(2,)], output_dtypes=[mx.int32])
     # and the emulator still works afterwards
     ok = sim.metal_kernel("after", ["inp"], ["out"],
                           "uint i = thread_position_in_grid.x; out[i] = simd_sum(inp[i]);")

@@ -165,13 +165,16 @@ def runtime() -> ctypes.CDLL:
     """The loaded runtime library (built on first use)."""
     src = _header_text("msim_runtime.h")
     abi = _header_text("msim_abi.h")
-    key = "rt-" + _hash([src, abi, " ".join(RUNTIME_FLAGS), _compiler_version()])
+    flags = RUNTIME_FLAGS
+    if os.environ.get("KIMI_MLX_SIM_UCONTEXT", "") not in ("", "0"):
+        flags = flags + ("-DMSIM_USE_UCONTEXT",)  # portable (slower) fiber switch
+    key = "rt-" + _hash([src, abi, " ".join(flags), _compiler_version()])
     with _lock:
         lib = _loaded.get(key)
         if lib is not None:
             return lib
         so = _compile("<runtime>", key, {"runtime.cpp": '#include "msim_runtime.h"\n'},
-                      "runtime.cpp", RUNTIME_FLAGS)
+                      "runtime.cpp", flags)
         lib = ctypes.CDLL(str(so))
         lib.msim_dispatch.argtypes = [ctypes.POINTER(Launch)]
         lib.msim_dispatch.restype = ctypes.c_int

@@ -4,8 +4,9 @@
 // kernel libraries never include this file. Entry point: msim_dispatch().
 //
 // Model: every threadgroup of the grid runs in turn on the calling OS thread.
-// Within a threadgroup each simulated thread is a ucontext fiber with its own
-// stack. A fiber runs until it reaches a rendezvous (threadgroup_barrier, a
+// Within a threadgroup each simulated thread is a fiber with its own stack
+// (a small assembly context switch on x86-64 Linux, ucontext elsewhere or
+// with -DMSIM_USE_UCONTEXT; ucontext costs two syscalls per switch). A fiber runs until it reaches a rendezvous (threadgroup_barrier, a
 // SIMD-group function, simdgroup_barrier) or finishes. When no fiber can run,
 // the scheduler
 //   1. completes every pending SIMD-group operation: within a SIMD-group the
@@ -39,12 +40,61 @@
 
 #include "msim_abi.h"
 
+#if defined(__x86_64__) && defined(__linux__) && !defined(MSIM_USE_UCONTEXT)
+#define MSIM_FAST_SWITCH 1
+// Saves callee-saved registers, MXCSR and the x87 control word on the current
+// stack, stores the stack pointer in *save, and resumes the context whose
+// stack pointer is `to` (System V x86-64 ABI).
+extern "C" void msim_switch(void** save, void* to);
+asm(R"(
+    .text
+    .globl msim_switch
+    .hidden msim_switch
+    .type msim_switch,@function
+msim_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size msim_switch, .-msim_switch
+    .section .note.GNU-stack,"",@progbits
+    .text
+)");
+#else
+#define MSIM_FAST_SWITCH 0
+#endif
+
 namespace {
+
+struct Context {
+#if MSIM_FAST_SWITCH
+  void* sp = nullptr;
+#else
+  ucontext_t uc;
+#endif
+};
 
 enum ThreadState { T_RUNNABLE, T_AT_SIMD, T_AT_BARRIER, T_DONE };
 
 struct SimThread {
-  ucontext_t ctx;
+  Context ctx;
   msim_thread_attrs attrs;
   ThreadState state;
   int kind;
@@ -64,7 +114,7 @@ struct TgVar {
 
 struct Sched {
   const msim_launch* L = nullptr;
-  ucontext_t main_ctx;
+  Context main_ctx;
   std::vector<SimThread> threads;
   int nthreads = 0;  // threads in the current threadgroup
   int cur = -1;
@@ -84,6 +134,35 @@ struct Sched {
 };
 
 thread_local Sched* g_sched = nullptr;
+
+// Fiber side: suspend this thread and resume the scheduler.
+inline void to_scheduler(Context& self, Context& main) {
+#if MSIM_FAST_SWITCH
+  msim_switch(&self.sp, main.sp);
+#else
+  swapcontext(&self.uc, &main.uc);
+#endif
+}
+
+// Fiber side: leave for good (the fiber is never resumed).
+[[noreturn]] inline void abandon_to_scheduler(Context& main) {
+#if MSIM_FAST_SWITCH
+  void* dead;
+  msim_switch(&dead, main.sp);
+#else
+  setcontext(&main.uc);
+#endif
+  abort();  // unreachable
+}
+
+// Scheduler side: run a fiber until it blocks, finishes or fails.
+inline void to_fiber(Context& main, Context& fiber) {
+#if MSIM_FAST_SWITCH
+  msim_switch(&main.sp, fiber.sp);
+#else
+  swapcontext(&main.uc, &fiber.uc);
+#endif
+}
 
 const int kFaultSignals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL};
 constexpr int kNumFaultSignals = 4;
@@ -124,8 +203,7 @@ std::string site(const char* file, uint32_t line, uint32_t col) {
       s->err += " [" + describe_thread(s->threads[s->cur]) + "]";
     }
   }
-  setcontext(&s->main_ctx);
-  abort();  // unreachable
+  abandon_to_scheduler(s->main_ctx);
 }
 
 // ---------------------------------------------------------------- api -----
@@ -148,7 +226,7 @@ uint32_t api_simd_sync(int kind, const void* value, uint32_t size,
   t.col = col;
   t.value = value;
   t.size = size;
-  swapcontext(&t.ctx, &s->main_ctx);
+  to_scheduler(t.ctx, s->main_ctx);
   uint32_t sg = t.attrs.simdgroup_index_in_threadgroup;
   *lanes = s->lanes.data() + (size_t)sg * 32 * MSIM_LANE_BYTES;
   *lane = t.attrs.thread_index_in_simdgroup;
@@ -162,7 +240,7 @@ void api_barrier(const char* file, uint32_t line, uint32_t col) {
   t.file = file;
   t.line = line;
   t.col = col;
-  swapcontext(&t.ctx, &s->main_ctx);
+  to_scheduler(t.ctx, s->main_ctx);
 }
 
 void* api_tg_alloc(uint32_t slot, uint64_t size, uint64_t align,
@@ -216,7 +294,34 @@ void fiber_main() {
   SimThread& t = s->threads[s->cur];
   s->L->fn(&kApi, &t.attrs, s->L->buffers);
   t.state = T_DONE;
-  // uc_link returns to main_ctx
+#if MSIM_FAST_SWITCH
+  abandon_to_scheduler(s->main_ctx);
+#endif
+  // (ucontext: uc_link returns to the scheduler)
+}
+
+void init_fiber(Sched* s, SimThread& t, char* lo, size_t size) {
+#if MSIM_FAST_SWITCH
+  // Initial frame as msim_switch leaves it: [mxcsr|fpucw][r15..rbp][ret];
+  // `ret` enters fiber_main with the stack aligned as after a call.
+  uintptr_t top = ((uintptr_t)(lo + size)) & ~(uintptr_t)15;
+  uint64_t* sp = (uint64_t*)top;
+  *--sp = 0;                          // fiber_main's (unused) return address
+  *--sp = (uint64_t)(void*)fiber_main;  // popped by msim_switch's ret
+  for (int r = 0; r < 6; ++r) *--sp = 0;  // rbp rbx r12 r13 r14 r15
+  uint32_t csr[2];
+  asm volatile("stmxcsr %0" : "=m"(csr[0]));
+  asm volatile("fnstcw %0" : "=m"(csr[1]));
+  --sp;
+  memcpy(sp, csr, 8);
+  t.ctx.sp = sp;
+#else
+  getcontext(&t.ctx.uc);
+  t.ctx.uc.uc_stack.ss_sp = lo;
+  t.ctx.uc.uc_stack.ss_size = size;
+  t.ctx.uc.uc_link = &s->main_ctx.uc;
+  makecontext(&t.ctx.uc, fiber_main, 0);
+#endif
 }
 
 bool same_site(const SimThread& a, const SimThread& b) {
@@ -382,13 +487,10 @@ bool run_threadgroup(Sched* s, const msim_uint3& tg, const msim_uint3& groups) {
     SimThread& t = s->threads[i];
     t.state = T_RUNNABLE;
     t.mask = 0;
-    getcontext(&t.ctx);
     // Stacks grow down; the guard page sits at the low end of each slot.
-    t.ctx.uc_stack.ss_sp = s->stack_map + (size_t)i * s->stack_stride +
-                           (size_t)sysconf(_SC_PAGESIZE);
-    t.ctx.uc_stack.ss_size = s->stack_stride - (size_t)sysconf(_SC_PAGESIZE);
-    t.ctx.uc_link = &s->main_ctx;
-    makecontext(&t.ctx, fiber_main, 0);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    init_fiber(s, t, s->stack_map + (size_t)i * s->stack_stride + page,
+               s->stack_stride - page);
   }
   for (;;) {
     bool ran = false;
@@ -396,7 +498,7 @@ bool run_threadgroup(Sched* s, const msim_uint3& tg, const msim_uint3& groups) {
       if (s->threads[i].state != T_RUNNABLE) continue;
       ran = true;
       s->cur = i;
-      swapcontext(&s->main_ctx, &s->threads[i].ctx);
+      to_fiber(s->main_ctx, s->threads[i].ctx);
       if (s->err_code != MSIM_OK) return false;
     }
     if (ran) continue;

@@ -254,6 +254,9 @@ _PTR_CAST_RE = re.compile(
 _ADDR_PTR_RE = re.compile(
     r"\b(?:(const)\s+)?(device|constant)\s+(?:(const)\s+)?(" + _TYPE_RE + r")\s*\*(?!\s*\*)"
 )
+# `constant` is read-only in Metal: it becomes `const` (merged with a `const`
+# already there), after checked mode has turned constant pointers into dptr.
+_CONSTANT_RE = re.compile(r"\b(?:const\s+)?constant\b(?:\s+const\b)?")
 _TG_DECL_RE = re.compile(
     r"\bthreadgroup\s+(" + _TYPE_RE + r")\s+([A-Za-z_]\w*)\s*((?:\[[^\[\];]+\]\s*)*);"
 )
@@ -280,10 +283,11 @@ class _Translator:
         if self.checked:
             text = _PTR_CAST_RE.sub(_keep_lines(lambda m: f"::msim::ptr_cast<{m.group(1)}>"), text)
             text = _ADDR_PTR_RE.sub(_keep_lines(self._addr_ptr), text)
+        text = _CONSTANT_RE.sub(_keep_lines(lambda m: "const"), text)
         return text
 
     def _addr_ptr(self, m) -> str:
-        const = "const " if (m.group(1) or m.group(3)) else ""
+        const = "const " if (m.group(1) or m.group(3) or m.group(2) == "constant") else ""
         t = re.sub(r"\s+", " ", m.group(4)).strip()
         return f"::msim::dptr<{const}{t}> "
 
