@@ -63,13 +63,18 @@ def attn_res_mix(banks: Banks, partial: mx.array, w_eff: mx.array) -> mx.array:
     """
     if not len(banks):
         return partial
+    return _mix(banks.raw, banks.inv_rms, partial, w_eff, banks.eps)
+
+
+@mx.compile
+def _mix(raw, inv_rms, partial, w_eff, eps):
     pf = partial.astype(mx.float32)
-    p_inv = mx.rsqrt((pf * pf).mean(axis=-1) + banks.eps)
-    logits = [(r.astype(mx.float32) @ w_eff) * n for r, n in zip(banks.raw, banks.inv_rms)]
+    p_inv = mx.rsqrt((pf * pf).mean(axis=-1) + eps)
+    logits = [(r.astype(mx.float32) @ w_eff) * n for r, n in zip(raw, inv_rms)]
     logits.append((pf @ w_eff) * p_inv)
     weights = mx.softmax(mx.stack(logits), axis=0, precise=True)  # [K+1, B, L]
     out = weights[-1][..., None] * pf
-    for i, r in enumerate(banks.raw):
+    for i, r in enumerate(raw):
         out = out + weights[i][..., None] * r.astype(mx.float32)
     return out.astype(partial.dtype)
 

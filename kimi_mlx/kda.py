@@ -73,6 +73,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = mx.zeros((P,), dtype=mx.float32)
         self.o_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self.o_proj = nn.Linear(P, d, bias=False)
+        self._decode = None
 
     def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
         B, T, _ = x.shape
@@ -82,6 +83,24 @@ class KimiDeltaAttention(nn.Module):
         state = cache[1] if cache is not None else None
         if conv_state is None:
             conv_state = mx.zeros((B, self.conv_size - 1, 3 * P), dtype=x.dtype)
+        if state is None:
+            state = mx.zeros((B, H, D, D), dtype=mx.float32)
+        if T == 1 and not self.training:
+            # One decode token: a compiled graph (fused elementwise ops, no per-op overhead).
+            if self._decode is None:
+                self._decode = mx.compile(self._forward)
+            y, conv_state, state = self._decode(x, conv_state, state)
+        else:
+            y, conv_state, state = self._forward(x, conv_state, state)
+        if cache is not None:
+            cache[0], cache[1] = conv_state, state
+        return y
+
+    def _forward(self, x: mx.array, conv_state: mx.array, state: mx.array):
+        """(y [B, T, hidden], conv state [B, K-1, 3P], recurrent state [B, H, Dv, Dk])."""
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        P = H * D
 
         streams, new_conv = [], []
         for i, name in enumerate("qkv"):
@@ -107,12 +126,9 @@ class KimiDeltaAttention(nn.Module):
 
         o, state = kda_update(q, k, v, g, beta, state)
 
-        if cache is not None:
-            cache[0] = mx.concatenate(new_conv, axis=-1)
-            cache[1] = state
         gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
         o = self.o_norm(o.astype(x.dtype)) * gate
-        return self.o_proj(o.reshape(B, T, P))
+        return self.o_proj(o.reshape(B, T, P)), mx.concatenate(new_conv, axis=-1), state
 
 
 class _Conv(nn.Module):

@@ -149,6 +149,7 @@ def load_model(
     end: Optional[int] = None,
     lazy: bool = False,
     verbose: bool = True,
+    activation_dtype: Optional[mx.Dtype] = None,
 ) -> Tuple[nn.Module, dict, LoadReport]:
     """Load layers [start, end) (default: all) of a checkpoint folder.
 
@@ -158,6 +159,8 @@ def load_model(
             mix + norm + lm_head only with end == num_hidden_layers.
         lazy: leave tensors unevaluated (read from disk on first use).
         verbose: print the one-line notice about skipped vision / MTP tensors.
+        activation_dtype: dtype of the residual stream; default float32 on the CPU
+            backend (bf16 matmuls are slow there), the embedding's dtype on a GPU.
     Returns:
         (model, config dict, LoadReport).
     Raises:
@@ -227,6 +230,9 @@ def load_model(
     _check_tensors(model, sanitized, args, where, model_dir)
     model.load_weights(list(sanitized.items()), strict=True)
     model.eval()
+    if activation_dtype is None and mx.default_device() == mx.cpu:
+        activation_dtype = mx.float32
+    model.activation_dtype = activation_dtype
     if not lazy:
         mx.eval(model.parameters())
     return model, config, report

@@ -83,6 +83,8 @@ class TextModel(nn.Module):
             raise ValueError(f"layer range [{start}, {end}) is not inside [0, {n})")
         self.args = args
         self.start, self.end = start, end
+        # dtype of the residual stream; None = the embedding's (see Model.activation_dtype)
+        self.activation_dtype = None
         self.is_first, self.is_last = start == 0, end == n
         if self.is_first:
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
@@ -97,6 +99,11 @@ class TextModel(nn.Module):
     @property
     def local_layers(self) -> List[DecoderLayer]:
         return self.layers[self.start : self.end]
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token ids [B, L] -> hidden [B, L, D] in the activation dtype (first stage only)."""
+        h = self.embed_tokens(inputs)
+        return h if self.activation_dtype is None else h.astype(self.activation_dtype)
 
     def run_layers(
         self, h: mx.array, banks: Banks, cache: Optional[List[Any]] = None
@@ -115,7 +122,7 @@ class TextModel(nn.Module):
         return self.norm(h)
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
-        h = self.embed_tokens(inputs)
+        h = self.embed(inputs)
         h, banks = self.run_layers(h, Banks(self.args.rms_norm_eps), cache)
         return self.finish(h, banks)
 
@@ -155,6 +162,19 @@ class Model(nn.Module):
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
         return self.language_model(inputs, cache)
+
+    @property
+    def activation_dtype(self):
+        """dtype of activations between layers (None: the embedding's, BF16 in the release).
+
+        The loader picks float32 on the CPU backend, where MLX's bf16 matmuls and
+        quantized matmuls are several times slower than float32 ones.
+        """
+        return self.text.activation_dtype
+
+    @activation_dtype.setter
+    def activation_dtype(self, dtype):
+        self.text.activation_dtype = dtype
 
     @property
     def text(self) -> TextModel:
