@@ -608,6 +608,17 @@ def test_compile_error_shows_gxx_diagnostic():
     assert "out[i] = inp[i] + undefined_name;" in msg  # the source line itself
 
 
+def test_untranslatable_threadgroup_declaration_is_refused():
+    """Rather than silently giving each thread its own copy."""
+    k = sim.metal_kernel("two_in_one", ["inp"], ["out"], """
+        threadgroup float a[4], b[4];  // two variables in one declaration
+        out[0] = inp[0];
+    """)
+    with pytest.raises(sim.MetalSimCompileError, match=r"(?s)two_in_one.*translation.*two_in_one.body.metal:2"):
+        k(inputs=[mx.zeros((4,))], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+          output_shapes=[(1,)], output_dtypes=[mx.float32])
+
+
 def test_crash_and_infinite_loop_do_not_kill_the_process():
     fpe = sim.metal_kernel("div_zero", ["inp", "z"], ["out"], """
         uint i = thread_position_in_grid.x;

@@ -2,13 +2,64 @@
 
 ``metal_kernel(name, input_names, output_names, source, header="", ...)``
 takes exactly what ``mx.fast.metal_kernel`` takes and returns a callable with
-the same call signature. The call builds the signature MLX would generate,
-translates it to C++ over ``metal_sim.h`` (Metal types, math, SIMD-group and
-threadgroup semantics), compiles it with g++ (cached on disk), and runs every
-threadgroup of the grid, each thread a fiber, so barriers and SIMD-group
-functions rendezvous as on the GPU.
+the same call signature (``inputs``, ``template``, ``grid``, ``threadgroup``,
+``output_shapes``, ``output_dtypes``, ``init_value``). A call
+
+1. builds the signature MLX would (see ``signature.py``: buffer order,
+   ``constant`` for inputs under 8 elements, ``&`` for scalars,
+   ``<name>_shape/_strides/_ndim`` and thread attributes when the body names
+   them, template parameters) and its C++ translation over ``metal_sim.h``;
+2. compiles it with g++ (-O2, C++20), cached under ``cache_dir()``
+   (``$KIMI_MLX_SIM_CACHE`` or ``~/.cache/kimi-mlx/metal-sim``) by a hash of
+   the generated sources, the headers, the flags and the compiler version;
+3. runs every threadgroup of the grid (the grid counts threads, as MLX's
+   ``dispatchThreads``; edge threadgroups are partial; the threadgroup is
+   clamped to the grid per dimension as MLX does). Threads of a threadgroup
+   are fibers: ``threadgroup_barrier`` and the SIMD-group functions
+   rendezvous, ``threadgroup T x[N];`` is one object per threadgroup.
+
+Errors are Python exceptions naming the kernel (``errors.py``): compile
+errors carry g++'s diagnostics with the body line; in checked mode (default)
+any device-buffer or threadgroup-array access out of bounds is reported with
+the buffer, index and thread; a barrier not reached by every thread of the
+threadgroup is a deadlock error, not a hang; faults (raw pointers, stack
+overflow, integer division by zero) and a watchdog timeout
+(``$KIMI_MLX_SIM_TIMEOUT``, default 300 s) do not take the process down.
+
+How the emulator differs from an Apple GPU (by design or as a limitation):
+
+* Threads run one at a time. Barriers and SIMD-group functions synchronise;
+  other inter-thread communication through memory without a barrier (a data
+  race on the GPU) sees whatever order the scheduler produced, and device
+  memory is coherent across threadgroups (threadgroups run in order x, y, z).
+* SIMD-groups are 32 lanes in thread_index_in_threadgroup order. The active
+  lanes of a SIMD-group function are the lanes of that SIMD-group blocked at
+  the same call site (divergent branches behave as on the GPU); reading an
+  inactive lane with a shuffle returns the caller's own value (undefined on
+  the GPU). simd_sum & co. combine lanes in pairwise-tree order (the order of
+  an xor-1,2,4,8,16 butterfly); prefix sums add in lane order.
+* A threadgroup_barrier must be reached by every thread (finishing early
+  counts as not reaching it) at the same call site; otherwise DeadlockError.
+* Math is IEEE single precision through libm (no fast-math approximations,
+  whatever ``compile_options`` say); ``half`` is ``_Float16`` rounded after
+  every operation; ``bfloat16_t`` follows MLX's bf16.h (round-to-nearest-even,
+  bf16 op bf16 -> bf16, bf16 op float -> float). Unsuffixed floating literals
+  are double in C++ (more precise than Metal, never less).
+* Without init_value, outputs start as 0xFF bytes (NaN, -1) in checked mode,
+  so a kernel that forgets to write an element shows it.
+* Not emulated: textures, imageblocks, function constants, ``complex64_t``,
+  simdgroup matrices other than 8x8, swizzles of swizzles (``v.xy.x``), and
+  template helpers that deduce their type from a checked threadgroup array
+  (pass ``&arr[0]`` or use ``checked=False``). Integer division by zero traps
+  (FaultError) where the GPU returns an unspecified value. Threadgroup memory
+  is limited to 32 KiB, threadgroups to 1024 threads.
+* Speed: a few million SIMD-group operations per second on one core (x86-64
+  Linux uses an assembly fiber switch; elsewhere, or with
+  ``KIMI_MLX_SIM_UCONTEXT=1``, ucontext, about 8x slower). Keep test shapes
+  small.
 """
 
+from ._native import cache_dir
 from .errors import (
     MetalSimCompileError,
     MetalSimDeadlockError,
@@ -19,7 +70,6 @@ from .errors import (
     MetalSimTimeoutError,
 )
 from .kernel import SimKernel, metal_kernel
-from ._native import cache_dir
 
 __all__ = [
     "metal_kernel",

@@ -25,10 +25,10 @@ class MetalSimCompileError(MetalSimError):
     """g++ rejected the generated source. ``.source`` holds the translation
     unit; the message holds g++'s diagnostics (with the offending body line)."""
 
-    def __init__(self, kernel: str, diagnostics: str, source: str = ""):
+    def __init__(self, kernel: str, diagnostics: str, source: str = "", stage: str = "g++"):
         self.diagnostics = diagnostics
         self.source = source
-        super().__init__(kernel, "compile error (g++):\n" + diagnostics)
+        super().__init__(kernel, f"compile error ({stage}):\n" + diagnostics)
 
 
 class MetalSimOutOfBoundsError(MetalSimError):

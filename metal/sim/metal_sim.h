@@ -16,8 +16,7 @@
 // an access outside the buffer stops the dispatch with an error naming the
 // buffer, the index and the thread. MSIM_CHECKED=0 uses raw pointers.
 //
-// Semantics that differ from a GPU are listed in metal/sim/README-style notes
-// in metal/sim/__init__.py's docstring.
+// How the emulation differs from an Apple GPU: metal/sim/__init__.py docstring.
 #pragma once
 
 #include <stddef.h>

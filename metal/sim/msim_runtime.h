@@ -650,7 +650,11 @@ extern "C" int msim_abi_version() { return MSIM_ABI_VERSION; }
 
 // Runs the whole grid. Returns MSIM_OK or an MSIM_ERR_* code with the
 // message in L->err. Never throws; never leaves signal handlers changed.
+// Concurrent calls (from several Python threads) run one after another.
 extern "C" int msim_dispatch(const msim_launch* L) {
+  // Signal handlers are process-wide: one dispatch at a time.
+  static std::mutex dispatch_mutex;
+  std::lock_guard<std::mutex> one_at_a_time(dispatch_mutex);
   for (int d = 0; d < 3; ++d) {
     if (L->threadgroup[d] == 0) {
       set_err(L, "threadgroup dimensions must be positive");

@@ -34,6 +34,8 @@ from typing import Dict, List, Sequence, Tuple, Union
 
 import mlx.core as mx
 
+from .errors import MetalSimCompileError
+
 # Inputs with fewer elements than this go to the constant address space.
 MAX_CONSTANT_ARRAY_SIZE = 8
 
@@ -262,6 +264,39 @@ _TG_DECL_RE = re.compile(
 )
 
 
+_COMMENT_RE = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+_TG_KEYWORD_RE = re.compile(r"\bthreadgroup\b(?!_)")
+
+
+class TranslationError(ValueError):
+    """Kernel text the emulator cannot translate faithfully (e.g. a
+    threadgroup declaration form it does not recognise)."""
+
+
+def _blank_comments(text: str) -> str:
+    """`text` with comments replaced by spaces (offsets and newlines kept)."""
+    return _COMMENT_RE.sub(lambda m: re.sub(r"[^\n]", " ", m.group(0)), text)
+
+
+def _check_threadgroup_leftovers(text: str, where: str) -> None:
+    """Every `threadgroup` left after translation must qualify a pointer or a
+    reference; anything else would silently become per-thread storage."""
+    code = _blank_comments(text)
+    for m in _TG_KEYWORD_RE.finditer(code):
+        tail = code[m.end(): m.end() + 300]
+        stop = re.search(r"[;,(){}=]", tail)
+        seg = tail[: stop.start()] if stop else tail
+        if "*" in seg or "&" in seg:
+            continue
+        line_no = code.count("\n", 0, m.start()) + 1
+        line = text.splitlines()[line_no - 1].strip()
+        raise TranslationError(
+            f"{where}:{line_no}: unsupported threadgroup declaration `{line}`; metal/sim "
+            "understands `threadgroup T name[N]...;` (one variable per declaration) and "
+            "threadgroup pointers/references"
+        )
+
+
 def _keep_lines(repl):
     """Wrap a re.sub replacement so the replaced text keeps its line count."""
 
@@ -276,10 +311,11 @@ class _Translator:
         self.checked = checked
         self.tg_slot = 0
 
-    def translate(self, text: str) -> str:
+    def translate(self, text: str, where: str) -> str:
         text = _METAL_INCLUDE_RE.sub(lambda m: "// (metal/sim) " + m.group(0).strip(), text)
         text = _HALF_LITERAL_RE.sub(lambda m: f"((half)({m.group(1)}))", text)
         text = _TG_DECL_RE.sub(_keep_lines(self._tg_decl), text)
+        _check_threadgroup_leftovers(text, where)
         if self.checked:
             text = _PTR_CAST_RE.sub(_keep_lines(lambda m: f"::msim::ptr_cast<{m.group(1)}>"), text)
             text = _ADDR_PTR_RE.sub(_keep_lines(self._addr_ptr), text)
@@ -337,6 +373,7 @@ def cpp_translation_unit(name: str, input_names: Sequence[str], output_names: Se
 
     Raises:
       NotImplementedError: a dtype the emulator cannot represent (complex64).
+      MetalSimCompileError: body/header text the emulator cannot translate.
     """
     for a in inputs:
         if a.dtype in _UNSUPPORTED_SIM:
@@ -347,10 +384,13 @@ def cpp_translation_unit(name: str, input_names: Sequence[str], output_names: Se
     stem = _stem(name)
     tr = _Translator(checked)
     files: Dict[str, str] = {}
-    header_t = tr.translate(header) if header else ""
-    body_t = tr.translate(source)
     body_file = f"{stem}.body.metal"
     header_file = f"{stem}.header.metal"
+    try:
+        header_t = tr.translate(header, header_file) if header else ""
+        body_t = tr.translate(source, body_file)
+    except TranslationError as e:
+        raise MetalSimCompileError(name, str(e), stage="metal/sim translation") from None
     files[body_file] = body_t + "\n"
     infos = shape_infos(source, input_names)
     attrs = attributes(source)
