@@ -40,6 +40,11 @@ How the emulator differs from an Apple GPU (by design or as a limitation):
   an xor-1,2,4,8,16 butterfly); prefix sums add in lane order.
 * A threadgroup_barrier must be reached by every thread (finishing early
   counts as not reaching it) at the same call site; otherwise DeadlockError.
+  A "call site" is a source position: a SIMD-group function inside a header
+  helper has one site however many places call the helper.
+* Checked mode flags every out-of-bounds read, including speculative reads
+  whose value a kernel then discards (harmless on most GPUs, undefined in
+  Metal); ``checked=False`` runs such kernels unchecked.
 * Math is IEEE single precision through libm (no fast-math approximations,
   whatever ``compile_options`` say); ``half`` is ``_Float16`` rounded after
   every operation; ``bfloat16_t`` follows MLX's bf16.h (round-to-nearest-even,

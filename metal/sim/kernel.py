@@ -260,7 +260,7 @@ class SimKernel:
             else:
                 o = np.empty(shape, dtype=_np_dtype(dtype))
                 if self.checked:
-                    o.view(np.uint8).fill(0xFF)
+                    o.reshape(-1).view(np.uint8).fill(0xFF)
             outs.append(o)
             buffers.append(_buffer(o, oname, keep))
 
