@@ -99,6 +99,94 @@ def kda_recurrent(
     return mx.stack(ys, axis=1).astype(v.dtype), state
 
 
+CHUNK = 16
+
+
+def _neumann_inverse(A: mx.array) -> mx.array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C] (C a power of two).
+
+    A is nilpotent (A^C = 0), so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: log2(C)
+    batched matmuls, differentiable, no sequential substitution.
+    """
+    C = A.shape[-1]
+    eye = mx.eye(C, dtype=A.dtype)
+    inv = eye - A
+    p = A @ A
+    m = 2
+    while m < C:
+        inv = inv @ (eye + p)
+        p = p @ p
+        m *= 2
+    return inv
+
+
+def kda_chunked(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+    chunk: int = CHUNK,
+) -> Tuple[mx.array, mx.array]:
+    """Chunked KDA (WY / UT form, Kimi Linear section 3 and FLA `chunk_kda`), same contract
+    and result as `kda_recurrent`, with matmuls inside each chunk of `chunk` tokens and a
+    sequential pass only over chunks.
+
+    Per chunk, with G the within-chunk cumulative log decay and S0 the incoming state:
+        A[i,j] = beta_i sum_d k_i k_j e^{G_i-G_j}  (j < i)     T = (I + A)^-1
+        u = T(beta*v) - T(beta*(k e^G)) S0
+        o = (q e^G) S0 + M u,   M[t,i] = sum_d q_t k_i e^{G_t-G_i}  (i <= t)
+        S = e^{G_C} S0 + (k e^{G_C-G})^T u
+    e^{G_i-G_j} is factored around the chunk's middle token, so exponents stay within
+    +-(chunk/2)*|g|: safe in float32 for K3's gate lower bound (-5) and chunk <= 32.
+    Use `kda_recurrent` for unbounded gates.
+    """
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    C = chunk
+    if state is None:
+        state = mx.zeros((B, H, Dv, Dk), dtype=mx.float32)
+    pad = (-T) % C
+    f32 = mx.float32
+
+    def prep(x, fill=0.0):
+        x = x.astype(f32)
+        if pad:
+            widths = [(0, 0)] * x.ndim
+            widths[1] = (0, pad)
+            x = mx.pad(x, widths, constant_values=fill)
+        N = x.shape[1] // C
+        x = x.reshape(B, N, C, H, *x.shape[3:])
+        return mx.moveaxis(x, 3, 1)  # [B, H, N, C, ...]
+
+    qc, kc, vc, gc = prep(q), prep(k), prep(v), prep(g)
+    bc = prep(beta)[..., None]  # [B, H, N, C, 1]
+    G = mx.cumsum(gc, axis=3)
+    R = G[:, :, :, C // 2 : C // 2 + 1]
+    kp, kn = kc * mx.exp(G - R), kc * mx.exp(R - G)
+    lower = mx.tril(mx.ones((C, C), dtype=mx.bool_), k=-1)
+    A = mx.where(lower, bc * (kp @ kn.swapaxes(-1, -2)), 0.0)
+    M = mx.where(lower | mx.eye(C, dtype=mx.bool_), (qc * mx.exp(G - R)) @ kn.swapaxes(-1, -2), 0.0)
+    Tinv = _neumann_inverse(A)
+    W = Tinv @ (bc * kc * mx.exp(G))  # [B,H,N,C,Dk]
+    U0 = Tinv @ (bc * vc)  # [B,H,N,C,Dv]
+    Qd = qc * mx.exp(G)
+    G_end = G[:, :, :, -1:]  # [B,H,N,1,Dk]
+    Kd = kc * mx.exp(G_end - G)
+    decay_end = mx.exp(G_end[..., 0, :])[..., None]  # [B,H,N,Dk,1]
+
+    S = state.astype(f32).swapaxes(-1, -2)  # [B,H,Dk,Dv]
+    outs = []
+    for n in range(qc.shape[2]):
+        u = U0[:, :, n] - W[:, :, n] @ S
+        outs.append(Qd[:, :, n] @ S + M[:, :, n] @ u)
+        S = decay_end[:, :, n] * S + Kd[:, :, n].swapaxes(-1, -2) @ u
+    o = mx.stack(outs, axis=2)  # [B,H,N,C,Dv]
+    o = mx.moveaxis(o, 1, 3).reshape(B, -1, H, Dv)[:, :T]
+    return o.astype(v.dtype), S.swapaxes(-1, -2)
+
+
 def kda_update(
     q: mx.array,
     k: mx.array,
@@ -109,6 +197,9 @@ def kda_update(
 ) -> Tuple[mx.array, mx.array]:
     """KDA for a prompt chunk or one decode token; same contract as `kda_recurrent`.
 
-    The one place where a Metal kernel or a reference op is chosen.
+    The one place where a Metal kernel or a reference op is chosen: one token goes through
+    the recurrence, longer inputs through the chunked form.
     """
-    return kda_recurrent(q, k, v, g, beta, state)
+    if q.shape[1] == 1:
+        return kda_recurrent(q, k, v, g, beta, state)
+    return kda_chunked(q, k, v, g, beta, state)
