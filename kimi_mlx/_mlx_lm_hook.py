@@ -1,8 +1,12 @@
-"""Make mlx-lm find our `kimi_k31` model type (run at interpreter start via a .pth file).
+"""Make mlx-lm open our checkpoints (run at interpreter start via a .pth file).
 
-mlx-lm resolves `model_type` with `importlib.import_module(f"mlx_lm.models.{type}")`.
-We register `kimi_mlx.model` under that name lazily, with a meta-path finder, so nothing is
-imported (not even MLX) until mlx-lm actually asks for the module.
+- Model: mlx-lm resolves `model_type` with `importlib.import_module(f"mlx_lm.models.{type}")`;
+  a meta-path finder answers `mlx_lm.models.kimi_k31` with `kimi_mlx.model`, lazily, so
+  nothing (not even MLX) is imported until mlx-lm asks for it.
+- Tokenizer: `kimi_mlx.tokenizer.register_with_transformers()` (deferred until
+  transformers' AutoTokenizer module loads) so `mlx_lm.load` gets our tiktoken tokenizer
+  without running the checkpoint's tokenization_kimi.py.
+Nothing is written into mlx-lm. Failures here never break interpreter start.
 """
 
 import importlib.abc
@@ -32,4 +36,10 @@ def install():
         sys.meta_path.append(_AliasFinder())
 
 
-install()
+try:
+    install()
+    from kimi_mlx.tokenizer import register_with_transformers
+
+    register_with_transformers()
+except Exception:  # a broken install must not break every Python start in this env
+    pass
