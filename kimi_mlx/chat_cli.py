@@ -1,0 +1,123 @@
+"""`kimi-mlx chat`: a multi-turn REPL that keeps `reasoning_content` between turns.
+
+Each assistant reply is stored with its reasoning and re-encoded with it (K3.1 preserved
+thinking). The KV/KDA cache is reused across turns when the new conversation's tokens
+start with the tokens already processed; otherwise the conversation is prefilled afresh
+(KDA state cannot be rewound). Commands: /reset, /effort low|high|max, /exit (or Ctrl-D).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List
+
+from .generate import EFFORTS, InputError, add_model_arguments, load_for_generation, resolve_model_arg
+
+
+def add_arguments(p) -> None:
+    add_model_arguments(p)
+    p.add_argument("--system-prompt", default=None, help="system message")
+
+
+class Conversation:
+    """Messages plus the token prefix already in the cache."""
+
+    def __init__(self, system=None):
+        self.system = system
+        self.reset()
+
+    def reset(self):
+        self.messages: List[dict] = (
+            [{"role": "system", "content": self.system}] if self.system else []
+        )
+        self.cache = None
+        self.processed: List[int] = []
+        self.reused_tokens = 0  # tokens of the last prompt served from the cache
+
+
+def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, sampler,
+              max_tokens: int, context: int, reuse_cache: bool = True, on_text=None) -> dict:
+    """One user turn: encode the whole conversation (with earlier reasoning), generate,
+    store the reply with its `reasoning_content`; returns parse_reply's dict.
+
+    Raises InputError when the conversation no longer fits in `context` tokens.
+    """
+    from mlx_lm.generate import stream_generate
+
+    from .chat_format import ReplyStream, encode_chat
+
+    conv.messages.append({"role": "user", "content": text})
+    ids = encode_chat(tok, conv.messages, reasoning_effort=effort)
+    if len(ids) >= context:
+        conv.messages.pop()
+        raise InputError(f"the conversation is {len(ids)} tokens, over the context of "
+                         f"{context}; use /reset")
+    n = len(conv.processed)
+    if not reuse_cache or conv.cache is None or ids[:n] != conv.processed or n >= len(ids):
+        conv.cache, n = model.make_cache(), 0
+    conv.reused_tokens = n
+    stream = ReplyStream()
+    generated: List[int] = []
+    for r in stream_generate(model, wrapper, ids[n:], max_tokens=min(max_tokens, context - len(ids)),
+                             sampler=sampler, prompt_cache=conv.cache):
+        generated.append(r.token)
+        for event in stream.feed(r.text):
+            on_text and on_text(*event)
+    for event in stream.finish():
+        on_text and on_text(*event)
+    reply = stream.result()
+    conv.messages.append({"role": "assistant", "content": reply["content"],
+                          "reasoning_content": reply["reasoning_content"]})
+    conv.processed = ids + generated[:-1]
+    return reply
+
+
+def run(args) -> int:
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    try:
+        model, wrapper, tok, _ = load_for_generation(resolve_model_arg(args.model))
+    except (InputError, FileNotFoundError, ValueError) as e:
+        print(f"kimi-mlx chat: error: {e}", file=sys.stderr)
+        return 2
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    conv = Conversation(args.system_prompt)
+    effort = args.reasoning_effort
+    context = min(model.args.max_position_embeddings, args.max_kv_size or 1 << 62)
+    dim = sys.stdout.isatty()
+
+    def show(channel, text):
+        print(f"\033[2m{text}\033[0m" if channel == "reasoning" and dim else text, end="",
+              flush=True)
+
+    print("kimi-mlx chat: /reset, /effort low|high|max, /exit", file=sys.stderr)
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            print()
+            return 0
+        cmd = line.strip()
+        if cmd in ("/exit", "/quit"):
+            return 0
+        if cmd == "/reset":
+            conv.reset()
+            continue
+        if cmd.startswith("/effort"):
+            value = cmd.split()[-1]
+            if value in EFFORTS:
+                effort = value
+            else:
+                print(f"effort must be one of {EFFORTS}", file=sys.stderr)
+            continue
+        if not cmd:
+            continue
+        try:
+            chat_turn(model, wrapper, tok, conv, line, effort, sampler, args.max_tokens,
+                      context, on_text=show)
+        except InputError as e:
+            print(e, file=sys.stderr)
+        print()
