@@ -86,7 +86,8 @@ class TextModel(nn.Module):
         # dtype of the residual stream; None = the embedding's (see Model.activation_dtype)
         self.activation_dtype = None
         self.is_first, self.is_last = start == 0, end == n
-        if self.is_first:
+        if self.is_first or (self.is_last and args.tie_word_embeddings):
+            # the last stage of a tied model needs the embedding as its lm_head
             self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         # Entries before `start` are None so that `layers.N` keeps the checkpoint's index.
         self.layers = [None] * start + [DecoderLayer(args, i) for i in range(start, end)]

@@ -183,3 +183,33 @@ def test_header_length_garbage(ckpt_copy):
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="00001.*header length"):
         load_model(ckpt_copy)
+
+
+def test_flat_text_config_float32_files_and_tied_embeddings(tmp_path):
+    """A config without `text_config`, F32 tensors on disk, tied lm_head: loads, keeps F32,
+    and matches mlx-lm's kimi_k3 on the same files; a last-stage-only model of a tied
+    checkpoint carries the embedding as its head."""
+    from kimi_mlx.testing import build_checkpoint, tiny_text_config
+
+    path = build_checkpoint(tmp_path / "flat", text_config=tiny_text_config(tie_word_embeddings=True),
+                            dtype=mx.float32, seed=4)
+    p = path / "config.json"
+    cfg = json.loads(p.read_text())
+    flat = dict(cfg["text_config"], model_type="kimi_k31")
+    p.write_text(json.dumps(flat))
+    ours, config, _ = load_model(path)
+    assert "lm_head" not in ours.language_model
+    assert ours.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+    ref = kimi_k3.Model(kimi_k3.ModelArgs.from_dict(dict(flat, model_type="kimi_k3")))
+    files = {}
+    for f in sorted(path.glob("*.safetensors")):
+        files.update(mx.load(str(f)))
+    files = ref.sanitize({k: v for k, v in files.items() if ".indexer." not in k})
+    nn.quantize(ref, group_size=32, bits=4, mode="mxfp4",
+                class_predicate=lambda p, m: f"{p}.scales" in files)
+    ref.load_weights(list(files.items()), strict=True)
+    tokens = mx.array([[9, 8, 7, 6, 5]])
+    a, b = ours(tokens), ref(tokens)
+    assert (mx.abs(a - b).max() / mx.abs(b).max()).item() < 1e-4
+    last, _, _ = load_model(path, start=4)
+    assert "embed_tokens" in last.text and last.text.is_last
