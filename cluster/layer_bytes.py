@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
@@ -31,20 +30,8 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import kimi_mlx
 from kimi_mlx.config import ModelArgs, read_config
 from kimi_mlx.hub import looks_local
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-
-# safetensors dtype names -> bytes per element.
-DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "E8M0": 1,
-    "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
-    "U32": 4, "I32": 4, "F32": 4,
-    "U64": 8, "I64": 8, "F64": 8,
-}
-
-# The safetensors format caps the JSON header at 100 MB; anything larger is not a shard.
-MAX_HEADER_BYTES = 100_000_000
+from kimi_mlx.shards import DTYPE_BYTES, INDEX_FILE, CheckpointError, read_header
+from kimi_mlx.shards import weight_map as _weight_map
 
 # Shipped official configs (no weights): `kimi_mlx/assets/official/<repo name>/config.json`.
 OFFICIAL_DIR = Path(kimi_mlx.__file__).resolve().parent / "assets" / "official"
@@ -59,10 +46,6 @@ _HEAD_RE = re.compile(
 )
 _VISION_RE = re.compile(r"^(?:language_model\.)?(?:model\.)?(?:vision_tower|mm_projector)\.")
 _MTP_RE = re.compile(r"^(?:language_model\.)?(?:model\.)?mtp")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint folder whose index or shard headers cannot be trusted; names file and tensor."""
 
 
 @dataclass(frozen=True)
@@ -486,79 +469,6 @@ def model_bytes_from_config(config: Mapping[str, Any], source: str = "config.jso
 
 # -- from a checkpoint's headers ------------------------------------------------------
 
-def read_safetensors_header(path: Path) -> Dict[str, Dict[str, Any]]:
-    """Read and check one shard's header; returns {tensor name: {dtype, shape, data_offsets}}.
-
-    Reads 8 + header-length bytes, never tensor data. Each entry is checked: known dtype,
-    non-negative integer shape, offsets inside the file and equal to shape x dtype size.
-
-    Raises:
-        CheckpointError: truncated file, header too long or not JSON, or a bad entry
-            (the message names the file and the tensor).
-    """
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: shorter than the 8-byte safetensors header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or n > size - 8:
-                raise CheckpointError(
-                    f"{path}: header length {n} exceeds the file ({size} B) or the 100 MB limit")
-            raw = f.read(n)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e})") from e
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: header is not a JSON object")
-    data_len = size - 8 - n
-    out = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (TypeError, KeyError, ValueError) as e:
-            raise CheckpointError(f"{path}: tensor {name!r}: malformed header entry") from e
-        if dtype not in DTYPE_BYTES:
-            raise CheckpointError(f"{path}: tensor {name!r}: unknown dtype {dtype!r}")
-        if not (isinstance(shape, list) and all(isinstance(s, int) and s >= 0 for s in shape)):
-            raise CheckpointError(f"{path}: tensor {name!r}: bad shape {shape!r}")
-        if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_len):
-            raise CheckpointError(
-                f"{path}: tensor {name!r}: data_offsets {[begin, end]} outside the "
-                f"{data_len}-byte data section")
-        if end - begin != _prod(shape) * DTYPE_BYTES[dtype]:
-            raise CheckpointError(
-                f"{path}: tensor {name!r}: {end - begin} bytes on disk but {dtype}{shape} "
-                f"needs {_prod(shape) * DTYPE_BYTES[dtype]}")
-        out[name] = entry
-    return out
-
-
-def _weight_map(folder: Path) -> Dict[str, str]:
-    index_path = folder / INDEX_FILE
-    if not index_path.exists():
-        if (folder / SINGLE_FILE).exists():
-            return {k: SINGLE_FILE for k in read_safetensors_header(folder / SINGLE_FILE)}
-        raise CheckpointError(f"{folder}: neither {INDEX_FILE} nor {SINGLE_FILE}")
-    try:
-        wmap = json.loads(index_path.read_text())["weight_map"]
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index_path}: no readable weight_map ({e})") from e
-    if not isinstance(wmap, dict):
-        raise CheckpointError(f"{index_path}: weight_map is not an object")
-    for name, shard in wmap.items():
-        if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard in ("", ".", ".."):
-            raise CheckpointError(f"{index_path}: tensor {name!r} maps to bad shard name {shard!r}")
-    return wmap
-
-
 def model_bytes_from_checkpoint(folder: Path) -> ModelBytes:
     """Per-layer bytes of a local checkpoint from its config and shard headers.
 
@@ -582,12 +492,11 @@ def model_bytes_from_checkpoint(folder: Path) -> ModelBytes:
         path = folder / shard
         if not path.exists():
             raise CheckpointError(f"{folder / INDEX_FILE}: shard {shard} is missing")
-        header = read_safetensors_header(path)
+        header = read_header(path)
         for name in by_shard[shard]:
             if name not in header:
                 raise CheckpointError(f"{path}: tensor {name!r} listed in the index is not in the shard")
-            begin, end = header[name]["data_offsets"]
-            sizes[name] = end - begin
+            sizes[name] = header[name].nbytes
     return _assemble(args, sizes, _act_bytes(config), f"headers: {folder}",
                      origin=f"tensors in {INDEX_FILE}")
 

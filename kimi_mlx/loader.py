@@ -11,9 +11,6 @@ Errors name the file, tensor or key and what was expected (`CheckpointError`).
 
 from __future__ import annotations
 
-import json
-import os
-import struct
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,105 +20,24 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from .config import ConfigError, ModelArgs, read_config
+from .config import ModelArgs, read_config
+from .shards import INDEX_FILE, CheckpointError, TensorInfo, read_header, weight_map
 from .tensor_map import TensorError, in_range, kind, original_names, sanitize_weights
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
+__all__ = ["CheckpointError", "LoadReport", "TensorInfo", "load", "load_model", "needed_shards",
+           "read_header", "weight_map"]
+
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
-_DTYPE_BYTES = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
-    "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8,
-}
-_FLOAT_DTYPES = {"F16", "BF16", "F32"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file/tensor/key."""
-
-
-@dataclass
-class TensorInfo:
-    """One tensor's entry in a shard header: dtype (safetensors name), shape, byte range."""
-
-    dtype: str
-    shape: Tuple[int, ...]
-    start: int
-    end: int
 
 
 @dataclass
 class LoadReport:
-    """What a load touched: shards opened, tensors read and skipped."""
+    """What a load touched: shards opened, tensors and bytes read, tensors skipped by kind."""
 
     shards_opened: List[str] = field(default_factory=list)
     tensors_loaded: int = 0
     bytes_loaded: int = 0
     skipped: Dict[str, int] = field(default_factory=dict)
-
-
-def read_header(path: Path) -> Dict[str, TensorInfo]:
-    """Parse and validate a safetensors header (8-byte little-endian length + JSON).
-
-    Raises:
-        CheckpointError: file missing, header malformed, or a tensor's bytes extend past
-            the end of the file (truncated shard) or disagree with its dtype and shape.
-    """
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise CheckpointError(f"{path}: truncated, not even a safetensors header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > min(size - 8, 100 << 20):
-                raise CheckpointError(f"{path}: header length {n} exceeds the file ({size} B)")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: malformed safetensors header ({e})") from None
-    base = 8 + n
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        dtype, shape = meta["dtype"], tuple(meta["shape"])
-        start, end = meta["data_offsets"]
-        count = 1
-        for s in shape:
-            count *= s
-        if dtype in _DTYPE_BYTES and end - start != count * _DTYPE_BYTES[dtype]:
-            raise CheckpointError(
-                f"{path}: tensor {name} has {end - start} bytes, expected "
-                f"{count * _DTYPE_BYTES[dtype]} for {dtype} {list(shape)}"
-            )
-        if base + end > size:
-            raise CheckpointError(
-                f"{path}: truncated: tensor {name} needs bytes up to {base + end}, "
-                f"file has {size}"
-            )
-        out[name] = TensorInfo(dtype, shape, base + start, base + end)
-    return out
-
-
-def weight_map(model_dir: Path) -> Dict[str, str]:
-    """Tensor name -> shard file name, from the index (or the single-file header).
-
-    Raises:
-        CheckpointError: no index and no single `model.safetensors`, or a bad index.
-    """
-    index = model_dir / INDEX_FILE
-    if index.exists():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: expected JSON with a 'weight_map' ({e})") from None
-        return dict(wm)
-    single = model_dir / SINGLE_FILE
-    if single.exists():
-        return {name: SINGLE_FILE for name in read_header(single)}
-    raise CheckpointError(f"{model_dir}: no {INDEX_FILE} and no {SINGLE_FILE}")
 
 
 def needed_shards(model_dir, start: int = 0, end: Optional[int] = None) -> List[str]:
@@ -207,7 +123,7 @@ def load_model(
             weights[n] = arrays[n]
             where[n] = shard
             report.tensors_loaded += 1
-            report.bytes_loaded += header[n].end - header[n].start
+            report.bytes_loaded += header[n].nbytes
         del arrays
 
     if verbose and report.skipped:
