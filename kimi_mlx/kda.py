@@ -127,7 +127,7 @@ class KimiDeltaAttention(nn.Module):
         o, state = kda_update(q, k, v, g, beta, state)
 
         gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
-        o = self.o_norm(o.astype(x.dtype)) * gate
+        o = (self.o_norm(o.astype(x.dtype)) * gate).astype(x.dtype)  # o_norm is F32 on disk
         return self.o_proj(o.reshape(B, T, P)), mx.concatenate(new_conv, axis=-1), state
 
 

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 from .config import ARCHITECTURE, MODEL_TYPE, ModelArgs
 from .tensor_map import EXPERT_FIELD, EXPERT_PROJ
 
-F32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias")
+F32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias", "o_norm.weight")
 
 
 def tiny_text_config(**overrides) -> Dict[str, Any]:
