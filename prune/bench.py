@@ -1,0 +1,202 @@
+"""`make bench-prune`: held-out perplexity after pruning, per saliency method, in one table.
+
+Default run: the shipped micro checkpoint (`kimi_mlx/assets/micro`), calibrated on its
+code-domain calibration text, pruned to 50% of the routed experts with REAP, frequency,
+EAN and random (mean of `--random-seeds` seeds), each scored on held-out code (and
+held-out prose, to show what code-only calibration costs elsewhere), next to the unpruned
+model. Calibration runs once (streamed, `observe`); each method then writes a real
+pruned checkpoint (the same writer as `kimi-mlx prune`) that is loaded back and scored.
+
+    python -m kimi_mlx.prune.bench [--model DIR] [--keep 0.5] [--calib FILE] [--heldout FILE]
+
+Data files are looked up in the model folder (`calib*/...code...`, `heldout*/...code...`);
+when the folder has none they are rebuilt from `kimi_mlx.micro.corpus` (the micro model's
+own corpus: calibration = its training split, scoring = its held-out split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+import kimi_mlx
+
+from .calib import CalibSet, load_calibration
+from .observe import observe
+from .pipeline import save
+from .saliency import METHODS, experts_to_keep, select
+from .writer import AtomicOutput, source_args
+
+# Assets live in the kimi_mlx package (prune/ is mapped to kimi_mlx.prune).
+MICRO = Path(kimi_mlx.__file__).resolve().parent / "assets" / "micro"
+DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".py", ".md")
+
+
+def find_data(model_dir: Path, split: str, domain: str) -> Optional[Path]:
+    """A `split` ("calib" | "heldout") file of `domain` shipped in the model folder, if any.
+
+    Looks for files whose path names both (e.g. `calib/code.txt`, `heldout_code.jsonl`,
+    `held-out/code.txt`).
+    """
+    aliases = {"calib": ("calib",), "heldout": ("heldout", "held_out", "held-out", "eval")}[split]
+    hits = []
+    for f in sorted(Path(model_dir).rglob("*")):
+        rel = f.relative_to(model_dir).as_posix().lower()
+        if (f.is_file() and f.suffix.lower() in DATA_SUFFIXES and domain in rel
+                and any(a in rel for a in aliases) and not rel.startswith(".")):
+            hits.append(f)
+    return hits[0] if hits else None
+
+
+def corpus_file(split: str, domain: str, where: Path) -> Path:
+    """Write the micro corpus's `split` ("train" | "heldout") text of `domain` to a file."""
+    from kimi_mlx.micro.corpus import build_corpus
+
+    path = where / f"{split}_{domain}.txt"
+    path.write_text(build_corpus().text(split, domain), encoding="utf-8")
+    return path
+
+
+def token_ids(path: Path, model_dir: Path) -> List[int]:
+    """All tokens of a held-out file: text files whole, JSONL records concatenated."""
+    calib = load_calibration([path], _tokenizer(model_dir), seq_len=1 << 30, max_tokens=None)
+    return [t for s in calib.sequences for t in s]
+
+
+def _tokenizer(model_dir: Path):
+    from kimi_mlx.tokenizer import KimiTokenizer
+
+    return lambda: KimiTokenizer.from_pretrained(model_dir)
+
+
+def perplexity(model_dir: Path, ids: Sequence[int], seq_len: int, batch: int = 8) -> float:
+    """exp(mean next-token NLL) over non-overlapping windows of `seq_len` + 1 tokens.
+
+    Every window is scored from an empty context (no cache), so all models see the same
+    contexts. The tail shorter than a window is dropped.
+    """
+    from kimi_mlx.loader import load_model
+
+    model, _, _ = load_model(model_dir, verbose=False)
+    w = seq_len + 1
+    n = len(ids) // w
+    if n == 0:
+        raise ValueError(f"held-out data has {len(ids)} tokens, fewer than one window ({w})")
+    data = np.asarray(ids[: n * w], np.int32).reshape(n, w)
+    total, count = 0.0, 0
+    for a in range(0, n, batch):
+        x = mx.array(data[a:a + batch])
+        logits = model(x[:, :-1]).astype(mx.float32)
+        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(
+            logits, x[:, 1:, None], axis=-1)[..., 0]
+        total += float(nll.sum())
+        count += int(nll.size)
+    del model
+    mx.clear_cache()
+    return math.exp(total / count)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kimi_mlx.prune.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(MICRO), help="source checkpoint (default: shipped micro)")
+    p.add_argument("--keep", type=float, default=0.5, help="fraction of experts kept (default 0.5)")
+    p.add_argument("--domain", default="code", help="calibration / scoring domain (default code)")
+    p.add_argument("--other-domain", default="prose", help="second held-out domain ('' = none)")
+    p.add_argument("--calib", default=None, help="calibration file (default: found or rebuilt)")
+    p.add_argument("--heldout", default=None, help="held-out file of --domain (default: found)")
+    p.add_argument("--heldout-other", default=None, help="held-out file of --other-domain")
+    p.add_argument("--calib-tokens", type=int, default=65536)
+    p.add_argument("--seq-len", type=int, default=256, help="calibration and scoring window")
+    p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens scored per domain")
+    p.add_argument("--random-seeds", type=int, default=3)
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+
+    src = Path(args.model)
+    if not (src / "config.json").exists():
+        print(f"error: {src}: no checkpoint (the micro model ships in kimi_mlx/assets/micro; "
+              "build it with `make micro`)", file=sys.stderr)
+        return 2
+    _, margs, _ = source_args(src)
+    n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token, keep=args.keep)
+    with tempfile.TemporaryDirectory(prefix="bench-prune-") as tmp:
+        tmp = Path(tmp)
+        calib_path = Path(args.calib) if args.calib else (
+            find_data(src, "calib", args.domain) or corpus_file("train", args.domain, tmp))
+        domains = [d for d in (args.domain, args.other_domain) if d]
+        heldout = {args.domain: args.heldout, args.other_domain: args.heldout_other}
+        heldout = {d: Path(heldout[d]) if heldout.get(d) else (
+            find_data(src, "heldout", d) or corpus_file("heldout", d, tmp)) for d in domains}
+        eval_ids = {d: token_ids(f, src)[: args.eval_tokens] for d, f in heldout.items()}
+
+        calib = load_calibration([calib_path], _tokenizer(src), seq_len=args.seq_len,
+                                 max_tokens=args.calib_tokens)
+        print(f"model {src}: {margs.num_experts} experts top-{margs.num_experts_per_token}, "
+              f"keep {n_keep} ({args.keep:g})", file=sys.stderr)
+        print(f"calibration ({args.domain}): {calib.describe()}", file=sys.stderr)
+        for d, f in heldout.items():
+            print(f"held-out {d}: {len(eval_ids[d]):,} tokens from {f}", file=sys.stderr)
+        t0 = time.perf_counter()
+        result = observe(src, calib, chunk=args.seq_len, progress=False)
+        print(f"streamed calibration: {time.perf_counter() - t0:.1f} s, "
+              f"{calib.num_tokens * margs.num_hidden_layers / result.seconds:,.0f} token-layers/s",
+              file=sys.stderr)
+
+        rows: Dict[str, Dict[str, float]] = {}
+        rows["unpruned"] = {d: perplexity(src, eval_ids[d], args.seq_len) for d in domains}
+        runs = [(m, 0) for m in METHODS if m != "random"]
+        runs += [("random", s) for s in range(args.random_seeds)]
+        for method, seed in runs:
+            sel = select(result.stats, method, n_keep, seed=seed)
+            name = method if method != "random" else f"random-{seed}"
+            with AtomicOutput(tmp / name) as out:
+                path = save(out, src, result, calib, sel, log=lambda s: None)
+            rows[name] = {d: perplexity(path, eval_ids[d], args.seq_len) for d in domains}
+            print(f"{name}: " + ", ".join(f"{d} {v:.3f}" for d, v in rows[name].items()),
+                  file=sys.stderr)
+
+    table = _table(rows, domains, args, n_keep, margs.num_experts, calib)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "keep": n_keep}, indent=2))
+    return 0
+
+
+def _table(rows, domains, args, n_keep, num_experts, calib: CalibSet) -> str:
+    seeds = [k for k in rows if k.startswith("random-")]
+    order = ["unpruned", "reap", "frequency", "ean"]
+    lines = [
+        f"Held-out perplexity, {n_keep}/{num_experts} experts kept per layer "
+        f"(calibration: {args.domain}, {calib.num_tokens:,} tokens; windows of {args.seq_len})",
+        "",
+        "| model | " + " | ".join(f"{d} ppl" for d in domains) + " |",
+        "|---|" + "---:|" * len(domains),
+    ]
+    for k in order:
+        lines.append(f"| {k} | " + " | ".join(f"{rows[k][d]:.3f}" for d in domains) + " |")
+    if seeds:
+        cells = []
+        for d in domains:
+            vals = [rows[s][d] for s in seeds]
+            cells.append(f"{np.mean(vals):.3f} ({min(vals):.3f}-{max(vals):.3f})")
+        lines.append(f"| random (mean of {len(seeds)} seeds, range) | " + " | ".join(cells) + " |")
+        d = domains[0]
+        rand = float(np.mean([rows[s][d] for s in seeds]))
+        lines += ["", f"{d}: REAP {rows['reap'][d]:.3f} vs random {rand:.3f} "
+                  f"({'better' if rows['reap'][d] < rand else 'NOT better'}), vs frequency "
+                  f"{rows['frequency'][d]:.3f} "
+                  f"({'no worse' if rows['reap'][d] <= rows['frequency'][d] else 'worse'})"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Calibration data for `kimi-mlx prune`: files in, token-id sequences out.
+
+Accepted inputs (`--calib`, one or more paths; a folder is read recursively in sorted
+order, hidden files skipped):
+
+* `*.jsonl` / `*.json` with one record per line. A record with `messages` (OpenAI-style
+  chat) goes through the K3.1 chat encoding (`chat_format.encode_chat`, no generation
+  prompt; `reasoning_effort` and `tools` are honoured when the record has them); a record
+  with `prompt` (+ optional `completion`) or `text` is plain text; `input_ids` (a list of
+  ints) is taken as already tokenised.
+* any other file: plain UTF-8 text, one document per file.
+
+Every document is split into sequences of at most `seq_len` tokens. Sequences are put in
+a seeded pseudo-random order (so a token budget samples all files, not the first ones)
+and taken until `max_tokens`. REAP (arXiv 2510.13999, s.4) calibrates on a few hundred
+thousand tokens of the target domain; the defaults here are smaller because the activations
+of every sequence are kept between layers.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+DEFAULT_SEQ_LEN = 2048
+DEFAULT_MAX_TOKENS = 131072
+JSONL_SUFFIXES = (".jsonl", ".json")
+MIN_SEQ_TOKENS = 2  # a 1-token tail sequence carries no context; dropped
+
+
+class CalibError(ValueError):
+    """Calibration data that cannot be used (missing, empty, malformed); names the file."""
+
+
+@dataclass
+class CalibSet:
+    """Tokenised calibration data.
+
+    Attributes:
+        sequences: token-id lists, each 2..seq_len long.
+        sources: where each sequence came from ("file" or "file:line"), same order.
+        files: the input files read.
+        documents: number of documents (records or text files) read.
+        kinds: documents per kind ("chat", "text", "ids").
+        seq_len: the split length used.
+    """
+
+    sequences: List[List[int]]
+    sources: List[str]
+    files: List[str]
+    documents: int
+    kinds: dict = field(default_factory=dict)
+    seq_len: int = DEFAULT_SEQ_LEN
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s) for s in self.sequences)
+
+    def describe(self) -> str:
+        """One line for logs and the model card."""
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+        files = self.files[0] if len(self.files) == 1 else f"{len(self.files)} files"
+        return (f"{self.num_tokens:,} tokens in {len(self.sequences)} sequences of <= "
+                f"{self.seq_len} tokens from {files} ({kinds} documents)")
+
+
+def list_files(paths: Sequence) -> List[Path]:
+    """Input files named by `paths` (files, or folders read recursively, sorted).
+
+    Raises:
+        CalibError: no paths, a path that does not exist, or no files at all.
+    """
+    if not paths:
+        raise CalibError("no calibration data given (--calib FILE_OR_FOLDER)")
+    out: List[Path] = []
+    for p in paths:
+        p = Path(p).expanduser()
+        if not p.exists():
+            raise CalibError(f"{p}: calibration data not found")
+        if p.is_dir():
+            found = sorted(
+                f for f in p.rglob("*")
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            )
+            if not found:
+                raise CalibError(f"{p}: calibration folder has no files")
+            out += found
+        else:
+            out.append(p)
+    return out
+
+
+def _records(path: Path) -> Iterator[Tuple[int, dict]]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise CalibError(f"{path}: not UTF-8 text ({e})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CalibError(f"{path}:{n}: not a JSON record ({e.msg})") from None
+        if not isinstance(rec, dict):
+            raise CalibError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
+        yield n, rec
+
+
+def _record_ids(rec: dict, where: str, tokenizer) -> Tuple[str, List[int]]:
+    """(kind, token ids) of one JSONL record."""
+    if "input_ids" in rec:
+        ids = rec["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) and i >= 0 for i in ids):
+            raise CalibError(f"{where}: input_ids must be a list of non-negative ints")
+        return "ids", ids
+    tok = tokenizer()
+    if "messages" in rec:
+        from kimi_mlx.chat_format import DEFAULT_EFFORT, encode_chat
+
+        try:
+            return "chat", encode_chat(
+                tok, rec["messages"], reasoning_effort=rec.get("reasoning_effort") or DEFAULT_EFFORT,
+                add_generation_prompt=False, tools=rec.get("tools"))
+        except (ValueError, TypeError) as e:
+            raise CalibError(f"{where}: cannot chat-encode the record ({e})") from None
+    if "prompt" in rec or "text" in rec:
+        parts = [rec.get("prompt"), rec.get("completion")] if "prompt" in rec else [rec["text"]]
+        if not all(p is None or isinstance(p, str) for p in parts):
+            raise CalibError(f"{where}: prompt/completion/text must be strings")
+        return "text", tok.encode("".join(p for p in parts if p))
+    raise CalibError(f"{where}: a record needs 'messages', 'prompt', 'text' or 'input_ids' "
+                     f"(got keys {sorted(rec)[:8]})")
+
+
+def _split(ids: List[int], seq_len: int) -> List[List[int]]:
+    return [ids[i:i + seq_len] for i in range(0, len(ids), seq_len)
+            if len(ids[i:i + seq_len]) >= MIN_SEQ_TOKENS]
+
+
+def load_calibration(
+    paths: Sequence,
+    tokenizer: Callable[[], object],
+    seq_len: int = DEFAULT_SEQ_LEN,
+    max_tokens: Optional[int] = DEFAULT_MAX_TOKENS,
+    seed: int = 0,
+    vocab_size: Optional[int] = None,
+) -> CalibSet:
+    """Read, tokenise and split calibration data.
+
+    Args:
+        paths: files or folders (see the module docstring for formats).
+        tokenizer: zero-argument callable returning a `KimiTokenizer`; called only when
+            a document needs tokenising (pre-tokenised `input_ids` records need none).
+        seq_len: maximum tokens per sequence (documents are split, not truncated).
+        max_tokens: token budget over all sequences (None: everything).
+        seed: order of sequences before the budget is applied.
+        vocab_size: if given, token ids must be below it.
+    Returns:
+        CalibSet.
+    Raises:
+        CalibError: missing path, malformed record (file:line), or no tokens at all.
+    """
+    if seq_len < MIN_SEQ_TOKENS:
+        raise CalibError(f"--seq-len must be at least {MIN_SEQ_TOKENS}, got {seq_len}")
+    if max_tokens is not None and max_tokens < MIN_SEQ_TOKENS:
+        raise CalibError(f"--calib-tokens must be at least {MIN_SEQ_TOKENS}, got {max_tokens}")
+    cached = []
+
+    def tok():
+        if not cached:
+            try:
+                cached.append(tokenizer())
+            except (OSError, ValueError) as e:
+                raise CalibError(f"cannot load the tokenizer to encode calibration text: {e}") from None
+        return cached[0]
+
+    files = list_files(paths)
+    seqs: List[Tuple[str, List[int]]] = []
+    kinds: dict = {}
+    documents = 0
+    for f in files:
+        if f.suffix.lower() in JSONL_SUFFIXES:
+            docs: Iterable = ((f"{f}:{n}", *_record_ids(rec, f"{f}:{n}", tok)) for n, rec in _records(f))
+        else:
+            try:
+                text = f.read_text(encoding="utf-8")
+            except UnicodeDecodeError as e:
+                raise CalibError(f"{f}: not UTF-8 text ({e})") from None
+            docs = [(str(f), "text", tok().encode(text))] if text.strip() else []
+        for where, kind, ids in docs:
+            documents += 1
+            kinds[kind] = kinds.get(kind, 0) + 1
+            if vocab_size is not None and ids and max(ids) >= vocab_size:
+                raise CalibError(f"{where}: token id {max(ids)} is outside the vocabulary "
+                                 f"({vocab_size})")
+            seqs += [(where, s) for s in _split(ids, seq_len)]
+    if not seqs:
+        names = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
+        raise CalibError(f"calibration data is empty: no tokens in {names}")
+    random.Random(seed).shuffle(seqs)
+    out: List[Tuple[str, List[int]]] = []
+    total = 0
+    for where, s in seqs:
+        if max_tokens is not None and total >= max_tokens:
+            break
+        if max_tokens is not None and total + len(s) > max_tokens:
+            s = s[: max_tokens - total]
+            if len(s) < MIN_SEQ_TOKENS:
+                break
+        out.append((where, s))
+        total += len(s)
+    return CalibSet(
+        sequences=[s for _, s in out], sources=[w for w, _ in out],
+        files=[str(f) for f in files], documents=documents, kinds=kinds, seq_len=seq_len,
+    )

@@ -1,0 +1,150 @@
+"""`kimi-mlx prune`: REAP expert pruning, streamed layer by layer, to a checkpoint one Mac holds.
+
+    kimi-mlx prune --model SRC --calib DATA --keep 0.2 --out DST [--method reap]
+    kimi-mlx prune --model SRC --experts 180 --dry-run
+
+Exit status: 0 done, 2 bad input (the message says which file / flag and why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
+from .observe import DEFAULT_CHUNK
+from .saliency import METHODS, KeepError, experts_to_keep
+from .writer import AtomicOutput, PruneError, source_args
+
+DRY_RUN_MACS = ("1x64GB", "1x96GB", "1x128GB", "1x192GB", "1x256GB", "1x512GB")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="source checkpoint folder (official layout)")
+    p.add_argument("--calib", nargs="+", default=None, metavar="DATA",
+                   help="calibration data: JSONL (chat `messages`, `prompt`/`completion`, "
+                        "`text`) or plain text files, or folders of them")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--keep", type=float, help="fraction of routed experts to keep, in (0, 1]")
+    size.add_argument("--experts", type=int, help="number of routed experts to keep per layer")
+    p.add_argument("--out", default=None, help="output folder (must not exist unless --force)")
+    p.add_argument("--method", choices=METHODS, default="reap",
+                   help="saliency: reap (default), frequency, ean, random")
+    p.add_argument("--protect-super-experts", action="store_true",
+                   help="always keep experts with extreme activation outliers (REAP's rule)")
+    p.add_argument("--seed", type=int, default=0, help="seed for --method random and sampling")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
+                   help=f"calibration sequence length, tokens (default {DEFAULT_SEQ_LEN})")
+    p.add_argument("--calib-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"calibration token budget (default {DEFAULT_MAX_TOKENS})")
+    p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                   help=f"prefill chunk per layer, tokens (default {DEFAULT_CHUNK})")
+    p.add_argument("--activation-memory", default="auto",
+                   help="activations kept in memory between layers before spilling to disk "
+                        "(a size like 8GB, or auto = a quarter of RAM)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print per-layer sizes before/after and which Macs the result fits")
+    p.add_argument("--macs", action="append", default=None,
+                   help="with --dry-run: Mac set(s) to check, planner syntax (e.g. 1x256GB "
+                        "or 2x192GB); repeatable (default: single Macs 64GB..512GB)")
+    p.add_argument("--context", type=int, default=131072,
+                   help="with --dry-run: tokens of context to plan for (default 131072)")
+
+
+def _budget(text: str):
+    """--activation-memory: None for auto, else bytes ("8GB", "512MiB", "1e9")."""
+    t = text.strip().lower().replace(" ", "")
+    if t == "auto":
+        return None
+    units = {"tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10,
+             "tb": 10**12, "gb": 10**9, "mb": 10**6, "kb": 10**3, "b": 1}
+    for u, f in units.items():
+        if t.endswith(u):
+            t, scale = t[: -len(u)], f
+            break
+    else:
+        scale = 1
+    try:
+        value = float(t) * scale
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise PruneError(f"--activation-memory: not a size: {text!r} (e.g. 8GB, 512MiB, auto)")
+    return int(value)
+
+
+def run(args) -> int:
+    try:
+        _, margs, _ = source_args(Path(args.model))
+        n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token,
+                                 keep=args.keep, experts=args.experts)
+        if args.dry_run:
+            return dry_run(args.model, n_keep, args.macs or list(DRY_RUN_MACS), args.context)
+        if not args.out:
+            raise PruneError("--out is required (or use --dry-run)")
+        AtomicOutput(args.out, src=args.model, force=args.force).check()  # fail before calibrating
+        budget = _budget(args.activation_memory)
+        from .pipeline import calibration, prune
+
+        calib = calibration(args.model, args.calib or [], args.seq_len, args.calib_tokens,
+                            args.seed, vocab_size=margs.vocab_size)
+        res = prune(args.model, args.out, calib, args.method, n_keep,
+                    protect=args.protect_super_experts, seed=args.seed, force=args.force,
+                    chunk=args.chunk, activation_budget=budget, progress=not args.quiet)
+    except (PruneError, CalibError, KeepError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    protected = sum(len(v) for v in res.selection.protected.values())
+    print(f"pruned {args.model} -> {res.out}: {n_keep} of {margs.num_experts} experts kept in "
+          f"{len(res.selection.kept)} MoE layers ({args.method}"
+          + (f", {protected} super experts protected" if args.protect_super_experts else "")
+          + ")")
+    return 0
+
+
+def dry_run(model: str, n_keep: int, macs, context: int) -> int:
+    """Print per-layer bytes before/after pruning to `n_keep` experts and, for each Mac
+    set, whether the planner fits the result (weights + cache at `context` tokens)."""
+    # The one accepted cluster import in prune/: the planner owns "what fits where".
+    from kimi_mlx.cluster.layer_bytes import model_bytes
+    from kimi_mlx.cluster.planner import PlanError, StagePlanner, parse_macs
+
+    before = model_bytes(model)
+    after = before.pruned(n_keep)
+    gb = lambda n: f"{n / 1e9:,.3f}"
+    print(f"model: {model} ({before.source})")
+    print(f"keep {n_keep} of {before.num_experts} routed experts per MoE layer; "
+          f"{before.experts_per_token} per token")
+    print()
+    rows = [("layer", "kind", "experts", "before GB", "after GB")]
+    for b, a in zip(before.layers, after.layers):
+        rows.append((str(b.index), b.kind, f"{b.num_experts}->{a.num_experts}" if b.num_experts
+                     else "dense", gb(b.weight_bytes), gb(a.weight_bytes)))
+    rows.append(("embed+head", "", "", gb(before.embed_bytes + before.head_bytes),
+                 gb(after.embed_bytes + after.head_bytes)))
+    rows.append(("total", "", "", gb(before.weight_bytes), gb(after.weight_bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    for r in rows:
+        print("  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    print()
+    print(f"fits (planner: weights + cache for {context} tokens, 1 sequence):")
+    planner = StagePlanner()
+    for spec in macs:
+        try:
+            nodes = parse_macs(spec)
+        except ValueError as e:
+            print(f"  {spec}: {e}")
+            continue
+        try:
+            plan = planner.plan(after, nodes, context)
+        except PlanError as e:
+            print(f"  {spec:>10}: no ({gb(e.short_bytes)} GB short)")
+            continue
+        need = sum(s.total_bytes for s in plan.used_stages)
+        usable = sum(n.usable_bytes for n in nodes)
+        print(f"  {spec:>10}: yes ({gb(need)} GB of {gb(usable)} GB usable, "
+              f"~{plan.tokens_per_s:.1f} tokens/s decode ceiling)")
+    return 0

@@ -1,0 +1,124 @@
+"""`kimi-mlx prune` as library calls: calibrate -> observe (streamed) -> select -> write.
+
+`prune()` is what the command runs. `save()` writes one pruned checkpoint from statistics
+already gathered, so the benchmark calibrates once and writes one checkpoint per method.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from .calib import CalibSet, load_calibration
+from .observe import ObserveResult, observe
+from .report import model_card, write_report
+from .saliency import Selection, select
+from .writer import AtomicOutput, PruneError, plan_checkpoint, source_args, write_checkpoint
+
+Log = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def calibration(src, paths: Sequence, seq_len: int, max_tokens: Optional[int], seed: int = 0,
+                vocab_size: Optional[int] = None) -> CalibSet:
+    """Tokenise calibration data with the source checkpoint's tokenizer (see `calib`)."""
+    from kimi_mlx.tokenizer import KimiTokenizer
+
+    return load_calibration(paths, lambda: KimiTokenizer.from_pretrained(src), seq_len=seq_len,
+                            max_tokens=max_tokens, seed=seed, vocab_size=vocab_size)
+
+
+def check_space(src, where: Path, n_keep: int) -> int:
+    """Bytes the output will take; PruneError when `where`'s disk has less free space.
+
+    Sizes come from the shard headers with the first n_keep experts of every layer (the
+    size does not depend on which experts are kept).
+    """
+    _, args, _ = source_args(src)
+    layers = [i for i in range(args.num_hidden_layers) if args.is_moe(i)]
+    plan = plan_checkpoint(src, {i: list(range(n_keep)) for i in layers}, n_keep)
+    need = plan.bytes_out + plan.copy_bytes
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise PruneError(f"{where}: not enough free space for the pruned checkpoint: it needs "
+                         f"{need / 1e9:.2f} GB, the disk has {free / 1e9:.2f} GB free")
+    return need
+
+
+def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Selection,
+         *, protect: bool = False, extra_card: Optional[str] = None, log: Log = _stderr) -> Path:
+    """Write the pruned checkpoint for `sel` into `out`'s temporary folder, then commit.
+
+    Raises:
+        PruneError: source problems (from `plan_checkpoint`) or a failed write (the
+            temporary folder is removed by `out`'s context manager).
+    """
+    src = Path(src)
+    _, args, _ = source_args(src)
+    plan = plan_checkpoint(src, sel.kept, sel.n_keep)
+    log(f"writing {len(plan.shards)} shard(s), {plan.bytes_out / 1e9:.3f} GB "
+        f"(source {plan.bytes_in / 1e9:.3f} GB) to {out.out}")
+    write_checkpoint(plan, out.tmp)
+    info = {
+        "source": str(src),
+        "num_experts_before": args.num_experts,
+        "num_experts_per_token": args.num_experts_per_token,
+        "protect_super_experts": protect,
+        "calibration": {
+            "description": calib.describe(), "tokens": calib.num_tokens,
+            "sequences": len(calib.sequences), "seq_len": calib.seq_len, "files": calib.files,
+        },
+        "observe": {"seconds": round(result.seconds, 3), "spilled_to_disk": result.spilled,
+                    "peak_memory_bytes": result.peak_memory},
+        "bytes_before": plan.bytes_in, "bytes_after": plan.bytes_out,
+    }
+    card = model_card(
+        src=str(src), out_name=out.out.name, method=sel.method, n_keep=sel.n_keep,
+        num_experts=args.num_experts, top_k=args.num_experts_per_token,
+        moe_layers=len(sel.kept), calib_desc=calib.describe(), calib_files=calib.files,
+        bytes_in=plan.bytes_in, bytes_out=plan.bytes_out,
+        protected=sum(len(v) for v in sel.protected.values()), protect=protect,
+        seed=sel.seed, notes=plan.notes, extra=extra_card)
+    write_report(out.tmp, result.stats, sel, info, card)
+    return out.commit()
+
+
+@dataclass
+class PruneResult:
+    """What `prune` did: output folder, selection, calibration statistics."""
+
+    out: Path
+    selection: Selection
+    observed: ObserveResult
+    calib: CalibSet
+
+
+def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool = False,
+          seed: int = 0, force: bool = False, chunk: int = 1024,
+          activation_budget: Optional[int] = None, progress: bool = True,
+          log: Log = _stderr) -> PruneResult:
+    """Calibrate layer by layer, rank experts, write `out` atomically.
+
+    The temporary output folder is made first (so a read-only or full disk fails before
+    calibration); spilled activations live inside it and are gone before the rename.
+
+    Raises:
+        PruneError: bad source, existing --out, no space, or a failed write; nothing is
+            left at `out` or beside it.
+    """
+    with AtomicOutput(out, src=src, force=force) as ao:
+        check_space(src, ao.tmp, n_keep)
+        log(f"calibrating on {calib.describe()}")
+        result = observe(src, calib, chunk=chunk, spill_dir=ao.tmp / ".activations",
+                         activation_budget=activation_budget, progress=progress, log=log)
+        log(f"calibration: {result.tokens:,} tokens x {len(result.layer_seconds)} layers in "
+            f"{result.seconds:.1f} s, peak memory {result.peak_memory / 2**20:.1f} MiB")
+        sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed)
+        path = save(ao, src, result, calib, sel, protect=protect, log=log)
+    return PruneResult(path, sel, result, calib)

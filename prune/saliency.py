@@ -1,0 +1,158 @@
+"""Expert saliency and the choice of experts to keep.
+
+Methods (scores per expert j of one layer, from `observe.LayerStats`; higher = keep):
+
+* `reap` (REAP, arXiv 2510.13999, eq. 9): S_j = mean over tokens x routed to j of
+  g_j(x) * ||f_j(x)||_2, the router-weighted expert activation norm;
+* `frequency`: number of tokens routed to j;
+* `ean`: sum over routed tokens of ||f_j(x)||_2 (expert activation norm, REAP's EAN
+  baseline);
+* `random`: a seeded random score (the floor every criterion must beat).
+
+Every MoE layer keeps the same number of experts (REAP prunes uniformly per layer, and
+one `num_experts` in the config must describe every layer). Ties are broken by frequency,
+then by the lower index, so an expert the calibration never routes to goes first under
+every non-random method.
+
+Super experts ("--protect-super-experts"): experts whose largest output activation is an
+extreme outlier. As in REAP's code (`get_super_expert_indices`): threshold =
+max(99.5th percentile of all experts' max activation over all MoE layers, the global
+maximum / 10), looking only at the first 75% of MoE layers; protected experts are kept
+regardless of score. REAP takes the signed maximum of the output; we take the maximum
+magnitude, since an outlier is extreme in either sign.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional
+
+import numpy as np
+
+from .observe import LayerStats
+
+METHODS = ("reap", "frequency", "ean", "random")
+SUPER_QUANTILE = 99.5
+SUPER_FACTOR = 10.0
+SUPER_LAYER_FRACTION = 0.75
+
+
+class KeepError(ValueError):
+    """A --keep / --experts request that cannot be met (message says why)."""
+
+
+def experts_to_keep(num_experts: int, top_k: int, keep: Optional[float] = None,
+                    experts: Optional[int] = None) -> int:
+    """Number of routed experts to keep per layer.
+
+    Args:
+        num_experts: experts per layer now; top_k: num_experts_per_token.
+        keep: fraction in (0, 1]; the count is round(keep * num_experts).
+        experts: the count itself (exactly one of `keep` / `experts`).
+    Raises:
+        KeepError: both or neither given, `keep` outside (0, 1], `experts` outside
+            [1, num_experts], or a result below top_k (each token must still find top_k
+            experts).
+    """
+    if (keep is None) == (experts is None):
+        raise KeepError("give exactly one of --keep FRACTION or --experts N")
+    if keep is not None:
+        if not (isinstance(keep, (int, float)) and 0 < keep <= 1):
+            raise KeepError(f"--keep must be a fraction in (0, 1], got {keep}")
+        n = int(round(keep * num_experts))
+        what = f"--keep {keep} leaves {n} of {num_experts} experts"
+    else:
+        n = int(experts)
+        if not 1 <= n <= num_experts:
+            raise KeepError(f"--experts must be in [1, {num_experts}] (num_experts), got {n}")
+        what = f"--experts {n}"
+    if n < top_k:
+        raise KeepError(f"{what}, fewer than num_experts_per_token = {top_k}; "
+                        f"keep at least {top_k} (--keep >= {top_k / num_experts:.4f})")
+    return n
+
+
+def scores(stats: LayerStats, method: str, seed: int = 0) -> np.ndarray:
+    """Saliency [E] float64 of one layer under `method` (see the module docstring).
+
+    Raises:
+        ValueError: unknown method.
+    """
+    if method == "reap":
+        return stats.reap
+    if method == "frequency":
+        return stats.frequency
+    if method == "ean":
+        return stats.ean.copy()
+    if method == "random":
+        return np.random.default_rng([seed, stats.layer]).random(stats.num_experts)
+    raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+
+
+def super_experts(stats: Mapping[int, LayerStats], quantile: float = SUPER_QUANTILE,
+                  factor: float = SUPER_FACTOR,
+                  layer_fraction: float = SUPER_LAYER_FRACTION) -> Dict[int, List[int]]:
+    """Experts with outlier activations, per layer (REAP's rule; see module docstring).
+
+    Returns:
+        {layer: sorted expert ids} for layers with any (empty dict when none).
+    """
+    layers = sorted(stats)
+    if not layers:
+        return {}
+    peaks = np.stack([stats[l].max_abs for l in layers])  # [layers, E]
+    threshold = max(float(np.percentile(peaks, quantile)), float(peaks.max()) / factor)
+    considered = layers[: int(len(layers) * layer_fraction)]
+    out = {}
+    for l in considered:
+        ids = np.flatnonzero(stats[l].max_abs > threshold)
+        if ids.size:
+            out[l] = ids.tolist()
+    return out
+
+
+@dataclass
+class Selection:
+    """Which experts each MoE layer keeps.
+
+    Attributes:
+        method: saliency method; n_keep: experts kept per layer.
+        kept: {layer: sorted old expert ids}; new id k is kept[layer][k].
+        scores: {layer: float64 [E] saliency as ranked (protected experts not inflated)}.
+        protected: {layer: super-expert ids that were forced in}.
+        seed: seed of the random method.
+    """
+
+    method: str
+    n_keep: int
+    kept: Dict[int, List[int]]
+    scores: Dict[int, np.ndarray]
+    protected: Dict[int, List[int]] = field(default_factory=dict)
+    seed: int = 0
+
+
+def select(stats: Mapping[int, LayerStats], method: str, n_keep: int, *,
+           protect_super_experts: bool = False, seed: int = 0) -> Selection:
+    """Keep the `n_keep` most salient experts of every layer.
+
+    Ranking: protected super experts first (by their peak activation), then by score,
+    then by frequency, then by lower index. Kept ids are returned sorted so renumbering
+    keeps the experts' relative order (`n_keep == num_experts` is the identity).
+
+    Raises:
+        ValueError: unknown method, or n_keep outside [1, num_experts] for a layer.
+    """
+    protected = super_experts(stats) if protect_super_experts else {}
+    kept, all_scores = {}, {}
+    for layer, st in sorted(stats.items()):
+        if not 1 <= n_keep <= st.num_experts:
+            raise ValueError(f"layer {layer}: cannot keep {n_keep} of {st.num_experts} experts")
+        s = scores(st, method, seed)
+        prot = np.zeros(st.num_experts)
+        for j in protected.get(layer, []):
+            prot[j] = 1.0 + st.max_abs[j]
+        # np.lexsort sorts by the last key first; negate for descending, index ascending.
+        order = np.lexsort((np.arange(st.num_experts), -st.frequency, -s, -prot))
+        kept[layer] = sorted(int(j) for j in order[:n_keep])
+        all_scores[layer] = s
+    return Selection(method, n_keep, kept, all_scores, protected, seed)

@@ -1,0 +1,421 @@
+"""Pruned-checkpoint writer: the official layout in, the same layout out, bytes copied.
+
+Tensors are copied as raw bytes from the source shards (never through a dtype or a
+framework), so:
+
+* the kept experts' MXFP4 `weight_packed` / E8M0 `weight_scale` (and anything else
+  under `experts.E.`) are byte-identical, renamed `experts.0..n-1` in their old order;
+* the router `gate.weight` [E, hidden] rows and `gate.e_score_correction_bias` [E]
+  entries of the kept experts are sliced out (row byte ranges, no cast);
+* every other tensor is byte-identical, in the same shard file as in the source.
+
+The config gets the new `num_experts` (and its aliases, top level included),
+`num_experts_per_token` capped at it, and a single expert group (grouped routing cannot
+survive uneven per-group pruning); `quantization_config` is untouched. MTP layers
+(`layers.N`, N >= num_hidden_layers), which no calibration reaches, are dropped when they
+hold routed experts (their expert count would contradict `num_experts`), else kept.
+Every other file of the source folder (tokenizer, generation config, ...) is copied.
+
+Output goes to a temporary folder beside `--out` and is renamed into place at the end
+(`AtomicOutput`); on any error the temporary folder is removed, and the source is only
+ever read.
+"""
+
+from __future__ import annotations
+
+import copy
+import errno
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from kimi_mlx.config import ConfigError, ModelArgs, read_config
+from kimi_mlx.shards import INDEX_FILE, CheckpointError, read_header, weight_map
+from kimi_mlx.tensor_map import kind
+
+COPY_CHUNK = 16 << 20  # bytes per read when copying tensor data
+EXPERT_RE = re.compile(
+    r"^(?P<moe>(?:language_model\.)?model\.layers\.(?P<layer>\d+)\.block_sparse_moe)"
+    r"\.experts\.(?P<e>\d+)\.(?P<rest>.+)$"
+)
+ROUTER_RE = re.compile(
+    r"^(?:language_model\.)?model\.layers\.(?P<layer>\d+)\.block_sparse_moe"
+    r"\.gate\.(?:weight|e_score_correction_bias)$"
+)
+NUM_EXPERTS_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+TOP_K_KEYS = ("num_experts_per_token", "num_experts_per_tok")
+
+
+class PruneError(Exception):
+    """A prune that cannot proceed; the message names the file, key or flag and why."""
+
+
+@dataclass
+class OutTensor:
+    """A tensor of the output: its name, safetensors dtype and shape, and the absolute
+    byte ranges [start, end) of the source shard that make up its data, in order."""
+
+    name: str
+    dtype: str
+    shape: Tuple[int, ...]
+    ranges: List[Tuple[int, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b - a for a, b in self.ranges)
+
+
+@dataclass
+class CheckpointPlan:
+    """What `write_checkpoint` will write.
+
+    Attributes:
+        src: source folder; config: the new config.json contents.
+        shards: {file name: (source shard path, [OutTensor], __metadata__)}.
+        indexed: whether the source has a `model.safetensors.index.json`.
+        index_extra: other top-level keys of the source index (kept).
+        copies: other source files and folders to copy unchanged.
+        n_keep: experts per layer after pruning; num_experts: before.
+        bytes_in, bytes_out: tensor bytes of source and output.
+        notes: things the model card should say (dropped MTP layers, ...).
+    """
+
+    src: Path
+    config: dict
+    shards: Dict[str, Tuple[Path, List[OutTensor], Optional[dict]]]
+    indexed: bool
+    index_extra: dict
+    copies: List[Path]
+    n_keep: int
+    num_experts: int
+    bytes_in: int
+    bytes_out: int
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def copy_bytes(self) -> int:
+        total = 0
+        for p in self.copies:
+            if p.is_dir():
+                total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+            else:
+                total += p.stat().st_size
+        return total
+
+
+def source_args(src: Path) -> Tuple[dict, ModelArgs, Dict[str, str]]:
+    """(config, ModelArgs, weight map) of a checkpoint we can prune.
+
+    Raises:
+        PruneError: not a folder, no config.json, unknown model type, no index/shards,
+            not a MoE model, or routed experts not in the official per-expert layout.
+    """
+    src = Path(src)
+    if not src.is_dir():
+        raise PruneError(f"{src}: no such checkpoint folder")
+    try:
+        config = read_config(src)
+        args = ModelArgs.from_config(config, str(src / "config.json"))
+        wm = weight_map(src)
+    except (FileNotFoundError, ConfigError, CheckpointError) as e:
+        raise PruneError(f"{src}: not a Kimi K3.1 checkpoint in the official layout: {e}") from None
+    if args.num_experts < 1 or not any(args.is_moe(i) for i in range(args.num_hidden_layers)):
+        raise PruneError(f"{src}: the model has no routed-expert (MoE) layers to prune")
+    if not any(EXPERT_RE.match(n) for n in wm):
+        stacked = any(".switch_mlp." in n for n in wm)
+        raise PruneError(
+            f"{src}: no per-expert tensors `...block_sparse_moe.experts.E.w1.weight_packed`"
+            + (" (its experts are stacked `switch_mlp` tensors, an mlx-lm conversion); prune "
+               "needs the official layout" if stacked else "; not the official K3.1 layout"))
+    return config, args, wm
+
+
+def pruned_config(config: dict, n_keep: int) -> Tuple[dict, List[str]]:
+    """The config with `n_keep` routed experts; returns (new config, notes)."""
+    new = copy.deepcopy(config)
+    notes = []
+    for d in (new, new.get("text_config")):
+        if not isinstance(d, dict):
+            continue
+        for k in NUM_EXPERTS_KEYS:
+            if k in d:
+                d[k] = n_keep
+        for k in TOP_K_KEYS:
+            if k in d and d[k] > n_keep:
+                d[k] = n_keep
+        if d.get("num_expert_group", 1) > 1:
+            notes.append(f"num_expert_group {d['num_expert_group']} -> 1 (and topk_group -> 1): "
+                         "experts were pruned per layer, not per group")
+            d["num_expert_group"] = 1
+            if "topk_group" in d:
+                d["topk_group"] = 1
+    return new, notes
+
+
+def _metadata(path: Path) -> Optional[dict]:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)).get("__metadata__")
+
+
+def _rows(start: int, end: int, n_rows: int, keep: Sequence[int]) -> List[Tuple[int, int]]:
+    """Byte ranges of rows `keep` (sorted) of a row-major tensor at [start, end)."""
+    row = (end - start) // n_rows
+    out: List[Tuple[int, int]] = []
+    for j in keep:
+        a = start + j * row
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], a + row)
+        else:
+            out.append((a, a + row))
+    return out
+
+
+def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int) -> CheckpointPlan:
+    """Work out the output tensors, shards, config and copies (reads headers only).
+
+    Args:
+        src: source checkpoint folder (official layout).
+        kept: {MoE layer: sorted old expert ids to keep}, every MoE layer, n_keep each.
+        n_keep: experts per layer after pruning.
+    Raises:
+        PruneError: a source problem (see `source_args`), a MoE layer without an entry
+            in `kept`, a layer whose experts are not exactly 0..num_experts-1, or a
+            router tensor whose first dimension is not num_experts.
+    """
+    src = Path(src)
+    config, args, wm = source_args(src)
+    E = args.num_experts
+    for layer, ids in kept.items():
+        if len(ids) != n_keep or list(ids) != sorted(set(ids)) or not all(0 <= j < E for j in ids):
+            raise PruneError(f"layer {layer}: kept experts must be {n_keep} sorted distinct ids "
+                             f"in [0, {E})")
+    renumber = {layer: {old: new for new, old in enumerate(ids)} for layer, ids in kept.items()}
+    mtp_has_experts = any(kind(n, args) == "mtp" and ".experts." in n for n in wm)
+    new_config, notes = pruned_config(config, n_keep)
+    if mtp_has_experts:
+        notes.append("MTP layers with routed experts were dropped (calibration does not reach "
+                     "them, so their experts cannot be ranked)")
+        for d in (new_config, new_config.get("text_config")):
+            if isinstance(d, dict) and "num_nextn_predict_layers" in d:
+                d["num_nextn_predict_layers"] = 0
+
+    shards: Dict[str, Tuple[Path, List[OutTensor], Optional[dict]]] = {}
+    seen: Dict[int, set] = {}
+    bytes_in = bytes_out = 0
+    for shard in sorted(set(wm.values())):
+        path = src / shard
+        try:
+            header = read_header(path)
+        except CheckpointError as e:
+            raise PruneError(str(e)) from None
+        out: List[OutTensor] = []
+        for name, info in sorted(header.items(), key=lambda kv: kv[1].start):
+            bytes_in += info.end - info.start
+            t = _plan_tensor(name, info, args, kept, renumber, seen, mtp_has_experts, E)
+            if t is not None:
+                out.append(t)
+                bytes_out += t.nbytes
+        shards[shard] = (path, out, _metadata(path))
+    for layer in range(args.num_hidden_layers):
+        if layer in seen and layer not in kept:
+            raise PruneError(f"layer {layer} has routed experts but no selection was made for it")
+        if layer in seen and seen[layer] != set(range(E)):
+            missing = sorted(set(range(E)) - seen[layer])[:8]
+            raise PruneError(f"{src}: layer {layer} does not hold experts 0..{E - 1} "
+                             f"(num_experts); missing {missing}")
+    skip = {INDEX_FILE, "config.json", "README.md", *wm.values()}
+    copies = sorted(p for p in src.iterdir() if p.name not in skip and not p.name.startswith("."))
+    index_extra = {}
+    if (src / INDEX_FILE).exists():
+        index_extra = {k: v for k, v in json.loads((src / INDEX_FILE).read_text()).items()
+                       if k != "weight_map"}
+    return CheckpointPlan(src, new_config, shards, (src / INDEX_FILE).exists(), index_extra,
+                          copies, n_keep, E, bytes_in, bytes_out, notes)
+
+
+def _plan_tensor(name, info, args, kept, renumber, seen, drop_mtp, E) -> Optional[OutTensor]:
+    if drop_mtp and kind(name, args) == "mtp":
+        return None
+    m = EXPERT_RE.match(name)
+    if m and kind(name, args) == "text":
+        layer, e = int(m["layer"]), int(m["e"])
+        seen.setdefault(layer, set()).add(e)
+        if layer not in kept:
+            return OutTensor(name, info.dtype, info.shape, [(info.start, info.end)])
+        new = renumber[layer].get(e)
+        if new is None:
+            return None
+        return OutTensor(f"{m['moe']}.experts.{new}.{m['rest']}", info.dtype, info.shape,
+                         [(info.start, info.end)])
+    r = ROUTER_RE.match(name)
+    if r and int(r["layer"]) in kept:
+        if not info.shape or info.shape[0] != E:
+            raise PruneError(f"{name}: expected first dimension {E} (num_experts), got "
+                             f"{list(info.shape)}")
+        ids = kept[int(r["layer"])]
+        return OutTensor(name, info.dtype, (len(ids), *info.shape[1:]),
+                         _rows(info.start, info.end, E, ids))
+    return OutTensor(name, info.dtype, info.shape, [(info.start, info.end)])
+
+
+def _header_bytes(tensors: List[OutTensor], metadata: Optional[dict]) -> bytes:
+    header: dict = {"__metadata__": metadata} if metadata else {}
+    off = 0
+    for t in tensors:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [off, off + t.nbytes]}
+        off += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    return raw + b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
+
+
+def write_shard(path: Path, src: Path, tensors: List[OutTensor], metadata: Optional[dict]) -> int:
+    """Write one safetensors file from byte ranges of `src`; returns bytes written."""
+    head = _header_bytes(tensors, metadata)
+    with open(src, "rb") as fin, open(path, "wb") as fout:
+        fout.write(struct.pack("<Q", len(head)))
+        fout.write(head)
+        for t in tensors:
+            for a, b in t.ranges:
+                fin.seek(a)
+                left = b - a
+                while left:
+                    buf = fin.read(min(left, COPY_CHUNK))
+                    if not buf:
+                        raise PruneError(f"{src}: ends early while reading {t.name}")
+                    fout.write(buf)
+                    left -= len(buf)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return 8 + len(head) + sum(t.nbytes for t in tensors)
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def write_checkpoint(plan: CheckpointPlan, dest: Path, progress=None) -> None:
+    """Write the planned checkpoint into the (empty, temporary) folder `dest`.
+
+    `progress(bytes)` is called after each shard. OSError propagates (see AtomicOutput).
+    """
+    dest = Path(dest)
+    weight_map: Dict[str, str] = {}
+    total = 0
+    for fname, (src_path, tensors, meta) in plan.shards.items():
+        if not tensors:
+            continue
+        n = write_shard(dest / fname, src_path, tensors, meta)
+        for t in tensors:
+            weight_map[t.name] = fname
+            total += t.nbytes
+        if progress:
+            progress(n)
+    if plan.indexed:
+        index = copy.deepcopy(plan.index_extra)
+        index.setdefault("metadata", {})["total_size"] = total
+        index["weight_map"] = dict(sorted(weight_map.items()))
+        write_json(dest / INDEX_FILE, index)
+    write_json(dest / "config.json", plan.config)
+    for p in plan.copies:
+        if p.is_dir():
+            shutil.copytree(p, dest / p.name, symlinks=False)
+        else:
+            shutil.copy2(p, dest / p.name)
+
+
+def _explain(e: OSError, where: Path) -> str:
+    why = {
+        errno.ENOSPC: "no space left on the device",
+        errno.EDQUOT: "disk quota exceeded",
+        errno.EROFS: "the file system is read-only",
+        errno.EACCES: "permission denied",
+        errno.EPERM: "operation not permitted",
+    }.get(e.errno, e.strerror or str(e))
+    return f"cannot write the pruned checkpoint at {where}: {why}"
+
+
+class AtomicOutput:
+    """A temporary folder beside `out` that becomes `out` on `commit()`.
+
+    On entry the checks run (out must not exist unless `force`, must not be or contain or
+    sit inside `src`) and `.NAME.tmp-XXXX` is created beside it; missing parent folders
+    are created and, on failure, removed again. Leaving the `with` block without
+    `commit()` (an exception, Ctrl-C) removes everything created. An OSError inside the
+    block is re-raised as PruneError naming the reason (no space, read-only, ...).
+    """
+
+    def __init__(self, out, src=None, force: bool = False):
+        self.out = Path(out).expanduser().absolute()
+        self.src = Path(src).expanduser().resolve() if src is not None else None
+        self.force = force
+        self.tmp: Optional[Path] = None
+        self._made: List[Path] = []
+        self.committed = False
+
+    def check(self) -> None:
+        """Refuse an existing --out (without force) and any overlap with the source."""
+        out = self.out
+        if out.exists() and not self.force:
+            raise PruneError(f"{out}: already exists; choose another --out or pass --force")
+        if self.src is not None:
+            r = out.resolve()
+            if r == self.src or self.src in r.parents or r in self.src.parents:
+                raise PruneError(f"{out}: --out must not be, contain or sit inside the source "
+                                 f"{self.src}")
+
+    def __enter__(self) -> "AtomicOutput":
+        self.check()
+        parent = self.out.parent
+        try:
+            missing = [p for p in [parent, *parent.parents] if not p.exists()]
+            for p in reversed(missing):
+                p.mkdir()
+                self._made.append(p)
+            self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=parent))
+        except OSError as e:
+            self._cleanup()
+            raise PruneError(_explain(e, self.out)) from None
+        return self
+
+    def commit(self) -> Path:
+        """Rename the temporary folder to `out` (replacing it under --force)."""
+        old = None
+        try:
+            if self.out.exists() or self.out.is_symlink():
+                old = self.out.with_name(f".{self.out.name}.old-{os.getpid()}")
+                os.rename(self.out, old)
+            try:
+                os.rename(self.tmp, self.out)
+            except OSError:
+                if old is not None:
+                    os.rename(old, self.out)
+                raise
+        except OSError as e:
+            raise PruneError(_explain(e, self.out)) from None
+        self.committed = True
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
+        return self.out
+
+    def _cleanup(self) -> None:
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+        for p in reversed(self._made):
+            try:
+                p.rmdir()
+            except OSError:
+                pass
+
+    def __exit__(self, exc_type, exc, tb):
+        if not self.committed:
+            self._cleanup()
+        if isinstance(exc, OSError) and not isinstance(exc, PruneError):
+            raise PruneError(_explain(exc, self.out)) from exc
+        return False

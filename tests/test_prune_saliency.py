@@ -1,0 +1,189 @@
+"""Pruner unit tests: the recorder against a hand computation, ranking rules, PNG, --keep."""
+
+import struct
+import zlib
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from kimi_mlx.config import ModelArgs
+from kimi_mlx.ffn import LatentMoE
+from kimi_mlx.prune.observe import ExpertRecorder, LayerStats
+from kimi_mlx.prune.report import heat_map, png_bytes
+from kimi_mlx.prune.saliency import KeepError, experts_to_keep, scores, select, super_experts
+from kimi_mlx.prune.testing import moe_text_config
+from kimi_mlx.testing import full_config
+
+E, K = 16, 4
+
+
+def _situ(g, u, beta=4.0, lin=25.0):
+    a = beta * np.tanh(g / beta) / (1 + np.exp(-g))
+    return a * lin * np.tanh(u / lin)
+
+
+@pytest.fixture(scope="module")
+def hand_moe():
+    """A LatentMoE with hand-set weights, experts quantized to MXFP4 as the loader does."""
+    args = ModelArgs.from_config(full_config(moe_text_config(num_experts=E, top_k=K)))
+    rng = np.random.default_rng(7)
+    moe = LatentMoE(args)
+    d, lat, inter = args.hidden_size, args.routed_expert_hidden_size, args.moe_intermediate_size
+    w = {
+        "gate.weight": rng.normal(0, 0.3, (E, d)),
+        "gate.e_score_correction_bias": rng.normal(0, 0.05, (E,)),
+        "routed_expert_down_proj.weight": rng.normal(0, d ** -0.5, (lat, d)),
+        "routed_expert_up_proj.weight": rng.normal(0, lat ** -0.5, (d, lat)),
+        "routed_expert_norm.weight": rng.uniform(0.8, 1.2, (lat,)),
+        "switch_mlp.gate_proj.weight": rng.normal(0, 0.5, (E, inter, lat)),
+        "switch_mlp.up_proj.weight": rng.normal(0, 0.5, (E, inter, lat)),
+        "switch_mlp.down_proj.weight": rng.normal(0, 0.3, (E, lat, inter)),
+    }
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        w[f"shared_experts.{name}.weight"] = rng.normal(0, 0.1, moe.shared_experts[name].weight.shape)
+    moe.load_weights([(k, mx.array(v.astype(np.float32))) for k, v in w.items()])
+    nn.quantize(moe, group_size=32, bits=4, mode="mxfp4",
+                class_predicate=lambda p, m: p.startswith("switch_mlp") and hasattr(m, "to_quantized"))
+    return args, moe
+
+
+def _dequant(layer):
+    return np.array(mx.dequantize(layer.weight, layer.scales, group_size=32, bits=4,
+                                  mode="mxfp4", dtype=mx.float32)).astype(np.float64)
+
+
+def test_recorder_matches_a_hand_computation(hand_moe):
+    args, moe = hand_moe
+    x = mx.array(np.random.default_rng(1).normal(0, 1, (2, 40, args.hidden_size)).astype(np.float32))
+    plain = moe(x)
+    stats = LayerStats(1, E, K)
+    rec = ExpertRecorder(moe, stats).install()
+    try:
+        observed = moe(x)
+        mx.eval(observed, *rec.pending())
+        rec.flush()
+    finally:
+        rec.uninstall()
+    assert mx.array_equal(plain, observed).item(), "recording must not change the output"
+    assert type(moe.switch_mlp).__name__ == "SwitchGLU" and "route" not in vars(moe)
+
+    # The same numbers, by hand, in float64 from the dequantized MXFP4 experts.
+    xs = np.array(x, np.float64).reshape(-1, args.hidden_size)
+    logits = xs @ np.array(moe.gate.weight, np.float64).T
+    s = 1 / (1 + np.exp(-logits))
+    choice = s + np.array(moe.gate.e_score_correction_bias, np.float64)
+    top = np.argsort(-choice, axis=-1)[:, :K]
+    g = np.take_along_axis(s, top, -1)
+    g = g / g.sum(-1, keepdims=True)  # renormalised; routed_scaling_factor divided out
+    z = xs @ np.array(moe.routed_expert_down_proj.weight, np.float64).T
+    w1, w3, w2 = (_dequant(moe.switch_mlp[n]) for n in ("gate_proj", "up_proj", "down_proj"))
+    want = {k: np.zeros(E) for k in ("count", "gate", "norm", "gate_norm", "peak")}
+    routed = {j: [] for j in range(E)}
+    for t in range(xs.shape[0]):
+        for slot, j in enumerate(top[t]):
+            f = _situ(w1[j] @ z[t], w3[j] @ z[t]) @ w2[j].T  # expert j's latent output
+            n = np.linalg.norm(f)
+            want["count"][j] += 1
+            want["gate"][j] += g[t, slot]
+            want["norm"][j] += n
+            want["gate_norm"][j] += g[t, slot] * n
+            want["peak"][j] = max(want["peak"][j], np.abs(f).max())
+            routed[j].append(g[t, slot] * n)
+    reap = np.array([np.mean(v) if v else 0.0 for v in routed.values()])
+
+    assert stats.tokens == 80
+    np.testing.assert_array_equal(stats.count, want["count"])
+    np.testing.assert_allclose(stats.gate_sum, want["gate"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats.gate_sum.sum(), 80, rtol=1e-6)
+    np.testing.assert_allclose(stats.norm_sum, want["norm"], rtol=1e-4)
+    np.testing.assert_allclose(stats.gate_norm_sum, want["gate_norm"], rtol=1e-4)
+    np.testing.assert_allclose(stats.max_abs, want["peak"], rtol=1e-4)
+    np.testing.assert_allclose(stats.reap, reap, rtol=1e-4)
+    np.testing.assert_allclose(scores(stats, "ean"), want["norm"], rtol=1e-4)
+    np.testing.assert_array_equal(scores(stats, "frequency"), want["count"])
+
+
+def _stats(layer, count, gate_norm, norm=None, peak=None):
+    count = np.asarray(count)
+    return LayerStats(layer, len(count), 2, int(count.sum()), count=count,
+                      gate_sum=count * 0.5, norm_sum=norm if norm is not None else count * 1.0,
+                      gate_norm_sum=gate_norm, max_abs=peak if peak is not None else np.ones(len(count)))
+
+
+def test_never_routed_expert_is_dropped_first_by_every_criterion():
+    # Expert 2 was never routed; expert 5 was routed once, with the smallest mean and sum.
+    count = np.array([9, 8, 0, 7, 6, 1, 5, 4])
+    st = {1: _stats(1, count, gate_norm=0.1 * count * count)}
+    for method in ("reap", "frequency", "ean"):
+        assert 2 not in select(st, method, 7).kept[1], method
+        assert select(st, method, 6).kept[1] == [0, 1, 3, 4, 6, 7], method
+
+
+def test_reap_ranks_by_mean_not_sum():
+    # Expert 0: routed often, small contributions; expert 1: rarely, large ones.
+    st = {1: _stats(1, [100, 2, 50, 50], gate_norm=np.array([10.0, 4.0, 20.0, 30.0]))}
+    # REAP means: 0.1, 2.0, 0.4, 0.6 -> expert 0 goes first; frequency drops expert 1.
+    assert select(st, "reap", 3).kept[1] == [1, 2, 3]
+    assert select(st, "frequency", 3).kept[1] == [0, 2, 3]
+
+
+def test_random_is_seeded_and_uniform_count():
+    st = {l: _stats(l, np.arange(1, 17), gate_norm=np.arange(1, 17) * 1.0) for l in (1, 2, 3)}
+    a, b, c = (select(st, "random", 5, seed=s) for s in (0, 0, 1))
+    assert a.kept == b.kept and a.kept != c.kept
+    assert all(len(v) == 5 for v in a.kept.values())
+    assert a.kept[1] != a.kept[2]  # a different draw per layer
+
+
+def test_super_experts_follow_reaps_threshold_and_are_kept():
+    peaks = {l: np.ones(8) for l in range(1, 9)}
+    peaks[2][6] = 500.0  # an outlier in an early layer: protected
+    peaks[8][3] = 400.0  # an outlier in the last quarter of layers: ignored (REAP's rule)
+    st = {l: _stats(l, np.arange(8) + 1, gate_norm=np.arange(8) + 1.0, peak=p) for l, p in peaks.items()}
+    assert super_experts(st) == {2: [6]}
+    sel = select(st, "reap", 2, protect_super_experts=True)
+    assert sel.kept[2] == [6, 7] and sel.protected == {2: [6]}
+    assert sel.kept[3] == [6, 7]
+    assert select(st, "reap", 2).kept[2] == [6, 7]  # expert 6 ranks 2nd anyway here
+    assert select(st, "reap", 1).kept[2] == [7]
+    assert select(st, "reap", 1, protect_super_experts=True).kept[2] == [6]
+
+
+@pytest.mark.parametrize("keep, experts, msg", [
+    (0.0, None, "--keep must be a fraction in (0, 1]"),
+    (1.5, None, "--keep must be a fraction in (0, 1]"),
+    (-0.2, None, "--keep must be a fraction in (0, 1]"),
+    (0.05, None, "fewer than num_experts_per_token = 4"),
+    (None, 3, "fewer than num_experts_per_token = 4"),
+    (None, 0, "--experts must be in [1, 32]"),
+    (None, 33, "--experts must be in [1, 32]"),
+    (None, None, "exactly one of"),
+    (0.5, 16, "exactly one of"),
+])
+def test_keep_out_of_range(keep, experts, msg):
+    with pytest.raises(KeepError, match=msg.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        experts_to_keep(32, 4, keep=keep, experts=experts)
+    assert experts_to_keep(32, 4, keep=0.2) == 6 and experts_to_keep(32, 4, keep=1.0) == 32
+    assert experts_to_keep(32, 4, experts=4) == 4
+
+
+def test_png_heat_map_is_a_valid_png():
+    st = {l: _stats(l, [3, 0, 2, 1], gate_norm=np.array([3.0, 0, 2, 1])) for l in (1, 2)}
+    sel = select(st, "reap", 2)
+    img = heat_map(st, sel)
+    data = png_bytes(img)
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    (n,) = struct.unpack(">I", data[8:12])
+    w, h = struct.unpack(">II", data[16:24])
+    assert (h, w) == img.shape[:2]
+    idat = data.index(b"IDAT")
+    (m,) = struct.unpack(">I", data[idat - 4:idat])
+    assert zlib.crc32(data[idat:idat + 4 + m]) == struct.unpack(">I", data[idat + 4 + m:idat + 8 + m])[0]
+    raw = np.frombuffer(zlib.decompress(data[idat + 4:idat + 4 + m]), np.uint8).reshape(h, 1 + 3 * w)
+    pix = raw[:, 1:].reshape(h, w, 3)
+    np.testing.assert_array_equal(pix, img)
+    cw = w // 4
+    assert tuple(pix[0, cw]) == (255, 255, 255)  # never-routed, dropped expert 1: white
+    assert pix[0, 0, 2] > pix[0, 0, 0]  # kept expert 0: blue
