@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from .config import ModelArgs
-from .metal.dsa import dsa_index_scores, dsa_topk_mask
+from .metal.dsa import dsa_select, dsa_sparse_decode
 
 
 class DSACache(KVCache):
@@ -138,12 +138,23 @@ class GatedDSA(nn.Module):
             latent, k_pe, k_idx = cache.update_and_fetch_all(latent, k_pe, k_idx)
         S = latent.shape[2]
 
+        w_uk, w_uv = self._kv_b()
+        if L == 1 and S > self.index_topk:
+            # Decode past index_topk: indexer top-k, then attention over the selected latent
+            # rows only (kernels or the reference mask + SDPA: metal/dsa.py).
+            q_idx, w = self.indexer.queries(x, qr)
+            o = dsa_sparse_decode(
+                q_nope @ w_uk, q_pe, latent, k_pe, self.scale,
+                q_idx, w, k_idx[:, 0], self.index_topk, offset,
+            )
+            o = o @ w_uv.swapaxes(-1, -2)  # [B,H,1,v]
+            return self._output(x, o)
+
         # Additive score mask: scaled rope-part scores, -inf outside the selected set.
         allowed = self._selection(x, qr, k_idx[:, 0], offset, L, S)  # [B or 1, L, S]
         pe = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # [B,H,L,S]
         bias = mx.where(allowed[:, None], pe, mx.array(-mx.inf, pe.dtype))
 
-        w_uk, w_uv = self._kv_b()
         if L == 1:  # absorbed: attend in the 512-dim latent, then unembed per head
             q_lat = q_nope @ w_uk  # [B,H,1,rank]
             o = mx.fast.scaled_dot_product_attention(
@@ -154,6 +165,11 @@ class GatedDSA(nn.Module):
             k = latent @ w_uk.swapaxes(-1, -2)  # [B,H,S,nope]
             v = latent @ w_uv.swapaxes(-1, -2)  # [B,H,S,v]
             o = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale, mask=bias)
+        return self._output(x, o)
+
+    def _output(self, x: mx.array, o: mx.array) -> mx.array:
+        """Heads [B, H, L, v] -> gated o_proj output [B, L, hidden]."""
+        B, H, L, _ = o.shape
         o = o.transpose(0, 2, 1, 3).reshape(B, L, H * self.v_dim)
         if self.use_gate:
             o = o * mx.sigmoid(self.g_proj(x))
@@ -166,5 +182,4 @@ class GatedDSA(nn.Module):
         if S <= self.index_topk:
             return causal[None]
         q_idx, w = self.indexer.queries(x, qr)
-        scores = dsa_index_scores(q_idx, w, k_idx, offset)
-        return dsa_topk_mask(scores, self.index_topk)
+        return dsa_select(q_idx, w, k_idx, self.index_topk, offset)

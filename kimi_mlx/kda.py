@@ -17,7 +17,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .config import ModelArgs
-from .metal.kda import kda_gate, kda_gate_softplus, kda_update, l2_normalize
+from .metal.dispatch import kernel_mode
+from .metal.kda import kda_forward
 
 
 def causal_depthwise_conv(x: mx.array, weight: mx.array, state: mx.array):
@@ -85,8 +86,9 @@ class KimiDeltaAttention(nn.Module):
             conv_state = mx.zeros((B, self.conv_size - 1, 3 * P), dtype=x.dtype)
         if state is None:
             state = mx.zeros((B, H, D, D), dtype=mx.float32)
-        if T == 1 and not self.training:
+        if T == 1 and not self.training and kernel_mode() != "sim":
             # One decode token: a compiled graph (fused elementwise ops, no per-op overhead).
+            # Not under the emulator: its kernels read their inputs, which a trace cannot.
             if self._decode is None:
                 self._decode = mx.compile(self._forward)
             y, conv_state, state = self._decode(x, conv_state, state)
@@ -112,19 +114,12 @@ class KimiDeltaAttention(nn.Module):
             streams.append(nn.silu(y).reshape(B, T, H, D))
             new_conv.append(s)
         q, k, v = streams
-        q = l2_normalize(q) * (D**-0.5)
-        k = l2_normalize(k)
-
         raw = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
-        A_log = self.A_log.reshape(H, 1)
-        dt_bias = self.dt_bias.reshape(H, D)
-        if self.lower_bound is not None:
-            g = kda_gate(raw, A_log, dt_bias, float(self.lower_bound))
-        else:
-            g = kda_gate_softplus(raw, A_log, dt_bias)
-        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
-
-        o, state = kda_update(q, k, v, g, beta, state)
+        lower = float(self.lower_bound) if self.lower_bound is not None else None
+        # L2 norms, gate, beta and the recurrence (kernel or reference: metal/kda.py).
+        o, state = kda_forward(
+            q, k, v, raw, self.b_proj(x), self.A_log, self.dt_bias, state, lower, D**-0.5
+        )
 
         gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
         o = (self.o_norm(o.astype(x.dtype)) * gate).astype(x.dtype)  # o_norm is F32 on disk

@@ -8,11 +8,16 @@ Math: DeepSeek-V3.2 indexer (transformers `modeling_deepseek_v32.py` Indexer, ml
 
 Positive constant factors (DSv3.2's 128^-1/2 * 32^-1/2) do not change the selection and
 are left out. Scores are computed in float32.
+
+Dispatch points (kernel on Metal / in the emulator, these references otherwise):
+`dsa_select` (selection mask) and `dsa_sparse_decode` (one decode token past index_topk).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+
+from .dispatch import kernel_mode
 
 
 def dsa_index_scores(
@@ -70,3 +75,102 @@ def dsa_index_topk(
     scores = dsa_index_scores(q_idx, weights, k_idx, offset)
     k = min(topk, scores.shape[-1])
     return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
+
+
+def sparse_mla_decode(
+    q_lat: mx.array,
+    q_pe: mx.array,
+    latent: mx.array,
+    k_pe: mx.array,
+    indices: mx.array,
+    scale: float,
+) -> mx.array:
+    """Absorbed-MLA decode attention over only the selected latent + rope-key rows
+    (reference for the `sparse_mla_decode` kernel; K31_SPEC.md section 3, "Gated DSA").
+
+    Args:
+        q_lat: [B, H, 1, R] absorbed queries (q_nope . W_UK); q_pe: [B, H, 1, P].
+        latent: [B, S, R] latent cache; k_pe: [B, S, P] rope-key cache (shared by heads).
+        indices: [B, K] int32 selected positions; entries outside [0, S) (e.g. -1) are
+            skipped.
+        scale: softmax scale.
+    Returns:
+        [B, H, 1, R] in q_lat's dtype: sum_s softmax_s(scale (q_lat . c_s + q_pe . kpe_s)) c_s
+        over the valid selected s (float32 softmax); zeros for a row with none.
+    """
+    S = latent.shape[1]
+    valid = (indices >= 0) & (indices < S)  # [B, K]
+    safe = mx.where(valid, indices, 0).astype(mx.int32)
+    c = mx.take_along_axis(latent, safe[..., None], axis=1).astype(mx.float32)  # [B, K, R]
+    kp = mx.take_along_axis(k_pe, safe[..., None], axis=1).astype(mx.float32)  # [B, K, P]
+    s = q_lat.astype(mx.float32) @ c[:, None].swapaxes(-1, -2)
+    s = scale * (s + q_pe.astype(mx.float32) @ kp[:, None].swapaxes(-1, -2))  # [B, H, 1, K]
+    s = mx.where(valid[:, None, None, :], s, -mx.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = mx.exp(s - mx.where(m > -mx.inf, m, 0.0))
+    den = p.sum(axis=-1, keepdims=True)
+    o = (p @ c[:, None]) / mx.where(den > 0, den, 1.0)
+    return o.astype(q_lat.dtype)
+
+
+def dsa_select(
+    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
+) -> mx.array:
+    """The layer's selection mask (dispatch point: `dsa_index_topk` kernel on Metal or in
+    the emulator, `dsa_topk_mask(dsa_index_scores(...))` otherwise).
+
+    Shapes as `dsa_index_scores`. Returns [B, L, S] bool: causal, and the top-`topk`
+    indexer scores of each row (all allowed keys when a row has no more than `topk`).
+    """
+    if kernel_mode() == "reference":
+        scores = dsa_index_scores(q_idx, weights, k_idx, offset)
+        return dsa_topk_mask(scores, topk)
+    from .kernels import dsa_index_topk as kernel
+
+    idx = kernel(q_idx, weights, k_idx, topk, offset)  # [B, L, k], -1 padded
+    B, L = idx.shape[:2]
+    S = k_idx.shape[1]
+    # -1 only pads rows that select every allowed key, key 0 among them: pointing the
+    # padding at 0 selects nothing new.
+    picked = mx.put_along_axis(
+        mx.zeros((B, L, S), dtype=mx.bool_), mx.maximum(idx, 0), mx.array(True), axis=-1
+    )
+    causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]
+    return picked & causal
+
+
+def dsa_sparse_decode(
+    q_lat: mx.array,
+    q_pe: mx.array,
+    latent: mx.array,
+    k_pe: mx.array,
+    scale: float,
+    q_idx: mx.array,
+    weights: mx.array,
+    k_idx: mx.array,
+    topk: int,
+    offset: int,
+) -> mx.array:
+    """One decode token of Gated DSA in the absorbed latent form (dispatch point).
+
+    Args:
+        q_lat: [B, H, 1, R]; q_pe: [B, H, 1, P]; latent: [B, 1, S, R]; k_pe: [B, 1, S, P]
+            (the DSACache layout); scale: softmax scale.
+        q_idx, weights, k_idx, topk, offset: the indexer inputs (`dsa_index_scores`, L = 1).
+    Returns:
+        [B, H, 1, R] in q_lat's dtype. On Metal or in the emulator: the `dsa_index_topk`
+        kernel, then `sparse_mla_decode` over the selected rows. Otherwise the reference:
+        the selection mask as an additive -inf bias on the rope scores, and dense SDPA.
+    """
+    if kernel_mode() == "reference":
+        allowed = dsa_topk_mask(dsa_index_scores(q_idx, weights, k_idx, offset), topk)
+        pe = (q_pe * scale) @ k_pe.swapaxes(-1, -2)  # [B, H, 1, S]
+        bias = mx.where(allowed[:, None], pe, mx.array(-mx.inf, pe.dtype))
+        return mx.fast.scaled_dot_product_attention(
+            q_lat, latent, latent, scale=scale, mask=bias
+        )
+    from .kernels import dsa_index_topk as index_kernel
+    from .kernels import sparse_mla_decode as attend_kernel
+
+    idx = index_kernel(q_idx, weights, k_idx, topk, offset)  # [B, 1, k]
+    return attend_kernel(q_lat, q_pe, latent[:, 0], k_pe[:, 0], idx[:, 0], scale)

@@ -8,7 +8,8 @@ state S in R^{Dk x Dv} (stored transposed, as mlx-lm does: [B, H, Dv, Dk], float
     S <- S + beta_t k_t (v_t - S^T k_t)^T
     o_t = S^T q_t
 
-`kda_update` is the single place that chooses kernel or reference.
+Kernel or reference is chosen in two dispatch functions at the end of this file:
+`kda_forward` (the layer's entry, raw streams in) and `kda_update` (prepared q, k, g, beta).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .dispatch import kernel_mode
 
 
 @partial(mx.compile, shapeless=True)
@@ -197,9 +200,100 @@ def kda_update(
 ) -> Tuple[mx.array, mx.array]:
     """KDA for a prompt chunk or one decode token; same contract as `kda_recurrent`.
 
-    The one place where a Metal kernel or a reference op is chosen: one token goes through
-    the recurrence, longer inputs through the chunked form.
+    Chooses kernel or reference (`dispatch.kernel_mode()`): on Metal or in the emulator the
+    `kda_prefill` kernel (any length); otherwise one token goes through the recurrence,
+    longer inputs through the chunked form.
     """
+    if kernel_mode() != "reference":
+        from .kernels import kda_prefill
+
+        return kda_prefill(q, k, v, g, beta, state)
     if q.shape[1] == 1:
         return kda_recurrent(q, k, v, g, beta, state)
     return kda_chunked(q, k, v, g, beta, state)
+
+
+def kda_prepare(
+    q: mx.array,
+    k: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    lower_bound: Optional[float],
+    scale: float,
+    eps: float = 1e-6,
+) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+    """(q, k, g, beta) for the recurrence from the raw streams (shapes as `kda_decode`):
+    q <- l2norm(q) * scale, k <- l2norm(k), g from `kda_gate` (or `kda_gate_softplus`
+    when lower_bound is None), beta = sigmoid(b) in float32."""
+    H, Dk = q.shape[2], q.shape[3]
+    q = l2_normalize(q, eps) * scale
+    k = l2_normalize(k, eps)
+    A_log = A_log.reshape(H, 1)
+    dt_bias = dt_bias.reshape(H, Dk)
+    if lower_bound is not None:
+        g = kda_gate(a, A_log, dt_bias, float(lower_bound))
+    else:
+        g = kda_gate_softplus(a, A_log, dt_bias)
+    beta = mx.sigmoid(b.astype(mx.float32))
+    return q, k, g, beta
+
+
+def kda_decode(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: Optional[mx.array] = None,
+    lower_bound: Optional[float] = -5.0,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+) -> Tuple[mx.array, mx.array]:
+    """KDA from the raw streams: L2 norms, gate, beta, then the recurrence (reference op of
+    the fused `kda_decode` kernel, which does all of it in one dispatch).
+
+    Args:
+        q, k: [B, T, H, Dk] after conv + SiLU, before the L2 norm; v: [B, T, H, Dv].
+        a: [B, T, H, Dk] raw gate input f_b(f_a(x)); b: [B, T, H] beta logits.
+        A_log: [H] or [H, 1]; dt_bias: [H, Dk] or [H * Dk].
+        state: [B, H, Dv, Dk] float32 or None (zeros).
+        lower_bound: gate_lower_bound (`kda_gate`), or None for `kda_gate_softplus`.
+        scale: readout scale folded into q (default Dk^-1/2); eps: `l2_normalize` eps.
+    Returns:
+        (o [B, T, H, Dv] in v's dtype, state [B, H, Dv, Dk] float32).
+    """
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    q, k, g, beta = kda_prepare(q, k, a, b, A_log, dt_bias, lower_bound, scale, eps)
+    return kda_recurrent(q, k, v, g, beta, state)
+
+
+def kda_forward(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: Optional[mx.array] = None,
+    lower_bound: Optional[float] = -5.0,
+    scale: Optional[float] = None,
+) -> Tuple[mx.array, mx.array]:
+    """The KDA layer's entry point (arguments as `kda_decode`): one decode token goes to
+    the fused `kda_decode` kernel on Metal or in the emulator; everything else prepares
+    q, k, g, beta with the reference ops and goes through `kda_update`.
+    """
+    Dk = q.shape[-1]
+    if scale is None:
+        scale = Dk**-0.5
+    if q.shape[1] == 1 and kernel_mode() != "reference":
+        from .kernels import kda_decode as kda_decode_kernel
+
+        return kda_decode_kernel(q, k, v, a, b, A_log, dt_bias, state, lower_bound, scale)
+    q, k, g, beta = kda_prepare(q, k, a, b, A_log, dt_bias, lower_bound, scale)
+    return kda_update(q, k, v, g, beta, state)

@@ -1,0 +1,335 @@
+"""Metal kernels for KDA and Gated DSA: the `.metal` bodies beside this file, built with
+`kimi_mlx.metal.dispatch.metal_kernel` (real Metal on a Mac, the CPU emulator under
+`use_sim()` / KIMI_MLX_METAL_SIM=1), and wrappers with the signatures of their pure-MLX
+reference ops:
+
+| kernel (this module)  | source                    | reference op                                  |
+|-----------------------|---------------------------|-----------------------------------------------|
+| `kda_decode`          | kda_decode.metal          | `kimi_mlx.metal.kda.kda_decode`               |
+| `kda_prefill`         | kda_prefill.metal         | `kimi_mlx.metal.kda.kda_chunked` (and `kda_recurrent`) |
+| `dsa_index_topk`      | dsa_index_topk.metal      | `kimi_mlx.metal.dsa.dsa_index_topk`           |
+| `sparse_mla_decode`   | sparse_mla_decode.metal   | `kimi_mlx.metal.dsa.sparse_mla_decode`        |
+
+Model code does not call these directly: the dispatch functions in `kda.py` / `dsa.py`
+(`kda_forward`, `kda_update`, `dsa_select`, `dsa_sparse_decode`) pick kernel or reference
+by `kernel_mode()`. Calling a wrapper in "reference" mode raises MetalUnavailableError.
+
+`.metal` file format: a leading comment, then sections opened by a line `// @kernel NAME`
+(the body mx.fast.metal_kernel takes) or `// @header` (text placed before every kernel of
+that file). Sizes that change from call to call (T, S, offset, K) are scalar inputs, never
+template values, so one compiled pipeline serves every step.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Callable, Dict, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .dispatch import DispatchKernel, metal_kernel
+
+__all__ = [
+    "kda_decode",
+    "kda_prefill",
+    "dsa_index_topk",
+    "sparse_mla_decode",
+    "KERNELS",
+    "SPECS",
+    "load_sources",
+    "build_kernel",
+]
+
+_DIR = Path(__file__).resolve().parent
+_SECTION = re.compile(r"^//\s*@(kernel\s+(\w+)|header)\s*$", re.M)
+
+# kernel name -> (file, input names, output names)
+SPECS: Dict[str, Tuple[str, Sequence[str], Sequence[str]]] = {
+    "kda_decode": (
+        "kda_decode.metal",
+        ["q", "k", "v", "a", "b", "A_log", "dt_bias", "state_in", "T", "lower_bound",
+         "scale", "eps"],
+        ["y", "state_out"],
+    ),
+    "kda_prefill": (
+        "kda_prefill.metal",
+        ["q", "k", "v", "g", "beta", "state_in", "T"],
+        ["y", "state_out"],
+    ),
+    "dsa_index_topk": (
+        "dsa_index_topk.metal",
+        ["q", "w", "kx", "S", "L", "offset", "K"],
+        ["idx", "scores"],
+    ),
+    "sparse_mla_partial": (
+        "sparse_mla_decode.metal",
+        ["q_lat", "q_pe", "latent", "k_pe", "sel", "S", "K", "NSPLIT", "scale"],
+        ["part_o", "part_ml"],
+    ),
+    "sparse_mla_combine": (
+        "sparse_mla_decode.metal",
+        ["part_o", "part_ml", "NSPLIT"],
+        ["out"],
+    ),
+}
+
+MAX_THREADGROUP_BYTES = 32768
+
+
+def load_sources(file: str) -> Dict[str, str]:
+    """Sections of a `.metal` file beside this module: {"header": text, NAME: body, ...}.
+
+    Raises:
+        FileNotFoundError: no such file. ValueError: a file without `// @kernel` sections.
+    """
+    text = (_DIR / file).read_text()
+    out: Dict[str, str] = {"header": ""}
+    marks = list(_SECTION.finditer(text))
+    if not any(m.group(2) for m in marks):
+        raise ValueError(f"{file}: no `// @kernel NAME` section")
+    for m, nxt in zip(marks, marks[1:] + [None]):
+        body = text[m.end() : nxt.start() if nxt is not None else len(text)]
+        if m.group(2):
+            out[m.group(2)] = body
+        else:
+            out["header"] += body
+    return out
+
+
+def build_kernel(name: str, transform: Optional[Callable[[str], str]] = None) -> DispatchKernel:
+    """The DispatchKernel for `name` (a key of SPECS), its body optionally rewritten by
+    `transform` (tests use this to plant a bug and check that it is caught)."""
+    file, inputs, outputs = SPECS[name]
+    src = load_sources(file)
+    body = src[name] if transform is None else transform(src[name])
+    return metal_kernel(name, list(inputs), list(outputs), source=body, header=src["header"])
+
+
+# Built once at import (cheap: nothing compiles until the first call). Tests may swap
+# entries (monkeypatch.setitem) for a deliberately broken build.
+KERNELS: Dict[str, DispatchKernel] = {name: build_kernel(name) for name in SPECS}
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+# ------------------------------------------------------------------------------- KDA
+
+
+def kda_decode(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: Optional[mx.array] = None,
+    lower_bound: Optional[float] = -5.0,
+    scale: Optional[float] = None,
+    eps: float = 1e-6,
+) -> Tuple[mx.array, mx.array]:
+    """Fused KDA step(s) for all heads in one dispatch (kernel for `kda.kda_decode`).
+
+    Args:
+        q, k: [B, T, H, Dk] raw streams (after conv + SiLU, before the L2 norm); T is
+            usually 1 (decode), any T >= 1 works (tokens run one after another).
+        v: [B, T, H, Dv].
+        a: [B, T, H, Dk] raw gate input f_b(f_a(x)).
+        b: [B, T, H] beta logits (b_proj x).
+        A_log: [H] or [H, 1]; dt_bias: [H, Dk] or [H * Dk] (float32 in the checkpoint).
+        state: [B, H, Dv, Dk] float32 or None (zeros).
+        lower_bound: K3's gate_lower_bound (g = lb * sigmoid(e^A_log (a + dt_bias)));
+            None selects the softplus gate g = -e^A_log softplus(a + dt_bias).
+        scale: readout scale folded into q (default Dk^-1/2); eps: added to sum(x^2).
+    Returns:
+        (o [B, T, H, Dv] in v's dtype, state [B, H, Dv, Dk] float32).
+    Raises:
+        ValueError: inconsistent shapes. MetalUnavailableError: kernel_mode() == "reference".
+    """
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    _check(k.shape == q.shape and a.shape == q.shape, "kda_decode: q, k, a must share a shape")
+    _check(v.shape[:3] == (B, T, H) and b.shape == (B, T, H), "kda_decode: v / b shape")
+    _check(A_log.size == H and dt_bias.size == H * Dk, "kda_decode: A_log [H], dt_bias [H, Dk]")
+    if state is None:
+        state = mx.zeros((B, H, Dv, Dk), dtype=mx.float32)
+    _check(state.shape == (B, H, Dv, Dk), f"kda_decode: state must be {(B, H, Dv, Dk)}")
+    if scale is None:
+        scale = Dk**-0.5
+    y, s = KERNELS["kda_decode"](
+        inputs=[q, k, v, a, b, A_log.reshape(H).astype(mx.float32),
+                dt_bias.reshape(H * Dk).astype(mx.float32), state.astype(mx.float32), T,
+                float(lower_bound if lower_bound is not None else 0.0), float(scale),
+                float(eps)],
+        template=[("OutT", v.dtype), ("Dk", Dk), ("Dv", Dv), ("H", H),
+                  ("GATE", 0 if lower_bound is not None else 1)],
+        grid=(32, Dv, B * H),
+        threadgroup=(32, 4, 1),
+        output_shapes=[(B, T, H, Dv), (B, H, Dv, Dk)],
+        output_dtypes=[v.dtype, mx.float32],
+    )
+    return y, s
+
+
+def _prefill_tiling(Dk: int, Dv: int, chunk: int) -> Tuple[int, int, int]:
+    """(C, NSG, CPS): chunk that fits threadgroup memory, SIMD-groups per threadgroup,
+    value columns per SIMD-group."""
+    C = chunk
+    while C > 1 and 4 * (3 * C * Dk + 3 * C * C + Dk + C) > MAX_THREADGROUP_BYTES:
+        C //= 2
+    _check(4 * (3 * C * Dk + 3 * C * C + Dk + C) <= MAX_THREADGROUP_BYTES,
+           f"kda_prefill: head_dim {Dk} does not fit threadgroup memory")
+    NSG = 4
+    CPS = max(1, min(4, math.ceil(Dv / NSG)))
+    return C, NSG, CPS
+
+
+def kda_prefill(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+    chunk: int = 16,
+) -> Tuple[mx.array, mx.array]:
+    """Chunked KDA over a prompt of any length (kernel for `kda.kda_chunked`).
+
+    Args:
+        q, k: [B, T, H, Dk], L2-normalised (q also scaled by Dk^-1/2).
+        v: [B, T, H, Dv].
+        g: [B, T, H, Dk] float32 log decay (`kda_gate`); any gate, no lower bound needed.
+        beta: [B, T, H] in (0, 1).
+        state: [B, H, Dv, Dk] float32 or None (zeros): the state carried in.
+        chunk: tokens per chunk (1..32; halved until the chunk fits 32 KiB of threadgroup
+            memory, e.g. 16 at Dk=128).
+    Returns:
+        (o [B, T, H, Dv] in v's dtype, final state [B, H, Dv, Dk] float32).
+    Raises:
+        ValueError: inconsistent shapes, chunk outside 1..32.
+        MetalUnavailableError: kernel_mode() == "reference".
+    """
+    B, T, H, Dk = q.shape
+    Dv = v.shape[-1]
+    _check(k.shape == q.shape and g.shape == q.shape, "kda_prefill: q, k, g must share a shape")
+    _check(v.shape[:3] == (B, T, H) and beta.shape == (B, T, H), "kda_prefill: v / beta shape")
+    _check(1 <= chunk <= 32, "kda_prefill: chunk must be in 1..32")
+    if state is None:
+        state = mx.zeros((B, H, Dv, Dk), dtype=mx.float32)
+    _check(state.shape == (B, H, Dv, Dk), f"kda_prefill: state must be {(B, H, Dv, Dk)}")
+    C, NSG, CPS = _prefill_tiling(Dk, Dv, chunk)
+    nblk = math.ceil(Dv / (NSG * CPS))
+    y, s = KERNELS["kda_prefill"](
+        inputs=[q, k, v, g.astype(mx.float32), beta, state.astype(mx.float32), T],
+        template=[("OutT", v.dtype), ("Dk", Dk), ("Dv", Dv), ("H", H), ("C", C),
+                  ("NSG", NSG), ("CPS", CPS)],
+        grid=(32, NSG * nblk, B * H),
+        threadgroup=(32, NSG, 1),
+        output_shapes=[(B, T, H, Dv), (B, H, Dv, Dk)],
+        output_dtypes=[v.dtype, mx.float32],
+    )
+    return y, s
+
+
+# ------------------------------------------------------------------------------- DSA
+
+
+def dsa_index_topk(
+    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
+) -> mx.array:
+    """Indexer top-k per query row (kernel for `dsa.dsa_index_topk`).
+
+    Args:
+        q_idx: [B, L, Hi, Di] index queries; weights: [B, L, Hi] head weights;
+        k_idx: [B, S, Di] cached index keys; topk: index_topk (>= 1);
+        offset: position of the first query (query l sees keys s <= offset + l).
+    Returns:
+        [B, L, min(topk, S)] int32, a top-k set of each row's allowed keys (order free;
+        ties broken towards lower positions). A row with fewer allowed keys than that
+        lists all of them, then -1.
+    Raises:
+        ValueError: inconsistent shapes, topk < 1, Hi * Di too large for threadgroup
+        memory. MetalUnavailableError: kernel_mode() == "reference".
+    """
+    B, L, Hi, Di = q_idx.shape
+    S = k_idx.shape[1]
+    _check(weights.shape == (B, L, Hi), "dsa_index_topk: weights must be [B, L, Hi]")
+    _check(k_idx.shape == (B, S, Di), "dsa_index_topk: k_idx must be [B, S, Di]")
+    _check(topk >= 1 and S >= 1, "dsa_index_topk: topk and S must be >= 1")
+    NT = 256
+    _check(4 * (Hi * Di + Hi + 256 + 2 * NT // 32 + 2) <= MAX_THREADGROUP_BYTES,
+           "dsa_index_topk: Hi * Di too large for threadgroup memory")
+    K = min(topk, S)
+    idx, _ = KERNELS["dsa_index_topk"](
+        inputs=[q_idx, weights, k_idx, S, L, int(offset), K],
+        template=[("Hi", Hi), ("Di", Di), ("NT", NT)],
+        grid=(NT, L, B),
+        threadgroup=(NT, 1, 1),
+        output_shapes=[(B, L, K), (B, L, S)],
+        output_dtypes=[mx.int32, mx.float32],
+    )
+    return idx
+
+
+def _splits(K: int) -> int:
+    """Split-K partitions: about 128 selected rows per threadgroup, at most 32."""
+    return max(1, min(32, math.ceil(K / 128)))
+
+
+def sparse_mla_decode(
+    q_lat: mx.array,
+    q_pe: mx.array,
+    latent: mx.array,
+    k_pe: mx.array,
+    indices: mx.array,
+    scale: float,
+    *,
+    splits: Optional[int] = None,
+) -> mx.array:
+    """Absorbed-MLA decode over the selected rows only (kernel for `dsa.sparse_mla_decode`).
+
+    Args:
+        q_lat: [B, H, 1, R] absorbed queries (q_nope . W_UK); q_pe: [B, H, 1, P].
+        latent: [B, S, R] latent cache; k_pe: [B, S, P] rope-key cache (shared by heads).
+        indices: [B, K] int32 selected positions; entries outside [0, S) are skipped.
+        scale: softmax scale ((nope + rope)^-1/2 in K3).
+        splits: split-K partitions (keyword-only tuning knob; default about K / 128).
+    Returns:
+        [B, H, 1, R] in q_lat's dtype: softmax(scale (q_lat c_s + q_pe kpe_s)) over the
+        valid selected s, times c_s; zeros for a row with no valid index.
+    Raises:
+        ValueError: inconsistent shapes. MetalUnavailableError: kernel_mode() == "reference".
+    """
+    B, H, one, R = q_lat.shape
+    P = q_pe.shape[-1]
+    S = latent.shape[1]
+    K = indices.shape[-1]
+    _check(one == 1 and q_pe.shape == (B, H, 1, P), "sparse_mla_decode: one query per row")
+    _check(latent.shape == (B, S, R) and k_pe.shape == (B, S, P),
+           "sparse_mla_decode: latent [B, S, R], k_pe [B, S, P]")
+    _check(indices.shape == (B, K) and K >= 1, "sparse_mla_decode: indices must be [B, K]")
+    nsplit = _splits(K) if splits is None else max(1, min(int(splits), K))
+    HG = min(H, 4)
+    part_o, part_ml = KERNELS["sparse_mla_partial"](
+        inputs=[q_lat, q_pe, latent, k_pe, indices.astype(mx.int32), S, K, nsplit,
+                float(scale)],
+        template=[("H", H), ("R", R), ("P", P)],
+        grid=(32, H, B * nsplit),
+        threadgroup=(32, HG, 1),
+        output_shapes=[(B, nsplit, H, R), (B, nsplit, H, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (out,) = KERNELS["sparse_mla_combine"](
+        inputs=[part_o, part_ml, nsplit],
+        template=[("OutT", q_lat.dtype), ("H", H), ("R", R)],
+        grid=(32, H, B),
+        threadgroup=(32, HG, 1),
+        output_shapes=[(B, H, 1, R)],
+        output_dtypes=[q_lat.dtype],
+    )
+    return out
