@@ -379,6 +379,9 @@ class AtomicOutput:
                 p.mkdir()
                 self._made.append(p)
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=parent))
+            umask = os.umask(0o22)
+            os.umask(umask)
+            os.chmod(self.tmp, 0o777 & ~umask)  # mkdtemp's 0700 would stick to the output
         except OSError as e:
             self._cleanup()
             raise PruneError(_explain(e, self.out)) from None
