@@ -78,11 +78,12 @@ def _budget(text: str):
 
 def run(args) -> int:
     try:
+        if args.dry_run:
+            return dry_run(args.model, args.keep, args.experts, args.macs or list(DRY_RUN_MACS),
+                           args.context)
         _, margs, _ = source_args(Path(args.model))
         n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token,
                                  keep=args.keep, experts=args.experts)
-        if args.dry_run:
-            return dry_run(args.model, n_keep, args.macs or list(DRY_RUN_MACS), args.context)
         if not args.out:
             raise PruneError("--out is required (or use --dry-run)")
         AtomicOutput(args.out, src=args.model, force=args.force).check()  # fail before calibrating
@@ -105,14 +106,27 @@ def run(args) -> int:
     return 0
 
 
-def dry_run(model: str, n_keep: int, macs, context: int) -> int:
-    """Print per-layer bytes before/after pruning to `n_keep` experts and, for each Mac
-    set, whether the planner fits the result (weights + cache at `context` tokens)."""
+def dry_run(model: str, keep, experts, macs, context: int) -> int:
+    """Print per-layer bytes before/after pruning and, for each Mac set, whether the
+    planner fits the result (weights + cache at `context` tokens). Writes nothing.
+
+    `model` may also be a hub id: sizes then come from the local cache or the shipped
+    config, as for `kimi-mlx plan` (nothing is downloaded).
+    Raises:
+        PruneError: the model cannot be sized; KeepError: bad --keep / --experts.
+    """
     # The one accepted cluster import in prune/: the planner owns "what fits where".
     from kimi_mlx.cluster.layer_bytes import model_bytes
     from kimi_mlx.cluster.planner import PlanError, StagePlanner, parse_macs
 
-    before = model_bytes(model)
+    try:
+        before = model_bytes(model)
+    except (ValueError, FileNotFoundError) as e:
+        raise PruneError(f"{model}: cannot size the checkpoint: {e}") from None
+    if not before.num_experts:
+        raise PruneError(f"{model}: the model has no routed-expert (MoE) layers to prune")
+    n_keep = experts_to_keep(before.num_experts, before.experts_per_token, keep=keep,
+                             experts=experts)
     after = before.pruned(n_keep)
     gb = lambda n: f"{n / 1e9:,.3f}"
     print(f"model: {model} ({before.source})")

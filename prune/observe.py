@@ -298,6 +298,15 @@ def activation_bytes(args: ModelArgs, tokens: int, itemsize: int) -> int:
     return tokens * args.hidden_size * itemsize * (1 + banks)
 
 
+def spills(estimate: int, budget: Optional[int]) -> bool:
+    """Whether `estimate` bytes of activations go to disk under `budget` (None: a quarter
+    of physical RAM, never when RAM is unknown; 0: always)."""
+    if budget is None:
+        ram = physical_memory()
+        return bool(ram) and estimate > ram // 4
+    return estimate > budget
+
+
 def _cache_arrays(cache) -> List[mx.array]:
     state = getattr(cache, "state", None) or []
     if isinstance(state, mx.array):
@@ -395,11 +404,10 @@ def _embed(model, calib: CalibSet, args: ModelArgs, spill_dir, budget):
     if dtype == mx.uint32:  # a quantized embedding: activations come out in its scales' dtype
         dtype = model.text.embed_tokens.scales.dtype
     est = activation_bytes(args, calib.num_tokens, dtype.size)
-    limit = physical_memory() // 4 if budget is None else budget
-    spill = est > limit if (limit or budget is not None) else False  # RAM unknown: keep
+    spill = spills(est, budget)
     if spill and spill_dir is None:
         raise ValueError(f"calibration activations need ~{est / 2**30:.2f} GiB, more than the "
-                         f"{limit / 2**30:.2f} GiB budget, and no spill folder was given")
+                         "in-memory budget, and no spill folder was given")
     store = ActivationStore(args.rms_norm_eps, Path(spill_dir) if spill else None)
     for s, ids in enumerate(calib.sequences):
         h = model.text.embed(mx.array([ids], dtype=mx.int32))

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+import mlx.core as mx
+
 from .calib import CalibSet, load_calibration
-from .observe import ObserveResult, observe
+from .observe import ObserveResult, activation_bytes, observe, spills
 from .report import model_card, write_report
 from .saliency import Selection, select
 from .writer import AtomicOutput, PruneError, plan_checkpoint, source_args, write_checkpoint
@@ -34,8 +36,9 @@ def calibration(src, paths: Sequence, seq_len: int, max_tokens: Optional[int], s
                             max_tokens=max_tokens, seed=seed, vocab_size=vocab_size)
 
 
-def check_space(src, where: Path, n_keep: int) -> int:
-    """Bytes the output will take; PruneError when `where`'s disk has less free space.
+def check_space(src, where: Path, n_keep: int, scratch: int = 0) -> int:
+    """Bytes the output will take (+ `scratch` bytes of spilled activations); PruneError
+    when `where`'s disk has less free space.
 
     Sizes come from the shard headers with the first n_keep experts of every layer (the
     size does not depend on which experts are kept).
@@ -43,11 +46,12 @@ def check_space(src, where: Path, n_keep: int) -> int:
     _, args, _ = source_args(src)
     layers = [i for i in range(args.num_hidden_layers) if args.is_moe(i)]
     plan = plan_checkpoint(src, {i: list(range(n_keep)) for i in layers}, n_keep)
-    need = plan.bytes_out + plan.copy_bytes
+    need = plan.bytes_out + plan.copy_bytes + scratch
     free = shutil.disk_usage(where).free
     if free < need:
-        raise PruneError(f"{where}: not enough free space for the pruned checkpoint: it needs "
-                         f"{need / 1e9:.2f} GB, the disk has {free / 1e9:.2f} GB free")
+        what = " and its spilled calibration activations" if scratch else ""
+        raise PruneError(f"{where}: not enough free space for the pruned checkpoint{what}: it "
+                         f"needs {need / 1e9:.2f} GB, the disk has {free / 1e9:.2f} GB free")
     return need
 
 
@@ -112,8 +116,11 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
         PruneError: bad source, existing --out, no space, or a failed write; nothing is
             left at `out` or beside it.
     """
+    _, args, _ = source_args(src)
+    itemsize = 4 if mx.default_device() == mx.cpu else 2  # the loader's activation dtype
+    est = activation_bytes(args, calib.num_tokens, itemsize)
     with AtomicOutput(out, src=src, force=force) as ao:
-        check_space(src, ao.tmp, n_keep)
+        check_space(src, ao.tmp, n_keep, est if spills(est, activation_budget) else 0)
         log(f"calibrating on {calib.describe()}")
         result = observe(src, calib, chunk=chunk, spill_dir=ao.tmp / ".activations",
                          activation_budget=activation_budget, progress=progress, log=log)

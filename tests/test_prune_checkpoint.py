@@ -251,3 +251,11 @@ def test_dry_run_prints_sizes_and_fits_without_writing(src, tmp_path, capsys):
     assert code_ == 0, err
     assert "16->8" in text and "total" in text and "1x64GB: yes" in text
     assert not out.exists()
+
+
+def test_dry_run_of_the_release_from_its_shipped_config(capsys):
+    code_, text, err = run(["prune", "--model", "moonshotai/Kimi-K3.1-Pro", "--keep", "0.2",
+                            "--dry-run"], capsys)
+    assert code_ == 0, err
+    assert "896->179" in text and "1,560.323" in text
+    assert "1x512GB: yes" in text and "1x256GB: no" in text
