@@ -42,6 +42,8 @@ test: install
 
 bench: install
 	$(BIN)/python -m kimi_mlx.bench
+	@echo
+	$(BIN)/kimi-mlx bench kernels
 
 bench-prune: install
 	$(BIN)/python -m kimi_mlx.prune.bench

@@ -98,19 +98,22 @@ def sparse_mla_decode(
         [B, H, 1, R] in q_lat's dtype: sum_s softmax_s(scale (q_lat . c_s + q_pe . kpe_s)) c_s
         over the valid selected s (float32 softmax); zeros for a row with none.
     """
+    B, H, _, R = q_lat.shape
     S = latent.shape[1]
     valid = (indices >= 0) & (indices < S)  # [B, K]
-    safe = mx.where(valid, indices, 0).astype(mx.int32)
-    c = mx.take_along_axis(latent, safe[..., None], axis=1).astype(mx.float32)  # [B, K, R]
-    kp = mx.take_along_axis(k_pe, safe[..., None], axis=1).astype(mx.float32)  # [B, K, P]
-    s = q_lat.astype(mx.float32) @ c[:, None].swapaxes(-1, -2)
-    s = scale * (s + q_pe.astype(mx.float32) @ kp[:, None].swapaxes(-1, -2))  # [B, H, 1, K]
-    s = mx.where(valid[:, None, None, :], s, -mx.inf)
+    # Flat row numbers (b * S + s): one `take` per cache, no broadcast gather.
+    rows = (mx.where(valid, indices, 0) + mx.arange(B)[:, None] * S).astype(mx.int32)
+    c = mx.take(latent.reshape(B * S, R), rows, axis=0).astype(mx.float32)  # [B, K, R]
+    kp = mx.take(k_pe.reshape(B * S, -1), rows, axis=0).astype(mx.float32)  # [B, K, P]
+    # Heads as the matmul rows: [B, H, R] @ [B, R, K].
+    s = q_lat.reshape(B, H, R).astype(mx.float32) @ c.swapaxes(-1, -2)
+    s = scale * (s + q_pe.reshape(B, H, -1).astype(mx.float32) @ kp.swapaxes(-1, -2))
+    s = mx.where(valid[:, None, :], s, -mx.inf)  # [B, H, K]
     m = s.max(axis=-1, keepdims=True)
     p = mx.exp(s - mx.where(m > -mx.inf, m, 0.0))
     den = p.sum(axis=-1, keepdims=True)
-    o = (p @ c[:, None]) / mx.where(den > 0, den, 1.0)
-    return o.astype(q_lat.dtype)
+    o = (p @ c) / mx.where(den > 0, den, 1.0)  # [B, H, R]
+    return o.reshape(B, H, 1, R).astype(q_lat.dtype)
 
 
 def dsa_select(
