@@ -1,0 +1,794 @@
+"""Train the shipped micro Kimi K3.1 checkpoint (`make micro`): MLX on the CPU, ~25 min on 2 cores.
+
+What it does, in order (all deterministic for a given `--seed` and interpreter):
+
+1. Corpus: Python stdlib sources (code) and the stdlib's documentation text (prose), with
+   a held-out split per domain (`kimi_mlx.micro.corpus`).
+2. Tokenizer: byte-level BPE (`kimi_mlx.bpe`, 4096 ranks) plus Kimi's 256 special tokens,
+   written as `tiktoken.model` + `tokenizer_config.json` like the release.
+3. Model: our own `kimi_mlx.model.Model` (the code that runs the real checkpoint) at micro
+   size (`micro_text_config`): 6 layers, layer 0 dense, four KDA layers, two Gated DSA
+   layers, AttnRes blocks of 2, latent MoE with 32 routed experts top-4 plus a shared
+   expert, SiTU, NoPE MLA. Trained in float32 with AdamW on sequences of `--seq-len` tokens.
+   Three training-only behaviours are added by subclasses whose parameters are exactly the
+   inference modules' (so the exported names and shapes are the model's own):
+   * DSA indexer (DeepSeek-V3.2): for the first `--dense-steps` the main attention is dense
+     causal and the indexer learns KL(p_attn || softmax(I)) over all causal keys, p_attn
+     the main attention summed over heads and L1-normalised (no gradient); afterwards the
+     main attention uses the indexer's top-`index_topk` keys exactly as inference does and
+     the KL is taken over the selected keys. The indexer reads detached inputs, so it gets
+     only the KL gradient and the language model only the LM gradient.
+   * Router: auxiliary-loss-free balancing (DeepSeek-V3): after each step every layer's
+     `e_score_correction_bias` moves by +-`--bias-step` toward equal expert load.
+   * MXFP4 quantization-aware training for the last `--qat-steps`: routed-expert weights
+     are fake-quantized (mx.quantize / mx.dequantize, mode "mxfp4") with a
+     straight-through estimator, so the exported MXFP4 experts are what was trained.
+4. Export with `kimi_mlx.testing.build_checkpoint` (official layout: BF16 non-expert
+   weights, MXFP4 `weight_packed` / `weight_scale` experts, 3 shards + index, config,
+   tokenizer files), the held-out and calibration text files, `eval.json` and
+   `MODEL_CARD.md`, into `kimi_mlx/assets/micro` (replaced atomically).
+
+Run: `python -m kimi_mlx.micro.train [--out DIR] [--steps N] [--seed S]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.switch_layers import SwitchLinear
+
+from ..config import ModelArgs
+from ..dsa import GatedDSA
+from ..ffn import LatentMoE
+from ..metal.dsa import dsa_index_scores, dsa_topk_mask
+from ..model import Model
+from ..testing import full_config, tiny_text_config
+from .corpus import DOMAINS, Corpus, build_corpus
+
+ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "micro"
+VOCAB_RANKS = 4096  # ordinary BPE tokens; 256 Kimi special tokens follow them
+MXFP4_GROUP = 32
+
+
+# ----------------------------------------------------------------------------- config
+
+
+def micro_text_config(vocab_size: int = VOCAB_RANKS + 256) -> Dict[str, Any]:
+    """The micro model's text config (official key names).
+
+    6 layers: 0-based 2 and 5 Gated DSA (1-indexed `full_attn_layers` [3, 6]), 0, 1, 3, 4
+    KDA; layer 0 dense SiTU MLP, layers 1-5 latent MoE (32 experts top-4 + 1 shared,
+    latent 64, expert width 96); AttnRes blocks of 2 layers; hidden 128; MLA 4 heads
+    (nope 32 + rope 16, v 32, q/kv latent 64); indexer 4 heads x 32, index_topk 64 (a
+    quarter of the training length, so training and long prompts take the sparse path).
+    """
+    return tiny_text_config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=384,
+        max_position_embeddings=4096,
+        attn_res_block_size=2,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=32,
+        num_experts_per_token=4,
+        num_shared_experts=1,
+        moe_intermediate_size=96,
+        routed_expert_hidden_size=64,
+        routed_scaling_factor=1.0,
+        linear_attn_config={
+            "num_heads": 4,
+            "head_dim": 32,
+            "short_conv_kernel_size": 4,
+            "use_full_rank_gate": True,
+            "gate_lower_bound": -5.0,
+            "full_attn_layers": [3, 6],
+            "kda_layers": [1, 2, 4, 5],
+        },
+        dsa_config={"index_n_heads": 4, "index_head_dim": 32, "index_topk": 64},
+    )
+
+
+# ------------------------------------------------------------------- training modules
+
+
+class _Stash:
+    """Plain holder for arrays produced inside a forward pass (not a Module parameter)."""
+
+    def __init__(self):
+        self.value = None
+
+
+def mxfp4_roundtrip(w: mx.array) -> mx.array:
+    """w [..., in] (in a multiple of 32) -> MXFP4 quantize then dequantize, w's dtype."""
+    q, s = mx.quantize(w, group_size=MXFP4_GROUP, bits=4, mode="mxfp4")
+    return mx.dequantize(q, s, group_size=MXFP4_GROUP, bits=4, mode="mxfp4").astype(w.dtype)
+
+
+class FakeQuantSwitchLinear(SwitchLinear):
+    """mlx-lm SwitchLinear whose weight is MXFP4 fake-quantized while `qat` is set.
+
+    Forward uses dequant(quant(w)); backward passes the gradient straight through to w.
+    """
+
+    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
+        super().__init__(input_dims, output_dims, num_experts, bias=False)
+        self.qat = False
+
+    def __call__(self, x, indices, sorted_indices=False):
+        w = self["weight"]
+        if self.qat:
+            w = w + mx.stop_gradient(mxfp4_roundtrip(w) - w)
+        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices,
+                            sorted_indices=sorted_indices)
+
+
+class TrainLatentMoE(LatentMoE):
+    """LatentMoE that keeps each forward's expert choices (for load balancing) and uses
+    fake-quantizable expert weights. Same parameters as LatentMoE."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        sw = self.switch_mlp
+        latent, hidden, E = sw.gate_proj.input_dims, sw.gate_proj.output_dims, args.num_experts
+        sw.gate_proj = FakeQuantSwitchLinear(latent, hidden, E)
+        sw.up_proj = FakeQuantSwitchLinear(latent, hidden, E)
+        sw.down_proj = FakeQuantSwitchLinear(hidden, latent, E)
+        self.num_experts = E
+        self.stash = _Stash()
+
+    def set_qat(self, on: bool) -> None:
+        for proj in (self.switch_mlp.gate_proj, self.switch_mlp.up_proj, self.switch_mlp.down_proj):
+            proj.qat = on
+
+    def route(self, x):
+        inds, w = super().route(x)
+        self.stash.value = inds
+        return inds, w
+
+
+def dsa_train_forward(
+    attn: GatedDSA, x: mx.array, sparse: bool
+) -> Tuple[mx.array, mx.array]:
+    """Gated DSA forward of a whole sequence (no cache) plus the indexer's KL loss.
+
+    Same output as `GatedDSA.__call__(x)` when `sparse` (top-`index_topk` selection from
+    the same `dsa_index_scores` / `dsa_topk_mask`), dense causal MLA otherwise.
+
+    Args:
+        attn: the layer (its weights are used as they are).
+        x: [B, T, hidden] normed layer input.
+        sparse: restrict the main attention to the indexer's top-k (else dense causal).
+    Returns:
+        (output [B, T, hidden], KL loss: mean over queries of
+        KL(p_attn || softmax(I * Di^-1/2 * Hi^-1/2)) over the allowed keys, a scalar).
+        The indexer's inputs are detached and p_attn carries no gradient.
+    """
+    B, T, _ = x.shape
+    H = attn.num_heads
+    qr = attn.q_a_layernorm(attn.q_a_proj(x))
+    q = attn.q_b_proj(qr).reshape(B, T, H, attn.nope + attn.rope).transpose(0, 2, 1, 3)
+    q_nope, q_pe = q[..., : attn.nope], q[..., attn.nope :]
+    ckv = attn.kv_a_proj_with_mqa(x)
+    latent = attn.kv_a_layernorm(ckv[..., : attn.kv_rank])[:, None]  # [B,1,T,rank]
+    k_pe = ckv[..., attn.kv_rank :][:, None]  # [B,1,T,rope]
+    w_uk, w_uv = attn._kv_b()
+    k = latent @ w_uk.swapaxes(-1, -2)  # [B,H,T,nope]
+    v = latent @ w_uv.swapaxes(-1, -2)  # [B,H,T,v]
+    scores = (q_nope @ k.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)) * attn.scale
+
+    # Indexer on detached inputs: it learns from the KL loss only.
+    ind = attn.indexer
+    xd, qrd = mx.stop_gradient(x), mx.stop_gradient(qr)
+    q_idx, w_idx = ind.queries(xd, qrd)  # [B,T,Hi,Di], [B,T,Hi]
+    k_idx = ind.keys(xd)[:, 0]  # [B,T,Di]
+    causal = mx.tril(mx.ones((T, T), dtype=mx.bool_))
+    if sparse and T > attn.index_topk:
+        sel = dsa_index_scores(mx.stop_gradient(q_idx), mx.stop_gradient(w_idx),
+                               mx.stop_gradient(k_idx), 0)
+        allowed = mx.stop_gradient(dsa_topk_mask(sel, attn.index_topk))  # [B,T,T]
+    else:
+        allowed = mx.broadcast_to(causal, (B, T, T))
+
+    scores = mx.where(allowed[:, None], scores, mx.array(-mx.inf, scores.dtype))
+    p = mx.softmax(scores, axis=-1, precise=True)  # [B,H,T,T]
+    o = (p @ v).transpose(0, 2, 1, 3).reshape(B, T, H * attn.v_dim)
+    if attn.use_gate:
+        o = o * mx.sigmoid(attn.g_proj(x))
+    out = attn.o_proj(o)
+
+    # KL(p_attn || q_index) over the allowed keys (DeepSeek-V3.2 indexer training).
+    target = mx.stop_gradient(p.sum(axis=1))
+    target = target / target.sum(axis=-1, keepdims=True)
+    logits = (mx.maximum(q_idx @ k_idx[:, None].swapaxes(-1, -2), 0.0)
+              * w_idx[..., None]).sum(axis=2)  # [B,T,T]
+    logits = logits * (ind.head_dim**-0.5 * ind.n_heads**-0.5)
+    logits = mx.where(allowed, logits, -1e9)
+    logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    logp = mx.log(mx.maximum(target, 1e-30))
+    kl = mx.where(allowed, target * (logp - logq), 0.0).sum(axis=-1).mean()
+    return out, kl
+
+
+class TrainGatedDSA(GatedDSA):
+    """GatedDSA with the DeepSeek-V3.2 indexer training path while `training` is set
+    (`sparse` chooses the phase); the inference path otherwise. Same parameters."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__(args)
+        self.sparse = False
+        self.stash = _Stash()
+
+    def __call__(self, x, cache=None):
+        if cache is not None or not self.training:
+            return super().__call__(x, cache)
+        out, self.stash.value = dsa_train_forward(self, x, self.sparse)
+        return out
+
+
+def build_model(args: ModelArgs, seed: int) -> Model:
+    """Our `Model` with the training subclasses in place and deterministic initial weights.
+
+    Initialisation (NumPy, seeded): linear weights N(0, fan_in^-1/2) with output
+    projections scaled by (2 * layers)^-1/2; embedding N(0, 1); norms 1; KDA A_log =
+    log U(1, 16) and dt_bias = inverse-softplus of dt ~ logU(1e-3, 1e-1) (FLA's KDA init);
+    depthwise convs U(-1/2, 1/2); AttnRes pseudo-queries 0 (uniform mixing at start, as in
+    the AttnRes paper); router N(0, 0.02) and correction bias 0.
+    """
+    mx.random.seed(seed)
+    model = Model(args)
+    for i, layer in enumerate(model.layers):
+        if args.is_dsa(i):
+            layer.self_attn = TrainGatedDSA(args)
+        if args.is_moe(i):
+            layer.block_sparse_moe = TrainLatentMoE(args)
+    rng = np.random.default_rng(seed)
+    scale_out = (2 * args.num_hidden_layers) ** -0.5
+    new = []
+    for name, p in tree_flatten(model.parameters()):
+        shape = tuple(p.shape)
+        if name.endswith("A_log"):
+            v = np.log(rng.uniform(1.0, 16.0, shape))
+        elif name.endswith("dt_bias"):
+            dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape))
+            v = dt + np.log(-np.expm1(-dt))
+        elif name.endswith("conv1d.weight"):
+            v = rng.uniform(-0.5, 0.5, shape)
+        elif name.endswith("_res_proj.weight") or name.endswith("e_score_correction_bias"):
+            v = np.zeros(shape)
+        elif name.endswith("gate.weight"):
+            v = rng.normal(0.0, 0.02, shape)
+        elif "norm" in name:
+            v = np.ones(shape) if name.endswith("weight") else np.zeros(shape)
+        elif name.endswith("embed_tokens.weight"):
+            v = rng.normal(0.0, 1.0, shape)
+        else:
+            v = rng.normal(0.0, shape[-1] ** -0.5, shape)
+            if name.endswith(("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.weight")):
+                v = v * scale_out
+        new.append((name, mx.array(v.astype(np.float32))))
+    model.load_weights(new, strict=True)
+    model.freeze(keys=["e_score_correction_bias"])
+    model.train()
+    mx.eval(model.parameters())
+    return model
+
+
+def _modules(model: Model, cls):
+    return [m for _, m in model.named_modules() if isinstance(m, cls)]
+
+
+def set_phase(model: Model, sparse: bool, qat: bool) -> None:
+    """Choose the DSA phase (dense warm-up or sparse) and MXFP4 QAT on or off."""
+    for m in _modules(model, TrainGatedDSA):
+        m.sparse = sparse
+    for m in _modules(model, TrainLatentMoE):
+        m.set_qat(qat)
+
+
+# ------------------------------------------------------------------------------ train
+
+
+def loss_fn(model: Model, inputs: mx.array, targets: mx.array):
+    """(LM cross-entropy + mean indexer KL, (ce, kl, expert load [moe layers, E]))."""
+    logits = model(inputs)
+    ce = nn.losses.cross_entropy(logits, targets, reduction="mean")
+    kls = [m.stash.value for m in _modules(model, TrainGatedDSA)]
+    kl = sum(kls) / len(kls)
+    loads = []
+    for m in _modules(model, TrainLatentMoE):
+        inds = m.stash.value.reshape(-1)
+        loads.append(mx.zeros((m.num_experts,), mx.float32).at[inds].add(1.0))
+    return ce + kl, (ce, kl, mx.stack(loads))
+
+
+class Sampler:
+    """Deterministic batches: half code, half prose, random windows of seq_len + 1 tokens."""
+
+    def __init__(self, streams: Dict[str, np.ndarray], batch: int, seq_len: int, seed: int):
+        self.streams = streams
+        self.batch, self.seq_len = batch, seq_len
+        self.rng = np.random.default_rng(seed + 1)
+
+    def __call__(self) -> Tuple[mx.array, mx.array]:
+        rows = []
+        for j in range(self.batch):
+            s = self.streams[DOMAINS[j % len(DOMAINS)]]
+            o = int(self.rng.integers(0, len(s) - self.seq_len - 1))
+            rows.append(s[o : o + self.seq_len + 1])
+        x = mx.array(np.stack(rows).astype(np.int32))
+        return x[:, :-1], x[:, 1:]
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warm-up then cosine decay to `floor * peak` at `total`."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def make_step(model: Model, opt: optim.Optimizer, bias_step: float, clip: float):
+    """One training step: (inputs, targets) -> (ce, kl, load [moe layers, E]).
+
+    Not `mx.compile`d: on the CPU backend the step is bound by transcendental elementwise
+    ops (exp / sigmoid / tanh), which compiling does not speed up.
+    """
+    value_and_grad = nn.value_and_grad(model, loss_fn)
+    moes = _modules(model, TrainLatentMoE)
+
+    def step(inputs, targets):
+        (_, (ce, kl, loads)), grads = value_and_grad(model, inputs, targets)
+        grads, _ = optim.clip_grad_norm(grads, clip)
+        opt.update(model, grads)
+        for m, load in zip(moes, loads):
+            bias = m.gate.e_score_correction_bias
+            m.gate.e_score_correction_bias = bias + bias_step * mx.sign(load.mean() - load)
+        return ce, kl, loads
+
+    return step
+
+
+def train(model: Model, sampler: Sampler, cfg: argparse.Namespace, log=print) -> List[Dict]:
+    """Run `cfg.steps` optimizer steps; returns a history of logged points."""
+    from tqdm import tqdm
+
+    opt = optim.AdamW(learning_rate=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    history = []
+    phase = None
+    step_fn = make_step(model, opt, cfg.bias_step, cfg.clip)
+    t0 = time.perf_counter()
+    bar = tqdm(range(cfg.steps), desc="train", unit="step", dynamic_ncols=True,
+               mininterval=2.0, file=sys.stderr)
+    ce_avg = kl_avg = None
+    for i in bar:
+        sparse = i >= cfg.dense_steps
+        qat = i >= cfg.steps - cfg.qat_steps
+        if (sparse, qat) != phase:
+            phase = (sparse, qat)
+            set_phase(model, sparse, qat)
+        opt.learning_rate = lr_at(i, cfg.steps, cfg.lr, cfg.warmup)
+        inputs, targets = sampler()
+        ce, kl, loads = step_fn(inputs, targets)
+        mx.eval(ce, kl, loads, model.state, opt.state)
+        ce, kl = ce.item(), kl.item()
+        ce_avg = ce if ce_avg is None else 0.95 * ce_avg + 0.05 * ce
+        kl_avg = kl if kl_avg is None else 0.95 * kl_avg + 0.05 * kl
+        if i % 10 == 0 or i == cfg.steps - 1:
+            load = np.array(loads)
+            imbalance = float((load.max(axis=1) / load.mean(axis=1)).mean())
+            bar.set_postfix(ce=f"{ce_avg:.3f}", ppl=f"{math.exp(ce_avg):.1f}",
+                            kl=f"{kl_avg:.3f}", maxload=f"{imbalance:.2f}",
+                            phase=("sparse" if sparse else "dense") + ("+qat" if qat else ""))
+            history.append({"step": i, "ce": ce, "kl": kl, "max_over_mean_load": imbalance,
+                            "lr": float(opt.learning_rate), "seconds": time.perf_counter() - t0})
+    bar.close()
+    return history
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def train_tokenizer(corpus: Corpus, vocab_ranks: int = VOCAB_RANKS) -> Dict[bytes, int]:
+    """Byte-level BPE ranks learned from the training split of both domains."""
+    from ..bpe import train_bpe
+
+    docs = [d.text for domain in DOMAINS for d in corpus.train[domain]]
+    return train_bpe(docs, vocab_ranks)
+
+
+def token_streams(tokenizer, corpus: Corpus, split: str = "train") -> Dict[str, np.ndarray]:
+    """{domain: int32 ids of the split's joined text} (`Corpus.text`)."""
+    return {d: np.array(tokenizer.encode(corpus.text(split, d)), dtype=np.int32) for d in DOMAINS}
+
+
+def _take_docs(docs, budget: int) -> str:
+    """Whole documents, in order, while they fit in `budget` UTF-8 bytes, joined."""
+    from .corpus import SEPARATOR
+
+    out, n = [], 0
+    for d in docs:
+        size = len(d.text.encode("utf-8")) + len(SEPARATOR)
+        if n + size <= budget:
+            out.append(d.text)
+            n += size
+    return SEPARATOR.join(out)
+
+
+def write_text_assets(out: Path, corpus: Corpus, heldout_bytes: int, calib_bytes: int) -> Dict:
+    """heldout/{code,prose}.txt (held-out split) and calib/{code,prose}.txt (train split).
+
+    Returns {"heldout": {domain: bytes}, "calib": {domain: bytes}}.
+    """
+    sizes: Dict[str, Dict[str, int]] = {"heldout": {}, "calib": {}}
+    for sub, split, budget in (("heldout", "heldout", heldout_bytes), ("calib", "train", calib_bytes)):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+        for d in DOMAINS:
+            text = _take_docs(getattr(corpus, split)[d], budget)
+            (out / sub / f"{d}.txt").write_text(text, encoding="utf-8")
+            sizes[sub][d] = len(text.encode("utf-8"))
+    return sizes
+
+
+# ------------------------------------------------------------------------- evaluation
+
+
+def inference_copy(model: Model, args: ModelArgs, dtype=mx.bfloat16) -> Model:
+    """A plain inference `Model` with `model`'s weights rounded to `dtype` (float32 kept
+    for the tensors the release keeps in F32), run with float32 activations."""
+    from ..testing import F32_SUFFIXES
+
+    plain = Model(args)
+    weights = [
+        (n, p if n.endswith(F32_SUFFIXES) else p.astype(dtype).astype(mx.float32))
+        for n, p in tree_flatten(model.parameters())
+    ]
+    plain.load_weights(weights, strict=True)
+    plain.eval()
+    plain.activation_dtype = mx.float32
+    mx.eval(plain.parameters())
+    return plain
+
+
+def set_index_topk(model: Model, topk: int) -> None:
+    """Set every Gated DSA layer's index_topk (a huge value makes the attention dense)."""
+    for m in _modules(model, GatedDSA):
+        m.index_topk = topk
+
+
+def measure(model: Model, ids: Dict[str, List[int]], seq_len: int) -> Dict[str, float]:
+    """{domain: held-out perplexity} with `kimi_mlx.evaluate.perplexity`."""
+    from ..evaluate import perplexity
+
+    return {d: perplexity(model, ids[d], seq_len).perplexity for d in DOMAINS}
+
+
+TEST_TOKENS = 4096  # held-out tokens per domain that tests/test_micro.py measures
+
+
+def evaluate_all(trained: Model, ckpt: Path, args: ModelArgs, seq_len: int, log=print,
+                 max_tokens: Optional[int] = None) -> Dict:
+    """Held-out perplexities (BF16 and the shipped MXFP4 checkpoint), by window length,
+    dense vs sparse attention, and expert usage per domain: the figures of `eval.json`
+    and MODEL_CARD.md. `test_subset` repeats BF16 / MXFP4 on the first TEST_TOKENS
+    held-out tokens of each domain, which the tests measure again."""
+    from ..evaluate import expert_usage, read_tokens
+    from ..loader import load_model
+    from ..tokenizer import KimiTokenizer
+
+    tok = KimiTokenizer.from_pretrained(ckpt)
+    ids = {d: read_tokens(tok, ckpt / "heldout" / f"{d}.txt", max_tokens) for d in DOMAINS}
+    sub = {d: ids[d][: TEST_TOKENS + 1] for d in DOMAINS}
+    res: Dict[str, Any] = {"uniform": args.vocab_size, "seq_len": seq_len,
+                           "heldout_tokens": {d: len(ids[d]) for d in DOMAINS}}
+    trained.eval()
+    bf16 = inference_copy(trained, args, mx.bfloat16)
+    res["bf16"] = measure(bf16, ids, seq_len)
+    log(f"bf16 {res['bf16']}")
+    shipped, _, _ = load_model(ckpt, verbose=False)
+    res["mxfp4"] = measure(shipped, ids, seq_len)
+    log(f"mxfp4 {res['mxfp4']}")
+    res["test_subset"] = {"tokens": TEST_TOKENS, "seq_len": seq_len,
+                          "bf16": measure(bf16, sub, seq_len), "mxfp4": measure(shipped, sub, seq_len)}
+
+    topk = args.index_topk
+    res["by_seq_len"] = {str(topk): measure(shipped, ids, topk), str(seq_len): res["mxfp4"],
+                         str(16 * topk): measure(shipped, ids, 16 * topk)}
+    set_index_topk(shipped, 1 << 30)
+    res["dense_by_seq_len"] = {str(L): measure(shipped, ids, L) for L in (seq_len, 16 * topk)}
+    set_index_topk(shipped, topk)
+    log(f"by seq len {res['by_seq_len']} dense {res['dense_by_seq_len']}")
+
+    halves, usage, tv_halves = {}, {}, {}
+    for d in DOMAINS:
+        n = len(ids[d]) // 2
+        halves[d] = (expert_usage(shipped, ids[d][:n], seq_len),
+                     expert_usage(shipped, ids[d][n:], seq_len))
+        usage[d] = 0.5 * (halves[d][0] + halves[d][1])  # equal token counts: the mean
+        tv_halves[d] = float(0.5 * np.abs(halves[d][0] - halves[d][1]).sum(axis=1).mean())
+    tv = 0.5 * np.abs(usage["code"] - usage["prose"]).sum(axis=1)
+    res["experts"] = {
+        "share": {d: usage[d].tolist() for d in DOMAINS},
+        "tv_code_vs_prose_per_layer": tv.tolist(),
+        "tv_code_vs_prose": float(tv.mean()),
+        "tv_between_halves": tv_halves,
+    }
+    log(f"expert TV code vs prose {tv.mean():.3f} (halves {tv_halves})")
+    return res
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def dir_bytes(path: Path) -> int:
+    """Total size of the files under `path` (bytes)."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move folder `src` to `dst`, replacing any old `dst` (rename-based, same filesystem)."""
+    old = None
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+    os.replace(src, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def model_card(info: Dict) -> str:
+    """MODEL_CARD.md text from the run's figures (`info` as written to eval.json)."""
+    ev, c, t = info["eval"], info["corpus"], info["training"]
+    text = info["text_config"]
+    lin, dsa = text["linear_attn_config"], text["dsa_config"]
+
+    def row(name, figs):
+        return f"| {name} | {figs['code']:.2f} | {figs['prose']:.2f} |"
+
+    cs = c["stats"]
+    lines = [
+        "# kimi-mlx micro: a trained Kimi K3.1-architecture checkpoint",
+        "",
+        "A {:.1f}M-parameter model of the Kimi K3.1 architecture, trained from scratch on the CPU by "
+        "`make micro` (`python -m kimi_mlx.micro.train`) on Python standard-library code and "
+        "the standard library's documentation text. It exists so that generation, evaluation "
+        "and pruning can be checked on a model that has learned real text, in the official "
+        "file layout. It is not chat-tuned: use `--ignore-chat-template`.".format(info["parameters"] / 1e6),
+        "",
+        "## Architecture (config.json `text_config`)",
+        "",
+        "| item | value |",
+        "|---|---|",
+        f"| layers | {text['num_hidden_layers']}: KDA {[i - 1 for i in lin['kda_layers']]}, "
+        f"Gated DSA {[i - 1 for i in lin['full_attn_layers']]} (0-based); layer 0 dense SiTU MLP "
+        f"(width {text['intermediate_size']}), the rest latent MoE |",
+        f"| hidden / vocab | {text['hidden_size']} / {text['vocab_size']} "
+        f"({info['tokenizer']['ranks']} BPE ranks + 256 Kimi special tokens) |",
+        f"| AttnRes block size | {text['attn_res_block_size']} |",
+        f"| KDA | {lin['num_heads']} heads x {lin['head_dim']}, conv {lin['short_conv_kernel_size']}, "
+        f"gate lower bound {lin['gate_lower_bound']} |",
+        f"| Gated MLA | {text['num_attention_heads']} heads, nope {text['qk_nope_head_dim']} + rope "
+        f"{text['qk_rope_head_dim']} (NoPE), v {text['v_head_dim']}, q/kv latent "
+        f"{text['q_lora_rank']}/{text['kv_lora_rank']}, output gate |",
+        f"| DSA indexer | {dsa['index_n_heads']} heads x {dsa['index_head_dim']}, "
+        f"index_topk {dsa['index_topk']} (training length {t['seq_len']}) |",
+        f"| MoE | {text['num_experts']} routed experts top-{text['num_experts_per_token']} "
+        f"(width {text['moe_intermediate_size']}, latent {text['routed_expert_hidden_size']}), "
+        f"{text['num_shared_experts']} shared expert, sigmoid router + correction bias, "
+        f"routed_scaling_factor {text['routed_scaling_factor']} |",
+        f"| activation | SiTU (beta {text['activation_situ_beta']}, linear beta "
+        f"{text['activation_situ_linear_beta']}) |",
+        f"| files | BF16 non-expert weights (F32 KDA conv / A_log / dt_bias, router bias), MXFP4 "
+        f"`weight_packed` / `weight_scale` routed experts, 3 shards + index, "
+        f"`tiktoken.model` + `tokenizer_config.json`; {info['checkpoint_bytes'] / 1e6:.2f} MB in total |",
+        "",
+        "## Corpus",
+        "",
+        f"Read from the Python {c['python_version']} standard library at build time "
+        f"(`kimi_mlx/micro/corpus.py`); corpus fingerprint `{c['fingerprint'][:16]}`. A "
+        "different Python version reads a different corpus and trains a different model.",
+        "",
+        "| domain | source | train | held out |",
+        "|---|---|---|---|",
+        f"| code | stdlib `.py` sources (no tests, no `encodings/`, files <= 100 kB), "
+        f"held out by file | {cs['train']['code']['documents']} files, "
+        f"{cs['train']['code']['bytes'] / 1e6:.2f} MB, {c['train_tokens']['code']} tokens | "
+        f"{cs['heldout']['code']['documents']} files, {cs['heldout']['code']['bytes'] / 1e6:.2f} MB |",
+        f"| prose | `pydoc_data/topics.py` documentation, `LICENSE.txt`, IDLE texts, "
+        f"`email/architecture.rst`, held out by paragraph block | "
+        f"{cs['train']['prose']['documents']} blocks, {cs['train']['prose']['bytes'] / 1e6:.2f} MB, "
+        f"{c['train_tokens']['prose']} tokens | {cs['heldout']['prose']['documents']} blocks, "
+        f"{cs['heldout']['prose']['bytes'] / 1e6:.2f} MB |",
+        "",
+        f"Shipped beside the weights: `heldout/{{code,prose}}.txt` (held-out text, "
+        f"{ev['heldout_tokens']['code']} and {ev['heldout_tokens']['prose']} tokens) and "
+        f"`calib/{{code,prose}}.txt` (from the training split, for pruning calibration).",
+        "",
+        "## Training",
+        "",
+        f"{t['steps']} AdamW steps (peak lr {t['lr']}, warm-up {t['warmup']}, cosine to 10 %, "
+        f"weight decay {t['weight_decay']}, clip {t['clip']}) of {t['batch']} x {t['seq_len']} "
+        f"tokens (half code, half prose): {t['tokens'] / 1e6:.2f}M tokens, float32, seed "
+        f"{t['seed']}, {t['wall_seconds'] / 60:.1f} min of training on "
+        f"{info['machine']}; `make micro` took {info['total_seconds'] / 60:.1f} min in all.",
+        "",
+        f"- DSA indexer (DeepSeek-V3.2): steps 0-{t['dense_steps'] - 1} dense attention with "
+        "the indexer trained by KL(main attention summed over heads || softmax(indexer "
+        f"scores)); steps {t['dense_steps']}- sparse top-{dsa['index_topk']} attention, KL "
+        "on the selected keys; the indexer reads detached inputs.",
+        f"- Router: auxiliary-loss-free balancing, correction bias step {t['bias_step']}.",
+        f"- MXFP4 quantization-aware training (straight-through) of the routed experts in the "
+        f"last {t['qat_steps']} steps.",
+        f"- Final training loss (mean of the last logged steps): {t['final_ce']:.3f} nats/token "
+        f"(perplexity {math.exp(t['final_ce']):.1f}).",
+        "",
+        "## Held-out perplexity",
+        "",
+        f"`kimi-mlx eval --data heldout/<domain>.txt --seq-len {ev['seq_len']}` "
+        "(windows of that many predicted tokens). A uniform model scores the vocabulary size, "
+        f"{ev['uniform']}.",
+        "",
+        "| weights | code | prose |",
+        "|---|---|---|",
+        row("BF16 (all weights)", ev["bf16"]),
+        row("shipped: BF16 + MXFP4 experts", ev["mxfp4"]),
+        "",
+        "MXFP4 vs BF16: code {:+.2f} %, prose {:+.2f} %.".format(
+            100 * (ev["mxfp4"]["code"] / ev["bf16"]["code"] - 1),
+            100 * (ev["mxfp4"]["prose"] / ev["bf16"]["prose"] - 1)),
+        "",
+        f"By window length (shipped weights; index_topk {dsa['index_topk']}, so windows of "
+        f"{dsa['index_topk']} are dense and longer ones use the indexer's top-k):",
+        "",
+        "| window | code | prose | code, dense attention | prose, dense attention |",
+        "|---|---|---|---|---|",
+    ]
+    for L, figs in ev["by_seq_len"].items():
+        dense = ev["dense_by_seq_len"].get(L)
+        extra = f"{dense['code']:.2f} | {dense['prose']:.2f}" if dense else "= sparse | = sparse"
+        lines.append(f"| {L} | {figs['code']:.2f} | {figs['prose']:.2f} | {extra} |")
+    ex = ev["experts"]
+    lines += [
+        "",
+        "## Expert specialisation",
+        "",
+        "Share of routing mass per routed expert (router weight summed over tokens), per MoE "
+        "layer, on the held-out text. Total variation distance between the code and prose "
+        "shares, averaged over layers: **{:.3f}** (per layer {}); between the two halves of "
+        "the same domain: code {:.3f}, prose {:.3f}.".format(
+            ex["tv_code_vs_prose"], ", ".join(f"{v:.3f}" for v in ex["tv_code_vs_prose_per_layer"]),
+            ex["tv_between_halves"]["code"], ex["tv_between_halves"]["prose"]),
+        "",
+        "## Reproduce",
+        "",
+        "`make micro` rebuilds this folder from the same seed; on the same Python version, "
+        "MLX version and machine type it writes the same tensors (the corpus fingerprint "
+        "above must match). `eval.json` holds every figure of this card.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.train", description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=ASSET_DIR, help="checkpoint folder to (re)write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=640)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--bias-step", type=float, default=1e-3)
+    p.add_argument("--dense-steps", type=int, default=None, help="default: 15%% of --steps")
+    p.add_argument("--qat-steps", type=int, default=None, help="default: 10%% of --steps")
+    p.add_argument("--vocab", type=int, default=VOCAB_RANKS, help="BPE ranks (specials excluded)")
+    p.add_argument("--heldout-bytes", type=int, default=120_000)
+    p.add_argument("--calib-bytes", type=int, default=32_000)
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="measure only the first N held-out tokens per domain (default: all)")
+    p.add_argument("--max-mb", type=float, default=25.0, help="refuse a bigger checkpoint folder")
+    args = p.parse_args(argv)
+    if args.dense_steps is None:
+        args.dense_steps = int(0.15 * args.steps)
+    if args.qat_steps is None:
+        args.qat_steps = int(0.10 * args.steps)
+    return args
+
+
+def main(argv=None) -> int:
+    from ..testing import build_checkpoint
+    from ..tokenizer import KimiTokenizer, kimi_special_tokens
+
+    cfg = parse_args(argv)
+    t_start = time.perf_counter()
+    log = lambda *a: print("[micro]", *a, file=sys.stderr, flush=True)  # noqa: E731
+
+    corpus = build_corpus()
+    log(f"corpus: Python {corpus.python_version}, fingerprint {corpus.fingerprint[:16]}")
+    ranks = train_tokenizer(corpus, cfg.vocab)
+    specials = kimi_special_tokens(len(ranks))
+    tok = KimiTokenizer(ranks, specials)
+    streams = token_streams(tok, corpus, "train")
+    log(f"tokenizer: {len(ranks)} ranks; train tokens " + ", ".join(f"{d} {len(s)}" for d, s in streams.items()))
+
+    text = micro_text_config(len(ranks) + len(specials))
+    args = ModelArgs.from_config(full_config(text))
+    model = build_model(args, cfg.seed)
+    n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    log(f"model: {n_params} parameters")
+
+    t0 = time.perf_counter()
+    history = train(model, Sampler(streams, cfg.batch, cfg.seq_len, cfg.seed), cfg, log)
+    wall = time.perf_counter() - t0
+    log(f"trained {cfg.steps} steps in {wall / 60:.1f} min")
+
+    model.eval()
+    set_phase(model, sparse=True, qat=False)
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.", dir=cfg.out.parent))
+    try:
+        ckpt = build_checkpoint(tmp / "ckpt", text_config=text, model=model, ranks=ranks,
+                                extras=False, dtype=mx.bfloat16)
+        text_sizes = write_text_assets(ckpt, corpus, cfg.heldout_bytes, cfg.calib_bytes)
+        ckpt_bytes = dir_bytes(ckpt)
+        results = evaluate_all(model, ckpt, args, cfg.seq_len, log, cfg.eval_tokens)
+        final_ce = float(np.mean([h["ce"] for h in history[-5:]]))
+        info = {
+            "text_config": json.loads((ckpt / "config.json").read_text())["text_config"],
+            "parameters": n_params,
+            "checkpoint_bytes": ckpt_bytes,
+            "machine": f"{platform.machine()} {os.cpu_count()} cores, MLX {mx.__version__} CPU",
+            "tokenizer": {"ranks": len(ranks), "special": len(specials)},
+            "corpus": {"python_version": corpus.python_version, "fingerprint": corpus.fingerprint,
+                       "stats": corpus.stats(), "train_tokens": {d: int(len(s)) for d, s in streams.items()},
+                       "shipped_text_bytes": text_sizes},
+            "training": {"steps": cfg.steps, "batch": cfg.batch, "seq_len": cfg.seq_len,
+                         "tokens": cfg.steps * cfg.batch * cfg.seq_len, "lr": cfg.lr,
+                         "warmup": cfg.warmup, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
+                         "bias_step": cfg.bias_step, "dense_steps": cfg.dense_steps,
+                         "qat_steps": cfg.qat_steps, "seed": cfg.seed, "wall_seconds": wall,
+                         "final_ce": final_ce, "history": history},
+            "eval": results,
+        }
+        info["total_seconds"] = time.perf_counter() - t_start
+        (ckpt / "eval.json").write_text(json.dumps(info, indent=1) + "\n")
+        (ckpt / "MODEL_CARD.md").write_text(model_card(info))
+        total = dir_bytes(ckpt)
+        if total > cfg.max_mb * 1e6:
+            raise RuntimeError(f"checkpoint folder is {total / 1e6:.1f} MB, over --max-mb {cfg.max_mb}")
+        replace_dir(ckpt, cfg.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"wrote {cfg.out} ({total / 1e6:.2f} MB) in {(time.perf_counter() - t_start) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
