@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from .config import ModelArgs
-from .metal.dsa import dsa_select, dsa_sparse_decode
+from .metal.dsa import dsa_prefill_indices, dsa_sparse_decode, query_block, sparse_mla_attend
 
 
 class DSACache(KVCache):
@@ -116,6 +116,7 @@ class GatedDSA(nn.Module):
             self.g_proj = nn.Linear(d, H * self.v_dim, bias=False)
         self.o_proj = nn.Linear(H * self.v_dim, d, bias=False)
         self.indexer = Indexer(args)
+        self.query_block = None  # queries per sparse-prefill block; None = by memory budget
 
     def _kv_b(self) -> Tuple[mx.array, mx.array]:
         """(W_UK [H, nope, rank], W_UV [H, v, rank]) views of kv_b_proj."""
@@ -150,10 +151,29 @@ class GatedDSA(nn.Module):
             o = o @ w_uv.swapaxes(-1, -2)  # [B,H,1,v]
             return self._output(x, o)
 
-        # Additive score mask: scaled rope-part scores, -inf outside the selected set.
-        allowed = self._selection(x, qr, k_idx[:, 0], offset, L, S)  # [B or 1, L, S]
+        if S > self.index_topk:
+            # Prefill past index_topk: per block of queries, gather each query's selected
+            # rows (memory O(L*k), not O(L*S): a 2048-token chunk at 128k context would
+            # otherwise need a [H, 2048, 128k] score mask).
+            q_idx, w = self.indexer.queries(x, qr)
+            q_lat = q_nope @ w_uk  # [B,H,L,rank]
+            k = min(self.index_topk, S)
+            step = self.query_block or query_block(
+                L, S, k, H, self.indexer.n_heads, self.kv_rank + self.rope)
+            outs = []
+            for s0 in range(0, L, step):
+                blk = slice(s0, s0 + step)
+                idx = dsa_prefill_indices(q_idx[:, blk], w[:, blk], k_idx[:, 0], k, offset + s0)
+                outs.append(sparse_mla_attend(q_lat[:, :, blk], q_pe[:, :, blk], latent[:, 0],
+                                              k_pe[:, 0], idx, self.scale))
+            o = mx.concatenate(outs, axis=2) @ w_uv.swapaxes(-1, -2)  # [B,H,L,v]
+            return self._output(x, o)
+
+        # Context within index_topk: exactly dense causal MLA. Additive score mask: the
+        # scaled rope-part scores, -inf above the diagonal.
+        causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]  # [L, S]
         pe = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # [B,H,L,S]
-        bias = mx.where(allowed[:, None], pe, mx.array(-mx.inf, pe.dtype))
+        bias = mx.where(causal, pe, mx.array(-mx.inf, pe.dtype))
 
         if L == 1:  # absorbed: attend in the 512-dim latent, then unembed per head
             q_lat = q_nope @ w_uk  # [B,H,1,rank]
@@ -174,12 +194,3 @@ class GatedDSA(nn.Module):
         if self.use_gate:
             o = o * mx.sigmoid(self.g_proj(x))
         return self.o_proj(o)
-
-    def _selection(self, x, qr, k_idx, offset: int, L: int, S: int) -> mx.array:
-        """Boolean [B|1, L, S]: causal, and within the indexer's top-`index_topk` when the
-        context is longer than that (otherwise exactly dense causal MLA)."""
-        causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]
-        if S <= self.index_topk:
-            return causal[None]
-        q_idx, w = self.indexer.queries(x, qr)
-        return dsa_select(q_idx, w, k_idx, self.index_topk, offset)

@@ -10,7 +10,7 @@ Positive constant factors (DSv3.2's 128^-1/2 * 32^-1/2) do not change the select
 are left out. Scores are computed in float32.
 
 Dispatch points (kernel on Metal / in the emulator, these references otherwise):
-`dsa_select` (selection mask) and `dsa_sparse_decode` (one decode token past index_topk).
+`dsa_prefill_indices` (selected keys of a block of queries) and `dsa_sparse_decode` (one decode token past index_topk).
 """
 
 from __future__ import annotations
@@ -116,30 +116,20 @@ def sparse_mla_decode(
     return o.reshape(B, H, 1, R).astype(q_lat.dtype)
 
 
-def dsa_select(
+def dsa_prefill_indices(
     q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
 ) -> mx.array:
-    """The layer's selection mask (dispatch point: `dsa_index_topk` kernel on Metal or in
-    the emulator, `dsa_topk_mask(dsa_index_scores(...))` otherwise).
+    """Selected keys of a block of queries past `index_topk` (dispatch point: the
+    `dsa_index_topk` kernel on Metal or in the emulator, `dsa_topk_indices` otherwise).
 
-    Shapes as `dsa_index_scores`. Returns [B, L, S] bool: causal, and the top-`topk`
-    indexer scores of each row (all allowed keys when a row has no more than `topk`).
+    Shapes as `dsa_index_scores`. Returns [B, L, min(topk, S)] int32, -1 padded where a
+    row has fewer allowed keys; the selected set (not the order) is what is defined.
     """
     if kernel_mode() == "reference":
-        scores = dsa_index_scores(q_idx, weights, k_idx, offset)
-        return dsa_topk_mask(scores, topk)
+        return dsa_topk_indices(q_idx, weights, k_idx, topk, offset)
     from .kernels import dsa_index_topk as kernel
 
-    idx = kernel(q_idx, weights, k_idx, topk, offset)  # [B, L, k], -1 padded
-    B, L = idx.shape[:2]
-    S = k_idx.shape[1]
-    # -1 only pads rows that select every allowed key, key 0 among them: pointing the
-    # padding at 0 selects nothing new.
-    picked = mx.put_along_axis(
-        mx.zeros((B, L, S), dtype=mx.bool_), mx.maximum(idx, 0), mx.array(True), axis=-1
-    )
-    causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]
-    return picked & causal
+    return kernel(q_idx, weights, k_idx, topk, offset)
 
 
 def dsa_sparse_decode(
@@ -177,3 +167,64 @@ def dsa_sparse_decode(
 
     idx = index_kernel(q_idx, weights, k_idx, topk, offset)  # [B, 1, k]
     return attend_kernel(q_lat, q_pe, latent[:, 0], k_pe[:, 0], idx[:, 0], scale)
+
+
+def dsa_topk_indices(
+    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
+) -> mx.array:
+    """Top-`topk` key positions per query, -1 where a row has fewer allowed keys.
+
+    Shapes as `dsa_index_scores`; returns [B, L, min(topk, S)] int32 (unordered).
+    """
+    scores = dsa_index_scores(q_idx, weights, k_idx, offset)
+    k = min(topk, scores.shape[-1])
+    idx = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
+    ok = mx.take_along_axis(scores, idx, axis=-1) > -mx.inf
+    return mx.where(ok, idx, -1)
+
+
+def sparse_mla_attend(
+    q_lat: mx.array,
+    q_pe: mx.array,
+    latent: mx.array,
+    k_pe: mx.array,
+    indices: mx.array,
+    scale: float,
+) -> mx.array:
+    """Absorbed-MLA attention of L queries, each over its own selected rows (reference).
+
+    Generalises `sparse_mla_decode` to a block of queries (prefill past `index_topk`),
+    gathering only K rows per query, so memory is O(L*K), not O(L*S).
+
+    Args:
+        q_lat: [B, H, L, R]; q_pe: [B, H, L, P].
+        latent: [B, S, R]; k_pe: [B, S, P].
+        indices: [B, L, K] int32; entries outside [0, S) (e.g. -1) are skipped.
+        scale: softmax scale.
+    Returns:
+        [B, H, L, R] in q_lat's dtype (float32 softmax); zeros for a row with no valid key.
+    """
+    B, H, L, R = q_lat.shape
+    S = latent.shape[1]
+    valid = (indices >= 0) & (indices < S)  # [B, L, K]
+    rows = (mx.where(valid, indices, 0) + (mx.arange(B) * S)[:, None, None]).astype(mx.int32)
+    c = mx.take(latent.reshape(B * S, R), rows, axis=0).astype(mx.float32)  # [B, L, K, R]
+    kp = mx.take(k_pe.reshape(B * S, -1), rows, axis=0).astype(mx.float32)  # [B, L, K, P]
+    # Per query l: heads as matmul rows, [B, L, H, R] @ [B, L, R, K].
+    ql = q_lat.transpose(0, 2, 1, 3).astype(mx.float32)
+    qp = q_pe.transpose(0, 2, 1, 3).astype(mx.float32)
+    s = scale * (ql @ c.swapaxes(-1, -2) + qp @ kp.swapaxes(-1, -2))  # [B, L, H, K]
+    s = mx.where(valid[:, :, None, :], s, -mx.inf)
+    m = s.max(axis=-1, keepdims=True)
+    p = mx.exp(s - mx.where(m > -mx.inf, m, 0.0))
+    den = p.sum(axis=-1, keepdims=True)
+    o = (p @ c) / mx.where(den > 0, den, 1.0)  # [B, L, H, R]
+    return o.transpose(0, 2, 1, 3).astype(q_lat.dtype)
+
+
+def query_block(L: int, S: int, K: int, heads: int, index_heads: int, row: int,
+                budget: int = 1 << 26) -> int:
+    """Queries per block for sparse prefill so no intermediate exceeds `budget` elements
+    (indexer scores Hi*S, gathered rows K*row, attention scores H*K per query)."""
+    per_query = max(index_heads * S, K * row, heads * K, 1)
+    return max(1, min(L, budget // per_query))

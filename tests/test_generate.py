@@ -75,9 +75,14 @@ def test_missing_model_folder_is_named(capsys):
     assert code == 2 and "./no/such/model: no such model folder" in err
 
 
-def test_mlx_lm_load_and_generate_accept_our_checkpoint(tiny_ckpt):
+def test_mlx_lm_load_and_generate_accept_our_checkpoint(tmp_path):
     """A fresh interpreter that never imports kimi_mlx: the installed .pth hook must make
-    mlx-lm find model type kimi_k31 and our tokenizer (no remote code)."""
+    mlx-lm find model type kimi_k31 and our tokenizer (no remote code). F32 weights, so
+    both sides compute in float32 and greedy tokens of this random model cannot flip on
+    bf16 rounding."""
+    from kimi_mlx.testing import build_checkpoint
+
+    tiny_ckpt = build_checkpoint(tmp_path / "f32", dtype=mx.float32, seed=0)
     script = (
         "import sys, mlx_lm\n"
         f"model, tok = mlx_lm.load({str(tiny_ckpt)!r})\n"
@@ -95,7 +100,7 @@ def test_mlx_lm_load_and_generate_accept_our_checkpoint(tiny_ckpt):
     # Same greedy continuation as our own loop over the chat-encoded prompt.
     from kimi_mlx.chat_format import encode_chat
 
-    model, _, _ = load_model(tiny_ckpt, verbose=False, activation_dtype=mx.bfloat16)
+    model, _, _ = load_model(tiny_ckpt, verbose=False)
     tok = KimiTokenizer.from_pretrained(tiny_ckpt)
     ids = encode_chat(tok, [{"role": "user", "content": "hello"}])
     want = tok.decode(greedy_no_cache(model, ids, 6))

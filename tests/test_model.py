@@ -139,9 +139,11 @@ def test_sparse_dsa_matches_straightforward_reference():
     layer = model.layers[2].self_attn
     assert isinstance(layer, GatedDSA) and layer.index_topk == 8
     x = np.random.default_rng(2).normal(size=(1, 21, args.hidden_size)).astype(np.float32)
-    got = np.array(layer(mx.array(x)))[0]
     want = _np_dsa(layer, x[0].astype(np.float64), 8)
-    assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
+    for block in (None, 3):  # one block of queries, and blocks that split the prompt
+        layer.query_block = block
+        got = np.array(layer(mx.array(x)))[0]
+        assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
     # and the selection really is sparse: dense attention gives a different answer
     dense = _np_dsa(layer, x[0].astype(np.float64), 10_000)
     assert np.abs(dense - want)[8:].max() > 1e-3
