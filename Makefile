@@ -51,8 +51,11 @@ bench-prune: install
 micro: install
 	$(BIN)/python -m kimi_mlx.micro.train
 
+# The proto's import path is kimi_mlx/cluster/ so the generated stub imports the installed package.
 proto: install
-	$(BIN)/python -m grpc_tools.protoc -Icluster --python_out=cluster --grpc_python_out=cluster cluster/stage.proto
+	rm -rf build/proto && mkdir -p build/proto
+	$(BIN)/python -m grpc_tools.protoc -Ikimi_mlx/cluster=cluster --python_out=build/proto --grpc_python_out=build/proto cluster/stage.proto
+	cp build/proto/kimi_mlx/cluster/stage_pb2.py build/proto/kimi_mlx/cluster/stage_pb2_grpc.py cluster/
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,477 @@
+"""`kimi-mlx cluster`: init | serve | ls | launch.
+
+- `init`: make the cluster secret (mode 0600; `--tls` also a cluster certificate) to copy
+  to every Mac.
+- `serve`: run on every Mac: serves the stage RPCs and advertises the node over zeroconf.
+- `ls`: browse and print the nodes found (checked with an authenticated call when this
+  machine has the secret).
+- `launch`: on the head: discover, check versions and fingerprints, plan, load every
+  stage with a progress bar per node, then generate with `kimi-mlx generate`'s flags and
+  output. Exit status: 0 done, 1 a stage was lost / refused or the model does not fit,
+  2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import List, Optional
+
+from .auth import DEFAULT_SECRET
+
+DEFAULT_MODELS = "~/.kimi-mlx/models"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
+
+    q = sub.add_parser("init", help="make the cluster secret to copy to every Mac")
+    q.add_argument("--secret-file", type=Path, default=DEFAULT_SECRET)
+    q.add_argument("--force", action="store_true", help="replace an existing secret")
+    q.add_argument("--tls", action="store_true", help="also make a cluster TLS certificate")
+
+    q = sub.add_parser("serve", help="serve a pipeline stage and advertise this node")
+    q.add_argument("--models", default=DEFAULT_MODELS,
+                   help=f"folder of checkpoints this node may load (default {DEFAULT_MODELS}); "
+                        "the shipped micro model is always offered")
+    q.add_argument("--node-id", default=None, help="unique node name (default: host name)")
+    q.add_argument("--port", type=int, default=None, help="TCP port (default 52415; 0 = any free)")
+    q.add_argument("--interface", default=None,
+                   help="interface name or IPv4 address to serve and advertise on (default: "
+                        "the Thunderbolt bridge on macOS when present, else all)")
+    q.add_argument("--no-advertise", action="store_true", help="do not register with zeroconf")
+    q.add_argument("--usable-memory", default=None,
+                   help="memory this stage may use, e.g. 480GB (default: detected)")
+    q.add_argument("--bandwidth-gbs", type=float, default=None,
+                   help="memory bandwidth in GB/s for the planner (default: by chip)")
+    q.add_argument("--idle-timeout", type=float, default=120.0,
+                   help="seconds a session may wait for its next message (default 120)")
+    q.add_argument("--max-sessions", type=int, default=16)
+    q.add_argument("--max-message-mb", type=int, default=256, help="largest message (default 256)")
+    _common(q)
+
+    q = sub.add_parser("ls", help="list the nodes advertising on the network")
+    q.add_argument("--interface", default=None, help="interface name or IPv4 address to browse on")
+    q.add_argument("--timeout", type=float, default=3.0, help="seconds to browse (default 3)")
+    q.add_argument("--json", action="store_true", help="print JSON")
+    _common(q)
+
+    q = sub.add_parser("launch", help="plan, load and generate across the nodes")
+    from kimi_mlx.generate import add_arguments as add_generate_arguments
+
+    add_generate_arguments(q)
+    q.add_argument("--nodes", default="auto",
+                   help="'auto' (zeroconf) or host[:port],host[:port] in pipeline order")
+    q.add_argument("--interface", default=None, help="interface to discover on")
+    q.add_argument("--discover-timeout", type=float, default=3.0)
+    q.add_argument("--context", type=int, default=None,
+                   help="tokens per sequence to plan caches for (default: prompt + max tokens)")
+    q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
+    q.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per message")
+    q.add_argument("--activation-dtype", default="auto",
+                   choices=["auto", "float32", "bfloat16", "float16"],
+                   help="compute dtype between layers (auto: float32 if a stage is on a CPU, "
+                        "else the checkpoint's)")
+    q.add_argument("--wire-dtype", default="same", choices=["same", "float32", "bfloat16", "float16"],
+                   help="dtype of activations on the network (same = the compute dtype)")
+    q.add_argument("--peer-timeout", type=float, default=5.0,
+                   help="seconds of silence before a stage is reported lost (default 5)")
+    q.add_argument("--replan", action="store_true",
+                   help="when a stage is lost, continue on the nodes left if the model fits")
+    q.add_argument("--allow-version-mismatch", action="store_true")
+    q.add_argument("--force-load", action="store_true",
+                   help="replace what busy stages hold (frees other heads' sessions)")
+    _common(q)
+
+
+def _common(q) -> None:
+    q.add_argument("--secret-file", type=Path, default=DEFAULT_SECRET,
+                   help=f"cluster secret (default {DEFAULT_SECRET})")
+    q.add_argument("--tls", action="store_true", help="use the cluster TLS certificate")
+    q.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default per command)")
+
+
+def _logging(level: Optional[str], default: str) -> None:
+    logging.basicConfig(level=getattr(logging, (level or default).upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s", stream=sys.stderr)
+
+
+def run(args) -> int:
+    cmd = getattr(args, "cluster_command", None)
+    if cmd is None:
+        print("usage: kimi-mlx cluster {init,serve,ls,launch} ... (see --help)", file=sys.stderr)
+        return 2
+    return {"init": _init, "serve": _serve, "ls": _ls, "launch": _launch}[cmd](args)
+
+
+def _err(cmd: str, e) -> None:
+    print(f"kimi-mlx cluster {cmd}: error: {e}", file=sys.stderr)
+
+
+# -- init --------------------------------------------------------------------------------
+
+def _init(args) -> int:
+    from .auth import AuthError, init_secret, init_tls
+
+    try:
+        path = init_secret(args.secret_file, force=args.force)
+        files = [path]
+        if args.tls:
+            files += list(init_tls(path, force=args.force))
+    except (FileExistsError, AuthError, OSError) as e:
+        _err("init", e)
+        return 1
+    print(f"wrote {', '.join(str(f) for f in files)} (mode 0600 for keys)")
+    print("copy to the same place on every Mac, keeping the mode, e.g.:")
+    for f in files:
+        print(f"  scp -p {f} OTHER-MAC:{f}")
+    return 0
+
+
+# -- serve -------------------------------------------------------------------------------
+
+def _serve(args) -> int:
+    _logging(args.log_level, "INFO")
+    from .auth import AuthError, load_secret
+    from .discovery import DEFAULT_PORT, interface_addresses
+    from .planner import parse_bytes
+    from .service import StageServer, StageService
+
+    try:
+        secret = load_secret(args.secret_file)
+        addresses = interface_addresses(args.interface)
+        usable = parse_bytes(args.usable_memory) if args.usable_memory else None
+    except (AuthError, ValueError) as e:
+        _err("serve", e)
+        return 2
+    node_id = args.node_id or socket.gethostname().split(".")[0]
+    listen = addresses if (args.interface or sys.platform == "darwin") else ["0.0.0.0"]
+    port = DEFAULT_PORT if args.port is None else args.port
+    tls = args.secret_file if args.tls else None
+    service = StageService(
+        node_id, Path(args.models).expanduser(), secret, tls_secret_path=tls,
+        idle_timeout=args.idle_timeout, max_sessions=args.max_sessions,
+        max_message=args.max_message_mb << 20, usable_memory=usable,
+        bandwidth=int(args.bandwidth_gbs * 1e9) if args.bandwidth_gbs else None)
+    try:
+        server = StageServer(service, listen, port, secret, tls_secret_path=tls).start()
+    except (OSError, RuntimeError, AuthError) as e:
+        service.close()
+        _err("serve", f"cannot listen on port {port} ({e})")
+        return 1
+    try:
+        if not args.no_advertise:
+            server.advertise(addresses, tls=bool(tls))
+    except Exception as e:  # zeroconf: name conflict, no multicast route
+        server.stop(0)
+        _err("serve", f"cannot advertise on {', '.join(addresses)}: {e}")
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    fps = sorted(service.catalog)
+    print(f"kimi-mlx cluster serve: node {node_id} listening on "
+          f"{', '.join(f'{a}:{server.port}' for a in addresses)} "
+          f"({len(fps)} checkpoint(s): {', '.join(fps) or 'none'}; "
+          f"{'advertised' if not args.no_advertise else 'not advertised'})", flush=True)
+    stop.wait()
+    server.stop(1.0)
+    return 0
+
+
+# -- ls ----------------------------------------------------------------------------------
+
+def _ls(args) -> int:
+    _logging(args.log_level, "WARNING")
+    from .auth import AuthError, load_secret
+    from .discovery import browse, interface_addresses
+    from .transport import GrpcTransport
+
+    try:
+        interfaces = interface_addresses(args.interface)
+    except ValueError as e:
+        _err("ls", e)
+        return 2
+    nodes = browse(args.timeout, interfaces)
+    status = {}
+    try:
+        secret = load_secret(args.secret_file)
+    except AuthError as e:
+        secret = None
+        print(f"note: not checking nodes ({e})", file=sys.stderr)
+    if secret is not None and nodes:
+        from .head import check_nodes
+
+        t = GrpcTransport(secret, args.secret_file if args.tls else None)
+        ok, bad = check_nodes(nodes, t.stub_for, fp="", check_version=True)
+        for info, reply in ok:
+            status[info.node_id] = f"ok ({reply.state}, {reply.sessions} sessions)"
+        for r in bad:
+            status[r.node_id] = ("ok" if "does not have the checkpoint" in r.reason
+                                 else r.reason.replace("advertised but not usable: ", ""))
+    if args.json:
+        print(json.dumps([dict(vars(n), status=status.get(n.node_id, "unchecked")) for n in nodes],
+                         indent=2))
+        return 0
+    if not nodes:
+        print(f"no kimi-mlx nodes found in {args.timeout:g} s on {', '.join(interfaces)}")
+        return 1
+    head = ("node", "address", "proto", "kimi-mlx", "chip", "RAM GB", "usable GB", "GB/s",
+            "checkpoints", "status")
+    rows = [(n.node_id, n.address, str(n.protocol), n.version, n.chip or "-",
+             f"{n.total_memory / 1e9:.0f}", f"{n.usable_memory / 1e9:.0f}",
+             f"{n.bandwidth / 1e9:.0f}" if n.bandwidth else "-",
+             ",".join(n.fingerprints) or "-", status.get(n.node_id, "unchecked")) for n in nodes]
+    widths = [max(len(r[j]) for r in rows + [head]) for j in range(len(head))]
+    for r in [head] + rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    return 0
+
+
+# -- launch ------------------------------------------------------------------------------
+
+class _Bars:
+    """One tqdm progress bar per stage (stderr)."""
+
+    def __init__(self, assignments):
+        from tqdm import tqdm
+
+        self.lock = threading.Lock()
+        self.bars = [tqdm(total=1, desc=f"{a.node.node_id} [{a.start},{a.end})", position=i,
+                          unit="B", unit_scale=True, file=sys.stderr, leave=True,
+                          dynamic_ncols=True) for i, a in enumerate(assignments)]
+
+    def update(self, i: int, p) -> None:
+        with self.lock:
+            b = self.bars[i]
+            if p.bytes_total:
+                b.total = p.bytes_total
+                b.n = p.bytes_done
+            if p.phase == "ready":
+                b.set_postfix_str("already loaded" if p.message == "already loaded" else "ready")
+            elif p.phase == "error":
+                b.set_postfix_str("failed")
+            b.refresh()
+
+    def close(self) -> None:
+        for b in self.bars:
+            b.close()
+
+
+class _Cluster:
+    """Discovery -> checks -> plan -> load, repeatable for --replan."""
+
+    def __init__(self, args, secret: bytes, model_dir: Path, fp: str, context: int):
+        self.args, self.secret, self.model_dir, self.fp, self.context = args, secret, model_dir, fp, context
+        self.excluded: set = set()
+        self.transport = None
+
+    def candidates(self):
+        from .discovery import DEFAULT_PORT, NodeInfo, browse, interface_addresses
+        from .head import parse_address
+
+        a = self.args
+        if a.nodes == "auto":
+            nodes = browse(a.discover_timeout, interface_addresses(a.interface))
+            if not nodes:
+                raise RuntimeError(f"no kimi-mlx nodes found in {a.discover_timeout:g} s "
+                                   "(is `kimi-mlx cluster serve` running on each Mac, on this network?)")
+            return nodes
+        out = []
+        for spec in a.nodes.split(","):
+            if spec.strip():
+                host, port = parse_address(spec, DEFAULT_PORT)
+                out.append(NodeInfo(node_id=spec.strip(), host=host, port=port))
+        return out
+
+    def connect(self):
+        from .head import Pipeline, check_nodes, choose_compute_dtype, plan_stages
+        from .transport import GrpcTransport
+
+        a = self.args
+        tls = a.secret_file if a.tls else None
+        transport = GrpcTransport(self.secret, tls, peer_timeout=a.peer_timeout)
+        accepted, rejected = check_nodes(self.candidates(), transport.stub_for, self.fp,
+                                         check_version=not a.allow_version_mismatch)
+        for r in rejected:
+            print(f"[cluster] skipping node {r.node_id} at {r.address}: {r.reason}", file=sys.stderr)
+        accepted = [(n, r) for n, r in accepted if n.node_id not in self.excluded]
+        if not accepted:
+            raise RuntimeError("no usable nodes")
+        if a.nodes == "auto":
+            accepted.sort(key=lambda x: x[0].node_id)
+        nodes = [n for n, _ in accepted]
+        plan, assignments = plan_stages(self.model_dir, nodes, self.context, a.sequences)
+        replies = {n.node_id: r for n, r in accepted}
+        compute = choose_compute_dtype([replies[s.node.node_id] for s in assignments],
+                                       self.model_dir, a.activation_dtype)
+        wire = compute if a.wire_dtype == "same" else a.wire_dtype
+        print(f"[cluster] plan for {self.context} tokens x {a.sequences} sequence(s), "
+              f"activations {compute} (wire {wire}):", file=sys.stderr)
+        for i, s in enumerate(assignments):
+            st = plan.used_stages[i]
+            print(f"[cluster]   {s.describe(i)}: {st.total_bytes / 1e9:.2f} GB of "
+                  f"{s.node.usable_memory / 1e9:.1f} GB usable", file=sys.stderr)
+        for n in plan.unused_nodes:
+            print(f"[cluster]   node {n.name}: not needed", file=sys.stderr)
+        bars = _Bars(assignments)
+        try:
+            transport.load(self.fp, assignments, compute, wire, progress=bars.update,
+                           force=a.force_load)
+        except Exception:
+            transport.shutdown()
+            raise
+        finally:
+            bars.close()
+        self.transport = transport
+        return Pipeline(transport, a.prefill_chunk)
+
+
+def _launch(args) -> int:
+    _logging(args.log_level, "WARNING")
+    from kimi_mlx.config import ModelArgs, read_config
+    from kimi_mlx.generate import InputError, build_prompt, check_context, resolve_model_arg
+
+    from .auth import AuthError, load_secret
+    from .fingerprint import FingerprintError, fingerprint, is_checkpoint
+    from .planner import PlanError
+    from .runner import Sampling
+    from .transport import StageFailure
+
+    try:
+        spec = resolve_model_arg(args.model)
+        model_dir = Path(spec).expanduser()
+        if not is_checkpoint(model_dir):
+            raise InputError(f"{spec}: cluster launch needs the checkpoint folder on this "
+                             "machine too (the same files as in each node's models folder)")
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if prompt is None:
+            raise InputError("give a prompt with --prompt TEXT (or --prompt - for stdin)")
+        if args.prefill_chunk < 1:
+            raise InputError("--prefill-chunk must be >= 1")
+        secret = load_secret(args.secret_file)
+        margs = ModelArgs.from_config(read_config(model_dir))
+        wrapper, tok = _tokenizers(model_dir)
+        ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
+                           args.reasoning_effort)
+        context, source = margs.max_position_embeddings, "max_position_embeddings in config.json"
+        if args.max_kv_size:
+            context, source = min(context, args.max_kv_size), "--max-kv-size"
+        args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
+        fp = fingerprint(model_dir)
+    except (InputError, FileNotFoundError, ValueError, AuthError, FingerprintError) as e:
+        _err("launch", e)
+        return 2
+
+    sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k, args.seed)
+    plan_context = args.context or min(context, len(ids) + args.max_tokens)
+    cluster = _Cluster(args, secret, model_dir, fp, plan_context)
+    try:
+        pipeline = cluster.connect()
+    except (PlanError, StageFailure, RuntimeError, ValueError) as e:
+        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError) else e)
+        return 1
+    failure: List[BaseException] = []
+
+    def tokens():
+        nonlocal pipeline
+        generated: List[int] = []
+        while True:
+            try:
+                for tok_id, lp in pipeline.generate_step(ids + generated, sampling,
+                                                         args.max_tokens - len(generated)):
+                    generated.append(tok_id)
+                    yield tok_id, lp
+                return
+            except StageFailure as e:
+                left = cluster.transport.abort()
+                print(f"\n[cluster] {e}", file=sys.stderr)
+                print("[cluster] freed the session on: " + ", ".join(
+                    f"{n} ({'unreachable' if k < 0 else f'{k} sessions left'})"
+                    for n, k in sorted(left.items())), file=sys.stderr)
+                if not args.replan:
+                    failure.append(e)
+                    return
+                cluster.excluded |= set(e.node_ids)
+                cluster.transport.shutdown()
+                print(f"[cluster] replanning without {', '.join(sorted(cluster.excluded))}",
+                      file=sys.stderr)
+                try:
+                    pipeline = cluster.connect()
+                except (PlanError, StageFailure, RuntimeError, ValueError) as e2:
+                    failure.append(e2)
+                    return
+
+    from .head import stream_generate
+
+    code = 0
+    try:
+        code = _print_generation(args, stream_generate(
+            tokens(), wrapper, len(ids), args.max_tokens,
+            lambda: cluster.transport.peak_memory()))
+    finally:
+        if cluster.transport is not None:
+            cluster.transport.shutdown()
+    if failure:
+        e = failure[0]
+        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError) else e)
+        return 1
+    return code
+
+
+def _tokenizers(model_dir: Path):
+    from mlx_lm.utils import load_tokenizer
+
+    from kimi_mlx.tokenizer import KimiTokenizer, register_with_transformers
+
+    tok = KimiTokenizer.from_pretrained(model_dir)
+    register_with_transformers()
+    return load_tokenizer(model_dir, eos_token_ids=tok.eos_token_ids), tok
+
+
+def _print_generation(args, responses) -> int:
+    """Print exactly as `kimi-mlx generate` does."""
+    from kimi_mlx.chat_format import ReplyStream
+
+    pretty = ReplyStream() if not args.ignore_chat_template else None
+    dim = sys.stdout.isatty()
+    if args.verbose:
+        print("=" * 10)
+    response = None
+    for response in responses:
+        if pretty is None:
+            print(response.text, end="", flush=True)
+            continue
+        for channel, text in pretty.feed(response.text):
+            if channel == "reasoning" and dim:
+                text = f"\033[2m{text}\033[0m"
+            print(text, end="", flush=True)
+    if pretty is not None:
+        for channel, text in pretty.finish():
+            print(text, end="", flush=True)
+    print()
+    if args.verbose and response is not None:
+        print("=" * 10)
+        print(f"Prompt: {response.prompt_tokens} tokens, "
+              f"{response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, "
+              f"{response.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kimi-mlx cluster")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

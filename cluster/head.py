@@ -1,0 +1,288 @@
+"""The head: find and check nodes, plan, load, and generate through the pipeline.
+
+Generation mirrors mlx-lm's `generate_step` / `stream_generate` so `kimi-mlx cluster
+launch` prints what `kimi-mlx generate` prints: the prompt except its last token is
+prefilled in chunks (`prefill_chunk` tokens; they stream into stage 0 back to back, so
+stage i works on chunk c while stage i + 1 works on chunk c - 1), then the last prompt
+token is sent alone and the last stage samples it (logprobs = logits - logsumexp, then
+mlx-lm's sampler, as `generate_step` does); each sampled token comes back to the head and
+goes into stage 0 as the next step. Several sessions may run at once (one per thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+
+import grpc
+
+from . import stage_pb2 as pb
+from .discovery import NodeInfo
+from .runner import Sampling
+from .transport import StageAssignment, StageFailure, Transport
+from .wire import PROTOCOL_VERSION, package_versions
+
+log = logging.getLogger("kimi_mlx.cluster.head")
+
+DEFAULT_PREFILL_CHUNK = 128
+
+
+def prefill_chunks(n_prompt: int, chunk: int) -> List[Tuple[int, int]]:
+    """(offset, length) of the prefill chunks for a prompt of `n_prompt` tokens: the
+    first n_prompt - 1 tokens in chunks of at most `chunk` (as mlx-lm's generate_step
+    with prefill_step_size=chunk); the last token is sent on its own to be sampled."""
+    out, off = [], 0
+    while n_prompt - 1 - off > 0:
+        n = min(chunk, n_prompt - 1 - off)
+        out.append((off, n))
+        off += n
+    return out
+
+
+class Pipeline:
+    """Generation through a loaded `Transport`.
+
+    Args:
+        transport: loaded transport (stages ready).
+        prefill_chunk: prompt tokens per message.
+        step_timeout: seconds to wait for one token (None: as long as every stage is
+            alive; lost stages are reported within the transport's peer timeout).
+    """
+
+    def __init__(self, transport: Transport, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 step_timeout: Optional[float] = None):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill chunk must be >= 1, got {prefill_chunk}")
+        self.transport = transport
+        self.prefill_chunk = prefill_chunk
+        self.step_timeout = step_timeout
+
+    def generate_step(self, prompt: Sequence[int], sampling: Sampling = Sampling(),
+                      max_tokens: int = 256, return_logprobs: bool = False,
+                      pipelined: bool = True, session: Optional[str] = None,
+                      ) -> Iterator[Tuple[int, Optional[object]]]:
+        """Yield (token, logprobs or None), like mlx-lm's `generate_step`.
+
+        Args:
+            prompt: token ids (at least one).
+            max_tokens: tokens to yield (-1: until the caller stops).
+            return_logprobs: also return float32 [vocab] log-probabilities (bytes on the
+                wire: vocab x 4 per token).
+            pipelined: stream prefill chunks back to back (False: wait for each chunk to
+                clear the last stage before sending the next; for measuring).
+        Raises:
+            StageFailure: a stage was lost or refused (the session is freed everywhere
+                reachable before this propagates out of the caller's `abort`).
+            ValueError: empty prompt.
+        """
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        t = self.transport
+        sid = session or f"s-{uuid.uuid4().hex[:16]}"
+        t.open(sid, sampling, return_logprobs)
+        try:
+            seq = 0
+            for off, n in prefill_chunks(len(prompt), self.prefill_chunk):
+                t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined)
+                seq += 1
+                if not pipelined:
+                    t.receive(sid, self.step_timeout)
+            offset = len(prompt) - 1
+            t.send(sid, seq, offset, prompt[-1:], sample=True)
+            n = 0
+            while True:
+                r = t.receive(sid, self.step_timeout)
+                yield r.token, r.logprobs
+                n += 1
+                if n == max_tokens:
+                    break
+                seq, offset = seq + 1, offset + 1
+                t.send(sid, seq, offset, [r.token], sample=True)
+        finally:
+            try:
+                t.close(sid)
+            except Exception as e:  # a failed transport: the caller aborts
+                log.debug("close %s: %s", sid, e)
+
+
+def stream_generate(tokens: Iterator[Tuple[int, object]], tokenizer, n_prompt: int,
+                    max_tokens: int, peak_memory: Callable[[], int]):
+    """mlx-lm's `stream_generate` over a token iterator: yields GenerationResponse with
+    text segments, tokens/s and peak memory (GB, the largest of any stage)."""
+    from mlx_lm.generate import GenerationResponse
+
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    token, logprobs, n = None, None, 0
+    for n, (token, logprobs) in enumerate(tokens):
+        if n == 0:
+            prompt_tps = n_prompt / (time.perf_counter() - tic)
+            tic = time.perf_counter()
+        if token in tokenizer.eos_token_ids:
+            break
+        detokenizer.add_token(token)
+        if (n + 1) == max_tokens:
+            break
+        yield GenerationResponse(
+            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
+            prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
+            generation_tps=(n + 1) / (time.perf_counter() - tic),
+            peak_memory=peak_memory() / 1e9, finish_reason=None)
+    if token is None:
+        return
+    detokenizer.finalize()
+    yield GenerationResponse(
+        text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
+        prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
+        generation_tps=(n + 1) / (time.perf_counter() - tic), peak_memory=peak_memory() / 1e9,
+        finish_reason="stop" if token in tokenizer.eos_token_ids else "length")
+
+
+# -- nodes -------------------------------------------------------------------------------
+
+@dataclass
+class Rejected:
+    """A node not used, and why."""
+
+    node_id: str
+    address: str
+    reason: str
+
+
+def health_info(reply: pb.HealthReply, host: str, port: int) -> NodeInfo:
+    """NodeInfo from a Health reply (what the node says over an authenticated call)."""
+    return NodeInfo(node_id=reply.node_id, host=host, port=port, protocol=reply.protocol,
+                    version=reply.version, mlx_version=reply.mlx_version,
+                    total_memory=reply.total_memory, usable_memory=reply.usable_memory,
+                    chip=reply.chip, bandwidth=reply.bandwidth,
+                    fingerprints=list(reply.fingerprints), key_id=reply.key_id)
+
+
+def parse_address(spec: str, default_port: int) -> Tuple[str, int]:
+    """'host', 'host:port' or '[v6]:port' -> (host, port). ValueError when malformed."""
+    spec = spec.strip()
+    if spec.startswith("["):
+        host, _, rest = spec[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif spec.count(":") == 1:
+        host, port = spec.split(":")
+    else:
+        host, port = spec, ""
+    if not host:
+        raise ValueError(f"--nodes: {spec!r} has no host")
+    try:
+        return host, int(port) if port else default_port
+    except ValueError:
+        raise ValueError(f"--nodes: {spec!r}: port {port!r} is not a number") from None
+
+
+def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], fp: str,
+                timeout: float = 2.0, check_version: bool = True,
+                ) -> Tuple[List[Tuple[NodeInfo, pb.HealthReply]], List[Rejected]]:
+    """Confirm each candidate with an authenticated Health call (in parallel) and keep
+    those with our protocol, package version and the checkpoint's fingerprint.
+
+    Returns (accepted [(NodeInfo from Health, reply)], rejected with reasons). A node
+    that advertises but does not answer (a stale record, a ghost) is rejected.
+    """
+    ours, our_mlx = package_versions()
+    results: List[Optional[Tuple]] = [None] * len(candidates)
+
+    def one(k: int):
+        n = candidates[k]
+        try:
+            results[k] = ("ok", stub_for(n.address).Health(pb.HealthRequest(), timeout=timeout))
+        except grpc.RpcError as e:
+            from .transport import _rpc_reason
+
+            results[k] = ("err", _rpc_reason(e))
+
+    threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(len(candidates))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 2)
+    accepted, rejected, seen = [], [], set()
+    for n, res in zip(candidates, results):
+        if res is None or res[0] == "err":
+            why = res[1] if res else "no answer"
+            rejected.append(Rejected(n.node_id, n.address, f"advertised but not usable: {why}"))
+            continue
+        reply = res[1]
+        info = health_info(reply, n.host, n.port)
+        reason = None
+        if reply.protocol != PROTOCOL_VERSION:
+            reason = (f"speaks stage protocol {reply.protocol}, this head {PROTOCOL_VERSION}: "
+                      f"install the same kimi-mlx on both (node {reply.version}, head {ours})")
+        elif check_version and reply.version != ours:
+            reason = (f"runs kimi-mlx {reply.version}, this head {ours}: install the same "
+                      "version everywhere (or pass --allow-version-mismatch)")
+        elif fp not in reply.fingerprints:
+            reason = (f"does not have the checkpoint (fingerprint {fp}) in its models folder; "
+                      f"it has: {', '.join(reply.fingerprints) or 'none'}")
+        elif info.node_id in seen:
+            reason = f"a second node calls itself {info.node_id}: give each a unique --node-id"
+        if reason:
+            rejected.append(Rejected(info.node_id or n.node_id, n.address, reason))
+            continue
+        if reply.mlx_version != our_mlx:
+            log.warning("node %s runs MLX %s, this head %s", info.node_id, reply.mlx_version, our_mlx)
+        seen.add(info.node_id)
+        accepted.append((info, reply))
+    return accepted, rejected
+
+
+def checkpoint_dtype(model_dir: Path) -> str:
+    """Wire name of the embedding's dtype in a checkpoint ("bfloat16" for the release)."""
+    from kimi_mlx.loader import read_header, weight_map
+
+    wm = weight_map(Path(model_dir))
+    for name in ("language_model.model.embed_tokens.weight", "model.embed_tokens.weight"):
+        if name in wm:
+            dt = read_header(Path(model_dir) / wm[name])[name].dtype
+            return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(dt, "bfloat16")
+    return "bfloat16"
+
+
+def choose_compute_dtype(replies: Sequence[pb.HealthReply], model_dir: Path, requested: str) -> str:
+    """The one activation dtype of the pipeline: `requested` unless "auto"; auto is
+    float32 when any stage computes on a CPU (as the loader chooses there), else the
+    checkpoint's embedding dtype."""
+    if requested != "auto":
+        return requested
+    if any(r.default_dtype == "float32" for r in replies):
+        return "float32"
+    return checkpoint_dtype(model_dir)
+
+
+def plan_stages(model_dir: Path, nodes: List[NodeInfo], context: int, sequences: int = 1):
+    """Plan with the stage planner; returns (Plan, [StageAssignment]) for the used nodes.
+
+    Raises:
+        PlanError: the model does not fit these nodes (message says by how much).
+    """
+    from .layer_bytes import model_bytes
+    from .planner import StagePlanner
+
+    plan = StagePlanner().plan(model_bytes(str(model_dir)), [n.planner_node() for n in nodes],
+                               context, sequences)
+    by_id = {n.node_id: n for n in nodes}
+    return plan, [StageAssignment(by_id[name], s, e) for name, s, e in plan.ranges()]
+
+
+def describe_plan(assignments: List[StageAssignment]) -> List[str]:
+    """One line per stage for the launcher's log."""
+    return [a.describe(i) for i, a in enumerate(assignments)]
+
+
+__all__ = ["Pipeline", "stream_generate", "prefill_chunks", "check_nodes", "plan_stages",
+           "choose_compute_dtype", "checkpoint_dtype", "parse_address", "Rejected",
+           "StageFailure", "json"]

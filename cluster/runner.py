@@ -1,0 +1,246 @@
+"""One pipeline stage's compute, apart from any transport: sessions, caches, checks.
+
+A stage holds layers [start, end) of one checkpoint (`load_model(path, start, end)`). Per
+session it keeps its own caches (`Model.make_cache()`), the next expected sequence number
+and the next position. A chunk of positions [offset, offset + L) arrives as
+
+- token ids int32 [1, L] on the first stage (which embeds them), or
+- [K + 1, 1, L, D] in the wire dtype on the others: the K AttnRes banked states taken so
+  far (K = ceil(start / attn_res_block_size)) and then the partial sum h,
+
+and leaves as the same layout with K' = ceil(end / block) banks, or, on the last stage,
+as a sampled token (output AttnRes mix + norm + lm_head + mlx-lm's sampler, exactly as
+mlx-lm's `generate_step` does it) when the chunk asks for one.
+
+Every field is checked before any compute (`Refused` names what and why); one session's
+bad message never touches another session's state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+
+from kimi_mlx.attn_res import Banks
+
+from .wire import WireError, dtype_name, mx_dtype
+
+MAX_CHUNK = 16384  # positions per message
+
+
+class Refused(ValueError):
+    """A message this stage will not process (wrong shape/dtype/bytes/session/order)."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """What a stage holds and how it talks.
+
+    Attributes:
+        fingerprint: checkpoint fingerprint. start/end: layer range [start, end).
+        index/num_stages: position in the pipeline. compute_dtype/wire_dtype: dtype names.
+    """
+
+    fingerprint: str
+    start: int
+    end: int
+    index: int
+    num_stages: int
+    compute_dtype: str
+    wire_dtype: str
+
+
+@dataclass
+class Sampling:
+    """mlx-lm `make_sampler` settings (temp 0 = greedy); seed re-seeds MLX's global PRNG."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: Optional[int] = None
+
+
+@dataclass
+class Session:
+    """One sequence's state on this stage."""
+
+    session: str
+    head: str
+    sampling: Sampling
+    return_logprobs: bool
+    cache: List[Any]
+    sampler: Any = None
+    next_seq: int = 0
+    offset: int = 0
+    last_active: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Output:
+    """What a processed chunk produced: `hidden` for the next stage, or (last stage,
+    sampled chunk) `token` with optional `logprobs` float32 [vocab]."""
+
+    hidden: Optional[mx.array] = None
+    token: Optional[int] = None
+    logprobs: Optional[mx.array] = None
+
+
+class StageRunner:
+    """Runs chunks of sessions through this stage's layers (thread-safe; one at a time).
+
+    Args:
+        model: `Model(args, start, end)` with weights loaded.
+        spec: the stage's `StageSpec` (its dtypes are applied to the model).
+    """
+
+    def __init__(self, model, spec: StageSpec):
+        self.model = model
+        self.spec = spec
+        self.args = model.args
+        self.compute = mx_dtype(spec.compute_dtype)
+        self.wire = mx_dtype(spec.wire_dtype)
+        model.activation_dtype = self.compute
+        self.is_first = model.text.is_first
+        self.is_last = model.text.is_last
+        self.lock = threading.Lock()
+        bs = self.args.attn_res_block_size
+        self.in_banks = -(-spec.start // bs) if bs else 0
+        self.out_banks = -(-spec.end // bs) if bs else 0
+
+    # -- what messages must look like ----------------------------------------------------
+    def input_spec(self, length: int) -> Tuple[Tuple[int, ...], str]:
+        """(shape, dtype name) a chunk of `length` positions must have on arrival."""
+        if self.is_first:
+            return (1, length), "int32"
+        return (self.in_banks + 1, 1, length, self.args.hidden_size), self.spec.wire_dtype
+
+    def output_spec(self, length: int) -> Tuple[Tuple[int, ...], str]:
+        """(shape, dtype name) of what this stage sends on (not for the last stage)."""
+        return (self.out_banks + 1, 1, length, self.args.hidden_size), self.spec.wire_dtype
+
+    # -- sessions ------------------------------------------------------------------------
+    def new_session(self, session: str, head: str, sampling: Sampling,
+                    return_logprobs: bool = False) -> Session:
+        """Fresh caches for a session; the last stage also builds its sampler (and seeds
+        MLX's PRNG when `sampling.seed` is set, as `kimi-mlx generate --seed` does)."""
+        s = Session(session, head, sampling, return_logprobs, self.model.make_cache())
+        if self.is_last:
+            from mlx_lm.sample_utils import make_sampler
+
+            if sampling.seed is not None:
+                mx.random.seed(sampling.seed)
+            s.sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p,
+                                     top_k=sampling.top_k)
+        return s
+
+    def check(self, s: Session, seq: int, offset: int, length: int, sample: bool) -> None:
+        """Refused unless the chunk is the session's next one, in order and in range."""
+        if seq != s.next_seq:
+            raise Refused(f"session {s.session}: sequence number {seq}, expected {s.next_seq} "
+                          "(lost or reordered message)")
+        if offset != s.offset:
+            raise Refused(f"session {s.session}: chunk starts at position {offset}, expected "
+                          f"{s.offset}")
+        if not 1 <= length <= MAX_CHUNK:
+            raise Refused(f"session {s.session}: chunk of {length} positions (allowed 1..{MAX_CHUNK})")
+        limit = self.args.max_position_embeddings
+        if offset + length > limit:
+            raise Refused(f"session {s.session}: positions up to {offset + length} exceed the "
+                          f"model's context of {limit}")
+
+    def run(self, s: Session, seq: int, offset: int, x: mx.array, sample: bool) -> Output:
+        """Process one checked chunk; advances the session.
+
+        Args:
+            x: as `input_spec(L)` says (already decoded from the wire).
+            sample: on the last stage, sample a token from the chunk's last position.
+        Raises:
+            Refused: out-of-order chunk or bad token ids (the session is unchanged).
+        """
+        length = x.shape[-1] if self.is_first else x.shape[2]
+        self.check(s, seq, offset, length, sample)
+        with self.lock:
+            text = self.model.text
+            eps = self.args.rms_norm_eps
+            if self.is_first:
+                lo, hi = mx.min(x).item(), mx.max(x).item()
+                if lo < 0 or hi >= self.args.vocab_size:
+                    raise Refused(f"session {s.session}: token id out of range [0, "
+                                  f"{self.args.vocab_size}) (got {lo}..{hi})")
+                h, banks = text.embed(x), Banks(eps)
+            else:
+                x = x.astype(self.compute) if x.dtype != self.compute else x
+                banks = Banks.from_stacked(x[:-1] if self.in_banks else None, eps)
+                h = x[-1]
+            h, banks = text.run_layers(h, banks, s.cache)
+            out = Output()
+            states = [c.state for c in s.cache]
+            if not self.is_last:
+                out.hidden = mx.stack(banks.raw + [h]).astype(self.wire)
+                mx.eval(out.hidden, states)
+            elif sample:
+                if h.shape[1] > 1:  # only the last position's logits are needed
+                    h = h[:, -1:]
+                    banks = Banks.from_stacked(banks.stack()[:, :, -1:] if len(banks) else None, eps)
+                logits = self.model.language_model.logits(text.finish(h, banks))[:, -1, :]
+                logprobs = logits - mx.logsumexp(logits, keepdims=True)
+                token = s.sampler(logprobs)
+                mx.eval(token, logprobs, states)
+                out.token = int(token.item())
+                if s.return_logprobs:
+                    out.logprobs = logprobs.squeeze(0).astype(mx.float32)
+            else:
+                mx.eval(states)
+        s.next_seq += 1
+        s.offset += length
+        s.last_active = time.monotonic()
+        return out
+
+
+def load_stage(path, spec: StageSpec, progress=None):
+    """Load layers [spec.start, spec.end) of the checkpoint at `path` and return
+    (StageRunner, LoadReport, tensor bytes evaluated).
+
+    Reads only the shards and tensors of those layers (plus embedding / head at the
+    ends). `progress(done_bytes, total_bytes)` is called after each part is read.
+
+    Raises:
+        CheckpointError / ConfigError: as `kimi_mlx.loader.load_model`.
+    """
+    from mlx.utils import tree_flatten
+
+    from kimi_mlx.loader import load_model
+
+    model, _, report = load_model(path, spec.start, spec.end, lazy=True, verbose=False,
+                                  activation_dtype=mx_dtype(spec.compute_dtype))
+    text = model.text
+    parts = ([text.embed_tokens] if text.is_first else []) + list(text.local_layers)
+    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    done = 0
+    if progress:
+        progress(0, total)
+    for p in parts:
+        mx.eval(p.parameters())
+        done += sum(v.nbytes for _, v in tree_flatten(p.parameters()))
+        if progress:
+            progress(done, total)
+    mx.eval(model.parameters())  # the rest: norm, output mix, lm_head on the last stage
+    if progress and done < total:
+        progress(total, total)
+    return StageRunner(model, spec), report, total
+
+
+def default_compute_dtype() -> str:
+    """The activation dtype this machine asks for: "float32" on the CPU backend (bf16
+    matmuls are slow there, see the loader), "" on a GPU (= the checkpoint's embedding
+    dtype, as the loader does)."""
+    return "float32" if mx.default_device() == mx.cpu else ""
+
+
+__all__ = ["StageRunner", "StageSpec", "Sampling", "Session", "Output", "Refused",
+           "load_stage", "default_compute_dtype", "WireError", "dtype_name"]

@@ -1,0 +1,631 @@
+"""The gRPC stage service (`kimi-mlx cluster serve`): one layer range, many sessions.
+
+RPCs (stage.proto):
+
+- `Health`: what the node is and holds (versions, memory, fingerprints, loaded range,
+  live sessions).
+- `Load`: load a layer range of the local checkpoint with the head's fingerprint, found
+  in this node's own models folder; streams progress. Measures the bytes this process
+  read from files while loading (Linux `/proc/self/io` rchar).
+- `Watch`: the head's lease: heartbeats every `heartbeat_s`, tokens from the last stage,
+  session errors. When it ends (head gone, network down) every session of that head is
+  freed.
+- `Forward`: one session's chunks, in order. The stage checks each message (session,
+  sequence number, position, dtype, shape, byte count: `runner.Refused`), runs its
+  layers, and sends the result straight to the next stage on its own `Forward` stream
+  (or, on the last stage, the sampled token to the head's `Watch`). A refused message
+  ends that session with INVALID_ARGUMENT and a message naming this stage; other
+  sessions and the service carry on.
+- `Reset`: free sessions by id or by head.
+
+No receive waits forever: a session idle for `idle_timeout` seconds is freed, gRPC
+keepalive pings (every 2 s, 3 s timeout) drop connections to dead or frozen peers, a send
+to a next stage that accepts nothing for `idle_timeout` seconds fails the session, and
+every call has a deadline.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import queue
+import re
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Optional
+
+import grpc
+import mlx.core as mx
+
+from . import stage_pb2 as pb
+from . import stage_pb2_grpc as pb_grpc
+from .auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
+from .fingerprint import fingerprint, scan
+from .runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
+from .wire import ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, check_session_id, from_tensor, package_versions, to_tensor
+
+log = logging.getLogger("kimi_mlx.cluster.service")
+
+DEFAULT_MAX_MESSAGE = 256 << 20
+KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
+
+
+def channel_options(max_message: int = DEFAULT_MAX_MESSAGE):
+    """gRPC channel options shared by the head and stages: message bounds, keepalive."""
+    return [("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", max_message),
+            ("grpc.enable_retries", 0)] + KEEPALIVE_OPTIONS
+
+
+def make_channel(address: str, secret: bytes, tls_secret_path: Optional[Path] = None,
+                 max_message: int = DEFAULT_MAX_MESSAGE) -> grpc.Channel:
+    """An authenticated channel to a stage (TLS when `tls_secret_path` is given)."""
+    options = channel_options(max_message)
+    if tls_secret_path is not None:
+        options.append(("grpc.ssl_target_name_override", TLS_NAME))
+        ch = grpc.secure_channel(address, channel_credentials(tls_secret_path), options=options)
+    else:
+        ch = grpc.insecure_channel(address, options=options)
+    return grpc.intercept_channel(ch, ClientAuth(secret))
+
+
+def rchar() -> int:
+    """Bytes this process has read through read()/pread() so far (-1 when unknown)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("rchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+class DownstreamLost(RuntimeError):
+    """The next stage failed, refused, or stopped accepting messages."""
+
+
+@dataclass
+class _Watcher:
+    head: str
+    q: "queue.Queue" = field(default_factory=queue.Queue)
+    closed: bool = False
+
+
+class _Live:
+    """A session being served: runner state + its RPC context + its downstream link."""
+
+    def __init__(self, session: Session, context, peer: str):
+        self.session = session
+        self.context = context
+        self.peer = peer
+        self.down: Optional[_Downstream] = None
+        self.freed = False
+        self.last_active = time.monotonic()
+
+    @property
+    def id(self) -> str:
+        return self.session.session
+
+
+class _Downstream:
+    """This session's `Forward` call to the next stage (a bounded send queue, a reader)."""
+
+    def __init__(self, service: "StageService", live: _Live, address: str):
+        self.service, self.live, self.address = service, live, address
+        self.q: "queue.Queue" = queue.Queue(maxsize=8)
+        self.error: Optional[str] = None
+        self.cancelled = False
+        self.done = threading.Event()
+        self.call = service.stub(address).Forward(self._requests(), timeout=service.stream_deadline)
+        self.thread = threading.Thread(target=self._read, daemon=True,
+                                       name=f"down-{live.id}")
+        self.thread.start()
+
+    def _requests(self):
+        while True:
+            m = self.q.get()
+            if m is None:
+                return
+            yield m
+
+    def _read(self):
+        try:
+            for _ in self.call:
+                pass
+        except grpc.RpcError as e:
+            if not self.cancelled:
+                self.error = f"next stage at {self.address}: {e.code().name}: {e.details()}"
+                self.service._downstream_failed(self.live, self.error)
+        finally:
+            self.done.set()
+
+    def send(self, msg, timeout: float) -> None:
+        if self.error:
+            raise DownstreamLost(self.error)
+        try:
+            self.q.put(msg, timeout=timeout)
+        except queue.Full:
+            raise DownstreamLost(f"next stage at {self.address} accepted nothing for "
+                                 f"{timeout:.0f} s") from None
+
+    def finish(self, timeout: float) -> None:
+        """End the stream normally and wait (bounded) for the next stage to close it."""
+        try:
+            self.q.put(None, timeout=timeout)
+        except queue.Full:
+            self.cancel()
+            return
+        if not self.done.wait(timeout):
+            self.cancel()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.call.cancel()
+
+
+class StageService(pb_grpc.StageServicer):
+    """The servicer; see the module doc. Construct via `StageServer`.
+
+    Args:
+        node_id: this node's name. models_dir: where checkpoints may be loaded from.
+        secret: cluster secret (for calls to the next stage).
+        tls_secret_path: secret path whose .crt/.tls.key enable TLS, or None.
+        idle_timeout: seconds a session may wait for its next message.
+        heartbeat_s: Watch heartbeat interval. max_sessions: concurrent sessions.
+        stream_deadline: deadline (s) of a Forward call to the next stage.
+        usable_memory/bandwidth: overrides of the detected figures (bytes, bytes/s).
+    """
+
+    def __init__(self, node_id: str, models_dir: Optional[Path], secret: bytes,
+                 tls_secret_path: Optional[Path] = None, idle_timeout: float = 120.0,
+                 heartbeat_s: float = 1.0, max_sessions: int = 16,
+                 stream_deadline: float = 24 * 3600.0, max_message: int = DEFAULT_MAX_MESSAGE,
+                 usable_memory: Optional[int] = None, bandwidth: Optional[int] = None):
+        from .discovery import local_chip, local_memory
+
+        self.node_id = node_id
+        self.models_dir = Path(models_dir).expanduser() if models_dir else None
+        self.secret = secret
+        self.tls_secret_path = tls_secret_path
+        self.idle_timeout = idle_timeout
+        self.heartbeat_s = heartbeat_s
+        self.max_sessions = max_sessions
+        self.stream_deadline = stream_deadline
+        self.max_message = max_message
+        total, usable, self.wired_mb = local_memory()
+        self.total_memory = total
+        self.usable_memory = usable_memory if usable_memory is not None else usable
+        self.chip, bw = local_chip()
+        self.bandwidth = bandwidth if bandwidth is not None else bw
+        # Import what a load uses now, so the bytes a load reads are checkpoint bytes only.
+        import kimi_mlx.loader  # noqa: F401
+        import kimi_mlx.model  # noqa: F401
+        import mlx_lm.sample_utils  # noqa: F401
+
+        self.catalog: Dict[str, Path] = scan(self.models_dir)
+        self.runner: Optional[StageRunner] = None
+        self.spec: Optional[StageSpec] = None
+        self.next_address = ""
+        self.state = "idle"
+        self.load_stats = (0, -1, 0.0)
+        self.sessions: Dict[str, _Live] = {}
+        self.watchers: Dict[str, _Watcher] = {}
+        self.lock = threading.Lock()
+        self.load_lock = threading.Lock()
+        self._channels: Dict[str, grpc.Channel] = {}
+        self._stop = threading.Event()
+        self._janitor = threading.Thread(target=self._janitor_loop, daemon=True, name="janitor")
+        self._janitor.start()
+
+    # -- helpers -------------------------------------------------------------------------
+    @property
+    def who(self) -> str:
+        if self.spec is None:
+            return f"node {self.node_id}"
+        s = self.spec
+        return f"stage {s.index} ({self.node_id}, layers [{s.start}, {s.end}))"
+
+    def stub(self, address: str) -> pb_grpc.StageStub:
+        with self.lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = make_channel(address, self.secret, self.tls_secret_path, self.max_message)
+                self._channels[address] = ch
+        return pb_grpc.StageStub(ch)
+
+    def _event(self, kind, session="", seq=0, **kw) -> pb.Event:
+        return pb.Event(kind=kind, session=session, seq=seq, node_id=self.node_id,
+                        stage=self.spec.index if self.spec else -1, **kw)
+
+    def _emit(self, head: str, ev: pb.Event) -> bool:
+        w = self.watchers.get(head)
+        if w is None or w.closed:
+            return False
+        w.q.put(ev)
+        return True
+
+    def _free(self, live: Optional[_Live], reason: str = "", cancel: bool = True) -> None:
+        """Forget a session (idempotent). With a `reason`, also cancel its downstream call
+        and, unless `cancel` is false (its own handler ends the RPC), its RPC."""
+        if live is None:
+            return
+        with self.lock:
+            if live.freed:
+                return
+            live.freed = True
+            if self.sessions.get(live.id) is live:
+                del self.sessions[live.id]
+        if live.down is not None and reason:
+            live.down.cancel()
+        live.session.cache = []
+        if reason:
+            log.info("%s: freed session %s (%s)", self.who, live.id, reason)
+        if reason and cancel:
+            try:
+                live.context.cancel()
+            except Exception:  # already finished
+                pass
+
+    def _downstream_failed(self, live: _Live, error: str) -> None:
+        if live.freed:
+            return
+        msg = f"{self.who}: {error}"
+        log.warning("session %s: %s", live.id, msg)
+        self._emit(live.session.head, self._event(pb.Event.ERROR, live.id, message=msg))
+        self._free(live, "next stage failed")
+
+    def _janitor_loop(self) -> None:
+        while not self._stop.wait(1.0):
+            now = time.monotonic()
+            for live in list(self.sessions.values()):
+                idle = now - live.last_active
+                if idle > self.idle_timeout:
+                    msg = f"{self.who}: session {live.id} idle for {idle:.0f} s (upstream lost?)"
+                    self._emit(live.session.head, self._event(pb.Event.ERROR, live.id, message=msg))
+                    self._free(live, f"idle {idle:.0f} s")
+
+    def close(self) -> None:
+        """Stop the janitor, free every session, close channels."""
+        self._stop.set()
+        for live in list(self.sessions.values()):
+            self._free(live, "service stopping")
+        for w in list(self.watchers.values()):
+            w.closed = True
+        for ch in self._channels.values():
+            ch.close()
+
+    # -- RPCs ----------------------------------------------------------------------------
+    def Health(self, request, context):
+        ours, mlx_version = package_versions()
+        s = self.spec
+        return pb.HealthReply(
+            node_id=self.node_id, protocol=PROTOCOL_VERSION, version=ours,
+            mlx_version=mlx_version, total_memory=self.total_memory,
+            usable_memory=self.usable_memory, chip=self.chip, bandwidth=self.bandwidth,
+            fingerprints=sorted(self.catalog), state=self.state,
+            fingerprint=s.fingerprint if s else "", start=s.start if s else 0,
+            end=s.end if s else 0, sessions=len(self.sessions),
+            peak_memory=mx.get_peak_memory(), default_dtype=default_compute_dtype(),
+            device="cpu" if mx.default_device() == mx.cpu else "gpu", key_id=key_id(self.secret),
+        )
+
+    def _resolve(self, fp: str) -> Path:
+        path = self.catalog.get(fp)
+        if path is None:  # checkpoints copied in since start
+            self.catalog = scan(self.models_dir)
+            path = self.catalog.get(fp)
+        if path is None:
+            raise Refused(f"{self.who}: no checkpoint with fingerprint {fp} in "
+                          f"{self.models_dir or '(no --models folder)'} "
+                          f"(have: {', '.join(sorted(self.catalog)) or 'none'})")
+        return path
+
+    def _check_load(self, r) -> StageSpec:
+        for name in (r.compute_dtype, r.wire_dtype or r.compute_dtype):
+            if name not in ACTIVATION_DTYPES:
+                raise Refused(f"dtype {name!r} is not one of {', '.join(ACTIVATION_DTYPES)}")
+        if not 0 <= r.stage < r.num_stages:
+            raise Refused(f"stage {r.stage} of {r.num_stages} is not a pipeline position")
+        last = r.stage == r.num_stages - 1
+        if last != (r.next_address == ""):
+            raise Refused("the last stage has no next address, every other stage needs one")
+        if r.next_address and not ADDRESS_RE.match(r.next_address):
+            raise Refused(f"next address {r.next_address[:80]!r} is not host:port")
+        return StageSpec(r.fingerprint, r.start, r.end, r.stage, r.num_stages,
+                         r.compute_dtype, r.wire_dtype or r.compute_dtype)
+
+    def Load(self, request, context):
+        try:
+            spec = self._check_load(request)
+            path = self._resolve(request.fingerprint)
+            from kimi_mlx.config import ModelArgs, read_config
+
+            n = ModelArgs.from_config(read_config(path)).num_hidden_layers
+            if not 0 <= spec.start < spec.end <= n:
+                raise Refused(f"layers [{spec.start}, {spec.end}) are not inside [0, {n})")
+        except Refused as e:
+            log.warning("refused Load from %s: %s", context.peer(), e)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not self.load_lock.acquire(blocking=False):
+            context.abort(grpc.StatusCode.ABORTED, f"{self.who}: already loading")
+        try:
+            heads = {l.session.head for l in self.sessions.values()}
+            if self.sessions and (self.spec != spec or self.next_address != request.next_address):
+                if not request.force:
+                    context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                  f"{self.who}: busy with {len(self.sessions)} session(s) of "
+                                  f"head(s) {', '.join(sorted(heads))}")
+                for live in list(self.sessions.values()):
+                    self._free(live, "replaced by a new load")
+            if self.runner is not None and self.spec == spec:
+                self.next_address = request.next_address
+                tensor_bytes, disk, secs = self.load_stats
+                yield pb.LoadProgress(bytes_done=1, bytes_total=1, phase="ready",
+                                      message="already loaded", tensor_bytes=tensor_bytes,
+                                      disk_read_bytes=disk, seconds=secs)
+                return
+            yield from self._load(spec, path, request.next_address)
+        finally:
+            self.load_lock.release()
+
+    def _load(self, spec: StageSpec, path: Path, next_address: str):
+        self.state, self.runner, self.spec = "loading", None, None
+        gc.collect()
+        mx.clear_cache()
+        yield pb.LoadProgress(phase="resolving", message=str(path.name))
+        if fingerprint(path) != spec.fingerprint:
+            self.catalog = scan(self.models_dir)
+            self.state = "idle"
+            raise_abort = f"{path}: files changed since they were advertised (fingerprint differs)"
+            log.warning(raise_abort)
+            yield pb.LoadProgress(phase="error", message=raise_abort)
+            return
+        events: "queue.Queue" = queue.Queue()
+        t0, r0 = time.monotonic(), rchar()
+
+        def work():
+            try:
+                res = load_stage(path, spec, lambda d, t: events.put(("progress", d, t)))
+                events.put(("done", res, rchar()))
+            except Exception as e:  # CheckpointError, ConfigError, MLX errors
+                events.put(("error", f"{type(e).__name__}: {e}", None))
+
+        threading.Thread(target=work, daemon=True, name="load").start()
+        while True:
+            kind, a, b = events.get()
+            if kind == "progress":
+                yield pb.LoadProgress(bytes_done=a, bytes_total=b, phase="reading",
+                                      seconds=time.monotonic() - t0)
+            elif kind == "error":
+                self.state = "idle"
+                log.error("%s: load failed: %s", self.who, a)
+                yield pb.LoadProgress(phase="error", message=a)
+                return
+            else:
+                runner, report, total = a
+                disk = b - r0 if r0 >= 0 and b >= 0 else -1
+                secs = time.monotonic() - t0
+                self.runner, self.spec, self.next_address = runner, spec, next_address
+                self.load_stats = (report.bytes_loaded, disk, secs)
+                self.state = "ready"
+                log.info("%s: loaded %s in %.1f s (%d tensor bytes, %d bytes read from files)",
+                         self.who, path, secs, report.bytes_loaded, disk)
+                yield pb.LoadProgress(bytes_done=total, bytes_total=total, phase="ready",
+                                      tensor_bytes=report.bytes_loaded, disk_read_bytes=disk,
+                                      seconds=secs)
+                return
+
+    def Watch(self, request, context):
+        head = request.head
+        try:
+            check_session_id(head)
+        except WireError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"head id: {e}")
+        w = _Watcher(head)
+        with self.lock:
+            old = self.watchers.get(head)
+            if old is not None:
+                old.closed = True
+            self.watchers[head] = w
+
+        def ended():
+            w.closed = True
+            with self.lock:
+                if self.watchers.get(head) is w:
+                    del self.watchers[head]
+            for live in list(self.sessions.values()):
+                if live.session.head == head:
+                    self._free(live, f"head {head} left")
+
+        context.add_callback(ended)
+        yield self._event(pb.Event.HEARTBEAT, peak_memory=mx.get_peak_memory())
+        while context.is_active() and not w.closed and not self._stop.is_set():
+            try:
+                ev = w.q.get(timeout=self.heartbeat_s)
+            except queue.Empty:
+                ev = self._event(pb.Event.HEARTBEAT, peak_memory=mx.get_peak_memory())
+            yield ev
+
+    def Reset(self, request, context):
+        targets = [l for l in list(self.sessions.values())
+                   if l.id in set(request.sessions) or (request.head and l.session.head == request.head)]
+        for live in targets:
+            self._free(live, "reset")
+        return pb.ResetReply(freed=len(targets), sessions=len(self.sessions))
+
+    def _open(self, first, context, runner: StageRunner) -> _Live:
+        if not first.HasField("open") or first.seq != 0:
+            raise Refused("the first message of a stream must open a session (seq 0 with open)")
+        o = first.open
+        try:
+            check_session_id(o.session)
+            check_session_id(o.head)
+        except WireError as e:
+            raise Refused(str(e)) from None
+        if first.session != o.session:
+            raise Refused(f"message for session {first.session!r} opens session {o.session!r}")
+        sp = o.sampling
+        sampling = Sampling(sp.temp, sp.top_p if sp.top_p else 1.0, sp.min_p, sp.top_k,
+                            sp.seed if sp.has_seed else None)
+        with self.lock:
+            if o.session in self.sessions:
+                raise Refused(f"session {o.session} is already open here")
+            if len(self.sessions) >= self.max_sessions:
+                raise Refused(f"{len(self.sessions)} sessions open, the limit is {self.max_sessions}")
+            live = _Live(runner.new_session(o.session, o.head, sampling, o.return_logprobs),
+                         context, context.peer())
+            self.sessions[o.session] = live
+        context.add_callback(lambda: self._free(live, "stream ended"))
+        if not runner.is_last:
+            live.down = _Downstream(self, live, self.next_address)
+        return live
+
+    def _next(self, it):
+        try:
+            return next(it)
+        except StopIteration:
+            return None
+
+    def Forward(self, request_iterator, context):
+        runner = self.runner
+        if runner is None or self.state != "ready":
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.who}: no layers loaded")
+        first = self._next(request_iterator)
+        if first is None:
+            return
+        live, msg, code = None, first, grpc.StatusCode.INVALID_ARGUMENT
+        try:
+            live = self._open(first, context, runner)
+            while msg is not None:
+                if live.freed:
+                    return
+                live.last_active = time.monotonic()
+                out = self._process(live, msg, runner)
+                live.last_active = time.monotonic()
+                if out is not None and not self._emit(live.session.head, out):
+                    yield out  # no Watch from this head: answer on the stream itself
+                msg = self._next(request_iterator)
+            if live.down is not None:
+                live.down.finish(self.idle_timeout)
+            yield self._event(pb.Event.CLOSED, live.id)
+        except (Refused, DownstreamLost) as e:
+            if isinstance(e, DownstreamLost):
+                code = grpc.StatusCode.UNAVAILABLE
+            text = f"{self.who} refused message seq {msg.seq} of session {msg.session!r}: {e}" \
+                if isinstance(e, Refused) else f"{self.who}: {e}"
+            log.warning("%s (from %s)", text, context.peer())
+            head = live.session.head if live else (first.open.head if first.HasField("open") else "")
+            self._emit(head, self._event(pb.Event.ERROR, msg.session, msg.seq, message=text))
+            self._free(live, "refused" if isinstance(e, Refused) else "next stage lost", cancel=False)
+            context.abort(code, text)
+        except grpc.RpcError:
+            pass  # the upstream call ended (cancelled, reset, network): freed below
+        finally:
+            if live is not None and not live.freed:
+                self._free(live, "" if context.is_active() else "stream ended", cancel=False)
+
+    def _process(self, live: _Live, msg, runner: StageRunner) -> Optional[pb.Event]:
+        s = live.session
+        if msg.session != s.session:
+            raise Refused(f"message for session {msg.session!r} on the stream of session {s.session!r}")
+        if msg.seq != 0 and msg.HasField("open"):
+            raise Refused("only seq 0 may open a session")
+        runner.check(s, msg.seq, msg.offset, msg.length, msg.sample)
+        shape, dtype = runner.input_spec(msg.length)
+        try:
+            x = from_tensor(msg.tensor, shape, dtype, "activation" if not runner.is_first else "tokens")
+        except WireError as e:
+            raise Refused(str(e)) from None
+        out = runner.run(s, msg.seq, msg.offset, x, msg.sample)
+        if out.hidden is not None:
+            nxt = pb.Activation(session=msg.session, seq=msg.seq, offset=msg.offset,
+                                length=msg.length, sample=msg.sample)
+            to_tensor(out.hidden, out=nxt.tensor)
+            if msg.seq == 0:
+                nxt.open.CopyFrom(msg.open)
+            live.down.send(nxt, self.idle_timeout)
+            return None
+        if out.token is not None:
+            ev = self._event(pb.Event.TOKEN, msg.session, msg.seq, token=out.token,
+                             peak_memory=mx.get_peak_memory())
+            if out.logprobs is not None:
+                to_tensor(out.logprobs, out=ev.logprobs)
+            return ev
+        return None
+
+
+class StageServer:
+    """A running stage service: gRPC server (+ optional zeroconf advertisement).
+
+    Args:
+        service: the StageService.
+        addresses: IPv4 addresses to listen on ("0.0.0.0" for all).
+        port: TCP port (0 = any free one; then only one address is allowed).
+        secret: cluster secret (server interceptor). tls: use the cluster certificate.
+    """
+
+    def __init__(self, service: StageService, addresses, port: int, secret: bytes,
+                 tls_secret_path: Optional[Path] = None, workers: Optional[int] = None):
+        self.service = service
+        workers = workers or 3 * service.max_sessions + 8
+        options = [("grpc.max_receive_message_length", service.max_message),
+                   ("grpc.max_send_message_length", service.max_message),
+                   ("grpc.so_reuseport", 0),
+                   ("grpc.http2.min_ping_interval_without_data_ms", 1000)] + KEEPALIVE_OPTIONS
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers,
+                                                             thread_name_prefix="rpc"),
+                                  interceptors=[ServerAuth(secret)], options=options,
+                                  maximum_concurrent_rpcs=workers)
+        pb_grpc.add_StageServicer_to_server(service, self.server)
+        creds = server_credentials(tls_secret_path) if tls_secret_path else None
+        addresses = list(addresses)
+        if port == 0 and len(addresses) > 1:
+            raise ValueError("port 0 (any free port) needs a single listen address")
+        self.port = port
+        for a in addresses:
+            target = f"{a}:{self.port}"
+            bound = (self.server.add_secure_port(target, creds) if creds
+                     else self.server.add_insecure_port(target))
+            if not bound:
+                raise OSError(f"cannot listen on {target}")
+            self.port = bound
+        self.addresses = addresses
+        self.advertiser = None
+
+    def start(self) -> "StageServer":
+        self.server.start()
+        return self
+
+    def advertise(self, addresses, tls: bool = False, ttl: int = 120) -> None:
+        """Register the zeroconf record on `addresses` (IPv4)."""
+        from .discovery import Advertiser, NodeInfo
+
+        s = self.service
+        ours, mlx_version = package_versions()
+        info = NodeInfo(node_id=s.node_id, host=addresses[0], port=self.port,
+                        protocol=PROTOCOL_VERSION, version=ours, mlx_version=mlx_version,
+                        total_memory=s.total_memory, usable_memory=s.usable_memory,
+                        chip=s.chip, bandwidth=s.bandwidth, fingerprints=sorted(s.catalog),
+                        key_id=key_id(s.secret), tls=tls, wired_mb=s.wired_mb)
+        self.advertiser = Advertiser(info, list(addresses), ttl=ttl)
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Unadvertise (mDNS goodbye), free sessions, stop serving."""
+        if self.advertiser is not None:
+            try:
+                self.advertiser.close()
+            except Exception as e:  # best effort on shutdown
+                log.warning("unadvertise failed: %s", e)
+            self.advertiser = None
+        self.service.close()
+        self.server.stop(grace).wait(grace + 1)

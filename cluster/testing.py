@@ -1,0 +1,141 @@
+"""Stage processes for tests and the bench: `kimi-mlx cluster serve` as child processes.
+
+Every wait is bounded; `StageProc.stop()` kills the process group (use it in `finally`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+READY_RE = re.compile(r"listening on (\S+):(\d+)")
+
+
+def reference_checkpoint(workdir: Path, seed: int = 0) -> Path:
+    """The shipped micro checkpoint when this install has it, else a tiny one built in
+    `workdir/tiny` (kimi_mlx.testing.build_checkpoint)."""
+    from kimi_mlx.generate import default_model
+
+    shipped = default_model()
+    if shipped is not None:
+        return shipped
+    path = Path(workdir) / f"tiny-{seed}"
+    if not path.exists():
+        from kimi_mlx.testing import build_checkpoint
+
+        build_checkpoint(path, seed=seed)
+    return path
+
+
+class StageProc:
+    """One `kimi-mlx cluster serve` child process.
+
+    Args:
+        models: its --models folder. secret_file: its --secret-file.
+        node_id: --node-id. port: --port (0 = any; the bound port is read from its log).
+        interface: --interface. advertise: register with zeroconf.
+        netns: run inside this network namespace (`ip netns exec`).
+        extra: more serve flags. log: file for its stdout/stderr.
+    """
+
+    def __init__(self, models: Path, secret_file: Path, node_id: str, log: Path, port: int = 0,
+                 interface: str = "127.0.0.1", advertise: bool = False, netns: Optional[str] = None,
+                 extra: Sequence[str] = (), env: Optional[dict] = None):
+        self.models, self.secret_file, self.node_id = models, secret_file, node_id
+        self.port, self.interface, self.advertise, self.netns = port, interface, advertise, netns
+        self.extra, self.log, self.env = list(extra), Path(log), env
+        self.proc: Optional[subprocess.Popen] = None
+        self.host: Optional[str] = None
+
+    def command(self) -> List[str]:
+        cmd = [sys.executable, "-m", "kimi_mlx.cli", "cluster", "serve", "--models", str(self.models),
+               "--secret-file", str(self.secret_file), "--node-id", self.node_id,
+               "--port", str(self.port), "--interface", self.interface] + self.extra
+        if not self.advertise:
+            cmd.append("--no-advertise")
+        if self.netns:
+            cmd = ["ip", "netns", "exec", self.netns] + cmd
+        return cmd
+
+    def start(self) -> "StageProc":
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
+        self._offset = self.log.stat().st_size if self.log.exists() else 0
+        f = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        f.close()
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> "StageProc":
+        """Wait for the 'listening on' line; RuntimeError (with the log) on exit/timeout."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            text = self.log_text()
+            m = READY_RE.search(text)
+            if m:
+                self.host, self.port = m.group(1), int(m.group(2))
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stage {self.node_id} exited {self.proc.returncode}:\n{text}")
+            time.sleep(0.05)
+        raise RuntimeError(f"stage {self.node_id} not ready in {timeout:.0f} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self._offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the process group (the serve process and any wrapper)."""
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM (clean: unadvertise), then SIGKILL after `timeout` seconds."""
+        if self.proc is None:
+            return
+        if self.alive():
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(5)
+
+
+def start_stages(n: int, models: Path, secret_file: Path, workdir: Path, prefix: str = "node",
+                 timeout: float = 60.0, **kw) -> List[StageProc]:
+    """Start n stage processes in parallel and wait until all listen (stops them all on
+    failure)."""
+    procs = [StageProc(models, secret_file, f"{prefix}{i}", Path(workdir) / f"{prefix}{i}.log", **kw)
+             for i in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.wait_ready(timeout)
+    except BaseException:
+        for p in procs:
+            p.stop()
+        raise
+    return procs

@@ -1,0 +1,485 @@
+"""How the head drives a pipeline of stages: one small interface, and its gRPC version.
+
+`Transport` is all the head (`head.Pipeline`, the launcher) knows about the network:
+load stages, open a session, send token chunks into the first stage, receive sampled
+tokens from the last stage, close or abort sessions. The planner and the model know
+nothing of it. An `mx.distributed` transport (ring or RDMA over Thunderbolt 5) would
+implement these same methods with each rank running a `runner.StageRunner`, and send the
+same [K + 1, 1, L, D] activations with `mx.distributed.send/recv` instead of gRPC.
+
+`GrpcTransport` holds a `Watch` lease on every stage: heartbeats (a stage silent for
+`peer_timeout` seconds is reported as lost: hung or off the network), the last stage's
+tokens, and session errors. A closed connection (a stage that died) is reported at once.
+Failures raise `StageFailure`, which names the stage, its node, address and layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import grpc
+import mlx.core as mx
+import numpy as np
+
+from . import stage_pb2 as pb
+from . import stage_pb2_grpc as pb_grpc
+from .discovery import NodeInfo
+from .runner import Sampling
+from .service import DEFAULT_MAX_MESSAGE, make_channel
+from .wire import from_tensor
+
+log = logging.getLogger("kimi_mlx.cluster.transport")
+
+
+@dataclass
+class StageAssignment:
+    """Stage `index` runs layers [start, end) on `node`."""
+
+    node: NodeInfo
+    start: int
+    end: int
+
+    def describe(self, index: int) -> str:
+        return (f"stage {index} (node {self.node.node_id} at {self.node.address}, "
+                f"layers [{self.start}, {self.end}))")
+
+
+@dataclass
+class TokenResult:
+    """A token sampled by the last stage for message `seq` of `session`.
+
+    logprobs: float32 [vocab] when the session asked for them, else None."""
+
+    session: str
+    seq: int
+    token: int
+    logprobs: Optional[mx.array] = None
+
+
+@dataclass
+class LoadResult:
+    """A stage's load: tensor bytes its loader read, bytes its process read from files
+    (-1 unknown), seconds, and whether it was already loaded."""
+
+    tensor_bytes: int
+    disk_read_bytes: int
+    seconds: float
+    cached: bool
+
+
+class StageFailure(RuntimeError):
+    """A stage was lost or refused. `failed` lists (stage index, node id, reason);
+    `lost` is True when a stage is gone (died, hung, off the network) rather than
+    refusing a message."""
+
+    def __init__(self, message: str, failed: List[tuple], lost: bool):
+        super().__init__(message)
+        self.failed = failed
+        self.lost = lost
+
+    @property
+    def node_ids(self) -> List[str]:
+        return [f[1] for f in self.failed]
+
+
+class Transport(ABC):
+    """What the head needs from the network (see the module doc). Thread-safe: several
+    sessions may be open at once."""
+
+    stages: List[StageAssignment]
+
+    @abstractmethod
+    def load(self, fingerprint: str, stages: List[StageAssignment], compute_dtype: str,
+             wire_dtype: str, progress: Optional[Callable[[int, object], None]] = None,
+             force: bool = False) -> List[LoadResult]:
+        """Load every stage's layers (in parallel); `progress(stage index, LoadProgress)`."""
+
+    @abstractmethod
+    def open(self, session: str, sampling: Sampling, return_logprobs: bool = False) -> None:
+        """Start a session (its first `send` opens it on every stage)."""
+
+    @abstractmethod
+    def send(self, session: str, seq: int, offset: int, tokens: Sequence[int], sample: bool) -> None:
+        """Queue token ids for positions [offset, offset + len) into the first stage
+        (non-blocking); with `sample`, the last stage returns a token for them."""
+
+    @abstractmethod
+    def receive(self, session: str, timeout: Optional[float] = None) -> TokenResult:
+        """The next sampled token of `session`. Raises StageFailure (stage lost or refused)
+        or TimeoutError."""
+
+    @abstractmethod
+    def close(self, session: str) -> None:
+        """End a session normally (every stage frees it)."""
+
+    @abstractmethod
+    def abort(self) -> Dict[str, int]:
+        """Free every session of this head on every reachable stage; node id -> sessions
+        left there (-1 when unreachable)."""
+
+    @abstractmethod
+    def peak_memory(self) -> int:
+        """Largest peak memory (bytes) any stage reported."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Drop the leases and connections (stages free this head's sessions)."""
+
+
+class _HeadSession:
+    def __init__(self, sid: str):
+        self.sid = sid
+        self.events: "queue.Queue" = queue.Queue()
+        self.out: "queue.Queue" = queue.Queue()
+        self.call = None
+        self.reader: Optional[threading.Thread] = None
+        self.closed = threading.Event()
+        self.opened = False
+        self.open_msg: Optional[pb.SessionOpen] = None
+
+    def requests(self):
+        while True:
+            m = self.out.get()
+            if m is None:
+                return
+            yield m
+
+
+class GrpcTransport(Transport):
+    """`Transport` over the gRPC stage service (see the module doc).
+
+    Args:
+        secret: cluster secret. tls_secret_path: enable TLS with the cluster certificate.
+        peer_timeout: seconds without a heartbeat before a stage is reported lost.
+        rpc_timeout: deadline (s) of Health/Reset calls. load_timeout: of a Load call.
+        session_deadline: deadline (s) of a session's stream and of the leases.
+    """
+
+    def __init__(self, secret: bytes, tls_secret_path: Optional[Path] = None,
+                 peer_timeout: float = 5.0, rpc_timeout: float = 2.0,
+                 load_timeout: float = 4 * 3600.0, session_deadline: float = 24 * 3600.0,
+                 max_message: int = DEFAULT_MAX_MESSAGE):
+        self.secret = secret
+        self.tls = tls_secret_path
+        self.peer_timeout = peer_timeout
+        self.rpc_timeout = rpc_timeout
+        self.load_timeout = load_timeout
+        self.session_deadline = session_deadline
+        self.max_message = max_message
+        self.head_id = f"head-{uuid.uuid4().hex[:12]}"
+        self.stages: List[StageAssignment] = []
+        self._channels: List[grpc.Channel] = []
+        self._stubs: List[pb_grpc.StageStub] = []
+        self._watches: list = []
+        self._last_seen: List[float] = []
+        self._peak: List[int] = []
+        self.lost: Dict[int, str] = {}
+        self._sessions: Dict[str, _HeadSession] = {}
+        self._lock = threading.Lock()
+        self._closing = False
+
+    # -- connections ---------------------------------------------------------------------
+    def stub_for(self, address: str) -> pb_grpc.StageStub:
+        """A stub on a new authenticated channel (for one-off calls such as Health)."""
+        return pb_grpc.StageStub(make_channel(address, self.secret, self.tls, self.max_message))
+
+    def _connect(self, stages: List[StageAssignment]) -> None:
+        self._drop_watches()
+        for ch in self._channels:
+            ch.close()
+        self.stages = list(stages)
+        self._channels = [make_channel(s.node.address, self.secret, self.tls, self.max_message)
+                          for s in stages]
+        self._stubs = [pb_grpc.StageStub(ch) for ch in self._channels]
+        self._last_seen = [time.monotonic()] * len(stages)
+        self._peak = [0] * len(stages)
+        self.lost = {}
+
+    def describe(self, i: int) -> str:
+        return self.stages[i].describe(i)
+
+    # -- load ----------------------------------------------------------------------------
+    def load(self, fingerprint, stages, compute_dtype, wire_dtype, progress=None, force=False):
+        self._connect(stages)
+        n = len(stages)
+        results: Dict[int, LoadResult] = {}
+        errors: Dict[int, str] = {}
+
+        def one(i: int):
+            req = pb.LoadRequest(
+                fingerprint=fingerprint, start=stages[i].start, end=stages[i].end, stage=i,
+                num_stages=n, next_address=stages[i + 1].node.address if i + 1 < n else "",
+                compute_dtype=compute_dtype, wire_dtype=wire_dtype, plan_id=self.head_id,
+                force=force)
+            try:
+                for p in self._stubs[i].Load(req, timeout=self.load_timeout):
+                    if progress is not None:
+                        progress(i, p)
+                    if p.phase == "error":
+                        errors[i] = p.message
+                        return
+                    if p.phase == "ready":
+                        results[i] = LoadResult(p.tensor_bytes, p.disk_read_bytes, p.seconds,
+                                                p.message == "already loaded")
+                if i not in results:
+                    errors[i] = "load ended without finishing"
+            except grpc.RpcError as e:
+                errors[i] = _rpc_reason(e)
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            failed = [(i, stages[i].node.node_id, errors[i]) for i in sorted(errors)]
+            msg = "; ".join(f"{self.describe(i)} failed to load: {errors[i]}" for i in sorted(errors))
+            raise StageFailure(msg, failed, lost=False)
+        self._start_watches()
+        return [results[i] for i in range(n)]
+
+    def _start_watches(self) -> None:
+        ready = [threading.Event() for _ in self.stages]
+        self._watches = []
+        for i, stub in enumerate(self._stubs):
+            call = stub.Watch(pb.WatchRequest(head=self.head_id), timeout=self.session_deadline)
+            t = threading.Thread(target=self._watch, args=(i, call, ready[i]), daemon=True,
+                                 name=f"watch-{i}")
+            self._watches.append(call)
+            t.start()
+        deadline = time.monotonic() + self.peer_timeout
+        for i, ev in enumerate(ready):
+            if not ev.wait(max(0.0, deadline - time.monotonic())) and i not in self.lost:
+                self.lost[i] = f"no heartbeat within {self.peer_timeout:.0f} s of loading"
+        if self.lost:
+            raise self._failure(None)
+
+    def _watch(self, i: int, call, ready: threading.Event) -> None:
+        try:
+            for ev in call:
+                self._last_seen[i] = time.monotonic()
+                if ev.peak_memory:
+                    self._peak[i] = max(self._peak[i], ev.peak_memory)
+                ready.set()
+                if ev.kind in (pb.Event.TOKEN, pb.Event.ERROR):
+                    s = self._sessions.get(ev.session)
+                    if s is not None:
+                        s.events.put(ev)
+                    elif ev.kind == pb.Event.ERROR:
+                        log.warning("%s: %s", self.describe(i), ev.message)
+            reason = "lease ended by the stage (service stopped?)"
+        except grpc.RpcError as e:
+            reason = _rpc_reason(e)
+        if not self._closing:
+            self.lost.setdefault(i, reason)
+            log.warning("%s lost: %s", self.describe(i), reason)
+            self._wake_all()
+
+    def _wake_all(self) -> None:
+        for s in list(self._sessions.values()):
+            s.events.put(None)
+
+    def _drop_watches(self) -> None:
+        self._closing = True
+        for call in self._watches:
+            call.cancel()
+        self._watches = []
+        self._closing = False
+
+    # -- sessions ------------------------------------------------------------------------
+    def open(self, session, sampling, return_logprobs=False):
+        if self.lost:
+            raise self._failure(None)
+        s = _HeadSession(session)
+        sp = pb.Sampling(temp=sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p,
+                         top_k=sampling.top_k, has_seed=sampling.seed is not None,
+                         seed=sampling.seed or 0)
+        s.open_msg = pb.SessionOpen(session=session, head=self.head_id, sampling=sp,
+                                    return_logprobs=return_logprobs)
+        with self._lock:
+            if session in self._sessions:
+                raise ValueError(f"session {session} is already open")
+            self._sessions[session] = s
+        s.call = self._stubs[0].Forward(s.requests(), timeout=self.session_deadline)
+        s.reader = threading.Thread(target=self._read_forward, args=(s,), daemon=True,
+                                    name=f"fwd-{session}")
+        s.reader.start()
+
+    def _read_forward(self, s: _HeadSession) -> None:
+        try:
+            for ev in s.call:
+                if ev.kind in (pb.Event.TOKEN, pb.Event.ERROR):
+                    s.events.put(ev)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.CANCELLED or not s.closed.is_set():
+                s.events.put(pb.Event(kind=pb.Event.ERROR, session=s.sid, stage=0,
+                                      node_id=self.stages[0].node.node_id,
+                                      message=f"{self.describe(0)}: {_rpc_reason(e)}"))
+        finally:
+            s.closed.set()
+
+    def send(self, session, seq, offset, tokens, sample):
+        s = self._sessions[session]
+        ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
+        msg = pb.Activation(session=session, seq=seq, offset=offset, length=ids.shape[1],
+                            sample=sample)
+        msg.tensor.data = ids.tobytes()
+        msg.tensor.shape[:] = list(ids.shape)
+        msg.tensor.dtype = "int32"
+        if not s.opened:
+            msg.open.CopyFrom(s.open_msg)
+            s.opened = True
+        s.out.put(msg)
+
+    def receive(self, session, timeout=None):
+        s = self._sessions[session]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            try:
+                ev = s.events.get(timeout=0.25)
+            except queue.Empty:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"session {session}: no token within {timeout:.0f} s") from None
+                continue
+            if ev is None:
+                continue
+            if ev.kind == pb.Event.TOKEN:
+                lp = None
+                if ev.HasField("logprobs"):
+                    lp = from_tensor(ev.logprobs, (None,), "float32", "logprobs")
+                return TokenResult(session, ev.seq, ev.token, lp)
+            raise self._failure(ev)
+
+    def _check_alive(self) -> None:
+        now = time.monotonic()
+        for i, t in enumerate(self._last_seen):
+            if i not in self.lost and now - t > self.peer_timeout:
+                self.lost[i] = (f"no heartbeat for {now - t:.1f} s (hung, or off the network)")
+        if self.lost:
+            raise self._failure(None)
+
+    def _failure(self, ev) -> StageFailure:
+        """Name the failed stage(s): those lost (died / hung / unreachable) first, else
+        the one that refused `ev`."""
+        if ev is not None and not self.lost:
+            # A dying stage's neighbours may report first: give its lease a moment to
+            # break, then ask every stage directly.
+            end = time.monotonic() + 1.0
+            while not self.lost and time.monotonic() < end:
+                time.sleep(0.05)
+            if not self.lost:
+                self._probe()
+        if self.lost:
+            failed = [(i, self.stages[i].node.node_id, r) for i, r in sorted(self.lost.items())]
+            msg = "; ".join(f"{self.describe(i)} lost: {r}" for i, _, r in failed)
+            if ev is not None and ev.message:
+                msg += f" (reported: {ev.message})"
+            return StageFailure(msg, failed, lost=True)
+        i = ev.stage if 0 <= ev.stage < len(self.stages) else 0
+        return StageFailure(ev.message or f"{self.describe(i)} failed", [(i, ev.node_id, ev.message)],
+                            lost=False)
+
+    def _probe(self) -> None:
+        def one(i):
+            try:
+                self._stubs[i].Health(pb.HealthRequest(), timeout=self.rpc_timeout)
+            except grpc.RpcError as e:
+                self.lost.setdefault(i, f"not answering: {_rpc_reason(e)}")
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True)
+                   for i in range(len(self.stages)) if i not in self.lost]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.rpc_timeout + 1)
+
+    def close(self, session):
+        s = self._sessions.get(session)
+        if s is None:
+            return
+        s.out.put(None)  # ends the stream; every stage finishes and frees the session
+        if s.call is not None and not s.closed.wait(self.rpc_timeout + 3):
+            s.call.cancel()
+        with self._lock:
+            self._sessions.pop(session, None)
+
+    def cancel(self, session: str) -> None:
+        """Drop a session at once (no clean end); stages free it."""
+        s = self._sessions.pop(session, None)
+        if s is not None:
+            s.closed.set()
+            if s.call is not None:
+                s.call.cancel()
+
+    def abort(self):
+        for sid in list(self._sessions):
+            self.cancel(sid)
+        left: Dict[str, int] = {}
+
+        def one(i):
+            node = self.stages[i].node.node_id
+            if i in self.lost:
+                left[node] = -1
+                return
+            try:
+                r = self._stubs[i].Reset(pb.ResetRequest(head=self.head_id), timeout=self.rpc_timeout)
+                left[node] = r.sessions
+            except grpc.RpcError:
+                left[node] = -1
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(self.stages))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.rpc_timeout + 1)
+        return left
+
+    def health(self) -> List[Optional[pb.HealthReply]]:
+        """Health of every stage (None where it does not answer within rpc_timeout)."""
+        out: List[Optional[pb.HealthReply]] = [None] * len(self.stages)
+
+        def one(i):
+            try:
+                out[i] = self._stubs[i].Health(pb.HealthRequest(), timeout=self.rpc_timeout)
+            except grpc.RpcError:
+                pass
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(self.stages))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.rpc_timeout + 1)
+        return out
+
+    def peak_memory(self):
+        return max(self._peak, default=0)
+
+    def shutdown(self):
+        for sid in list(self._sessions):
+            self.cancel(sid)
+        self._drop_watches()
+        self._closing = True
+        for ch in self._channels:
+            ch.close()
+        self._channels, self._stubs = [], []
+
+
+def _rpc_reason(e: grpc.RpcError) -> str:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return f"connection lost or refused (process died or network down): {details}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"no answer before the deadline (hung or unreachable): {details}"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"refused our credentials ({details}): is the cluster secret the same?"
+    return f"{code.name if code else 'error'}: {details}"

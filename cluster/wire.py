@@ -1,0 +1,128 @@
+"""What crosses the network: protocol version, package versions, tensors as bytes.
+
+A tensor on the wire is `stage.proto` `Tensor{data, shape, dtype}`: raw little-endian
+C-order bytes, the shape, and a dtype name. Nothing is trusted: `from_tensor` checks the
+dtype, the exact shape and the byte count against what the receiver expects before it
+touches the bytes, and names what was wrong (`WireError`).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+# Bump on any incompatible change to stage.proto or to what a message means; peers with
+# another protocol refuse each other by name.
+PROTOCOL_VERSION = 1
+
+# dtype name -> (MLX dtype, NumPy dtype of the bytes, bytes per element). bfloat16 travels
+# as its uint16 bit pattern (NumPy has no bfloat16).
+DTYPES = {
+    "float32": (mx.float32, np.float32, 4),
+    "bfloat16": (mx.bfloat16, np.uint16, 2),
+    "float16": (mx.float16, np.float16, 2),
+    "int32": (mx.int32, np.int32, 4),
+}
+ACTIVATION_DTYPES = ("float32", "bfloat16", "float16")
+SESSION_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+
+
+class WireError(ValueError):
+    """A message that does not match what the receiver expects (named field, got, want)."""
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """'float32' etc. for an MLX dtype; WireError for a dtype that cannot travel."""
+    for name, (d, _, _) in DTYPES.items():
+        if d == dtype:
+            return name
+    raise WireError(f"dtype {dtype} cannot be sent (allowed: {', '.join(DTYPES)})")
+
+
+def mx_dtype(name: str) -> mx.Dtype:
+    """MLX dtype for a wire dtype name; WireError for an unknown name."""
+    if name not in DTYPES:
+        raise WireError(f"unknown dtype {name!r} (allowed: {', '.join(DTYPES)})")
+    return DTYPES[name][0]
+
+
+def to_tensor(x: mx.array, dtype: Optional[str] = None, out=None):
+    """An MLX array as a `stage_pb2.Tensor` (cast to `dtype` first when given).
+
+    Evaluates `x`. The bytes are a copy in C order.
+    """
+    from .stage_pb2 import Tensor
+
+    if dtype is not None and dtype_name(x.dtype) != dtype:
+        x = x.astype(mx_dtype(dtype))
+    name = dtype_name(x.dtype)
+    bits = x.view(mx.uint16) if name == "bfloat16" else x
+    data = np.asarray(bits).tobytes()
+    t = Tensor() if out is None else out
+    t.data = data
+    t.shape[:] = list(x.shape)
+    t.dtype = name
+    return t
+
+
+def from_tensor(
+    t, shape: Optional[Sequence[Optional[int]]], dtype: str, what: str = "tensor"
+) -> mx.array:
+    """Check a received `Tensor` and return it as an MLX array.
+
+    Args:
+        t: stage_pb2.Tensor.
+        shape: the exact shape expected; None entries accept any size >= 1 in that
+            dimension; None accepts any shape of at most 4 dimensions.
+        dtype: the only dtype name accepted.
+        what: name used in error messages.
+    Raises:
+        WireError: wrong dtype, shape or byte count (the message gives got and want).
+    """
+    if t.dtype != dtype:
+        raise WireError(f"{what}: dtype {t.dtype or '(none)'}, expected {dtype}")
+    got = tuple(int(s) for s in t.shape)
+    if shape is None:
+        if not 1 <= len(got) <= 4 or any(s < 1 for s in got):
+            raise WireError(f"{what}: shape {list(got)} is not a valid array shape")
+    elif len(got) != len(shape) or any(
+        (w is None and g < 1) or (w is not None and g != w) for g, w in zip(got, shape)
+    ):
+        want = ["*" if w is None else w for w in shape]
+        raise WireError(f"{what}: shape {list(got)}, expected {want}")
+    _, np_dtype, size = DTYPES[dtype]
+    count = 1
+    for s in got:
+        count *= s
+    if len(t.data) != count * size:
+        raise WireError(
+            f"{what}: {len(t.data)} bytes, expected {count * size} for {dtype} {list(got)}"
+        )
+    arr = mx.array(np.frombuffer(t.data, dtype=np_dtype).reshape(got))
+    return arr.view(mx.bfloat16) if dtype == "bfloat16" else arr
+
+
+def package_versions() -> Tuple[str, str]:
+    """(kimi-mlx version, MLX version) of this install."""
+    try:
+        from importlib.metadata import version
+
+        ours = version("kimi-mlx")
+    except Exception:  # running from a source tree without metadata
+        ours = "0+unknown"
+    return ours, getattr(mx, "__version__", "unknown")
+
+
+def python_version() -> str:
+    """'3.11' style version of this interpreter."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def check_session_id(session: str) -> None:
+    """WireError unless `session` is 1-64 characters of [A-Za-z0-9_.:-]."""
+    if not SESSION_RE.match(session or ""):
+        raise WireError(f"session id {session[:80]!r} is not 1-64 characters of [A-Za-z0-9_.:-]")
