@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -66,43 +65,23 @@ def corpus_file(split: str, domain: str, where: Path) -> Path:
     return path
 
 
-def token_ids(path: Path, model_dir: Path) -> List[int]:
-    """All tokens of a held-out file: text files whole, JSONL records concatenated."""
-    calib = load_calibration([path], _tokenizer(model_dir), seq_len=1 << 30, max_tokens=None)
-    return [t for s in calib.sequences for t in s]
-
-
 def _tokenizer(model_dir: Path):
     from kimi_mlx.tokenizer import KimiTokenizer
 
     return lambda: KimiTokenizer.from_pretrained(model_dir)
 
 
-def perplexity(model_dir: Path, ids: Sequence[int], seq_len: int, batch: int = 8) -> float:
-    """exp(mean next-token NLL) over non-overlapping windows of `seq_len` + 1 tokens.
-
-    Every window is scored from an empty context (no cache), so all models see the same
-    contexts. The tail shorter than a window is dropped.
-    """
+def perplexity(model_dir: Path, ids: Sequence[int], seq_len: int) -> float:
+    """Perplexity of a checkpoint on token ids, as `kimi-mlx eval` measures it
+    (`kimi_mlx.evaluate.perplexity`: consecutive windows of seq_len + 1 tokens)."""
+    from kimi_mlx.evaluate import perplexity as eval_perplexity
     from kimi_mlx.loader import load_model
 
     model, _, _ = load_model(model_dir, verbose=False)
-    w = seq_len + 1
-    n = len(ids) // w
-    if n == 0:
-        raise ValueError(f"held-out data has {len(ids)} tokens, fewer than one window ({w})")
-    data = np.asarray(ids[: n * w], np.int32).reshape(n, w)
-    total, count = 0.0, 0
-    for a in range(0, n, batch):
-        x = mx.array(data[a:a + batch])
-        logits = model(x[:, :-1]).astype(mx.float32)
-        nll = mx.logsumexp(logits, axis=-1) - mx.take_along_axis(
-            logits, x[:, 1:, None], axis=-1)[..., 0]
-        total += float(nll.sum())
-        count += int(nll.size)
+    ppl = eval_perplexity(model, ids, seq_len).perplexity
     del model
     mx.clear_cache()
-    return math.exp(total / count)
+    return ppl
 
 
 def main(argv=None) -> int:
@@ -136,7 +115,10 @@ def main(argv=None) -> int:
         heldout = {args.domain: args.heldout, args.other_domain: args.heldout_other}
         heldout = {d: Path(heldout[d]) if heldout.get(d) else (
             find_data(src, "heldout", d) or corpus_file("heldout", d, tmp)) for d in domains}
-        eval_ids = {d: token_ids(f, src)[: args.eval_tokens] for d, f in heldout.items()}
+        from kimi_mlx.evaluate import read_tokens
+
+        tok = _tokenizer(src)()
+        eval_ids = {d: read_tokens(tok, f, args.eval_tokens) for d, f in heldout.items()}
 
         calib = load_calibration([calib_path], _tokenizer(src), seq_len=args.seq_len,
                                  max_tokens=args.calib_tokens)

@@ -214,7 +214,6 @@ class ActivationStore:
             self.spill_dir.mkdir(parents=True, exist_ok=True)
         self._h: Dict[int, Any] = {}
         self._banks: Dict[int, List[Any]] = {}
-        self.nbytes = 0
 
     @property
     def on_disk(self) -> bool:
@@ -242,7 +241,6 @@ class ActivationStore:
     def add_bank(self, s: int, x: mx.array) -> None:
         """Append a banked state [1, L, D] for sequence s."""
         banks = self._banks.setdefault(s, [])
-        self.nbytes += x.nbytes
         if self.on_disk:
             name = f"b{s}.{len(banks)}"
             mx.save_safetensors(str(self._file(name)), {"b": x})
