@@ -44,6 +44,8 @@ bench: install
 	$(BIN)/python -m kimi_mlx.bench
 	@echo
 	$(BIN)/kimi-mlx bench kernels
+	@echo
+	$(BIN)/python -m kimi_mlx.cluster.bench
 
 bench-prune: install
 	$(BIN)/python -m kimi_mlx.prune.bench

@@ -210,12 +210,12 @@ def _ls(args) -> int:
         from .head import check_nodes
 
         t = GrpcTransport(secret, args.secret_file if args.tls else None)
-        ok, bad = check_nodes(nodes, t.stub_for, fp="", check_version=True)
+        ok, bad = check_nodes(nodes, t.stub_for, fp=None, check_version=True)
         for info, reply in ok:
-            status[info.node_id] = f"ok ({reply.state}, {reply.sessions} sessions)"
+            held = f", layers [{reply.start}, {reply.end})" if reply.state == "ready" else ""
+            status[info.node_id] = f"ok ({reply.state}{held}, {reply.sessions} sessions)"
         for r in bad:
-            status[r.node_id] = ("ok" if "does not have the checkpoint" in r.reason
-                                 else r.reason.replace("advertised but not usable: ", ""))
+            status[r.node_id] = r.reason.replace("advertised but not usable: ", "")
     if args.json:
         print(json.dumps([dict(vars(n), status=status.get(n.node_id, "unchecked")) for n in nodes],
                          indent=2))

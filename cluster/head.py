@@ -86,6 +86,7 @@ class Pipeline:
         t = self.transport
         sid = session or f"s-{uuid.uuid4().hex[:16]}"
         t.open(sid, sampling, return_logprobs)
+        ok = False
         try:
             seq = 0
             for off, n in prefill_chunks(len(prompt), self.prefill_chunk):
@@ -104,10 +105,14 @@ class Pipeline:
                     break
                 seq, offset = seq + 1, offset + 1
                 t.send(sid, seq, offset, [r.token], sample=True)
+            ok = True
+        except GeneratorExit:  # the caller stopped early (end of message): a clean end
+            ok = True
+            raise
         finally:
             try:
-                t.close(sid)
-            except Exception as e:  # a failed transport: the caller aborts
+                t.close(sid) if ok else t.cancel(sid)  # never wait on a failed pipeline
+            except Exception as e:
                 log.debug("close %s: %s", sid, e)
 
 
@@ -184,11 +189,12 @@ def parse_address(spec: str, default_port: int) -> Tuple[str, int]:
         raise ValueError(f"--nodes: {spec!r}: port {port!r} is not a number") from None
 
 
-def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], fp: str,
+def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], fp: Optional[str],
                 timeout: float = 2.0, check_version: bool = True,
                 ) -> Tuple[List[Tuple[NodeInfo, pb.HealthReply]], List[Rejected]]:
     """Confirm each candidate with an authenticated Health call (in parallel) and keep
-    those with our protocol, package version and the checkpoint's fingerprint.
+    those with our protocol, package version and the checkpoint's fingerprint (not
+    checked when `fp` is None).
 
     Returns (accepted [(NodeInfo from Health, reply)], rejected with reasons). A node
     that advertises but does not answer (a stale record, a ghost) is rejected.
@@ -225,7 +231,7 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
         elif check_version and reply.version != ours:
             reason = (f"runs kimi-mlx {reply.version}, this head {ours}: install the same "
                       "version everywhere (or pass --allow-version-mismatch)")
-        elif fp not in reply.fingerprints:
+        elif fp is not None and fp not in reply.fingerprints:
             reason = (f"does not have the checkpoint (fingerprint {fp}) in its models folder; "
                       f"it has: {', '.join(reply.fingerprints) or 'none'}")
         elif info.node_id in seen:

@@ -123,6 +123,16 @@ class StageProc:
                 self.proc.wait(5)
 
 
+def stop_all(procs: Sequence[StageProc], timeout: float = 5.0) -> None:
+    """Stop several stage processes at once (SIGTERM to all, then wait; SIGKILL stragglers)."""
+    for p in procs:
+        if p.alive():
+            p.signal(signal.SIGCONT)
+            p.signal(signal.SIGTERM)
+    for p in procs:
+        p.stop(timeout)
+
+
 def start_stages(n: int, models: Path, secret_file: Path, workdir: Path, prefix: str = "node",
                  timeout: float = 60.0, **kw) -> List[StageProc]:
     """Start n stage processes in parallel and wait until all listen (stops them all on
@@ -135,7 +145,6 @@ def start_stages(n: int, models: Path, secret_file: Path, workdir: Path, prefix:
         for p in procs:
             p.wait_ready(timeout)
     except BaseException:
-        for p in procs:
-            p.stop()
+        stop_all(procs)
         raise
     return procs

@@ -118,7 +118,11 @@ class Transport(ABC):
 
     @abstractmethod
     def close(self, session: str) -> None:
-        """End a session normally (every stage frees it)."""
+        """End a session normally (every stage frees it; bounded wait)."""
+
+    @abstractmethod
+    def cancel(self, session: str) -> None:
+        """Drop a session at once, without waiting for the stages."""
 
     @abstractmethod
     def abort(self) -> Dict[str, int]:
@@ -406,14 +410,15 @@ class GrpcTransport(Transport):
         s = self._sessions.get(session)
         if s is None:
             return
+        if self.lost:
+            return self.cancel(session)
         s.out.put(None)  # ends the stream; every stage finishes and frees the session
         if s.call is not None and not s.closed.wait(self.rpc_timeout + 3):
             s.call.cancel()
         with self._lock:
             self._sessions.pop(session, None)
 
-    def cancel(self, session: str) -> None:
-        """Drop a session at once (no clean end); stages free it."""
+    def cancel(self, session):
         s = self._sessions.pop(session, None)
         if s is not None:
             s.closed.set()

@@ -25,7 +25,7 @@ from kimi_mlx.cluster.fingerprint import fingerprint
 from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
 from kimi_mlx.cluster.runner import Sampling
 from kimi_mlx.cluster.service import make_channel
-from kimi_mlx.cluster.testing import reference_checkpoint, start_stages
+from kimi_mlx.cluster.testing import reference_checkpoint, start_stages, stop_all
 from kimi_mlx.cluster.transport import GrpcTransport, StageFailure
 from kimi_mlx.cluster.wire import to_tensor
 
@@ -80,8 +80,7 @@ def cluster(tmp_path_factory):
     try:
         yield c
     finally:
-        for p in c.procs:
-            p.stop()
+        stop_all(c.procs)
 
 
 @pytest.fixture(scope="module")
