@@ -176,6 +176,10 @@ def _serve(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` writes every thread's stack to the log
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     fps = sorted(service.catalog)
     print(f"kimi-mlx cluster serve: node {node_id} listening on "
           f"{', '.join(f'{a}:{server.port}' for a in addresses)} "

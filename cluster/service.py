@@ -150,13 +150,21 @@ class _Downstream:
             self.done.set()
 
     def send(self, msg, timeout: float) -> None:
-        if self.error:
-            raise DownstreamLost(self.error)
-        try:
-            self.q.put(msg, timeout=timeout)
-        except queue.Full:
-            raise DownstreamLost(f"next stage at {self.address} accepted nothing for "
-                                 f"{timeout:.0f} s") from None
+        """Queue `msg` for the next stage; waits (bounded) while the queue is full, and
+        gives up at once when the call fails or the session ends."""
+        end = time.monotonic() + timeout
+        while True:
+            if self.error:
+                raise DownstreamLost(self.error)
+            if self.cancelled or self.live.freed:
+                raise DownstreamLost("session ended")
+            try:
+                self.q.put(msg, timeout=0.1)
+                return
+            except queue.Full:
+                if time.monotonic() > end:
+                    raise DownstreamLost(f"next stage at {self.address} accepted nothing for "
+                                         f"{timeout:.0f} s") from None
 
     def finish(self, timeout: float) -> None:
         """End the stream normally and wait (bounded) for the next stage to close it."""

@@ -154,6 +154,7 @@ def test_a_host_dropping_off_the_network_is_named_within_10s(cluster):
         _ip("-n", hosts[1], "link", "set", "eth0", "up")
     time.sleep(0.5)
     stderr = "".join(err)
+    print(f"\nlink down -> exit {elapsed:.2f} s")
     assert rc == 1, stderr
     assert elapsed < 10, elapsed
     assert "stage 1 (node host1" in stderr and "lost" in stderr, stderr

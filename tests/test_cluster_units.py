@@ -155,3 +155,30 @@ def test_runners_compose_to_the_full_model_bitwise_and_refuse_bad_order(tiny_ckp
     with pytest.raises(Refused, match="token id out of range"):
         runners[0].run(sessions[0], 3, 8, mx.array([[100000]], dtype=mx.int32), False)
     assert sessions[0].next_seq == 3  # refused messages change nothing
+
+
+# -- TLS (in-process service) --------------------------------------------------------------
+
+@pytest.mark.skipif(__import__("shutil").which("openssl") is None, reason="needs the openssl command")
+def test_tls_service_refuses_plaintext(tmp_path):
+    import grpc
+
+    from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
+    from kimi_mlx.cluster.auth import init_tls
+    from kimi_mlx.cluster.service import StageServer, StageService, make_channel
+
+    key = init_secret(tmp_path / "cluster.key")
+    crt, tls_key = init_tls(key)
+    assert stat.S_IMODE(tls_key.stat().st_mode) == 0o600
+    secret = load_secret(key)
+    service = StageService("tls-node", tmp_path, secret, tls_secret_path=key)
+    server = StageServer(service, ["127.0.0.1"], 0, secret, tls_secret_path=key).start()
+    try:
+        addr = f"127.0.0.1:{server.port}"
+        reply = pb_grpc.StageStub(make_channel(addr, secret, key)).Health(pb.HealthRequest(), timeout=10)
+        assert reply.node_id == "tls-node"
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.StageStub(make_channel(addr, secret)).Health(pb.HealthRequest(), timeout=3)
+        assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    finally:
+        server.stop(0)
