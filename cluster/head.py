@@ -11,7 +11,6 @@ goes into stage 0 as the next step. Several sessions may run at once (one per th
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -26,7 +25,7 @@ from . import stage_pb2 as pb
 from .discovery import NodeInfo
 from .runner import Sampling
 from .transport import StageAssignment, StageFailure, Transport
-from .wire import PROTOCOL_VERSION, package_versions
+from .wire import PROTOCOL_VERSION, build_id, package_versions
 
 log = logging.getLogger("kimi_mlx.cluster.head")
 
@@ -241,6 +240,10 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
             continue
         if reply.mlx_version != our_mlx:
             log.warning("node %s runs MLX %s, this head %s", info.node_id, reply.mlx_version, our_mlx)
+        if reply.build and reply.build != build_id():
+            log.warning("node %s runs other kimi-mlx sources than this head (build %s, head %s): "
+                        "outputs may differ slightly from one process here", info.node_id,
+                        reply.build, build_id())
         seen.add(info.node_id)
         accepted.append((info, reply))
     return accepted, rejected
@@ -291,4 +294,4 @@ def describe_plan(assignments: List[StageAssignment]) -> List[str]:
 
 __all__ = ["Pipeline", "stream_generate", "prefill_chunks", "check_nodes", "plan_stages",
            "choose_compute_dtype", "checkpoint_dtype", "parse_address", "Rejected",
-           "StageFailure", "json"]
+           "StageFailure"]

@@ -27,7 +27,7 @@ import mlx.core as mx
 
 from kimi_mlx.attn_res import Banks
 
-from .wire import WireError, dtype_name, mx_dtype
+from .wire import mx_dtype
 
 MAX_CHUNK = 16384  # positions per message
 
@@ -243,4 +243,4 @@ def default_compute_dtype() -> str:
 
 
 __all__ = ["StageRunner", "StageSpec", "Sampling", "Session", "Output", "Refused",
-           "load_stage", "default_compute_dtype", "WireError", "dtype_name"]
+           "load_stage", "default_compute_dtype"]

@@ -45,7 +45,8 @@ from . import stage_pb2_grpc as pb_grpc
 from .auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
 from .fingerprint import fingerprint, scan
 from .runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
-from .wire import ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, check_session_id, from_tensor, package_versions, to_tensor
+from .wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
+                   from_tensor, package_versions, to_tensor)
 
 log = logging.getLogger("kimi_mlx.cluster.service")
 
@@ -325,6 +326,7 @@ class StageService(pb_grpc.StageServicer):
             end=s.end if s else 0, sessions=len(self.sessions),
             peak_memory=mx.get_peak_memory(), default_dtype=default_compute_dtype(),
             device="cpu" if mx.default_device() == mx.cpu else "gpu", key_id=key_id(self.secret),
+            build=build_id(),
         )
 
     def _resolve(self, fp: str) -> Path:
@@ -394,9 +396,9 @@ class StageService(pb_grpc.StageServicer):
         if fingerprint(path) != spec.fingerprint:
             self.catalog = scan(self.models_dir)
             self.state = "idle"
-            raise_abort = f"{path}: files changed since they were advertised (fingerprint differs)"
-            log.warning(raise_abort)
-            yield pb.LoadProgress(phase="error", message=raise_abort)
+            changed = f"{path}: files changed since they were advertised (fingerprint differs)"
+            log.warning(changed)
+            yield pb.LoadProgress(phase="error", message=changed)
             return
         events: "queue.Queue" = queue.Queue()
         t0, r0 = time.monotonic(), rchar()

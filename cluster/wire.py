@@ -117,6 +117,39 @@ def package_versions() -> Tuple[str, str]:
     return ours, getattr(mx, "__version__", "unknown")
 
 
+_BUILD: Optional[str] = None
+
+
+def build_id() -> str:
+    """12 hex characters hashing the installed kimi-mlx sources (kimi_mlx, its cluster
+    and metal subpackages: *.py and *.metal). Same release, same id; an edited or
+    different checkout gives another id, so numerics may differ (the head warns)."""
+    global _BUILD
+    if _BUILD is None:
+        import hashlib
+        from pathlib import Path
+
+        import kimi_mlx
+
+        roots = {Path(kimi_mlx.__file__).parent, Path(__file__).parent}
+        try:
+            import kimi_mlx.metal as metal
+
+            roots.add(Path(metal.__file__).parent)
+        except ImportError:
+            pass
+        h = hashlib.sha256()
+        files = sorted({f for r in roots for pat in ("*.py", "*.metal") for f in r.rglob(pat)
+                        if "__pycache__" not in f.parts})
+        for f in files:
+            try:
+                h.update(f.name.encode() + b"\0" + f.read_bytes())
+            except OSError:
+                continue
+        _BUILD = h.hexdigest()[:12]
+    return _BUILD
+
+
 def python_version() -> str:
     """'3.11' style version of this interpreter."""
     return f"{sys.version_info.major}.{sys.version_info.minor}"
