@@ -31,6 +31,7 @@ def _threads_env(n: int) -> dict:
 
 
 def main(argv=None) -> int:
+    """Run the cluster bench (see the module doc); prints the figures."""
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.cluster.bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint (default: a mid-size random one, built)")
     p.add_argument("--prompt-tokens", type=int, default=1024)

@@ -30,6 +30,7 @@ DEFAULT_MODELS = "~/.kimi-mlx/models"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `kimi-mlx cluster` subcommands and their flags."""
     sub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
 
     q = sub.add_parser("init", help="make the cluster secret to copy to every Mac")
@@ -104,6 +105,7 @@ def _logging(level: Optional[str], default: str) -> None:
 
 
 def run(args) -> int:
+    """Run the chosen subcommand; returns the exit status."""
     cmd = getattr(args, "cluster_command", None)
     if cmd is None:
         print("usage: kimi-mlx cluster {init,serve,ls,launch} ... (see --help)", file=sys.stderr)
@@ -472,6 +474,7 @@ def _print_generation(args, responses) -> int:
 
 
 def main(argv=None) -> int:
+    """`python -m kimi_mlx.cluster.cli ...`"""
     p = argparse.ArgumentParser(prog="kimi-mlx cluster")
     add_arguments(p)
     return run(p.parse_args(argv))

@@ -235,6 +235,7 @@ class Advertiser:
         self.zc.update_service(self.info)
 
     def close(self) -> None:
+        """Unregister (mDNS goodbye) and stop the responder."""
         try:
             self.zc.unregister_service(self.info)
         finally:

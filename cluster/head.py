@@ -62,7 +62,7 @@ class Pipeline:
         self.prefill_chunk = prefill_chunk
         self.step_timeout = step_timeout
 
-    def generate_step(self, prompt: Sequence[int], sampling: Sampling = Sampling(),
+    def generate_step(self, prompt: Sequence[int], sampling: Optional[Sampling] = None,
                       max_tokens: int = 256, return_logprobs: bool = False,
                       pipelined: bool = True, session: Optional[str] = None,
                       ) -> Iterator[Tuple[int, Optional[object]]]:
@@ -83,6 +83,7 @@ class Pipeline:
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         t = self.transport
+        sampling = sampling or Sampling()
         sid = session or f"s-{uuid.uuid4().hex[:16]}"
         t.open(sid, sampling, return_logprobs)
         ok = False

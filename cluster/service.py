@@ -239,12 +239,14 @@ class StageService(pb_grpc.StageServicer):
     # -- helpers -------------------------------------------------------------------------
     @property
     def who(self) -> str:
+        """'stage i (node, layers [s, e))' for messages."""
         if self.spec is None:
             return f"node {self.node_id}"
         s = self.spec
         return f"stage {s.index} ({self.node_id}, layers [{s.start}, {s.end}))"
 
     def stub(self, address: str) -> pb_grpc.StageStub:
+        """A stub to another stage on a cached authenticated channel."""
         with self.lock:
             ch = self._channels.get(address)
             if ch is None:
@@ -315,6 +317,7 @@ class StageService(pb_grpc.StageServicer):
 
     # -- RPCs ----------------------------------------------------------------------------
     def Health(self, request, context):
+        """HealthReply: versions, memory, fingerprints, what is loaded, live sessions."""
         ours, mlx_version = package_versions()
         s = self.spec
         return pb.HealthReply(
@@ -355,6 +358,9 @@ class StageService(pb_grpc.StageServicer):
                          r.compute_dtype, r.wire_dtype or r.compute_dtype)
 
     def Load(self, request, context):
+        """Stream LoadProgress while loading the requested range of a local checkpoint
+        (found by fingerprint in the models folder); INVALID_ARGUMENT for a bad request,
+        FAILED_PRECONDITION when busy with another head's sessions (unless `force`)."""
         try:
             spec = self._check_load(request)
             path = self._resolve(request.fingerprint)
@@ -436,6 +442,8 @@ class StageService(pb_grpc.StageServicer):
                 return
 
     def Watch(self, request, context):
+        """The head's lease: stream heartbeats, tokens and errors; frees the head's
+        sessions when it ends."""
         head = request.head
         try:
             check_session_id(head)
@@ -467,6 +475,7 @@ class StageService(pb_grpc.StageServicer):
             yield ev
 
     def Reset(self, request, context):
+        """Free sessions by id or by head; replies how many were freed and are left."""
         targets = [l for l in list(self.sessions.values())
                    if l.id in set(request.sessions) or (request.head and l.session.head == request.head)]
         for live in targets:
@@ -507,6 +516,8 @@ class StageService(pb_grpc.StageServicer):
             return None
 
     def Forward(self, request_iterator, context):
+        """Serve one session's chunks in order (see the module doc); ends with a CLOSED
+        event, or INVALID_ARGUMENT / UNAVAILABLE naming this stage and the reason."""
         runner = self.runner
         if runner is None or self.state != "ready":
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{self.who}: no layers loaded")
@@ -613,6 +624,7 @@ class StageServer:
         self.advertiser = None
 
     def start(self) -> "StageServer":
+        """Start serving (returns self)."""
         self.server.start()
         return self
 

@@ -54,6 +54,7 @@ class StageProc:
         self.host: Optional[str] = None
 
     def command(self) -> List[str]:
+        """The command line it runs."""
         cmd = [sys.executable, "-m", "kimi_mlx.cli", "cluster", "serve", "--models", str(self.models),
                "--secret-file", str(self.secret_file), "--node-id", self.node_id,
                "--port", str(self.port), "--interface", self.interface] + self.extra
@@ -64,6 +65,7 @@ class StageProc:
         return cmd
 
     def start(self) -> "StageProc":
+        """Start the process (its own process group); returns self."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
         self._offset = self.log.stat().st_size if self.log.exists() else 0
         f = open(self.log, "ab")
@@ -87,6 +89,7 @@ class StageProc:
         raise RuntimeError(f"stage {self.node_id} not ready in {timeout:.0f} s:\n{self.log_text()}")
 
     def log_text(self) -> str:
+        """What it logged since the last start."""
         try:
             with open(self.log, "rb") as f:
                 f.seek(self._offset)
@@ -96,9 +99,11 @@ class StageProc:
 
     @property
     def address(self) -> str:
+        """'host:port' it listens on (after wait_ready)."""
         return f"{self.host}:{self.port}"
 
     def alive(self) -> bool:
+        """Whether the process is running."""
         return self.proc is not None and self.proc.poll() is None
 
     def signal(self, sig: int) -> None:

@@ -48,6 +48,7 @@ class StageAssignment:
     end: int
 
     def describe(self, index: int) -> str:
+        """'stage i (node N at host:port, layers [s, e))'."""
         return (f"stage {index} (node {self.node.node_id} at {self.node.address}, "
                 f"layers [{self.start}, {self.end}))")
 
@@ -87,6 +88,7 @@ class StageFailure(RuntimeError):
 
     @property
     def node_ids(self) -> List[str]:
+        """Node ids of the failed stages."""
         return [f[1] for f in self.failed]
 
 
@@ -208,6 +210,7 @@ class GrpcTransport(Transport):
         self.lost = {}
 
     def describe(self, i: int) -> str:
+        """Description of stage i (see StageAssignment.describe)."""
         return self.stages[i].describe(i)
 
     # -- load ----------------------------------------------------------------------------

@@ -275,10 +275,13 @@ def _body(stdout: str) -> str:
                      if not l.startswith(("Prompt:", "Generation:", "Peak memory:")))
 
 
-@pytest.mark.parametrize("template", [False, True])
-def test_launch_cli_prints_what_generate_prints(cluster, template):
+@pytest.mark.parametrize("mode", ["raw greedy", "chat template", "seeded sampling"])
+def test_launch_cli_prints_what_generate_prints(cluster, mode):
     flags = ["--model", str(cluster.ckpt), "--prompt", "The licence grants you the right to",
-             "--max-tokens", "24", "--temp", "0"] + ([] if template else ["--ignore-chat-template"])
+             "--max-tokens", "24"]
+    flags += {"raw greedy": ["--temp", "0", "--ignore-chat-template"], "chat template": [],
+              "seeded sampling": ["--temp", "0.9", "--top-p", "0.95", "--top-k", "50",
+                                  "--seed", "7", "--ignore-chat-template"]}[mode]
     nodes = ",".join(p.address for p in cluster.procs)
     launch = _run(["cluster", "launch", "--nodes", nodes, "--secret-file", str(cluster.secret_file)] + flags)
     gen = _run(["generate"] + flags)
