@@ -250,11 +250,20 @@ class _Bars:
         from tqdm import tqdm
 
         self.lock = threading.Lock()
+        self.assignments = assignments
+        self.tty = sys.stderr.isatty()  # no bars in logs: one line per stage when ready
         self.bars = [tqdm(total=1, desc=f"{a.node.node_id} [{a.start},{a.end})", position=i,
                           unit="B", unit_scale=True, file=sys.stderr, leave=True,
-                          dynamic_ncols=True) for i, a in enumerate(assignments)]
+                          dynamic_ncols=True, disable=not self.tty)
+                     for i, a in enumerate(assignments)]
 
     def update(self, i: int, p) -> None:
+        if p.phase == "ready" and not self.tty:
+            disk = f", {p.disk_read_bytes / 1e6:.1f} MB read from files" if p.disk_read_bytes >= 0 else ""
+            print(f"[cluster]   {self.assignments[i].describe(i)}: "
+                  f"{'already loaded' if p.message == 'already loaded' else 'loaded'} "
+                  f"{p.tensor_bytes / 1e6:.1f} MB of tensors in {p.seconds:.1f} s{disk}",
+                  file=sys.stderr)
         with self.lock:
             b = self.bars[i]
             if p.bytes_total:
