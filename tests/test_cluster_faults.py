@@ -221,3 +221,19 @@ def test_replan_continues_on_the_nodes_left(faults):
     assert rc == 0, run.stderr
     assert "stage 1 (node fault1" in run.stderr and "replanning without fault1" in run.stderr
     assert _body(run.stdout) == _body(ref.stdout)
+
+
+def test_a_dead_head_leaves_no_sessions_behind(faults):
+    """The head's lease (Watch) ends with its process: every stage frees its sessions."""
+    faults.revive()
+    run = faults.launch(max_tokens=200)
+    try:
+        assert run.started.wait(60), run.stderr
+        time.sleep(0.3)
+        assert run.p.poll() is None
+        assert sum(faults.sessions(i) for i in range(3)) > 0
+        run.p.kill()
+        run.wait(10)
+    finally:
+        run.p.kill()
+    assert faults.wait_sessions([0, 1, 2], timeout=10.0) == [0, 0, 0]
