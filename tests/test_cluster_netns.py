@@ -40,7 +40,8 @@ def _skip_reason():
     return None
 
 
-pytestmark = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))
+SKIP = _skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"three-host namespace test skipped: {SKIP}")
 
 
 @pytest.fixture(scope="module")
