@@ -191,6 +191,7 @@ class GrpcTransport(Transport):
         self._sessions: Dict[str, _HeadSession] = {}
         self._lock = threading.Lock()
         self._closing = False
+        self._generation = 0
 
     # -- connections ---------------------------------------------------------------------
     def stub_for(self, address: str) -> pb_grpc.StageStub:
@@ -256,10 +257,11 @@ class GrpcTransport(Transport):
     def _start_watches(self) -> None:
         ready = [threading.Event() for _ in self.stages]
         self._watches = []
+        self._generation += 1
         for i, stub in enumerate(self._stubs):
             call = stub.Watch(pb.WatchRequest(head=self.head_id), timeout=self.session_deadline)
-            t = threading.Thread(target=self._watch, args=(i, call, ready[i]), daemon=True,
-                                 name=f"watch-{i}")
+            t = threading.Thread(target=self._watch, args=(i, call, ready[i], self._generation),
+                                 daemon=True, name=f"watch-{i}")
             self._watches.append(call)
             t.start()
         deadline = time.monotonic() + self.peer_timeout
@@ -269,7 +271,7 @@ class GrpcTransport(Transport):
         if self.lost:
             raise self._failure(None)
 
-    def _watch(self, i: int, call, ready: threading.Event) -> None:
+    def _watch(self, i: int, call, ready: threading.Event, generation: int) -> None:
         try:
             for ev in call:
                 self._last_seen[i] = time.monotonic()
@@ -285,7 +287,7 @@ class GrpcTransport(Transport):
             reason = "lease ended by the stage (service stopped?)"
         except grpc.RpcError as e:
             reason = _rpc_reason(e)
-        if not self._closing:
+        if not self._closing and generation == self._generation:  # not a replaced lease
             self.lost.setdefault(i, reason)
             log.warning("%s lost: %s", self.describe(i), reason)
             self._wake_all()
@@ -295,11 +297,10 @@ class GrpcTransport(Transport):
             s.events.put(None)
 
     def _drop_watches(self) -> None:
-        self._closing = True
+        self._generation += 1
         for call in self._watches:
             call.cancel()
         self._watches = []
-        self._closing = False
 
     # -- sessions ------------------------------------------------------------------------
     def open(self, session, sampling, return_logprobs=False):
