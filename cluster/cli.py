@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import socket
 import sys
@@ -352,7 +351,8 @@ class _Cluster:
 def _launch(args) -> int:
     _logging(args.log_level, "WARNING")
     from kimi_mlx.config import ModelArgs, read_config
-    from kimi_mlx.generate import InputError, build_prompt, check_context, resolve_model_arg
+    from kimi_mlx.generate import (InputError, build_prompt, check_context, print_generation,
+                                   resolve_model_arg)
 
     from .auth import AuthError, load_secret
     from .fingerprint import FingerprintError, fingerprint, is_checkpoint
@@ -428,7 +428,7 @@ def _launch(args) -> int:
 
     code = 0
     try:
-        code = _print_generation(args, stream_generate(
+        code = print_generation(args, stream_generate(
             tokens(), wrapper, len(ids), args.max_tokens,
             lambda: cluster.transport.peak_memory()))
     finally:
@@ -449,37 +449,6 @@ def _tokenizers(model_dir: Path):
     tok = KimiTokenizer.from_pretrained(model_dir)
     register_with_transformers()
     return load_tokenizer(model_dir, eos_token_ids=tok.eos_token_ids), tok
-
-
-def _print_generation(args, responses) -> int:
-    """Print exactly as `kimi-mlx generate` does."""
-    from kimi_mlx.chat_format import ReplyStream
-
-    pretty = ReplyStream() if not args.ignore_chat_template else None
-    dim = sys.stdout.isatty()
-    if args.verbose:
-        print("=" * 10)
-    response = None
-    for response in responses:
-        if pretty is None:
-            print(response.text, end="", flush=True)
-            continue
-        for channel, text in pretty.feed(response.text):
-            if channel == "reasoning" and dim:
-                text = f"\033[2m{text}\033[0m"
-            print(text, end="", flush=True)
-    if pretty is not None:
-        for channel, text in pretty.finish():
-            print(text, end="", flush=True)
-    print()
-    if args.verbose and response is not None:
-        print("=" * 10)
-        print(f"Prompt: {response.prompt_tokens} tokens, "
-              f"{response.prompt_tps:.3f} tokens-per-sec")
-        print(f"Generation: {response.generation_tokens} tokens, "
-              f"{response.generation_tps:.3f} tokens-per-sec")
-        print(f"Peak memory: {response.peak_memory:.3f} GB")
-    return 0
 
 
 def main(argv=None) -> int:

@@ -137,6 +137,13 @@ def run(args) -> int:
         print(f"kimi-mlx generate: error: {e}", file=sys.stderr)
         return 2
 
+    return print_generation(args, stream(model, wrapper, ids, args))
+
+
+def print_generation(args, responses) -> int:
+    """Stream mlx-lm GenerationResponses to stdout as `kimi-mlx generate` does (reasoning
+    dimmed on a terminal unless --ignore-chat-template), then mlx_lm.generate's timing
+    and peak-memory lines when --verbose. Shared with `kimi-mlx cluster launch`."""
     from .chat_format import ReplyStream
 
     pretty = ReplyStream() if not args.ignore_chat_template else None
@@ -144,7 +151,7 @@ def run(args) -> int:
     if args.verbose:
         print("=" * 10)
     response = None
-    for response in stream(model, wrapper, ids, args):
+    for response in responses:
         if pretty is None:
             print(response.text, end="", flush=True)
             continue
