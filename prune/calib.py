@@ -61,10 +61,10 @@ class CalibSet:
 
     def describe(self) -> str:
         """One line for logs and the model card."""
-        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items()))
+        kinds = ", ".join(f"{n} {k} document{'s' * (n != 1)}" for k, n in sorted(self.kinds.items()))
         files = self.files[0] if len(self.files) == 1 else f"{len(self.files)} files"
         return (f"{self.num_tokens:,} tokens in {len(self.sequences)} sequences of <= "
-                f"{self.seq_len} tokens from {files} ({kinds} documents)")
+                f"{self.seq_len} tokens from {files} ({kinds})")
 
 
 def list_files(paths: Sequence) -> List[Path]:

@@ -83,12 +83,12 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
         "bytes_before": plan.bytes_in, "bytes_after": plan.bytes_out,
     }
     card = model_card(
-        src=str(src), out_name=out.out.name, method=sel.method, n_keep=sel.n_keep,
+        src=str(src), out_name=str(out.out), method=sel.method, n_keep=sel.n_keep,
         num_experts=args.num_experts, top_k=args.num_experts_per_token,
         moe_layers=len(sel.kept), calib_desc=calib.describe(), calib_files=calib.files,
         bytes_in=plan.bytes_in, bytes_out=plan.bytes_out,
         protected=sum(len(v) for v in sel.protected.values()), protect=protect,
-        seed=sel.seed, notes=plan.notes, extra=extra_card)
+        seed=sel.seed, notes=plan.notes, copied=[p.name for p in plan.copies], extra=extra_card)
     write_report(out.tmp, result.stats, sel, info, card)
     return out.commit()
 

@@ -107,7 +107,7 @@ def _gb(n: int) -> str:
 def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts: int,
                top_k: int, moe_layers: int, calib_desc: str, calib_files: List[str],
                bytes_in: int, bytes_out: int, protected: int, protect: bool, seed: int,
-               notes: List[str], tokens_per_s: Optional[float] = None,
+               notes: List[str], copied: Optional[List[str]] = None,
                extra: Optional[str] = None) -> str:
     """README.md for the pruned checkpoint: what, on what data, how big, how to use."""
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -120,7 +120,7 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
         "random": f"random (seed {seed}), a baseline",
     }[method]
     lines = [
-        f"# {out_name}",
+        f"# {Path(out_name).name}",
         "",
         f"An expert-pruned build of `{src}` made by `kimi-mlx prune` on {when}.",
         "",
@@ -154,6 +154,8 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
         "- `saliency.png`: rows = MoE layers (top = first), columns = experts; blue = kept "
         "(darker = more salient), grey-to-orange = dropped (more orange = more salient), "
         "white = never routed during calibration, magenta = protected super expert.",
+        *([f"- Copied unchanged from the source: {', '.join(f'`{c}`' for c in copied)}. Any "
+           "model card or evaluation among them describes the unpruned model."] if copied else []),
         "",
         "## Use",
         "",
