@@ -6,6 +6,8 @@ EAN and random (mean of `--random-seeds` seeds), each scored on held-out code (a
 held-out prose, to show what code-only calibration costs elsewhere), next to the unpruned
 model. Calibration runs once (streamed, `observe`); each method then writes a real
 pruned checkpoint (the same writer as `kimi-mlx prune`) that is loaded back and scored.
+The last column is the share of the calibration tokens' expert assignments that went to
+experts the method kept: how much of the domain's routing a selection preserves.
 
     python -m kimi_mlx.prune.bench [--model DIR] [--keep 0.5] [--calib FILE] [--heldout FILE]
 
@@ -143,14 +145,21 @@ def main(argv=None) -> int:
             with AtomicOutput(tmp / name) as out:
                 path = save(out, src, result, calib, sel, log=lambda s: None)
             rows[name] = {d: perplexity(path, eval_ids[d], args.seq_len) for d in domains}
+            rows[name]["traffic"] = traffic_kept(result.stats, sel.kept)
             print(f"{name}: " + ", ".join(f"{d} {v:.3f}" for d, v in rows[name].items()),
                   file=sys.stderr)
 
     table = _table(rows, domains, args, n_keep, margs.num_experts, calib)
     print(table)
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "keep": n_keep}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "keep": n_keep}, indent=2) + "\n")
     return 0
+
+
+def traffic_kept(stats, kept) -> float:
+    """Share of the calibration tokens' expert assignments that went to kept experts,
+    averaged over MoE layers (1.0 unpruned; about n_keep / E for a random choice)."""
+    return float(np.mean([stats[l].count[kept[l]].sum() / stats[l].count.sum() for l in kept]))
 
 
 def _table(rows, domains, args, n_keep, num_experts, calib: CalibSet) -> str:
@@ -160,16 +169,19 @@ def _table(rows, domains, args, n_keep, num_experts, calib: CalibSet) -> str:
         f"Held-out perplexity, {n_keep}/{num_experts} experts kept per layer "
         f"(calibration: {args.domain}, {calib.num_tokens:,} tokens; windows of {args.seq_len})",
         "",
-        "| model | " + " | ".join(f"{d} ppl" for d in domains) + " |",
-        "|---|" + "---:|" * len(domains),
+        "| model | " + " | ".join(f"{d} ppl" for d in domains) + f" | {args.domain} routing kept |",
+        "|---|" + "---:|" * (len(domains) + 1),
     ]
     for k in order:
-        lines.append(f"| {k} | " + " | ".join(f"{rows[k][d]:.3f}" for d in domains) + " |")
+        kept = rows[k].get("traffic", 1.0)
+        lines.append(f"| {k} | " + " | ".join(f"{rows[k][d]:.3f}" for d in domains)
+                     + f" | {100 * kept:.1f}% |")
     if seeds:
         cells = []
         for d in domains:
             vals = [rows[s][d] for s in seeds]
             cells.append(f"{np.mean(vals):.3f} ({min(vals):.3f}-{max(vals):.3f})")
+        cells.append(f"{100 * np.mean([rows[s]['traffic'] for s in seeds]):.1f}%")
         lines.append(f"| random (mean of {len(seeds)} seeds, range) | " + " | ".join(cells) + " |")
         d = domains[0]
         rand = float(np.mean([rows[s][d] for s in seeds]))
