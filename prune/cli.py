@@ -76,23 +76,35 @@ def _budget(text: str):
     return int(value)
 
 
+def _source(spec: str) -> Path:
+    """--model as a local folder; a hub id is fetched whole (every layer is calibrated)
+    through `kimi_mlx.hub.resolve`, which honours HF_HUB_OFFLINE."""
+    from kimi_mlx.hub import resolve
+
+    try:
+        return resolve(spec)
+    except FileNotFoundError as e:
+        raise PruneError(f"--model: {e}") from None
+
+
 def run(args) -> int:
     try:
         if args.dry_run:
             return dry_run(args.model, args.keep, args.experts, args.macs or list(DRY_RUN_MACS),
                            args.context)
-        _, margs, _ = source_args(Path(args.model))
+        src = _source(args.model)
+        _, margs, _ = source_args(src)
         n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token,
                                  keep=args.keep, experts=args.experts)
         if not args.out:
             raise PruneError("--out is required (or use --dry-run)")
-        AtomicOutput(args.out, src=args.model, force=args.force).check()  # fail before calibrating
+        AtomicOutput(args.out, src=src, force=args.force).check()  # fail before calibrating
         budget = _budget(args.activation_memory)
         from .pipeline import calibration, prune
 
-        calib = calibration(args.model, args.calib or [], args.seq_len, args.calib_tokens,
+        calib = calibration(src, args.calib or [], args.seq_len, args.calib_tokens,
                             args.seed, vocab_size=margs.vocab_size)
-        res = prune(args.model, args.out, calib, args.method, n_keep,
+        res = prune(src, args.out, calib, args.method, n_keep,
                     protect=args.protect_super_experts, seed=args.seed, force=args.force,
                     chunk=args.chunk, activation_budget=budget, progress=not args.quiet)
     except (PruneError, CalibError, KeepError) as e:

@@ -92,7 +92,7 @@ def test_keep_out_of_range(src, code, parent, capsys, flags, msg):
 
 def test_source_not_in_a_known_layout(src, code, parent, tmp_path, capsys):
     rc, err = prune(capsys, tmp_path / "missing", [code], parent / "o")
-    assert rc == 2 and "no such checkpoint folder" in err
+    assert rc == 2 and "missing: no such model folder" in err
     empty = tmp_path / "empty"
     empty.mkdir()
     rc, err = prune(capsys, empty, [code], parent / "o")
