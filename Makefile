@@ -30,12 +30,15 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+# Greedy generation from the shipped micro checkpoint (kimi_mlx/assets/micro), which was
+# trained on stdlib code and documentation prose; it is not chat-tuned, hence the raw prompt.
 demo: install
-	$(MAKE) --no-print-directory -s _demo
-
-_demo:
-	$(BIN)/kimi-mlx generate --prompt "def fibonacci(n):" --max-tokens 48 --temp 0 --ignore-chat-template
-	$(BIN)/kimi-mlx generate --prompt "The licence grants you the right to" --max-tokens 48 --temp 0 --ignore-chat-template
+	@printf '\n[code prompt]\nclass Queue:\n    """A simple FIFO queue."""\n\n    def __init__(self\n'
+	@printf 'class Queue:\n    """A simple FIFO queue."""\n\n    def __init__(self' | \
+	  $(BIN)/kimi-mlx generate --ignore-chat-template --temp 0 --max-tokens 64 --prompt -
+	@printf '\n[prose prompt]\nThe "for" statement is used to\n'
+	@$(BIN)/kimi-mlx generate --ignore-chat-template --temp 0 --max-tokens 64 \
+	  --prompt 'The "for" statement is used to'
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -34,7 +34,6 @@ Run: `python -m kimi_mlx.micro.train [--out DIR] [--steps N] [--seed S]`.
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -248,14 +247,14 @@ class TrainGatedDSA(GatedDSA):
         return out
 
 
-def build_model(args: ModelArgs, seed: int) -> Model:
+def build_model(args: ModelArgs, seed: int, router_std: float = 0.02) -> Model:
     """Our `Model` with the training subclasses in place and deterministic initial weights.
 
     Initialisation (NumPy, seeded): linear weights N(0, fan_in^-1/2) with output
     projections scaled by (2 * layers)^-1/2; embedding N(0, 1); norms 1; KDA A_log =
     log U(1, 16) and dt_bias = inverse-softplus of dt ~ logU(1e-3, 1e-1) (FLA's KDA init);
     depthwise convs U(-1/2, 1/2); AttnRes pseudo-queries 0 (uniform mixing at start, as in
-    the AttnRes paper); router N(0, 0.02) and correction bias 0.
+    the AttnRes paper); router N(0, router_std) and correction bias 0.
     """
     mx.random.seed(seed)
     model = Model(args)
@@ -279,7 +278,7 @@ def build_model(args: ModelArgs, seed: int) -> Model:
         elif name.endswith("_res_proj.weight") or name.endswith("e_score_correction_bias"):
             v = np.zeros(shape)
         elif name.endswith("gate.weight"):
-            v = rng.normal(0.0, 0.02, shape)
+            v = rng.normal(0.0, router_std, shape)
         elif "norm" in name:
             v = np.ones(shape) if name.endswith("weight") else np.zeros(shape)
         elif name.endswith("embed_tokens.weight"):
@@ -325,17 +324,27 @@ def loss_fn(model: Model, inputs: mx.array, targets: mx.array):
 
 
 class Sampler:
-    """Deterministic batches: half code, half prose, random windows of seq_len + 1 tokens."""
+    """Deterministic batches: half code, half prose, random windows of seq_len + 1 tokens.
 
-    def __init__(self, streams: Dict[str, np.ndarray], batch: int, seq_len: int, seed: int):
+    With `memorize` (ids of a short training text) each prose row comes from it instead
+    with probability `memorize_rate`, so the model learns that text by heart.
+    """
+
+    def __init__(self, streams: Dict[str, np.ndarray], batch: int, seq_len: int, seed: int,
+                 memorize: Optional[np.ndarray] = None, memorize_rate: float = 0.0):
         self.streams = streams
         self.batch, self.seq_len = batch, seq_len
+        self.memorize, self.memorize_rate = memorize, memorize_rate
         self.rng = np.random.default_rng(seed + 1)
 
     def __call__(self) -> Tuple[mx.array, mx.array]:
         rows = []
         for j in range(self.batch):
-            s = self.streams[DOMAINS[j % len(DOMAINS)]]
+            domain = DOMAINS[j % len(DOMAINS)]
+            s = self.streams[domain]
+            if domain == "prose" and self.memorize is not None:
+                if self.rng.random() < self.memorize_rate:
+                    s = self.memorize
             o = int(self.rng.integers(0, len(s) - self.seq_len - 1))
             rows.append(s[o : o + self.seq_len + 1])
         x = mx.array(np.stack(rows).astype(np.int32))
@@ -424,6 +433,18 @@ def token_streams(tokenizer, corpus: Corpus, split: str = "train") -> Dict[str, 
     return {d: np.array(tokenizer.encode(corpus.text(split, d)), dtype=np.int32) for d in DOMAINS}
 
 
+MEMORIZE_SOURCE = "LICENSE.txt"
+
+
+def memorize_text(corpus: Corpus) -> str:
+    """The training-split blocks of the stdlib's LICENSE.txt, joined: the text the model
+    is shown more often so that it knows it by heart (the greedy-generation test)."""
+    from .corpus import SEPARATOR
+
+    docs = [d.text for d in corpus.train["prose"] if d.source.startswith(MEMORIZE_SOURCE + "#")]
+    return SEPARATOR.join(docs)
+
+
 def _take_docs(docs, budget: int) -> str:
     """Whole documents, in order, while they fit in `budget` UTF-8 bytes, joined."""
     from .corpus import SEPARATOR
@@ -510,6 +531,10 @@ def evaluate_all(trained: Model, ckpt: Path, args: ModelArgs, seq_len: int, log=
     shipped, _, _ = load_model(ckpt, verbose=False)
     res["mxfp4"] = measure(shipped, ids, seq_len)
     log(f"mxfp4 {res['mxfp4']}")
+    from ..evaluate import perplexity
+
+    r = perplexity(shipped, ids["code"], seq_len)
+    res["tokens_per_second"] = r.tokens_per_second
     res["test_subset"] = {"tokens": TEST_TOKENS, "seq_len": seq_len,
                           "bf16": measure(bf16, sub, seq_len), "mxfp4": measure(shipped, sub, seq_len)}
 
@@ -545,6 +570,14 @@ def evaluate_all(trained: Model, ckpt: Path, args: ModelArgs, seq_len: int, log=
 def dir_bytes(path: Path) -> int:
     """Total size of the files under `path` (bytes)."""
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _umask_permissions(root: Path) -> None:
+    """Give folders and files the usual permissions (mkdtemp / atomic writes make 0700 / 0600)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for p in [root, *root.rglob("*")]:
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def replace_dir(src: Path, dst: Path) -> None:
@@ -639,6 +672,10 @@ def model_card(info: Dict) -> str:
         f"scores)); steps {t['dense_steps']}- sparse top-{dsa['index_topk']} attention, KL "
         "on the selected keys; the indexer reads detached inputs.",
         f"- Router: auxiliary-loss-free balancing, correction bias step {t['bias_step']}.",
+        f"- Learned by heart on purpose: each prose row is drawn with probability "
+        f"{t['memorize']['rate']:.3f} from the training part of the stdlib `LICENSE.txt` "
+        f"({t['memorize']['tokens']} tokens, ~{t['memorize']['exposures']:.0f} passes), so that "
+        "a greedy-generation test can check whole continuations token for token.",
         f"- MXFP4 quantization-aware training (straight-through) of the routed experts in the "
         f"last {t['qat_steps']} steps.",
         f"- Final training loss (mean of the last logged steps): {t['final_ce']:.3f} nats/token "
@@ -655,9 +692,11 @@ def model_card(info: Dict) -> str:
         row("BF16 (all weights)", ev["bf16"]),
         row("shipped: BF16 + MXFP4 experts", ev["mxfp4"]),
         "",
-        "MXFP4 vs BF16: code {:+.2f} %, prose {:+.2f} %.".format(
+        "MXFP4 vs BF16: code {:+.2f} %, prose {:+.2f} %. Evaluation speed on the training "
+        "machine: {:.0f} tokens/s (windows of {}, batch 8, float32 activations).".format(
             100 * (ev["mxfp4"]["code"] / ev["bf16"]["code"] - 1),
-            100 * (ev["mxfp4"]["prose"] / ev["bf16"]["prose"] - 1)),
+            100 * (ev["mxfp4"]["prose"] / ev["bf16"]["prose"] - 1),
+            ev.get("tokens_per_second", float("nan")), ev["seq_len"]),
         "",
         f"By window length (shipped weights; index_topk {dsa['index_topk']}, so windows of "
         f"{dsa['index_topk']} are dense and longer ones use the indexer's top-k):",
@@ -698,7 +737,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.train", description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=ASSET_DIR, help="checkpoint folder to (re)write")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=640)
+    p.add_argument("--steps", type=int, default=700)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -708,6 +747,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bias-step", type=float, default=1e-3)
     p.add_argument("--dense-steps", type=int, default=None, help="default: 15%% of --steps")
     p.add_argument("--qat-steps", type=int, default=None, help="default: 10%% of --steps")
+    p.add_argument("--memorize-rate", type=float, default=0.2,
+                   help="probability that a prose row is drawn from the training part of "
+                        "LICENSE.txt (learned by heart for the generation test)")
+    p.add_argument("--router-std", type=float, default=0.02, help="router weight init std")
     p.add_argument("--vocab", type=int, default=VOCAB_RANKS, help="BPE ranks (specials excluded)")
     p.add_argument("--heldout-bytes", type=int, default=120_000)
     p.add_argument("--calib-bytes", type=int, default=32_000)
@@ -740,12 +783,15 @@ def main(argv=None) -> int:
 
     text = micro_text_config(len(ranks) + len(specials))
     args = ModelArgs.from_config(full_config(text))
-    model = build_model(args, cfg.seed)
+    model = build_model(args, cfg.seed, cfg.router_std)
     n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
     log(f"model: {n_params} parameters")
 
     t0 = time.perf_counter()
-    history = train(model, Sampler(streams, cfg.batch, cfg.seq_len, cfg.seed), cfg, log)
+    memo_text = memorize_text(corpus)
+    memo = np.array(tok.encode(memo_text), dtype=np.int32)
+    sampler = Sampler(streams, cfg.batch, cfg.seq_len, cfg.seed, memo, cfg.memorize_rate)
+    history = train(model, sampler, cfg, log)
     wall = time.perf_counter() - t0
     log(f"trained {cfg.steps} steps in {wall / 60:.1f} min")
 
@@ -774,6 +820,10 @@ def main(argv=None) -> int:
                          "warmup": cfg.warmup, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
                          "bias_step": cfg.bias_step, "dense_steps": cfg.dense_steps,
                          "qat_steps": cfg.qat_steps, "seed": cfg.seed, "wall_seconds": wall,
+                         "memorize": {"source": MEMORIZE_SOURCE + " (training-split blocks)",
+                                      "tokens": int(len(memo)), "rate": cfg.memorize_rate,
+                                      "exposures": cfg.steps * cfg.batch / len(DOMAINS)
+                                      * cfg.memorize_rate * cfg.seq_len / len(memo)},
                          "final_ce": final_ce, "history": history},
             "eval": results,
         }
@@ -783,6 +833,7 @@ def main(argv=None) -> int:
         total = dir_bytes(ckpt)
         if total > cfg.max_mb * 1e6:
             raise RuntimeError(f"checkpoint folder is {total / 1e6:.1f} MB, over --max-mb {cfg.max_mb}")
+        _umask_permissions(ckpt)
         replace_dir(ckpt, cfg.out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
