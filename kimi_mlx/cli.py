@@ -23,7 +23,11 @@ COMMANDS = [
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kimi-mlx", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kimi-mlx",
+        description="Run Moonshot's Kimi K3.1 Pro on Apple Silicon with MLX: one Mac, "
+        "a cluster of Macs, or a REAP-pruned build.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_text in COMMANDS:
         if only is not None and name != only:
