@@ -66,15 +66,16 @@ def dsa_topk_mask(scores: mx.array, topk: int) -> mx.array:
 def dsa_index_topk(
     q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
 ) -> mx.array:
-    """Selected key positions per query (reference for the `dsa_index_topk` kernel).
+    """Top-`topk` key positions per query (reference for the `dsa_index_topk` kernel).
 
-    Shapes as `dsa_index_scores`. Returns [B, L, min(topk, S)] int32, unordered; entries
-    past a row's causal limit (fewer than topk allowed keys) point at disallowed keys and
-    must be masked by the caller with `pos <= offset + l`.
+    Shapes as `dsa_index_scores`. Returns [B, L, min(topk, S)] int32, unordered; -1 where
+    a row has fewer than `topk` allowed keys (the kernel's format).
     """
     scores = dsa_index_scores(q_idx, weights, k_idx, offset)
     k = min(topk, scores.shape[-1])
-    return mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
+    idx = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
+    ok = mx.take_along_axis(scores, idx, axis=-1) > -mx.inf
+    return mx.where(ok, idx, -1)
 
 
 def sparse_mla_decode(
@@ -120,13 +121,13 @@ def dsa_prefill_indices(
     q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
 ) -> mx.array:
     """Selected keys of a block of queries past `index_topk` (dispatch point: the
-    `dsa_index_topk` kernel on Metal or in the emulator, `dsa_topk_indices` otherwise).
+    `dsa_index_topk` kernel on Metal or in the emulator, its reference op otherwise).
 
     Shapes as `dsa_index_scores`. Returns [B, L, min(topk, S)] int32, -1 padded where a
     row has fewer allowed keys; the selected set (not the order) is what is defined.
     """
     if kernel_mode() == "reference":
-        return dsa_topk_indices(q_idx, weights, k_idx, topk, offset)
+        return dsa_index_topk(q_idx, weights, k_idx, topk, offset)
     from .kernels import dsa_index_topk as kernel
 
     return kernel(q_idx, weights, k_idx, topk, offset)
@@ -167,20 +168,6 @@ def dsa_sparse_decode(
 
     idx = index_kernel(q_idx, weights, k_idx, topk, offset)  # [B, 1, k]
     return attend_kernel(q_lat, q_pe, latent[:, 0], k_pe[:, 0], idx[:, 0], scale)
-
-
-def dsa_topk_indices(
-    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
-) -> mx.array:
-    """Top-`topk` key positions per query, -1 where a row has fewer allowed keys.
-
-    Shapes as `dsa_index_scores`; returns [B, L, min(topk, S)] int32 (unordered).
-    """
-    scores = dsa_index_scores(q_idx, weights, k_idx, offset)
-    k = min(topk, scores.shape[-1])
-    idx = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
-    ok = mx.take_along_axis(scores, idx, axis=-1) > -mx.inf
-    return mx.where(ok, idx, -1)
 
 
 def sparse_mla_attend(
