@@ -103,6 +103,15 @@ def kda_recurrent(
 
 
 CHUNK = 16
+_LOG2_E = 1.4426950408889634
+
+
+def _exp_full(x: mx.array) -> mx.array:
+    """e^x computed as 2^(x log2 e), within float32 rounding of `mx.exp` (max relative
+    difference ~6e-8 measured on decay exponents): on MLX's x86 CPU backend `mx.exp` is
+    about 3x slower (37 vs 13 ms for 4M float32), and the chunked form's one full-size
+    exponential is its largest elementwise cost."""
+    return mx.power(2.0, x * _LOG2_E)
 
 
 def _neumann_inverse(A: mx.array) -> mx.array:
@@ -141,9 +150,14 @@ def kda_chunked(
         u = T(beta*v) - T(beta*(k e^G)) S0
         o = (q e^G) S0 + M u,   M[t,i] = sum_d q_t k_i e^{G_t-G_i}  (i <= t)
         S = e^{G_C} S0 + (k e^{G_C-G})^T u
-    e^{G_i-G_j} is factored around the chunk's middle token, so exponents stay within
+    e^{G_i-G_j} is factored around the chunk's middle token R, so exponents stay within
     +-(chunk/2)*|g|: safe in float32 for K3's gate lower bound (-5) and chunk <= 32.
     Use `kda_recurrent` for unbounded gates.
+
+    Cost: every full-size decay factor is derived from the one full-size exponential
+    E = e^{G-R} (e^{R-G} = 1/E, e^G = E e^R, e^{G_C-G} = e^{G_C-R}/E); the other
+    exponentials are per chunk. Elementwise work runs in the input's [B, T, H, D] order
+    (chunks are a free reshape); only matmul operands are viewed heads-first.
     """
     B, T, H, Dk = q.shape
     Dv = v.shape[-1]
@@ -151,42 +165,55 @@ def kda_chunked(
     if state is None:
         state = mx.zeros((B, H, Dv, Dk), dtype=mx.float32)
     pad = (-T) % C
+    N = (T + pad) // C
     f32 = mx.float32
 
-    def prep(x, fill=0.0):
+    def chunks(x):  # [B, T, H, ...] -> [B, N, C, H, ...] float32
         x = x.astype(f32)
         if pad:
             widths = [(0, 0)] * x.ndim
             widths[1] = (0, pad)
-            x = mx.pad(x, widths, constant_values=fill)
-        N = x.shape[1] // C
-        x = x.reshape(B, N, C, H, *x.shape[3:])
-        return mx.moveaxis(x, 3, 1)  # [B, H, N, C, ...]
+            x = mx.pad(x, widths)
+        return x.reshape(B, N, C, *x.shape[2:])
 
-    qc, kc, vc, gc = prep(q), prep(k), prep(v), prep(g)
-    bc = prep(beta)[..., None]  # [B, H, N, C, 1]
-    G = mx.cumsum(gc, axis=3)
-    R = G[:, :, :, C // 2 : C // 2 + 1]
-    kp, kn = kc * mx.exp(G - R), kc * mx.exp(R - G)
+    def heads_first(x):  # [B, N, C, H, D] -> [B, N, H, C, D]
+        return x.swapaxes(2, 3)
+
+    qc, kc, vc, gc = chunks(q), chunks(k), chunks(v), chunks(g)
+    bc = chunks(beta)[..., None]  # [B, N, C, H, 1]
+    G = mx.cumsum(gc, axis=2)
+    R = G[:, :, C // 2 : C // 2 + 1]  # [B, N, 1, H, Dk]
+    E = _exp_full(G - R)
+    R_end = G[:, :, -1:] - R  # G_C - R
+    kE = heads_first(kc * E)  # k e^{G-R}
+    kI = heads_first(kc * mx.reciprocal(E))  # k e^{R-G}
+    qE = heads_first(qc * E)  # q e^{G-R}
+    bh = heads_first(bc)
+    eR = heads_first(mx.exp(R))  # [B, N, H, 1, Dk]
     lower = mx.tril(mx.ones((C, C), dtype=mx.bool_), k=-1)
-    A = mx.where(lower, bc * (kp @ kn.swapaxes(-1, -2)), 0.0)
-    M = mx.where(lower | mx.eye(C, dtype=mx.bool_), (qc * mx.exp(G - R)) @ kn.swapaxes(-1, -2), 0.0)
+    A = mx.where(lower, bh * (kE @ kI.swapaxes(-1, -2)), 0.0)
+    M = mx.where(lower | mx.eye(C, dtype=mx.bool_), qE @ kI.swapaxes(-1, -2), 0.0)
     Tinv = _neumann_inverse(A)
-    W = Tinv @ (bc * kc * mx.exp(G))  # [B,H,N,C,Dk]
-    U0 = Tinv @ (bc * vc)  # [B,H,N,C,Dv]
-    Qd = qc * mx.exp(G)
-    G_end = G[:, :, :, -1:]  # [B,H,N,1,Dk]
-    Kd = kc * mx.exp(G_end - G)
-    decay_end = mx.exp(G_end[..., 0, :])[..., None]  # [B,H,N,Dk,1]
+    W = Tinv @ (bh * kE * eR)  # T beta k e^G          [B, N, H, C, Dk]
+    U0 = Tinv @ heads_first(bc * vc)  # T beta v       [B, N, H, C, Dv]
+    Qd = qE * eR  # q e^G
+    Kd = kI * heads_first(mx.exp(R_end))  # k e^{G_C-G}
+    decay_end = heads_first(mx.exp(R_end + R)).swapaxes(-1, -2)  # e^{G_C}  [B, N, H, Dk, 1]
 
-    S = state.astype(f32).swapaxes(-1, -2)  # [B,H,Dk,Dv]
+    # o = Qd S0 + M u = (Qd - M W) S0 + M T(beta v): one [2C, Dk] x [Dk, Dv] product of S0
+    # per chunk gives both W S0 (for u) and the output's S0 term.
+    WQ = mx.concatenate([W, Qd - M @ W], axis=-2)  # [B, N, H, 2C, Dk]
+    KdT = Kd.swapaxes(-1, -2)  # [B, N, H, Dk, C]
+    S = state.astype(f32).swapaxes(-1, -2)  # [B, H, Dk, Dv]
     outs = []
-    for n in range(qc.shape[2]):
-        u = U0[:, :, n] - W[:, :, n] @ S
-        outs.append(Qd[:, :, n] @ S + M[:, :, n] @ u)
-        S = decay_end[:, :, n] * S + Kd[:, :, n].swapaxes(-1, -2) @ u
-    o = mx.stack(outs, axis=2)  # [B,H,N,C,Dv]
-    o = mx.moveaxis(o, 1, 3).reshape(B, -1, H, Dv)[:, :T]
+    for n in range(N):
+        X = WQ[:, n] @ S
+        u = U0[:, n] - X[..., :C, :]
+        outs.append(X[..., C:, :])
+        S = decay_end[:, n] * S + KdT[:, n] @ u
+    o = mx.stack(outs, axis=1) + M @ U0  # [B, N, H, C, Dv]
+    o = heads_first(o)  # [B, N, C, H, Dv]
+    o = o.reshape(B, N * C, H, Dv)[:, :T]
     return o.astype(v.dtype), S.swapaxes(-1, -2)
 
 

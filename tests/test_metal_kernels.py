@@ -162,6 +162,22 @@ def test_kda_prefill_state_carries_across_calls():
     assert_close(s2, s, F32_RTOL, "split state")
 
 
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_chunked_reference_matches_the_loop_at_the_gate_lower_bound(chunk):
+    """The chunked reference (`kda_chunked`, the prefill path off-Mac) equals the per-token
+    loop where its decay factoring is tightest: every channel at K3's lower bound
+    (g = -5 per token: e^{+-40} around a 16-token chunk's middle, e^{+-80} for 32), then
+    half the channels there and half random, at head size 128 with an initial state."""
+    q, k, v, g, beta, state = _prefill_inputs(1, 75, 2, 128, 128, mx.float32, seed=4)
+    floor = mx.full(g.shape, -5.0)
+    mixed = mx.where(mx.random.uniform(shape=g.shape) < 0.5, floor, g)
+    for gates, what in ((floor, "all at the bound"), (mixed, "half at the bound")):
+        y, s = kda_ref.kda_chunked(q, k, v, gates, beta, state, chunk=chunk)
+        y_rec, s_rec = kda_ref.kda_recurrent(q, k, v, gates, beta, state)
+        assert_close(y, y_rec, F32_RTOL, f"y, {what}")
+        assert_close(s, s_rec, F32_RTOL, f"state, {what}")
+
+
 def test_kda_prefill_is_exact_for_unbounded_gates():
     """Decays far below the K3 lower bound (cumulative log decay of several hundred in a
     chunk): the kernel never forms e^{-G}, so it still matches the per-token loop."""
