@@ -151,6 +151,7 @@ def main(argv=None) -> int:
 
     table = _table(rows, domains, args, n_keep, margs.num_experts, calib)
     print(table)
+    print(gate_diagnostic(result.stats, margs.num_experts_per_token))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "keep": n_keep}, indent=2) + "\n")
     return 0
@@ -160,6 +161,25 @@ def traffic_kept(stats, kept) -> float:
     """Share of the calibration tokens' expert assignments that went to kept experts,
     averaged over MoE layers (1.0 unpruned; about n_keep / E for a random choice)."""
     return float(np.mean([stats[l].count[kept[l]].sum() / stats[l].count.sum() for l in kept]))
+
+
+def gate_diagnostic(stats, top_k: int) -> str:
+    """What REAP's router weight g_j can tell apart on this model: the range of the
+    experts' mean renormalised gate weight per layer (all equal to 1/top_k when the
+    router weighs its top-k alike, and REAP then ranks by activation norm alone), and the
+    rank correlation of REAP scores with routing frequency."""
+    spans, corr = [], []
+    for st in stats.values():
+        used = st.count > 0
+        g = st.gate_sum[used] / st.count[used]
+        spans.append((float(g.min()), float(g.max())))
+        if used.sum() > 2:
+            ranks = [np.argsort(np.argsort(a[used])) for a in (st.reap, st.frequency)]
+            corr.append(float(np.corrcoef(*ranks)[0, 1]))
+    lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+    return (f"router: mean renormalised gate weight per expert {lo:.3f}-{hi:.3f} over the MoE "
+            f"layers (1/top_k = {1 / top_k:.3f}); rank correlation of REAP with frequency "
+            f"{np.mean(corr):+.2f} (mean over layers)")
 
 
 def _table(rows, domains, args, n_keep, num_experts, calib: CalibSet) -> str:

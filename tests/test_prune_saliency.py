@@ -187,3 +187,18 @@ def test_png_heat_map_is_a_valid_png():
     cw = w // 4
     assert tuple(pix[0, cw]) == (255, 255, 255)  # never-routed, dropped expert 1: white
     assert pix[0, 0, 2] > pix[0, 0, 0]  # kept expert 0: blue
+
+
+def test_bench_gate_diagnostic_reports_gate_range_and_rank_correlation():
+    """Two layers of 4 experts, hand-made: mean gates 0.1..0.4 and 0.2..0.3 (unrouted
+    expert ignored); layer 0's REAP order equals its frequency order (+1), layer 1's is
+    reversed (-1): the mean is 0."""
+    from kimi_mlx.prune.bench import gate_diagnostic
+
+    a = LayerStats(layer=1, num_experts=4, top_k=2, count=[10, 20, 30, 40],
+                   gate_sum=[1.0, 4.0, 9.0, 16.0], gate_norm_sum=[1.0, 4.0, 9.0, 16.0])
+    b = LayerStats(layer=2, num_experts=5, top_k=2, count=[40, 30, 20, 10, 0],
+                   gate_sum=[8.0, 7.5, 5.0, 3.0, 0.0], gate_norm_sum=[4.0, 6.0, 8.0, 9.0, 0.0])
+    line = gate_diagnostic({1: a, 2: b}, top_k=2)
+    assert "0.100-0.400" in line and "1/top_k = 0.500" in line
+    assert "frequency +0.00" in line
