@@ -56,12 +56,9 @@ def _run(args, tmp: Path) -> int:
 
     from kimi_mlx.loader import load_model
 
-    from .auth import init_secret, load_secret
-    from .discovery import NodeInfo
-    from .fingerprint import fingerprint
     from .head import Pipeline, check_nodes, plan_stages, prefill_chunks
     from .runner import Sampling
-    from .testing import start_stages, stop_all
+    from .testing import LocalCluster
     from .transport import GrpcTransport
 
     if args.model:
@@ -71,17 +68,12 @@ def _run(args, tmp: Path) -> int:
         from kimi_mlx.testing import build_checkpoint
 
         ckpt = build_checkpoint(tmp / "bench", text_config=bench_text_config(), seed=0)
-    models = tmp / "models"
-    models.mkdir()
-    (models / "ckpt").symlink_to(ckpt.resolve())
-    secret_file = init_secret(tmp / "cluster.key")
-    secret = load_secret(secret_file)
-    fp = fingerprint(ckpt)
     env = _threads_env(args.stage_threads) if args.stage_threads else None
-    procs = start_stages(3, models, secret_file, tmp, prefix="bench", env=env)
+    cluster = LocalCluster(tmp, 3, prefix="bench", ckpt=ckpt, env=env)
+    secret, fp = cluster.secret, cluster.fp
     t = GrpcTransport(secret, peer_timeout=30)
     try:
-        nodes = [NodeInfo(p.node_id, p.host, p.port) for p in procs]
+        nodes = cluster.nodes()
         accepted, rejected = check_nodes(nodes, t.stub_for, fp)
         if rejected:
             raise RuntimeError(rejected)
@@ -169,7 +161,7 @@ def _run(args, tmp: Path) -> int:
         return 0
     finally:
         t.shutdown()
-        stop_all(procs)
+        cluster.stop()
 
 
 if __name__ == "__main__":

@@ -153,3 +153,55 @@ def start_stages(n: int, models: Path, secret_file: Path, workdir: Path, prefix:
         stop_all(procs)
         raise
     return procs
+
+
+class LocalCluster:
+    """n stage processes on loopback serving one checkpoint, with a fresh cluster secret:
+    the setup shared by the pipeline and fault tests and the cluster bench.
+
+    Attributes:
+        ckpt: the checkpoint (default: `reference_checkpoint(workdir)`), linked into
+            `models` as "ckpt" (the stages' --models folder).
+        secret_file / secret: the cluster secret (file mode 0600) and its bytes.
+        fp: the checkpoint's fingerprint. args: its `ModelArgs`.
+        procs: the running `StageProc`s (already listening).
+    Call `stop()` in a `finally`.
+    """
+
+    def __init__(self, workdir: Path, n: int = 3, prefix: str = "stage", ckpt: Optional[Path] = None,
+                 **stage_kw):
+        from kimi_mlx.config import ModelArgs, read_config
+
+        from .auth import init_secret, load_secret
+        from .fingerprint import fingerprint
+
+        self.workdir = Path(workdir)
+        self.ckpt = Path(ckpt) if ckpt is not None else reference_checkpoint(self.workdir)
+        self.models = self.workdir / "models"
+        self.models.mkdir()
+        (self.models / "ckpt").symlink_to(self.ckpt.resolve())
+        self.secret_file = init_secret(self.workdir / "cluster.key")
+        self.secret = load_secret(self.secret_file)
+        self.fp = fingerprint(self.ckpt)
+        self.args = ModelArgs.from_config(read_config(self.ckpt))
+        self.procs = start_stages(n, self.models, self.secret_file, self.workdir, prefix=prefix,
+                                  **stage_kw)
+
+    def nodes(self):
+        """`NodeInfo` of every stage process, in order."""
+        from .discovery import NodeInfo
+
+        return [NodeInfo(p.node_id, p.host, p.port) for p in self.procs]
+
+    def sessions(self, i: int) -> int:
+        """Sessions stage process i holds now (its Health RPC)."""
+        from . import stage_pb2 as pb
+        from . import stage_pb2_grpc as pb_grpc
+        from .service import make_channel
+
+        stub = pb_grpc.StageStub(make_channel(self.procs[i].address, self.secret))
+        return stub.Health(pb.HealthRequest(), timeout=5).sessions
+
+    def stop(self) -> None:
+        """Stop every stage process."""
+        stop_all(self.procs)

@@ -12,35 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from kimi_mlx.cluster import stage_pb2 as pb
-from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-from kimi_mlx.cluster.auth import init_secret, load_secret
 from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.fingerprint import fingerprint
 from kimi_mlx.cluster.head import Pipeline
 from kimi_mlx.cluster.runner import Sampling
-from kimi_mlx.cluster.service import make_channel
-from kimi_mlx.cluster.testing import reference_checkpoint, start_stages, stop_all
+from kimi_mlx.cluster.testing import LocalCluster
 from kimi_mlx.cluster.transport import GrpcTransport, StageAssignment, StageFailure
 
 PREFILL_CHUNK = "4"
 
 
-class Faults:
+class Faults(LocalCluster):
     def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.ckpt = reference_checkpoint(tmp)
-        self.models = tmp / "models"
-        self.models.mkdir()
-        (self.models / "ckpt").symlink_to(self.ckpt)
-        self.secret_file = init_secret(tmp / "cluster.key")
-        self.secret = load_secret(self.secret_file)
-        self.fp = fingerprint(self.ckpt)
-        self.procs = start_stages(3, self.models, self.secret_file, tmp, prefix="fault")
-        from kimi_mlx.config import ModelArgs, read_config
+        super().__init__(tmp, prefix="fault")
         from kimi_mlx.tokenizer import KimiTokenizer
 
-        self.args = ModelArgs.from_config(read_config(self.ckpt))
         tok = KimiTokenizer.from_pretrained(self.ckpt)
         # A long prompt in small chunks keeps prefill busy for a while: a kill lands
         # mid-generation however early the model would stop on its own.
@@ -61,10 +46,6 @@ class Faults:
         for i, p in enumerate(self.procs):
             if not p.alive():
                 self.restart(i)
-
-    def sessions(self, i: int) -> int:
-        stub = pb_grpc.StageStub(make_channel(self.procs[i].address, self.secret))
-        return stub.Health(pb.HealthRequest(), timeout=5).sessions
 
     def wait_sessions(self, idx, timeout=5.0):
         end = time.monotonic() + timeout
@@ -128,7 +109,7 @@ def faults(tmp_path_factory):
     try:
         yield f
     finally:
-        stop_all(f.procs)
+        f.stop()
 
 
 def _body(stdout):

@@ -4,7 +4,6 @@ equal log-probabilities with float32 on the wire; each stage reads only its own 
 concurrent sessions; refused secrets and malformed messages; the launcher CLI prints what
 `kimi-mlx generate` prints."""
 
-import json
 import os
 import subprocess
 import sys
@@ -19,59 +18,39 @@ import pytest
 
 from kimi_mlx.cluster import stage_pb2 as pb
 from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-from kimi_mlx.cluster.auth import init_secret, load_secret
-from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.fingerprint import fingerprint
 from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
 from kimi_mlx.cluster.runner import Sampling
 from kimi_mlx.cluster.service import make_channel
-from kimi_mlx.cluster.testing import reference_checkpoint, start_stages, stop_all
-from kimi_mlx.cluster.transport import GrpcTransport, StageFailure
+from kimi_mlx.cluster.testing import LocalCluster
+from kimi_mlx.cluster.transport import GrpcTransport
 from kimi_mlx.cluster.wire import to_tensor
 
 MAX_MESSAGE_MB = 8
 
 
-class Cluster:
+class Cluster(LocalCluster):
     def __init__(self, tmp: Path):
-        self.tmp = tmp
-        self.ckpt = reference_checkpoint(tmp)
-        self.models = tmp / "models"
-        self.models.mkdir()
-        (self.models / "ckpt").symlink_to(self.ckpt)
-        self.secret_file = init_secret(tmp / "cluster.key")
-        self.secret = load_secret(self.secret_file)
-        self.fp = fingerprint(self.ckpt)
-        self.procs = start_stages(3, self.models, self.secret_file, tmp, prefix="stage",
-                                  extra=["--max-message-mb", str(MAX_MESSAGE_MB)])
-        from kimi_mlx.config import ModelArgs, read_config
-
-        self.args = ModelArgs.from_config(read_config(self.ckpt))
+        super().__init__(tmp, prefix="stage", extra=["--max-message-mb", str(MAX_MESSAGE_MB)])
 
     def transport(self, **kw) -> GrpcTransport:
         return GrpcTransport(self.secret, peer_timeout=10.0, **kw)
 
     def plan(self, t: GrpcTransport):
-        nodes = [NodeInfo(p.node_id, p.host, p.port) for p in self.procs]
-        accepted, rejected = check_nodes(nodes, t.stub_for, self.fp)
+        accepted, rejected = check_nodes(self.nodes(), t.stub_for, self.fp)
         assert not rejected, rejected
         return plan_stages(self.ckpt, [n for n, _ in accepted], 4096)[1]
 
-    def sessions(self):
-        out = []
-        for p in self.procs:
-            stub = pb_grpc.StageStub(make_channel(p.address, self.secret))
-            out.append(stub.Health(pb.HealthRequest(), timeout=5).sessions)
-        return out
+    def all_sessions(self):
+        return [self.sessions(i) for i in range(len(self.procs))]
 
     def wait_no_sessions(self, timeout=5.0):
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            s = self.sessions()
+            s = self.all_sessions()
             if not any(s):
                 return s
             time.sleep(0.05)
-        return self.sessions()
+        return self.all_sessions()
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +59,7 @@ def cluster(tmp_path_factory):
     try:
         yield c
     finally:
-        stop_all(c.procs)
+        c.stop()
 
 
 @pytest.fixture(scope="module")
