@@ -1,6 +1,7 @@
 """`kimi-mlx generate`, mlx-lm integration and hub resolution, end to end on a built checkpoint."""
 
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -132,3 +133,16 @@ def test_hub_id_resolves_from_the_local_cache_offline(hf_cache):
 def test_hub_id_missing_offline_says_so(hf_cache):
     with pytest.raises(FileNotFoundError, match="org/absent.*HF_HUB_OFFLINE is set"):
         resolve("org/absent")
+
+
+def test_load_takes_a_hub_id_and_returns_model_tokenizer_and_config(hf_cache, tiny_ckpt):
+    """`kimi_mlx.loader.load` (the one-call API): a hub id from the offline cache gives the
+    same logits as `load_model` on the folder, the checkpoint's tokenizer and its config."""
+    from kimi_mlx.loader import load
+
+    model, tok, config = load("org/tiny")
+    ref, _, _ = load_model(tiny_ckpt, verbose=False)
+    ids = mx.array([[1, 5, 9, 2, 7]])
+    assert mx.array_equal(model(ids), ref(ids)).item()
+    assert tok.decode(tok.encode("hello world")) == "hello world"
+    assert config == json.loads((tiny_ckpt / "config.json").read_text())
