@@ -124,17 +124,25 @@ def mac_node(name: str, ram_bytes: int, chip: str = DEFAULT_CHIP,
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*$", re.I)
 
 
-def parse_bytes(text: str, binary: bool = False) -> int:
-    """'512GB', '1.5TB', '480GiB', '8G' -> bytes. GB/TB are decimal unless `binary`
+def parse_bytes(text: str, binary: bool = False, default_unit: Optional[str] = None) -> int:
+    """'512GB', '1.5TB', '480GiB', '8G', '4096B' -> bytes. GB/TB are decimal unless `binary`
     (Apple sells RAM in binary GB: a "512GB" Mac has 512 GiB); GiB/TiB are always binary.
 
+    A number without a unit takes `default_unit` (e.g. "GB" for Mac RAM sizes); without
+    one it is refused rather than read as bytes ("512" is never 512 bytes by intent).
+
     Raises:
-        ValueError: not a size.
+        ValueError: not a size, or no unit and no default.
     """
     m = _SIZE_RE.match(text)
     if not m:
         raise ValueError(f"not a size: {text!r} (e.g. 512GB, 1.5TB, 480GiB)")
-    number, unit = float(m.group(1)), (m.group(2) or "b").lower()
+    number, unit = float(m.group(1)), m.group(2)
+    if unit is None:
+        if default_unit is None:
+            raise ValueError(f"size {text!r} has no unit: write e.g. {text.strip()}GB or {text.strip()}B")
+        unit = default_unit
+    unit = unit.lower()
     if unit == "b":
         return int(number)
     power = "kmgt".index(unit[0]) + 1
@@ -145,7 +153,8 @@ def parse_bytes(text: str, binary: bool = False) -> int:
 def parse_macs(spec: str, chip: str = DEFAULT_CHIP, wired_limit_mb: Optional[int] = None) -> List[Node]:
     """'4x512GB' or '2x512GB,1x256GB@m2-ultra' -> Nodes mac1, mac2, ... in that order.
 
-    RAM sizes are Apple's (binary) GB. `chip` applies where a group has no '@chip'.
+    RAM sizes are Apple's (binary) GB; a bare number is GB ('4x512' = '4x512GB').
+    `chip` applies where a group has no '@chip'.
 
     Raises:
         ValueError: malformed spec or unknown chip.
@@ -157,7 +166,7 @@ def parse_macs(spec: str, chip: str = DEFAULT_CHIP, wired_limit_mb: Optional[int
         if not part or not m:
             raise ValueError(f"--macs: cannot read {part!r} (e.g. 4x512GB or 2x512GB,1x256GB@m2-ultra)")
         count = int(m.group(1) or 1)
-        ram = parse_bytes(m.group(2), binary=True)
+        ram = parse_bytes(m.group(2), binary=True, default_unit="GB")
         for _ in range(count):
             nodes.append(mac_node(f"mac{len(nodes) + 1}", ram, m.group(3) or chip, wired_limit_mb))
     if not nodes:

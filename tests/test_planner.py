@@ -272,6 +272,11 @@ def test_usable_memory_rule_and_mac_specs():
         ("mac3", 256, "m2-ultra", 800 * GB)]
     with pytest.raises(ValueError, match="unknown chip"):
         parse_macs("1x128GB@m9")
+    # Mac RAM without a unit is GB (nobody means a 512-byte Mac); other sizes need a unit
+    assert [n.ram_bytes for n in parse_macs("4x512")] == [512 * GiB] * 4
+    assert parse_bytes("4096B") == 4096
+    with pytest.raises(ValueError, match="no unit"):
+        parse_bytes("512")
 
 
 # -- planner on hand examples ---------------------------------------------------------
