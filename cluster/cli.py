@@ -351,8 +351,8 @@ class _Cluster:
 def _launch(args) -> int:
     _logging(args.log_level, "WARNING")
     from kimi_mlx.config import ModelArgs, read_config
-    from kimi_mlx.generate import (InputError, build_prompt, check_context, print_generation,
-                                   resolve_model_arg)
+    from kimi_mlx.generate import (InputError, build_prompt, check_context, check_model_arguments,
+                                   print_generation, resolve_model_arg)
 
     from .auth import AuthError, load_secret
     from .fingerprint import FingerprintError, fingerprint, is_checkpoint
@@ -361,6 +361,7 @@ def _launch(args) -> int:
     from .transport import StageFailure
 
     try:
+        check_model_arguments(args)
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):

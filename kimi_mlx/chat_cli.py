@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 from typing import List
 
-from .generate import EFFORTS, InputError, add_model_arguments, load_for_generation, resolve_model_arg
+from .generate import (EFFORTS, InputError, add_model_arguments, check_model_arguments,
+                       load_for_generation, resolve_model_arg)
 
 
 def add_arguments(p) -> None:
@@ -58,7 +59,8 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     conv.reused_tokens = n
     stream = ReplyStream()
     generated: List[int] = []
-    for r in stream_generate(model, wrapper, ids[n:], max_tokens=min(max_tokens, context - len(ids)),
+    room = context - len(ids)
+    for r in stream_generate(model, wrapper, ids[n:], max_tokens=room if max_tokens < 0 else min(max_tokens, room),
                              sampler=sampler, prompt_cache=conv.cache):
         generated.append(r.token)
         for event in stream.feed(r.text):
@@ -77,6 +79,7 @@ def run(args) -> int:
     from mlx_lm.sample_utils import make_sampler
 
     try:
+        check_model_arguments(args)
         model, wrapper, tok, _ = load_for_generation(resolve_model_arg(args.model))
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx chat: error: {e}", file=sys.stderr)

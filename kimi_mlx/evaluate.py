@@ -189,6 +189,8 @@ def run(args) -> int:
     try:
         if args.seq_len < 1:
             raise InputError(f"--seq-len must be >= 1, got {args.seq_len}")
+        if args.batch_size < 1:
+            raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
         if args.max_tokens is not None and args.max_tokens < 1:
             raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         model_dir = resolve(resolve_model_arg(args.model))
@@ -200,6 +202,11 @@ def run(args) -> int:
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx eval: error: {e}", file=sys.stderr)
         return 2
+    context = model.args.max_position_embeddings
+    if args.seq_len + 1 > context:
+        print(f"note: windows of {args.seq_len + 1} tokens run past the model's context of "
+              f"{context} (max_position_embeddings): figures beyond it are out of spec",
+              file=sys.stderr)
     result = perplexity(model, ids, args.seq_len, args.batch_size)
     print(f"model: {model_dir}")
     print(f"data: {args.data} ({len(ids)} tokens, windows of {args.seq_len})")

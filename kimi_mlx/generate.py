@@ -38,7 +38,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed")
     p.add_argument("--max-kv-size", type=int, default=None,
-                   help="cap on cached context tokens (prompt + generation); "
+                   help="cap on prompt + generated tokens (generation stops there, with a "
+                        "note; unlike mlx-lm's rotating cache, since KDA state cannot rotate). "
                         "KDA state is constant, DSA caches grow per token")
     p.add_argument("--reasoning-effort", choices=EFFORTS, default="max",
                    help="K3.1 thinking effort in the chat encoding")
@@ -52,6 +53,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="feed the prompt as raw text, without the chat encoding")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
                    default=True, help="print timing and memory at the end (default: True)")
+
+
+def check_model_arguments(args) -> None:
+    """Range checks of the flags `add_model_arguments` adds (before any model is loaded).
+
+    Raises:
+        InputError: --max-tokens not -1 (no limit) or >= 1, --temp < 0, --top-p outside
+            (0, 1], --min-p outside [0, 1], --top-k < 0, or --max-kv-size < 1.
+    """
+    if args.max_tokens != -1 and args.max_tokens < 1:
+        raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
+    if args.temp < 0:
+        raise InputError(f"--temp must be >= 0 (0 = greedy), got {args.temp}")
+    if not 0 < args.top_p <= 1:
+        raise InputError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
+    if not 0 <= args.min_p <= 1:
+        raise InputError(f"--min-p must be in [0, 1] (0 = off), got {args.min_p}")
+    if args.top_k < 0:
+        raise InputError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+    if args.max_kv_size is not None and args.max_kv_size < 1:
+        raise InputError(f"--max-kv-size must be >= 1 token, got {args.max_kv_size}")
 
 
 def resolve_model_arg(spec: Optional[str]) -> str:
@@ -80,13 +102,21 @@ def build_prompt(tokenizer, prompt: str, system: Optional[str], raw: bool, effor
 
 
 def check_context(n_prompt: int, max_tokens: int, context: int, source: str) -> int:
-    """Number of tokens that may still be generated; InputError when the prompt is too long."""
+    """Number of tokens that may still be generated (max_tokens -1 = up to the context);
+    InputError when the prompt does not fit. When the context cuts a --max-tokens request
+    short, says so on stderr (generation would otherwise just stop early)."""
     if n_prompt >= context:
         raise InputError(
             f"the prompt is {n_prompt} tokens, longer than the context of {context} tokens "
             f"({source})"
         )
-    return min(max_tokens, context - n_prompt) if max_tokens >= 0 else context - n_prompt
+    room = context - n_prompt
+    if max_tokens < 0:
+        return room
+    if max_tokens > room:
+        print(f"note: generating at most {room} tokens: the prompt ({n_prompt}) and the "
+              f"generation must fit in {context} tokens ({source})", file=sys.stderr)
+    return min(max_tokens, room)
 
 
 def load_for_generation(spec: str):
@@ -121,6 +151,7 @@ def stream(model, wrapper, prompt_ids: List[int], args) -> Iterator:
 
 def run(args) -> int:
     try:
+        check_model_arguments(args)
         spec = resolve_model_arg(args.model)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         if prompt is None:

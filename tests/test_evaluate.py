@@ -113,6 +113,7 @@ def test_expert_usage_rows_are_shares(loaded):
         (["--data", "/nonexistent/file.txt"], "file.txt"),
         (["--seq-len", "0"], "--seq-len"),
         (["--max-tokens", "0"], "--max-tokens"),
+        (["--batch-size", "0"], "--batch-size must be >= 1"),
     ],
 )
 def test_bad_input_is_a_clear_error(tiny_ckpt, tmp_path, capsys, extra, message):

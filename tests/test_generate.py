@@ -71,6 +71,31 @@ def test_prompt_longer_than_context_is_refused(tiny_ckpt, capsys):
     assert "--max-kv-size" in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max-tokens", "0"], "--max-tokens must be >= 1, or -1"),
+    (["--max-tokens", "-5"], "--max-tokens must be >= 1, or -1"),
+    (["--temp", "-1"], "--temp must be >= 0"),
+    (["--top-p", "2"], "--top-p must be in (0, 1]"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--max-kv-size", "-3"], "--max-kv-size must be >= 1"),
+])
+def test_out_of_range_sampling_flags_are_refused(tiny_ckpt, capsys, flags, message):
+    code, out, err = run_cli(["generate", "--model", str(tiny_ckpt), "--prompt", "hi", *flags],
+                             capsys)
+    assert code == 2 and message in err and out == ""
+
+
+def test_context_cap_that_cuts_max_tokens_says_so(tiny_ckpt, capsys):
+    code, out, err = run_cli(["generate", "--model", str(tiny_ckpt), "--prompt", "x" * 10,
+                              "--ignore-chat-template", "--max-kv-size", "16",
+                              "--max-tokens", "40", "--temp", "0"], capsys)
+    assert code == 0
+    assert "note: generating at most 6 tokens: the prompt (10)" in err and "--max-kv-size" in err
+    assert "Generation: 6 tokens" in out
+
+
 def test_missing_model_folder_is_named(capsys):
     code, _, err = run_cli(["generate", "--model", "./no/such/model", "--prompt", "hi"], capsys)
     assert code == 2 and "./no/such/model: no such model folder" in err
