@@ -220,7 +220,7 @@ def _ls(args) -> int:
             held = f", layers [{reply.start}, {reply.end})" if reply.state == "ready" else ""
             status[info.node_id] = f"ok ({reply.state}{held}, {reply.sessions} sessions)"
         for r in bad:
-            status[r.node_id] = r.reason.replace("advertised but not usable: ", "")
+            status[r.node_id] = r.reason.replace("not answering: ", "advertised but not answering: ")
     if args.json:
         print(json.dumps([dict(vars(n), status=status.get(n.node_id, "unchecked")) for n in nodes],
                          indent=2))
@@ -314,8 +314,16 @@ class _Cluster:
         transport = GrpcTransport(self.secret, tls, peer_timeout=a.peer_timeout)
         accepted, rejected = check_nodes(self.candidates(), transport.stub_for, self.fp,
                                          check_version=not a.allow_version_mismatch)
+        named = a.nodes != "auto"
+        if named and rejected and not a.replan and not self.excluded:
+            # --nodes fixes the stages' order: run on exactly those, or say which one is not usable
+            raise RuntimeError("; ".join(f"node {r.address} (named in --nodes) is not usable: "
+                                         f"{r.reason}" for r in rejected)
+                               + "; start it, leave it out of --nodes, or pass --replan to "
+                                 "continue on the others")
         for r in rejected:
-            print(f"[cluster] skipping node {r.node_id} at {r.address}: {r.reason}", file=sys.stderr)
+            where = r.address if r.node_id == r.address else f"{r.node_id} at {r.address}"
+            print(f"[cluster] skipping node {where}: {r.reason}", file=sys.stderr)
         accepted = [(n, r) for n, r in accepted if n.node_id not in self.excluded]
         if not accepted:
             raise RuntimeError("no usable nodes")

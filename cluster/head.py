@@ -194,7 +194,8 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
                 ) -> Tuple[List[Tuple[NodeInfo, pb.HealthReply]], List[Rejected]]:
     """Confirm each candidate with an authenticated Health call (in parallel) and keep
     those with our protocol, package version and the checkpoint's fingerprint (not
-    checked when `fp` is None).
+    checked when `fp` is None). A candidate that does not answer (a stale advertisement,
+    a node that is down) is rejected as "not answering".
 
     Returns (accepted [(NodeInfo from Health, reply)], rejected with reasons). A node
     that advertises but does not answer (a stale record, a ghost) is rejected.
@@ -220,7 +221,7 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
     for n, res in zip(candidates, results):
         if res is None or res[0] == "err":
             why = res[1] if res else "no answer"
-            rejected.append(Rejected(n.node_id, n.address, f"advertised but not usable: {why}"))
+            rejected.append(Rejected(n.node_id, n.address, f"not answering: {why}"))
             continue
         reply = res[1]
         info = health_info(reply, n.host, n.port)

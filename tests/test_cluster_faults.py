@@ -204,6 +204,24 @@ def test_replan_continues_on_the_nodes_left(faults):
     assert _body(run.stdout) == _body(ref.stdout)
 
 
+def test_a_node_named_in_nodes_that_is_down_stops_the_launch_unless_replan(faults):
+    """--nodes fixes which Macs run the model: one that does not answer is an error naming
+    it (not silently left out); with --replan the launch carries on without it."""
+    faults.revive()
+    faults.procs[2].stop()
+    try:
+        dead = faults.procs[2].address
+        run = faults.launch(max_tokens=2)
+        assert run.wait(60) == 1, run.stderr
+        assert f"node {dead} (named in --nodes) is not usable: not answering" in run.stderr
+        assert "pass --replan" in run.stderr and run.stdout == ""
+        run = faults.launch("--replan", max_tokens=2)
+        assert run.wait(120) == 0, run.stderr
+        assert f"skipping node {dead}: not answering" in run.stderr
+    finally:
+        faults.restart(2)
+
+
 def test_a_dead_head_leaves_no_sessions_behind(faults):
     """The head's lease (Watch) ends with its process: every stage frees its sessions."""
     faults.revive()
