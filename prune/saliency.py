@@ -63,8 +63,9 @@ def experts_to_keep(num_experts: int, top_k: int, keep: Optional[float] = None,
         what = f"--keep {keep} leaves {n} of {num_experts} experts"
     else:
         n = int(experts)
-        if not 1 <= n <= num_experts:
-            raise KeepError(f"--experts must be in [1, {num_experts}] (num_experts), got {n}")
+        if not top_k <= n <= num_experts:
+            raise KeepError(f"--experts must be in [{top_k}, {num_experts}] "
+                            f"(num_experts_per_token to num_experts), got {n}")
         what = f"--experts {n}"
     if n < top_k:
         raise KeepError(f"{what}, fewer than num_experts_per_token = {top_k}; "

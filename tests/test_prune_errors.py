@@ -81,8 +81,8 @@ def test_malformed_calibration_record(src, parent, tmp_path, capsys):
     (["--keep", "0"], "--keep must be a fraction in (0, 1]"),
     (["--keep", "1.01"], "--keep must be a fraction in (0, 1]"),
     (["--keep", "0.05"], "--keep 0.05 leaves 1 of 16 experts, fewer than num_experts_per_token = 2"),
-    (["--experts", "1"], "fewer than num_experts_per_token = 2"),
-    (["--experts", "17"], "--experts must be in [1, 16]"),
+    (["--experts", "1"], "--experts must be in [2, 16] (num_experts_per_token to num_experts)"),
+    (["--experts", "17"], "--experts must be in [2, 16]"),
 ])
 def test_keep_out_of_range(src, code, parent, capsys, flags, msg):
     rc, err = prune(capsys, src, [code], parent / "o", *flags)

@@ -156,9 +156,9 @@ def test_super_experts_follow_reaps_threshold_and_are_kept():
     (1.5, None, "--keep must be a fraction in (0, 1]"),
     (-0.2, None, "--keep must be a fraction in (0, 1]"),
     (0.05, None, "fewer than num_experts_per_token = 4"),
-    (None, 3, "fewer than num_experts_per_token = 4"),
-    (None, 0, "--experts must be in [1, 32]"),
-    (None, 33, "--experts must be in [1, 32]"),
+    (None, 3, "--experts must be in [4, 32] (num_experts_per_token to num_experts), got 3"),
+    (None, 0, "--experts must be in [4, 32]"),
+    (None, 33, "--experts must be in [4, 32]"),
     (None, None, "exactly one of"),
     (0.5, 16, "exactly one of"),
 ])
