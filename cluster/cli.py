@@ -121,18 +121,24 @@ def _err(cmd: str, e) -> None:
 def _init(args) -> int:
     from .auth import AuthError, init_secret, init_tls
 
+    path = Path(args.secret_file).expanduser()
     try:
-        path = init_secret(args.secret_file, force=args.force)
-        files = [path]
+        if args.tls and path.exists() and not args.force:
+            files = []  # keep the secret every node already has; add the certificate
+        else:
+            files = [init_secret(path, force=args.force)]
         if args.tls:
             files += list(init_tls(path, force=args.force))
     except (FileExistsError, AuthError, OSError) as e:
         _err("init", e)
         return 1
     print(f"wrote {', '.join(str(f) for f in files)} (mode 0600 for keys)")
+    home = Path.home()
+    shown = [f"~/{f.relative_to(home)}" if f.is_relative_to(home) else str(f) for f in files]
+    folder = str(Path(shown[0]).parent)
     print("copy to the same place on every Mac, keeping the mode, e.g.:")
-    for f in files:
-        print(f"  scp -p {f} OTHER-MAC:{f}")
+    print(f"  ssh OTHER-MAC mkdir -m700 -p {folder} && scp -p {' '.join(str(f) for f in files)} "
+          f"OTHER-MAC:{folder}/")
     return 0
 
 

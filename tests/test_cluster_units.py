@@ -182,3 +182,26 @@ def test_tls_service_refuses_plaintext(tmp_path):
         assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
     finally:
         server.stop(0)
+
+
+def test_cluster_init_then_tls_keeps_the_secret_and_says_how_to_copy(tmp_path, capsys):
+    """`cluster init` writes a 0600 secret and a copy hint that makes the folder first;
+    a second plain init is refused; `init --tls` afterwards adds the certificate and keeps
+    the secret every node already holds."""
+    import shutil
+
+    from kimi_mlx import cli
+
+    key = tmp_path / ".kimi-mlx" / "cluster.key"
+    assert cli.main(["cluster", "init", "--secret-file", str(key)]) == 0
+    out = capsys.readouterr().out
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert f"mkdir -m700 -p {key.parent} && scp -p {key} OTHER-MAC:{key.parent}/" in out
+    secret = key.read_bytes()
+    assert cli.main(["cluster", "init", "--secret-file", str(key)]) == 1
+    assert "exists; use --force" in capsys.readouterr().err
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command for the TLS part")
+    assert cli.main(["cluster", "init", "--tls", "--secret-file", str(key)]) == 0
+    assert key.read_bytes() == secret
+    assert (key.parent / "cluster.crt").exists() and (key.parent / "cluster.tls.key").exists()
