@@ -177,7 +177,7 @@ class StageRunner:
                 x = x.astype(self.compute) if x.dtype != self.compute else x
                 banks = Banks.from_stacked(x[:-1] if self.in_banks else None, eps)
                 h = x[-1]
-            h, banks = text.run_layers(h, banks, s.cache)
+            h, banks = text.run_layers(h, banks, s.cache, eval_each=length == 1)
             out = Output()
             states = [c.state for c in s.cache]
             if not self.is_last:
