@@ -3,7 +3,8 @@
 Each assistant reply is stored with its reasoning and re-encoded with it (K3.1 preserved
 thinking). The KV/KDA cache is reused across turns when the new conversation's tokens
 start with the tokens already processed; otherwise the conversation is prefilled afresh
-(KDA state cannot be rewound). Commands: /reset, /effort low|high|max, /exit (or Ctrl-D).
+(KDA state cannot be rewound). Commands: /reset, /effort low|high|max, /exit (or Ctrl-D);
+Ctrl-C stops a reply and discards that turn.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ def add_arguments(p) -> None:
     p.add_argument("--system-prompt", default=None, help="system message")
 
 
+COMMANDS = "/reset, /effort low|high|max, /exit (or Ctrl-D); Ctrl-C stops a reply"
+
+
 class Conversation:
     """Messages plus the token prefix already in the cache."""
 
@@ -34,6 +38,14 @@ class Conversation:
         self.cache = None
         self.processed: List[int] = []
         self.reused_tokens = 0  # tokens of the last prompt served from the cache
+
+    def drop_turn(self):
+        """Forget an interrupted turn: its user message, and the cache (it may hold part of
+        the turn; KDA state cannot be rewound), so the next turn prefills afresh."""
+        if self.messages and self.messages[-1]["role"] == "user":
+            self.messages.pop()
+        self.cache = None
+        self.processed = []
 
 
 def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, sampler,
@@ -60,13 +72,19 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     stream = ReplyStream()
     generated: List[int] = []
     room = context - len(ids)
-    for r in stream_generate(model, wrapper, ids[n:], max_tokens=room if max_tokens < 0 else min(max_tokens, room),
-                             sampler=sampler, prompt_cache=conv.cache):
+    limit = room if max_tokens < 0 else min(max_tokens, room)
+    finish = None
+    for r in stream_generate(model, wrapper, ids[n:], max_tokens=limit, sampler=sampler,
+                             prompt_cache=conv.cache):
         generated.append(r.token)
+        finish = r.finish_reason
         for event in stream.feed(r.text):
             on_text and on_text(*event)
     for event in stream.finish():
         on_text and on_text(*event)
+    if finish == "length" and limit == room:
+        print(f"\n[reply cut at the context of {context} tokens; /reset to start over]",
+              file=sys.stderr)
     reply = stream.result()
     conv.messages.append({"role": "assistant", "content": reply["content"],
                           "reasoning_content": reply["reasoning_content"]})
@@ -96,31 +114,43 @@ def run(args) -> int:
         print(f"\033[2m{text}\033[0m" if channel == "reasoning" and dim else text, end="",
               flush=True)
 
-    print("kimi-mlx chat: /reset, /effort low|high|max, /exit", file=sys.stderr)
+    print(f"kimi-mlx chat: {COMMANDS}", file=sys.stderr)
     while True:
         try:
             line = input(">> ")
         except EOFError:
             print()
             return 0
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, as a shell does
+            print()
+            continue
         cmd = line.strip()
-        if cmd in ("/exit", "/quit"):
-            return 0
-        if cmd == "/reset":
-            conv.reset()
-            continue
-        if cmd.startswith("/effort"):
-            value = cmd.split()[-1]
-            if value in EFFORTS:
-                effort = value
-            else:
-                print(f"effort must be one of {EFFORTS}", file=sys.stderr)
-            continue
         if not cmd:
+            continue
+        if line.startswith("/"):
+            name, _, value = cmd.partition(" ")
+            value = value.strip()
+            if name in ("/exit", "/quit"):
+                return 0
+            if name == "/reset":
+                conv.reset()
+                print("[conversation reset]", file=sys.stderr)
+            elif name == "/effort" and value in EFFORTS:
+                effort = value
+                print(f"[thinking effort: {effort}]", file=sys.stderr)
+            elif name == "/effort":
+                print(f"/effort takes one of {', '.join(EFFORTS)} (now {effort})", file=sys.stderr)
+            else:
+                print(f"unknown command {name} ({COMMANDS}; start a message with a space to "
+                      "send a leading '/')", file=sys.stderr)
             continue
         try:
             chat_turn(model, wrapper, tok, conv, line, effort, sampler, args.max_tokens,
                       context, on_text=show)
         except InputError as e:
             print(e, file=sys.stderr)
+        except KeyboardInterrupt:  # Ctrl-C while replying: drop this turn, keep the chat
+            conv.drop_turn()
+            print("\n[interrupted: reply discarded]", file=sys.stderr)
+            continue
         print()

@@ -35,3 +35,48 @@ def test_second_turn_keeps_reasoning_and_cache_reuse_is_exact(tiny_ckpt):
     # The second prompt carried the first reply's reasoning inside its think block.
     text = render_chat(conv.messages[:4], reasoning_effort="low", add_generation_prompt=True)
     assert f"<|open|>think<|sep|>{stored['reasoning_content']}<|close|>think<|sep|>" in text
+
+
+def _repl(tiny_ckpt, monkeypatch, capsys, lines, turn=None):
+    """Run `kimi-mlx chat` on stdin `lines`; `turn` replaces chat_turn when given."""
+    import io
+
+    from kimi_mlx import chat_cli, cli
+
+    if turn is not None:
+        monkeypatch.setattr(chat_cli, "chat_turn", turn)
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(l + "\n" for l in lines)))
+    rc = cli.main(["chat", "--model", str(tiny_ckpt), "--max-tokens", "3"])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_repl_commands_answer_and_unknown_ones_are_not_sent(tiny_ckpt, monkeypatch, capsys):
+    sent = []
+    rc, _, err = _repl(tiny_ckpt, monkeypatch, capsys,
+                       ["/foo bar", "/effort low", "/effort medium", "/reset", "/exit", "never"],
+                       turn=lambda *a, **k: sent.append(a[4]))
+    assert rc == 0 and sent == []
+    assert "unknown command /foo" in err
+    assert "[thinking effort: low]" in err
+    assert "/effort takes one of low, high, max (now low)" in err
+    assert "[conversation reset]" in err
+
+
+def test_ctrl_c_during_a_reply_drops_that_turn_and_the_chat_goes_on(tiny_ckpt, monkeypatch, capsys):
+    """The interrupted turn's user message and the (partly advanced) cache are dropped;
+    the next turn is answered from a conversation without it."""
+    seen = []
+
+    def turn(model, wrapper, tok, conv, text, *a, **k):
+        conv.messages.append({"role": "user", "content": text})
+        conv.cache, conv.processed = object(), [1, 2, 3]
+        if text == "first":
+            raise KeyboardInterrupt
+        seen.append([m["content"] for m in conv.messages])
+        conv.messages.append({"role": "assistant", "content": "ok", "reasoning_content": ""})
+
+    rc, _, err = _repl(tiny_ckpt, monkeypatch, capsys, ["first", "second"], turn=turn)
+    assert rc == 0
+    assert "[interrupted: reply discarded]" in err
+    assert seen == [["second"]]
