@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
 
     q = sub.add_parser("init", help="make the cluster secret to copy to every Mac")
-    q.add_argument("--secret-file", type=Path, default=DEFAULT_SECRET)
+    q.add_argument("--secret-file", type=Path, default=DEFAULT_SECRET,
+                   help=f"where to write the secret (default {DEFAULT_SECRET})")
     q.add_argument("--force", action="store_true", help="replace an existing secret")
     q.add_argument("--tls", action="store_true", help="also make a cluster TLS certificate")
 
@@ -53,7 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="memory bandwidth in GB/s for the planner (default: by chip)")
     q.add_argument("--idle-timeout", type=float, default=120.0,
                    help="seconds a session may wait for its next message (default 120)")
-    q.add_argument("--max-sessions", type=int, default=16)
+    q.add_argument("--max-sessions", type=int, default=16,
+                   help="sessions served at once (default 16)")
     q.add_argument("--max-message-mb", type=int, default=256, help="largest message (default 256)")
     _common(q)
 
@@ -152,9 +154,26 @@ def _serve(args) -> int:
     from .service import StageServer, StageService
 
     try:
+        if args.port is not None and not 0 <= args.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535 (0 = any free port), got {args.port}")
+        if args.max_sessions < 1 or args.idle_timeout <= 0 or args.max_message_mb < 1:
+            raise ValueError("--max-sessions and --max-message-mb must be >= 1 and "
+                             "--idle-timeout > 0")
+        models = Path(args.models).expanduser()
+        if models.exists() and not models.is_dir():
+            raise ValueError(f"--models {models}: not a folder")
+        if not models.exists() and args.models != DEFAULT_MODELS:
+            raise ValueError(f"--models {models}: no such folder")
         secret = load_secret(args.secret_file)
         addresses = interface_addresses(args.interface)
         usable = parse_bytes(args.usable_memory) if args.usable_memory else None
+        if args.tls:
+            from .auth import tls_files
+
+            missing = [str(f) for f in tls_files(args.secret_file) if not f.exists()]
+            if missing:
+                raise ValueError(f"--tls: missing {', '.join(missing)} (make them with "
+                                 "`kimi-mlx cluster init --tls` and copy them to every node)")
     except (AuthError, ValueError) as e:
         _err("serve", e)
         return 2
@@ -206,11 +225,16 @@ def _ls(args) -> int:
     from .transport import GrpcTransport
 
     try:
+        if args.timeout <= 0:
+            raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
         interfaces = interface_addresses(args.interface)
+        nodes = browse(args.timeout, interfaces)
     except ValueError as e:
         _err("ls", e)
         return 2
-    nodes = browse(args.timeout, interfaces)
+    except OSError as e:  # e.g. an IPv4 address that is on no interface of this host
+        _err("ls", f"cannot browse on {args.interface or 'all interfaces'}: {e.strerror or e}")
+        return 2
     status = {}
     try:
         secret = load_secret(args.secret_file)
@@ -230,7 +254,7 @@ def _ls(args) -> int:
     if args.json:
         print(json.dumps([dict(vars(n), status=status.get(n.node_id, "unchecked")) for n in nodes],
                          indent=2))
-        return 0
+        return 0 if nodes else 1
     if not nodes:
         print(f"no kimi-mlx nodes found in {args.timeout:g} s on {', '.join(interfaces)}")
         return 1

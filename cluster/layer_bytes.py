@@ -148,6 +148,7 @@ class ModelBytes:
             "other").
         source: where the sizes came from ("headers: <folder>" or "config: <file>").
         notes: anything the user should know about the sizes (e.g. an offline fallback).
+        max_position_embeddings: the config's context limit in tokens (0 = unknown).
     """
 
     layers: Tuple[LayerBytes, ...]
@@ -157,6 +158,7 @@ class ModelBytes:
     not_loaded: Mapping[str, int] = field(default_factory=dict)
     source: str = ""
     notes: Tuple[str, ...] = ()
+    max_position_embeddings: int = 0  # the config's context limit (0 = unknown)
 
     @property
     def weight_bytes(self) -> int:
@@ -448,7 +450,8 @@ def _assemble(args: ModelArgs, sizes: Mapping[str, int], act_bytes: int, source:
             index_topk=args.index_topk if args.is_dsa(i) else None,
             state_bytes_per_sequence=state,
         ))
-    return ModelBytes(tuple(layers), embed, head, embed_rows, not_loaded, source, notes)
+    return ModelBytes(tuple(layers), embed, head, embed_rows, not_loaded, source, notes,
+                      args.max_position_embeddings)
 
 
 def model_bytes_from_config(config: Mapping[str, Any], source: str = "config.json",

@@ -126,19 +126,25 @@ def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: 
 
 def run(args) -> int:
     try:
+        if args.context < 1 or args.sequences < 1:
+            raise ValueError(f"--context and --sequences must be >= 1 (got {args.context}, "
+                             f"{args.sequences})")
         nodes = parse_macs(args.macs, args.mac_chip, args.wired_limit_mb)
         planner = _planner(args)
         model = model_bytes(args.model)
+        if args.keep is not None and (not model.num_experts or not 0 < args.keep <= 1):
+            raise ValueError("--keep needs a MoE model and a fraction in (0, 1]")
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"kimi-mlx plan: error: {e}", file=sys.stderr)
         return 2
     if args.keep is not None:
-        if not model.num_experts or not 0 < args.keep <= 1:
-            print("error: --keep needs a MoE model and a fraction in (0, 1]", file=sys.stderr)
-            return 2
         model = model.pruned(max(model.experts_per_token, round(args.keep * model.num_experts)))
     for line in _describe_model(args.model, model):
         print(line)
+    limit = model.max_position_embeddings
+    if limit and args.context > limit:
+        print(f"note: --context {args.context} is past the model's max_position_embeddings "
+              f"({limit}); it is planned for, but the model is not made for it", file=sys.stderr)
     print(f"Macs: {args.macs} ({', '.join(f'{n.name} {n.label}' for n in nodes)}); "
           f"context {args.context} tokens x {args.sequences} sequence(s)")
     try:
@@ -148,7 +154,7 @@ def run(args) -> int:
         print(str(e).replace("; ", "\n  "))
         return 1
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"kimi-mlx plan: error: {e}", file=sys.stderr)
         return 2
     print()
     for line in _table(plan):

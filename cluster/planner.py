@@ -167,6 +167,8 @@ def parse_macs(spec: str, chip: str = DEFAULT_CHIP, wired_limit_mb: Optional[int
             raise ValueError(f"--macs: cannot read {part!r} (e.g. 4x512GB or 2x512GB,1x256GB@m2-ultra)")
         count = int(m.group(1) or 1)
         ram = parse_bytes(m.group(2), binary=True, default_unit="GB")
+        if count < 1 or ram <= 0:
+            raise ValueError(f"--macs: {part!r} has no Macs or no memory (e.g. 4x512GB)")
         for _ in range(count):
             nodes.append(mac_node(f"mac{len(nodes) + 1}", ram, m.group(3) or chip, wired_limit_mb))
     if not nodes:

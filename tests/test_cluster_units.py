@@ -205,3 +205,16 @@ def test_cluster_init_then_tls_keeps_the_secret_and_says_how_to_copy(tmp_path, c
     assert cli.main(["cluster", "init", "--tls", "--secret-file", str(key)]) == 0
     assert key.read_bytes() == secret
     assert (key.parent / "cluster.crt").exists() and (key.parent / "cluster.tls.key").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--port", "70000", "--no-advertise"], "--port must be in 0..65535"),
+    (["serve", "--models", "/nonexistent/models", "--no-advertise"], "/nonexistent/models: no such folder"),
+    (["serve", "--max-sessions", "0", "--no-advertise"], "--max-sessions and --max-message-mb must be >= 1"),
+    (["ls", "--timeout", "-1"], "--timeout must be > 0"),
+])
+def test_cluster_flags_out_of_range_are_refused_before_anything_starts(capsys, argv, message):
+    from kimi_mlx import cli
+
+    assert cli.main(["cluster", *argv]) == 2
+    assert message in capsys.readouterr().err

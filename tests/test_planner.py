@@ -402,3 +402,20 @@ def test_cli_local_checkpoint_and_bad_input(tmp_path, capsys):
     assert "headers:" in out and "[0, 4) +embed+head" in out
     assert main(["plan", "--macs", "4xlots"]) == 2
     assert "not a size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--macs", "4x0GB"], "--macs: '4x0GB' has no Macs or no memory"),
+    (["--macs", "4x512GB,0x256GB"], "--macs: '0x256GB' has no Macs or no memory"),
+    (["--macs", "4x512GB", "--context", "0"], "--context and --sequences must be >= 1"),
+    (["--macs", "4x512GB", "--sequences", "-1"], "--context and --sequences must be >= 1"),
+])
+def test_cli_refuses_empty_macs_and_non_positive_context_before_printing(capsys, flags, message):
+    assert main(["plan", "--model", K31, *flags]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and f"kimi-mlx plan: error: {message}" in out.err
+
+
+def test_cli_notes_a_context_past_the_models_limit(capsys):
+    assert main(["plan", "--model", K31, "--macs", "8x512GB", "--context", "2000000"]) == 0
+    assert "past the model's max_position_embeddings (1048576)" in capsys.readouterr().err
