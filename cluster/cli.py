@@ -32,13 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `kimi-mlx cluster` subcommands and their flags."""
     sub = p.add_subparsers(dest="cluster_command", metavar="SUBCOMMAND")
 
-    q = sub.add_parser("init", help="make the cluster secret to copy to every Mac")
+    q = sub.add_parser("init", help="make the cluster secret to copy to every Mac", description="Make the cluster secret to copy to every Mac.")
     q.add_argument("--secret-file", type=Path, default=DEFAULT_SECRET,
                    help=f"where to write the secret (default {DEFAULT_SECRET})")
     q.add_argument("--force", action="store_true", help="replace an existing secret")
     q.add_argument("--tls", action="store_true", help="also make a cluster TLS certificate")
 
-    q = sub.add_parser("serve", help="serve a pipeline stage and advertise this node")
+    q = sub.add_parser("serve", help="serve a pipeline stage and advertise this node", description="Serve a pipeline stage and advertise this node.")
     q.add_argument("--models", default=DEFAULT_MODELS,
                    help=f"folder of checkpoints this node may load (default {DEFAULT_MODELS}); "
                         "the shipped micro model is always offered")
@@ -59,20 +59,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--max-message-mb", type=int, default=256, help="largest message (default 256)")
     _common(q)
 
-    q = sub.add_parser("ls", help="list the nodes advertising on the network")
+    q = sub.add_parser("ls", help="list the nodes advertising on the network", description="List the nodes advertising on the network.")
     q.add_argument("--interface", default=None, help="interface name or IPv4 address to browse on")
     q.add_argument("--timeout", type=float, default=3.0, help="seconds to browse (default 3)")
     q.add_argument("--json", action="store_true", help="print JSON")
     _common(q)
 
-    q = sub.add_parser("launch", help="plan, load and generate across the nodes")
+    q = sub.add_parser("launch", help="plan, load and generate across the nodes", description="Plan, load and generate across the nodes.")
     from kimi_mlx.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(q)
     q.add_argument("--nodes", default="auto",
                    help="'auto' (zeroconf) or host[:port],host[:port] in pipeline order")
     q.add_argument("--interface", default=None, help="interface to discover on")
-    q.add_argument("--discover-timeout", type=float, default=3.0)
+    q.add_argument("--discover-timeout", type=float, default=3.0,
+                   help="seconds to browse for nodes with --nodes auto (default 3)")
     q.add_argument("--context", type=int, default=None,
                    help="tokens per sequence to plan caches for (default: prompt + max tokens)")
     q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
@@ -87,7 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds of silence before a stage is reported lost (default 5)")
     q.add_argument("--replan", action="store_true",
                    help="when a stage is lost, continue on the nodes left if the model fits")
-    q.add_argument("--allow-version-mismatch", action="store_true")
+    q.add_argument("--allow-version-mismatch", action="store_true",
+                   help="use nodes that run another kimi-mlx version (same stage protocol)")
     q.add_argument("--force-load", action="store_true",
                    help="replace what busy stages hold (frees other heads' sessions)")
     _common(q)

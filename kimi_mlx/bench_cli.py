@@ -41,9 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cached tokens for the DSA decode rows (default 32768)")
     k.add_argument("--repeats", type=int, default=3, help="best of N timed runs (default 3)")
     m = sub.add_parser("model", help="kimi-mlx vs mlx-lm kimi_k3 on the same weights")
-    m.add_argument("--prompt", type=int, default=512)
-    m.add_argument("--decode", type=int, default=32)
-    m.add_argument("--repeats", type=int, default=3)
+    m.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
+    m.add_argument("--decode", type=int, default=32, help="decode steps (default 32)")
+    m.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ from .generate import (EFFORTS, InputError, add_model_arguments, check_model_arg
 
 
 def add_arguments(p) -> None:
+    p.epilog = f"In the chat: {COMMANDS}."
     add_model_arguments(p)
     p.add_argument("--system-prompt", default=None, help="system message")
 

@@ -31,18 +31,18 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
     p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
-                   help="maximum number of tokens to generate")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (0 = off)")
+                   help=f"maximum number of tokens to generate (default {DEFAULT_MAX_TOKENS}; -1 = up to the context)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed")
     p.add_argument("--max-kv-size", type=int, default=None,
                    help="cap on prompt + generated tokens (generation stops there, with a "
                         "note; unlike mlx-lm's rotating cache, since KDA state cannot rotate). "
                         "KDA state is constant, DSA caches grow per token")
     p.add_argument("--reasoning-effort", choices=EFFORTS, default="max",
-                   help="K3.1 thinking effort in the chat encoding")
+                   help="K3.1 thinking effort in the chat encoding (default max)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
