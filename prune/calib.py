@@ -61,6 +61,8 @@ class CalibSet:
 
     def describe(self) -> str:
         """One line for logs and the model card."""
+        if not self.sequences:
+            return "no calibration data (the random method needs none)"
         kinds = ", ".join(f"{n} {k} document{'s' * (n != 1)}" for k, n in sorted(self.kinds.items()))
         files = self.files[0] if len(self.files) == 1 else f"{len(self.files)} files"
         return (f"{self.num_tokens:,} tokens in {len(self.sequences)} sequences of <= "

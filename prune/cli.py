@@ -21,10 +21,12 @@ DRY_RUN_MACS = ("1x64GB", "1x96GB", "1x128GB", "1x192GB", "1x256GB", "1x512GB")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="source checkpoint folder (official layout)")
+    p.add_argument("--model", required=True,
+                   help="source checkpoint: folder in the official layout, or a Hugging Face id")
     p.add_argument("--calib", nargs="+", default=None, metavar="DATA",
                    help="calibration data: JSONL (chat `messages`, `prompt`/`completion`, "
-                        "`text`) or plain text files, or folders of them")
+                        "`text`) or plain text files, or folders of them (not needed by "
+                        "--method random)")
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--keep", type=float, help="fraction of routed experts to keep, in (0, 1]")
     size.add_argument("--experts", type=int, help="number of routed experts to keep per layer")
@@ -102,8 +104,13 @@ def run(args) -> int:
         budget = _budget(args.activation_memory)
         from .pipeline import calibration, prune
 
-        calib = calibration(src, args.calib or [], args.seq_len, args.calib_tokens,
-                            args.seed, vocab_size=margs.vocab_size)
+        if args.method == "random" and not args.calib:  # needs no pass over the model
+            from .calib import CalibSet
+
+            calib = CalibSet([], [], [], 0, seq_len=args.seq_len)
+        else:
+            calib = calibration(src, args.calib or [], args.seq_len, args.calib_tokens,
+                                args.seed, vocab_size=margs.vocab_size)
         res = prune(src, args.out, calib, args.method, n_keep,
                     protect=args.protect_super_experts, seed=args.seed, force=args.force,
                     chunk=args.chunk, activation_budget=budget, progress=not args.quiet)

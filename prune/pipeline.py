@@ -15,7 +15,7 @@ from typing import Callable, Optional, Sequence
 import mlx.core as mx
 
 from .calib import CalibSet, load_calibration
-from .observe import ObserveResult, activation_bytes, observe, spills
+from .observe import LayerStats, ObserveResult, activation_bytes, observe, spills
 from .report import model_card, write_report
 from .saliency import Selection, select
 from .writer import AtomicOutput, PruneError, plan_checkpoint, source_args, write_checkpoint
@@ -117,15 +117,23 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
             left at `out` or beside it.
     """
     _, args, _ = source_args(src)
+    if not calib.sequences and (method != "random" or protect):
+        raise PruneError(f"--method {method}{' with --protect-super-experts' if protect else ''} "
+                         "needs calibration data (--calib); only --method random runs without")
     itemsize = 4 if mx.default_device() == mx.cpu else 2  # the loader's activation dtype
     est = activation_bytes(args, calib.num_tokens, itemsize)
     with AtomicOutput(out, src=src, force=force) as ao:
         check_space(src, ao.tmp, n_keep, est if spills(est, activation_budget) else 0)
-        log(f"calibrating on {calib.describe()}")
-        result = observe(src, calib, chunk=chunk, spill_dir=ao.tmp / ".activations",
-                         activation_budget=activation_budget, progress=progress, log=log)
-        log(f"calibration: {result.tokens:,} tokens x {len(result.layer_seconds)} layers in "
-            f"{result.seconds:.1f} s, peak memory {result.peak_memory / 2**20:.1f} MiB")
+        if calib.sequences:
+            log(f"calibrating on {calib.describe()}")
+            result = observe(src, calib, chunk=chunk, spill_dir=ao.tmp / ".activations",
+                             activation_budget=activation_budget, progress=progress, log=log)
+            log(f"calibration: {result.tokens:,} tokens x {len(result.layer_seconds)} layers "
+                f"in {result.seconds:.1f} s, peak memory {result.peak_memory / 2**20:.1f} MiB")
+        else:  # random selection: no pass over the model, empty statistics
+            result = ObserveResult({i: LayerStats(i, args.num_experts, args.num_experts_per_token)
+                                    for i in range(args.num_hidden_layers) if args.is_moe(i)},
+                                   tokens=0, seconds=0.0)
         sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed)
         path = save(ao, src, result, calib, sel, protect=protect, log=log)
     return PruneResult(path, sel, result, calib)

@@ -191,3 +191,31 @@ def test_interrupt_leaves_nothing(src, code, parent, monkeypatch):
 
 def _interrupt(*a, **k):
     raise KeyboardInterrupt
+
+
+def test_random_method_needs_no_calibration_and_makes_no_pass(src, parent, capsys, monkeypatch):
+    """--method random without --calib: no pass over the model; the kept experts are the
+    seeded draw (numpy default_rng([seed, layer]), top n_keep); --protect-super-experts
+    still asks for data."""
+    import numpy as np
+
+    from kimi_mlx.prune import pipeline
+
+    def no_pass(*a, **k):
+        raise AssertionError("random pruning ran a calibration pass")
+
+    monkeypatch.setattr(pipeline, "observe", no_pass)
+    code, err = prune(capsys, src, None, parent / "r", "--keep", "0.5", "--method", "random",
+                      "--seed", "3")
+    assert code == 0, err
+    report = json.loads((parent / "r" / "saliency.json").read_text())
+    cfg = json.loads((src / "config.json").read_text())
+    E = cfg["text_config"]["num_experts"] if "text_config" in cfg else cfg["num_experts"]
+    assert len(report["layers"]) == 2  # layers 1 and 2 of 3 are MoE
+    for layer in report["layers"]:
+        draw = np.random.default_rng([3, layer["layer"]]).random(E)
+        assert layer["kept"] == sorted(np.argsort(-draw, kind="stable")[: E // 2].tolist())
+    code, err = prune(capsys, src, None, parent / "p", "--keep", "0.5", "--method", "random",
+                      "--protect-super-experts")
+    assert code == 2 and "needs calibration data (--calib)" in err
+    assert not (parent / "p").exists()
