@@ -169,13 +169,10 @@ def _serve(args) -> int:
         secret = load_secret(args.secret_file)
         addresses = interface_addresses(args.interface)
         usable = parse_bytes(args.usable_memory) if args.usable_memory else None
-        if args.tls:
-            from .auth import tls_files
+        if args.tls:  # fail before scanning the models folder, with auth's own message
+            from .auth import server_credentials
 
-            missing = [str(f) for f in tls_files(args.secret_file) if not f.exists()]
-            if missing:
-                raise ValueError(f"--tls: missing {', '.join(missing)} (make them with "
-                                 "`kimi-mlx cluster init --tls` and copy them to every node)")
+            server_credentials(args.secret_file)
     except (AuthError, ValueError) as e:
         _err("serve", e)
         return 2

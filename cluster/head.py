@@ -194,11 +194,11 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
                 ) -> Tuple[List[Tuple[NodeInfo, pb.HealthReply]], List[Rejected]]:
     """Confirm each candidate with an authenticated Health call (in parallel) and keep
     those with our protocol, package version and the checkpoint's fingerprint (not
-    checked when `fp` is None). A candidate that does not answer (a stale advertisement,
-    a node that is down) is rejected as "not answering".
+    checked when `fp` is None).
 
-    Returns (accepted [(NodeInfo from Health, reply)], rejected with reasons). A node
-    that advertises but does not answer (a stale record, a ghost) is rejected.
+    Returns (accepted [(NodeInfo from Health, reply)], rejected with reasons). A candidate
+    that does not answer (a stale advertisement, a node that is down) is rejected as
+    "not answering".
     """
     ours, our_mlx = package_versions()
     results: List[Optional[Tuple]] = [None] * len(candidates)

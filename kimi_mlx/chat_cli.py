@@ -13,7 +13,7 @@ import sys
 from typing import List
 
 from .generate import (EFFORTS, InputError, add_model_arguments, check_model_arguments,
-                       load_for_generation, resolve_model_arg)
+                       load_for_generation, resolve_model_arg, token_budget)
 
 
 def add_arguments(p) -> None:
@@ -72,18 +72,16 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     conv.reused_tokens = n
     stream = ReplyStream()
     generated: List[int] = []
-    room = context - len(ids)
-    limit = room if max_tokens < 0 else min(max_tokens, room)
     finish = None
-    for r in stream_generate(model, wrapper, ids[n:], max_tokens=limit, sampler=sampler,
-                             prompt_cache=conv.cache):
+    for r in stream_generate(model, wrapper, ids[n:], sampler=sampler, prompt_cache=conv.cache,
+                             max_tokens=token_budget(len(ids), max_tokens, context)):
         generated.append(r.token)
         finish = r.finish_reason
         for event in stream.feed(r.text):
             on_text and on_text(*event)
     for event in stream.finish():
         on_text and on_text(*event)
-    if finish == "length" and limit == room:
+    if finish == "length" and len(ids) + len(generated) >= context:
         print(f"\n[reply cut at the context of {context} tokens; /reset to start over]",
               file=sys.stderr)
     reply = stream.result()

@@ -101,6 +101,13 @@ def build_prompt(tokenizer, prompt: str, system: Optional[str], raw: bool, effor
     return encode_chat(tokenizer, messages, reasoning_effort=effort, add_generation_prompt=True)
 
 
+def token_budget(n_prompt: int, max_tokens: int, context: int) -> int:
+    """Tokens that may be generated after an n_prompt-token prompt: max_tokens, capped by
+    the room left in a context of `context` tokens (max_tokens -1 = all of that room)."""
+    room = context - n_prompt
+    return room if max_tokens < 0 else min(max_tokens, room)
+
+
 def check_context(n_prompt: int, max_tokens: int, context: int, source: str) -> int:
     """Number of tokens that may still be generated (max_tokens -1 = up to the context);
     InputError when the prompt does not fit. When the context cuts a --max-tokens request
@@ -110,13 +117,11 @@ def check_context(n_prompt: int, max_tokens: int, context: int, source: str) -> 
             f"the prompt is {n_prompt} tokens, longer than the context of {context} tokens "
             f"({source})"
         )
-    room = context - n_prompt
-    if max_tokens < 0:
-        return room
-    if max_tokens > room:
-        print(f"note: generating at most {room} tokens: the prompt ({n_prompt}) and the "
+    budget = token_budget(n_prompt, max_tokens, context)
+    if 0 <= budget < max_tokens:
+        print(f"note: generating at most {budget} tokens: the prompt ({n_prompt}) and the "
               f"generation must fit in {context} tokens ({source})", file=sys.stderr)
-    return min(max_tokens, room)
+    return budget
 
 
 def load_for_generation(spec: str):
