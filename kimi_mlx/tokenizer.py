@@ -34,6 +34,8 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from .chat_format import MARKERS, RenderedChat, encode_segments
+
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -439,8 +441,12 @@ class KimiTokenizer:
 
         With ``allow_special=False`` (the default) special-token text such as
         ``<|open|>`` inside ``text`` is encoded as ordinary text, so user content can
-        never forge chat structure. With ``True`` it becomes the special id.
+        never forge chat structure. With ``True`` it becomes the special id. A
+        :class:`kimi_mlx.chat_format.RenderedChat` (``render_chat``'s string) is encoded
+        from its segments: its markup gives special ids, its message text stays text.
         """
+        if isinstance(text, RenderedChat):
+            return encode_segments(self, text.segments)
         if allow_special:
             return self.model.encode(text, allowed_special="all")
         return self.model.encode_ordinary(text)
