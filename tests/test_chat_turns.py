@@ -159,8 +159,39 @@ def test_turn_that_fills_the_context(micro, capsys):
     assert_cache_holds_processed(conv)
 
 
-def test_tokens_in_cache_rule():
-    assert tokens_in_cache([1, 2], [3, 4]) == [1, 2, 3, 4]
-    assert tokens_in_cache([1, 2], []) == [1, 2]
-    assert tokens_in_cache([1, 2], [3, 4], speculative=True, last_from_draft=True) == [1, 2, 3, 4]
+def test_tokens_in_cache_rule_matches_mlx_lm_generation_loops(micro):
+    """The rule against what mlx-lm's loops leave in a cache, plain and speculative. A tiny
+    random mlx-lm llama stands in (speculative decoding needs trimmable caches); as its own
+    draft every draft is accepted, with another draft most are rejected, and max_tokens
+    cuts rounds at each position, so runs end on draft and on main-model tokens."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import make_prompt_cache
+
+    _, wrapper, tok = micro
+
+    def tiny(seed):
+        mx.random.seed(seed)
+        m = llama.Model(llama.ModelArgs(
+            model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+            num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=len(tok)))
+        mx.eval(m.parameters())
+        return m
+
+    main, other = tiny(0), tiny(1)
+    prompt = tok.encode("hello world, this is a prompt")
+    ends = set()
+    for max_tokens in (1, 2, 3, 4, 5, 7):
+        cache = make_prompt_cache(main)
+        rs = list(stream_generate(main, wrapper, prompt, max_tokens=max_tokens, prompt_cache=cache))
+        assert cache[0].offset == len(tokens_in_cache(prompt, [r.token for r in rs]))
+        for draft in (main, other):
+            cache = make_prompt_cache(main) + make_prompt_cache(draft)
+            rs = list(stream_generate(main, wrapper, prompt, max_tokens=max_tokens, draft_model=draft,
+                                      num_draft_tokens=2, prompt_cache=cache))
+            held = tokens_in_cache(prompt, [r.token for r in rs], speculative=True,
+                                   last_from_draft=rs[-1].from_draft)
+            assert cache[0].offset == len(held), (max_tokens, [r.from_draft for r in rs])
+            ends.add(rs[-1].from_draft)
+    assert ends == {True, False}
     assert tokens_in_cache([1, 2], [3, 4], speculative=True, last_from_draft=False) == [1, 2, 3]
