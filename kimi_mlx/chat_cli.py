@@ -57,8 +57,9 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
 
     Afterwards `conv.processed` is exactly the ids in `conv.cache`. The cache is reused
     when the new prompt extends those ids, else the conversation is prefilled afresh.
-    A KeyboardInterrupt while replying (Ctrl-C) puts `conv` back as it was before the
-    turn (messages, cache rolled back, processed) and is re-raised.
+    A KeyboardInterrupt while replying (Ctrl-C), or any other exception, puts `conv`
+    back as it was before the turn (messages, cache rolled back, processed) and is
+    re-raised.
 
     Raises InputError when the conversation no longer fits in `context` tokens.
     """
@@ -93,7 +94,7 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
                 on_text and on_text(*event)
         for event in stream.finish():
             on_text and on_text(*event)
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C (or any failure) mid-reply: undo the whole turn
         responses.close()  # first, so no generator clean-up touches the cache after the undo
         if mark is not None:
             rollback(conv.cache, mark)
