@@ -33,7 +33,8 @@ Where we differ from the reference, on purpose:
 
 * an image part in a user, system or assistant message raises ``ValueError`` (this
   build is text-only: the model would not see the image the user sent); in a tool
-  result it becomes the reference's ``<|kimi_image_placeholder|>`` text;
+  result it becomes the reference's ``<|kimi_image_placeholder|>``, always as text (the
+  reference lets it be a special token; the K3 special table we know has none);
 * an unknown role or a message that is not a dict raises instead of being skipped;
 * effort is one of low/high/max (no ``"none"``/non-thinking mode);
 * reasoning given as a list of text parts is joined like content (the reference
@@ -432,21 +433,20 @@ def _kimi(tokenizer):
 def encode_segments(tokenizer, segments: Iterable[Segment]) -> list[int]:
     """Token ids of ``(is_special, text)`` segments, each tokenized on its own.
 
-    A special segment is its special token's id (the image placeholder, when the
-    vocabulary has no such token, is encoded as text, as tiktoken does with
-    ``allowed_special="all"``); a text segment is ordinary text, special-token look-alikes
-    included. ``tokenizer`` as in :func:`encode_chat`. Raises ``ValueError`` if the
-    vocabulary lacks a structure token.
+    A special segment is its special token's id; a text segment is ordinary text,
+    special-token look-alikes included. ``tokenizer`` as in :func:`encode_chat`.
+    Raises ``ValueError`` if the vocabulary lacks a structure token or a special
+    segment is not a special token of the vocabulary.
     """
     tok = _kimi(tokenizer)
     ids: list[int] = []
     for special, text in segments:
-        if special and text in tok.special_tokens:
-            ids.append(tok.special_tokens[text])
-        elif special and text in STRUCTURE_TOKENS:
-            raise ValueError(f"tokenizer has no special token {text!r}")
-        else:
+        if not special:
             ids += tok.encode(str(text), allow_special=False)
+        elif text in tok.special_tokens:
+            ids.append(tok.special_tokens[text])
+        else:
+            raise ValueError(f"tokenizer has no special token {text!r}")
     return ids
 
 
