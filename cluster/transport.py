@@ -492,17 +492,18 @@ STAGE_SERVICE_RE = re.compile(r"^kimimlx\.stage\.v(\d+)\.Stage$")
 
 def list_services(channel: grpc.Channel, timeout: float = 2.0) -> Optional[List[str]]:
     """Full names of the gRPC services a node serves (gRPC server reflection, which
-    every stage serves); None when it does not say (no reflection, or no answer)."""
+    every stage serves); None when it answers without a list.
+
+    Raises:
+        grpc.RpcError: the node refused or did not answer (UNIMPLEMENTED: no reflection).
+    """
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     request = reflection_pb2.ServerReflectionRequest(list_services="")
-    try:
-        for reply in stub.ServerReflectionInfo(iter([request]), timeout=timeout):
-            if reply.HasField("list_services_response"):
-                return [s.name for s in reply.list_services_response.service]
-            return None
-    except grpc.RpcError:
+    for reply in stub.ServerReflectionInfo(iter([request]), timeout=timeout):
+        if reply.HasField("list_services_response"):
+            return [s.name for s in reply.list_services_response.service]
         return None
     return None
 
@@ -543,5 +544,13 @@ def _rpc_reason(e: grpc.RpcError, method: str = "", channel: Optional[grpc.Chann
                     "secret file from the Mac that ran `kimi-mlx cluster init` to it")
         return f"refused our credentials ({details}): is the cluster secret the same?"
     if code == grpc.StatusCode.UNIMPLEMENTED and channel is not None:
-        return protocol_mismatch(method or "?", list_services(channel, timeout), advertised)
+        try:
+            services = list_services(channel, timeout)
+        except grpc.RpcError as e2:
+            services = None
+            if e2.code() == grpc.StatusCode.UNAUTHENTICATED:  # asking needs the secret
+                return (f"{protocol_mismatch(method or '?', None, advertised)}; asked which "
+                        f"services it serves, it refused our credentials ({e2.details()}): it "
+                        "uses another cluster secret, too")
+        return protocol_mismatch(method or "?", services, advertised)
     return f"{code.name if code else 'error'}: {details}"
