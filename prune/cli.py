@@ -14,7 +14,8 @@ from pathlib import Path
 
 from .calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
 from .observe import DEFAULT_CHUNK
-from .saliency import METHODS, KeepError, experts_to_keep
+from .observe import GATES
+from .saliency import DEFAULT_GATE, DEFAULT_METHOD, METHODS, KeepError, experts_to_keep
 from .writer import AtomicOutput, PruneError, source_args
 
 DRY_RUN_MACS = ("1x64GB", "1x96GB", "1x128GB", "1x192GB", "1x256GB", "1x512GB")
@@ -31,8 +32,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--keep", type=float, help="fraction of routed experts to keep, in (0, 1]")
     size.add_argument("--experts", type=int, help="number of routed experts to keep per layer")
     p.add_argument("--out", default=None, help="output folder (must not exist unless --force)")
-    p.add_argument("--method", choices=METHODS, default="reap",
-                   help="saliency: reap (default), frequency, ean, random")
+    p.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
+                   help=f"saliency: reap (mean of router weight x expert output norm over "
+                        f"routed tokens), reap-sum (its sum), frequency, ean, random "
+                        f"(default {DEFAULT_METHOD})")
+    p.add_argument("--gate", choices=GATES, default=DEFAULT_GATE,
+                   help="router weight of reap / reap-sum: softmax (REAP's reference: softmax of "
+                        "the router logits over the model's selected experts) or model (the "
+                        f"model's renormalised sigmoid gate); default {DEFAULT_GATE}")
     p.add_argument("--protect-super-experts", action="store_true",
                    help="always keep experts with extreme activation outliers (REAP's rule)")
     p.add_argument("--seed", type=int, default=0, help="seed for --method random and sampling")
@@ -112,7 +119,8 @@ def run(args) -> int:
             calib = calibration(src, args.calib or [], args.seq_len, args.calib_tokens,
                                 args.seed, vocab_size=margs.vocab_size)
         res = prune(src, args.out, calib, args.method, n_keep,
-                    protect=args.protect_super_experts, seed=args.seed, force=args.force,
+                    protect=args.protect_super_experts, seed=args.seed, gate=args.gate,
+                    force=args.force,
                     chunk=args.chunk, activation_budget=budget, progress=not args.quiet)
     except (PruneError, CalibError, KeepError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -120,6 +128,7 @@ def run(args) -> int:
     protected = sum(len(v) for v in res.selection.protected.values())
     print(f"pruned {args.model} -> {res.out}: {n_keep} of {margs.num_experts} experts kept in "
           f"{len(res.selection.kept)} MoE layers ({args.method}"
+          + (f", {args.gate} gate" if args.method in ("reap", "reap-sum") else "")
           + (f", {protected} super experts protected" if args.protect_super_experts else "")
           + ")")
     return 0

@@ -88,7 +88,8 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
         moe_layers=len(sel.kept), calib_desc=calib.describe(), calib_files=calib.files,
         bytes_in=plan.bytes_in, bytes_out=plan.bytes_out,
         protected=sum(len(v) for v in sel.protected.values()), protect=protect,
-        seed=sel.seed, notes=plan.notes, copied=[p.name for p in plan.copies], extra=extra_card)
+        seed=sel.seed, notes=plan.notes, copied=[p.name for p in plan.copies], extra=extra_card,
+        gate=sel.gate)
     write_report(out.tmp, result.stats, sel, info, card)
     return out.commit()
 
@@ -104,7 +105,7 @@ class PruneResult:
 
 
 def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool = False,
-          seed: int = 0, force: bool = False, chunk: int = 1024,
+          seed: int = 0, gate: str = "softmax", force: bool = False, chunk: int = 1024,
           activation_budget: Optional[int] = None, progress: bool = True,
           log: Log = _stderr) -> PruneResult:
     """Calibrate layer by layer, rank experts, write `out` atomically.
@@ -134,6 +135,7 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
             result = ObserveResult({i: LayerStats(i, args.num_experts, args.num_experts_per_token)
                                     for i in range(args.num_hidden_layers) if args.is_moe(i)},
                                    tokens=0, seconds=0.0)
-        sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed)
+        sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed,
+                     gate=gate)
         path = save(ao, src, result, calib, sel, protect=protect, log=log)
     return PruneResult(path, sel, result, calib)

@@ -22,7 +22,8 @@ from typing import Any, Dict, List, Mapping, Optional
 import numpy as np
 
 from .observe import LayerStats
-from .saliency import Selection
+from .observe import GATES
+from .saliency import GATED, Selection
 
 KEPT_LO, KEPT_HI = np.array([198, 219, 239]), np.array([8, 48, 107])
 DROP_LO, DROP_HI = np.array([217, 217, 217]), np.array([241, 105, 19])
@@ -80,11 +81,13 @@ def saliency_report(stats: Mapping[int, LayerStats], sel: Selection, info: Mappi
             "dropped": [j for j in range(st.num_experts) if j not in kept_set],
             "protected": sel.protected.get(l, []),
             "score": [float(x) for x in sel.scores[l]],
-            "reap": st.reap.tolist(),
+            "reap": {g: st.reap(g).tolist() for g in GATES},
+            "reap_sum": {g: st.reap_sum(g).tolist() for g in GATES},
             **{k: v for k, v in st.to_dict().items() if k != "layer"},
         })
     return {
         "method": sel.method,
+        "gate": sel.gate if sel.method in GATED else None,
         "experts_kept_per_layer": sel.n_keep,
         "seed": sel.seed,
         **dict(info),
@@ -92,9 +95,18 @@ def saliency_report(stats: Mapping[int, LayerStats], sel: Selection, info: Mappi
         "layers": layers,
         "legend": {
             "score": "the ranking score of `method` (higher = kept)",
-            "reap": "mean over routed tokens of g_j(x) * ||f_j(x)||_2 (latent-space expert output)",
-            "count": "tokens routed to the expert", "gate_sum": "sum of renormalised gate weights",
-            "norm_sum": "sum of ||f_j(x)||_2 (EAN)", "gate_norm_sum": "sum of g_j(x) * ||f_j(x)||_2",
+            "gate": "router weight g_j of reap / reap-sum: softmax = softmax of the raw router "
+                    "logits renormalised over the selected experts (REAP's reference); model = "
+                    "the model's renormalised sigmoid gate",
+            "reap": "per gate: mean over routed tokens of g_j(x) * ||f_j(x)||_2 (latent-space "
+                    "expert output)",
+            "reap_sum": "per gate: sum over routed tokens of g_j(x) * ||f_j(x)||_2",
+            "count": "tokens routed to the expert",
+            "gate_sum": "sum of the model's renormalised gate weights",
+            "softmax_gate_sum": "sum of the softmax gate weights",
+            "norm_sum": "sum of ||f_j(x)||_2 (EAN)",
+            "gate_norm_sum": "sum of g_j(x) * ||f_j(x)||_2, model gate",
+            "softmax_gate_norm_sum": "sum of g_j(x) * ||f_j(x)||_2, softmax gate",
             "max_abs": "max |f_j(x)| over elements and tokens",
         },
     }
@@ -108,14 +120,23 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
                top_k: int, moe_layers: int, calib_desc: str, calib_files: List[str],
                bytes_in: int, bytes_out: int, protected: int, protect: bool, seed: int,
                notes: List[str], copied: Optional[List[str]] = None,
-               extra: Optional[str] = None) -> str:
-    """README.md for the pruned checkpoint: what, on what data, how big, how to use."""
+               extra: Optional[str] = None, gate: str = "softmax",
+               quantized: Optional[List[str]] = None) -> str:
+    """README.md for the pruned checkpoint: what, on what data, how big, how to use.
+
+    `quantized`: lines describing trunk / expert quantization (None: none was done).
+    """
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     files = "\n".join(f"  - `{f}`" for f in calib_files[:20])
     if len(calib_files) > 20:
         files += f"\n  - ... ({len(calib_files) - 20} more)"
+    gate_txt = {"softmax": "softmax of the router logits over the selected experts, as REAP's "
+                           "reference code", "model": "the model's renormalised sigmoid gate"}
     method_txt = {
-        "reap": "REAP (router-weighted expert activation norm, arXiv 2510.13999)",
+        "reap": "REAP (mean router-weighted expert activation norm, arXiv 2510.13999; "
+                f"router weight: {gate_txt.get(gate, gate)})",
+        "reap-sum": "REAP summed over tokens (router weight: "
+                    f"{gate_txt.get(gate, gate)})",
         "frequency": "routing frequency", "ean": "expert activation norm (EAN)",
         "random": f"random (seed {seed}), a baseline",
     }[method]
@@ -129,13 +150,15 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
         f"- Routed experts: **{n_keep} of {num_experts} kept in each of the {moe_layers} MoE "
         f"layers** ({100 * n_keep / num_experts:.1f}%), chosen by {method_txt}.",
         f"- Experts per token unchanged: {min(top_k, n_keep)}. Shared experts, attention, "
-        "embeddings and the head are untouched.",
+        "embeddings and the head are "
+        + ("quantized as below." if quantized else "untouched."),
         f"- Kept experts' MXFP4 weights are byte-for-byte the source's, renumbered "
         "0..n-1 in their original order; router rows and `e_score_correction_bias` are the "
         "kept experts' entries.",
         f"- Super-expert protection: "
         + (f"on ({protected} experts kept regardless of score)." if protect else "off."),
         *[f"- {n}" for n in notes],
+        *(["", "## Quantization", "", *[f"- {q}" for q in quantized]] if quantized else []),
         "",
         "## Calibration data",
         "",
