@@ -1,7 +1,7 @@
 """`kimi-mlx prune`: REAP expert pruning, streamed layer by layer, to a checkpoint one Mac holds.
 
-    kimi-mlx prune --model SRC --calib DATA --keep 0.2 --out DST [--method reap]
-    kimi-mlx prune --model SRC --experts 180 --dry-run
+    kimi-mlx prune --model SRC --calib DATA --keep 0.2 --out DST [--method reap] [--q-bits 4]
+    kimi-mlx prune --model SRC --experts 180 --q-bits 6 --dry-run
 
 Exit status: 0 done, 2 bad input (the message says which file / flag and why).
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 from .calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
 from .observe import DEFAULT_CHUNK
 from .observe import GATES
+from .quantize import DEFAULT_GROUP, EXPERT_BITS, GROUP_SIZES, TRUNK_BITS, QuantError, QuantSpec
 from .saliency import DEFAULT_GATE, DEFAULT_METHOD, METHODS, KeepError, experts_to_keep
 from .writer import AtomicOutput, PruneError, source_args
 
@@ -54,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a size like 8GB, or auto = a quarter of RAM)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_quant_arguments(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print per-layer sizes before/after and which Macs the result fits")
     p.add_argument("--macs", action="append", default=None,
@@ -61,6 +63,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or 2x192GB); repeatable (default: single Macs 64GB..512GB)")
     p.add_argument("--context", type=int, default=131072,
                    help="with --dry-run: tokens of context to plan for (default 131072)")
+
+
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    """--q-bits / --q-group-size / --expert-bits / --expert-group-size (prune, convert, plan)."""
+    p.add_argument("--q-bits", type=int, choices=TRUNK_BITS, default=None,
+                   help="quantize the BF16 trunk (attention, MLPs, shared experts, embedding, "
+                        "head) to this many bits, MLX affine as mlx_lm.convert (default: keep BF16)")
+    p.add_argument("--q-group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP,
+                   help=f"trunk weights per scale/bias (default {DEFAULT_GROUP})")
+    p.add_argument("--expert-bits", type=int, choices=EXPERT_BITS, default=None,
+                   help="requantize the MXFP4 routed experts to this many bits, MLX affine "
+                        "(default: MXFP4 copied byte for byte)")
+    p.add_argument("--expert-group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP,
+                   help=f"expert weights per scale/bias with --expert-bits (default {DEFAULT_GROUP})")
+
+
+def quant_spec(args) -> QuantSpec:
+    """The QuantSpec of parsed --q-bits / ... flags (PruneError for a bad combination)."""
+    try:
+        return QuantSpec(args.q_bits, args.q_group_size, args.expert_bits, args.expert_group_size)
+    except QuantError as e:
+        raise PruneError(str(e)) from None
 
 
 def _budget(text: str):
@@ -98,9 +122,10 @@ def _source(spec: str) -> Path:
 
 def run(args) -> int:
     try:
+        quant = quant_spec(args)
         if args.dry_run:
             return dry_run(args.model, args.keep, args.experts, args.macs or list(DRY_RUN_MACS),
-                           args.context)
+                           args.context, quant)
         src = _source(args.model)
         _, margs, _ = source_args(src)
         n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token,
@@ -120,7 +145,7 @@ def run(args) -> int:
                                 args.seed, vocab_size=margs.vocab_size)
         res = prune(src, args.out, calib, args.method, n_keep,
                     protect=args.protect_super_experts, seed=args.seed, gate=args.gate,
-                    force=args.force,
+                    force=args.force, quant=quant,
                     chunk=args.chunk, activation_budget=budget, progress=not args.quiet)
     except (PruneError, CalibError, KeepError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -130,11 +155,19 @@ def run(args) -> int:
           f"{len(res.selection.kept)} MoE layers ({args.method}"
           + (f", {args.gate} gate" if args.method in ("reap", "reap-sum") else "")
           + (f", {protected} super experts protected" if args.protect_super_experts else "")
-          + ")")
+          + ")" + "".join(f"; {q}" for q in _short(quant)))
     return 0
 
 
-def dry_run(model: str, keep, experts, macs, context: int) -> int:
+def _short(quant: QuantSpec):
+    if quant.bits is not None:
+        yield f"trunk {quant.bits}-bit group {quant.group_size}"
+    if quant.expert_bits is not None:
+        yield f"experts {quant.expert_bits}-bit group {quant.expert_group_size}"
+
+
+def dry_run(model: str, keep, experts, macs, context: int,
+            quant: QuantSpec = QuantSpec()) -> int:
     """Print per-layer bytes before/after pruning and, for each Mac set, whether the
     planner fits the result (weights + cache at `context` tokens). Writes nothing.
 
