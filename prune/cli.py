@@ -177,7 +177,7 @@ def dry_run(model: str, keep, experts, macs, context: int,
         PruneError: the model cannot be sized; KeepError: bad --keep / --experts.
     """
     # The one accepted cluster import in prune/: the planner owns "what fits where".
-    from kimi_mlx.cluster.layer_bytes import model_bytes
+    from kimi_mlx.cluster.layer_bytes import BuildSpec, model_bytes
     from kimi_mlx.cluster.planner import PlanError, StagePlanner, parse_macs
 
     try:
@@ -188,11 +188,17 @@ def dry_run(model: str, keep, experts, macs, context: int,
         raise PruneError(f"{model}: the model has no routed-expert (MoE) layers to prune")
     n_keep = experts_to_keep(before.num_experts, before.experts_per_token, keep=keep,
                              experts=experts)
-    after = before.pruned(n_keep)
+    build = BuildSpec(n_keep, quant.bits, quant.group_size, quant.expert_bits,
+                      quant.expert_group_size)
+    try:
+        after = model_bytes(model, build)
+    except ValueError as e:
+        raise PruneError(f"{model}: {e}") from None
     gb = lambda n: f"{n / 1e9:,.3f}"
     print(f"model: {model} ({before.source})")
     print(f"keep {n_keep} of {before.num_experts} routed experts per MoE layer; "
           f"{before.experts_per_token} per token")
+    print("; ".join(quant.describe()))
     print()
     rows = [("layer", "kind", "experts", "before GB", "after GB")]
     for b, a in zip(before.layers, after.layers):
@@ -201,10 +207,13 @@ def dry_run(model: str, keep, experts, macs, context: int,
     rows.append(("embed+head", "", "", gb(before.embed_bytes + before.head_bytes),
                  gb(after.embed_bytes + after.head_bytes)))
     rows.append(("total", "", "", gb(before.weight_bytes), gb(after.weight_bytes)))
+    rows.append(("files", "", "", gb(before.file_bytes), gb(after.file_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         print("  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
     print()
+    print(f"build size: {gb(after.file_bytes)} GB of safetensors files ({after.file_bytes:,} "
+          f"bytes; source {gb(before.file_bytes)} GB)")
     print(f"fits (planner: weights + cache for {context} tokens, 1 sequence):")
     planner = StagePlanner()
     for spec in macs:

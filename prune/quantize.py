@@ -31,10 +31,10 @@ import numpy as np
 
 from kimi_mlx.tensor_map import expert_outputs, packed_shapes, trunk_outputs  # noqa: F401
 
-TRUNK_BITS = (4, 5, 6, 8)
-GROUP_SIZES = (32, 64, 128)
-EXPERT_BITS = (2, 3, 4)
-DEFAULT_GROUP = 64
+from kimi_mlx.config import QUANT_DEFAULT_GROUP as DEFAULT_GROUP
+from kimi_mlx.config import QUANT_EXPERT_BITS as EXPERT_BITS
+from kimi_mlx.config import QUANT_GROUP_SIZES as GROUP_SIZES
+from kimi_mlx.config import QUANT_TRUNK_BITS as TRUNK_BITS
 
 # safetensors dtype -> (numpy dtype of the raw bytes, MLX dtype of the values)
 _RAW = {"BF16": (np.uint16, mx.bfloat16), "F16": (np.float16, mx.float16),

@@ -220,3 +220,58 @@ def test_bad_input_is_refused_and_nothing_is_written(src, q4, tmp_path, capsys, 
     assert "no space left on the device" in err and str(parent / "o") in err
     assert len(calls) == 2
     assert_nothing_left(parent)
+
+
+def _files(folder):
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
+def _printed_bytes(text, prefix):
+    line = next(l for l in text.splitlines() if l.startswith(prefix))
+    return int(line.split("(")[-1].split(" bytes")[0].replace(",", ""))
+
+
+def test_planned_build_size_equals_the_files_written(src, q4, tmp_path, capsys):
+    """`plan` and `prune --dry-run` print the build's size before anything is read; it
+    must be what the writer then writes (tensors + headers), to 0.5%."""
+    e3 = tmp_path / "e3"
+    assert convert(src, e3, "--expert-bits", "3", "--expert-group-size", str(G)) == 0
+    code = write_code_text(tmp_path / "code.txt", n=40)
+    pq = tmp_path / "pq"
+    assert cli_main(["prune", "--model", str(src), "--out", str(pq), "--calib", str(code),
+                     "--keep", "0.5", "--quiet", "--seq-len", "64", "--calib-tokens", "300",
+                     "--q-bits", "6", "--q-group-size", str(G)]) == 0
+    capsys.readouterr()
+    cases = [(q4, ["--q-bits", "4", "--q-group-size", str(G)]),
+             (e3, ["--expert-bits", "3", "--expert-group-size", str(G)]),
+             (pq, ["--keep", "0.5", "--q-bits", "6", "--q-group-size", str(G)])]
+    for built, flags in cases:
+        assert cli_main(["plan", "--model", str(src), *flags]) == 0
+        planned = _printed_bytes(capsys.readouterr().out, "build:")
+        assert abs(planned / _files(built) - 1) < 0.005, (built.name, planned, _files(built))
+    assert cli_main(["prune", "--model", str(src), "--dry-run", "--keep", "0.5", "--q-bits", "6",
+                     "--q-group-size", str(G)]) == 0
+    dry = _printed_bytes(capsys.readouterr().out, "build size:")
+    assert abs(dry / _files(pq) - 1) < 0.005
+    # Quantization must show in the size: q4 is well under the BF16 source.
+    assert _files(q4) < 0.8 * _files(src)
+
+
+@pytest.mark.slow
+def test_release_build_sizes_offline(capsys):
+    """The official model at keep 0.2 with a q6 trunk fits one 512 GB Mac (sizes from the
+    shipped config, nothing read); q8 / q6 / q4 steps save 2 bits x trunk parameters."""
+    from kimi_mlx.cluster.layer_bytes import BuildSpec, model_bytes
+
+    assert cli_main(["plan", "--model", "moonshotai/Kimi-K3.1-Pro", "--keep", "0.2",
+                     "--q-bits", "6"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("fits") and "512GB m3-ultra" in out  # one 512 GB Mac
+    sizes = {6: _printed_bytes(out, "build:")}
+    for bits in (4, 8):
+        sizes[bits] = model_bytes("moonshotai/Kimi-K3.1-Pro", BuildSpec(179, bits)).file_bytes
+    assert sizes[8] > sizes[6] > sizes[4]
+    # Equal steps (the scales / biases are the same; only the digits of packed widths in
+    # the headers differ).
+    assert abs((sizes[8] - sizes[6]) - (sizes[6] - sizes[4])) < 10_000
+    assert 300e9 < sizes[4] < 340e9 and sizes[8] < 512e9
