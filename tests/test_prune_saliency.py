@@ -1,9 +1,8 @@
-"""Pruner unit tests: the recorder against a hand computation, ranking rules, PNG, --keep."""
+"""Pruner unit tests: the recorder against a hand computation, ranking rules, heat map, --keep."""
 
 import json
-import struct
-import zlib
 
+import matplotlib
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 from kimi_mlx.config import ModelArgs
 from kimi_mlx.ffn import LatentMoE
 from kimi_mlx.prune.observe import ExpertRecorder, LayerStats
-from kimi_mlx.prune.report import heat_map, png_bytes, write_report
+from kimi_mlx.prune.report import cell_colours, heat_map_figure, write_report
 from kimi_mlx.prune.saliency import KeepError, experts_to_keep, scores, select, super_experts
 from kimi_mlx.prune.testing import moe_text_config
 from kimi_mlx.testing import full_config
@@ -207,24 +206,33 @@ def test_keep_out_of_range(keep, experts, msg):
     assert experts_to_keep(32, 4, experts=4) == 4
 
 
-def test_png_heat_map_is_a_valid_png():
+def test_heat_map_marks_each_expert_and_labels_the_figure(tmp_path):
+    # Layer 1: expert 1 never routed (dropped), expert 0 most salient (kept);
+    # layer 2: expert 3 protected although least salient.
     st = {l: _stats(l, [3, 0, 2, 1], gate_norm=np.array([3.0, 0, 2, 1])) for l in (1, 2)}
-    sel = select(st, "reap", 2)
-    img = heat_map(st, sel)
-    data = png_bytes(img)
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    (n,) = struct.unpack(">I", data[8:12])
-    w, h = struct.unpack(">II", data[16:24])
-    assert (h, w) == img.shape[:2]
-    idat = data.index(b"IDAT")
-    (m,) = struct.unpack(">I", data[idat - 4:idat])
-    assert zlib.crc32(data[idat:idat + 4 + m]) == struct.unpack(">I", data[idat + 4 + m:idat + 8 + m])[0]
-    raw = np.frombuffer(zlib.decompress(data[idat + 4:idat + 4 + m]), np.uint8).reshape(h, 1 + 3 * w)
-    pix = raw[:, 1:].reshape(h, w, 3)
-    np.testing.assert_array_equal(pix, img)
-    cw = w // 4
-    assert tuple(pix[0, cw]) == (255, 255, 255)  # never-routed, dropped expert 1: white
-    assert pix[0, 0, 2] > pix[0, 0, 0]  # kept expert 0: blue
+    sel = select(st, "reap-sum", 2, gate="model")  # scores = gate_norm sums 3, 0, 2, 1
+    sel.protected = {2: [3]}
+    sel.kept[2] = [0, 3]
+    rgb, norm, layers = cell_colours(st, sel)
+    assert layers == [1, 2] and rgb.shape == (2, 4, 3)
+    np.testing.assert_allclose(norm[0], [1.0, 0.0, 2 / 3, 1 / 3])  # saliency / layer max
+    assert tuple(rgb[0, 1]) == (1.0, 1.0, 1.0)  # never routed, dropped: white
+    np.testing.assert_allclose(rgb[1, 3], [0.85, 0.0, 0.75])  # protected: magenta
+    assert sel.kept[1] == [0, 2]
+    kept, dropped = rgb[0, 2], rgb[0, 3]  # a kept cell is the colour map; a dropped one greyer
+    np.testing.assert_allclose(kept, matplotlib.colormaps["viridis"](2 / 3)[:3])
+    assert np.ptp(dropped) < 0.5 * np.ptp(matplotlib.colormaps["viridis"](1 / 3)[:3])
+
+    fig = heat_map_figure(st, sel)
+    top, bottom = fig.axes[:2]  # the two panels (then their colour bars)
+    assert "reap-sum, model gate" in top.get_title() and "keep 2 of 4" in top.get_title()
+    assert (top.get_xlabel(), top.get_ylabel()) == ("expert id", "MoE layer")
+    assert [t.get_text() for t in top.get_legend().get_texts()] == [
+        "kept (colour = saliency)", "dropped (faded)", "never routed", "protected super expert"]
+    assert len(bottom.lines) == 3 and bottom.get_legend().get_texts()[0].get_text() == "cut: 2 kept"
+    write_report(tmp_path, st, sel, {}, "card")
+    png = (tmp_path / "saliency.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def test_bench_gate_diagnostic_reports_gate_range_and_rank_correlation():
