@@ -548,6 +548,9 @@ def _rpc_reason(e: grpc.RpcError, method: str = "", channel: Optional[grpc.Chann
             return (f"uses another cluster secret (it refused ours: {details}): copy the "
                     "secret file from the Mac that ran `kimi-mlx cluster init` to it")
         return f"refused our credentials ({details}): is the cluster secret the same?"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in (details or ""):
+        return (f"busy: it serves as many calls at once as it has threads for ({details}); "
+                "too many heads at once, try again (or raise its --max-sessions)")
     if code == grpc.StatusCode.UNIMPLEMENTED and channel is not None:
         try:
             services = list_services(channel, timeout)
