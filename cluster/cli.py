@@ -55,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--idle-timeout", type=float, default=120.0,
                    help="seconds a session may wait for its next message (default 120)")
     q.add_argument("--max-sessions", type=int, default=16,
-                   help="sessions served at once (default 16)")
+                   help="sessions held at once, of all heads together (default 16); one "
+                        "more is refused with RESOURCE_EXHAUSTED naming the limit")
     q.add_argument("--max-message-mb", type=int, default=256, help="largest message (default 256)")
     _common(q)
 

@@ -6,7 +6,9 @@ RPCs (stage.proto):
   live sessions).
 - `Load`: load a layer range of the local checkpoint with the head's fingerprint, found
   in this node's own models folder; streams progress. Measures the bytes this process
-  read from files while loading (Linux `/proc/self/io` rchar).
+  read from files while loading (Linux `/proc/self/io` rchar). One load at a time: a
+  Load during another waits for it (heads starting together all succeed; those asking
+  for the range just loaded are answered "already loaded").
 - `Watch`: the head's lease: heartbeats every `heartbeat_s`, tokens from the last stage,
   session errors. When it ends (head gone, network down) every session of that head is
   freed.
@@ -15,8 +17,15 @@ RPCs (stage.proto):
   layers, and sends the result straight to the next stage on its own `Forward` stream
   (or, on the last stage, the sampled token to the head's `Watch`). A refused message
   ends that session with INVALID_ARGUMENT and a message naming this stage; other
-  sessions and the service carry on.
+  sessions and the service carry on. A session beyond `max_sessions` is refused with
+  RESOURCE_EXHAUSTED naming the limit.
 - `Reset`: free sessions by id or by head.
+
+Sessions of any number of heads run at once: each has its own caches, stream and
+downstream call; their chunks are computed one at a time, in arrival order, on the
+stage's one MLX thread (`compute`: no MLX on gRPC's threads, so a stage exits cleanly).
+The service also serves gRPC reflection, so a head of another stage protocol can name
+the protocol this node speaks.
 
 No receive waits forever: a session idle for `idle_timeout` seconds is freed, gRPC
 keepalive pings (every 2 s, 3 s timeout) drop connections to dead or frozen peers, a send
@@ -42,8 +51,8 @@ import mlx.core as mx
 
 from . import stage_pb2 as pb
 from . import stage_pb2_grpc as pb_grpc
-from .compute import ComputeStopped, ComputeThread
 from .auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
+from .compute import ComputeStopped, ComputeThread
 from .fingerprint import fingerprint, scan
 from .runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
 from .wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
@@ -438,13 +447,18 @@ class StageService(pb_grpc.StageServicer):
                 events.put(("error", f"{type(e).__name__}: {e}", None))
 
         try:
-            self.compute.submit(work)
+            done = self.compute.submit(work)
         except ComputeStopped as e:
             self.state = "idle"
             yield pb.LoadProgress(phase="error", message=f"{self.who}: {e}")
             return
         while True:
-            kind, a, b = events.get()
+            try:
+                kind, a, b = events.get(timeout=0.5)
+            except queue.Empty:
+                if not done.cancelled():
+                    continue
+                kind, a, b = "error", "the stage is stopping", None  # never ran
             if kind == "progress":
                 yield pb.LoadProgress(bytes_done=a, bytes_total=b, phase="reading",
                                       seconds=time.monotonic() - t0)
@@ -522,6 +536,7 @@ class StageService(pb_grpc.StageServicer):
             raise Refused(str(e)) from None
         if first.session != o.session:
             raise Refused(f"message for session {first.session!r} opens session {o.session!r}")
+        self._check_plan(o, runner.spec)
         sp = o.sampling
         sampling = Sampling(sp.temp, sp.top_p if sp.top_p else 1.0, sp.min_p, sp.top_k,
                             sp.seed if sp.has_seed else None)
@@ -540,6 +555,21 @@ class StageService(pb_grpc.StageServicer):
         if not runner.is_last:
             live.down = _Downstream(self, live, self.next_address)
         return live
+
+    def _check_plan(self, o, spec: StageSpec) -> None:
+        """Refused unless the plan the session was opened for (`SessionOpen.bounds` and
+        `fingerprint`, when sent) puts exactly this stage's layers here."""
+        if not o.bounds and not o.fingerprint:
+            return
+        b = list(o.bounds)
+        planned = (f"layers [{b[spec.index]}, {b[spec.index + 1]})"
+                   if len(b) == spec.num_stages + 1 else f"a {max(len(b) - 1, 0)}-stage pipeline")
+        if (planned != f"layers [{spec.start}, {spec.end})"
+                or (o.fingerprint and o.fingerprint != spec.fingerprint)):
+            raise Refused(f"session {o.session} was planned with {planned} of checkpoint "
+                          f"{o.fingerprint or '?'} here, but this stage now holds layers "
+                          f"[{spec.start}, {spec.end}) of {spec.fingerprint} as stage {spec.index} "
+                          f"of {spec.num_stages} (another head loaded it since): load again")
 
     def _full(self) -> SessionLimit:
         return SessionLimit(f"{self.who}: session table full: {len(self.sessions)} sessions "

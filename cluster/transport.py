@@ -193,6 +193,7 @@ class GrpcTransport(Transport):
         self._lock = threading.Lock()
         self._closing = False
         self._generation = 0
+        self._fingerprint = ""
 
     # -- connections ---------------------------------------------------------------------
     def channel_for(self, address: str) -> grpc.Channel:
@@ -222,6 +223,7 @@ class GrpcTransport(Transport):
     # -- load ----------------------------------------------------------------------------
     def load(self, fingerprint, stages, compute_dtype, wire_dtype, progress=None, force=False):
         self._connect(stages)
+        self._fingerprint = fingerprint
         n = len(stages)
         results: Dict[int, LoadResult] = {}
         errors: Dict[int, str] = {}
@@ -316,7 +318,10 @@ class GrpcTransport(Transport):
                          top_k=sampling.top_k, has_seed=sampling.seed is not None,
                          seed=sampling.seed or 0)
         s.open_msg = pb.SessionOpen(session=session, head=self.head_id, sampling=sp,
-                                    return_logprobs=return_logprobs)
+                                    return_logprobs=return_logprobs,
+                                    bounds=([a.start for a in self.stages] + [self.stages[-1].end]
+                                            if self.stages else []),
+                                    fingerprint=self._fingerprint)
         with self._lock:
             if session in self._sessions:
                 raise ValueError(f"session {session} is already open")
@@ -543,6 +548,9 @@ def _rpc_reason(e: grpc.RpcError, method: str = "", channel: Optional[grpc.Chann
             return (f"uses another cluster secret (it refused ours: {details}): copy the "
                     "secret file from the Mac that ran `kimi-mlx cluster init` to it")
         return f"refused our credentials ({details}): is the cluster secret the same?"
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in (details or ""):
+        return (f"busy: it serves as many calls at once as it has threads for ({details}); "
+                "too many heads at once, try again (or raise its --max-sessions)")
     if code == grpc.StatusCode.UNIMPLEMENTED and channel is not None:
         try:
             services = list_services(channel, timeout)

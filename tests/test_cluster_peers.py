@@ -6,6 +6,7 @@ is told to be started. In-process gRPC servers stand in for those nodes."""
 import os
 import subprocess
 import sys
+import time
 from concurrent import futures
 
 import grpc
@@ -115,4 +116,39 @@ def test_a_stage_lists_its_service_for_heads_of_other_versions():
         services = list_services(GrpcTransport(SECRET).channel_for(f"127.0.0.1:{server.port}"))
         assert STAGE_SERVICE == "kimimlx.stage.v1.Stage" and STAGE_SERVICE in services
     finally:
+        server.stop(0)
+
+
+def test_a_node_out_of_call_threads_is_named_busy_not_down():
+    import threading
+
+    from kimi_mlx.cluster.transport import _rpc_reason
+
+    release = threading.Event()
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[ServerAuth(SECRET)],
+                         maximum_concurrent_rpcs=1)
+
+    def hold(request, context):
+        release.wait(10)
+        return b""
+
+    handler = grpc.unary_unary_rpc_method_handler(hold)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("kimimlx.stage.v1.Stage", {"Health": handler}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        stub = GrpcTransport(SECRET).stub_for(f"127.0.0.1:{port}")
+        from kimi_mlx.cluster import stage_pb2 as pb
+
+        first = stub.Health.future(pb.HealthRequest(), timeout=10)
+        time.sleep(0.3)  # the first call holds the only slot
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Health(pb.HealthRequest(), timeout=5)
+        reason = _rpc_reason(e.value)
+        assert reason.startswith("busy:") and "too many heads at once" in reason
+        release.set()
+        first.result(10)  # the held call ends normally
+    finally:
+        release.set()
         server.stop(0)

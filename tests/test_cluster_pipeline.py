@@ -237,6 +237,12 @@ def test_malformed_messages_are_refused_and_the_stage_keeps_serving(cluster, loa
         "position 5, expected 2": [_act("pos", 0, 0, good(), True), _act("pos", 1, 5, good())],
     }
     cases["bytes"][0].tensor.data = cases["bytes"][0].tensor.data[:-3]
+    # a session planned for other layers than this stage holds now (another head's load)
+    s1 = stages[1]
+    other = _act("plan", 0, 0, good(), True)
+    other.open.bounds[:] = [0, s1.start, s1.end - 1, stages[2].end]
+    other.open.fingerprint = cluster.fp
+    cases[f"planned with layers [{s1.start}, {s1.end - 1})"] = [other]
     for what, msgs in cases.items():
         err, _ = _forward(stub, msgs)
         assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, err)
