@@ -153,8 +153,10 @@ class GatedDSA(nn.Module):
 
         if S > self.index_topk:
             # Prefill past index_topk: per block of queries, gather each query's selected
-            # rows (memory O(L*k), not O(L*S): a 2048-token chunk at 128k context would
-            # otherwise need a [H, 2048, 128k] score mask).
+            # rows (memory O(block*k), not O(L*S): a 2048-token chunk at 128k context would
+            # otherwise need a [H, 2048, 128k] score mask). Blocks are sized by a fixed
+            # element budget (`query_block`), so the extra memory is set by that budget,
+            # not by the prompt.
             q_idx, w = self.indexer.queries(x, qr)
             q_lat = q_nope @ w_uk  # [B,H,L,rank]
             k = min(self.index_topk, S)
@@ -166,6 +168,12 @@ class GatedDSA(nn.Module):
                 idx = dsa_prefill_indices(q_idx[:, blk], w[:, blk], k_idx[:, 0], k, offset + s0)
                 outs.append(sparse_mla_attend(q_lat[:, :, blk], q_pe[:, :, blk], latent[:, 0],
                                               k_pe[:, 0], idx, self.scale))
+                if step < L:
+                    # One block's scores and gathered rows at a time: left lazy, the graph
+                    # of all blocks is scheduled together and their intermediates
+                    # (step x S scores, step x k gathered rows each) can be alive at once,
+                    # which made peak memory grow with the prompt.
+                    mx.eval(outs[-1])
             o = mx.concatenate(outs, axis=2) @ w_uv.swapaxes(-1, -2)  # [B,H,L,v]
             return self._output(x, o)
 
