@@ -1,9 +1,16 @@
 """`make bench`: kimi-mlx against mlx-lm's `kimi_k3` on the same weights, in one run.
 
 Both models read the same official-layout checkpoint (a mid-size random config, BF16 with
-MXFP4 experts). mlx-lm's K3 has no indexer, so prompts stay within `index_topk` (where
-K3.1 equals K3, "dense-equivalent"). Reported as ratios against mlx-lm measured in the same
-process: prefill and decode tokens/s (higher is better) and peak memory (lower is better).
+MXFP4 experts, 32k context). Prompts are prefilled in chunks of `PREFILL_STEP` tokens, as
+mlx-lm's `generate_step` (prefill_step_size) does for `mlx_lm.generate` and for our
+`generate` and `chat`. Reported against mlx-lm measured in the same process:
+
+- speed: prefill and decode tokens/s at one prompt length (higher is better);
+- memory: peak bytes for prompts of 1k, 4k and 16k tokens (lower is better). Past
+  `index_topk` (2048) our Gated DSA attends to 2048 selected keys per query while mlx-lm's
+  K3 attends densely, so the outputs differ there; the memory targets are: at 4k our peak
+  <= mlx-lm's, and from 4k to 16k ours grows by at most the cache the extra tokens add
+  (+10%): peak = weights + cache + a term set by the prefill chunk, not by the prompt.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import gc
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict
+from typing import Callable, Dict, List, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -22,9 +29,15 @@ import mlx.nn as nn
 from .testing import build_checkpoint, tiny_text_config
 
 
+PREFILL_STEP = 2048  # mlx-lm generate_step's prefill_step_size default
+MEMORY_PROMPTS = (1024, 4096, 16384)
+
+
 def bench_text_config() -> dict:
-    """A mid-size K3.1 config: 8 layers (2 Gated DSA), hidden 1024, 32 experts top-4."""
+    """A mid-size K3.1 config: 8 layers (2 Gated DSA), hidden 1024, 32 experts top-4,
+    index_topk 2048, 32k context."""
     return tiny_text_config(
+        max_position_embeddings=32768,
         hidden_size=1024,
         num_hidden_layers=8,
         num_attention_heads=8,
@@ -75,12 +88,21 @@ def load_mlx_lm_k3(path: Path):
     return model
 
 
+def prefill(model, tokens: mx.array, cache: List, step: int = PREFILL_STEP) -> mx.array:
+    """Prefill `tokens` [1, L] in chunks of `step` tokens (each evaluated before the next,
+    as mlx-lm's generate_step does); returns the last chunk's logits."""
+    for s0 in range(0, tokens.shape[1], step):
+        logits = model(tokens[:, s0 : s0 + step], cache)
+        mx.eval(logits, [c.state for c in cache])
+    return logits
+
+
 def run_once(model, tokens: mx.array, decode_steps: int):
-    """One prefill of `tokens` [1, L] then `decode_steps` greedy steps; returns seconds."""
+    """One chunked prefill of `tokens` [1, L] then `decode_steps` greedy steps; returns
+    (prefill seconds, decode seconds)."""
     cache = model.make_cache()
     t0 = time.perf_counter()
-    logits = model(tokens, cache)
-    mx.eval(logits, [c.state for c in cache])
+    logits = prefill(model, tokens, cache)
     t1 = time.perf_counter()
     y = mx.argmax(logits[:, -1:], axis=-1)
     for _ in range(decode_steps):
@@ -102,6 +124,83 @@ def peak_memory(load: Callable, tokens: mx.array, decode_steps: int) -> float:
     gc.collect()
     mx.clear_cache()
     return float(peak)
+
+
+def cache_bytes(cache: List) -> int:
+    """Bytes held by a model's cache list (mlx-lm caches and our DSACache)."""
+    total = 0
+    for c in cache:
+        n = getattr(c, "nbytes", None)
+        if n is None:
+            n = sum(a.nbytes for a in c.state if a is not None)
+        total += int(n)
+    return total
+
+
+def memory_rows(load: Callable, prompts: Sequence[int], step: int = PREFILL_STEP) -> List[Dict]:
+    """Peak memory of a chunked prefill plus one decode step for each prompt length, the
+    model loaded once: [{'prompt', 'peak_bytes', 'weights_bytes', 'cache_bytes'}].
+    Peaks count from before the model was loaded (weights included)."""
+    gc.collect()
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    model = load()
+    weights = mx.get_active_memory() - base
+    rows = []
+    for n in prompts:
+        tokens = mx.random.randint(0, 256, (1, n), key=mx.random.key(n))
+        gc.collect()
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        cache = model.make_cache()
+        logits = prefill(model, tokens, cache, step)
+        mx.eval(model(mx.argmax(logits[:, -1:], axis=-1), cache))
+        rows.append({"prompt": n, "peak_bytes": mx.get_peak_memory() - base,
+                     "weights_bytes": weights, "cache_bytes": cache_bytes(cache)})
+        del cache, logits
+    del model
+    gc.collect()
+    mx.clear_cache()
+    return rows
+
+
+def memory_compare(path: Path, prompts: Sequence[int] = MEMORY_PROMPTS,
+                   step: int = PREFILL_STEP) -> Dict:
+    """`memory_rows` for mlx-lm's kimi_k3 and for kimi-mlx on the checkpoint at `path`,
+    one after the other in this process, and the two targets (see the module doc)."""
+    from .loader import load_model
+
+    out = {"mlx-lm": memory_rows(lambda: load_mlx_lm_k3(path), prompts, step),
+           "kimi-mlx": memory_rows(lambda: load_model(path, verbose=False)[0], prompts, step)}
+    ours = {r["prompt"]: r for r in out["kimi-mlx"]}
+    ref = {r["prompt"]: r for r in out["mlx-lm"]}
+    checks = {}
+    if 4096 in ours:
+        checks["4k: ours <= mlx-lm"] = ours[4096]["peak_bytes"] <= ref[4096]["peak_bytes"]
+    if 4096 in ours and 16384 in ours:
+        grew = ours[16384]["peak_bytes"] - ours[4096]["peak_bytes"]
+        cache = ours[16384]["cache_bytes"] - ours[4096]["cache_bytes"]
+        checks["4k->16k: growth <= 1.1 x cache growth"] = grew <= 1.1 * cache
+        out["growth"] = {"peak": grew, "cache": cache}
+    out["targets"] = checks
+    return out
+
+
+def print_memory(res: Dict, step: int) -> None:
+    print(f"peak memory, chunked prefill ({step}-token chunks) + 1 decode step, "
+          f"model loaded once (weights included)")
+    print(f"{'prompt':>7s} {'mlx-lm MB':>10s} {'kimi-mlx MB':>12s} {'ratio':>6s} "
+          f"{'our cache MB':>13s} {'our weights MB':>15s}")
+    for a, b in zip(res["mlx-lm"], res["kimi-mlx"]):
+        print(f"{b['prompt']:7d} {a['peak_bytes'] / 1e6:10.1f} {b['peak_bytes'] / 1e6:12.1f} "
+              f"{b['peak_bytes'] / a['peak_bytes']:5.2f}x {b['cache_bytes'] / 1e6:13.1f} "
+              f"{b['weights_bytes'] / 1e6:15.1f}")
+    if "growth" in res:
+        g = res["growth"]
+        print(f"kimi-mlx 4k -> 16k: peak +{g['peak'] / 1e6:.1f} MB, "
+              f"cache +{g['cache'] / 1e6:.1f} MB")
+    for name, ok in res["targets"].items():
+        print(f"target {name}: {'met' if ok else 'MISSED'}")
 
 
 def compare(prompt_len: int = 512, decode_steps: int = 32, repeats: int = 3) -> Dict:
@@ -153,13 +252,35 @@ def print_table(results: Dict, prompt_len: int, decode_steps: int) -> None:
           "   (targets: >= 1.0x, >= 1.0x, <= 1.10x)")
 
 
+def _lengths(text: str) -> List[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}")
+    if any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"token counts must be >= 1, got {text!r}")
+    return vals
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.bench")
-    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--prompt", type=int, default=512, help="prompt tokens for the speed rows")
     p.add_argument("--decode", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--memory-prompts", type=_lengths, default=list(MEMORY_PROMPTS),
+                   help="prompt lengths for the peak-memory rows (default 1024,4096,16384; "
+                        "empty: skip)")
+    p.add_argument("--prefill-step", type=int, default=PREFILL_STEP,
+                   help=f"prefill chunk in tokens (default {PREFILL_STEP}, as mlx-lm)")
     a = p.parse_args(argv)
+    if a.prefill_step < 1:
+        p.error("--prefill-step must be >= 1")
     print_table(compare(a.prompt, a.decode, a.repeats), a.prompt, a.decode)
+    if a.memory_prompts:
+        print()
+        with tempfile.TemporaryDirectory() as tmp:
+            path = build_checkpoint(Path(tmp) / "bench", text_config=bench_text_config(), seed=0)
+            print_memory(memory_compare(path, a.memory_prompts, a.prefill_step), a.prefill_step)
     return 0
 
 

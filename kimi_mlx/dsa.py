@@ -153,8 +153,10 @@ class GatedDSA(nn.Module):
 
         if S > self.index_topk:
             # Prefill past index_topk: per block of queries, gather each query's selected
-            # rows (memory O(L*k), not O(L*S): a 2048-token chunk at 128k context would
-            # otherwise need a [H, 2048, 128k] score mask).
+            # rows (memory O(block*k), not O(L*S): a 2048-token chunk at 128k context would
+            # otherwise need a [H, 2048, 128k] score mask). Blocks are sized by a fixed
+            # element budget (`query_block`), so the extra memory is set by that budget,
+            # not by the prompt.
             q_idx, w = self.indexer.queries(x, qr)
             q_lat = q_nope @ w_uk  # [B,H,L,rank]
             k = min(self.index_topk, S)
@@ -166,26 +168,47 @@ class GatedDSA(nn.Module):
                 idx = dsa_prefill_indices(q_idx[:, blk], w[:, blk], k_idx[:, 0], k, offset + s0)
                 outs.append(sparse_mla_attend(q_lat[:, :, blk], q_pe[:, :, blk], latent[:, 0],
                                               k_pe[:, 0], idx, self.scale))
+                if step < L:
+                    # One block's scores and gathered rows at a time: left lazy, the graph
+                    # of all blocks is scheduled together and their intermediates
+                    # (step x S scores, step x k gathered rows each) can be alive at once,
+                    # which made peak memory grow with the prompt.
+                    mx.eval(outs[-1])
             o = mx.concatenate(outs, axis=2) @ w_uv.swapaxes(-1, -2)  # [B,H,L,v]
             return self._output(x, o)
 
         # Context within index_topk: exactly dense causal MLA. Additive score mask: the
         # scaled rope-part scores, -inf above the diagonal.
-        causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]  # [L, S]
-        pe = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # [B,H,L,S]
-        bias = mx.where(causal, pe, mx.array(-mx.inf, pe.dtype))
-
         if L == 1:  # absorbed: attend in the 512-dim latent, then unembed per head
             q_lat = q_nope @ w_uk  # [B,H,1,rank]
             o = mx.fast.scaled_dot_product_attention(
-                q_lat, latent, latent, scale=self.scale, mask=bias
+                q_lat, latent, latent, scale=self.scale, mask=self._dense_bias(q_pe, k_pe, offset)
             )
             o = o @ w_uv.swapaxes(-1, -2)  # [B,H,1,v]
-        else:  # expanded: per-head keys/values from the latent
-            k = latent @ w_uk.swapaxes(-1, -2)  # [B,H,S,nope]
-            v = latent @ w_uv.swapaxes(-1, -2)  # [B,H,S,v]
-            o = mx.fast.scaled_dot_product_attention(q_nope, k, v, scale=self.scale, mask=bias)
-        return self._output(x, o)
+            return self._output(x, o)
+        # expanded: per-head keys/values from the latent; queries in blocks so that the
+        # [H, block, S] bias and scores stay within a fixed budget (an unblocked 2048-token
+        # chunk at H=96 needs 1.6 GB for each), evaluated one block at a time
+        k = latent @ w_uk.swapaxes(-1, -2)  # [B,H,S,nope]
+        v = latent @ w_uv.swapaxes(-1, -2)  # [B,H,S,v]
+        step = self.query_block or query_block(L, S, S, H, 0, 0)
+        outs = []
+        for s0 in range(0, L, step):
+            blk = slice(s0, s0 + step)
+            bias = self._dense_bias(q_pe[:, :, blk], k_pe, offset + s0)
+            outs.append(mx.fast.scaled_dot_product_attention(
+                q_nope[:, :, blk], k, v, scale=self.scale, mask=bias))
+            if step < L:
+                mx.eval(outs[-1])
+        return self._output(x, mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0])
+
+    def _dense_bias(self, q_pe: mx.array, k_pe: mx.array, offset: int) -> mx.array:
+        """Additive SDPA mask [B, H, L, S] for queries at offset..offset+L-1: the scaled
+        rope-part scores, -inf where s > the query's position."""
+        L, S = q_pe.shape[2], k_pe.shape[2]
+        causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]  # [L, S]
+        pe = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # [B,H,L,S]
+        return mx.where(causal, pe, mx.array(-mx.inf, pe.dtype))
 
     def _output(self, x: mx.array, o: mx.array) -> mx.array:
         """Heads [B, H, L, v] -> gated o_proj output [B, L, hidden]."""

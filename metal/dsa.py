@@ -209,9 +209,23 @@ def sparse_mla_attend(
     return o.transpose(0, 2, 1, 3).astype(q_lat.dtype)
 
 
+QUERY_BLOCK_BUDGET = 1 << 24  # elements (64 MiB in float32) per sparse-prefill intermediate
+
+
 def query_block(L: int, S: int, K: int, heads: int, index_heads: int, row: int,
-                budget: int = 1 << 26) -> int:
-    """Queries per block for sparse prefill so no intermediate exceeds `budget` elements
-    (indexer scores Hi*S, gathered rows K*row, attention scores H*K per query)."""
+                budget: int = QUERY_BLOCK_BUDGET) -> int:
+    """Queries per block for sparse prefill so that no intermediate of a block exceeds
+    `budget` elements: indexer scores (index_heads * S per query), gathered latent + rope
+    rows (K * row) and attention scores (heads * K). The model evaluates one block at a
+    time, so prefill memory past `index_topk` is bounded by a few times the budget
+    whatever the prompt and context length.
+
+    Args:
+        L: queries in the chunk; S: keys (cached + new); K: selected keys per query;
+        heads: attention heads; index_heads: indexer heads; row: latent + rope width.
+        budget: elements per intermediate.
+    Returns:
+        block size in [1, L].
+    """
     per_query = max(index_heads * S, K * row, heads * K, 1)
     return max(1, min(L, budget // per_query))

@@ -119,7 +119,8 @@ def test_mlx_lm_load_and_generate_accept_our_checkpoint(tmp_path):
     path is compared in tests/test_model.py)."""
     from kimi_mlx.testing import build_checkpoint, tiny_text_config
 
-    text = tiny_text_config(dsa_config={"index_n_heads": 2, "index_head_dim": 16, "index_topk": 1024})
+    text = tiny_text_config(
+        dsa_config={"index_n_heads": 2, "index_head_dim": 16, "index_topk": 1024})
     tiny_ckpt = build_checkpoint(tmp_path / "f32", text_config=text, dtype=mx.float32, seed=14,
                                  conditioned=True)
     script = (
