@@ -99,6 +99,14 @@ RACECHECK_FLAGS: Tuple[str, ...] = (
     "--param=tsan-instrument-func-entry-exit=0",
     "-g1",
 )
+# clang (KIMI_MLX_SIM_CXX=clang++) spells the function entry/exit switch
+# differently; metal_sim.h defines those hooks as no-ops either way.
+RACECHECK_FLAGS_CLANG: Tuple[str, ...] = ("-fsanitize=thread", "-g1")
+
+
+def racecheck_flags() -> Tuple[str, ...]:
+    """Compile-step flags of a race-checked kernel library for `compiler()`."""
+    return RACECHECK_FLAGS_CLANG if "clang" in _compiler_version().lower() else RACECHECK_FLAGS
 
 _lock = threading.Lock()
 _loaded: Dict[str, ctypes.CDLL] = {}
