@@ -76,6 +76,9 @@ if (limit <= K) {
   }
   return;
 }
+// Each thread reads back only the scores it wrote (the same s = tid + j * NT below), so
+// this orders nothing today; it keeps the passes below correct if the mappings ever
+// differ (tests/test_metal_kernels.py plants such a change and checks the race report).
 threadgroup_barrier(mem_flags::mem_device);
 
 // 2. Radix select: the K-th largest key (float bits mapped to an order-preserving uint).

@@ -372,6 +372,14 @@ BROKEN = [
      lambda: check_kda_decode(2, 1, 2, 16, 8, -5.0, mx.float32)),
     ("kda_decode", _plant("metal::rsqrt(kk + eps)", "metal::rsqrt(kk)"),
      lambda: check_kda_decode(2, 1, 2, 16, 8, -5.0, mx.float32)),
+    # one past the end: key channel Dk, token T, value column Dv
+    ("kda_decode", _plant("if (d < Dk) {\n      qv[i]", "if (d <= Dk) {\n      qv[i]"),
+     lambda: check_kda_decode(2, 3, 2, 40, 12, -5.0, mx.float32)),
+    ("kda_prefill", _plant("if (tok < T) {\n      const uint off", "if (tok <= T) {\n      const uint off"),
+     lambda: check_kda_prefill(2, 37, 2, 16, 8, mx.float32)),
+    ("kda_prefill", _plant("(j < Dv && d < Dk) ? static_cast<float>(state_in",
+                           "(j <= Dv && d < Dk) ? static_cast<float>(state_in"),
+     lambda: check_kda_prefill(2, 20, 3, 24, 40, mx.float32)),
     ("kda_prefill", _plant("for (int m = 0; m <= t; ++m)", "for (int m = 0; m < t; ++m)"),
      lambda: check_kda_prefill(1, 20, 2, 16, 8, mx.float32)),
     ("kda_prefill", _plant("const float gend = sgc[C - 1][d];", "const float gend = sgc[C - 2][d];"),
@@ -485,6 +493,14 @@ def test_planted_race_is_reported(monkeypatch, name, transform, check, memory):
     assert f"'{memory}'" in msg, msg
     assert msg.count("thread_position_in_threadgroup=") == 2, msg
     assert msg.count(f"{name}.body.metal:") == 2, msg
+
+
+def test_kernel_tests_run_with_the_race_checker_on():
+    """Every kernel above ran with the race checker and two thread schedules (the
+    defaults; KIMI_MLX_SIM_RACECHECK=0 or KIMI_MLX_SIM_SCHEDULES=1 would weaken them)."""
+    for name, k in kernels.KERNELS.items():
+        sk = k.sim_kernel()
+        assert sk.racecheck and sk.checked and sk.schedules >= 2, name
 
 
 def test_device_barrier_orders_the_reversed_scores(monkeypatch):

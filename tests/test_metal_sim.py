@@ -30,7 +30,8 @@ def _private_cache(tmp_path_factory):
     """Compile into a fresh cache: the tests exercise the compile path too."""
     mp = pytest.MonkeyPatch()
     mp.setenv("KIMI_MLX_SIM_CACHE", str(tmp_path_factory.mktemp("metal-sim-cache")))
-    mp.delenv("KIMI_MLX_SIM_CHECKED", raising=False)
+    for var in ("KIMI_MLX_SIM_CHECKED", "KIMI_MLX_SIM_RACECHECK", "KIMI_MLX_SIM_SCHEDULES"):
+        mp.delenv(var, raising=False)  # the defaults are under test
     yield
     mp.undo()
 

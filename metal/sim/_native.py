@@ -97,8 +97,16 @@ SCHED_FORWARD, SCHED_REVERSE, SCHED_RANDOM = 0, 1, 2
 RACECHECK_FLAGS: Tuple[str, ...] = (
     "-fsanitize=thread",
     "--param=tsan-instrument-func-entry-exit=0",
-    "-g",
+    "-g1",
 )
+# clang (KIMI_MLX_SIM_CXX=clang++) spells the function entry/exit switch
+# differently; metal_sim.h defines those hooks as no-ops either way.
+RACECHECK_FLAGS_CLANG: Tuple[str, ...] = ("-fsanitize=thread", "-g1")
+
+
+def racecheck_flags() -> Tuple[str, ...]:
+    """Compile-step flags of a race-checked kernel library for `compiler()`."""
+    return RACECHECK_FLAGS_CLANG if "clang" in _compiler_version().lower() else RACECHECK_FLAGS
 
 _lock = threading.Lock()
 _loaded: Dict[str, ctypes.CDLL] = {}
@@ -265,6 +273,7 @@ def source_lines(so: str, offsets: Sequence[int]) -> Dict[int, Tuple[str, int]]:
     except (OSError, subprocess.SubprocessError):
         return {}
     found: Dict[int, Tuple[str, int]] = {}
+    fallback: Dict[int, Tuple[str, int]] = {}  # innermost frame, e.g. in metal_sim.h
     current = None
     for line in out.splitlines():
         line = line.strip()
@@ -275,10 +284,14 @@ def source_lines(so: str, offsets: Sequence[int]) -> Dict[int, Tuple[str, int]]:
             continue
         path, _, num = line.rpartition(":")
         num = num.split()[0] if num.split() else ""
+        if not num.isdigit() or int(num) == 0:
+            continue
         name = os.path.basename(path)
-        if (name.endswith(".body.metal") or name.endswith(".header.metal")) and num.isdigit():
+        if name.endswith(".body.metal") or name.endswith(".header.metal"):
             found[current] = (name, int(num))
-    return found
+        else:
+            fallback.setdefault(current, (name, int(num)))
+    return {**fallback, **found}
 
 
 def dispatch(fn: int, buffers: Sequence[Buffer], grid: Sequence[int],

@@ -395,7 +395,7 @@ class SimKernel:
             tu = cpp_translation_unit(self.name, self.input_names, self.output_names,
                                       self.source, self.header, infos, out_dtypes, tmpl,
                                       self.atomic_outputs, self.checked, self.racecheck)
-            flags = _native.RACECHECK_FLAGS if self.racecheck else ()
+            flags = _native.racecheck_flags() if self.racecheck else ()
             hit = _native.kernel_library(self.name, tu.files, tu.main, compile_only=flags)
             self._libs[key] = hit
             self._so[hit[1]] = _native.library_path(hit[0])

@@ -297,7 +297,10 @@ void api_barrier(const char* file, uint32_t line, uint32_t col, int flags) {
 // threadgroup run is empty) and of the writable buffers (per byte, cleared
 // for every threadgroup). Dispatches run one at a time, so these are shared.
 std::vector<Cell> g_tg_shadow;
-std::unordered_map<uintptr_t, Cell> g_dev_shadow;
+struct Cells4 {
+  Cell c[4];
+};
+std::unordered_map<uintptr_t, Cells4> g_dev_shadow;  // key: address / 4
 uint32_t g_gen = 0;
 
 const char* kMemFlag[2] = {"mem_flags::mem_threadgroup", "mem_flags::mem_device"};
@@ -397,8 +400,8 @@ Cell* cell_at(Sched* s, int space, uintptr_t addr) {
     Cell& c = g_tg_shadow[addr - s->window.tg_lo];
     return c.gen == g_gen ? &c : nullptr;
   }
-  auto it = g_dev_shadow.find(addr);
-  return it == g_dev_shadow.end() ? nullptr : &it->second;
+  auto it = g_dev_shadow.find(addr >> 2);
+  return it == g_dev_shadow.end() ? nullptr : &it->second.c[addr & 3];
 }
 
 // Settles every deferred write-write pair; false (error set) on a race.
@@ -479,10 +482,16 @@ void api_access(const void* addr, uint32_t size, int is_write, const void* pc) {
   for (const msim_buffer* b : s->writable) {
     uintptr_t lo = (uintptr_t)b->ptr + b->lo, hi = (uintptr_t)b->ptr + b->hi;
     if (a + size <= lo || a >= hi) continue;
+    Cells4* q = nullptr;
+    uintptr_t qkey = 0;
     for (uint32_t i = 0; i < size; ++i) {
       uintptr_t x = a + i;
       if (x < lo || x >= hi) continue;
-      track_byte(s, SPACE_DEV, g_dev_shadow[x], x, is_write != 0, pc);
+      if (q == nullptr || (x >> 2) != qkey) {
+        qkey = x >> 2;
+        q = &g_dev_shadow[qkey];
+      }
+      track_byte(s, SPACE_DEV, q->c[x & 3], x, is_write != 0, pc);
     }
     return;
   }
