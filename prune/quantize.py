@@ -29,7 +29,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from kimi_mlx.tensor_map import expert_outputs, packed_shapes, trunk_outputs  # noqa: F401
+# Names and shapes of quantized tensors live with the tensor-name table (the planner
+# sizes builds with them too); re-exported here for the writer.
+from kimi_mlx.tensor_map import expert_outputs, trunk_outputs  # noqa: F401
 
 from kimi_mlx.config import QUANT_DEFAULT_GROUP as DEFAULT_GROUP
 from kimi_mlx.config import QUANT_EXPERT_BITS as EXPERT_BITS
@@ -39,7 +41,6 @@ from kimi_mlx.config import QUANT_TRUNK_BITS as TRUNK_BITS
 # safetensors dtype -> (numpy dtype of the raw bytes, MLX dtype of the values)
 _RAW = {"BF16": (np.uint16, mx.bfloat16), "F16": (np.float16, mx.float16),
         "F32": (np.float32, mx.float32)}
-_MX_NAME = {mx.bfloat16: "BF16", mx.float16: "F16", mx.float32: "F32", mx.uint32: "U32"}
 
 
 class QuantError(ValueError):

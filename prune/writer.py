@@ -477,7 +477,7 @@ def _explain(e: OSError, where: Path) -> str:
         errno.EACCES: "permission denied",
         errno.EPERM: "operation not permitted",
     }.get(e.errno, e.strerror or str(e))
-    return f"cannot write the pruned checkpoint at {where}: {why}"
+    return f"cannot write the checkpoint at {where}: {why}"
 
 
 class AtomicOutput:

@@ -248,3 +248,22 @@ def test_bench_gate_diagnostic_reports_gate_range_and_rank_correlation():
     line = gate_diagnostic({1: a, 2: b}, top_k=2)
     assert "0.100-0.400" in line and "1/top_k = 0.500" in line
     assert "frequency +0.00" in line
+
+
+def test_bench_default_is_the_best_mean_rank():
+    """Two keeps x two domains of hand-made perplexities: ranks per cell, then the mean;
+    random enters as the mean over its seeds."""
+    from kimi_mlx.prune.bench import CANDIDATES, mean_ranks
+
+    names = [n for n, _, _ in CANDIDATES]  # 5 candidates
+    def cell(order, rand):
+        rows = {n: {"code": 10.0 + order.index(n), "prose": 20.0 + order.index(n)} for n in names}
+        rows.update({f"random-{s}": {"code": v, "prose": v + 10} for s, v in enumerate(rand)})
+        return {"rows": rows}
+    second = [names[1], names[2], names[0], names[3], names[4]]
+    keeps = {"0.5": cell(names, [9.0, 9.5]),           # random mean 9.25: rank 1, then names
+             "0.25": cell(second, [100.0, 200.0])}     # random last
+    ranks = mean_ranks(keeps, ["code", "prose"])
+    assert ranks["random (mean)"] == (1 + 1 + 6 + 6) / 4
+    assert ranks[names[0]] == (2 + 2 + 3 + 3) / 4 and ranks[names[2]] == (4 + 4 + 2 + 2) / 4
+    assert list(ranks)[0] == names[1] and ranks[names[1]] == (3 + 3 + 1 + 1) / 4
