@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install demo test bench bench-prune micro proto clean
+.PHONY: install demo test check-real bench bench-prune micro proto clean
 
 install: $(STAMP)
 
@@ -42,6 +42,12 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# K3.1 Pro's real widths on this machine: a 2-layer real-width slice (~2.4 GB, in a temp
+# folder) through prefill past index_topk and decode, the kernels in the emulator, and
+# the planner's memory / bytes-read predictions (kimi_mlx/check_real.py). Needs ~6 GB RAM.
+check-real: install
+	$(BIN)/python -m kimi_mlx.check_real
 
 bench: install
 	$(BIN)/python -m kimi_mlx.bench
