@@ -388,8 +388,9 @@ class _Cluster:
 def _launch(args) -> int:
     _logging(args.log_level, "WARNING")
     from kimi_mlx.config import ModelArgs, read_config
-    from kimi_mlx.generate import (InputError, build_prompt, check_context, check_model_arguments,
-                                   print_generation, resolve_model_arg)
+    from kimi_mlx.generate import print_generation
+    from kimi_mlx.request import (InputError, build_prompt, check_context, check_model_arguments,
+                                  resolve_model_arg)
 
     from .auth import AuthError, load_secret
     from .fingerprint import FingerprintError, fingerprint, is_checkpoint
