@@ -255,6 +255,7 @@ class StopMatcher:
     """
 
     stops: Sequence[str] = ()
+    matched: Optional[str] = field(default=None, init=False)  # the stop string that ended it
     _held: str = field(default="", init=False)
 
     def feed(self, text: str) -> Tuple[str, bool]:
@@ -263,7 +264,7 @@ class StopMatcher:
         buf = self._held + text
         hits = [(buf.find(s), s) for s in self.stops if s and buf.find(s) >= 0]
         if hits:
-            at = min(h[0] for h in hits)
+            at, self.matched = min(hits, key=lambda h: (h[0], -len(h[1])))
             self._held = ""
             return buf[:at], True
         keep = 0

@@ -1,0 +1,401 @@
+"""`kimi-mlx server` driven by the real `openai` and `anthropic` clients (and curl) on the
+shipped micro checkpoint. The micro model is not chat-tuned: these tests check structure
+and equality between paths (streamed vs not, server vs an independent greedy loop, cache
+hit vs cold), not answer quality."""
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+
+import anthropic
+import httpx
+import mlx.core as mx
+import openai
+import pytest
+
+from kimi_mlx.chat_format import encode_chat
+from kimi_mlx.server.app import create_app
+from kimi_mlx.server.cli import BackgroundServer, load_service, make_service, resolve_api_key
+from kimi_mlx.server.engine import Finished, TokenOut
+from kimi_mlx.request import InputError, default_model
+
+KEY = "sk-test-key"
+MICRO = str(default_model())
+
+
+@pytest.fixture(scope="module")
+def server():
+    svc = make_service(MICRO, KEY, None, 64 << 10)
+    load_service(svc, MICRO, max_concurrency=1, prompt_cache_bytes=256 << 20, max_queue=16,
+                 max_kv_size=None)
+    srv = BackgroundServer(create_app(svc)).start()
+    yield srv, svc
+    srv.stop()
+    svc.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=server[0].url + "/v1", api_key=KEY, timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def ant(server):
+    return anthropic.Anthropic(base_url=server[0].url, api_key=KEY, timeout=120, max_retries=0)
+
+
+def greedy_reference(model, ids, n):
+    """n greedy tokens and their logprobs, recomputing the whole sequence each step (no
+    cache, no mlx-lm): an independent reference for the server's cached generation."""
+    out, lps = list(ids), []
+    for _ in range(n):
+        logits = model(mx.array(out)[None])[0, -1].astype(mx.float32)
+        t = int(mx.argmax(logits).item())
+        lps.append((logits[t] - mx.logsumexp(logits)).item())
+        out.append(t)
+    return out[len(ids):], lps
+
+
+MSGS = [{"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Name a colour."}]
+
+
+def test_chat_greedy_tokens_and_logprobs_match_independent_loop(server, oai):
+    _, svc = server
+    r = oai.chat.completions.create(model="micro", messages=MSGS, max_tokens=8, temperature=0,
+                                    logprobs=True, top_logprobs=3)
+    ch = r.choices[0]
+    assert r.object == "chat.completion" and ch.finish_reason == "length"
+    ids = encode_chat(svc.tok, MSGS)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 8)
+    assert r.usage.total_tokens == len(ids) + 8
+    ref, ref_lp = greedy_reference(svc.engine.model, ids, 8)
+    assert [bytes(e.bytes) for e in ch.logprobs.content] == [svc.tok.decode_bytes([t]) for t in ref]
+    for e, lp in zip(ch.logprobs.content, ref_lp):
+        assert e.logprob == pytest.approx(lp, abs=1e-3)  # float32, cached vs recomputed
+        tops = [a.logprob for a in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert tops[0] == pytest.approx(e.logprob)
+    # the micro model stays in its think channel: all the text is reasoning
+    assert ch.message.reasoning_content == svc.tok.decode(ref)
+    assert ch.message.content == ""
+    assert r.usage.completion_tokens_details.reasoning_tokens == 8
+
+
+def _stream_chat(oai, **kw):
+    chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    reasoning = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or ""
+                        for c in chunks if c.choices)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return chunks, reasoning, content, finish
+
+
+def test_streamed_equals_non_streamed_for_the_same_seed(oai):
+    kw = dict(model="micro", messages=MSGS, max_tokens=12, temperature=0.9, top_p=0.95, seed=7)
+    r = oai.chat.completions.create(**kw)
+    chunks, reasoning, content, finish = _stream_chat(oai, **kw)
+    assert reasoning == r.choices[0].message.reasoning_content
+    assert content == r.choices[0].message.content
+    assert finish == [r.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == r.usage.completion_tokens
+    assert usage.prompt_tokens == r.usage.prompt_tokens
+    # a different seed samples something else (the seed is honoured, not ignored)
+    other = oai.chat.completions.create(**{**kw, "seed": 8})
+    assert other.choices[0].message.reasoning_content != r.choices[0].message.reasoning_content
+
+
+def test_completions_raw_prompt_and_stop_string_across_tokens(server, oai):
+    _, svc = server
+    r = oai.completions.create(model="micro", prompt="Once upon a time", max_tokens=16, temperature=0)
+    ids = svc.tok.encode("Once upon a time")
+    ref, _ = greedy_reference(svc.engine.model, ids, 16)
+    assert r.choices[0].text == svc.tok.decode(ref) and r.choices[0].finish_reason == "length"
+    # a stop string that starts inside token 3 and ends inside token 5
+    pieces = [svc.tok.decode([t]) for t in ref]
+    before = "".join(pieces[:3])
+    stop = pieces[2][-1:] + pieces[3] + pieces[4][:1]
+    assert len(pieces[2]) >= 1 and len(pieces[4]) >= 1
+    want = r.choices[0].text[: r.choices[0].text.find(stop)]
+    assert want == before[:-1]
+    s = oai.completions.create(model="micro", prompt="Once upon a time", max_tokens=16,
+                               temperature=0, stop=["zzzz-never", stop])
+    assert s.choices[0].text == want and s.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in oai.completions.create(
+        model="micro", prompt="Once upon a time", max_tokens=16, temperature=0, stop=stop,
+        stream=True) if c.choices)
+    assert streamed == want
+
+
+def _blocks(message):
+    keep = ("type", "text", "thinking", "id", "name", "input")
+    return [{k: v for k, v in b.model_dump().items() if k in keep} for b in message.content]
+
+
+def test_anthropic_messages_plain_and_streamed(ant, oai):
+    kw = dict(model="micro", max_tokens=10, system="You are terse.",
+              messages=[{"role": "user", "content": "Name a colour."}],
+              extra_body={"temperature": 0})
+    m = ant.messages.create(**kw)
+    assert m.type == "message" and m.role == "assistant" and m.stop_reason == "max_tokens"
+    assert m.usage.output_tokens == 10
+    thinking = "".join(b.thinking for b in m.content if b.type == "thinking")
+    o = oai.chat.completions.create(model="micro", messages=MSGS, max_tokens=10, temperature=0)
+    assert thinking == o.choices[0].message.reasoning_content
+    with ant.messages.stream(**kw) as s:
+        events = [e.type for e in s]
+        final = s.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert "content_block_start" in events and "content_block_delta" in events
+    assert _blocks(final) == _blocks(m) and final.stop_reason == m.stop_reason
+    assert final.usage.output_tokens == m.usage.output_tokens
+
+
+def test_reasoning_and_tool_history_are_encoded(server, oai):
+    _, svc = server
+    base = [{"role": "user", "content": "Weather in Paris?"}]
+    call = {"id": "functions.get_weather:1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    turns = base + [
+        {"role": "assistant", "content": "", "reasoning_content": "I should call the tool.",
+         "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:1", "content": "sunny, 21C"},
+    ]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    r = oai.chat.completions.create(model="micro", messages=turns, tools=tools, max_tokens=1,
+                                    temperature=0)
+    want = encode_chat(svc.tok, [*base, {**turns[1], "tool_calls": [call]},
+                                 {"role": "tool", "name": "get_weather", "content": "sunny, 21C"}],
+                       tools=tools)
+    assert r.usage.prompt_tokens == len(want)
+    # without the reasoning the prompt is shorter: preserved thinking was encoded
+    no_think = [turns[0], {k: v for k, v in turns[1].items() if k != "reasoning_content"}, turns[2]]
+    r2 = oai.chat.completions.create(model="micro", messages=no_think, tools=tools, max_tokens=1)
+    assert r2.usage.prompt_tokens < r.usage.prompt_tokens
+
+
+def test_prompt_cache_hit_gives_cold_greedy_tokens(server, oai):
+    _, svc = server
+    system = {"role": "system", "content": "You are a careful assistant. " * 4}
+    first = [system, {"role": "user", "content": "First question?"}]
+    a = oai.chat.completions.create(model="micro", messages=first, max_tokens=6, temperature=0)
+    second = [system, {"role": "user", "content": "A different question!"}]
+    b = oai.chat.completions.create(model="micro", messages=second, max_tokens=6, temperature=0,
+                                    logprobs=True)
+    sys_len = len(encode_chat(svc.tok, [system], add_generation_prompt=False))
+    assert b.usage.prompt_tokens_details.cached_tokens == sys_len
+    ids = encode_chat(svc.tok, second)
+    ref, _ = greedy_reference(svc.engine.model, ids, 6)
+    assert [bytes(e.bytes) for e in b.choices[0].logprobs.content] == [svc.tok.decode_bytes([t]) for t in ref]
+    # an exact repeat hits at the end of the last message and still runs the generation prompt
+    c = oai.chat.completions.create(model="micro", messages=second, max_tokens=6, temperature=0)
+    assert c.usage.prompt_tokens_details.cached_tokens == len(
+        encode_chat(svc.tok, second, add_generation_prompt=False))
+    assert c.choices[0].message.reasoning_content == b.choices[0].message.reasoning_content
+    assert a.usage.prompt_tokens_details.cached_tokens in (0, sys_len)
+
+
+# ------------------------------------------------------------------ tool calls (scripted)
+
+
+class ScriptedEngine:
+    """Stands in for the model: answers every job with a fixed token sequence."""
+
+    def __init__(self, tokens):
+        self.tokens, self.queue_length, self.active = tokens, 0, 0
+
+    def submit(self, job):
+        def run():
+            for t in self.tokens[: job.max_tokens]:
+                if job.cancelled.is_set():
+                    break
+                job.emit(TokenOut(t, -0.5, [(t, -0.5)]) if job.logprobs is not None else TokenOut(t))
+            job.emit(Finished("stop", len(job.ids), 0, len(self.tokens)))
+        threading.Thread(target=run, daemon=True).start()
+        return job
+
+
+TOOL_REPLY = (
+    "Let me look.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>"
+    '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+    '<|open|>argument key="city" type="string"<|sep|>Paris é<|close|>argument<|sep|>'
+    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
+    "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>"
+)
+
+
+@pytest.fixture(scope="module")
+def scripted(server):
+    _, real = server
+    svc = make_service(MICRO, None, "micro", 64 << 10)
+    svc.wrapper, svc.tok, svc.context = real.wrapper, real.tok, real.context
+    svc.engine = ScriptedEngine(real.tok.encode(TOOL_REPLY, allow_special=True))
+    srv = BackgroundServer(create_app(svc)).start()
+    yield srv
+    srv.stop()
+
+
+def test_tool_calls_openai_streamed_and_not(scripted):
+    c = openai.OpenAI(base_url=scripted.url + "/v1", api_key="x", timeout=60, max_retries=0)
+    kw = dict(model="micro", messages=[{"role": "user", "content": "Weather?"}], max_tokens=200)
+    r = c.chat.completions.create(**kw)
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert (m.reasoning_content, m.content) == ("Let me look.", "Checking.")
+    (call,) = m.tool_calls
+    assert call.id == "functions.get_weather:1" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris é", "days": 3}
+    chunks = list(c.chat.completions.create(stream=True, **kw))
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id == call.id and deltas[0].function.name == "get_weather"
+    assert len(deltas) > 2  # name first, then argument fragments
+    joined = "".join(d.function.arguments or "" for d in deltas)
+    assert json.loads(joined) == json.loads(call.function.arguments)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_tool_calls_anthropic_streamed_and_not(scripted):
+    c = anthropic.Anthropic(base_url=scripted.url, api_key="x", timeout=60, max_retries=0)
+    kw = dict(model="micro", max_tokens=200, messages=[{"role": "user", "content": "Weather?"}],
+              tools=[{"name": "get_weather", "input_schema": {"type": "object"}}])
+    m = c.messages.create(**kw)
+    assert [b.type for b in m.content] == ["thinking", "text", "tool_use"]
+    tu = m.content[2]
+    assert tu.id == "functions.get_weather:1" and tu.input == {"city": "Paris é", "days": 3}
+    assert m.stop_reason == "tool_use"
+    with c.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert _blocks(final) == _blocks(m) and final.stop_reason == "tool_use"
+    # round trip: the tool_use id comes back as tool_result and is accepted
+    back = c.messages.create(model="micro", max_tokens=5, messages=[
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": tu.id, "content": "sunny"}]},
+    ])
+    assert back.type == "message"
+
+
+# ------------------------------------------------------------------ errors
+
+
+def _post(url, path, body, key=KEY, raw=None, headers=None):
+    h = {"Authorization": f"Bearer {key}"} if key else {}
+    h.update(headers or {})
+    if raw is not None:
+        return httpx.post(url + path, content=raw, headers={**h, "Content-Type": "application/json"}, timeout=60)
+    return httpx.post(url + path, json=body, headers=h, timeout=60)
+
+
+@pytest.mark.parametrize("body,needle", [
+    (None, "not valid JSON"),
+    ({"model": "micro"}, "messages"),
+    ({"model": "micro", "messages": MSGS, "temperature": -1}, "temperature"),
+    ({"model": "micro", "messages": MSGS, "reasoning_effort": "medium"}, "low, high, max"),
+    ({"model": "micro", "messages": MSGS, "n": 2}, "n=2"),
+    ({"model": "micro", "messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "micro", "messages": MSGS, "max_tokens": 5000}, "4096"),
+    ({"model": "micro", "messages": MSGS, "max_tokens": 5000, "stream": True}, "5000"),
+    ({"model": "micro", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
+])
+def test_openai_400s(server, body, needle):
+    r = _post(server[0].url, "/v1/chat/completions", body, raw=b"{not json" if body is None else None)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_context_error_names_both_numbers(server):
+    r = _post(server[0].url, "/v1/chat/completions", {"model": "micro", "messages": MSGS,
+                                                     "max_tokens": 5000, "stream": True})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
+    assert "4096" in r.json()["error"]["message"] and "5000" in r.json()["error"]["message"]
+
+
+def test_auth_404_413_and_anthropic_shape(server):
+    url = server[0].url
+    r = _post(url, "/v1/chat/completions", {"model": "micro", "messages": MSGS}, key=None)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = _post(url, "/v1/chat/completions", {"model": "micro", "messages": MSGS}, key="sk-wrong")
+    assert r.status_code == 401 and "invalid API key" in r.json()["error"]["message"]
+    r = _post(url, "/v1/chat/completions", {"model": "gpt-9", "messages": MSGS, "max_tokens": 1})
+    assert r.status_code == 404 and "gpt-9" in r.json()["error"]["message"]
+    r = _post(url, "/v1/chat/completions", {"model": "micro", "messages": [
+        {"role": "user", "content": "x" * (80 << 10)}]})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    r = _post(url, "/v1/messages", {"model": "micro", "messages": MSGS[1:]}, key=None,
+              headers={"x-api-key": KEY})
+    body = r.json()
+    assert r.status_code == 400 and body["type"] == "error"
+    assert body["error"]["type"] == "invalid_request_error" and "max_tokens" in body["error"]["message"]
+    r = _post(url, "/v1/messages", {"model": "micro", "max_tokens": 2, "messages": MSGS[1:]},
+              key=None, headers={"x-api-key": "nope"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = _post(url, "/v1/messages", {"model": "nope", "max_tokens": 2, "messages": MSGS[1:]})
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="bad", max_retries=0).models.list()
+
+
+def test_health_models_metrics_and_loading_503(server, oai):
+    srv, svc = server
+    assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+    assert [m.id for m in oai.models.list()] == ["micro"]
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    for name in ("kimi_mlx_requests_total", "kimi_mlx_generation_tokens_total",
+                 "kimi_mlx_prompt_cache_hits_total", "kimi_mlx_queue_length",
+                 "kimi_mlx_generation_tokens_per_second"):
+        assert name in text
+    loading = make_service(MICRO, None, None, 1 << 20)
+    app_srv = BackgroundServer(create_app(loading)).start()
+    try:
+        r = httpx.get(app_srv.url + "/health")
+        assert r.status_code == 503 and "loading" in r.json()["reason"]
+        r = httpx.post(app_srv.url + "/v1/chat/completions", json={"model": "micro", "messages": MSGS})
+        assert r.status_code == 503 and r.headers.get("retry-after")
+    finally:
+        app_srv.stop()
+
+
+def test_non_loopback_bind_needs_key_or_no_auth(capsys):
+    class A:
+        api_key = api_key_file = None
+        host, no_auth = "0.0.0.0", False
+    with pytest.raises(InputError, match="--no-auth"):
+        resolve_api_key(A)
+    A.no_auth = True
+    assert resolve_api_key(A) is None and "warning" in capsys.readouterr().err
+    A.host, A.no_auth = "127.0.0.1", False
+    assert resolve_api_key(A) is None
+
+
+def test_disconnect_frees_the_slot(server, oai):
+    srv, svc = server
+    before = svc.metrics.generation_tokens._value.get()
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "micro", "messages": MSGS, "max_tokens": 3000,
+                            "stream": True}) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    t0 = time.monotonic()
+    r = oai.chat.completions.create(model="micro", messages=MSGS, max_tokens=2)
+    assert r.choices[0].finish_reason == "length"
+    assert time.monotonic() - t0 < 60  # bounded; not a speed claim
+    generated = svc.metrics.generation_tokens._value.get() - before
+    assert generated < 500  # the abandoned stream stopped long before its 3000 tokens
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
+def test_curl(server):
+    srv, _ = server
+    out = subprocess.run(
+        ["curl", "-sS", "--max-time", "60", srv.url + "/v1/chat/completions",
+         "-H", f"Authorization: Bearer {KEY}", "-H", "Content-Type: application/json",
+         "-d", json.dumps({"model": "micro", "messages": MSGS, "max_tokens": 3})],
+        capture_output=True, text=True, timeout=90, check=True).stdout
+    assert json.loads(out)["usage"]["completion_tokens"] == 3
