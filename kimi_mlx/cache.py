@@ -1,22 +1,253 @@
-"""Caches of our layers and what the server does with them.
+"""Caches of our layers, in mlx-lm's cache protocol, batchable for its `BatchGenerator`.
 
-- KDA layers: mlx-lm `ArraysCache(2)` ([conv state, recurrent state]).
-- Gated DSA layers: `DSACache` (kimi_mlx/dsa.py): latent + rope key + indexer key per token.
+- KDA layers: mlx-lm `ArraysCache(2)` = [conv state [B, K-1, 3P], recurrent state
+  [B, H, Dv, Dk]]. Batching (merge / extract / filter / extend / prepare / finalize /
+  advance / make_mask) is mlx-lm's own; `KimiDeltaAttention` reads `make_mask` and
+  `lengths` so that padded positions leave the conv and recurrent state untouched.
+- Gated DSA layers: `DSACache` (one sequence) and `BatchDSACache` (several, left-padded
+  as mlx-lm's `BatchKVCache`): MLA latent [B, 1, T, 512] as keys, rope key [B, 1, T, 64]
+  as values, and indexer keys [B, 1, T, 128] at the same offsets.
 
-`snapshot` / `restore` copy a whole model cache for the prompt cache across requests:
-MLX arrays are immutable values, so a snapshot holds references, not copies; the only
-in-place writes (KVCache's slice assignment into its preallocated buffer) never reach a
-snapshot because snapshots hold slices of exactly `offset` tokens, and a restored cache
+A batched DSA layer attends row by row over each row's own tokens (`BatchDSACache.
+attend`), so padding never enters the dense mask, the indexer's causal top-k or the
+sparse gather: every row computes exactly what a single run computes.
+
+`snapshot` / `restore` copy a whole single-sequence model cache for the prompt cache
+across requests: MLX arrays are immutable values, so a snapshot holds references, not
+copies; the only in-place writes (slice assignment into a preallocated buffer) never
+reach a snapshot, which holds slices of exactly `offset` tokens, because a restored cache
 grows into a new buffer (concatenation) before it writes.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
-from mlx_lm.models.cache import ArraysCache
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
 
-from .dsa import DSACache
+__all__ = ["ArraysCache", "DSACache", "BatchDSACache", "snapshot", "restore", "snapshot_nbytes"]
+
+
+class DSACache(KVCache):
+    """mlx-lm KVCache (keys = latent [B,1,T,512], values = k_pe [B,1,T,64]) that also keeps
+    the indexer keys [B,1,T,Di] at the same offsets (keys only: no zero values stored).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.index_keys = None
+
+    def update_and_fetch_all(
+        self, latent: mx.array, k_pe: mx.array, k_idx: mx.array
+    ) -> Tuple[mx.array, mx.array, mx.array]:
+        """Append L new tokens; return all cached (latent, k_pe, k_idx) up to the offset."""
+        prev = self.offset
+        latent, k_pe = self.update_and_fetch(latent, k_pe)
+        cap = self.keys.shape[2]
+        if self.index_keys is None or self.index_keys.shape[2] != cap:
+            new = mx.zeros((*k_idx.shape[:2], cap, k_idx.shape[-1]), k_idx.dtype)
+            if self.index_keys is not None and prev:
+                new[..., :prev, :] = self.index_keys[..., :prev, :]
+            self.index_keys = new
+        self.index_keys[..., prev : self.offset, :] = k_idx
+        return latent, k_pe, self.index_keys[..., : self.offset, :]
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.index_keys, self.offset
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.index_keys, self.offset = v
+
+    @property
+    def nbytes(self):
+        n = super().nbytes
+        return n + (self.index_keys.nbytes if self.index_keys is not None else 0)
+
+    @classmethod
+    def merge(cls, caches: List["DSACache"]) -> "BatchDSACache":
+        """Several single-sequence caches -> one left-padded batch cache."""
+        return BatchDSACache.merge(caches)
+
+
+class BatchDSACache(BatchKVCache):
+    """`BatchKVCache` (left-padded rows, `_idx` buffer position) plus indexer keys
+    `index_keys` [B, 1, cap, Di] kept at the same positions through every batch
+    operation (merge, extend, filter, extract, right-padding finalize).
+    """
+
+    def __init__(self, left_padding: List[int]):
+        super().__init__(left_padding)
+        self.index_keys = None
+        self._remaining = None  # real tokens still to come per row (right-padded prefill)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
+        if lengths is not None and right_padding is not None and max(right_padding) > 0:
+            self._remaining = list(lengths)
+
+    # -------------------------------------------------------------- writes
+
+    def update_and_fetch_all(self, latent, k_pe, k_idx):
+        prev = self._idx
+        latent, k_pe = self.update_and_fetch(latent, k_pe)
+        cap = self.keys.shape[2]
+        if self.index_keys is None or self.index_keys.shape[2] != cap:
+            new = mx.zeros((*k_idx.shape[:2], cap, k_idx.shape[-1]), k_idx.dtype)
+            if self.index_keys is not None and prev:
+                new[..., :prev, :] = self.index_keys[..., :prev, :]
+            self.index_keys = new
+        self.index_keys[..., prev : self._idx, :] = k_idx
+        return latent, k_pe, self.index_keys[..., : self._idx, :]
+
+    def attend(self, layer_call: Callable[[mx.array, DSACache], mx.array], x: mx.array) -> mx.array:
+        """Run a DSA layer on x [B, L, hidden] against this batch: each row (or the whole
+        batch when no row is padded) goes through the single-sequence path on a
+        `DSACache` view of its own tokens; the new tokens are then appended here.
+
+        `layer_call(x_rows, cache)` is the layer's single-sequence forward."""
+        L = x.shape[1]
+        mx.eval(self.left_padding)
+        pads = self.left_padding.tolist()
+        real = ([max(0, min(L, r)) for r in self._remaining] if self._remaining is not None
+                else [L] * len(pads))
+        if self._remaining is not None:
+            self._remaining = [r - L for r in self._remaining]
+        aligned = not any(pads) and all(n == L for n in real)
+        groups = [list(range(len(pads)))] if aligned else [[b] for b in range(len(pads))]
+        outs, new = [None] * len(pads), [None] * len(pads)
+        for rows in groups:
+            b0, n = rows[0], real[rows[0]]
+            lp = pads[b0]
+            view = DSACache()
+            if self.keys is not None and self._idx > lp:
+                sel = mx.array(rows) if len(rows) > 1 else slice(b0, b0 + 1)
+                view.keys = self.keys[sel, :, lp : self._idx]
+                view.values = self.values[sel, :, lp : self._idx]
+                view.index_keys = self.index_keys[sel, :, lp : self._idx]
+                view.offset = self._idx - lp
+            xs = x if len(rows) > 1 else x[b0 : b0 + 1]
+            if n == 0:  # a right-padded row whose real tokens are all in earlier chunks
+                y = mx.zeros_like(xs)
+                lat = pe = idx = None
+            else:
+                # only the row's real tokens run; padded positions get zeros, which
+                # finalize() rolls to the left where the padding mask hides them
+                y = layer_call(xs[:, :n], view)
+                o = view.offset
+                lat, pe, idx = (view.keys[..., o - n : o, :], view.values[..., o - n : o, :],
+                                view.index_keys[..., o - n : o, :])
+                if n < L:
+                    pad = [(0, 0), (0, 0), (0, L - n), (0, 0)]
+                    y = mx.pad(y, [(0, 0), (0, L - n), (0, 0)])
+                    lat, pe, idx = mx.pad(lat, pad), mx.pad(pe, pad), mx.pad(idx, pad)
+            for k, b in enumerate(rows):
+                outs[b] = y[k : k + 1]
+                new[b] = (lat[k : k + 1], pe[k : k + 1], idx[k : k + 1]) if lat is not None else None
+        shapes = next(n_ for n_ in new if n_ is not None)
+        new = [n_ if n_ is not None else tuple(mx.zeros_like(a) for a in shapes) for n_ in new]
+        self.update_and_fetch_all(*(mx.concatenate([n_[i] for n_ in new]) for i in range(3)))
+        return mx.concatenate(outs) if len(outs) > 1 else outs[0]
+
+    # -------------------------------------------------------------- batch protocol
+
+    def finalize(self):
+        padding = self._right_padding
+        self._remaining = None
+        super().finalize()
+        if padding is not None and self.index_keys is not None:
+            self.index_keys = dynamic_roll(self.index_keys, padding[:, None], axis=2)
+
+    def filter(self, batch_indices):
+        if self.index_keys is not None:
+            self.index_keys = self.index_keys[batch_indices]
+        super().filter(batch_indices)
+        # BatchKVCache shifts keys left by the smallest padding left: follow it
+        if self.index_keys is not None and self.keys is not None:
+            shift = self.index_keys.shape[2] - self.keys.shape[2]
+            if shift > 0:
+                self.index_keys = self.index_keys[..., shift:, :]
+
+    def extend(self, other: "BatchDSACache"):
+        max_idx = max(self._idx, other._idx)
+        sizes = [c.keys.shape[2] for c in (self, other) if c.keys is not None]
+        max_size = max(sizes) if sizes else 0
+        ref = self.index_keys if self.index_keys is not None else other.index_keys
+
+        def pad(c):
+            k = c.index_keys
+            if k is None:
+                k = mx.zeros((c.offset.shape[0], 1, 0, ref.shape[-1]), ref.dtype)
+            left = max_idx - c._idx
+            right = max_size - k.shape[2] - left
+            if right < 0:
+                k = k[..., :right, :]
+                right = 0
+            if left or right:
+                k = mx.pad(k, [(0, 0), (0, 0), (left, right), (0, 0)])
+            return k
+
+        idx_keys = None if ref is None else mx.concatenate([pad(self), pad(other)])
+        super().extend(other)
+        self.index_keys = idx_keys
+
+    def extract(self, idx: int) -> DSACache:
+        cache = DSACache()
+        mx.eval(self.left_padding)
+        padding = self.left_padding.tolist()[idx]
+        if self.keys is not None:
+            cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, padding : self._idx])
+            cache.values = mx.contiguous(self.values[idx : idx + 1, :, padding : self._idx])
+            cache.index_keys = mx.contiguous(self.index_keys[idx : idx + 1, :, padding : self._idx])
+            cache.offset = cache.keys.shape[2]
+        return cache
+
+    @classmethod
+    def merge(cls, caches: List[DSACache]) -> "BatchDSACache":
+        lengths = [c.offset if c.keys is not None else 0 for c in caches]
+        n = max(lengths)
+        if n == 0:
+            return cls([0] * len(caches))
+        padding = [n - l for l in lengths]
+        src = next(c for c in caches if c.keys is not None)
+        B = len(caches)
+
+        def buf(a):
+            return mx.zeros((B, a.shape[1], n, a.shape[3]), a.dtype)
+
+        keys, values, idx = buf(src.keys), buf(src.values), buf(src.index_keys)
+        for i, (p, c) in enumerate(zip(padding, caches)):
+            if c.keys is None:
+                continue
+            keys[i : i + 1, :, p:] = c.keys[..., : c.offset, :]
+            values[i : i + 1, :, p:] = c.values[..., : c.offset, :]
+            idx[i : i + 1, :, p:] = c.index_keys[..., : c.offset, :]
+        cache = cls(padding)
+        cache.keys, cache.values, cache.index_keys = keys, values, idx
+        cache.offset += n
+        cache._idx = n
+        return cache
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.index_keys, self.offset, self.left_padding, self._idx
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.index_keys, self.offset, self.left_padding, self._idx = v
+
+    def is_trimmable(self):
+        return False
+
+    @property
+    def nbytes(self):
+        n = super().nbytes
+        return n + (self.index_keys.nbytes if self.index_keys is not None else 0)
+
+
+# ------------------------------------------------------------------ prompt-cache snapshots
 
 Snapshot = List[Tuple[str, Any]]
 
@@ -57,6 +288,7 @@ def restore(snap: Snapshot) -> List[Any]:
 
 
 def snapshot_nbytes(snap: Snapshot) -> int:
+    """Bytes of the arrays a snapshot holds."""
     n = 0
     for kind, state in snap:
         if state is None:

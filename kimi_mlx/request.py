@@ -205,10 +205,32 @@ class SamplingParams:
         return self
 
     def sampler(self):
-        """mlx-lm sampler: logprobs [B, vocab] -> token ids [B]."""
-        from mlx_lm.sample_utils import make_sampler
+        """Sampler: logprobs [B, vocab] -> token ids [B]. mlx-lm's `make_sampler` when
+        unseeded (or greedy); with a seed the same filter chain (mlx-lm's apply_top_p,
+        apply_min_p, apply_top_k, in make_sampler's order) then a categorical draw from
+        this request's own PRNG key, so a seeded request samples the same tokens whatever
+        else runs at the same time."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
 
-        return make_sampler(self.temp, self.top_p, self.min_p, top_k=self.top_k)
+        if self.temp == 0 or self.seed is None:
+            return make_sampler(self.temp, self.top_p, self.min_p, top_k=self.top_k)
+        import mlx.core as mx
+
+        key = mx.random.key(self.seed)
+        temp, top_p, min_p, top_k = self.temp, self.top_p, self.min_p, self.top_k
+
+        def sampler(logprobs):
+            nonlocal key
+            if 0 < top_p < 1.0:
+                logprobs = apply_top_p(logprobs, top_p)
+            if min_p != 0.0:
+                logprobs = apply_min_p(logprobs, min_p, 1)
+            if top_k > 0:
+                logprobs = apply_top_k(logprobs, top_k)
+            key, sub = mx.random.split(key)
+            return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+
+        return sampler
 
 
 def generation_defaults(model_dir: Path) -> SamplingParams:

@@ -28,7 +28,7 @@ MICRO = str(default_model())
 @pytest.fixture(scope="module")
 def server():
     svc = make_service(MICRO, KEY, None, 64 << 10)
-    load_service(svc, MICRO, max_concurrency=1, prompt_cache_bytes=256 << 20, max_queue=16,
+    load_service(svc, MICRO, max_concurrency=4, prompt_cache_bytes=256 << 20, max_queue=16,
                  max_kv_size=None)
     srv = BackgroundServer(create_app(svc)).start()
     yield srv, svc

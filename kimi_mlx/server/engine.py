@@ -234,8 +234,6 @@ class Engine:
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)
         self.prefill(job.ids, cache, cached, job.segment_ends)
-        if job.sampling.seed is not None:
-            mx.random.seed(job.sampling.seed)
         gen = generate_step(mx.array(job.ids[-1:]), self.model, max_tokens=job.max_tokens,
                             sampler=job.sampling.sampler(),
                             logits_processors=job.logits_processors, prompt_cache=cache)
