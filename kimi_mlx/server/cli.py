@@ -25,8 +25,8 @@ log = logging.getLogger("kimi_mlx.server")
 DEFAULT_PORT = 8080
 
 
-def add_server_arguments(p: argparse.ArgumentParser) -> None:
-    """HTTP flags shared with `kimi-mlx cluster server`."""
+def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> None:
+    """HTTP flags shared with `kimi-mlx cluster server` (which has its own --log-level)."""
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free port)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key)")
@@ -41,7 +41,8 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest request body (default 8 MiB); larger ones get 413")
     p.add_argument("--max-kv-size", type=int, default=None,
                    help="cap on prompt + generated tokens (default: max_position_embeddings)")
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    if log_level:
+        p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
