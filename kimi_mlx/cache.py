@@ -81,12 +81,19 @@ class BatchDSACache(BatchKVCache):
     def __init__(self, left_padding: List[int]):
         super().__init__(left_padding)
         self.index_keys = None
+        # Python copies of the padding, so a decode step never waits for the device to
+        # read `left_padding` back (that would stall MLX's async pipelining every layer)
+        self._pads = [int(p) for p in left_padding]
+        self._right = None
         self._remaining = None  # real tokens still to come per row (right-padded prefill)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
+        if left_padding is not None:
+            self._pads = [a + int(b) for a, b in zip(self._pads, left_padding)]
         if lengths is not None and right_padding is not None and max(right_padding) > 0:
             self._remaining = list(lengths)
+            self._right = [int(r) for r in right_padding]
 
     # -------------------------------------------------------------- writes
 
@@ -109,8 +116,7 @@ class BatchDSACache(BatchKVCache):
 
         `layer_call(x_rows, cache)` is the layer's single-sequence forward."""
         L = x.shape[1]
-        mx.eval(self.left_padding)
-        pads = self.left_padding.tolist()
+        pads = self._pads
         real = ([max(0, min(L, r)) for r in self._remaining] if self._remaining is not None
                 else [L] * len(pads))
         if self._remaining is not None:
@@ -155,7 +161,9 @@ class BatchDSACache(BatchKVCache):
 
     def finalize(self):
         padding = self._right_padding
-        self._remaining = None
+        if padding is not None:
+            self._pads = [a + b for a, b in zip(self._pads, self._right)]
+        self._remaining = self._right = None
         super().finalize()
         if padding is not None and self.index_keys is not None:
             self.index_keys = dynamic_roll(self.index_keys, padding[:, None], axis=2)
@@ -163,7 +171,9 @@ class BatchDSACache(BatchKVCache):
     def filter(self, batch_indices):
         if self.index_keys is not None:
             self.index_keys = self.index_keys[batch_indices]
+        pads = [self._pads[i] for i in batch_indices]
         super().filter(batch_indices)
+        self._pads = [p - min(pads) for p in pads] if pads else []
         # BatchKVCache shifts keys left by the smallest padding left: follow it
         if self.index_keys is not None and self.keys is not None:
             shift = self.index_keys.shape[2] - self.keys.shape[2]
@@ -190,13 +200,18 @@ class BatchDSACache(BatchKVCache):
             return k
 
         idx_keys = None if ref is None else mx.concatenate([pad(self), pad(other)])
+        if self.keys is None and other.keys is None:
+            pads = self._pads + other._pads
+        else:
+            pads = ([p + max_idx - self._idx for p in self._pads]
+                    + [p + max_idx - other._idx for p in other._pads])
         super().extend(other)
         self.index_keys = idx_keys
+        self._pads = pads
 
     def extract(self, idx: int) -> DSACache:
         cache = DSACache()
-        mx.eval(self.left_padding)
-        padding = self.left_padding.tolist()[idx]
+        padding = self._pads[idx]
         if self.keys is not None:
             cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, padding : self._idx])
             cache.values = mx.contiguous(self.values[idx : idx + 1, :, padding : self._idx])
@@ -237,6 +252,9 @@ class BatchDSACache(BatchKVCache):
     @state.setter
     def state(self, v):
         self.keys, self.values, self.index_keys, self.offset, self.left_padding, self._idx = v
+        self._pads = self.left_padding.tolist()
+        self._right = self._remaining = None
+        self._right_padding = None
 
     def is_trimmable(self):
         return False

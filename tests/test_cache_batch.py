@@ -88,8 +88,14 @@ def test_dsa_cache_merge_extract_filter_round_trip():
         for a, b in zip(e.state[:3], c.state[:3]):
             assert mx.array_equal(a, b[..., : c.offset, :])
     batch.filter([0, 2])  # the longest row leaves: padding shrinks by 2
-    assert batch.left_padding.tolist() == [2, 0] and batch.index_keys.shape[2] == batch.keys.shape[2]
+    assert batch.left_padding.tolist() == [2, 0] == batch._pads
+    assert batch.index_keys.shape[2] == batch.keys.shape[2]
     assert mx.array_equal(batch.extract(1).index_keys, caches[2].index_keys[..., :5, :])
+    batch.extend(DSACache.merge([caches[1]]))  # 7 tokens join 5: everyone re-justified
+    assert batch.left_padding.tolist() == [4, 2, 0] == batch._pads
+    for i, c in zip(range(3), (caches[0], caches[2], caches[1])):
+        assert mx.array_equal(batch.extract(i).index_keys, c.index_keys[..., : c.offset, :])
+        assert mx.array_equal(batch.extract(i).keys, c.keys[..., : c.offset, :])
     assert OldPathDSACache is DSACache
 
 
