@@ -444,3 +444,94 @@ def test_one_at_a_time_engine_matches_batched(server):
     finally:
         srv.stop()
         svc.engine.stop()
+
+
+class _Refusing:
+    queue_length = active = 0
+
+    def __init__(self, fail_after=None):
+        self.fail_after = fail_after
+
+    def submit(self, job):
+        from kimi_mlx.server.engine import Busy, Failed
+
+        if self.fail_after is None:
+            raise Busy("2 requests are waiting (--max-queue 2)")
+
+        def run():
+            for t in [300, 301, 302][: self.fail_after]:
+                job.emit(TokenOut(t))
+            job.emit(Failed("generation failed: RuntimeError: boom"))
+        threading.Thread(target=run, daemon=True).start()
+        return job
+
+
+def _fake_server(server, engine):
+    _, real = server
+    svc = make_service(MICRO, None, "micro", 64 << 10)
+    svc.wrapper, svc.tok, svc.context = real.wrapper, real.tok, real.context
+    svc.engine = engine
+    return BackgroundServer(create_app(svc)).start()
+
+
+def test_busy_is_503_with_retry_after_and_failures_reach_only_that_request(server, oai):
+    srv = _fake_server(server, _Refusing())
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "micro", "messages": MSGS}, timeout=30)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and "busy" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/messages", json={"model": "micro", "messages": MSGS[1:], "max_tokens": 3}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+    finally:
+        srv.stop()
+    srv = _fake_server(server, _Refusing(fail_after=2))
+    try:
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": "micro", "messages": MSGS}, timeout=30)
+        assert r.status_code == 500 and "boom" in r.json()["error"]["message"]
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=30, json={
+                "model": "micro", "messages": MSGS, "stream": True}) as s:
+            lines = [l for l in s.iter_lines() if l.startswith("data: ")]
+        assert s.status_code == 200 and "boom" in json.loads(lines[-1][6:])["error"]["message"]
+        with httpx.stream("POST", srv.url + "/v1/messages", timeout=30, json={
+                "model": "micro", "messages": MSGS[1:], "max_tokens": 5, "stream": True}) as s:
+            body = s.read().decode()
+        assert "event: error" in body and "boom" in body
+    finally:
+        srv.stop()
+    # the real server is unaffected
+    assert oai.chat.completions.create(model="micro", messages=MSGS, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_streams_never_split_a_utf8_character(server):
+    _, real = server
+    text = "Smile 🙂, naïve café — 日本語 ok"
+    ids = real.tok.encode(text)
+    assert any("\ufffd" in real.tok.decode([t]) for t in ids)  # some tokens are partial bytes
+    srv = _fake_server(server, ScriptedEngine(ids))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=30, max_retries=0)
+        pieces = [ch.choices[0].text for ch in c.completions.create(
+            model="micro", prompt="x", max_tokens=100, stream=True) if ch.choices]
+        assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    finally:
+        srv.stop()
+
+
+def test_built_checkpoint_plain_and_streamed(tiny_ckpt):
+    """The same API on a checkpoint built in the official layout (random weights)."""
+    svc = make_service(str(tiny_ckpt), None, "tiny", 64 << 10)
+    load_service(svc, str(tiny_ckpt), max_concurrency=2, prompt_cache_bytes=1 << 20,
+                 max_queue=4, max_kv_size=1024)
+    srv = BackgroundServer(create_app(svc)).start()
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=60, max_retries=0)
+        kw = dict(model="tiny", messages=MSGS, max_tokens=5, temperature=0.7, seed=1)
+        r = c.chat.completions.create(**kw)
+        _, reasoning, content, _ = _stream_chat(c, **kw)
+        m = r.choices[0].message
+        assert (reasoning, content) == (m.reasoning_content or "", m.content)
+        assert r.usage.completion_tokens == 5 or r.choices[0].finish_reason == "stop"
+        r = httpx.post(srv.url + "/v1/chat/completions", json={**kw, "max_tokens": 1000}, timeout=30)
+        assert r.status_code == 400 and "1024" in r.json()["error"]["message"]
+    finally:
+        srv.stop()
+        svc.engine.stop()
