@@ -535,3 +535,33 @@ def test_built_checkpoint_plain_and_streamed(tiny_ckpt):
     finally:
         srv.stop()
         svc.engine.stop()
+
+
+def test_prompt_cache_snapshots_every_n_tokens_of_a_long_prompt():
+    """A long raw prompt is snapshotted every `every` tokens; a longer prompt that starts
+    with it resumes from the last snapshot and gives a cold run's greedy tokens."""
+    from kimi_mlx.server.engine import Engine, Job
+    from kimi_mlx.server.prompt_cache import PromptCache
+    from kimi_mlx.request import SamplingParams, load_for_generation
+
+    model, _, tok, _ = load_for_generation(MICRO)
+    pc = PromptCache(64 << 20, every=32)
+    eng = Engine(model, tok.eos_token_ids, max_concurrency=1, prompt_cache=pc).start()
+    try:
+        ids = tok.encode(open(f"{MICRO}/heldout/code.txt").read()[:600])
+        assert len(ids) > 100
+
+        def run(prompt):
+            job = Job(prompt, 5, SamplingParams())
+            job.attach(None)
+            eng.submit(job)
+            evs = list(job.events(timeout=120))
+            return [e.token for e in evs if isinstance(e, TokenOut)], evs[-1]
+
+        run(ids[:90])
+        assert len(pc) == 2  # at 32 and 64 (the prompt's last token is never snapshotted)
+        toks, done = run(ids[:100])
+        assert done.cached_tokens == 64
+        assert toks == greedy_reference(model, ids[:100], 5)[0]
+    finally:
+        eng.stop()

@@ -213,15 +213,18 @@ class Engine:
         cache snapshot it (the last prompt token is left for the sampling step)."""
         import mlx.core as mx
 
-        stops = sorted({e for e in segment_ends if start < e < len(ids)} | {len(ids) - 1})
+        snaps = {e for e in segment_ends if start < e < len(ids)}
+        if self.prompt_cache is not None and self.prompt_cache.every:
+            k = self.prompt_cache.every
+            snaps |= set(range((start // k + 1) * k, len(ids) - 1, k))
         pos = start
-        for end in stops:
+        for end in sorted(snaps | {len(ids) - 1}):
             while pos < end:
                 n = min(step, end - pos)
                 self.model(mx.array(ids[pos:pos + n])[None], cache=cache)
                 mx.eval([c.state for c in cache])
                 pos += n
-            if self.prompt_cache is not None and end in segment_ends:
+            if self.prompt_cache is not None and end in snaps:
                 self.prompt_cache.store(ids[:end], cache)
 
     def _run_one(self, job: Job) -> None:

@@ -1,6 +1,6 @@
 """Prompt cache across requests: snapshots of the whole model cache (KDA conv + recurrent
 state, DSA latents / rope keys / index keys) taken at segment ends (end of the system
-prompt, of each earlier turn), in an LRU bounded by bytes.
+prompt, of each earlier turn) and every `every` prefill tokens, in an LRU bounded by bytes.
 
 KDA state cannot be trimmed, so a request can only start from a snapshot whose tokens are
 a prefix of its prompt; the longest such prefix wins. A hit restores a fresh cache from
@@ -22,8 +22,9 @@ class PromptCache:
 
     Thread-safe (the engine thread stores and fetches; /metrics reads counters)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, every: int = 1024):
         self.max_bytes = max_bytes
+        self.every = every  # also snapshot every this many prefill tokens (long prompts)
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
