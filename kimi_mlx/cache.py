@@ -121,15 +121,22 @@ class BatchDSACache(BatchKVCache):
                 else [L] * len(pads))
         if self._remaining is not None:
             self._remaining = [r - L for r in self._remaining]
-        aligned = not any(pads) and all(n == L for n in real)
+        full = all(n == L for n in real)
+        topk = getattr(getattr(layer_call, "__self__", None), "index_topk", 0)
+        # one batched call when rows are aligned, or when the dense path (context within
+        # index_topk) can mask each row's left padding; else row by row
+        masked = full and any(pads) and self._idx + L <= topk
+        aligned = full and (not any(pads) or masked)
         groups = [list(range(len(pads)))] if aligned else [[b] for b in range(len(pads))]
         outs, new = [None] * len(pads), [None] * len(pads)
         for rows in groups:
             b0, n = rows[0], real[rows[0]]
-            lp = pads[b0]
+            lp = 0 if masked else pads[b0]
             view = DSACache()
+            if masked:
+                view.pad_mask = (mx.arange(self._idx + L)[None] >= mx.array(pads)[:, None])[:, None, None, :]
             if self.keys is not None and self._idx > lp:
-                sel = mx.array(rows) if len(rows) > 1 else slice(b0, b0 + 1)
+                sel = slice(None) if len(rows) > 1 else slice(b0, b0 + 1)
                 view.keys = self.keys[sel, :, lp : self._idx]
                 view.values = self.values[sel, :, lp : self._idx]
                 view.index_keys = self.index_keys[sel, :, lp : self._idx]

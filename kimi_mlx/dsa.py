@@ -136,6 +136,8 @@ class GatedDSA(nn.Module):
         # Context within index_topk: exactly dense causal MLA. Additive score mask: the
         # scaled rope-part scores, -inf above the diagonal.
         causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]  # [L, S]
+        if getattr(cache, "pad_mask", None) is not None:  # batch rows' left padding
+            causal = causal & cache.pad_mask  # [B, 1, 1, S]
         pe = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # [B,H,L,S]
         bias = mx.where(causal, pe, mx.array(-mx.inf, pe.dtype))
 
