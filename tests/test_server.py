@@ -565,3 +565,17 @@ def test_prompt_cache_snapshots_every_n_tokens_of_a_long_prompt():
         assert toks == greedy_reference(model, ids[:100], 5)[0]
     finally:
         eng.stop()
+
+
+def test_non_streamed_request_whose_client_leaves_is_stopped(server):
+    srv, svc = server
+    before = svc.metrics.generation_tokens._value.get()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": "micro", "prompt": "Once", "max_tokens": 3000}, timeout=1.5)
+    deadline = time.monotonic() + 30
+    while svc.engine.active and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert svc.engine.active == 0
+    time.sleep(0.5)
+    assert svc.metrics.generation_tokens._value.get() - before < 1000

@@ -25,6 +25,8 @@ from .schemas import ChatRequest, CompletionRequest, MessagesRequest
 
 log = logging.getLogger("kimi_mlx.server")
 
+_ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+           "/v1/messages"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
@@ -74,6 +76,32 @@ def check_key(svc: Service, request: Request) -> None:
         raise APIError(401, "invalid API key", "authentication_error")
 
 
+class _CountRequests:
+    """Pure ASGI middleware counting requests by route and status (Starlette's
+    BaseHTTPMiddleware would hide a client's disconnect from the handlers)."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {}
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            known = path in _ROUTES or path.startswith("/v1/models/")
+            self.metrics.requests.labels(path if known else "other",
+                                         str(status.get("code", 499))).inc()
+
+
 def create_app(svc: Service) -> FastAPI:
     """The ASGI app serving `svc` (whose engine may still be loading: 503 until then)."""
     app = FastAPI(title="kimi-mlx server", docs_url=None, redoc_url=None, openapi_url=None)
@@ -100,12 +128,8 @@ def create_app(svc: Service) -> FastAPI:
         return error_response(request.url.path, 500, f"internal error: {type(e).__name__}: {e}",
                               "server_error")
 
-    @app.middleware("http")
-    async def _count(request: Request, call_next):
-        response = await call_next(request)
-        if svc.metrics is not None:
-            svc.metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    if svc.metrics is not None:
+        app.add_middleware(_CountRequests, metrics=svc.metrics)
 
     @app.get("/health")
     async def health():

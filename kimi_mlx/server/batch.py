@@ -44,6 +44,7 @@ def run_batched(engine) -> None:
                 gen.remove(gone)
                 for uid in gone:
                     _finish(engine, live.pop(uid), "cancelled")
+                engine._active = len(live)
             if not live:
                 continue
             try:
@@ -72,6 +73,7 @@ def run_batched(engine) -> None:
                 if r.finish_reason is not None:
                     live.pop(r.uid)
                     _finish(engine, s, "length")
+            engine._active = len(live)
     finally:
         engine._active = 0
         for s in live.values():

@@ -165,13 +165,21 @@ async def reply_events(job: Job, builder: ReplyBuilder, request=None,
     Finished or None). The last item carries the Finished. Cancels the job when a stop
     string matched; raises ClientGone (after cancelling) when `request`'s client left,
     APIError 500 when generation failed."""
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
     try:
         while True:
             try:
                 ev = await job.next_event(poll)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    raise ClientGone() from None
+                ev = None
+            if request is not None and loop.time() - checked >= poll:
+                # also while tokens flow: a non-streamed request learns of a client that
+                # left only by asking
+                checked = loop.time()
+                if await request.is_disconnected():
+                    raise ClientGone()
+            if ev is None:
                 continue
             if isinstance(ev, TokenOut):
                 if builder.stopped:
