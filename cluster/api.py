@@ -201,10 +201,12 @@ def run(args, cluster_factory, tokenizers) -> int:
             log.error(svc.loading_error)
 
     threading.Thread(target=load, name="kimi-mlx-cluster-load", daemon=True).start()
-    print(f"kimi-mlx cluster server: http://{args.host}:{args.port} (model {svc.model_ids[0]}; "
-          "GET /health says when the pipeline is loaded)", file=sys.stderr)
     try:
-        serve(create_app(svc), args.host, args.port, args.log_level or "INFO")
+        serve(create_app(svc), args.host, args.port, args.log_level or "WARNING",
+              f"kimi-mlx cluster server (model {svc.model_ids[0]})")
+    except InputError as e:
+        print(f"kimi-mlx cluster server: error: {e}", file=sys.stderr)
+        return 2
     finally:
         if svc.engine is not None:
             svc.engine.stop(2.0)

@@ -579,3 +579,39 @@ def test_non_streamed_request_whose_client_leaves_is_stopped(server):
     assert svc.engine.active == 0
     time.sleep(0.5)
     assert svc.metrics.generation_tokens._value.get() - before < 1000
+
+
+def test_cli_serves_until_interrupted(tmp_path):
+    """`kimi-mlx server` as a user runs it: key from a file, port 0, health, a request,
+    Ctrl-C; and a non-loopback bind without a key is refused before anything loads."""
+    import os
+    import re
+    import signal
+    import sys
+
+    bad = subprocess.run([sys.executable, "-m", "kimi_mlx.cli", "server", "--host", "0.0.0.0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--no-auth" in bad.stderr
+    keyfile = tmp_path / "key"
+    keyfile.write_text("sk-file-key\n")
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx.cli", "server", "--port", "0",
+                             "--api-key-file", str(keyfile), "--max-concurrency", "2"],
+                            stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        line = ""
+        deadline = time.monotonic() + 60
+        while "listening on" not in line and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+        url = re.search(r"http://\S+", line).group(0)
+        while httpx.get(url + "/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="sk-file-key", timeout=60, max_retries=0)
+        assert c.completions.create(model="micro", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

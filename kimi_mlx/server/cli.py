@@ -176,10 +176,29 @@ class BackgroundServer:
         self.sock.close()
 
 
-def serve(app, host: str, port: int, log_level: str) -> None:
+def serve(app, host: str, port: int, log_level: str, banner: str = "kimi-mlx server") -> None:
+    """Bind host:port (port 0: any free one), print the URL on stderr, run uvicorn until
+    interrupted (Ctrl-C / SIGTERM shut it down gracefully)."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    bound = sock.getsockname()[1]
+    where = f"[{host}]" if ":" in host else host
+    print(f"{banner}: listening on http://{where}:{bound} (GET /health says when the model "
+          "is loaded)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(),
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
+        pass
 
 
 def run(args) -> int:
@@ -206,11 +225,15 @@ def run(args) -> int:
             log.error(svc.loading_error)
 
     threading.Thread(target=load, name="kimi-mlx-load", daemon=True).start()
-    print(f"kimi-mlx server: http://{args.host}:{args.port} (model {svc.model_ids[0]}; "
-          "GET /health says when it is loaded)", file=sys.stderr)
-    serve(create_app(svc), args.host, args.port, args.log_level)
-    if svc.engine is not None:
-        svc.engine.stop()
+    try:
+        serve(create_app(svc), args.host, args.port, args.log_level,
+              f"kimi-mlx server (model {svc.model_ids[0]})")
+    except InputError as e:
+        print(f"kimi-mlx server: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if svc.engine is not None:
+            svc.engine.stop()
     return 0
 
 
