@@ -152,6 +152,9 @@ def test_anthropic_messages_plain_and_streamed(ant, oai):
     assert "content_block_start" in events and "content_block_delta" in events
     assert _blocks(final) == _blocks(m) and final.stop_reason == m.stop_reason
     assert final.usage.output_tokens == m.usage.output_tokens
+    n = ant.messages.count_tokens(model="micro", system="You are terse.",
+                                  messages=[{"role": "user", "content": "Name a colour."}])
+    assert n.input_tokens == m.usage.input_tokens + m.usage.cache_read_input_tokens
 
 
 def test_reasoning_and_tool_history_are_encoded(server, oai):

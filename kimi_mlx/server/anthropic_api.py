@@ -103,7 +103,13 @@ def _tools(req: MessagesRequest):
              "parameters": t.get("input_schema", {})}} for t in req.tools]
 
 
-def prepare(svc: Service, req: MessagesRequest) -> Job:
+def count_tokens(svc: Service, req) -> dict:
+    """POST /v1/messages/count_tokens: the prompt's token count (Claude Code asks)."""
+    return {"input_tokens": len(_prompt(svc, req)[0])}
+
+
+def _prompt(svc: Service, req):
+    """(prompt ids, segment ends) of a messages request; APIError 400/404."""
     svc.check_model(req.model)
     try:
         effort = resolve_effort(req.reasoning_effort)
@@ -115,6 +121,11 @@ def prepare(svc: Service, req: MessagesRequest) -> Job:
         ends = segment_ends(svc.tok, messages, effort, tools)
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None
+    return ids, ends
+
+
+def prepare(svc: Service, req: MessagesRequest) -> Job:
+    ids, ends = _prompt(svc, req)
     return Job(ids, budget(svc, len(ids), req.max_tokens),
                sampling_from(svc, req.temperature, req.top_p, req.top_k, None, req.seed),
                None, ends)

@@ -21,12 +21,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from . import anthropic_api, openai_api
 from .common import APIError, ClientGone, Service, parse_body
 from .metrics import CONTENT_TYPE_LATEST
-from .schemas import ChatRequest, CompletionRequest, MessagesRequest
+from .schemas import ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest
 
 log = logging.getLogger("kimi_mlx.server")
 
 _ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-           "/v1/messages"}
+           "/v1/messages", "/v1/messages/count_tokens"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
@@ -187,4 +187,13 @@ def create_app(svc: Service) -> FastAPI:
                                          openai_api.completion_stream))
     app.post("/v1/messages")(endpoint(MessagesRequest, anthropic_api.messages_response,
                                       anthropic_api.messages_stream))
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        check_key(svc, request)
+        req = parse_body(await read_body(request, svc.max_body_bytes), CountTokensRequest,
+                         svc.max_body_bytes)
+        if svc.tok is None:
+            raise APIError(503, "not ready: the model is loading", "overloaded_error")
+        return anthropic_api.count_tokens(svc, req)
+
     return app

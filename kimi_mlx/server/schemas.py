@@ -90,3 +90,7 @@ class MessagesRequest(_Model):
     metadata: Optional[Dict[str, Any]] = None
     reasoning_effort: Optional[str] = None
     seed: Optional[int] = None
+
+
+class CountTokensRequest(MessagesRequest):
+    max_tokens: Optional[int] = None  # not part of a count_tokens request
