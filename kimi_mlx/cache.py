@@ -110,10 +110,12 @@ class BatchDSACache(BatchKVCache):
         return latent, k_pe, self.index_keys[..., : self._idx, :]
 
     def attend(self, layer_call: Callable[[mx.array, DSACache], mx.array], x: mx.array) -> mx.array:
-        """Run a DSA layer on x [B, L, hidden] against this batch: each row (or the whole
-        batch when no row is padded) goes through the single-sequence path on a
-        `DSACache` view of its own tokens; the new tokens are then appended here.
+        """Run a DSA layer on x [B, L, hidden] (-> [B, L, hidden]) against this batch.
 
+        Rows aligned, or all within index_topk (dense path: a mask hides each row's left
+        padding): one call over the whole batch. Otherwise (sparse path with padding,
+        right-padded prefill) each row goes through the single-sequence path on a
+        `DSACache` copy of its own tokens, and the new tokens are appended here.
         `layer_call(x_rows, cache)` is the layer's single-sequence forward."""
         L = x.shape[1]
         pads = self._pads
@@ -126,43 +128,38 @@ class BatchDSACache(BatchKVCache):
         # one batched call when rows are aligned, or when the dense path (context within
         # index_topk) can mask each row's left padding; else row by row
         masked = full and any(pads) and self._idx + L <= topk
-        aligned = full and (not any(pads) or masked)
-        groups = [list(range(len(pads)))] if aligned else [[b] for b in range(len(pads))]
-        outs, new = [None] * len(pads), [None] * len(pads)
-        for rows in groups:
-            b0, n = rows[0], real[rows[0]]
-            lp = 0 if masked else pads[b0]
-            view = DSACache()
+        if full and (not any(pads) or masked):
+            # the whole batch at once, writing straight into this cache
+            pad_mask = None
             if masked:
-                view.pad_mask = (mx.arange(self._idx + L)[None] >= mx.array(pads)[:, None])[:, None, None, :]
+                pad_mask = (mx.arange(self._idx + L)[None] >= mx.array(pads)[:, None])[:, None, None, :]
+            return layer_call(x, _WholeBatch(self, pad_mask))
+        outs, new = [], []
+        for b, (lp, n) in enumerate(zip(pads, real)):
+            view = DSACache()  # this row's own tokens, as a single sequence sees them
             if self.keys is not None and self._idx > lp:
-                sel = slice(None) if len(rows) > 1 else slice(b0, b0 + 1)
-                view.keys = self.keys[sel, :, lp : self._idx]
-                view.values = self.values[sel, :, lp : self._idx]
-                view.index_keys = self.index_keys[sel, :, lp : self._idx]
+                view.keys = self.keys[b : b + 1, :, lp : self._idx]
+                view.values = self.values[b : b + 1, :, lp : self._idx]
+                view.index_keys = self.index_keys[b : b + 1, :, lp : self._idx]
                 view.offset = self._idx - lp
-            xs = x if len(rows) > 1 else x[b0 : b0 + 1]
             if n == 0:  # a right-padded row whose real tokens are all in earlier chunks
-                y = mx.zeros_like(xs)
-                lat = pe = idx = None
-            else:
-                # only the row's real tokens run; padded positions get zeros, which
-                # finalize() rolls to the left where the padding mask hides them
-                y = layer_call(xs[:, :n], view)
-                o = view.offset
-                lat, pe, idx = (view.keys[..., o - n : o, :], view.values[..., o - n : o, :],
-                                view.index_keys[..., o - n : o, :])
-                if n < L:
-                    pad = [(0, 0), (0, 0), (0, L - n), (0, 0)]
-                    y = mx.pad(y, [(0, 0), (0, L - n), (0, 0)])
-                    lat, pe, idx = mx.pad(lat, pad), mx.pad(pe, pad), mx.pad(idx, pad)
-            for k, b in enumerate(rows):
-                outs[b] = y[k : k + 1]
-                new[b] = (lat[k : k + 1], pe[k : k + 1], idx[k : k + 1]) if lat is not None else None
-        shapes = next(n_ for n_ in new if n_ is not None)
-        new = [n_ if n_ is not None else tuple(mx.zeros_like(a) for a in shapes) for n_ in new]
-        self.update_and_fetch_all(*(mx.concatenate([n_[i] for n_ in new]) for i in range(3)))
-        return mx.concatenate(outs) if len(outs) > 1 else outs[0]
+                outs.append(mx.zeros_like(x[b : b + 1]))
+                new.append(None)
+                continue
+            # only the row's real tokens run; padded positions get zeros, which finalize()
+            # rolls to the left where the padding mask hides them
+            y = layer_call(x[b : b + 1, :n], view)
+            o = view.offset
+            rows = [a[..., o - n : o, :] for a in (view.keys, view.values, view.index_keys)]
+            if n < L:
+                y = mx.pad(y, [(0, 0), (0, L - n), (0, 0)])
+                rows = [mx.pad(a, [(0, 0), (0, 0), (0, L - n), (0, 0)]) for a in rows]
+            outs.append(y)
+            new.append(rows)
+        like = next(r for r in new if r is not None)
+        new = [r if r is not None else [mx.zeros_like(a) for a in like] for r in new]
+        self.update_and_fetch_all(*(mx.concatenate([r[i] for r in new]) for i in range(3)))
+        return mx.concatenate(outs)
 
     # -------------------------------------------------------------- batch protocol
 
@@ -270,6 +267,19 @@ class BatchDSACache(BatchKVCache):
     def nbytes(self):
         n = super().nbytes
         return n + (self.index_keys.nbytes if self.index_keys is not None else 0)
+
+
+class _WholeBatch:
+    """A `BatchDSACache` seen by the single-sequence DSA path when every row can run in
+    one call: `offset` is the shared buffer position, writes go to the batch cache, and
+    `pad_mask` [B, 1, 1, S] (or None) hides each row's left padding in the dense path."""
+
+    def __init__(self, batch: BatchDSACache, pad_mask: Optional[mx.array]):
+        self.batch, self.pad_mask = batch, pad_mask
+        self.offset = batch._idx
+
+    def update_and_fetch_all(self, latent, k_pe, k_idx):
+        return self.batch.update_and_fetch_all(latent, k_pe, k_idx)
 
 
 # ------------------------------------------------------------------ prompt-cache snapshots
