@@ -618,3 +618,18 @@ def test_cli_serves_until_interrupted(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_sampling_defaults_from_generation_config(tmp_path):
+    from kimi_mlx.request import SamplingParams, generation_defaults
+
+    assert generation_defaults(tmp_path) == SamplingParams()  # no file: greedy
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"temperature": 0.6, "top_p": 0.95, "top_k": 40, "eos_token_id": 1}))
+    assert generation_defaults(tmp_path) == SamplingParams(0.6, 0.95, 0.0, 40)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": "hot"}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        generation_defaults(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
+    with pytest.raises(ValueError, match="top_p"):
+        generation_defaults(tmp_path)
