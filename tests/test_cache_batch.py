@@ -136,13 +136,22 @@ def test_mlx_lm_server_serves_the_micro_checkpoint(micro):
 
         with cf.ThreadPoolExecutor(4) as ex:
             assert list(ex.map(chat, range(4))) == [6] * 4
-        r = c.completions.create(model=MICRO, prompt="Once upon a time", max_tokens=6, temperature=0)
+        # 4 different raw prompts at once (its BatchGenerator batches them): each equals
+        # a single greedy run
         from kimi_mlx.tokenizer import KimiTokenizer
 
         tok = KimiTokenizer.from_pretrained(MICRO)
-        ids = tok.encode("Once upon a time")
-        ref = [t for t, _ in generate_step(mx.array(ids), model, max_tokens=6)]
-        assert r.choices[0].text == tok.decode(ref)
+        prose = open(os.path.join(MICRO, "heldout", "prose.txt")).read()
+        prompts = [prose[500 * i : 500 * i + 25 + 60 * i] for i in range(4)]
+
+        def complete(p):
+            return c.completions.create(model=MICRO, prompt=p, max_tokens=6, temperature=0).choices[0].text
+
+        with cf.ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(complete, prompts))
+        want = [tok.decode([t for t, _ in generate_step(mx.array(tok.encode(p)), model, max_tokens=6)])
+                for p in prompts]
+        assert got == want and len(set(want)) == 4
     finally:
         proc.terminate()
         try:
