@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     q = sub.add_parser("ls", help="list the nodes advertising on the network", description="List the nodes advertising on the network.")
     q.add_argument("--interface", default=None, help="interface name or IPv4 address to browse on")
-    q.add_argument("--timeout", type=float, default=3.0, help="seconds to browse (default 3)")
+    q.add_argument("--timeout", type=float, default=3.0,
+                   help="seconds to browse (default 3; nodes answer within ~0.15 s; at least 0.3)")
     q.add_argument("--json", action="store_true", help="print JSON")
     _common(q)
 
@@ -88,7 +89,8 @@ def _node_arguments(q) -> None:
                    help="'auto' (zeroconf) or host[:port],host[:port] in pipeline order")
     q.add_argument("--interface", default=None, help="interface to discover on")
     q.add_argument("--discover-timeout", type=float, default=3.0,
-                   help="seconds to browse for nodes with --nodes auto (default 3)")
+                   help="seconds to browse for nodes with --nodes auto (default 3; nodes "
+                        "answer within ~0.15 s; at least 0.3)")
     q.add_argument("--context", type=int, default=None,
                    help="tokens per sequence to plan caches for (default: prompt + max tokens)")
     q.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per message")
@@ -135,6 +137,16 @@ def _server(args) -> int:
     from .api import run as run_api
 
     return run_api(args, _Cluster, _tokenizers)
+
+
+def _check_browse_time(flag: str, seconds: float) -> None:
+    """ValueError (a one-line reason) for a browse too short to hear any node."""
+    from .discovery import MIN_BROWSE_S
+
+    if not seconds >= MIN_BROWSE_S:
+        raise ValueError(f"{flag} {seconds:g} is too short to hear any node: mDNS queries go "
+                         "out after a random 20-120 ms and answers take up to 120 ms more "
+                         f"(RFC 6762); give at least {MIN_BROWSE_S:g} s")
 
 
 def _err(cmd: str, e) -> None:
@@ -245,8 +257,7 @@ def _ls(args) -> int:
     from .transport import GrpcTransport
 
     try:
-        if args.timeout <= 0:
-            raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout:g}")
+        _check_browse_time("--timeout", args.timeout)
         interfaces = interface_addresses(args.interface)
         nodes = browse(args.timeout, interfaces)
     except ValueError as e:
@@ -265,7 +276,8 @@ def _ls(args) -> int:
         from .head import check_nodes
 
         t = GrpcTransport(secret, args.secret_file if args.tls else None)
-        ok, bad = check_nodes(nodes, t.stub_for, fp=None, check_version=True)
+        ok, bad = check_nodes(nodes, t.stub_for, fp=None, check_version=True,
+                              channel_for=t.channel_for)
         for info, reply in ok:
             held = f", layers [{reply.start}, {reply.end})" if reply.state == "ready" else ""
             status[info.node_id] = f"ok ({reply.state}{held}, {reply.sessions} sessions)"
@@ -318,7 +330,9 @@ class _Bars:
             if p.bytes_total:
                 b.total = p.bytes_total
                 b.n = p.bytes_done
-            if p.phase == "ready":
+            if p.phase == "waiting":
+                b.set_postfix_str("waiting for a load in progress")
+            elif p.phase == "ready":
                 b.set_postfix_str("already loaded" if p.message == "already loaded" else "ready")
             elif p.phase == "error":
                 b.set_postfix_str("failed")
@@ -363,13 +377,17 @@ class _Cluster:
         tls = a.secret_file if a.tls else None
         transport = GrpcTransport(self.secret, tls, peer_timeout=a.peer_timeout)
         accepted, rejected = check_nodes(self.candidates(), transport.stub_for, self.fp,
-                                         check_version=not a.allow_version_mismatch)
+                                         check_version=not a.allow_version_mismatch,
+                                         channel_for=transport.channel_for)
         named = a.nodes != "auto"
         if named and rejected and not a.replan and not self.excluded:
             # --nodes fixes the stages' order: run on exactly those, or say which one is not usable
+            down = sum(r.unreachable for r in rejected)  # "start it" helps only these
+            fix = ("start it" if down == len(rejected) else "fix it as said" if not down
+                   else "start or fix them as said")
             raise RuntimeError("; ".join(f"node {r.address} (named in --nodes) is not usable: "
                                          f"{r.reason}" for r in rejected)
-                               + "; start it, leave it out of --nodes, or pass --replan to "
+                               + f"; {fix}, leave it out of --nodes, or pass --replan to "
                                  "continue on the others")
         for r in rejected:
             where = r.address if r.node_id == r.address else f"{r.node_id} at {r.address}"
@@ -431,6 +449,8 @@ def _launch(args) -> int:
             raise InputError("give a prompt with --prompt TEXT (or --prompt - for stdin)")
         if args.prefill_chunk < 1:
             raise InputError("--prefill-chunk must be >= 1")
+        if args.nodes == "auto":
+            _check_browse_time("--discover-timeout", args.discover_timeout)
         secret = load_secret(args.secret_file)
         margs = ModelArgs.from_config(read_config(model_dir))
         wrapper, tok = _tokenizers(model_dir)

@@ -155,11 +155,22 @@ def stream_generate(tokens: Iterator[Tuple[int, object]], tokenizer, n_prompt: i
 
 @dataclass
 class Rejected:
-    """A node not used, and why."""
+    """A node not used, and why.
+
+    kind: "unreachable" (no answer: down, hung, off the network; starting it helps),
+    "secret" (another cluster secret or clock), "protocol" (another stage protocol or
+    not a stage), "version", "checkpoint", "duplicate" (node id), "error" (other).
+    """
 
     node_id: str
     address: str
     reason: str
+    kind: str = "error"
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether the node did not answer at all (so `start it` is the fix)."""
+        return self.kind == "unreachable"
 
 
 def health_info(reply: pb.HealthReply, host: str, port: int) -> NodeInfo:
@@ -189,16 +200,23 @@ def parse_address(spec: str, default_port: int) -> Tuple[str, int]:
         raise ValueError(f"--nodes: {spec!r}: port {port!r} is not a number") from None
 
 
+_KINDS = {grpc.StatusCode.UNAVAILABLE: "unreachable", grpc.StatusCode.DEADLINE_EXCEEDED: "unreachable",
+          grpc.StatusCode.UNAUTHENTICATED: "secret", grpc.StatusCode.UNIMPLEMENTED: "protocol"}
+
+
 def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], fp: Optional[str],
                 timeout: float = 2.0, check_version: bool = True,
+                channel_for: Optional[Callable[[str], grpc.Channel]] = None,
                 ) -> Tuple[List[Tuple[NodeInfo, pb.HealthReply]], List[Rejected]]:
     """Confirm each candidate with an authenticated Health call (in parallel) and keep
     those with our protocol, package version and the checkpoint's fingerprint (not
     checked when `fp` is None).
 
-    Returns (accepted [(NodeInfo from Health, reply)], rejected with reasons). A candidate
-    that does not answer (a stale advertisement, a node that is down) is rejected as
-    "not answering".
+    Returns (accepted [(NodeInfo from Health, reply)], rejected with reasons and kinds).
+    A candidate that does not answer (a stale advertisement, a node that is down) is
+    rejected as "not answering" (kind "unreachable"); one that refuses our secret as
+    "secret"; one without our stage service as "protocol", naming the protocol it
+    speaks (asked with `channel_for(address)`'s gRPC reflection, or as advertised).
     """
     ours, our_mlx = package_versions()
     results: List[Optional[Tuple]] = [None] * len(candidates)
@@ -210,7 +228,10 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
         except grpc.RpcError as e:
             from .transport import _rpc_reason
 
-            results[k] = ("err", _rpc_reason(e))
+            code = e.code() if hasattr(e, "code") else None
+            channel = channel_for(n.address) if channel_for and code == grpc.StatusCode.UNIMPLEMENTED else None
+            results[k] = ("err", _rpc_reason(e, "Health", channel, timeout, n.protocol),
+                          _KINDS.get(code, "error"))
 
     threads = [threading.Thread(target=one, args=(k,), daemon=True) for k in range(len(candidates))]
     for t in threads:
@@ -219,26 +240,32 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
         t.join(timeout + 2)
     accepted, rejected, seen = [], [], set()
     for n, res in zip(candidates, results):
-        if res is None or res[0] == "err":
-            why = res[1] if res else "no answer"
-            rejected.append(Rejected(n.node_id, n.address, f"not answering: {why}"))
+        if res is None:
+            rejected.append(Rejected(n.node_id, n.address, "not answering: no answer", "unreachable"))
+            continue
+        if res[0] == "err":
+            why, kind = res[1], res[2]
+            rejected.append(Rejected(n.node_id, n.address,
+                                     f"not answering: {why}" if kind == "unreachable" else why, kind))
             continue
         reply = res[1]
         info = health_info(reply, n.host, n.port)
-        reason = None
+        reason, kind = None, "error"
         if reply.protocol != PROTOCOL_VERSION:
-            reason = (f"speaks stage protocol {reply.protocol}, this head {PROTOCOL_VERSION}: "
-                      f"install the same kimi-mlx on both (node {reply.version}, head {ours})")
+            reason, kind = (f"speaks stage protocol {reply.protocol}, this head {PROTOCOL_VERSION}: "
+                            f"install the same kimi-mlx on both (node {reply.version}, head {ours})",
+                            "protocol")
         elif check_version and reply.version != ours:
-            reason = (f"runs kimi-mlx {reply.version}, this head {ours}: install the same "
-                      "version everywhere (or pass --allow-version-mismatch)")
+            reason, kind = (f"runs kimi-mlx {reply.version}, this head {ours}: install the same "
+                            "version everywhere (or pass --allow-version-mismatch)", "version")
         elif fp is not None and fp not in reply.fingerprints:
-            reason = (f"does not have the checkpoint (fingerprint {fp}) in its models folder; "
-                      f"it has: {', '.join(reply.fingerprints) or 'none'}")
+            reason, kind = (f"does not have the checkpoint (fingerprint {fp}) in its models "
+                            f"folder; it has: {', '.join(reply.fingerprints) or 'none'}", "checkpoint")
         elif info.node_id in seen:
-            reason = f"a second node calls itself {info.node_id}: give each a unique --node-id"
+            reason, kind = (f"a second node calls itself {info.node_id}: give each a unique "
+                            "--node-id", "duplicate")
         if reason:
-            rejected.append(Rejected(info.node_id or n.node_id, n.address, reason))
+            rejected.append(Rejected(info.node_id or n.node_id, n.address, reason, kind))
             continue
         if reply.mlx_version != our_mlx:
             log.warning("node %s runs MLX %s, this head %s", info.node_id, reply.mlx_version, our_mlx)

@@ -9,6 +9,10 @@ Two sources give the same `ModelBytes`:
   official checkpoint lays them out (K31_SPEC.md section 2), so `kimi-mlx plan` works
   offline for a hub id we ship the config of.
 
+A `BuildSpec` turns either into the sizes of a build `kimi-mlx prune` / `convert` would
+write from it (experts kept, trunk and expert quantization), tensor by tensor with the
+same name and shape rules as the writer (`kimi_mlx.tensor_map`), before anything is read.
+
 Caches always come from the config (K31_SPEC.md section 4): a KDA layer keeps a conv state
 and an fp32 recurrent state per sequence, constant in the context length; a DSA layer
 keeps the MLA latent + rope key (and the indexer key) per token.
@@ -32,6 +36,7 @@ from kimi_mlx.config import ModelArgs, read_config
 from kimi_mlx.hub import looks_local
 from kimi_mlx.shards import DTYPE_BYTES, INDEX_FILE, CheckpointError, read_header
 from kimi_mlx.shards import weight_map as _weight_map
+from kimi_mlx.tensor_map import expert_outputs, quantizable, trunk_outputs
 
 # Shipped official configs (no weights): `kimi_mlx/assets/official/<repo name>/config.json`.
 OFFICIAL_DIR = Path(kimi_mlx.__file__).resolve().parent / "assets" / "official"
@@ -46,6 +51,92 @@ _HEAD_RE = re.compile(
 )
 _VISION_RE = re.compile(r"^(?:language_model\.)?(?:model\.)?(?:vision_tower|mm_projector)\.")
 _MTP_RE = re.compile(r"^(?:language_model\.)?(?:model\.)?mtp")
+_EXPERT_TENSOR_RE = re.compile(
+    r"^(?:language_model\.)?model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(.+)$")
+SHARD_BYTES = 5 * 10**9  # shard size assumed for a build sized from a config alone
+
+Tensors = Dict[str, Tuple[str, Tuple[int, ...]]]  # name -> (safetensors dtype, shape)
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """A build of a checkpoint as `kimi-mlx prune` / `convert` writes it.
+
+    Attributes:
+        keep_experts: routed experts kept per MoE layer (None: all; clamped to
+            [experts_per_token, num_experts]).
+        bits, group_size: trunk MLX affine quantization (None: stored dtype).
+        expert_bits, expert_group_size: routed-expert requantization (None: MXFP4 as is).
+    """
+
+    keep_experts: Optional[int] = None
+    bits: Optional[int] = None
+    group_size: int = 64
+    expert_bits: Optional[int] = None
+    expert_group_size: int = 64
+
+    def describe(self) -> str:
+        parts = []
+        if self.keep_experts is not None:
+            parts.append(f"{self.keep_experts} experts/layer")
+        parts.append(f"trunk {self.bits}-bit g{self.group_size}" if self.bits else "trunk as stored")
+        if self.expert_bits:
+            parts.append(f"experts {self.expert_bits}-bit g{self.expert_group_size}")
+        return ", ".join(parts)
+
+
+def apply_build(tensors: Tensors, args: ModelArgs, build: Optional[BuildSpec]) -> Tensors:
+    """The tensors (name -> (dtype, shape)) of `build` made from `tensors`: experts
+    >= keep dropped and router rows sliced (the writer keeps the chosen experts, renumbered
+    0..keep-1; sizes do not depend on which), trunk weights and expert projections
+    replaced by their quantized weight / scales / biases (`kimi_mlx.tensor_map`).
+
+    Raises:
+        ValueError: an expert input dimension that is not a multiple of the group size.
+    """
+    if build is None:
+        return dict(tensors)
+    keep = build.keep_experts
+    if keep is not None:
+        keep = max(min(keep, args.num_experts), args.num_experts_per_token)
+    out: Tensors = {}
+    for name, (dt, shape) in tensors.items():
+        m = _EXPERT_TENSOR_RE.match(name) if ".experts." in name else None
+        if m and int(m.group(1)) < args.num_hidden_layers:
+            if keep is not None and int(m.group(2)) >= keep:
+                continue
+            rest = m.group(3)
+            if build.expert_bits and rest.endswith(".weight_scale"):
+                continue
+            if build.expert_bits and rest.endswith(".weight_packed"):
+                for n, d, shp in expert_outputs(name[: -len(".weight_packed")], shape,
+                                                build.expert_bits, build.expert_group_size):
+                    out[n] = (d, shp)
+                continue
+        elif m:
+            pass  # an MTP layer's experts: as stored
+        elif keep is not None and ".gate." in name and _ROUTER_RE.search(name) and _LAYER_RE.match(name):
+            shape = (keep, *shape[1:])
+        elif build.bits and name.endswith(".weight") and quantizable(name):
+            q = trunk_outputs(name, dt, shape, build.bits, build.group_size)
+            if q is not None:
+                for n, d, shp in q:
+                    out[n] = (d, shp)
+                continue
+        out[name] = (dt, shape)
+    return out
+
+
+def header_bytes(tensors: Tensors, shard_bytes: int) -> int:
+    """Estimated safetensors header bytes (8-byte length + JSON, padded) of one shard
+    holding `tensors` with `shard_bytes` of data: each entry as the writer spells it, with
+    offsets of the shard size's digit count."""
+    digits = len(str(max(shard_bytes, 1)))
+    total = 8 + len('{"__metadata__":{"format":"pt"}}') + 4
+    for name, (dt, shape) in tensors.items():
+        total += len(f'"{name}":{{"dtype":"{dt}","shape":[{",".join(map(str, shape))}],'
+                     f'"data_offsets":[,]}},') + 2 * digits
+    return total
 
 
 @dataclass(frozen=True)
@@ -159,6 +250,14 @@ class ModelBytes:
     source: str = ""
     notes: Tuple[str, ...] = ()
     max_position_embeddings: int = 0  # the config's context limit (0 = unknown)
+    header_bytes: int = 0  # safetensors headers of every shard (estimated for a build)
+    build: Optional[BuildSpec] = None  # the build these sizes are for (None: as stored)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the checkpoint's safetensors files: every tensor (loaded or not) plus
+        the headers."""
+        return self.weight_bytes + sum(self.not_loaded.values()) + self.header_bytes
 
     @property
     def weight_bytes(self) -> int:
@@ -389,7 +488,8 @@ def _layer_kind(args: ModelArgs, i: int) -> str:
 
 
 def _assemble(args: ModelArgs, sizes: Mapping[str, int], act_bytes: int, source: str,
-              notes: Tuple[str, ...] = (), origin: str = "tensors") -> ModelBytes:
+              notes: Tuple[str, ...] = (), origin: str = "tensors", header: int = 0,
+              build: Optional[BuildSpec] = None) -> ModelBytes:
     """Group {tensor name: bytes} into a ModelBytes (placement rules in the module doc)."""
     n = args.num_hidden_layers
     weight = [0] * n
@@ -450,30 +550,42 @@ def _assemble(args: ModelArgs, sizes: Mapping[str, int], act_bytes: int, source:
             index_topk=args.index_topk if args.is_dsa(i) else None,
             state_bytes_per_sequence=state,
         ))
+    if build is not None:
+        source = f"{source}, build: {build.describe()}"
     return ModelBytes(tuple(layers), embed, head, embed_rows, not_loaded, source, notes,
-                      args.max_position_embeddings)
+                      args.max_position_embeddings, header, build)
 
 
 def model_bytes_from_config(config: Mapping[str, Any], source: str = "config.json",
-                            notes: Tuple[str, ...] = ()) -> ModelBytes:
-    """Per-layer bytes computed from a config alone (shapes from `expected_tensors`).
+                            notes: Tuple[str, ...] = (),
+                            build: Optional[BuildSpec] = None) -> ModelBytes:
+    """Per-layer bytes computed from a config alone (shapes from `expected_tensors`), of
+    the checkpoint itself or of `build` made from it. Headers are estimated for shards of
+    `SHARD_BYTES`.
 
     The vision tower (from `vision_config`, if present) is reported under
     `not_loaded["vision"]`. MTP layers are not modelled (none in the shipped config).
 
     Raises:
         ConfigError: the config is not a Kimi K3/K3.1 config (from `ModelArgs.from_config`).
+        ValueError: a build whose group size does not divide an expert's input dimension.
     """
     args = ModelArgs.from_config(dict(config), source)
-    tensors = expected_tensors(args, config.get("vision_config"))
+    tensors = apply_build(expected_tensors(args, config.get("vision_config")), args, build)
     sizes = {k: _prod(shape) * DTYPE_BYTES[dt] for k, (dt, shape) in tensors.items()}
-    return _assemble(args, sizes, _act_bytes(config), f"config: {source}", notes)
+    total = sum(sizes.values())
+    shards = max(1, -(-total // SHARD_BYTES))
+    header = header_bytes(tensors, SHARD_BYTES) + (shards - 1) * header_bytes({}, SHARD_BYTES)
+    return _assemble(args, sizes, _act_bytes(config), f"config: {source}", notes,
+                     header=header, build=build)
 
 
 # -- from a checkpoint's headers ------------------------------------------------------
 
-def model_bytes_from_checkpoint(folder: Path) -> ModelBytes:
-    """Per-layer bytes of a local checkpoint from its config and shard headers.
+def model_bytes_from_checkpoint(folder: Path, build: Optional[BuildSpec] = None) -> ModelBytes:
+    """Per-layer bytes of a local checkpoint from its config and shard headers, or of
+    `build` made from it (each output shard holds what its source shard held, as the
+    writer does; its header is estimated).
 
     Sizes are the real on-disk tensor sizes (data_offsets) of every tensor listed in
     `model.safetensors.index.json` (or of `model.safetensors` when there is no index).
@@ -491,17 +603,28 @@ def model_bytes_from_checkpoint(folder: Path) -> ModelBytes:
     for name, shard in wmap.items():
         by_shard.setdefault(shard, []).append(name)
     sizes: Dict[str, int] = {}
+    head_total = 0
     for shard in sorted(by_shard):
         path = folder / shard
         if not path.exists():
             raise CheckpointError(f"{folder / INDEX_FILE}: shard {shard} is missing")
         header = read_header(path)
+        tensors: Tensors = {}
         for name in by_shard[shard]:
             if name not in header:
                 raise CheckpointError(f"{path}: tensor {name!r} listed in the index is not in the shard")
-            sizes[name] = header[name].nbytes
+            tensors[name] = (header[name].dtype, header[name].shape)
+        if build is None:
+            shard_sizes = {n: header[n].nbytes for n in tensors}
+            with open(path, "rb") as f:
+                head_total += 8 + int.from_bytes(f.read(8), "little")
+        else:
+            built = apply_build(tensors, args, build)
+            shard_sizes = {n: _prod(shp) * DTYPE_BYTES[dt] for n, (dt, shp) in built.items()}
+            head_total += header_bytes(built, sum(shard_sizes.values())) if built else 0
+        sizes.update(shard_sizes)
     return _assemble(args, sizes, _act_bytes(config), f"headers: {folder}",
-                     origin=f"tensors in {INDEX_FILE}")
+                     origin=f"tensors in {INDEX_FILE}", header=head_total, build=build)
 
 
 # -- resolving --model ----------------------------------------------------------------
@@ -529,8 +652,9 @@ def _hf_cached_file(model_id: str, filename: str) -> Optional[Path]:
     return Path(found) if isinstance(found, str) else None
 
 
-def model_bytes(model: str) -> ModelBytes:
-    """Per-layer bytes for `--model`: a local folder, else a hub id resolved offline.
+def model_bytes(model: str, build: Optional[BuildSpec] = None) -> ModelBytes:
+    """Per-layer bytes for `--model` (or for `build` made from it): a local folder, else a
+    hub id resolved offline.
 
     Order: a local folder (real header sizes); a path-like name that is not a folder
     is an error (`kimi_mlx.hub.looks_local`: the same rule as generate); a hub id whose index and shards are all
@@ -543,13 +667,13 @@ def model_bytes(model: str) -> ModelBytes:
     """
     path = Path(model).expanduser()
     if path.is_dir():
-        return model_bytes_from_checkpoint(path)
+        return model_bytes_from_checkpoint(path, build)
     if looks_local(model) or path.exists():
         raise FileNotFoundError(f"{model}: no such checkpoint folder")
     index = _hf_cached_file(model, INDEX_FILE)
     if index is not None:
         try:
-            return model_bytes_from_checkpoint(index.parent)
+            return model_bytes_from_checkpoint(index.parent, build)
         except (CheckpointError, FileNotFoundError):
             pass  # partial download: fall back to the config
     cached_config = _hf_cached_file(model, "config.json")
@@ -557,7 +681,8 @@ def model_bytes(model: str) -> ModelBytes:
         config = json.loads(cached_config.read_text())
         return model_bytes_from_config(
             config, str(cached_config),
-            (f"{model}: shards not all in the local cache; sizes computed from its config",))
+            (f"{model}: shards not all in the local cache; sizes computed from its config",),
+            build)
     shipped = official_config(model)
     notes: Tuple[str, ...] = ()
     if shipped is None:
@@ -565,4 +690,4 @@ def model_bytes(model: str) -> ModelBytes:
         notes = (f"{model}: not a local folder and not in the local cache; sizes are those "
                  f"of the shipped {DEFAULT_MODEL_ID} config",)
     config = json.loads(shipped.read_text())
-    return model_bytes_from_config(config, str(shipped), notes)
+    return model_bytes_from_config(config, str(shipped), notes, build)

@@ -10,7 +10,9 @@ import argparse
 import sys
 from typing import List
 
-from .layer_bytes import DEFAULT_MODEL_ID, ModelBytes, model_bytes
+from kimi_mlx.config import QUANT_DEFAULT_GROUP, QUANT_EXPERT_BITS, QUANT_GROUP_SIZES, QUANT_TRUNK_BITS
+
+from .layer_bytes import DEFAULT_MODEL_ID, BuildSpec, ModelBytes, model_bytes
 from .planner import (
     DEFAULT_CHIP, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
     StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs,
@@ -37,6 +39,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="network latency per pipeline hop (default 0.5)")
     p.add_argument("--keep", type=float, default=None,
                    help="plan a pruned build keeping round(KEEP x experts) routed experts per layer")
+    p.add_argument("--q-bits", type=int, choices=QUANT_TRUNK_BITS, default=None,
+                   help="plan a build whose BF16 trunk is quantized to this many bits "
+                        "(kimi-mlx convert / prune --q-bits)")
+    p.add_argument("--q-group-size", type=int, choices=QUANT_GROUP_SIZES,
+                   default=QUANT_DEFAULT_GROUP, help=f"with --q-bits (default {QUANT_DEFAULT_GROUP})")
+    p.add_argument("--expert-bits", type=int, choices=QUANT_EXPERT_BITS, default=None,
+                   help="plan a build whose MXFP4 experts are requantized to this many bits")
+    p.add_argument("--expert-group-size", type=int, choices=QUANT_GROUP_SIZES,
+                   default=QUANT_DEFAULT_GROUP,
+                   help=f"with --expert-bits (default {QUANT_DEFAULT_GROUP})")
 
 
 def _planner(args) -> StagePlanner:
@@ -134,13 +146,21 @@ def run(args) -> int:
         model = model_bytes(args.model)
         if args.keep is not None and (not model.num_experts or not 0 < args.keep <= 1):
             raise ValueError("--keep needs a MoE model and a fraction in (0, 1]")
+        build = None
+        if args.keep is not None or args.q_bits or args.expert_bits:
+            keep = (None if args.keep is None else
+                    max(model.experts_per_token, round(args.keep * model.num_experts)))
+            build = BuildSpec(keep, args.q_bits, args.q_group_size, args.expert_bits,
+                              args.expert_group_size)
+            model = model_bytes(args.model, build)
     except (ValueError, FileNotFoundError) as e:
         print(f"kimi-mlx plan: error: {e}", file=sys.stderr)
         return 2
-    if args.keep is not None:
-        model = model.pruned(max(model.experts_per_token, round(args.keep * model.num_experts)))
     for line in _describe_model(args.model, model):
         print(line)
+    if build is not None:
+        print(f"build: {build.describe()}; {_gb(model.file_bytes)} GB of safetensors files "
+              f"({model.file_bytes:,} bytes)")
     limit = model.max_position_embeddings
     if limit and args.context > limit:
         print(f"note: --context {args.context} is past the model's max_position_embeddings "

@@ -75,6 +75,7 @@ class Session:
     return_logprobs: bool
     cache: List[Any]
     sampler: Any = None
+    key: Any = None  # uint32 [2] PRNG key of a seeded session (see StageRunner.new_session)
     next_seq: int = 0
     offset: int = 0
     last_active: float = field(default_factory=time.monotonic)
@@ -126,14 +127,17 @@ class StageRunner:
     # -- sessions ------------------------------------------------------------------------
     def new_session(self, session: str, head: str, sampling: Sampling,
                     return_logprobs: bool = False) -> Session:
-        """Fresh caches for a session; the last stage also builds its sampler (and seeds
-        MLX's PRNG when `sampling.seed` is set, as `kimi-mlx generate --seed` does)."""
+        """Fresh caches for a session; the last stage also builds its sampler.
+
+        A seeded session draws from its own PRNG key, starting where `mx.random.seed(seed)`
+        starts (as `kimi-mlx generate --seed` does): the same tokens as one process
+        however many other sessions sample on this stage meanwhile."""
         s = Session(session, head, sampling, return_logprobs, self.model.make_cache())
         if self.is_last:
             from mlx_lm.sample_utils import make_sampler
 
             if sampling.seed is not None:
-                mx.random.seed(sampling.seed)
+                s.key = mx.random.key(sampling.seed)
             s.sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p,
                                      top_k=sampling.top_k)
         return s
@@ -189,7 +193,7 @@ class StageRunner:
                     banks = Banks.from_stacked(banks.stack()[:, :, -1:] if len(banks) else None, eps)
                 logits = self.model.language_model.logits(text.finish(h, banks))[:, -1, :]
                 logprobs = logits - mx.logsumexp(logits, keepdims=True)
-                token = s.sampler(logprobs)
+                token = self._sample(s, logprobs)
                 mx.eval(token, logprobs, states)
                 out.token = int(token.item())
                 if s.return_logprobs:
@@ -200,6 +204,31 @@ class StageRunner:
         s.offset += length
         s.last_active = time.monotonic()
         return out
+
+    def _sample(self, s: Session, logprobs: mx.array) -> mx.array:
+        if s.key is None:
+            return s.sampler(logprobs)
+        token, s.key = _sample_with_key(s.sampler, logprobs, s.key)
+        return token
+
+
+def _seed_of(key: mx.array) -> int:
+    """The seed whose `mx.random.key(seed)` is `key` (uint32 [2]: high, low words)."""
+    hi, lo = (int(v) for v in key.tolist())
+    return (hi << 32) | lo
+
+
+def _sample_with_key(sampler, logprobs: mx.array, key: mx.array):
+    """`sampler(logprobs)` drawing from `key` instead of MLX's global PRNG state (which
+    is put back afterwards); returns (token, the key after the draw)."""
+    saved = mx.random.state[0]
+    mx.random.seed(_seed_of(key))
+    try:
+        token = sampler(logprobs)
+        mx.eval(token)
+        return token, mx.random.state[0]
+    finally:
+        mx.random.seed(_seed_of(saved))
 
 
 def load_stage(path, spec: StageSpec, progress=None):

@@ -42,6 +42,7 @@ import mlx.core as mx
 
 from . import stage_pb2 as pb
 from . import stage_pb2_grpc as pb_grpc
+from .compute import ComputeStopped, ComputeThread
 from .auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
 from .fingerprint import fingerprint, scan
 from .runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
@@ -57,6 +58,7 @@ KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+STAGE_SERVICE = pb.DESCRIPTOR.services_by_name["Stage"].full_name  # "kimimlx.stage.v1.Stage"
 ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 
 
@@ -93,6 +95,10 @@ def rchar() -> int:
 
 class DownstreamLost(RuntimeError):
     """The next stage failed, refused, or stopped accepting messages."""
+
+
+class SessionLimit(Refused):
+    """The session table is full (answered with RESOURCE_EXHAUSTED)."""
 
 
 @dataclass
@@ -230,7 +236,8 @@ class StageService(pb_grpc.StageServicer):
         self.sessions: Dict[str, _Live] = {}
         self.watchers: Dict[str, _Watcher] = {}
         self.lock = threading.Lock()
-        self.load_lock = threading.Lock()
+        self.load_lock = threading.Lock()  # one load at a time; later Loads wait for it
+        self.compute = ComputeThread(f"mlx-{node_id}"[:15])
         self._channels: Dict[str, grpc.Channel] = {}
         self._stop = threading.Event()
         self._janitor = threading.Thread(target=self._janitor_loop, daemon=True, name="janitor")
@@ -305,8 +312,9 @@ class StageService(pb_grpc.StageServicer):
                     self._emit(live.session.head, self._event(pb.Event.ERROR, live.id, message=msg))
                     self._free(live, f"idle {idle:.0f} s")
 
-    def close(self) -> None:
-        """Stop the janitor, free every session, close channels."""
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the janitor, free every session, close channels, and end the MLX thread
+        (its streams cleared, see `compute`; waits up to `timeout` s for a running chunk)."""
         self._stop.set()
         for live in list(self.sessions.values()):
             self._free(live, "service stopping")
@@ -314,6 +322,7 @@ class StageService(pb_grpc.StageServicer):
             w.closed = True
         for ch in self._channels.values():
             ch.close()
+        self.compute.stop(timeout)
 
     # -- RPCs ----------------------------------------------------------------------------
     def Health(self, request, context):
@@ -360,7 +369,11 @@ class StageService(pb_grpc.StageServicer):
     def Load(self, request, context):
         """Stream LoadProgress while loading the requested range of a local checkpoint
         (found by fingerprint in the models folder); INVALID_ARGUMENT for a bad request,
-        FAILED_PRECONDITION when busy with another head's sessions (unless `force`)."""
+        FAILED_PRECONDITION when busy with another head's sessions (unless `force`).
+
+        One load runs at a time: a Load that arrives while another is in progress says
+        so (phase "waiting") and waits for it, then answers "already loaded" when that
+        load was of the same range (several heads starting at once), or loads its own."""
         try:
             spec = self._check_load(request)
             path = self._resolve(request.fingerprint)
@@ -372,8 +385,16 @@ class StageService(pb_grpc.StageServicer):
         except Refused as e:
             log.warning("refused Load from %s: %s", context.peer(), e)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        if not self.load_lock.acquire(blocking=False):
-            context.abort(grpc.StatusCode.ABORTED, f"{self.who}: already loading")
+        waiting = False
+        while not self.load_lock.acquire(timeout=0.2):
+            if self._stop.is_set():
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.who}: stopping")
+            if not context.is_active():
+                return
+            if not waiting:
+                waiting = True
+                yield pb.LoadProgress(phase="waiting",
+                                      message=f"{self.who}: waiting for a load in progress")
         try:
             heads = {l.session.head for l in self.sessions.values()}
             if self.sessions and (self.spec != spec or self.next_address != request.next_address):
@@ -396,8 +417,6 @@ class StageService(pb_grpc.StageServicer):
 
     def _load(self, spec: StageSpec, path: Path, next_address: str):
         self.state, self.runner, self.spec = "loading", None, None
-        gc.collect()
-        mx.clear_cache()
         yield pb.LoadProgress(phase="resolving", message=str(path.name))
         if fingerprint(path) != spec.fingerprint:
             self.catalog = scan(self.models_dir)
@@ -409,14 +428,21 @@ class StageService(pb_grpc.StageServicer):
         events: "queue.Queue" = queue.Queue()
         t0, r0 = time.monotonic(), rchar()
 
-        def work():
+        def work():  # on the MLX thread
             try:
+                gc.collect()  # the previous layers' memory goes back before the new load
+                mx.clear_cache()
                 res = load_stage(path, spec, lambda d, t: events.put(("progress", d, t)))
                 events.put(("done", res, rchar()))
             except Exception as e:  # CheckpointError, ConfigError, MLX errors
                 events.put(("error", f"{type(e).__name__}: {e}", None))
 
-        threading.Thread(target=work, daemon=True, name="load").start()
+        try:
+            self.compute.submit(work)
+        except ComputeStopped as e:
+            self.state = "idle"
+            yield pb.LoadProgress(phase="error", message=f"{self.who}: {e}")
+            return
         while True:
             kind, a, b = events.get()
             if kind == "progress":
@@ -459,8 +485,11 @@ class StageService(pb_grpc.StageServicer):
         def ended():
             w.closed = True
             with self.lock:
-                if self.watchers.get(head) is w:
+                current = self.watchers.get(head) is w
+                if current:
                     del self.watchers[head]
+            if not current:  # replaced by a newer lease of the same head: it owns them
+                return
             for live in list(self.sessions.values()):
                 if live.session.head == head:
                     self._free(live, f"head {head} left")
@@ -496,18 +525,26 @@ class StageService(pb_grpc.StageServicer):
         sp = o.sampling
         sampling = Sampling(sp.temp, sp.top_p if sp.top_p else 1.0, sp.min_p, sp.top_k,
                             sp.seed if sp.has_seed else None)
+        if len(self.sessions) >= self.max_sessions:  # checked again below, under the lock
+            raise self._full()
+        session = self.compute.call(runner.new_session, o.session, o.head, sampling,
+                                    o.return_logprobs)
         with self.lock:
             if o.session in self.sessions:
                 raise Refused(f"session {o.session} is already open here")
             if len(self.sessions) >= self.max_sessions:
-                raise Refused(f"{len(self.sessions)} sessions open, the limit is {self.max_sessions}")
-            live = _Live(runner.new_session(o.session, o.head, sampling, o.return_logprobs),
-                         context, context.peer())
+                raise self._full()
+            live = _Live(session, context, context.peer())
             self.sessions[o.session] = live
         context.add_callback(lambda: self._free(live, "stream ended"))
         if not runner.is_last:
             live.down = _Downstream(self, live, self.next_address)
         return live
+
+    def _full(self) -> SessionLimit:
+        return SessionLimit(f"{self.who}: session table full: {len(self.sessions)} sessions "
+                            f"open, the limit is {self.max_sessions} (cluster serve "
+                            "--max-sessions); try again when one ends")
 
     def _next(self, it):
         try:
@@ -531,19 +568,27 @@ class StageService(pb_grpc.StageServicer):
                 if live.freed:
                     return
                 live.last_active = time.monotonic()
-                out = self._process(live, msg, runner)
+                out = self.compute.call(self._process, live, msg, runner)
                 live.last_active = time.monotonic()
-                if out is not None and not self._emit(live.session.head, out):
+                if isinstance(out, pb.Activation):  # sent from here: the MLX thread never waits
+                    live.down.send(out, self.idle_timeout)
+                elif out is not None and not self._emit(live.session.head, out):
                     yield out  # no Watch from this head: answer on the stream itself
                 msg = self._next(request_iterator)
             if live.down is not None:
                 live.down.finish(self.idle_timeout)
             yield self._event(pb.Event.CLOSED, live.id)
-        except (Refused, DownstreamLost) as e:
-            if isinstance(e, DownstreamLost):
+        except (Refused, DownstreamLost, ComputeStopped) as e:
+            if isinstance(e, SessionLimit):
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED
+            elif not isinstance(e, Refused):
                 code = grpc.StatusCode.UNAVAILABLE
-            text = f"{self.who} refused message seq {msg.seq} of session {msg.session!r}: {e}" \
-                if isinstance(e, Refused) else f"{self.who}: {e}"
+            if isinstance(e, SessionLimit):
+                text = str(e)
+            elif isinstance(e, Refused):
+                text = f"{self.who} refused message seq {msg.seq} of session {msg.session!r}: {e}"
+            else:
+                text = f"{self.who}: {e}"
             log.warning("%s (from %s)", text, context.peer())
             head = live.session.head if live else (first.open.head if first.HasField("open") else "")
             self._emit(head, self._event(pb.Event.ERROR, msg.session, msg.seq, message=text))
@@ -555,8 +600,12 @@ class StageService(pb_grpc.StageServicer):
             if live is not None and not live.freed:
                 self._free(live, "" if context.is_active() else "stream ended", cancel=False)
 
-    def _process(self, live: _Live, msg, runner: StageRunner) -> Optional[pb.Event]:
+    def _process(self, live: _Live, msg, runner: StageRunner):
+        """Check and run one chunk (on the MLX thread). Returns the Activation for the
+        next stage, a TOKEN event (last stage, sampled chunk), or None."""
         s = live.session
+        if live.freed:  # freed while queued: its caches are gone
+            return None
         if msg.session != s.session:
             raise Refused(f"message for session {msg.session!r} on the stream of session {s.session!r}")
         if msg.seq != 0 and msg.HasField("open"):
@@ -574,8 +623,7 @@ class StageService(pb_grpc.StageServicer):
             to_tensor(out.hidden, out=nxt.tensor)
             if msg.seq == 0:
                 nxt.open.CopyFrom(msg.open)
-            live.down.send(nxt, self.idle_timeout)
-            return None
+            return nxt
         if out.token is not None:
             ev = self._event(pb.Event.TOKEN, msg.session, msg.seq, token=out.token,
                              peak_memory=mx.get_peak_memory())
@@ -608,6 +656,11 @@ class StageServer:
                                   interceptors=[ServerAuth(secret)], options=options,
                                   maximum_concurrent_rpcs=workers)
         pb_grpc.add_StageServicer_to_server(service, self.server)
+        # gRPC server reflection lists the services served, so a head speaking another
+        # stage protocol (another service name) can name both versions.
+        from grpc_reflection.v1alpha import reflection
+
+        reflection.enable_server_reflection((STAGE_SERVICE, reflection.SERVICE_NAME), self.server)
         creds = server_credentials(tls_secret_path) if tls_secret_path else None
         addresses = list(addresses)
         if port == 0 and len(addresses) > 1:

@@ -114,28 +114,33 @@ class StageProc:
             except ProcessLookupError:
                 pass
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM (clean: unadvertise), then SIGKILL after `timeout` seconds."""
+    def stop(self, timeout: float = 5.0, terminate: bool = True) -> Optional[int]:
+        """SIGTERM (clean: unadvertise; skipped when `terminate` is false, i.e. already
+        sent: a second one while the interpreter shuts down kills it by the default
+        action), then SIGKILL after `timeout` seconds. Returns the exit status (0: a
+        clean stop; -6: it aborted; -9: killed), None if never started."""
         if self.proc is None:
-            return
+            return None
         if self.alive():
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGTERM)
+            if terminate:
+                self.signal(signal.SIGCONT)
+                self.signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.signal(signal.SIGKILL)
                 self.proc.wait(5)
+        return self.proc.returncode
 
 
-def stop_all(procs: Sequence[StageProc], timeout: float = 5.0) -> None:
-    """Stop several stage processes at once (SIGTERM to all, then wait; SIGKILL stragglers)."""
+def stop_all(procs: Sequence[StageProc], timeout: float = 5.0) -> List[Optional[int]]:
+    """Stop several stage processes at once (SIGTERM to all, then wait; SIGKILL
+    stragglers); returns their exit statuses (see `StageProc.stop`)."""
     for p in procs:
         if p.alive():
             p.signal(signal.SIGCONT)
             p.signal(signal.SIGTERM)
-    for p in procs:
-        p.stop(timeout)
+    return [p.stop(timeout, terminate=False) for p in procs]
 
 
 def start_stages(n: int, models: Path, secret_file: Path, workdir: Path, prefix: str = "node",
@@ -202,6 +207,7 @@ class LocalCluster:
         stub = pb_grpc.StageStub(make_channel(self.procs[i].address, self.secret))
         return stub.Health(pb.HealthRequest(), timeout=5).sessions
 
-    def stop(self) -> None:
-        """Stop every stage process."""
-        stop_all(self.procs)
+    def stop(self, timeout: float = 5.0) -> List[Optional[int]]:
+        """Stop every stage process (SIGKILL after `timeout` s); returns their exit
+        statuses (see `StageProc.stop`)."""
+        return stop_all(self.procs, timeout)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 import uuid
@@ -33,8 +34,8 @@ from . import stage_pb2 as pb
 from . import stage_pb2_grpc as pb_grpc
 from .discovery import NodeInfo
 from .runner import Sampling
-from .service import DEFAULT_MAX_MESSAGE, make_channel
-from .wire import from_tensor
+from .service import DEFAULT_MAX_MESSAGE, STAGE_SERVICE, make_channel
+from .wire import PROTOCOL_VERSION, from_tensor
 
 log = logging.getLogger("kimi_mlx.cluster.transport")
 
@@ -194,9 +195,13 @@ class GrpcTransport(Transport):
         self._generation = 0
 
     # -- connections ---------------------------------------------------------------------
+    def channel_for(self, address: str) -> grpc.Channel:
+        """A new authenticated channel (for one-off calls such as Health)."""
+        return make_channel(address, self.secret, self.tls, self.max_message)
+
     def stub_for(self, address: str) -> pb_grpc.StageStub:
         """A stub on a new authenticated channel (for one-off calls such as Health)."""
-        return pb_grpc.StageStub(make_channel(address, self.secret, self.tls, self.max_message))
+        return pb_grpc.StageStub(self.channel_for(address))
 
     def _connect(self, stages: List[StageAssignment]) -> None:
         self._drop_watches()
@@ -240,7 +245,7 @@ class GrpcTransport(Transport):
                 if i not in results:
                     errors[i] = "load ended without finishing"
             except grpc.RpcError as e:
-                errors[i] = _rpc_reason(e)
+                errors[i] = _rpc_reason(e, "Load", self._channels[i], self.rpc_timeout)
 
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
         for t in threads:
@@ -482,7 +487,51 @@ class GrpcTransport(Transport):
         self._channels, self._stubs = [], []
 
 
-def _rpc_reason(e: grpc.RpcError) -> str:
+STAGE_SERVICE_RE = re.compile(r"^kimimlx\.stage\.v(\d+)\.Stage$")
+
+
+def list_services(channel: grpc.Channel, timeout: float = 2.0) -> Optional[List[str]]:
+    """Full names of the gRPC services a node serves (gRPC server reflection, which
+    every stage serves); None when it answers without a list.
+
+    Raises:
+        grpc.RpcError: the node refused or did not answer (UNIMPLEMENTED: no reflection).
+    """
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    for reply in stub.ServerReflectionInfo(iter([request]), timeout=timeout):
+        if reply.HasField("list_services_response"):
+            return [s.name for s in reply.list_services_response.service]
+        return None
+    return None
+
+
+def protocol_mismatch(method: str, services: Optional[List[str]], advertised: int = 0) -> str:
+    """Why a node answered UNIMPLEMENTED to `method` ('Health', 'Load', ...): the stage
+    protocol(s) it serves (from `list_services`) against this head's, or what it is
+    instead. `advertised`: the protocol its zeroconf record claims (0 unknown)."""
+    ours = f"stage protocol {PROTOCOL_VERSION} ({STAGE_SERVICE})"
+    theirs = [m for m in (STAGE_SERVICE_RE.match(s) for s in services or []) if m]
+    if theirs:
+        names = ", ".join(f"{int(m.group(1))} ({m.group(0)})" for m in theirs)
+        return (f"speaks stage protocol {names}, this head {ours}: install the same kimi-mlx "
+                "version on both")
+    said = f"; its zeroconf record says stage protocol {advertised}" if advertised else ""
+    if services is not None:
+        return (f"serves no kimi-mlx stage protocol (it serves: {', '.join(services) or 'nothing'}"
+                f"{said}), this head {ours}: another program on that port, or another "
+                "kimi-mlx version")
+    return (f"does not serve {STAGE_SERVICE}/{method} (this head speaks {ours}) and does not "
+            f"list its services{said}: another program on that port, or another kimi-mlx "
+            "version; install the same version on both")
+
+
+def _rpc_reason(e: grpc.RpcError, method: str = "", channel: Optional[grpc.Channel] = None,
+                timeout: float = 2.0, advertised: int = 0) -> str:
+    """A failed call in words. UNIMPLEMENTED with a `channel`: asks the node which
+    services it serves and names both protocol versions (`protocol_mismatch`)."""
     code = e.code() if hasattr(e, "code") else None
     details = e.details() if hasattr(e, "details") else str(e)
     if code == grpc.StatusCode.UNAVAILABLE:
@@ -490,5 +539,18 @@ def _rpc_reason(e: grpc.RpcError) -> str:
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return f"no answer before the deadline (hung or unreachable): {details}"
     if code == grpc.StatusCode.UNAUTHENTICATED:
+        if "wrong cluster secret" in (details or ""):
+            return (f"uses another cluster secret (it refused ours: {details}): copy the "
+                    "secret file from the Mac that ran `kimi-mlx cluster init` to it")
         return f"refused our credentials ({details}): is the cluster secret the same?"
+    if code == grpc.StatusCode.UNIMPLEMENTED and channel is not None:
+        try:
+            services = list_services(channel, timeout)
+        except grpc.RpcError as e2:
+            services = None
+            if e2.code() == grpc.StatusCode.UNAUTHENTICATED:  # asking needs the secret
+                return (f"{protocol_mismatch(method or '?', None, advertised)}; asked which "
+                        f"services it serves, it refused our credentials ({e2.details()}): it "
+                        "uses another cluster secret, too")
+        return protocol_mismatch(method or "?", services, advertised)
     return f"{code.name if code else 'error'}: {details}"

@@ -3,8 +3,9 @@
 Each assistant reply is stored with its reasoning and re-encoded with it (K3.1 preserved
 thinking). The KV/KDA cache is reused across turns when the new conversation's tokens
 start with the tokens already processed; otherwise the conversation is prefilled afresh
-(KDA state cannot be rewound). Commands: /reset, /effort low|high|max, /exit (or Ctrl-D);
-Ctrl-C stops a reply and discards that turn.
+(KDA state cannot be rewound). Which ids the cache holds after a reply is
+`turn_cache.tokens_in_cache`'s rule. Commands: /help, /reset, /effort low|high|max, /exit
+(or Ctrl-D); Ctrl-C stops a reply and discards that turn, the cache rolled back to before it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,14 @@ def add_arguments(p) -> None:
     p.add_argument("--system-prompt", default=None, help="system message")
 
 
-COMMANDS = "/reset, /effort low|high|max, /exit (or Ctrl-D); Ctrl-C stops a reply"
+COMMANDS = "/help, /reset, /effort low|high|max, /exit (or Ctrl-D); Ctrl-C stops a reply"
+HELP = """commands:
+  /help                  this list
+  /reset                 forget the conversation (keeps --system-prompt)
+  /effort low|high|max   thinking effort for the next replies
+  /exit, /quit, Ctrl-D   leave
+  Ctrl-C                 stop a reply (the turn is discarded); at the prompt, a fresh line
+start a message with a space to send a leading '/'"""
 
 
 class Conversation:
@@ -37,16 +45,9 @@ class Conversation:
             [{"role": "system", "content": self.system}] if self.system else []
         )
         self.cache = None
+        # Exactly the ids `cache` holds (turn_cache.tokens_in_cache); [] without a cache.
         self.processed: List[int] = []
         self.reused_tokens = 0  # tokens of the last prompt served from the cache
-
-    def drop_turn(self):
-        """Forget an interrupted turn: its user message, and the cache (it may hold part of
-        the turn; KDA state cannot be rewound), so the next turn prefills afresh."""
-        if self.messages and self.messages[-1]["role"] == "user":
-            self.messages.pop()
-        self.cache = None
-        self.processed = []
 
 
 def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, sampler,
@@ -54,40 +55,59 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     """One user turn: encode the whole conversation (with earlier reasoning), generate,
     store the reply with its `reasoning_content`; returns parse_reply's dict.
 
+    Afterwards `conv.processed` is exactly the ids in `conv.cache`. The cache is reused
+    when the new prompt extends those ids, else the conversation is prefilled afresh.
+    A KeyboardInterrupt while replying (Ctrl-C), or any other exception, puts `conv`
+    back as it was before the turn (messages, cache rolled back, processed) and is
+    re-raised.
+
     Raises InputError when the conversation no longer fits in `context` tokens.
     """
     from mlx_lm.generate import stream_generate
 
     from .chat_format import ReplyStream, encode_chat
+    from .turn_cache import checkpoint, rollback, tokens_in_cache
 
+    n_messages = len(conv.messages)
     conv.messages.append({"role": "user", "content": text})
     ids = encode_chat(tok, conv.messages, reasoning_effort=effort)
     if len(ids) >= context:
-        conv.messages.pop()
+        del conv.messages[n_messages:]
         raise InputError(f"the conversation is {len(ids)} tokens, over the context of "
                          f"{context}; use /reset")
+    before = (conv.cache, conv.processed, conv.reused_tokens)
     n = len(conv.processed)
     if not reuse_cache or conv.cache is None or ids[:n] != conv.processed or n >= len(ids):
-        conv.cache, n = model.make_cache(), 0
+        conv.cache, n = model.make_cache(), 0  # the old cache object stays untouched
+    mark = checkpoint(conv.cache) if n else None
     conv.reused_tokens = n
     stream = ReplyStream()
     generated: List[int] = []
     finish = None
-    for r in stream_generate(model, wrapper, ids[n:], sampler=sampler, prompt_cache=conv.cache,
-                             max_tokens=token_budget(len(ids), max_tokens, context)):
-        generated.append(r.token)
-        finish = r.finish_reason
-        for event in stream.feed(r.text):
+    responses = stream_generate(model, wrapper, ids[n:], sampler=sampler, prompt_cache=conv.cache,
+                                max_tokens=token_budget(len(ids), max_tokens, context))
+    try:
+        for r in responses:
+            generated.append(r.token)
+            finish = r.finish_reason
+            for event in stream.feed(r.text):
+                on_text and on_text(*event)
+        for event in stream.finish():
             on_text and on_text(*event)
-    for event in stream.finish():
-        on_text and on_text(*event)
+    except BaseException:  # Ctrl-C (or any failure) mid-reply: undo the whole turn
+        responses.close()  # first, so no generator clean-up touches the cache after the undo
+        if mark is not None:
+            rollback(conv.cache, mark)
+        conv.cache, conv.processed, conv.reused_tokens = before
+        del conv.messages[n_messages:]
+        raise
+    conv.processed = tokens_in_cache(ids, generated)
     if finish == "length" and len(ids) + len(generated) >= context:
         print(f"\n[reply cut at the context of {context} tokens; /reset to start over]",
               file=sys.stderr)
     reply = stream.result()
     conv.messages.append({"role": "assistant", "content": reply["content"],
                           "reasoning_content": reply["reasoning_content"]})
-    conv.processed = ids + generated[:-1]
     return reply
 
 
@@ -131,7 +151,9 @@ def run(args) -> int:
             value = value.strip()
             if name in ("/exit", "/quit"):
                 return 0
-            if name == "/reset":
+            if name == "/help":
+                print(HELP, file=sys.stderr)
+            elif name == "/reset":
                 conv.reset()
                 print("[conversation reset]", file=sys.stderr)
             elif name == "/effort" and value in EFFORTS:
@@ -148,8 +170,7 @@ def run(args) -> int:
                       context, on_text=show)
         except InputError as e:
             print(e, file=sys.stderr)
-        except KeyboardInterrupt:  # Ctrl-C while replying: drop this turn, keep the chat
-            conv.drop_turn()
+        except KeyboardInterrupt:  # Ctrl-C while replying: chat_turn undid this turn
             print("\n[interrupted: reply discarded]", file=sys.stderr)
             continue
         print()

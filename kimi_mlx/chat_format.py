@@ -1,12 +1,15 @@
-"""Kimi K3.1 chat encoding (XTML markup), as Moonshot's encoder lays it out.
+"""Kimi K3.1 chat encoding (XTML markup), laid out as Moonshot's K3 reference encoder does.
 
-Every block is ``<|open|>TAG ATTRS<|sep|>BODY<|close|>TAG<|sep|>`` where ``<|open|>``,
-``<|sep|>``, ``<|close|>`` and ``<|end_of_msg|>`` are special tokens and everything else
-is ordinary text. A conversation is encoded as::
+Reference: ``encoding_k3.py`` (Moonshot's K3 encoder, carried in vLLM as
+``vllm/tokenizers/encoding_k3.py``) and llama.cpp's ``models/templates/Kimi-K3.jinja``.
+K3.1's own encoder is not public; K3's is the reference. Every block is
+``<|open|>TAG ATTRS<|sep|>BODY<|close|>TAG<|sep|>`` where ``<|open|>``, ``<|sep|>``,
+``<|close|>`` and ``<|end_of_msg|>`` are special tokens and everything else is ordinary
+text. A conversation is encoded as::
 
     [tool-declare system block, if tools]
     <|open|>message role="system" type="thinking-effort"<|sep|>BODY<|close|>message<|sep|><|end_of_msg|>
-    <|open|>message role="user"<|sep|>CONTENT<|close|>message<|sep|><|end_of_msg|>
+    <|open|>message role="user"[ name="N"]<|sep|>CONTENT<|close|>message<|sep|><|end_of_msg|>
     <|open|>message role="assistant"<|sep|>
         <|open|>think<|sep|>REASONING<|close|>think<|sep|>
         <|open|>response<|sep|>CONTENT<|close|>response<|sep|>
@@ -14,14 +17,28 @@ is ordinary text. A conversation is encoded as::
             <|open|>argument key="K" type="string"<|sep|>VALUE<|close|>argument<|sep|>
          <|close|>call<|sep|><|close|>tools<|sep|>]
     <|close|>message<|sep|><|end_of_msg|>
-    ...
+    <|open|>message role="tool" tool="NAME" index="1"<|sep|>RESULT<|close|>message<|sep|><|end_of_msg|>
+    [tool-choice / response-format system blocks]
     <|open|>message role="assistant"<|sep|><|open|>think<|sep|>     (generation prompt)
 
 (shown wrapped; there are no newlines between blocks). Assistant messages keep their
 ``reasoning_content`` inside the think block ("preserved thinking"); without it the
 block is empty. The tool-call markup is the one mlx-lm's ``tool_parsers/kimi_k3.py``
-parses. Message content is always encoded as ordinary text, so a user who types
-``<|open|>`` gets the characters, not the structure token.
+parses. As in the reference, every piece of text (tag name, `` key``, ``="``, attribute
+value, ``"``, message text) is its own segment and is tokenized on its own, and message
+content is always ordinary text: a user who types ``<|open|>`` gets the characters, not
+the structure token, on every path (:func:`encode_chat`, :class:`RenderedChat`).
+
+Where we differ from the reference, on purpose:
+
+* an image part in a user, system or assistant message raises ``ValueError`` (this
+  build is text-only: the model would not see the image the user sent); in a tool
+  result it becomes the reference's ``<|kimi_image_placeholder|>``, always as text (the
+  reference lets it be a special token; the K3 special table we know has none);
+* an unknown role or a message that is not a dict raises instead of being skipped;
+* effort is one of low/high/max (no ``"none"``/non-thinking mode);
+* reasoning given as a list of text parts is joined like content (the reference
+  would render the list's ``str``).
 
 Generated text is split back with :func:`parse_reply` (whole reply) or
 :class:`ReplyStream` (incremental, for a CLI that prints reasoning dimmed).
@@ -34,6 +51,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 OPEN, SEP, CLOSE, END_OF_MSG = "<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>"
 STRUCTURE_TOKENS = (OPEN, SEP, CLOSE, END_OF_MSG)
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
 
 EFFORTS = ("low", "high", "max")
 DEFAULT_EFFORT = "max"
@@ -46,6 +64,10 @@ TOOLS_START = f"{OPEN}tools{SEP}"
 TOOLS_END = f"{CLOSE}tools{SEP}"
 MESSAGE_END = f"{CLOSE}message{SEP}"
 GENERATION_PROMPT = f'{OPEN}message role="assistant"{SEP}{THINK_START}'
+# Markers that front ends look up as whole strings (mlx-lm's TokenizerWrapper asks the
+# tokenizer for the think and tool-call markers' ids; stop words may name END_OF_MSG).
+MARKERS = (THINK_START, THINK_END, RESPONSE_START, RESPONSE_END, TOOLS_START, TOOLS_END,
+           MESSAGE_END) + STRUCTURE_TOKENS
 
 _EFFORT_BODY = (
     "`thinking_effort` guides on how much to think in your thinking channel (not including "
@@ -55,11 +77,24 @@ _EFFORT_BODY = (
 _TOOLS_BODY = (
     "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{tools}\n```"
 )
+_DYNAMIC_TOOLS_BODY = (
+    "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+    "You have access to all existing and extended tools.\n"
+    "Here are the specs for the extended tools.\n\n```json\n{tools}\n```"
+)
+_TOOL_CHOICE_BODY = {
+    "required": "The system is invoked with `tool_choice=required`.\n"
+                "You MUST call tools in the next message.",
+    "none": "The system is invoked with `tool_choice=none`.\n"
+            "You MUST NOT call any tools in the next message.",
+}
+_RAW_JSON = ("The system is invoked with `response_format={kind}`.\nYour response must be raw "
+             "JSON data without markdown code blocks (```json) or any additional formatting.")
+_SCHEMA_TAIL = "\nThe JSON data must match the following schema:\n```json\n{schema}\n```"
 _ROLES = ("system", "user", "assistant", "tool")
 
-# A rendered conversation is a list of (is_special, text) segments. Text segments are
-# always bounded by special tokens, so encoding them one by one gives the same ids as
-# encoding the joined string with specials allowed (for content without special text).
+# A rendered conversation is a list of (is_special, text) segments, tokenized one by one:
+# special segments are single special tokens, text segments ordinary text.
 Segment = tuple[bool, str]
 
 
@@ -82,36 +117,68 @@ def resolve_effort(reasoning_effort: str | None = None, thinking_effort: str | N
     return effort
 
 
-def _attr(value: Any) -> str:
+def _text(s: Any) -> list[Segment]:
+    s = str(s)
+    return [(False, s)] if s else []
+
+
+def _escape_attr(value: Any) -> str:
     # mlx-lm's parser reads attr="..." and undoes exactly these two escapes.
     return str(value).replace("&", "&amp;").replace('"', "&quot;")
 
 
+def _open(tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> list[Segment]:
+    segs: list[Segment] = [(True, OPEN), *_text(tag)]
+    for key, value in attrs:
+        segs += [(False, f" {key}"), (False, '="'), *_text(_escape_attr(value)), (False, '"')]
+    return segs + [(True, SEP)]
+
+
+def _close(tag: str) -> list[Segment]:
+    return [(True, CLOSE), *_text(tag), (True, SEP)]
+
+
 def _block(tag: str, attrs: Sequence[tuple[str, Any]], body: list[Segment]) -> list[Segment]:
-    head = tag + "".join(f' {k}="{_attr(v)}"' for k, v in attrs)
-    return [(True, OPEN), (False, head), (True, SEP), *body, (True, CLOSE), (False, tag), (True, SEP)]
+    return _open(tag, attrs) + body + _close(tag)
 
 
-def _text(s: str) -> list[Segment]:
-    return [(False, s)] if s else []
+def _message(attrs: Sequence[tuple[str, Any]], body: list[Segment]) -> list[Segment]:
+    return _block("message", attrs, body) + [(True, END_OF_MSG)]
+
+
+def _system_block(kind: str, body: str) -> list[Segment]:
+    return _message([("role", "system"), ("type", kind)], _text(body.strip()))
+
+
+def _compact_json(value: Any) -> str:
+    # Tools and schemas: key-sorted at every level, compact, as the reference writes them.
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+
+
+def _content(content: Any, where: str, images: bool = False) -> list[Segment]:
+    """Message content as text segments: a string, None, or a list of parts (strings,
+    ``{"type": "text", "text"}``; image parts only where ``images``)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return _text(content)
+    if isinstance(content, (list, tuple)):
+        segs: list[Segment] = []
+        for part in content:
+            if isinstance(part, str):
+                segs += _text(part)
+            elif isinstance(part, Mapping) and part.get("type") == "text":
+                segs += _text(part.get("text", ""))
+            elif images and isinstance(part, Mapping) and part.get("type") in ("image", "image_url"):
+                segs.append((False, IMAGE_PLACEHOLDER))
+            else:
+                raise ValueError(f"{where}: only text content is supported here, got part {part!r}")
+        return segs
+    raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
 
 
 def _content_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, (list, tuple)):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type") == "text":
-                parts.append(str(part.get("text", "")))
-            else:
-                raise ValueError(f"{where}: only text content is supported, got part {part!r}")
-        return "".join(parts)
-    raise ValueError(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+    return "".join(text for _, text in _content(content, where))
 
 
 def _json_type(value: Any) -> str:
@@ -130,27 +197,94 @@ def _json_type(value: Any) -> str:
     raise ValueError(f"tool argument of type {type(value).__name__} is not JSON")
 
 
+def _call_arguments(args: Any, where: str) -> tuple[Mapping, str | None]:
+    """(arguments, raw): a JSON-object string is parsed; one that is not JSON at all (a
+    call cut off in history) is kept raw for a ``json`` block, as the reference does."""
+    if args is None:
+        return {}, None
+    if isinstance(args, str):
+        if not args.strip():
+            return {}, None
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return {}, args
+    if not isinstance(args, Mapping):
+        raise ValueError(f"{where}: arguments must be a JSON object (or its JSON text)")
+    return args, None
+
+
 def _tool_call_segments(calls: Sequence[Any], where: str) -> list[Segment]:
     body: list[Segment] = []
     for index, call in enumerate(calls, 1):
         fn = call.get("function", call) if isinstance(call, Mapping) else None
         if not isinstance(fn, Mapping) or not fn.get("name"):
             raise ValueError(f"{where}: tool call {index} has no function name: {call!r}")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: tool call {index} arguments are not JSON ({e})") from None
-        if not isinstance(args, Mapping):
-            raise ValueError(f"{where}: tool call {index} arguments must be a JSON object")
-        arg_segments: list[Segment] = []
+        args, raw = _call_arguments(fn.get("arguments"), f"{where}: tool call {index}")
+        call_body: list[Segment] = []
+        if raw is not None:
+            call_body = _block("json", [("type", "object")], _text(raw))
         for key, value in args.items():
-            kind = _json_type(value)
-            text = value if kind == "string" else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-            arg_segments += _block("argument", [("key", key), ("type", kind)], _text(text))
-        body += _block("call", [("tool", fn["name"]), ("index", index)], arg_segments)
+            try:
+                kind = _json_type(value)
+                text = value if kind == "string" else json.dumps(value, ensure_ascii=False)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{where}: tool call {index} argument {key!r} is not JSON ({e})") from None
+            call_body += _block("argument", [("key", key), ("type", kind)], _text(text))
+        body += _block("call", [("tool", fn["name"]), ("index", index)], call_body)
     return _block("tools", [], body)
+
+
+def _call_name(call: Any) -> Any:
+    fn = call.get("function", call) if isinstance(call, Mapping) else None
+    return fn.get("name") if isinstance(fn, Mapping) else None
+
+
+def order_tool_results(messages: Sequence[Any]) -> list:
+    """Tool results put in call order, as the reference does before rendering.
+
+    Each run of consecutive ``role: "tool"`` messages is matched, by ``tool_call_id``
+    (or ``id``), against the ``tool_calls[].id`` of the latest assistant message. When
+    every result of the run matches, the run is sorted into call order and each result's
+    tool name is set from its call (``tool``, and ``name`` if present). A run with any
+    unmatched result is left as it is. Returns a new list; messages are copied before
+    any change, never modified.
+    """
+    out: list = []
+    calls: dict = {}
+    i = 0
+    while i < len(messages):
+        msg = messages[i]
+        if not (isinstance(msg, Mapping) and msg.get("role") == "tool"):
+            if isinstance(msg, Mapping) and msg.get("role") == "assistant":
+                calls = {}
+                for pos, call in enumerate(msg.get("tool_calls") or [], 1):
+                    if isinstance(call, Mapping) and call.get("id") is not None:
+                        calls.setdefault(str(call["id"]), (pos, _call_name(call)))
+            out.append(msg)
+            i += 1
+            continue
+        run = []
+        while i < len(messages) and isinstance(messages[i], Mapping) and messages[i].get("role") == "tool":
+            result = messages[i]
+            call_id = result.get("tool_call_id", result.get("id"))
+            run.append((calls.get(str(call_id)) if call_id is not None else None, len(run), result))
+            i += 1
+        if any(match is None for match, _, _ in run):
+            out += [result for _, _, result in run]
+            continue
+        for (pos, name), _, result in sorted(run, key=lambda r: (r[0][0], r[1])):
+            if name is not None:
+                result = {**result, "tool": name, **({"name": name} if "name" in result else {})}
+            out.append(result)
+    return out
+
+
+def _response_schema(response_format: Any) -> Any:
+    spec = response_format.get("json_schema") if isinstance(response_format, Mapping) else None
+    if isinstance(spec, Mapping):
+        return spec.get("schema", spec.get("json_schema", spec))
+    return spec
 
 
 def chat_segments(
@@ -158,53 +292,117 @@ def chat_segments(
     reasoning_effort: str = DEFAULT_EFFORT,
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    tool_choice: Any = None,
+    response_format: Any = None,
 ) -> list[Segment]:
     """The conversation as ``(is_special, text)`` segments (see the module docstring).
 
-    ``messages``: OpenAI-style dicts with ``role`` in system/user/assistant/tool and
-    ``content`` (str, None, or a list of text parts); assistant messages may carry
-    ``reasoning_content`` (or ``reasoning``) and ``tool_calls`` (``[{"function":
-    {"name", "arguments"}}]`` or ``[{"name", "arguments"}]``, arguments a dict or JSON
-    string); tool messages may carry ``name``. Raises ``ValueError`` for an unknown
-    role or effort, non-text content, or malformed tool calls.
+    ``messages``: OpenAI-style dicts with ``role`` in system/user/assistant/tool,
+    ``content`` (str, None, or a list of text parts) and an optional ``name``.
+    Assistant messages may carry ``reasoning_content`` (or ``reasoning``, used when the
+    former is empty) and ``tool_calls`` (``[{"id", "function": {"name", "arguments"}}]``
+    or ``[{"name", "arguments"}]``; arguments a dict or JSON text; text that is not JSON
+    is rendered raw in a ``json`` block). A tool message's tool name is, in order: the
+    call its ``tool_call_id`` matches, its ``tool``/``name``, the call at its position;
+    results are put in call order when all of a run match (:func:`order_tool_results`).
+    A system message with ``tools`` declares more tools. ``tool_choice`` ("required" /
+    "none") and ``response_format`` (``{"type": "json_object"}`` or ``"json_schema"``
+    with a schema) add the reference's closing system blocks.
+
+    Raises ``ValueError`` for an unknown role or effort, non-text content (images are
+    allowed in tool results only), malformed tool calls, or a tool result whose tool
+    name cannot be resolved.
     """
     effort = resolve_effort(reasoning_effort)
     segs: list[Segment] = []
-    end = [(True, END_OF_MSG)]
     if tools:
-        declared = json.dumps(list(tools), ensure_ascii=False, separators=(",", ":"), sort_keys=True)
-        segs += _block(
-            "message", [("role", "system"), ("type", "tool-declare")], _text(_TOOLS_BODY.format(tools=declared))
-        ) + end
-    segs += _block(
-        "message", [("role", "system"), ("type", "thinking-effort")], _text(_EFFORT_BODY.format(effort=effort))
-    ) + end
-    for i, msg in enumerate(messages):
+        segs += _system_block("tool-declare", _TOOLS_BODY.format(tools=_compact_json(list(tools))))
+    segs += _system_block("thinking-effort", _EFFORT_BODY.format(effort=effort))
+    calls: Sequence[Any] | None = None
+    tool_index = 0
+    for i, msg in enumerate(order_tool_results(messages)):
         where = f"messages[{i}]"
         if not isinstance(msg, Mapping):
             raise ValueError(f"{where}: expected a dict, got {type(msg).__name__}")
         role = msg.get("role")
         if role not in _ROLES:
             raise ValueError(f"{where}: role must be one of {', '.join(_ROLES)}; got {role!r}")
-        content = _content_text(msg.get("content"), where)
-        if role == "assistant":
-            reasoning = msg.get("reasoning_content")
-            if reasoning is None:
-                reasoning = msg.get("reasoning")
-            body = _block("think", [], _text(_content_text(reasoning, where)))
-            body += _block("response", [], _text(content))
-            if msg.get("tool_calls"):
-                body += _tool_call_segments(msg["tool_calls"], where)
-            segs += _block("message", [("role", role)], body) + end
+        attrs: list[tuple[str, Any]] = [("role", role)]
+        if role != "tool" and msg.get("name"):
+            attrs.append(("name", msg["name"]))
+        if role == "system" and msg.get("tools"):
+            segs += _system_block("tool-declare", _DYNAMIC_TOOLS_BODY.format(tools=_compact_json(msg["tools"])))
+        elif role == "assistant":
+            calls, tool_index = msg.get("tool_calls"), 0
+            reasoning = msg.get("reasoning_content") or msg.get("reasoning")
+            reasoning = _content_text(reasoning, where)
+            body = _block("think", [], _text(reasoning) if reasoning.strip() else [])
+            body += _block("response", [], _content(msg.get("content"), where))
+            if calls:
+                body += _tool_call_segments(calls, where)
+            segs += _message(attrs, body)
+        elif role == "tool":
+            tool_index += 1
+            name = msg.get("tool", msg.get("name"))
+            if name is None and calls and tool_index <= len(calls):
+                name = _call_name(calls[tool_index - 1])
+            if name is None:
+                raise ValueError(f"{where}: tool result without a tool name: give tool_call_id, "
+                                 "tool or name, or follow an assistant message's tool_calls")
+            attrs = [("role", "tool"), ("tool", name), ("index", tool_index)]
+            segs += _message(attrs, _content(msg.get("content"), where, images=True))
         else:
-            attrs = [("role", role)]
-            if role == "tool" and msg.get("name"):
-                attrs.append(("name", msg["name"]))
-            segs += _block("message", attrs, _text(content)) + end
+            segs += _message(attrs, _content(msg.get("content"), where))
+    if tool_choice in _TOOL_CHOICE_BODY:
+        segs += _system_block("tool-choice", _TOOL_CHOICE_BODY[tool_choice])
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else response_format
+    if kind == "json_object":
+        segs += _system_block("response-format", _RAW_JSON.format(kind=kind))
+    elif kind == "json_schema":
+        schema = _compact_json(_response_schema(response_format))
+        segs += _system_block("response-format", _RAW_JSON.format(kind=kind) + _SCHEMA_TAIL.format(schema=schema))
     if add_generation_prompt:
-        segs += [(True, OPEN), (False, 'message role="assistant"'), (True, SEP)]
-        segs += [(True, OPEN), (False, "think"), (True, SEP)]
+        segs += _open("message", [("role", "assistant")]) + _open("think")
     return segs
+
+
+class RenderedChat(str):
+    """:func:`render_chat`'s string, which remembers which parts are structure tokens.
+
+    It is an ordinary ``str`` (display, logs, ``==``); :func:`encode_segments` and our
+    tokenizers' ``encode`` use :attr:`segments`, so encoding it gives exactly
+    :func:`encode_chat`'s ids: this is how mlx-lm's render-then-encode path
+    (``apply_chat_template(tokenize=False)`` then ``tokenizer.encode``) keeps user text
+    that looks like markup as text. A slice (``s[i:j]``, as mlx_lm.generate takes with
+    a prompt cache) is again a ``RenderedChat``; a cut through a special token leaves
+    its remaining characters as text. Any other string operation gives a plain ``str``.
+    """
+
+    segments: tuple[Segment, ...]
+
+    def __new__(cls, segments: Iterable[Segment]):
+        segments = tuple((bool(s), t) for s, t in segments if t)
+        obj = super().__new__(cls, "".join(t for _, t in segments))
+        obj.segments = segments
+        return obj
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice):
+            return str.__getitem__(self, key)
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            return str.__getitem__(self, key)
+        out, at = [], 0
+        for special, text in self.segments:
+            lo, hi = max(start - at, 0), min(stop - at, len(text))
+            if lo < hi:
+                out.append((special and (lo, hi) == (0, len(text)), text[lo:hi]))
+            at += len(text)
+        return RenderedChat(out)
+
+    def __reduce__(self):
+        return RenderedChat, (self.segments,)
 
 
 def render_chat(
@@ -212,13 +410,44 @@ def render_chat(
     reasoning_effort: str = DEFAULT_EFFORT,
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
-) -> str:
-    """The encoded conversation as one display string (special tokens as their text).
+    **options: Any,
+) -> RenderedChat:
+    """The encoded conversation as one string (special tokens as their text).
 
-    For display and logs. Do not re-tokenize it with specials allowed: content that
-    contains special-token text would then turn into structure; use :func:`encode_chat`.
+    Arguments and errors as :func:`chat_segments` (``options``: ``tool_choice``,
+    ``response_format``). The result is a :class:`RenderedChat`: our tokenizers encode
+    it to :func:`encode_chat`'s ids. Text rebuilt from it (concatenation, formatting)
+    is plain ``str`` again, whose markup-looking text a tokenizer encodes as text.
     """
-    return "".join(text for _, text in chat_segments(messages, reasoning_effort, add_generation_prompt, tools))
+    return RenderedChat(chat_segments(messages, reasoning_effort, add_generation_prompt, tools, **options))
+
+
+def _kimi(tokenizer):
+    tok = getattr(tokenizer, "kimi", tokenizer)
+    missing = [t for t in STRUCTURE_TOKENS if t not in tok.special_tokens]
+    if missing:
+        raise ValueError(f"tokenizer has no K3 structure tokens {missing}")
+    return tok
+
+
+def encode_segments(tokenizer, segments: Iterable[Segment]) -> list[int]:
+    """Token ids of ``(is_special, text)`` segments, each tokenized on its own.
+
+    A special segment is its special token's id; a text segment is ordinary text,
+    special-token look-alikes included. ``tokenizer`` as in :func:`encode_chat`.
+    Raises ``ValueError`` if the vocabulary lacks a structure token or a special
+    segment is not a special token of the vocabulary.
+    """
+    tok = _kimi(tokenizer)
+    ids: list[int] = []
+    for special, text in segments:
+        if not special:
+            ids += tok.encode(str(text), allow_special=False)
+        elif text in tok.special_tokens:
+            ids.append(tok.special_tokens[text])
+        else:
+            raise ValueError(f"tokenizer has no special token {text!r}")
+    return ids
 
 
 def encode_chat(
@@ -227,25 +456,18 @@ def encode_chat(
     reasoning_effort: str = DEFAULT_EFFORT,
     add_generation_prompt: bool = True,
     tools: Sequence[Mapping[str, Any]] | None = None,
+    **options: Any,
 ) -> list[int]:
     """Token ids (``list[int]``) of the conversation for ``tokenizer``.
 
     ``tokenizer``: a :class:`kimi_mlx.tokenizer.KimiTokenizer` (or our transformers
     ``TikTokenTokenizer``, which wraps one as ``.kimi``). Markup becomes special-token
-    ids; all message text is encoded as ordinary text. Raises ``ValueError`` as
+    ids; all message text is encoded as ordinary text, segment by segment, as the
+    reference does. ``options`` as in :func:`chat_segments`. Raises ``ValueError`` as
     :func:`chat_segments`, or if the vocabulary lacks a structure token.
     """
-    tok = getattr(tokenizer, "kimi", tokenizer)
-    missing = [t for t in STRUCTURE_TOKENS if t not in tok.special_tokens]
-    if missing:
-        raise ValueError(f"tokenizer has no K3 structure tokens {missing}")
-    ids: list[int] = []
-    for special, text in chat_segments(messages, reasoning_effort, add_generation_prompt, tools):
-        if special:
-            ids.append(tok.special_tokens[text])
-        else:
-            ids += tok.encode(text, allow_special=False)
-    return ids
+    tok = _kimi(tokenizer)
+    return encode_segments(tok, chat_segments(messages, reasoning_effort, add_generation_prompt, tools, **options))
 
 
 # ------------------------------------------------------------------------- replies
@@ -276,7 +498,8 @@ def parse_reply(text: str) -> dict:
     the think channel (a leading ``<|open|>think<|sep|>`` is tolerated). Returns
     ``{"reasoning_content": str, "content": str, "tool_calls": list[dict]}``, tool calls
     as ``{"name": str, "arguments": dict}``. A reply cut off inside thinking has all its
-    text in ``reasoning_content``.
+    text in ``reasoning_content``. Whitespace between the think block and the response
+    (or text) after it is dropped, as :class:`ReplyStream` does.
     """
     text = _strip_prefix(text, THINK_START)
     for stop in (END_OF_MSG, MESSAGE_END):
@@ -290,7 +513,8 @@ def parse_reply(text: str) -> dict:
         if tools_at >= 0:
             tool_calls = parse_tool_section(rest[tools_at:])
             rest = rest[:tools_at]
-        rest = _strip_prefix(rest, RESPONSE_START)
+        # Whitespace between the think block and what follows is not content.
+        rest = _strip_prefix(rest.lstrip(), RESPONSE_START)
         content = rest.split(RESPONSE_END, 1)[0]
     else:
         content = ""
@@ -328,6 +552,7 @@ class ReplyStream:
         self._buf = ""
         self._fed: list[str] = []
         self._at_start = True
+        self._between_started = False
 
     @property
     def done(self) -> bool:
@@ -345,6 +570,11 @@ class ReplyStream:
             return
         if self.state == "after" and not text.strip():
             return  # whitespace between markup blocks
+        if self.state == "between" and not self._between_started:
+            text = text.lstrip()  # whitespace after the think block (parse_reply drops it)
+            if not text:
+                return
+            self._between_started = True
         if channel == "reasoning":
             self.reasoning += text
         else:

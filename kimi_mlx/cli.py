@@ -19,6 +19,7 @@ COMMANDS = [
     ("server", "kimi_mlx.server.cli", "OpenAI- and Anthropic-compatible HTTP API server"),
     ("cluster", "kimi_mlx.cluster.cli", "zeroconf discovery, stage service and launcher"),
     ("prune", "kimi_mlx.prune.cli", "REAP expert pruning to a single-Mac checkpoint"),
+    ("convert", "kimi_mlx.prune.convert_cli", "quantize the BF16 trunk (MLX affine, as mlx_lm.convert)"),
     ("bench", "kimi_mlx.bench_cli", "benchmarks (kernels, model vs mlx-lm)"),
 ]
 

@@ -33,6 +33,13 @@ CONVENTIONS: Dict[str, Any] = {
     "indexer_tensors": ("wq_b", "wk", "weights_proj", "k_norm"),
 }
 
+# Build quantization choices (`convert`, `prune --q-bits`, `plan --q-bits`): MLX affine
+# trunk bits, routed-expert requantization bits, group sizes.
+QUANT_TRUNK_BITS = (4, 5, 6, 8)
+QUANT_EXPERT_BITS = (2, 3, 4)
+QUANT_GROUP_SIZES = (32, 64, 128)
+QUANT_DEFAULT_GROUP = 64
+
 # Keys a text config must carry; a missing one is reported by name.
 REQUIRED_KEYS = (
     "vocab_size",

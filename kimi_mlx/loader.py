@@ -135,14 +135,7 @@ def load_model(
     except TensorError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
     model = Model(args, start, end)
-    quant = args.quantization or MXFP4
-    nn.quantize(
-        model,
-        group_size=quant["group_size"],
-        bits=quant["bits"],
-        mode=quant.get("mode", "affine"),
-        class_predicate=lambda p, m: f"{p}.scales" in sanitized and hasattr(m, "to_quantized"),
-    )
+    quantize_like(model, sanitized, args.quantization, model_dir)
     _check_tensors(model, sanitized, args, where, model_dir)
     model.load_weights(list(sanitized.items()), strict=True)
     model.eval()
@@ -152,6 +145,34 @@ def load_model(
     if not lazy:
         mx.eval(model.parameters())
     return model, config, report
+
+
+def quantize_like(model: nn.Module, weights: Dict[str, mx.array], default: Optional[dict] = None,
+                  where: Path = Path(".")) -> None:
+    """Turn every module that has `<path>.scales` in `weights` into its quantized form,
+    with the mode, bits and group size its tensors were packed with.
+
+    Per module, as mlx-lm's loader (`mlx_lm.utils.infer_quant_config`): uint8 scales =
+    mxfp4 (4 bits, group 32: the official experts), float scales = affine with group =
+    in / scales columns and bits = 32 * packed columns / in (a `convert` trunk or
+    `--expert-bits` experts). So one checkpoint can mix both.
+    Raises:
+        CheckpointError: a module's tensors fit no MLX quantization (names it).
+    """
+    from mlx_lm.utils import infer_quant_config
+
+    default = default or MXFP4
+
+    def predicate(path, module):
+        if f"{path}.scales" not in weights or not hasattr(module, "to_quantized"):
+            return False
+        try:
+            return infer_quant_config(path, module, weights)
+        except (ValueError, KeyError, ZeroDivisionError) as e:
+            raise CheckpointError(f"{where}: {path}: quantized tensors of unknown layout ({e})") from None
+
+    nn.quantize(model, group_size=default.get("group_size", 32), bits=default.get("bits", 4),
+                mode=default.get("mode", "affine"), class_predicate=predicate)
 
 
 def _check_tensors(model, weights, args, where, model_dir: Path) -> None:

@@ -9,19 +9,24 @@ table is short:
 | `...block_sparse_moe.experts.E.w1.weight_packed` (U8 [out, in/2])    | `...block_sparse_moe.switch_mlp.gate_proj.weight` (uint32 view, stacked over E) |
 | `...block_sparse_moe.experts.E.w1.weight_scale` (U8 E8M0 [out, in/32]) | `...block_sparse_moe.switch_mlp.gate_proj.scales` (stacked)             |
 | `w3` / `w2`                                                          | `up_proj` / `down_proj`                            |
+| `...experts.E.w1.{weight,scales,biases}` (experts requantized to MLX affine by `--expert-bits`: U32 [out, in*bits/32], BF16 [out, in/group] x2) | `...switch_mlp.gate_proj.{weight,scales,biases}` (stacked over E) |
+| `X.weight` (U32 [out, in*bits/32]) + `X.scales` + `X.biases` (BF16 [out, in/group]) for X a trunk linear / embedding matching `QUANTIZABLE_RE` (`kimi-mlx convert`, `prune --q-bits`) | `X.weight` / `X.scales` / `X.biases` of an MLX affine `QuantizedLinear` / `QuantizedEmbedding` |
 | `...self_attn.A_log` [128] (96 per-head values, zero padded)         | `...self_attn.A_log` [num_heads]                   |
 | `model.*`, `lm_head.*` (text-only files without the prefix)          | `language_model.model.*`, `language_model.lm_head.*` |
 | `vision_tower.*`, `mm_projector.*`, layers >= num_hidden_layers (MTP) | skipped (the loader prints one notice)             |
 
 MXFP4 bytes are bit-identical to MLX `mode="mxfp4"` (K31_SPEC.md section 6), so packed
-experts are reinterpreted, never dequantised.
+experts are reinterpreted, never dequantised. Quantized layers' modes, bits and group
+sizes are read off their tensors (`mlx_lm.utils.infer_quant_config`: uint8 scales =
+mxfp4, float scales = affine with bits = 32 * packed columns / in), so one checkpoint can
+mix MXFP4 experts with an affine trunk.
 """
 
 from __future__ import annotations
 
 import re
 from collections import defaultdict
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -31,10 +36,26 @@ PREFIX = "language_model."
 LAYER_RE = re.compile(r"^language_model\.model\.layers\.(\d+)\.")
 EXPERT_RE = re.compile(
     r"^(?P<moe>language_model\.model\.layers\.\d+\.block_sparse_moe)\.experts\."
-    r"(?P<e>\d+)\.(?P<w>w[123])\.(?P<f>weight_packed|weight_scale)$"
+    r"(?P<e>\d+)\.(?P<w>w[123])\.(?P<f>weight_packed|weight_scale|weight|scales|biases)$"
 )
 EXPERT_PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-EXPERT_FIELD = {"weight_packed": "weight", "weight_scale": "scales"}
+EXPERT_FIELD = {"weight_packed": "weight", "weight_scale": "scales"}  # official MXFP4
+# Experts requantized to MLX affine (`--expert-bits`) keep MLX's own field names.
+EXPERT_AFFINE_FIELD = {"weight": "weight", "scales": "scales", "biases": "biases"}
+# Trunk tensors `kimi-mlx convert` / `prune --q-bits` quantize (MLX affine): the weights
+# of every nn.Linear / nn.Embedding outside the routed experts, as mlx-lm's kimi_k3
+# `quant_predicate`, except the AttnRes `*_res_proj` ([1, hidden] mixing logits, as
+# there), `kv_b_proj` (the attention reads its matrix directly to absorb W_UK / W_UV) and
+# the router (`block_sparse_moe.gate`, not a Linear). Norms, conv, A_log, dt_bias and
+# the correction bias are not linear weights and keep their stored dtype.
+QUANTIZABLE_RE = re.compile(
+    r"^language_model\.(?:lm_head|model\.embed_tokens|model\.layers\.\d+\.(?:"
+    r"self_attn\.(?:[qkvgob]_proj|f_[ab]_proj|q_[ab]_proj|kv_a_proj_with_mqa"
+    r"|indexer\.(?:wq_b|wk|weights_proj))"
+    r"|mlp\.(?:gate|up|down)_proj"
+    r"|block_sparse_moe\.(?:routed_expert_(?:down|up)_proj|shared_experts\.(?:gate|up|down)_proj)"
+    r"))\.weight$"
+)
 NON_TEXT_PREFIXES = ("vision_tower.", "vision_model.", "mm_projector.", "multi_modal_projector.")
 FIRST_STAGE = ("language_model.model.embed_tokens.",)
 LAST_STAGE = (
@@ -66,6 +87,46 @@ def kind(name: str, args: ModelArgs) -> str:
     if m and int(m.group(1)) >= args.num_hidden_layers:
         return "mtp"
     return "text"
+
+
+def quantizable(name: str) -> bool:
+    """Whether trunk tensor `name` (a `.weight`) is one that trunk quantization converts
+    (`QUANTIZABLE_RE`; the in-dimension must also be a multiple of the group size)."""
+    return bool(QUANTIZABLE_RE.match(canonical(name)))
+
+
+# -- quantized tensors: names and shapes (writer and planner both use these) ----------
+
+def packed_shapes(shape: Sequence[int], bits: int, group: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
+    """(weight uint32 shape, scales / biases shape) of an affine-quantized [..., out, in]."""
+    *lead, inp = shape
+    return (*lead, inp * bits // 32), (*lead, inp // group)
+
+
+def trunk_outputs(name: str, dtype: str, shape: Sequence[int], bits: int,
+                  group: int) -> Optional[List[Tuple[str, str, Tuple[int, ...]]]]:
+    """[(name, safetensors dtype, shape)] a trunk `X.weight` becomes, or None when it is
+    not quantized (not 2-D float, or in-dimension not a multiple of `group`)."""
+    if dtype not in ("BF16", "F16", "F32") or len(shape) != 2 or shape[-1] % group:
+        return None
+    base = name[: -len(".weight")]
+    wshape, sshape = packed_shapes(shape, bits, group)
+    return [(f"{base}.weight", "U32", wshape), (f"{base}.scales", dtype, sshape),
+            (f"{base}.biases", dtype, sshape)]
+
+
+def expert_outputs(base: str, packed_shape: Sequence[int], bits: int,
+                   group: int) -> List[Tuple[str, str, Tuple[int, ...]]]:
+    """[(name, dtype, shape)] of one requantized expert projection `base` (`...experts.E.w1`)
+    from its MXFP4 `weight_packed` U8 [out, in/2]."""
+    out, half = packed_shape
+    inp = 2 * half
+    if inp % group:
+        raise ValueError(f"{base}: input dimension {inp} is not a multiple of "
+                         f"--expert-group-size {group}")
+    wshape, sshape = packed_shapes((out, inp), bits, group)
+    return [(f"{base}.weight", "U32", wshape), (f"{base}.scales", "BF16", sshape),
+            (f"{base}.biases", "BF16", sshape)]
 
 
 def layer_of(name: str) -> Optional[int]:
@@ -128,7 +189,8 @@ def sanitize_weights(
                     f" bytes per row, got {stacked.dtype} {tuple(stacked.shape[1:])}"
                 )
             stacked = stacked.view(mx.uint32)
-        out[f"{moe}.switch_mlp.{EXPERT_PROJ[wname]}.{EXPERT_FIELD[field]}"] = stacked
+        fields = EXPERT_FIELD if field in EXPERT_FIELD else EXPERT_AFFINE_FIELD
+        out[f"{moe}.switch_mlp.{EXPERT_PROJ[wname]}.{fields[field]}"] = stacked
     return out
 
 
@@ -146,9 +208,9 @@ def _a_log(name: str, w: mx.array, heads: int) -> mx.array:
 
 def original_names(name: str, args: ModelArgs) -> Tuple[str, ...]:
     """Checkpoint tensor name(s) a module path is read from (for error messages)."""
-    m = re.match(r"^(.*\.block_sparse_moe)\.switch_mlp\.(\w+)\.(weight|scales)$", name)
+    m = re.match(r"^(.*\.block_sparse_moe)\.switch_mlp\.(\w+)\.(weight|scales|biases)$", name)
     if m:
         w = {v: k for k, v in EXPERT_PROJ.items()}[m.group(2)]
-        f = {v: k for k, v in EXPERT_FIELD.items()}[m.group(3)]
+        f = {"weight": "weight_packed", "scales": "weight_scale", "biases": "biases"}[m.group(3)]
         return (f"{m.group(1)}.experts.E.{w}.{f} (E = 0..{args.num_experts - 1})",)
     return (name,)

@@ -12,6 +12,7 @@ layer (both must be skipped), and tokenizer files (`tiktoken.model` +
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -122,8 +123,33 @@ def full_config(text: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def random_model(args: ModelArgs, seed: int = 0):
-    """Our unquantized model with deterministic, non-trivial random weights (float32)."""
+def random_model(args: ModelArgs, seed: int = 0, conditioned: bool = False):
+    """Our unquantized model with deterministic, non-trivial random weights (float32).
+
+    Args:
+        args: model config. seed: weight seed (same seed, same weights).
+        conditioned: draw the weights so that the model does not amplify rounding error,
+            for tests that compare two computations of it (see `tolerance`). Three
+            amplifiers of the plain draw are removed, each measured on the tiny config
+            (relative gain of a layer to a perturbation of its input: 2 to 27 plain,
+            1.05 to 2.2 conditioned; ours vs mlx-lm's kimi_k3 over 6 layers: 1e-5 to
+            2e-4 plain, ~1e-6 conditioned):
+            - AttnRes `*_res_proj` fan-in scaled (std hidden^-1/2, not 0.5), so the
+              mixing logits are O(1): a softmax's relative sensitivity grows with its
+              logits (std 4 before).
+            - KDA decay temperature exp(A_log) in [1, 2] (not [1, 16]): g = lb *
+              sigmoid(exp(A_log) a) has slope up to |lb| exp(A_log) / 4.
+            - KDA keys correlated with queries (k_proj = (q_proj + k_proj / 2) / 1.118,
+              same conv), so no head's output S^T q is a near-cancellation that the
+              per-head output RMSNorm (`o_norm`) would scale up with its rounding error.
+            And one for the indexer's top-k: index heads come in pairs with opposite
+            queries (wq_b rows of head 2j+1 = -head 2j's), so a key's score
+            sum_h w_h relu(q_h . k) is never exactly 0 (with independent heads a
+            quarter of the keys score exactly 0 at 2 heads: exact ties that either
+            computation may break either way).
+            The discrete choices (expert and indexer top-k) are not pinned: tests check
+            that they have margins with `margins()`.
+    """
     from .model import Model
 
     mx.random.seed(seed)
@@ -134,13 +160,13 @@ def random_model(args: ModelArgs, seed: int = 0):
     for name, p in params.items():
         shape = tuple(p.shape)
         if name.endswith("A_log"):
-            v = np.log(rng.uniform(1.0, 16.0, shape))
+            v = np.log(rng.uniform(1.0, 2.0 if conditioned else 16.0, shape))
         elif name.endswith("dt_bias"):
             v = rng.normal(0.0, 0.5, shape)
         elif name.endswith("e_score_correction_bias"):
             v = rng.normal(0.0, 0.1, shape)
         elif name.endswith("_res_proj.weight"):
-            v = rng.normal(0.0, 0.5, shape)
+            v = rng.normal(0.0, shape[-1] ** -0.5 if conditioned else 0.5, shape)
         elif "norm" in name and name.endswith("weight"):
             v = rng.uniform(0.8, 1.2, shape)
         elif name.endswith("bias"):
@@ -152,9 +178,235 @@ def random_model(args: ModelArgs, seed: int = 0):
         else:
             fan_in = shape[-1]
             v = rng.normal(0.0, fan_in**-0.5, shape)
-        new[name] = mx.array(v.astype(np.float32))
-    model.load_weights(list(new.items()))
+        new[name] = v.astype(np.float32)
+    if conditioned:
+        for name in new:
+            if name.endswith("self_attn.k_proj.weight"):  # KDA only (MLA has no k_proj)
+                pre = name[: -len("k_proj.weight")]
+                new[name] = ((new[pre + "q_proj.weight"] + 0.5 * new[name]) / 1.25**0.5)
+                new[pre + "k_conv1d.weight"] = new[pre + "q_conv1d.weight"].copy()
+            if name.endswith("indexer.wq_b.weight"):  # head 2j+1 queries = -(head 2j's)
+                w = new[name].reshape(args.index_n_heads, args.index_head_dim, -1)
+                w[1::2] = -w[0 : 2 * (args.index_n_heads // 2) : 2]
+                new[name] = w.reshape(new[name].shape)
+    model.load_weights([(k, mx.array(v)) for k, v in new.items()])
     return model
+
+
+# ------------------------------------------------------------------ numerical comparisons
+
+F32_UNIT_ROUNDOFF = 2.0**-24  # u: relative error of one rounded float32 operation
+
+
+def reduction_length(args: ModelArgs, tokens: int) -> int:
+    """n: the longest sum a forward pass of `tokens` tokens rounds (a matmul's inner
+    dimension, or the token count that attention and the KDA state accumulate over)."""
+    kda = args.linear_attn_config or {}
+    widths = [
+        args.hidden_size, args.intermediate_size, args.q_lora_rank or 0, args.kv_lora_rank,
+        args.num_attention_heads * args.v_head_dim,
+        args.moe_intermediate_size * max(1, args.num_shared_experts or 0),
+        args.routed_expert_hidden_size or 0,
+        kda.get("num_heads", 0) * kda.get("head_dim", 0),
+    ]
+    return max(max(widths), int(tokens))
+
+
+def tolerance(depth: int, n: int, unit_roundoff: float = F32_UNIT_ROUNDOFF) -> float:
+    """THE tolerance rule for comparing two float32 computations of the same (conditioned)
+    model: kimi-mlx vs mlx-lm's kimi_k3, kernels vs reference ops, cached vs uncached,
+    stages vs one process, chunked vs whole prefill.
+
+    Compare with `rel_err(a, b) = max|a - b| / max|b|`; the bound is
+
+        tol = 2 * (depth + 1) * n * u
+
+    - u = 2^-24: one float32 operation rounds with relative error <= u.
+    - n * u: the deterministic bound on the relative error of a sum of n products
+      (Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., section 3.1,
+      gamma_n = n u / (1 - n u)); n = `reduction_length` (inner dimensions, tokens).
+    - (depth + 1): each of `depth` layers, and the final norm + head, adds one such error;
+      on a conditioned model (`random_model(conditioned=True)`) a layer passes the error
+      it receives on with a gain of ~1 (measured 1.05 to 2.2 per layer), so errors add
+      up linearly in depth instead of compounding.
+    - 2: both computations carry their own rounding error.
+
+    On the tiny config (6 layers, n = 128) tol = 1.1e-4, against measured differences of
+    1e-6 to 3e-6 (ours vs mlx-lm, kernels vs reference): ~40x margin for another
+    machine's summation order (BLAS threads, SIMD width), and still far below the 1e-2
+    that a wrong index, mask or scale gives. The discrete choices a comparison crosses
+    must have margins of at least this tolerance (`Margins.check`).
+
+    Args:
+        depth: layers the compared values went through (1 for a single layer).
+        n: longest rounded sum (`reduction_length`).
+        unit_roundoff: u of the arithmetic (float32 by default).
+    Returns:
+        relative tolerance (float).
+    """
+    return 2.0 * (depth + 1) * n * unit_roundoff
+
+
+def model_tolerance(args: ModelArgs, tokens: int, depth: Optional[int] = None) -> float:
+    """`tolerance` for logits (or states) of a forward pass of `tokens` tokens through
+    `depth` layers (default: all of `args`)."""
+    depth = args.num_hidden_layers if depth is None else depth
+    return tolerance(depth, reduction_length(args, tokens))
+
+
+def rel_err(a, b) -> float:
+    """max|a - b| / max|b| (float32; NaN or inf in a gives inf)."""
+    a = mx.array(a).astype(mx.float32)
+    b = mx.array(b).astype(mx.float32)
+    if a.shape != b.shape:
+        raise ValueError(f"rel_err: shapes differ, {a.shape} vs {b.shape}")
+    err = mx.abs(a - b).max().item()
+    if not np.isfinite(err):
+        return float("inf")
+    scale = mx.abs(b).max().item()
+    return err / scale if scale > 0 else (0.0 if err == 0 else float("inf"))
+
+
+class Margins:
+    """Margins of the discrete choices made by our model while recording (`margins()`).
+
+    A margin is the gap between the last selected and the first unselected candidate,
+    in units of the relative input error that would swap them:
+    - router (expert top-k on sigmoid(logits) + e_score_correction_bias): a relative error
+      d of the logits moves a choice value by at most d * max|logits| / 4 (the sigmoid's
+      slope is <= 1/4), so margin = gap / (max|logits| / 4), per token;
+    - indexer (top-k of I[t, s] = sum_h w_h relu(q_h . k_s) over s <= t, rows with more
+      than index_topk candidates): relative errors d of w, q and k move I by at most
+      3 d max_s sum_h |w_h| |q_h . k_s|, so margin = gap / (3 * that), per pair of a
+      selected and an unselected key near the boundary; a pair of keys within tol of
+      each other (relative) may swap unharmed and is not counted.
+    Two computations whose outputs agree within `tol` make the same choices when every
+    margin is above tol: the router and indexer inputs lie upstream of those outputs, and
+    on a conditioned model errors grow, not shrink, with depth. `check` asks for that.
+    """
+
+    def __init__(self):
+        self.router: list = []  # lazy mx arrays of per-token margins
+        self.indexer: list = []  # [P, 2] arrays: (margin, key difference) per pair
+
+    @property
+    def router_min(self) -> float:
+        """Smallest expert-choice margin seen (inf if no routing happened)."""
+        vals = [mx.min(p).item() for p in self.router if p.size]
+        return min(vals) if vals else float("inf")
+
+    def indexer_min(self, tol: float = 0.0) -> float:
+        """Smallest indexer-choice margin seen among pairs of keys more than `tol` apart
+        (inf if none)."""
+        vals = [mx.min(mx.where(p[:, 1] > tol, p[:, 0], mx.inf)).item()
+                for p in self.indexer if p.size]
+        return min(vals) if vals else float("inf")
+
+    def check(self, tol: float, need_indexer: bool = False) -> None:
+        """Assert every recorded margin is >= tol (and that some routing, and with
+        need_indexer some indexer selection, was recorded).
+
+        Raises:
+            AssertionError: naming the choice kind, its margin and the tolerance; the
+                remedy is another seed or prompt for the test, not a looser tolerance.
+        """
+        assert self.router, "no expert routing was recorded"
+        if need_indexer:
+            assert self.indexer, "no indexer selection past index_topk was recorded"
+        for kind, m in (("router", self.router_min), ("indexer", self.indexer_min(tol))):
+            assert m >= tol, (
+                f"{kind} top-k margin {m:.3g} < tolerance {tol:.3g}: a near tie that "
+                f"rounding may flip; pick another seed or prompt for this test")
+
+
+def _router_margin(logits, bias, top_k):
+    scores = mx.sigmoid(logits.astype(mx.float32))
+    choice = scores + bias.astype(mx.float32)
+    E = choice.shape[-1]
+    if top_k >= E:
+        return mx.array([np.inf], mx.float32)
+    top = mx.topk(choice, top_k + 1, axis=-1)  # ascending: [k+1-th, k-th, ...]
+    top = mx.sort(top, axis=-1)
+    gap = top[..., 1] - top[..., 0]
+    scale = mx.abs(logits.astype(mx.float32)).max(axis=-1) / 4
+    return (gap / mx.maximum(scale, 1e-30)).reshape(-1)
+
+
+def _indexer_margin(q_idx, weights, k_idx, topk, offset):
+    """Indexer margins (see `Margins`) of the queries with more than `topk` candidates:
+    [P, 2] float32 rows (margin, key difference), one per pair of a selected and an
+    unselected key near the boundary (the 4 lowest selected against the 4 highest left
+    out). The key difference is max|k_i - k_j| / max|k| of the row: a swap of two keys
+    that close changes the attention by about that much, so a near tie between them is
+    harmless to a comparison whose tolerance is larger (the same token in the same local
+    context gets nearly the same key, and natural text repeats).
+    """
+    from .metal.dsa import dsa_index_scores
+
+    if k_idx.shape[1] <= topk:
+        return mx.zeros((0, 2), mx.float32)
+    scores = np.array(dsa_index_scores(q_idx, weights, k_idx, offset))  # [B, L, S]
+    q = np.array(q_idx.astype(mx.float32))
+    k = np.array(k_idx.astype(mx.float32))
+    w = np.abs(np.array(weights.astype(mx.float32)))
+    out = []
+    for b in range(scores.shape[0]):
+        for l in range(scores.shape[1]):
+            n = offset + l + 1  # allowed keys 0..offset+l
+            if n <= topk:
+                continue
+            row = scores[b, l, :n]
+            order = np.argsort(-row, kind="stable")
+            kmax = max(float(np.abs(k[b, :n]).max()), 1e-30)
+            bound = (w[b, l][:, None] * np.abs(q[b, l] @ k[b, :n].T)).sum(axis=0).max()
+            for i in order[max(0, topk - 4) : topk]:
+                for j in order[topk : topk + 4]:
+                    out.append(((row[i] - row[j]) / max(3 * bound, 1e-30),
+                                np.abs(k[b, i] - k[b, j]).max() / kmax))
+    return mx.array(np.array(out, dtype=np.float32).reshape(-1, 2))
+
+
+def argmax_margin(logits) -> float:
+    """Smallest gap between the largest and second-largest logit of any row of `logits`
+    [..., vocab], relative to that row's max |logit|: two computations within `tol` of
+    each other pick the same greedy token where this is above tol."""
+    x = mx.array(logits).astype(mx.float32)
+    top2 = mx.sort(mx.topk(x, 2, axis=-1), axis=-1)
+    gap = (top2[..., 1] - top2[..., 0]) / mx.maximum(mx.abs(x).max(axis=-1), 1e-30)
+    return mx.min(gap).item()
+
+
+@contextlib.contextmanager
+def margins():
+    """Record the margins of our model's expert and indexer top-k choices made inside
+    the block (reference ops and kernels alike; see `Margins`). Yields a `Margins`."""
+    from . import dsa as dsa_mod
+    from . import ffn as ffn_mod
+
+    rec = Margins()
+    real_route = ffn_mod.route
+    real_prefill = dsa_mod.dsa_prefill_indices
+    real_decode = dsa_mod.dsa_sparse_decode
+
+    def route(logits, bias, top_k, *a, **kw):
+        rec.router.append(_router_margin(logits, bias, top_k))
+        return real_route(logits, bias, top_k, *a, **kw)
+
+    def prefill(q_idx, weights, k_idx, topk, offset):
+        rec.indexer.append(_indexer_margin(q_idx, weights, k_idx, topk, offset))
+        return real_prefill(q_idx, weights, k_idx, topk, offset)
+
+    def decode(q_lat, q_pe, latent, k_pe, scale, q_idx, weights, k_idx, topk, offset):
+        rec.indexer.append(_indexer_margin(q_idx, weights, k_idx, topk, offset))
+        return real_decode(q_lat, q_pe, latent, k_pe, scale, q_idx, weights, k_idx, topk,
+                           offset)
+
+    ffn_mod.route, dsa_mod.dsa_prefill_indices, dsa_mod.dsa_sparse_decode = route, prefill, decode
+    try:
+        yield rec
+    finally:
+        ffn_mod.route = real_route
+        dsa_mod.dsa_prefill_indices, dsa_mod.dsa_sparse_decode = real_prefill, real_decode
 
 
 def checkpoint_tensors(model, args: ModelArgs, dtype=mx.bfloat16) -> Dict[str, mx.array]:
@@ -249,6 +501,7 @@ def build_checkpoint(
     model=None,
     ranks: Optional[Dict[bytes, int]] = None,
     extras: bool = True,
+    conditioned: bool = False,
 ) -> Path:
     """Write a checkpoint folder in the official layout; returns its path.
 
@@ -261,6 +514,8 @@ def build_checkpoint(
         model: optional unquantized `Model` to export instead of random weights.
         ranks: tokenizer ranks (default: 256 byte tokens); specials follow them.
         extras: also write vision / projector / MTP tensors that loaders must skip.
+        conditioned: random weights drawn for numerical comparisons
+            (`random_model(conditioned=True)`); ignored when `model` is given.
     Raises:
         FileExistsError: out_dir exists.
     """
@@ -276,7 +531,7 @@ def build_checkpoint(
     text["eos_token_id"] = specials["<|end_of_msg|>"]
     config = full_config(text)
     args = ModelArgs.from_config(config)
-    model = model if model is not None else random_model(args, seed)
+    model = model if model is not None else random_model(args, seed, conditioned)
     tensors = checkpoint_tensors(model, args, dtype)
     if extras:
         tensors.update(extra_tensors(args, dtype))

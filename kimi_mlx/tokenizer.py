@@ -34,6 +34,8 @@ import warnings
 from pathlib import Path
 from typing import Iterable, Mapping
 
+from .chat_format import MARKERS, RenderedChat, encode_segments
+
 TIKTOKEN_FILE = "tiktoken.model"
 CONFIG_FILE = "tokenizer_config.json"
 
@@ -439,8 +441,12 @@ class KimiTokenizer:
 
         With ``allow_special=False`` (the default) special-token text such as
         ``<|open|>`` inside ``text`` is encoded as ordinary text, so user content can
-        never forge chat structure. With ``True`` it becomes the special id.
+        never forge chat structure. With ``True`` it becomes the special id. A
+        :class:`kimi_mlx.chat_format.RenderedChat` (``render_chat``'s string) is encoded
+        from its segments: its markup gives special ids, its message text stays text.
         """
+        if isinstance(text, RenderedChat):
+            return encode_segments(self, text.segments)
         if allow_special:
             return self.model.encode(text, allowed_special="all")
         return self.model.encode_ordinary(text)
@@ -533,9 +539,22 @@ def _build_hf_class():
         (``tokenizer_class: "TikTokenTokenizer"``) so ``AutoTokenizer`` picks it after
         :func:`register_with_transformers`; the release's ``tokenization_kimi.py`` is
         never run. Ordinary tokens are spelled in GPT-2 byte-to-unicode form, specials
-        as their text. ``encode``/``__call__`` recognise special-token text (as
-        transformers tokenizers do); :meth:`apply_chat_template` uses
-        :mod:`kimi_mlx.chat_format`, where message content never becomes special tokens.
+        as their text.
+
+        Special tokens and text (unlike transformers' default, and unlike the release's
+        tokenizer): ``encode``/``__call__``/``tokenize`` treat special-token text such
+        as ``<|open|>`` as ordinary text, so user text can never become chat structure
+        on any path that encodes a string (``split_special_tokens`` defaults to True).
+        A caller asks for specials explicitly with ``split_special_tokens=False`` (per
+        call, or at load time). Two inputs keep their structure anyway:
+
+        * the string :meth:`apply_chat_template` returns with ``tokenize=False`` (a
+          :class:`~kimi_mlx.chat_format.RenderedChat`), which encodes to exactly
+          the ids of ``tokenize=True``: mlx_lm.generate renders, then encodes;
+        * a string that is exactly one chat marker (``<|open|>think<|sep|>``, a single
+          structure token, ...: ``chat_format.MARKERS``), which mlx-lm's
+          ``TokenizerWrapper`` looks up to find reasoning and tool-call sections in
+          token ids. Such a string is a whole input, never text inside a chat.
         """
 
         vocab_files_names = {"vocab_file": TIKTOKEN_FILE}
@@ -579,6 +598,7 @@ def _build_hf_class():
                 for name, tid in self.kimi.special_tokens.items()
             }
             kwargs.setdefault("clean_up_tokenization_spaces", False)
+            kwargs.setdefault("split_special_tokens", True)  # see the class docstring
             kwargs.setdefault("special_tokens_pattern", "none")
             kwargs.setdefault("model_max_length", MODEL_MAX_LENGTH)
             super().__init__(
@@ -616,6 +636,10 @@ def _build_hf_class():
 
         def tokenize(self, text: str, **kwargs) -> list[str]:
             split_special = kwargs.pop("split_special_tokens", self.split_special_tokens)
+            if isinstance(text, RenderedChat):
+                return [self._convert_id_to_token(i) for i in encode_segments(self.kimi, text.segments)]
+            if text in MARKERS and text:
+                split_special = False
             if len(self._added_tokens_encoder) > len(self.kimi.special_tokens):
                 # Someone added tokens through transformers: let its trie handle them.
                 return super().tokenize(text, split_special_tokens=split_special, **kwargs)
@@ -667,15 +691,20 @@ def _build_hf_class():
             reasoning_effort: str | None = None,
             thinking_effort: str | None = None,
             continue_final_message: bool = False,
+            tool_choice=None,
+            response_format=None,
             **kwargs,
         ):
             """Render or encode messages with the K3.1 chat encoding (kimi_mlx.chat_format).
 
             ``conversation``: list of message dicts (or a batch: list of such lists).
             ``reasoning_effort``/``thinking_effort``: "low" | "high" | "max" (default
-            "max"). Other transformers kwargs (``enable_thinking``, ``chat_template``,
-            ``padding``...) are accepted and ignored: K3.1 always thinks.
-            Returns ``str`` (tokenize=False), ``list[int]``, or a ``BatchEncoding``
+            "max"). ``tool_choice``/``response_format`` as in ``chat_format.chat_segments``.
+            Other transformers kwargs (``enable_thinking``, ``chat_template``,
+            ``padding``, ``sanitize_control_tokens``...) are accepted and ignored: K3.1
+            always thinks, and message text is never turned into control tokens.
+            Returns a ``str`` (tokenize=False: a ``RenderedChat``, whose ``encode`` gives
+            the tokenize=True ids), ``list[int]``, or a ``BatchEncoding``
             (return_dict=True). Raises ``ValueError`` for an unknown effort or role and
             ``NotImplementedError`` for ``continue_final_message``.
             """
@@ -687,13 +716,15 @@ def _build_hf_class():
             batched = bool(conversation) and isinstance(conversation[0], (list, tuple))
             convs = conversation if batched else [conversation]
             convs = [c["messages"] if isinstance(c, Mapping) else c for c in convs]
+            options = {"tool_choice": tool_choice, "response_format": response_format}
             if not tokenize:
                 out = [
-                    chat_format.render_chat(c, effort, add_generation_prompt, tools) for c in convs
+                    chat_format.render_chat(c, effort, add_generation_prompt, tools, **options)
+                    for c in convs
                 ]
                 return out if batched else out[0]
             ids = [
-                chat_format.encode_chat(self.kimi, c, effort, add_generation_prompt, tools)
+                chat_format.encode_chat(self.kimi, c, effort, add_generation_prompt, tools, **options)
                 for c in convs
             ]
             if return_dict:

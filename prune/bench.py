@@ -174,7 +174,7 @@ def gate_diagnostic(stats, top_k: int) -> str:
         g = st.gate_sum[used] / st.count[used]
         spans.append((float(g.min()), float(g.max())))
         if used.sum() > 2:
-            ranks = [np.argsort(np.argsort(a[used])) for a in (st.reap, st.frequency)]
+            ranks = [np.argsort(np.argsort(a[used])) for a in (st.reap("model"), st.frequency)]
             corr.append(float(np.corrcoef(*ranks)[0, 1]))
     lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
     return (f"router: mean renormalised gate weight per expert {lo:.3f}-{hi:.3f} over the MoE "

@@ -1,7 +1,7 @@
 """`kimi-mlx prune`: REAP expert pruning, streamed layer by layer, to a checkpoint one Mac holds.
 
-    kimi-mlx prune --model SRC --calib DATA --keep 0.2 --out DST [--method reap]
-    kimi-mlx prune --model SRC --experts 180 --dry-run
+    kimi-mlx prune --model SRC --calib DATA --keep 0.2 --out DST [--method reap] [--q-bits 4]
+    kimi-mlx prune --model SRC --experts 180 --q-bits 6 --dry-run
 
 Exit status: 0 done, 2 bad input (the message says which file / flag and why).
 """
@@ -14,7 +14,9 @@ from pathlib import Path
 
 from .calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
 from .observe import DEFAULT_CHUNK
-from .saliency import METHODS, KeepError, experts_to_keep
+from .observe import GATES
+from .quantize import DEFAULT_GROUP, EXPERT_BITS, GROUP_SIZES, TRUNK_BITS, QuantError, QuantSpec
+from .saliency import DEFAULT_GATE, DEFAULT_METHOD, METHODS, KeepError, experts_to_keep
 from .writer import AtomicOutput, PruneError, source_args
 
 DRY_RUN_MACS = ("1x64GB", "1x96GB", "1x128GB", "1x192GB", "1x256GB", "1x512GB")
@@ -31,8 +33,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--keep", type=float, help="fraction of routed experts to keep, in (0, 1]")
     size.add_argument("--experts", type=int, help="number of routed experts to keep per layer")
     p.add_argument("--out", default=None, help="output folder (must not exist unless --force)")
-    p.add_argument("--method", choices=METHODS, default="reap",
-                   help="saliency: reap (default), frequency, ean, random")
+    p.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
+                   help=f"saliency: reap (mean of router weight x expert output norm over "
+                        f"routed tokens), reap-sum (its sum), frequency, ean, random "
+                        f"(default {DEFAULT_METHOD})")
+    p.add_argument("--gate", choices=GATES, default=DEFAULT_GATE,
+                   help="router weight of reap / reap-sum: softmax (REAP's reference: softmax of "
+                        "the router logits over the model's selected experts) or model (the "
+                        f"model's renormalised sigmoid gate); default {DEFAULT_GATE}")
     p.add_argument("--protect-super-experts", action="store_true",
                    help="always keep experts with extreme activation outliers (REAP's rule)")
     p.add_argument("--seed", type=int, default=0, help="seed for --method random and sampling")
@@ -47,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a size like 8GB, or auto = a quarter of RAM)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_quant_arguments(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print per-layer sizes before/after and which Macs the result fits")
     p.add_argument("--macs", action="append", default=None,
@@ -54,6 +63,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or 2x192GB); repeatable (default: single Macs 64GB..512GB)")
     p.add_argument("--context", type=int, default=131072,
                    help="with --dry-run: tokens of context to plan for (default 131072)")
+
+
+def add_quant_arguments(p: argparse.ArgumentParser) -> None:
+    """--q-bits / --q-group-size / --expert-bits / --expert-group-size (prune, convert, plan)."""
+    p.add_argument("--q-bits", type=int, choices=TRUNK_BITS, default=None,
+                   help="quantize the BF16 trunk (attention, MLPs, shared experts, embedding, "
+                        "head) to this many bits, MLX affine as mlx_lm.convert (default: keep BF16)")
+    p.add_argument("--q-group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP,
+                   help=f"trunk weights per scale/bias (default {DEFAULT_GROUP})")
+    p.add_argument("--expert-bits", type=int, choices=EXPERT_BITS, default=None,
+                   help="requantize the MXFP4 routed experts to this many bits, MLX affine "
+                        "(default: MXFP4 copied byte for byte)")
+    p.add_argument("--expert-group-size", type=int, choices=GROUP_SIZES, default=DEFAULT_GROUP,
+                   help=f"expert weights per scale/bias with --expert-bits (default {DEFAULT_GROUP})")
+
+
+def quant_spec(args) -> QuantSpec:
+    """The QuantSpec of parsed --q-bits / ... flags (PruneError for a bad combination)."""
+    try:
+        return QuantSpec(args.q_bits, args.q_group_size, args.expert_bits, args.expert_group_size)
+    except QuantError as e:
+        raise PruneError(str(e)) from None
 
 
 def _budget(text: str):
@@ -91,9 +122,10 @@ def _source(spec: str) -> Path:
 
 def run(args) -> int:
     try:
+        quant = quant_spec(args)
         if args.dry_run:
             return dry_run(args.model, args.keep, args.experts, args.macs or list(DRY_RUN_MACS),
-                           args.context)
+                           args.context, quant)
         src = _source(args.model)
         _, margs, _ = source_args(src)
         n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token,
@@ -112,7 +144,8 @@ def run(args) -> int:
             calib = calibration(src, args.calib or [], args.seq_len, args.calib_tokens,
                                 args.seed, vocab_size=margs.vocab_size)
         res = prune(src, args.out, calib, args.method, n_keep,
-                    protect=args.protect_super_experts, seed=args.seed, force=args.force,
+                    protect=args.protect_super_experts, seed=args.seed, gate=args.gate,
+                    force=args.force, quant=quant,
                     chunk=args.chunk, activation_budget=budget, progress=not args.quiet)
     except (PruneError, CalibError, KeepError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -120,12 +153,21 @@ def run(args) -> int:
     protected = sum(len(v) for v in res.selection.protected.values())
     print(f"pruned {args.model} -> {res.out}: {n_keep} of {margs.num_experts} experts kept in "
           f"{len(res.selection.kept)} MoE layers ({args.method}"
+          + (f", {args.gate} gate" if args.method in ("reap", "reap-sum") else "")
           + (f", {protected} super experts protected" if args.protect_super_experts else "")
-          + ")")
+          + ")" + "".join(f"; {q}" for q in _short(quant)))
     return 0
 
 
-def dry_run(model: str, keep, experts, macs, context: int) -> int:
+def _short(quant: QuantSpec):
+    if quant.bits is not None:
+        yield f"trunk {quant.bits}-bit group {quant.group_size}"
+    if quant.expert_bits is not None:
+        yield f"experts {quant.expert_bits}-bit group {quant.expert_group_size}"
+
+
+def dry_run(model: str, keep, experts, macs, context: int,
+            quant: QuantSpec = QuantSpec()) -> int:
     """Print per-layer bytes before/after pruning and, for each Mac set, whether the
     planner fits the result (weights + cache at `context` tokens). Writes nothing.
 
@@ -135,7 +177,7 @@ def dry_run(model: str, keep, experts, macs, context: int) -> int:
         PruneError: the model cannot be sized; KeepError: bad --keep / --experts.
     """
     # The one accepted cluster import in prune/: the planner owns "what fits where".
-    from kimi_mlx.cluster.layer_bytes import model_bytes
+    from kimi_mlx.cluster.layer_bytes import BuildSpec, model_bytes
     from kimi_mlx.cluster.planner import PlanError, StagePlanner, parse_macs
 
     try:
@@ -146,11 +188,17 @@ def dry_run(model: str, keep, experts, macs, context: int) -> int:
         raise PruneError(f"{model}: the model has no routed-expert (MoE) layers to prune")
     n_keep = experts_to_keep(before.num_experts, before.experts_per_token, keep=keep,
                              experts=experts)
-    after = before.pruned(n_keep)
+    build = BuildSpec(n_keep, quant.bits, quant.group_size, quant.expert_bits,
+                      quant.expert_group_size)
+    try:
+        after = model_bytes(model, build)
+    except ValueError as e:
+        raise PruneError(f"{model}: {e}") from None
     gb = lambda n: f"{n / 1e9:,.3f}"
     print(f"model: {model} ({before.source})")
     print(f"keep {n_keep} of {before.num_experts} routed experts per MoE layer; "
           f"{before.experts_per_token} per token")
+    print("; ".join(quant.describe()))
     print()
     rows = [("layer", "kind", "experts", "before GB", "after GB")]
     for b, a in zip(before.layers, after.layers):
@@ -159,10 +207,13 @@ def dry_run(model: str, keep, experts, macs, context: int) -> int:
     rows.append(("embed+head", "", "", gb(before.embed_bytes + before.head_bytes),
                  gb(after.embed_bytes + after.head_bytes)))
     rows.append(("total", "", "", gb(before.weight_bytes), gb(after.weight_bytes)))
+    rows.append(("files", "", "", gb(before.file_bytes), gb(after.file_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     for r in rows:
         print("  ".join(c.rjust(w) if i >= 3 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
     print()
+    print(f"build size: {gb(after.file_bytes)} GB of safetensors files ({after.file_bytes:,} "
+          f"bytes; source {gb(before.file_bytes)} GB)")
     print(f"fits (planner: weights + cache for {context} tokens, 1 sequence):")
     planner = StagePlanner()
     for spec in macs:

@@ -13,9 +13,15 @@ Recorded per MoE layer and routed expert j, over the tokens x routed to j (REAP,
 2510.13999, eq. 9 and its code's `update_pruning_state`):
 
 * count_j: number of tokens routed to j (frequency);
-* sum g_j(x): g_j is the renormalised gate weight the model multiplies f_j(x) by, divided
-  by `routed_scaling_factor` (a constant, so it changes no ranking);
-* sum ||f_j(x)||_2 and sum g_j(x) * ||f_j(x)||_2;
+* sum g_j(x) and sum g_j(x) * ||f_j(x)||_2 for two router weights g_j:
+  - "softmax" (REAP's reference code, CerebrasResearch/reap `observer.py`: softmax over
+    the raw router logits, renormalised over the selected experts, i.e. the softmax of
+    the selected experts' logits), with the selected set the model's own (top-k of
+    sigmoid + e_score_correction_bias), the set the pruned model routes by;
+  - "model": the renormalised sigmoid weight the model multiplies f_j(x) by, divided by
+    `routed_scaling_factor` (a constant, so it changes no ranking). For K3-style routers
+    it sits near 1/top_k for every selected expert and tells experts little apart;
+* sum ||f_j(x)||_2;
 * max |f_j(x)|: the largest activation magnitude, to find "super experts".
 
 **Expert output in the latent space.** In K3's latent MoE the routed experts read and
@@ -51,6 +57,9 @@ from kimi_mlx.config import ModelArgs, read_config
 from .calib import CalibSet
 
 DEFAULT_CHUNK = 1024
+GATES = ("softmax", "model")  # router weight g_j in REAP (see the module docstring)
+_ARRAYS = ("count", "gate_sum", "norm_sum", "gate_norm_sum", "max_abs", "softmax_gate_sum",
+           "softmax_gate_norm_sum")
 
 
 @dataclass
@@ -62,10 +71,12 @@ class LayerStats:
         num_experts, top_k: the layer's routed experts and experts per token.
         tokens: calibration tokens that went through the layer.
         count: int64 [E], tokens routed to each expert.
-        gate_sum: float64 [E], sum of g_j(x) over those tokens.
+        gate_sum: float64 [E], sum of the model's gate g_j(x) over those tokens.
         norm_sum: float64 [E], sum of ||f_j(x)||_2 (EAN, "expert activation norm").
-        gate_norm_sum: float64 [E], sum of g_j(x) * ||f_j(x)||_2.
+        gate_norm_sum: float64 [E], sum of g_j(x) * ||f_j(x)||_2 (model gate).
         max_abs: float64 [E], max |f_j(x)| over elements and tokens (0 if never routed).
+        softmax_gate_sum, softmax_gate_norm_sum: float64 [E], the same two sums with the
+            softmax gate (softmax of the selected experts' raw router logits).
     """
 
     layer: int
@@ -77,18 +88,36 @@ class LayerStats:
     norm_sum: np.ndarray = None
     gate_norm_sum: np.ndarray = None
     max_abs: np.ndarray = None
+    softmax_gate_sum: np.ndarray = None
+    softmax_gate_norm_sum: np.ndarray = None
 
     def __post_init__(self):
         e = self.num_experts
-        for name, dtype in (("count", np.int64), ("gate_sum", np.float64), ("norm_sum", np.float64),
-                            ("gate_norm_sum", np.float64), ("max_abs", np.float64)):
+        for name in _ARRAYS:
+            dtype = np.int64 if name == "count" else np.float64
             value = getattr(self, name)
             setattr(self, name, np.zeros(e, dtype) if value is None else np.asarray(value, dtype))
 
-    @property
-    def reap(self) -> np.ndarray:
-        """REAP saliency [E]: mean over routed tokens of g_j(x) * ||f_j(x)|| (0 if unrouted)."""
-        return np.where(self.count > 0, self.gate_norm_sum / np.maximum(self.count, 1), 0.0)
+    def gate_norm(self, gate: str) -> np.ndarray:
+        """Sum over routed tokens of g_j(x) * ||f_j(x)|| [E] for gate "softmax" or "model".
+
+        Raises:
+            ValueError: unknown gate.
+        """
+        if gate == "softmax":
+            return self.softmax_gate_norm_sum
+        if gate == "model":
+            return self.gate_norm_sum
+        raise ValueError(f"unknown gate {gate!r}; choose from {', '.join(GATES)}")
+
+    def reap(self, gate: str = "softmax") -> np.ndarray:
+        """REAP saliency [E] (arXiv 2510.13999 eq. 9): mean over the tokens routed to j
+        of g_j(x) * ||f_j(x)||, 0 if never routed."""
+        return np.where(self.count > 0, self.gate_norm(gate) / np.maximum(self.count, 1), 0.0)
+
+    def reap_sum(self, gate: str = "softmax") -> np.ndarray:
+        """REAP summed instead of averaged over routed tokens [E] (= frequency x mean)."""
+        return self.gate_norm(gate).copy()
 
     @property
     def frequency(self) -> np.ndarray:
@@ -101,17 +130,15 @@ class LayerStats:
         return self.norm_sum
 
     def to_dict(self) -> Dict[str, Any]:
-        return {
-            "layer": self.layer, "num_experts": self.num_experts, "top_k": self.top_k,
-            "tokens": int(self.tokens), "count": self.count.tolist(),
-            "gate_sum": self.gate_sum.tolist(), "norm_sum": self.norm_sum.tolist(),
-            "gate_norm_sum": self.gate_norm_sum.tolist(), "max_abs": self.max_abs.tolist(),
-        }
+        return {"layer": self.layer, "num_experts": self.num_experts, "top_k": self.top_k,
+                "tokens": int(self.tokens), **{k: getattr(self, k).tolist() for k in _ARRAYS}}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "LayerStats":
-        return cls(**{k: d[k] for k in ("layer", "num_experts", "top_k", "tokens", "count",
-                                          "gate_sum", "norm_sum", "gate_norm_sum", "max_abs")})
+        """Inverse of `to_dict` (statistics missing from older reports read as zeros)."""
+        keys = ("layer", "num_experts", "top_k", "tokens") + _ARRAYS
+        return cls(**{k: d[k] for k in keys if k in d})
+
 
 
 class _ObservedSwitch(nn.Module):
@@ -131,8 +158,9 @@ class _ObservedSwitch(nn.Module):
 class ExpertRecorder:
     """Records `LayerStats` from a `LatentMoE` while it runs, without changing its output.
 
-    `install()` wraps the module's `route` (to see the gate weights) and `switch_mlp` (to
-    see each selected expert's output [..., k, latent]); `uninstall()` restores both.
+    `install()` wraps the module's `route` (to see the selection, the gate weights and
+    the raw router logits) and `switch_mlp` (to see each selected expert's output
+    [..., k, latent]); `uninstall()` restores both.
     Per-call partial sums stay as MLX arrays until `flush()` (call it after `mx.eval` of
     the layer output and `pending()`), which adds them into float64 NumPy totals.
     """
@@ -151,7 +179,11 @@ class ExpertRecorder:
 
         def route(x):
             inds, w = inner_route(x)
-            self._gates = (inds, w)
+            # REAP's gate: softmax of the raw logits renormalised over the selected experts
+            # = softmax over the selected logits (the other experts' terms cancel).
+            logits = self.moe.gate(x).astype(mx.float32)
+            soft = mx.softmax(mx.take_along_axis(logits, inds.astype(mx.int32), axis=-1), axis=-1)
+            self._gates = (inds, w, soft)
             return inds, w
 
         self.moe.route = route  # instance attribute shadows the method
@@ -168,18 +200,20 @@ class ExpertRecorder:
         """Accumulate one call: inds [..., k] expert ids, y [..., k, latent] their outputs."""
         if self._gates is None or self._gates[0] is not inds:
             raise RuntimeError("ExpertRecorder: switch_mlp called without the routed gates")
-        w = self._gates[1]
+        _, w, soft = self._gates
         self._gates = None
         e = self.stats.num_experts
         idx = inds.reshape(-1).astype(mx.int32)
         g = (w.astype(mx.float32) / self.scaling).reshape(-1)
+        gs = soft.reshape(-1)
         yf = y.astype(mx.float32)
         norm = mx.sqrt((yf * yf).sum(axis=-1)).reshape(-1)
         peak = mx.abs(yf).max(axis=-1).reshape(-1)
         zero = mx.zeros((e,), mx.float32)
         self._parts.append((
             zero.at[idx].add(mx.ones_like(g)), zero.at[idx].add(g), zero.at[idx].add(norm),
-            zero.at[idx].add(g * norm), zero.at[idx].maximum(peak),
+            zero.at[idx].add(g * norm), zero.at[idx].maximum(peak), zero.at[idx].add(gs),
+            zero.at[idx].add(gs * norm),
         ))
         self.stats.tokens += int(np.prod(inds.shape[:-1]))
 
@@ -189,12 +223,14 @@ class ExpertRecorder:
 
     def flush(self) -> None:
         s = self.stats
-        for count, gate, norm, gate_norm, peak in self._parts:
+        for count, gate, norm, gate_norm, peak, soft, soft_norm in self._parts:
             s.count += np.array(count).round().astype(np.int64)
             s.gate_sum += np.array(gate, dtype=np.float64)
             s.norm_sum += np.array(norm, dtype=np.float64)
             s.gate_norm_sum += np.array(gate_norm, dtype=np.float64)
             s.max_abs = np.maximum(s.max_abs, np.array(peak, dtype=np.float64))
+            s.softmax_gate_sum += np.array(soft, dtype=np.float64)
+            s.softmax_gate_norm_sum += np.array(soft_norm, dtype=np.float64)
         self._parts.clear()
 
 

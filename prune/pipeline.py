@@ -1,7 +1,9 @@
-"""`kimi-mlx prune` as library calls: calibrate -> observe (streamed) -> select -> write.
+"""`kimi-mlx prune` / `convert` as library calls: calibrate -> observe (streamed) ->
+select -> write (bytes copied, or quantized while written).
 
-`prune()` is what the command runs. `save()` writes one pruned checkpoint from statistics
-already gathered, so the benchmark calibrates once and writes one checkpoint per method.
+`prune()` is what the prune command runs, `convert()` the convert command (quantization
+only, every expert kept). `save()` writes one pruned checkpoint from statistics already
+gathered, so the benchmark calibrates once and writes one checkpoint per method.
 """
 
 from __future__ import annotations
@@ -10,15 +12,17 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
 from .calib import CalibSet, load_calibration
+from .quantize import QuantSpec
 from .observe import LayerStats, ObserveResult, activation_bytes, observe, spills
 from .report import model_card, write_report
 from .saliency import Selection, select
-from .writer import AtomicOutput, PruneError, plan_checkpoint, source_args, write_checkpoint
+from .writer import (AtomicOutput, CheckpointPlan, PruneError, plan_checkpoint, source_args,
+                     write_checkpoint)
 
 Log = Callable[[str], None]
 
@@ -36,17 +40,18 @@ def calibration(src, paths: Sequence, seq_len: int, max_tokens: Optional[int], s
                             max_tokens=max_tokens, seed=seed, vocab_size=vocab_size)
 
 
-def check_space(src, where: Path, n_keep: int, scratch: int = 0) -> int:
+def check_space(src, where: Path, n_keep: int, scratch: int = 0,
+                quant: Optional[QuantSpec] = None) -> int:
     """Bytes the output will take (+ `scratch` bytes of spilled activations); PruneError
     when `where`'s disk has less free space.
 
     Sizes come from the shard headers with the first n_keep experts of every layer (the
-    size does not depend on which experts are kept).
+    size does not depend on which experts are kept) and the quantized shapes.
     """
     _, args, _ = source_args(src)
     layers = [i for i in range(args.num_hidden_layers) if args.is_moe(i)]
-    plan = plan_checkpoint(src, {i: list(range(n_keep)) for i in layers}, n_keep)
-    need = plan.bytes_out + plan.copy_bytes + scratch
+    plan = plan_checkpoint(src, {i: list(range(n_keep)) for i in layers}, n_keep, quant)
+    need = plan.files_bytes + plan.copy_bytes + scratch
     free = shutil.disk_usage(where).free
     if free < need:
         what = " and its spilled calibration activations" if scratch else ""
@@ -55,9 +60,20 @@ def check_space(src, where: Path, n_keep: int, scratch: int = 0) -> int:
     return need
 
 
+def write_with_progress(plan: CheckpointPlan, dest: Path, progress: bool = True) -> None:
+    """`write_checkpoint` with a tqdm bar over the bytes written (stderr)."""
+    from tqdm import tqdm
+
+    with tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="writing", file=sys.stderr,
+              disable=not progress, dynamic_ncols=True) as bar:
+        write_checkpoint(plan, dest, bar.update)
+
+
 def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Selection,
-         *, protect: bool = False, extra_card: Optional[str] = None, log: Log = _stderr) -> Path:
-    """Write the pruned checkpoint for `sel` into `out`'s temporary folder, then commit.
+         *, protect: bool = False, extra_card: Optional[str] = None, log: Log = _stderr,
+         quant: Optional[QuantSpec] = None, progress: bool = False) -> Path:
+    """Write the pruned (and, with `quant`, quantized) checkpoint for `sel` into `out`'s
+    temporary folder, then commit.
 
     Raises:
         PruneError: source problems (from `plan_checkpoint`) or a failed write (the
@@ -65,10 +81,10 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
     """
     src = Path(src)
     _, args, _ = source_args(src)
-    plan = plan_checkpoint(src, sel.kept, sel.n_keep)
+    plan = plan_checkpoint(src, sel.kept, sel.n_keep, quant)
     log(f"writing {len(plan.shards)} shard(s), {plan.bytes_out / 1e9:.3f} GB "
         f"(source {plan.bytes_in / 1e9:.3f} GB) to {out.out}")
-    write_checkpoint(plan, out.tmp)
+    write_with_progress(plan, out.tmp, progress)
     info = {
         "source": str(src),
         "num_experts_before": args.num_experts,
@@ -81,6 +97,10 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
         "observe": {"seconds": round(result.seconds, 3), "spilled_to_disk": result.spilled,
                     "peak_memory_bytes": result.peak_memory},
         "bytes_before": plan.bytes_in, "bytes_after": plan.bytes_out,
+        "quantization": plan.config.get("quantization") if plan.quant else None,
+        "expert_quantization": ({"bits": plan.quant.expert_bits, "group_size":
+                                 plan.quant.expert_group_size, "mode": "affine"}
+                                if plan.quant and plan.quant.expert_bits else None),
     }
     card = model_card(
         src=str(src), out_name=str(out.out), method=sel.method, n_keep=sel.n_keep,
@@ -88,9 +108,65 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
         moe_layers=len(sel.kept), calib_desc=calib.describe(), calib_files=calib.files,
         bytes_in=plan.bytes_in, bytes_out=plan.bytes_out,
         protected=sum(len(v) for v in sel.protected.values()), protect=protect,
-        seed=sel.seed, notes=plan.notes, copied=[p.name for p in plan.copies], extra=extra_card)
+        seed=sel.seed, notes=plan.notes, copied=[p.name for p in plan.copies], extra=extra_card,
+        gate=sel.gate, quantized=_quant_lines(plan))
     write_report(out.tmp, result.stats, sel, info, card)
     return out.commit()
+
+
+def _quant_lines(plan: CheckpointPlan) -> Optional[List[str]]:
+    if plan.quant is None:
+        return None
+    lines = plan.quant.describe()
+    if plan.kept_dtype:
+        lines.append(f"{len(plan.kept_dtype)} linear weight(s) kept in their stored dtype: "
+                     "input dimension not a multiple of the group size (e.g. "
+                     f"`{plan.kept_dtype[0]}`).")
+    return lines
+
+
+def convert(src, out, quant: QuantSpec, *, force: bool = False, progress: bool = True,
+            log: Log = _stderr) -> CheckpointPlan:
+    """Quantize a checkpoint's trunk (and optionally its experts) into `out`, atomically,
+    every expert kept (`kimi-mlx convert`).
+
+    Raises:
+        PruneError: bad source (not the official layout, already quantized), existing or
+            overlapping --out, not enough disk space, or a failed write; nothing is left
+            at `out` or beside it.
+    """
+    src = Path(src)
+    _, args, _ = source_args(src)
+    if not quant.active:
+        raise PruneError("nothing to do: give --q-bits and/or --expert-bits")
+    E = args.num_experts
+    kept = {i: list(range(E)) for i in range(args.num_hidden_layers) if args.is_moe(i)}
+    with AtomicOutput(out, src=src, force=force) as ao:
+        plan = plan_checkpoint(src, kept, E, quant)
+        need = plan.files_bytes + plan.copy_bytes
+        free = shutil.disk_usage(ao.tmp).free
+        if free < need:
+            raise PruneError(f"{ao.out}: not enough free space for the converted checkpoint: "
+                             f"it needs {need / 1e9:.2f} GB, the disk has {free / 1e9:.2f} GB free")
+        log(f"writing {plan.bytes_out / 1e9:.3f} GB (source {plan.bytes_in / 1e9:.3f} GB) "
+            f"to {ao.out}")
+        write_with_progress(plan, ao.tmp, progress)
+        (ao.tmp / "README.md").write_text(convert_card(src, ao.out, plan))
+        ao.commit()
+    return plan
+
+
+def convert_card(src: Path, out: Path, plan: CheckpointPlan) -> str:
+    """README.md of a converted checkpoint."""
+    gb = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+    lines = [f"# {out.name}", "", f"A quantized build of `{src}` made by `kimi-mlx convert`.",
+             "", "## Quantization", "", *[f"- {q}" for q in _quant_lines(plan)], "",
+             "## Size", "",
+             f"- Tensors: {gb(plan.bytes_out)} (source {gb(plan.bytes_in)}, "
+             f"{100 * plan.bytes_out / plan.bytes_in:.1f}%).", "", "## Use", "", "```",
+             f"kimi-mlx generate --model {out} --prompt \"...\"",
+             f"python -c \"import mlx_lm; mlx_lm.load('{out}')\"", "```"]
+    return "\n".join(lines) + "\n"
 
 
 @dataclass
@@ -104,9 +180,9 @@ class PruneResult:
 
 
 def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool = False,
-          seed: int = 0, force: bool = False, chunk: int = 1024,
+          seed: int = 0, gate: str = "softmax", force: bool = False, chunk: int = 1024,
           activation_budget: Optional[int] = None, progress: bool = True,
-          log: Log = _stderr) -> PruneResult:
+          quant: Optional[QuantSpec] = None, log: Log = _stderr) -> PruneResult:
     """Calibrate layer by layer, rank experts, write `out` atomically.
 
     The temporary output folder is made first (so a read-only or full disk fails before
@@ -123,7 +199,7 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
     itemsize = 4 if mx.default_device() == mx.cpu else 2  # the loader's activation dtype
     est = activation_bytes(args, calib.num_tokens, itemsize)
     with AtomicOutput(out, src=src, force=force) as ao:
-        check_space(src, ao.tmp, n_keep, est if spills(est, activation_budget) else 0)
+        check_space(src, ao.tmp, n_keep, est if spills(est, activation_budget) else 0, quant)
         if calib.sequences:
             log(f"calibrating on {calib.describe()}")
             result = observe(src, calib, chunk=chunk, spill_dir=ao.tmp / ".activations",
@@ -134,6 +210,8 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
             result = ObserveResult({i: LayerStats(i, args.num_experts, args.num_experts_per_token)
                                     for i in range(args.num_hidden_layers) if args.is_moe(i)},
                                    tokens=0, seconds=0.0)
-        sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed)
-        path = save(ao, src, result, calib, sel, protect=protect, log=log)
+        sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed,
+                     gate=gate)
+        path = save(ao, src, result, calib, sel, protect=protect, log=log, quant=quant,
+                    progress=progress)
     return PruneResult(path, sel, result, calib)

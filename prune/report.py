@@ -1,70 +1,121 @@
-"""What a pruned checkpoint says about itself: saliency JSON, a PNG heat map, a README card.
+"""What a pruned checkpoint says about itself: saliency JSON, a heat map, a README card.
 
-The heat map is written by a small PNG encoder (zlib + struct), so the pruner needs no
-plotting library. Rows are MoE layers (top = first), columns are expert ids (left = 0);
-each cell is one expert:
+The heat map (`saliency.png`, matplotlib) has two panels:
 
-* kept: blue, darker = more salient in its layer;
-* dropped: grey to orange, more orange = more salient (the near misses);
-* never routed during calibration: white;
-* protected super expert: magenta.
+* top: MoE layers (rows, first at the top) by expert id (columns); each cell's colour is
+  the expert's saliency under the chosen method, divided by its layer's largest (colour
+  bar); dropped experts are faded towards grey, experts the calibration never routed to
+  are white and protected super experts magenta (legend);
+* bottom: each layer's saliency, sorted from most to least salient, with the cut after
+  the n_keep-th expert: how sharply saliency falls off where the pruner cut.
+
+The title names the method, the router weight (gate) and how many experts were kept.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
-import struct
-import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
-from .observe import LayerStats
-from .saliency import Selection
+from .observe import GATES, LayerStats
+from .saliency import GATED, Selection
 
-KEPT_LO, KEPT_HI = np.array([198, 219, 239]), np.array([8, 48, 107])
-DROP_LO, DROP_HI = np.array([217, 217, 217]), np.array([241, 105, 19])
-UNROUTED = np.array([255, 255, 255])
-PROTECTED = np.array([206, 18, 186])
-
-
-def png_bytes(rgb: np.ndarray) -> bytes:
-    """Encode an RGB image uint8 [H, W, 3] as PNG (8-bit truecolor, no filter)."""
-    rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
-    h, w, c = rgb.shape
-    if c != 3 or not h or not w:
-        raise ValueError(f"expected a non-empty [H, W, 3] image, got {rgb.shape}")
-    raw = b"".join(b"\x00" + rgb[y].tobytes() for y in range(h))
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + tag + data
-                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
-
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+CMAP = "viridis"
+FADE = 0.75  # dropped experts: this much of the colour is replaced by grey
+GREY = np.array([0.85, 0.85, 0.85])
+UNROUTED = np.array([1.0, 1.0, 1.0])
+PROTECTED = np.array([0.85, 0.0, 0.75])
 
 
-def heat_map(stats: Mapping[int, LayerStats], sel: Selection) -> np.ndarray:
-    """RGB uint8 [layers * ch, E * cw, 3] of kept / dropped experts by layer (see module)."""
+def cell_colours(stats: Mapping[int, LayerStats], sel: Selection):
+    """(RGB float [layers, E, 3], normalised saliency [layers, E], layer ids) of the map."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps[CMAP]
     layers = sorted(sel.kept)
     e = max(stats[l].num_experts for l in layers)
-    cw = max(1, min(16, 1024 // e))
-    ch = max(2, min(16, 512 // len(layers)))
-    cells = np.zeros((len(layers), e, 3), np.uint8)
+    rgb = np.ones((len(layers), e, 3))
+    norm = np.zeros((len(layers), e))
     for r, l in enumerate(layers):
         s = np.asarray(sel.scores[l], np.float64)
-        rank = np.argsort(np.argsort(s, kind="stable"), kind="stable") / max(len(s) - 1, 1)
-        kept = np.zeros(len(s), bool)
-        kept[sel.kept[l]] = True
-        t = rank[:, None]
-        row = np.where(kept[:, None], KEPT_LO + (KEPT_HI - KEPT_LO) * t,
-                       DROP_LO + (DROP_HI - DROP_LO) * t)
-        row[(stats[l].count == 0) & ~kept] = UNROUTED
+        top = s.max() if s.size and s.max() > 0 else 1.0
+        v = np.clip(s / top, 0.0, 1.0)
+        norm[r, : len(s)] = v
+        row = cmap(v)[:, :3]
+        dropped = np.ones(len(s), bool)
+        dropped[sel.kept[l]] = False
+        row[dropped] = (1 - FADE) * row[dropped] + FADE * GREY
+        row[(stats[l].count == 0) & dropped] = UNROUTED
         row[sel.protected.get(l, [])] = PROTECTED
-        cells[r, : len(s)] = row.round().astype(np.uint8)
-    return np.repeat(np.repeat(cells, ch, axis=0), cw, axis=1)
+        rgb[r, : len(s)] = row
+    return rgb, norm, layers
+
+
+def _title(sel: Selection, num_experts: int) -> str:
+    how = f"{sel.method}" + (f", {sel.gate} gate" if sel.method in GATED else "")
+    if sel.method == "random":
+        how += f", seed {sel.seed}"
+    return f"Expert saliency ({how}): keep {sel.n_keep} of {num_experts} per layer"
+
+
+def heat_map_figure(stats: Mapping[int, LayerStats], sel: Selection):
+    """A matplotlib Figure of the kept / dropped experts (see the module docstring)."""
+    import matplotlib
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    rgb, norm, layers = cell_colours(stats, sel)
+    n_layers, e = norm.shape
+    fig = Figure(figsize=(max(7.0, min(18.0, 4 + e / 40)), 4.5 + min(8.0, n_layers / 8) + 3.2),
+                 dpi=110, layout="constrained")
+    top, bottom = fig.subplots(2, 1, height_ratios=[max(2.0, min(8.0, n_layers / 8)), 3.0])
+    top.imshow(rgb, aspect="auto", interpolation="nearest",
+               extent=(-0.5, e - 0.5, n_layers - 0.5, -0.5))
+    top.set_xlabel("expert id")
+    top.set_ylabel("MoE layer")
+    step = max(1, n_layers // 12)
+    top.set_yticks(range(0, n_layers, step), [str(l) for l in layers[::step]])
+    top.set_title(_title(sel, e))
+    fig.colorbar(ScalarMappable(Normalize(0, 1), CMAP), ax=top,
+                 label="saliency / layer maximum")
+    top.legend(handles=[
+        Patch(facecolor=matplotlib_colour(0.8), label="kept (colour = saliency)"),
+        Patch(facecolor=(1 - FADE) * np.array(matplotlib_colour(0.8)) + FADE * GREY,
+              label="dropped (faded)"),
+        Patch(facecolor=UNROUTED, edgecolor="0.5", label="never routed"),
+        Patch(facecolor=PROTECTED, label="protected super expert"),
+    ], loc="upper center", bbox_to_anchor=(0.5, -0.17 if n_layers > 4 else -0.3),
+        ncol=4 if e >= 128 else 2, fontsize="small", frameon=False)
+
+    cmap = matplotlib.colormaps["plasma"]
+    for r, l in enumerate(layers):
+        curve = np.sort(norm[r, : stats[l].num_experts])[::-1]
+        bottom.plot(np.arange(1, len(curve) + 1), curve, color=cmap(r / max(n_layers - 1, 1)),
+                    lw=0.8, alpha=0.7)
+    bottom.axvline(sel.n_keep + 0.5, color="black", ls="--", lw=1.2,
+                   label=f"cut: {sel.n_keep} kept")
+    bottom.set_xlim(0.5, e + 0.5)
+    bottom.set_ylim(0, 1.05)
+    bottom.set_xlabel("rank within layer (1 = most salient)")
+    bottom.set_ylabel("saliency / layer maximum")
+    bottom.set_title("each layer's sorted saliency")
+    bottom.legend(loc="upper right", fontsize="small")
+    bar = fig.colorbar(ScalarMappable(Normalize(layers[0], max(layers[-1], layers[0] + 1)), cmap),
+                       ax=bottom, label="MoE layer")
+    bar.ax.yaxis.get_major_locator().set_params(integer=True)
+    return fig
+
+
+def matplotlib_colour(v: float):
+    import matplotlib
+
+    return matplotlib.colormaps[CMAP](v)[:3]
 
 
 def saliency_report(stats: Mapping[int, LayerStats], sel: Selection, info: Mapping[str, Any]) -> dict:
@@ -80,11 +131,13 @@ def saliency_report(stats: Mapping[int, LayerStats], sel: Selection, info: Mappi
             "dropped": [j for j in range(st.num_experts) if j not in kept_set],
             "protected": sel.protected.get(l, []),
             "score": [float(x) for x in sel.scores[l]],
-            "reap": st.reap.tolist(),
+            "reap": {g: st.reap(g).tolist() for g in GATES},
+            "reap_sum": {g: st.reap_sum(g).tolist() for g in GATES},
             **{k: v for k, v in st.to_dict().items() if k != "layer"},
         })
     return {
         "method": sel.method,
+        "gate": sel.gate if sel.method in GATED else None,
         "experts_kept_per_layer": sel.n_keep,
         "seed": sel.seed,
         **dict(info),
@@ -92,9 +145,18 @@ def saliency_report(stats: Mapping[int, LayerStats], sel: Selection, info: Mappi
         "layers": layers,
         "legend": {
             "score": "the ranking score of `method` (higher = kept)",
-            "reap": "mean over routed tokens of g_j(x) * ||f_j(x)||_2 (latent-space expert output)",
-            "count": "tokens routed to the expert", "gate_sum": "sum of renormalised gate weights",
-            "norm_sum": "sum of ||f_j(x)||_2 (EAN)", "gate_norm_sum": "sum of g_j(x) * ||f_j(x)||_2",
+            "gate": "router weight g_j of reap / reap-sum: softmax = softmax of the raw router "
+                    "logits renormalised over the selected experts (REAP's reference); model = "
+                    "the model's renormalised sigmoid gate",
+            "reap": "per gate: mean over routed tokens of g_j(x) * ||f_j(x)||_2 (latent-space "
+                    "expert output)",
+            "reap_sum": "per gate: sum over routed tokens of g_j(x) * ||f_j(x)||_2",
+            "count": "tokens routed to the expert",
+            "gate_sum": "sum of the model's renormalised gate weights",
+            "softmax_gate_sum": "sum of the softmax gate weights",
+            "norm_sum": "sum of ||f_j(x)||_2 (EAN)",
+            "gate_norm_sum": "sum of g_j(x) * ||f_j(x)||_2, model gate",
+            "softmax_gate_norm_sum": "sum of g_j(x) * ||f_j(x)||_2, softmax gate",
             "max_abs": "max |f_j(x)| over elements and tokens",
         },
     }
@@ -108,14 +170,23 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
                top_k: int, moe_layers: int, calib_desc: str, calib_files: List[str],
                bytes_in: int, bytes_out: int, protected: int, protect: bool, seed: int,
                notes: List[str], copied: Optional[List[str]] = None,
-               extra: Optional[str] = None) -> str:
-    """README.md for the pruned checkpoint: what, on what data, how big, how to use."""
+               extra: Optional[str] = None, gate: str = "softmax",
+               quantized: Optional[List[str]] = None) -> str:
+    """README.md for the pruned checkpoint: what, on what data, how big, how to use.
+
+    `quantized`: lines describing trunk / expert quantization (None: none was done).
+    """
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     files = "\n".join(f"  - `{f}`" for f in calib_files[:20])
     if len(calib_files) > 20:
         files += f"\n  - ... ({len(calib_files) - 20} more)"
+    gate_txt = {"softmax": "softmax of the router logits over the selected experts, as REAP's "
+                           "reference code", "model": "the model's renormalised sigmoid gate"}
     method_txt = {
-        "reap": "REAP (router-weighted expert activation norm, arXiv 2510.13999)",
+        "reap": "REAP (mean router-weighted expert activation norm, arXiv 2510.13999; "
+                f"router weight: {gate_txt.get(gate, gate)})",
+        "reap-sum": "REAP summed over tokens (router weight: "
+                    f"{gate_txt.get(gate, gate)})",
         "frequency": "routing frequency", "ean": "expert activation norm (EAN)",
         "random": f"random (seed {seed}), a baseline",
     }[method]
@@ -129,13 +200,15 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
         f"- Routed experts: **{n_keep} of {num_experts} kept in each of the {moe_layers} MoE "
         f"layers** ({100 * n_keep / num_experts:.1f}%), chosen by {method_txt}.",
         f"- Experts per token unchanged: {min(top_k, n_keep)}. Shared experts, attention, "
-        "embeddings and the head are untouched.",
+        "embeddings and the head are "
+        + ("quantized as below." if quantized else "untouched."),
         f"- Kept experts' MXFP4 weights are byte-for-byte the source's, renumbered "
         "0..n-1 in their original order; router rows and `e_score_correction_bias` are the "
         "kept experts' entries.",
         f"- Super-expert protection: "
         + (f"on ({protected} experts kept regardless of score)." if protect else "off."),
         *[f"- {n}" for n in notes],
+        *(["", "## Quantization", "", *[f"- {q}" for q in quantized]] if quantized else []),
         "",
         "## Calibration data",
         "",
@@ -151,9 +224,9 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
         "- `saliency.json`: per layer, the kept / dropped / protected expert ids, the ranking "
         "score and the raw calibration statistics (tokens routed, gate and norm sums, peak "
         "activation).",
-        "- `saliency.png`: rows = MoE layers (top = first), columns = experts; blue = kept "
-        "(darker = more salient), grey-to-orange = dropped (more orange = more salient), "
-        "white = never routed during calibration, magenta = protected super expert.",
+        "- `saliency.png`: top, MoE layers by expert id, coloured by saliency relative to "
+        "the layer's most salient expert (dropped experts faded, never-routed white, "
+        "protected super experts magenta); bottom, each layer's sorted saliency with the cut.",
         *([f"- Copied unchanged from the source: {', '.join(f'`{c}`' for c in copied)}. Any "
            "model card or evaluation among them describes the unpruned model."] if copied else []),
         "",
@@ -174,5 +247,5 @@ def write_report(dest: Path, stats: Mapping[int, LayerStats], sel: Selection,
     """Write saliency.json, saliency.png and README.md into `dest`."""
     dest = Path(dest)
     (dest / "saliency.json").write_text(json.dumps(saliency_report(stats, sel, info), indent=1) + "\n")
-    (dest / "saliency.png").write_bytes(png_bytes(heat_map(stats, sel)))
+    heat_map_figure(stats, sel).savefig(dest / "saliency.png")
     (dest / "README.md").write_text(card)

@@ -4,10 +4,16 @@ Methods (scores per expert j of one layer, from `observe.LayerStats`; higher = k
 
 * `reap` (REAP, arXiv 2510.13999, eq. 9): S_j = mean over tokens x routed to j of
   g_j(x) * ||f_j(x)||_2, the router-weighted expert activation norm;
+* `reap-sum`: the same terms summed instead of averaged (frequency x mean), which keeps
+  more of the calibration domain's routing;
 * `frequency`: number of tokens routed to j;
 * `ean`: sum over routed tokens of ||f_j(x)||_2 (expert activation norm, REAP's EAN
   baseline);
 * `random`: a seeded random score (the floor every criterion must beat).
+
+The router weight g_j of `reap` / `reap-sum` is chosen by `gate` (`observe.GATES`):
+"softmax" (REAP's reference code: softmax of the raw router logits renormalised over the
+model's selected experts; the default) or "model" (the model's renormalised sigmoid gate).
 
 Every MoE layer keeps the same number of experts (REAP prunes uniformly per layer, and
 one `num_experts` in the config must describe every layer). Ties are broken by frequency,
@@ -29,9 +35,12 @@ from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 
-from .observe import LayerStats
+from .observe import GATES, LayerStats
 
-METHODS = ("reap", "frequency", "ean", "random")
+METHODS = ("reap", "reap-sum", "frequency", "ean", "random")
+GATED = ("reap", "reap-sum")  # methods that use the router weight (--gate)
+DEFAULT_METHOD = "reap"
+DEFAULT_GATE = "softmax"
 SUPER_QUANTILE = 99.5
 SUPER_FACTOR = 10.0
 SUPER_LAYER_FRACTION = 0.75
@@ -73,14 +82,18 @@ def experts_to_keep(num_experts: int, top_k: int, keep: Optional[float] = None,
     return n
 
 
-def scores(stats: LayerStats, method: str, seed: int = 0) -> np.ndarray:
+def scores(stats: LayerStats, method: str, seed: int = 0, gate: str = DEFAULT_GATE) -> np.ndarray:
     """Saliency [E] float64 of one layer under `method` (see the module docstring).
 
     Raises:
-        ValueError: unknown method.
+        ValueError: unknown method or gate.
     """
+    if gate not in GATES:
+        raise ValueError(f"unknown gate {gate!r}; choose from {', '.join(GATES)}")
     if method == "reap":
-        return stats.reap
+        return stats.reap(gate)
+    if method == "reap-sum":
+        return stats.reap_sum(gate)
     if method == "frequency":
         return stats.frequency
     if method == "ean":
@@ -118,6 +131,8 @@ class Selection:
 
     Attributes:
         method: saliency method; n_keep: experts kept per layer.
+        gate: router weight of `reap` / `reap-sum` ("softmax" or "model"; recorded but
+            unused by the other methods).
         kept: {layer: sorted old expert ids}; new id k is kept[layer][k].
         scores: {layer: float64 [E] saliency as ranked (protected experts not inflated)}.
         protected: {layer: super-expert ids that were forced in}.
@@ -130,10 +145,12 @@ class Selection:
     scores: Dict[int, np.ndarray]
     protected: Dict[int, List[int]] = field(default_factory=dict)
     seed: int = 0
+    gate: str = DEFAULT_GATE
 
 
 def select(stats: Mapping[int, LayerStats], method: str, n_keep: int, *,
-           protect_super_experts: bool = False, seed: int = 0) -> Selection:
+           protect_super_experts: bool = False, seed: int = 0,
+           gate: str = DEFAULT_GATE) -> Selection:
     """Keep the `n_keep` most salient experts of every layer.
 
     Ranking: protected super experts first (by their peak activation), then by score,
@@ -141,14 +158,14 @@ def select(stats: Mapping[int, LayerStats], method: str, n_keep: int, *,
     keeps the experts' relative order (`n_keep == num_experts` is the identity).
 
     Raises:
-        ValueError: unknown method, or n_keep outside [1, num_experts] for a layer.
+        ValueError: unknown method or gate, or n_keep outside [1, num_experts] for a layer.
     """
     protected = super_experts(stats) if protect_super_experts else {}
     kept, all_scores = {}, {}
     for layer, st in sorted(stats.items()):
         if not 1 <= n_keep <= st.num_experts:
             raise ValueError(f"layer {layer}: cannot keep {n_keep} of {st.num_experts} experts")
-        s = scores(st, method, seed)
+        s = scores(st, method, seed, gate)
         prot = np.zeros(st.num_experts)
         for j in protected.get(layer, []):
             prot[j] = 1.0 + st.max_abs[j]
@@ -156,4 +173,4 @@ def select(stats: Mapping[int, LayerStats], method: str, n_keep: int, *,
         order = np.lexsort((np.arange(st.num_experts), -st.frequency, -s, -prot))
         kept[layer] = sorted(int(j) for j in order[:n_keep])
         all_scores[layer] = s
-    return Selection(method, n_keep, kept, all_scores, protected, seed)
+    return Selection(method, n_keep, kept, all_scores, protected, seed, gate)

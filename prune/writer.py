@@ -1,7 +1,7 @@
-"""Pruned-checkpoint writer: the official layout in, the same layout out, bytes copied.
+"""Build writer: the official layout in, the same layout out, bytes copied or quantized.
 
-Tensors are copied as raw bytes from the source shards (never through a dtype or a
-framework), so:
+Without quantization, tensors are copied as raw bytes from the source shards (never
+through a dtype or a framework), so:
 
 * the kept experts' MXFP4 `weight_packed` / E8M0 `weight_scale` (and anything else
   under `experts.E.`) are byte-identical, renamed `experts.0..n-1` in their old order;
@@ -15,6 +15,14 @@ survive uneven per-group pruning); `quantization_config` is untouched. MTP layer
 (`layers.N`, N >= num_hidden_layers), which no calibration reaches, are dropped when they
 hold routed experts (their expert count would contradict `num_experts`), else kept.
 Every other file of the source folder (tokenizer, generation config, ...) is copied.
+
+With a `quantize.QuantSpec` (`kimi-mlx convert`, `prune --q-bits / --expert-bits`), the
+trunk's linear weights become MLX affine `weight` / `scales` / `biases` in place (same
+shard, same position), and with `expert_bits` each kept expert's `weight_packed` +
+`weight_scale` become `experts.E.wN.{weight,scales,biases}`; the config gets mlx-lm's
+`quantization` block (and `quantization_config`, as mlx_lm.convert writes it). Sizes are
+known from the shapes before anything is read, so the header is written first and each
+tensor is quantized while it is written: memory holds one tensor.
 
 Output goes to a temporary folder beside `--out` and is renamed into place at the end
 (`AtomicOutput`); on any error the temporary folder is removed, and the source is only
@@ -33,11 +41,13 @@ import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from kimi_mlx.config import ConfigError, ModelArgs, read_config
-from kimi_mlx.shards import INDEX_FILE, CheckpointError, read_header, weight_map
-from kimi_mlx.tensor_map import kind
+from kimi_mlx.shards import DTYPE_BYTES, INDEX_FILE, CheckpointError, read_header, weight_map
+from kimi_mlx.tensor_map import kind, quantizable
+
+from .quantize import QuantSpec, expert_outputs, quantize_weight, requantize_mxfp4, trunk_outputs
 
 COPY_CHUNK = 16 << 20  # bytes per read when copying tensor data
 EXPERT_RE = re.compile(
@@ -58,17 +68,50 @@ class PruneError(Exception):
 
 @dataclass
 class OutTensor:
-    """A tensor of the output: its name, safetensors dtype and shape, and the absolute
-    byte ranges [start, end) of the source shard that make up its data, in order."""
+    """A tensor of the output: its name, safetensors dtype and shape, and either the
+    absolute byte ranges [start, end) of the source shard that make up its data, in
+    order, or `make`, a function computing its bytes (quantization; `size` bytes)."""
 
     name: str
     dtype: str
     shape: Tuple[int, ...]
     ranges: List[Tuple[int, int]]
+    make: Optional[Callable[[], bytes]] = None
+    size: int = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(b - a for a, b in self.ranges)
+        return self.size if self.make is not None else sum(b - a for a, b in self.ranges)
+
+
+class _Shared:
+    """One computation feeding several output tensors (a quantized weight's weight,
+    scales and biases): run on first use, dropped when every part has been taken."""
+
+    def __init__(self, fn: Callable[[], Tuple[bytes, ...]]):
+        self.fn = fn
+        self.value: Optional[Tuple[bytes, ...]] = None
+        self.taken = 0
+
+    def part(self, i: int) -> Callable[[], bytes]:
+        def get() -> bytes:
+            if self.value is None:
+                self.value = self.fn()
+            out = self.value[i]
+            self.taken += 1
+            if self.taken == len(self.value):
+                self.value = None
+            return out
+        return get
+
+
+def _read(path: Path, start: int, end: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(start)
+        data = f.read(end - start)
+    if len(data) != end - start:
+        raise PruneError(f"{path}: ends early at byte {start + len(data)} (expected {end})")
+    return data
 
 
 @dataclass
@@ -84,6 +127,9 @@ class CheckpointPlan:
         n_keep: experts per layer after pruning; num_experts: before.
         bytes_in, bytes_out: tensor bytes of source and output.
         notes: things the model card should say (dropped MTP layers, ...).
+        quant: the quantization applied (None: bytes copied).
+        kept_dtype: trunk linear weights left unquantized (in-dim not a multiple of the
+            group size), by name.
     """
 
     src: Path
@@ -97,6 +143,17 @@ class CheckpointPlan:
     bytes_in: int
     bytes_out: int
     notes: List[str] = field(default_factory=list)
+    quant: Optional[QuantSpec] = None
+    kept_dtype: List[str] = field(default_factory=list)
+
+    @property
+    def files_bytes(self) -> int:
+        """Bytes of the shard files to be written (tensor data + headers)."""
+        total = 0
+        for _, tensors, meta in self.shards.values():
+            if tensors:
+                total += 8 + len(_header_bytes(tensors, meta)) + sum(t.nbytes for t in tensors)
+        return total
 
     @property
     def copy_bytes(self) -> int:
@@ -177,20 +234,26 @@ def _rows(start: int, end: int, n_rows: int, keep: Sequence[int]) -> List[Tuple[
     return out
 
 
-def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int) -> CheckpointPlan:
+def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
+                    quant: Optional[QuantSpec] = None) -> CheckpointPlan:
     """Work out the output tensors, shards, config and copies (reads headers only).
 
     Args:
         src: source checkpoint folder (official layout).
         kept: {MoE layer: sorted old expert ids to keep}, every MoE layer, n_keep each.
         n_keep: experts per layer after pruning.
+        quant: trunk / expert quantization (None or inactive: bytes copied).
     Raises:
         PruneError: a source problem (see `source_args`), a MoE layer without an entry
-            in `kept`, a layer whose experts are not exactly 0..num_experts-1, or a
-            router tensor whose first dimension is not num_experts.
+            in `kept`, a layer whose experts are not exactly 0..num_experts-1, a router
+            tensor whose first dimension is not num_experts, or a quantization the source
+            cannot take (trunk or experts already quantized, bad group size).
     """
     src = Path(src)
     config, args, wm = source_args(src)
+    quant = quant if quant is not None and quant.active else None
+    if quant is not None:
+        _check_quantizable(src, wm, quant)
     E = args.num_experts
     for layer, ids in kept.items():
         if len(ids) != n_keep or list(ids) != sorted(set(ids)) or not all(0 <= j < E for j in ids):
@@ -199,6 +262,9 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int) -> Chec
     renumber = {layer: {old: new for new, old in enumerate(ids)} for layer, ids in kept.items()}
     mtp_has_experts = any(kind(n, args) == "mtp" and ".experts." in n for n in wm)
     new_config, notes = pruned_config(config, n_keep)
+    if quant is not None:
+        new_config["quantization"] = quant.config_block()
+        new_config["quantization_config"] = quant.config_block()
     if mtp_has_experts:
         notes.append("MTP layers with routed experts were dropped (calibration does not reach "
                      "them, so their experts cannot be ranked)")
@@ -209,19 +275,26 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int) -> Chec
     shards: Dict[str, Tuple[Path, List[OutTensor], Optional[dict]]] = {}
     seen: Dict[int, set] = {}
     bytes_in = bytes_out = 0
+    headers = {}
     for shard in sorted(set(wm.values())):
-        path = src / shard
         try:
-            header = read_header(path)
+            headers[shard] = read_header(src / shard)
         except CheckpointError as e:
             raise PruneError(str(e)) from None
+    located = {name: (src / shard, info) for shard, h in headers.items() for name, info in h.items()}
+    kept_dtype: List[str] = []
+    for shard, header in headers.items():
+        path = src / shard
         out: List[OutTensor] = []
         for name, info in sorted(header.items(), key=lambda kv: kv[1].start):
             bytes_in += info.end - info.start
             t = _plan_tensor(name, info, args, kept, renumber, seen, mtp_has_experts, E)
-            if t is not None:
-                out.append(t)
-                bytes_out += t.nbytes
+            if t is None:
+                continue
+            parts = ([t] if quant is None or kind(name, args) != "text"
+                     else _quantized(t, name, path, info, quant, located, kept_dtype))
+            out.extend(parts)
+            bytes_out += sum(p.nbytes for p in parts)
         shards[shard] = (path, out, _metadata(path))
     for layer in range(args.num_hidden_layers):
         if layer in seen and layer not in kept:
@@ -237,7 +310,62 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int) -> Chec
         index_extra = {k: v for k, v in json.loads((src / INDEX_FILE).read_text()).items()
                        if k != "weight_map"}
     return CheckpointPlan(src, new_config, shards, (src / INDEX_FILE).exists(), index_extra,
-                          copies, n_keep, E, bytes_in, bytes_out, notes)
+                          copies, n_keep, E, bytes_in, bytes_out, notes, quant, kept_dtype)
+
+
+def _check_quantizable(src: Path, wm: Mapping[str, str], quant: QuantSpec) -> None:
+    """Refuse a source that is already (partly) quantized where `quant` would quantize."""
+    for name in wm:
+        if EXPERT_RE.match(name):
+            if quant.expert_bits is not None and not name.endswith(("weight_packed", "weight_scale")):
+                raise PruneError(f"{src}: routed experts are not MXFP4 `weight_packed` / "
+                                 f"`weight_scale` (found {name}); --expert-bits requantizes "
+                                 "the official MXFP4 experts only")
+        elif quant.bits is not None and name.endswith((".scales", ".biases")):
+            raise PruneError(f"{src}: the trunk is already quantized (found {name}); convert "
+                             "from the BF16 source instead")
+
+
+def _quantized(t: OutTensor, name: str, path: Path, info, quant: QuantSpec, located,
+               kept_dtype: List[str]) -> List[OutTensor]:
+    """The output tensor(s) for planned tensor `t` (source `name`, read from `path` at
+    `info`) under `quant`; `located` finds any source tensor's (shard, header entry)."""
+    if EXPERT_RE.match(t.name):
+        if quant.expert_bits is None or not name.endswith((".weight_packed", ".weight_scale")):
+            return [t]
+        if name.endswith(".weight_scale"):
+            return []  # folded into the outputs of its weight_packed
+        scale_name = name[: -len(".weight_packed")] + ".weight_scale"
+        if scale_name not in located:
+            raise PruneError(f"{path}: {name} has no {scale_name} in the checkpoint")
+        scale_path, scale_info = located[scale_name]
+        bits, group = quant.expert_bits, quant.expert_group_size
+        try:
+            outs = expert_outputs(t.name[: -len(".weight_packed")], info.shape, bits, group)
+        except ValueError as e:
+            raise PruneError(str(e)) from None
+        shared = _Shared(lambda: requantize_mxfp4(
+            _read(path, info.start, info.end), _read(scale_path, scale_info.start, scale_info.end),
+            info.shape, bits, group))
+        return [OutTensor(n, dt, shp, [], shared.part(k), _size(dt, shp))
+                for k, (n, dt, shp) in enumerate(outs)]
+    if quant.bits is None or not quantizable(t.name):
+        return [t]
+    outs = trunk_outputs(t.name, t.dtype, t.shape, quant.bits, quant.group_size)
+    if outs is None:
+        kept_dtype.append(t.name)
+        return [t]
+    bits, group, (a, b) = quant.bits, quant.group_size, t.ranges[0]
+    shared = _Shared(lambda: quantize_weight(_read(path, a, b), t.dtype, t.shape, bits, group))
+    return [OutTensor(n, dt, shp, [], shared.part(k), _size(dt, shp))
+            for k, (n, dt, shp) in enumerate(outs)]
+
+
+def _size(dtype: str, shape) -> int:
+    n = DTYPE_BYTES[dtype]
+    for s in shape:
+        n *= int(s)
+    return n
 
 
 def _plan_tensor(name, info, args, kept, renumber, seen, drop_mtp, E) -> Optional[OutTensor]:
@@ -275,13 +403,23 @@ def _header_bytes(tensors: List[OutTensor], metadata: Optional[dict]) -> bytes:
     return raw + b" " * (-len(raw) % 8)  # safetensors pads the header to 8 bytes
 
 
-def write_shard(path: Path, src: Path, tensors: List[OutTensor], metadata: Optional[dict]) -> int:
-    """Write one safetensors file from byte ranges of `src`; returns bytes written."""
+def write_shard(path: Path, src: Path, tensors: List[OutTensor], metadata: Optional[dict],
+                progress: Optional[Callable[[int], None]] = None) -> int:
+    """Write one safetensors file from byte ranges of `src` (or computed tensors); returns
+    bytes written. `progress(bytes)` is called after each tensor."""
     head = _header_bytes(tensors, metadata)
     with open(src, "rb") as fin, open(path, "wb") as fout:
         fout.write(struct.pack("<Q", len(head)))
         fout.write(head)
         for t in tensors:
+            if t.make is not None:
+                data = t.make()
+                if len(data) != t.nbytes:
+                    raise PruneError(f"{t.name}: computed {len(data)} bytes, planned {t.nbytes}")
+                fout.write(data)
+                if progress:
+                    progress(len(data))
+                continue
             for a, b in t.ranges:
                 fin.seek(a)
                 left = b - a
@@ -291,6 +429,8 @@ def write_shard(path: Path, src: Path, tensors: List[OutTensor], metadata: Optio
                         raise PruneError(f"{src}: ends early while reading {t.name}")
                     fout.write(buf)
                     left -= len(buf)
+            if progress:
+                progress(t.nbytes)
         fout.flush()
         os.fsync(fout.fileno())
     return 8 + len(head) + sum(t.nbytes for t in tensors)
@@ -303,7 +443,8 @@ def write_json(path: Path, obj) -> None:
 def write_checkpoint(plan: CheckpointPlan, dest: Path, progress=None) -> None:
     """Write the planned checkpoint into the (empty, temporary) folder `dest`.
 
-    `progress(bytes)` is called after each shard. OSError propagates (see AtomicOutput).
+    `progress(bytes)` is called after each tensor with its data bytes. OSError propagates
+    (see AtomicOutput).
     """
     dest = Path(dest)
     weight_map: Dict[str, str] = {}
@@ -311,12 +452,10 @@ def write_checkpoint(plan: CheckpointPlan, dest: Path, progress=None) -> None:
     for fname, (src_path, tensors, meta) in plan.shards.items():
         if not tensors:
             continue
-        n = write_shard(dest / fname, src_path, tensors, meta)
+        write_shard(dest / fname, src_path, tensors, meta, progress)
         for t in tensors:
             weight_map[t.name] = fname
             total += t.nbytes
-        if progress:
-            progress(n)
     if plan.indexed:
         index = copy.deepcopy(plan.index_extra)
         index.setdefault("metadata", {})["total_size"] = total

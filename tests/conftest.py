@@ -9,8 +9,9 @@ from kimi_mlx.testing import build_checkpoint
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory):
-    """A random tiny K3.1 checkpoint (3 shards, MXFP4 experts, BF16, tokenizer files)."""
-    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0)
+    """A random tiny K3.1 checkpoint (3 shards, MXFP4 experts, BF16, tokenizer files), its
+    weights conditioned for numerical comparisons (`random_model(conditioned=True)`)."""
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=0, conditioned=True)
 
 
 @pytest.fixture

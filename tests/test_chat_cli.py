@@ -64,19 +64,27 @@ def test_repl_commands_answer_and_unknown_ones_are_not_sent(tiny_ckpt, monkeypat
 
 
 def test_ctrl_c_during_a_reply_drops_that_turn_and_the_chat_goes_on(tiny_ckpt, monkeypatch, capsys):
-    """The interrupted turn's user message and the (partly advanced) cache are dropped;
-    the next turn is answered from a conversation without it."""
-    seen = []
+    """The interrupted turn's user message is dropped and the cache rolled back; the next
+    turn is answered from a conversation without it."""
+    from kimi_mlx import chat_cli
 
-    def turn(model, wrapper, tok, conv, text, *a, **k):
-        conv.messages.append({"role": "user", "content": text})
-        conv.cache, conv.processed = object(), [1, 2, 3]
-        if text == "first":
-            raise KeyboardInterrupt
-        seen.append([m["content"] for m in conv.messages])
-        conv.messages.append({"role": "assistant", "content": "ok", "reasoning_content": ""})
+    real, seen = chat_cli.chat_turn, []
+
+    def ctrl_c(logprobs):
+        raise KeyboardInterrupt
+
+    def turn(model, wrapper, tok, conv, text, effort, sampler, *a, **k):
+        real(model, wrapper, tok, conv, text, effort, ctrl_c if text == "first" else sampler, *a, **k)
+        seen.append(([m["content"] for m in conv.messages if m["role"] == "user"], conv.reused_tokens))
 
     rc, _, err = _repl(tiny_ckpt, monkeypatch, capsys, ["first", "second"], turn=turn)
     assert rc == 0
     assert "[interrupted: reply discarded]" in err
-    assert seen == [["second"]]
+    assert seen == [(["second"], 0)]
+
+
+def test_help_lists_the_commands(tiny_ckpt, monkeypatch, capsys):
+    rc, _, err = _repl(tiny_ckpt, monkeypatch, capsys, ["/help"], turn=lambda *a, **k: None)
+    assert rc == 0 and "unknown command" not in err
+    for command in ("/help", "/reset", "/effort low|high|max", "/exit", "Ctrl-D", "Ctrl-C"):
+        assert err.count(command) >= 2, command  # the banner and the /help list

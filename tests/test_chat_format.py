@@ -159,7 +159,7 @@ def test_tool_declare_and_tool_messages():
         + '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
         + "<|close|>call<|sep|><|close|>tools<|sep|>"
         + "<|close|>message<|sep|><|end_of_msg|>"
-        + '<|open|>message role="tool" name="get_weather"<|sep|>sunny<|close|>message<|sep|><|end_of_msg|>'
+        + '<|open|>message role="tool" tool="get_weather" index="1"<|sep|>sunny<|close|>message<|sep|><|end_of_msg|>'
         + '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     )
 
@@ -205,8 +205,10 @@ def test_content_parts_and_errors(byte_tok):
         render_chat([{"role": "bot", "content": "x"}])
     with pytest.raises(ValueError, match="only text content"):
         render_chat([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
-    with pytest.raises(ValueError, match="arguments are not JSON"):
-        render_chat([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}])
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        render_chat([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}]}])
+    with pytest.raises(ValueError, match="without a tool name"):
+        render_chat([{"role": "tool", "content": "x"}])
     with pytest.raises(ValueError, match="no function name"):
         render_chat([{"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}])
     plain = KimiTokenizer({bytes([i]): i for i in range(256)}, {"[BOS]": 256})
@@ -301,7 +303,11 @@ def _collect(events):
     return out
 
 
-@pytest.mark.parametrize("reply", [FULL, WITH_TOOLS, "only reasoning <|clo", "<|open|>think<|sep|>a<|close|>think<|sep|>b"])
+@pytest.mark.parametrize("reply", [
+    FULL, WITH_TOOLS, "only reasoning <|clo", "<|open|>think<|sep|>a<|close|>think<|sep|>b",
+    "r<|close|>think<|sep|>\n <|open|>response<|sep|> c\n<|close|>response<|sep|><|end_of_msg|>",
+    "r<|close|>think<|sep|>\n plain  text",
+])
 def test_stream_matches_parse_reply_for_any_chunking(reply):
     want = parse_reply(reply)
     rng = random.Random(0)

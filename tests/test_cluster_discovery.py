@@ -1,6 +1,7 @@
 """Zeroconf discovery over real mDNS on the loopback interface: nodes advertise their TXT
 records, `cluster ls` lists them, `cluster launch --nodes auto` generates across them, and
-a node killed without a goodbye and restarted re-advertises and is found again."""
+a node killed without a goodbye and restarted re-advertises and is found again. Browses
+of 1 s find running nodes (their answers come ~0.1 s in; see discovery.MIN_BROWSE_S)."""
 
 import os
 import secrets
@@ -61,7 +62,7 @@ def test_mdns_on_loopback_ls_launch_and_rejoin(tmp_path):
             assert n.key_id == key_id(load_secret(secret_file))
             assert n.total_memory > 0 and 0 < n.usable_memory <= n.total_memory
 
-        ls = _run(["cluster", "ls", "--interface", "127.0.0.1", "--timeout", "2",
+        ls = _run(["cluster", "ls", "--interface", "127.0.0.1", "--timeout", "1",
                    "--secret-file", str(secret_file)])
         assert ls.returncode == 0, ls.stderr
         for p in procs:
@@ -71,7 +72,7 @@ def test_mdns_on_loopback_ls_launch_and_rejoin(tmp_path):
         flags = ["--model", str(ckpt), "--prompt", "def fibonacci(n):", "--max-tokens", "12",
                  "--ignore-chat-template"]
         launch = _run(["cluster", "launch", "--nodes", "auto", "--interface", "127.0.0.1",
-                       "--discover-timeout", "2", "--secret-file", str(secret_file)] + flags)
+                       "--discover-timeout", "1", "--secret-file", str(secret_file)] + flags)
         assert launch.returncode == 0, launch.stderr
         assert _body(launch.stdout) == _body(_run(["generate"] + flags).stdout)
         # Other nodes on this machine's loopback (other secrets) are skipped, not used.

@@ -81,11 +81,17 @@ def single(cluster):
     return model
 
 
-def _reference(model, prompt, n, chunk):
+def _reference(model, prompt, n, chunk, sampling=None):
+    """mlx-lm's generate_step in one process (seeded as `kimi-mlx generate --seed` does)."""
     from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
 
+    sampler = None
+    if sampling is not None:
+        mx.random.seed(sampling.seed)
+        sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p, top_k=sampling.top_k)
     out = []
-    for (tok, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n,
+    for (tok, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n, sampler=sampler,
                                           prefill_step_size=chunk), range(n)):
         out.append((tok, np.array(lp)))
     return out
@@ -149,6 +155,31 @@ def test_concurrent_sessions(cluster, loaded, single):
     for th in threads:
         th.join(60)
     assert got == want
+    assert cluster.wait_no_sessions() == [0, 0, 0]
+
+
+def test_concurrent_seeded_sessions_each_sample_as_one_process(cluster, loaded, single):
+    """Each seeded session draws from its own PRNG key on the last stage, so sessions
+    sampling at once get the tokens one process gets with that seed alone."""
+    t, _, _ = loaded
+    runs = [(PROMPT, Sampling(1.0, 1.0, 0.0, 0, 11)), (PROMPT, Sampling(1.0, 0.9, 0.0, 0, 12)),
+            (PROMPT[3:], Sampling(0.8, 1.0, 0.0, 20, 13))]
+    want = [[r[0] for r in _reference(single, p, 12, 8, sp)] for p, sp in runs]
+    got = [None] * len(runs)
+    pipe = Pipeline(t, prefill_chunk=8, step_timeout=60)
+    start = threading.Barrier(len(runs))
+
+    def one(k):
+        start.wait()
+        got[k] = [tok for tok, _ in pipe.generate_step(runs[k][0], runs[k][1], 12)]
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(runs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert got == want
+    assert len({tuple(w) for w in want}) == len(want)  # the seeds do lead apart
     assert cluster.wait_no_sessions() == [0, 0, 0]
 
 

@@ -211,7 +211,9 @@ def test_cluster_init_then_tls_keeps_the_secret_and_says_how_to_copy(tmp_path, c
     (["serve", "--port", "70000", "--no-advertise"], "--port must be in 0..65535"),
     (["serve", "--models", "/nonexistent/models", "--no-advertise"], "/nonexistent/models: no such folder"),
     (["serve", "--max-sessions", "0", "--no-advertise"], "--max-sessions and --max-message-mb must be >= 1"),
-    (["ls", "--timeout", "-1"], "--timeout must be > 0"),
+    (["ls", "--timeout", "-1"], "--timeout -1 is too short to hear any node"),
+    (["ls", "--timeout", "0.1"], "random 20-120 ms"),
+    (["launch", "--prompt", "hi", "--discover-timeout", "0.2"], "--discover-timeout 0.2 is too short"),
 ])
 def test_cluster_flags_out_of_range_are_refused_before_anything_starts(capsys, argv, message):
     from kimi_mlx import cli

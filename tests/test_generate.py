@@ -13,18 +13,27 @@ import pytest
 from kimi_mlx.cli import main
 from kimi_mlx.hub import resolve
 from kimi_mlx.loader import load_model
+from kimi_mlx.testing import argmax_margin, margins, model_tolerance
 from kimi_mlx.tokenizer import KimiTokenizer
 
 
 def greedy_no_cache(model, ids, n):
-    """Reference greedy decoding: a full forward over the whole sequence at every step."""
+    """Reference greedy decoding: a full forward over the whole sequence at every step.
+
+    Checks that the greedy choices and the model's top-k choices have margins above the
+    float32 tolerance (kimi_mlx.testing), so the cached decode compared with it cannot
+    pick another token on rounding alone."""
     ids = list(ids)
+    tol = model_tolerance(model.args, len(ids) + n)
     out = []
-    for _ in range(n):
-        logits = model(mx.array([ids]))
-        nxt = int(mx.argmax(logits[0, -1]).item())
-        out.append(nxt)
-        ids.append(nxt)
+    with margins() as m:
+        for _ in range(n):
+            logits = model(mx.array([ids]))
+            assert argmax_margin(logits[0, -1]) >= tol, "near tie in the greedy token"
+            nxt = int(mx.argmax(logits[0, -1]).item())
+            out.append(nxt)
+            ids.append(nxt)
+    m.check(tol)
     return out
 
 
@@ -104,11 +113,15 @@ def test_missing_model_folder_is_named(capsys):
 def test_mlx_lm_load_and_generate_accept_our_checkpoint(tmp_path):
     """A fresh interpreter that never imports kimi_mlx: the installed .pth hook must make
     mlx-lm find model type kimi_k31 and our tokenizer (no remote code). F32 weights, so
-    both sides compute in float32 and greedy tokens of this random model cannot flip on
-    bf16 rounding."""
-    from kimi_mlx.testing import build_checkpoint
+    both sides compute in float32, and conditioned weights whose choices' margins
+    `greedy_no_cache` checks. index_topk above the ~360-token chat prompt: its byte-level
+    text repeats, and a sparse indexer over it meets near ties at any seed (the sparse
+    path is compared in tests/test_model.py)."""
+    from kimi_mlx.testing import build_checkpoint, tiny_text_config
 
-    tiny_ckpt = build_checkpoint(tmp_path / "f32", dtype=mx.float32, seed=0)
+    text = tiny_text_config(dsa_config={"index_n_heads": 2, "index_head_dim": 16, "index_topk": 1024})
+    tiny_ckpt = build_checkpoint(tmp_path / "f32", text_config=text, dtype=mx.float32, seed=14,
+                                 conditioned=True)
     script = (
         "import sys, mlx_lm\n"
         f"model, tok = mlx_lm.load({str(tiny_ckpt)!r})\n"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import threading
 import types
 
@@ -665,6 +666,172 @@ def test_call_argument_errors_match_mlx():
           output_shapes=[(1,)], output_dtypes=[mx.float32])
     with pytest.raises(ValueError, match="Must specify at least one output"):
         sim.metal_kernel("none", ["a"], [], "")
+
+
+# ---------------------------------------------------------- race checker
+
+def _run1(k, n=64, tg=64, inputs=None, out_shape=None, init_value=None):
+    x = mx.arange(n).astype(mx.float32) if inputs is None else inputs
+    (out,) = k(inputs=[x], grid=(n, 1, 1), threadgroup=(tg, 1, 1),
+               output_shapes=[out_shape or (n,)], output_dtypes=[mx.float32],
+               init_value=init_value)
+    return np.array(out)
+
+
+EXCHANGE = """
+    uint tid = thread_position_in_threadgroup.x;
+    threadgroup float shm[64];
+    shm[tid] = inp[thread_position_in_grid.x];
+    BARRIER
+    out[thread_position_in_grid.x] = shm[PARTNER];
+"""
+
+
+@pytest.mark.parametrize("barrier,partner,race", [
+    ("threadgroup_barrier(mem_flags::mem_threadgroup);", "63 - tid", False),
+    ("threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);", "63 - tid",
+     False),
+    ("", "63 - tid", True),
+    ("threadgroup_barrier(mem_flags::mem_none);", "63 - tid", True),  # execution only
+    ("threadgroup_barrier(mem_flags::mem_device);", "63 - tid", True),  # wrong memory
+    # a SIMD-group barrier orders its own SIMD-group's threads, no one else's
+    ("simdgroup_barrier(mem_flags::mem_threadgroup);", "(tid & 32) + 31 - (tid & 31)", False),
+    ("simdgroup_barrier(mem_flags::mem_threadgroup);", "63 - tid", True),
+    ("simdgroup_barrier(mem_flags::mem_device);", "(tid & 32) + 31 - (tid & 31)", True),
+])
+def test_race_checker_on_threadgroup_memory(barrier, partner, race):
+    """Each thread writes its slot, then reads a partner's: a race unless a barrier of
+    the right kind (and scope) separates the write and the read."""
+    src = EXCHANGE.replace("BARRIER", barrier).replace("PARTNER", partner)
+    k = sim.metal_kernel("exchange", ["inp"], ["out"], src)
+    if not race:
+        out = _run1(k, n=128)
+        tid = np.arange(128) % 64
+        want = eval(partner.replace("&", "&"), {"tid": tid}) + (np.arange(128) // 64) * 64
+        np.testing.assert_array_equal(out, want.astype(np.float32))
+        return
+    with pytest.raises(sim.MetalSimRaceError) as ei:
+        _run1(k, n=128)
+    msg = str(ei.value)
+    assert "kernel 'exchange'" in msg and "threadgroup array 'shm'" in msg
+    assert "in threadgroup (0,0,0)" in msg
+    # both threads, both source lines with their text
+    assert msg.count("thread_position_in_threadgroup=") == 2
+    assert "exchange.body.metal:4 `shm[tid] = inp[thread_position_in_grid.x];`" in msg
+    assert "exchange.body.metal:6 `out[thread_position_in_grid.x] = shm[" in msg
+
+
+def test_race_checker_on_device_memory_written_in_the_threadgroup():
+    """Device memory written by one thread and read by another within a threadgroup needs
+    threadgroup_barrier(mem_device); inputs and other threadgroups' data are not tracked."""
+    src = """
+        uint i = thread_position_in_grid.x;
+        scratch[i] = inp[i] * 2.0f;
+        BARRIER
+        uint base = i - thread_position_in_threadgroup.x;
+        out[i] = scratch[base + (threads_per_threadgroup.x - 1 - thread_position_in_threadgroup.x)];
+    """
+    x = mx.arange(96).astype(mx.float32)
+    for barrier, race in [("threadgroup_barrier(mem_flags::mem_device);", False),
+                          ("threadgroup_barrier(mem_flags::mem_threadgroup);", True),
+                          ("", True)]:
+        k = sim.metal_kernel("dev_exchange", ["inp"], ["scratch", "out"],
+                             src.replace("BARRIER", barrier))
+
+        def call():
+            return k(inputs=[x], grid=(96, 1, 1), threadgroup=(32, 1, 1),
+                     output_shapes=[(96,), (96,)], output_dtypes=[mx.float32] * 2)
+
+        if not race:
+            _, out = call()
+            np.testing.assert_array_equal(np.array(out),
+                                          2.0 * np.arange(96).reshape(3, 32)[:, ::-1].ravel())
+            continue
+        with pytest.raises(sim.MetalSimRaceError,
+                           match=r"dev_exchange.*device buffer 'scratch' \(element \d+\)"):
+            call()
+
+
+def test_race_checker_write_after_read_with_many_readers():
+    """Every thread reads shm[0]; then thread 5 overwrites it without a barrier."""
+    src = """
+        uint tid = thread_position_in_threadgroup.x;
+        threadgroup float shm[1];
+        if (tid == 0) { shm[0] = 1.0f; }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        float v = shm[0];
+        if (tid == 5) { shm[0] = 2.0f; }
+        out[tid] = v;
+    """
+    k = sim.metal_kernel("war", ["inp"], ["out"], src)
+    with pytest.raises(sim.MetalSimRaceError) as ei:
+        _run1(k)
+    msg = str(ei.value)
+    assert "write-after-read" in msg and "'shm'" in msg
+    # a reader other than the writer, then the writer
+    assert re.search(r"thread (\d+) \(.*reads it at war\.body\.metal:6 `float v = shm\[0\];`",
+                     msg).group(1) != "5"
+    assert re.search(r"thread 5 \(.*?\)\) writes it at war\.body\.metal:7 "
+                     r"`if \(tid == 5\) \{ shm\[0\] = 2\.0f; \}`", msg)
+
+
+def test_same_value_stores_are_not_a_race_different_values_are():
+    """Every thread storing the same value (e.g. zeroing an element) is harmless on the
+    GPU; different values written without a barrier are a write-write race."""
+    same = sim.metal_kernel("same_store", ["inp"], ["out"], """
+        threadgroup float shm[1];
+        uint tid = thread_position_in_threadgroup.x;
+        shm[0] = 3.0f;
+        if (tid > 1) { out[tid] = 0.0f; }
+        out[0] = 7.0f;
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        if (tid == 1) { out[1] = shm[0]; }
+    """)
+    out = _run1(same, n=32, tg=32)
+    assert out[0] == 7.0 and out[1] == 3.0
+    differ = sim.metal_kernel("differ_store", ["inp"], ["out"], """
+        threadgroup float shm[1];
+        shm[0] = float(thread_position_in_threadgroup.x);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[thread_position_in_grid.x] = shm[0];
+    """)
+    with pytest.raises(sim.MetalSimRaceError, match=r"write-write, different values.*'shm'"):
+        _run1(differ, n=32, tg=32)
+
+
+def test_result_that_depends_on_thread_order_is_reported():
+    """Races the access checker cannot see (atomics, another threadgroup's output) show as
+    outputs that differ between the forward and the reverse schedule."""
+    last = sim.metal_kernel("last_writer", ["inp"], ["out"], """
+        uint tid = thread_position_in_threadgroup.x;
+        threadgroup atomic_uint who[1];
+        atomic_store_explicit(&who[0], tid, memory_order_relaxed);
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[tid] = float(atomic_load_explicit(&who[0], memory_order_relaxed));
+    """)
+    with pytest.raises(sim.MetalSimRaceError, match=r"last_writer.*depends on the thread order.*"
+                                                   r"output 'out'.*reverse schedule"):
+        _run1(last, n=32, tg=32)
+    # one schedule, checker off: the emulator runs it (threads in order: the last one wins)
+    quiet = sim.metal_kernel("last_writer", ["inp"], ["out"], last.source, schedules=1,
+                             racecheck=False)
+    assert np.all(_run1(quiet, n=32, tg=32) == 31.0)
+    # threadgroup 1 reads what threadgroup 0 wrote: threadgroups run in reverse, too
+    cross = sim.metal_kernel("cross_group", ["inp"], ["out"], """
+        uint i = thread_position_in_grid.x;
+        out[i] = 1.0f;
+        if (i == 32) { out[i] = out[0] + 1.0f; }
+    """)
+    with pytest.raises(sim.MetalSimRaceError, match=r"cross_group.*output 'out' element \(32,\)"):
+        _run1(cross, n=64, tg=32, init_value=0.0)
+
+
+def test_seeded_random_schedules_agree_for_a_correct_kernel():
+    src = EXCHANGE.replace("BARRIER", "threadgroup_barrier(mem_flags::mem_threadgroup);")
+    k = sim.metal_kernel("exchange4", ["inp"], ["out"], src.replace("PARTNER", "63 - tid"),
+                         schedules=4)
+    out = _run1(k, n=128)
+    np.testing.assert_array_equal(out, (63 - np.arange(128) % 64 + np.arange(128) // 64 * 64))
 
 
 # ------------------------------------------------------------------ caching

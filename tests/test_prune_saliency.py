@@ -1,8 +1,8 @@
-"""Pruner unit tests: the recorder against a hand computation, ranking rules, PNG, --keep."""
+"""Pruner unit tests: the recorder against a hand computation, ranking rules, heat map, --keep."""
 
-import struct
-import zlib
+import json
 
+import matplotlib
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -11,7 +11,7 @@ import pytest
 from kimi_mlx.config import ModelArgs
 from kimi_mlx.ffn import LatentMoE
 from kimi_mlx.prune.observe import ExpertRecorder, LayerStats
-from kimi_mlx.prune.report import heat_map, png_bytes
+from kimi_mlx.prune.report import cell_colours, heat_map_figure, write_report
 from kimi_mlx.prune.saliency import KeepError, experts_to_keep, scores, select, super_experts
 from kimi_mlx.prune.testing import moe_text_config
 from kimi_mlx.testing import full_config
@@ -54,7 +54,7 @@ def _dequant(layer):
                                   mode="mxfp4", dtype=mx.float32)).astype(np.float64)
 
 
-def test_recorder_matches_a_hand_computation(hand_moe):
+def test_recorder_matches_a_hand_computation(hand_moe, tmp_path):
     args, moe = hand_moe
     x = mx.array(np.random.default_rng(1).normal(0, 1, (2, 40, args.hidden_size)).astype(np.float32))
     plain = moe(x)
@@ -77,10 +77,18 @@ def test_recorder_matches_a_hand_computation(hand_moe):
     top = np.argsort(-choice, axis=-1)[:, :K]
     g = np.take_along_axis(s, top, -1)
     g = g / g.sum(-1, keepdims=True)  # renormalised; routed_scaling_factor divided out
+    # REAP's reference gate: softmax over all raw logits, then renormalised over the
+    # model's selection (top-k of sigmoid + correction bias), computed the long way.
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    gs = np.take_along_axis(p, top, -1)
+    gs = gs / gs.sum(-1, keepdims=True)
     z = xs @ np.array(moe.routed_expert_down_proj.weight, np.float64).T
     w1, w3, w2 = (_dequant(moe.switch_mlp[n]) for n in ("gate_proj", "up_proj", "down_proj"))
-    want = {k: np.zeros(E) for k in ("count", "gate", "norm", "gate_norm", "peak")}
+    want = {k: np.zeros(E) for k in ("count", "gate", "norm", "gate_norm", "peak", "soft",
+                                     "soft_norm")}
     routed = {j: [] for j in range(E)}
+    routed_soft = {j: [] for j in range(E)}
     for t in range(xs.shape[0]):
         for slot, j in enumerate(top[t]):
             f = _situ(w1[j] @ z[t], w3[j] @ z[t]) @ w2[j].T  # expert j's latent output
@@ -90,8 +98,15 @@ def test_recorder_matches_a_hand_computation(hand_moe):
             want["norm"][j] += n
             want["gate_norm"][j] += g[t, slot] * n
             want["peak"][j] = max(want["peak"][j], np.abs(f).max())
+            want["soft"][j] += gs[t, slot]
+            want["soft_norm"][j] += gs[t, slot] * n
             routed[j].append(g[t, slot] * n)
+            routed_soft[j].append(gs[t, slot] * n)
     reap = np.array([np.mean(v) if v else 0.0 for v in routed.values()])
+    reap_soft = np.array([np.mean(v) if v else 0.0 for v in routed_soft.values()])
+    # The softmax gate must tell experts apart more than the near-uniform model gate does,
+    # else the two gates would not be distinguished by this test.
+    assert np.abs(gs - 1 / K).max() > 2 * np.abs(g - 1 / K).max()
 
     assert stats.tokens == 80
     np.testing.assert_array_equal(stats.count, want["count"])
@@ -100,16 +115,38 @@ def test_recorder_matches_a_hand_computation(hand_moe):
     np.testing.assert_allclose(stats.norm_sum, want["norm"], rtol=1e-4)
     np.testing.assert_allclose(stats.gate_norm_sum, want["gate_norm"], rtol=1e-4)
     np.testing.assert_allclose(stats.max_abs, want["peak"], rtol=1e-4)
-    np.testing.assert_allclose(stats.reap, reap, rtol=1e-4)
+    np.testing.assert_allclose(stats.softmax_gate_sum, want["soft"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stats.softmax_gate_norm_sum, want["soft_norm"], rtol=1e-4)
+    np.testing.assert_allclose(stats.reap("model"), reap, rtol=1e-4)
+    np.testing.assert_allclose(stats.reap("softmax"), reap_soft, rtol=1e-4)
     np.testing.assert_allclose(scores(stats, "ean"), want["norm"], rtol=1e-4)
     np.testing.assert_array_equal(scores(stats, "frequency"), want["count"])
+
+    # ... and the pruner's saliency.json carries the same numbers for both gates and both
+    # reductions, with the ranking score of the method and gate it was asked for.
+    hand = {("reap", "model"): reap, ("reap", "softmax"): reap_soft,
+            ("reap-sum", "model"): want["gate_norm"], ("reap-sum", "softmax"): want["soft_norm"]}
+    for (method, gate), expected in hand.items():
+        sel = select({1: stats}, method, E // 2, gate=gate)
+        write_report(tmp_path, {1: stats}, sel, {}, "card")
+        report = json.loads((tmp_path / "saliency.json").read_text())
+        layer = report["layers"][0]
+        assert (report["method"], report["gate"]) == (method, gate)
+        np.testing.assert_allclose(layer["score"], expected, rtol=1e-4, atol=1e-9)
+        key = "reap" if method == "reap" else "reap_sum"
+        np.testing.assert_allclose(layer[key][gate], expected, rtol=1e-4, atol=1e-9)
+        top_half = sorted(np.argsort(-expected, kind="stable")[: E // 2].tolist())
+        margin = np.sort(expected)[::-1]
+        if margin[E // 2 - 1] - margin[E // 2] > 1e-3 * margin[0]:  # a clear cut
+            assert layer["kept"] == top_half, (method, gate)
 
 
 def _stats(layer, count, gate_norm, norm=None, peak=None):
     count = np.asarray(count)
     return LayerStats(layer, len(count), 2, int(count.sum()), count=count,
                       gate_sum=count * 0.5, norm_sum=norm if norm is not None else count * 1.0,
-                      gate_norm_sum=gate_norm, max_abs=peak if peak is not None else np.ones(len(count)))
+                      gate_norm_sum=gate_norm, max_abs=peak if peak is not None else np.ones(len(count)),
+                      softmax_gate_sum=count * 0.5, softmax_gate_norm_sum=gate_norm)
 
 
 def test_never_routed_expert_is_dropped_first_by_every_criterion():
@@ -169,24 +206,33 @@ def test_keep_out_of_range(keep, experts, msg):
     assert experts_to_keep(32, 4, experts=4) == 4
 
 
-def test_png_heat_map_is_a_valid_png():
+def test_heat_map_marks_each_expert_and_labels_the_figure(tmp_path):
+    # Layer 1: expert 1 never routed (dropped), expert 0 most salient (kept);
+    # layer 2: expert 3 protected although least salient.
     st = {l: _stats(l, [3, 0, 2, 1], gate_norm=np.array([3.0, 0, 2, 1])) for l in (1, 2)}
-    sel = select(st, "reap", 2)
-    img = heat_map(st, sel)
-    data = png_bytes(img)
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    (n,) = struct.unpack(">I", data[8:12])
-    w, h = struct.unpack(">II", data[16:24])
-    assert (h, w) == img.shape[:2]
-    idat = data.index(b"IDAT")
-    (m,) = struct.unpack(">I", data[idat - 4:idat])
-    assert zlib.crc32(data[idat:idat + 4 + m]) == struct.unpack(">I", data[idat + 4 + m:idat + 8 + m])[0]
-    raw = np.frombuffer(zlib.decompress(data[idat + 4:idat + 4 + m]), np.uint8).reshape(h, 1 + 3 * w)
-    pix = raw[:, 1:].reshape(h, w, 3)
-    np.testing.assert_array_equal(pix, img)
-    cw = w // 4
-    assert tuple(pix[0, cw]) == (255, 255, 255)  # never-routed, dropped expert 1: white
-    assert pix[0, 0, 2] > pix[0, 0, 0]  # kept expert 0: blue
+    sel = select(st, "reap-sum", 2, gate="model")  # scores = gate_norm sums 3, 0, 2, 1
+    sel.protected = {2: [3]}
+    sel.kept[2] = [0, 3]
+    rgb, norm, layers = cell_colours(st, sel)
+    assert layers == [1, 2] and rgb.shape == (2, 4, 3)
+    np.testing.assert_allclose(norm[0], [1.0, 0.0, 2 / 3, 1 / 3])  # saliency / layer max
+    assert tuple(rgb[0, 1]) == (1.0, 1.0, 1.0)  # never routed, dropped: white
+    np.testing.assert_allclose(rgb[1, 3], [0.85, 0.0, 0.75])  # protected: magenta
+    assert sel.kept[1] == [0, 2]
+    kept, dropped = rgb[0, 2], rgb[0, 3]  # a kept cell is the colour map; a dropped one greyer
+    np.testing.assert_allclose(kept, matplotlib.colormaps["viridis"](2 / 3)[:3])
+    assert np.ptp(dropped) < 0.5 * np.ptp(matplotlib.colormaps["viridis"](1 / 3)[:3])
+
+    fig = heat_map_figure(st, sel)
+    top, bottom = fig.axes[:2]  # the two panels (then their colour bars)
+    assert "reap-sum, model gate" in top.get_title() and "keep 2 of 4" in top.get_title()
+    assert (top.get_xlabel(), top.get_ylabel()) == ("expert id", "MoE layer")
+    assert [t.get_text() for t in top.get_legend().get_texts()] == [
+        "kept (colour = saliency)", "dropped (faded)", "never routed", "protected super expert"]
+    assert len(bottom.lines) == 3 and bottom.get_legend().get_texts()[0].get_text() == "cut: 2 kept"
+    write_report(tmp_path, st, sel, {}, "card")
+    png = (tmp_path / "saliency.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
 def test_bench_gate_diagnostic_reports_gate_range_and_rank_correlation():

@@ -307,9 +307,16 @@ def test_auto_tokenizer_uses_our_class(release_like_dir, tok, ref_enc):
     assert "tokenization_kimi" not in sys.modules
 
     text = "hello worlds, <|open|>hello<|sep|> 你好"
-    assert hf.encode(text, add_special_tokens=False) == ref_enc.encode(text, allowed_special="all")
-    assert hf.encode(text) == tok.encode(text, allow_special=True)  # no BOS/EOS added
-    assert hf(text)["input_ids"] == tok.encode(text, allow_special=True)
+    # Plain encode: special-token text is text (no path from a string to control ids)...
+    assert hf.encode(text, add_special_tokens=False) == ref_enc.encode_ordinary(text)
+    assert hf.encode(text) == tok.encode(text)  # no BOS/EOS added
+    assert hf(text)["input_ids"] == ref_enc.encode_ordinary(text)
+    assert OPEN not in hf.encode(text) and SEP not in hf(text)["input_ids"]
+    # ...unless the caller asks for specials explicitly.
+    with_specials = ref_enc.encode(text, allowed_special="all")
+    assert hf.encode(text, split_special_tokens=False) == with_specials
+    assert hf(text, split_special_tokens=False)["input_ids"] == with_specials
+    assert OPEN in with_specials
     assert hf.decode(hf.encode(text)) == text
     assert hf.decode([OPEN, HELLO, END_OF_MSG], skip_special_tokens=True) == "hello"
     assert hf.convert_ids_to_tokens([HELLO, SP_WORLD, OPEN]) == ["hello", "Ġworld", "<|open|>"]
@@ -348,10 +355,15 @@ def test_mlx_lm_load(release_like_dir, tok):
     assert type(w._tokenizer).__module__ == "kimi_mlx.tokenizer"
     assert not (release_like_dir / "EXECUTED").exists()
     text = "hello worlds <|sep|>"
-    assert w.encode(text, add_special_tokens=False) == tok.encode(text, allow_special=True)
+    assert w.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert SEP not in w.encode(text, add_special_tokens=False)
+    # A whole-string marker lookup (how mlx-lm finds its think/tool markers) gets the ids.
+    assert w.encode("<|sep|>", add_special_tokens=False) == [SEP]
+    assert w.encode(" <|sep|>", add_special_tokens=False) == tok.encode(" <|sep|>")
     assert w.think_start == "<|open|>think<|sep|>"
     assert w.think_start_tokens == (OPEN, ord("t"), ord("h"), ord("i"), ord("n"), ord("k"), SEP)
     assert w.has_tool_calling and w.tool_call_start == "<|open|>tools<|sep|>"
+    assert w.tool_call_start_tokens == (OPEN, *tok.encode("tools"), SEP)
     assert END_OF_MSG in w.eos_token_ids
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     assert w.apply_chat_template(msgs, add_generation_prompt=True) == chat_format.encode_chat(tok, msgs)

@@ -16,7 +16,31 @@ the same call signature (``inputs``, ``template``, ``grid``, ``threadgroup``,
    ``dispatchThreads``; edge threadgroups are partial; the threadgroup is
    clamped to the grid per dimension as MLX does). Threads of a threadgroup
    are fibers: ``threadgroup_barrier`` and the SIMD-group functions
-   rendezvous, ``threadgroup T x[N];`` is one object per threadgroup.
+   rendezvous, ``threadgroup T x[N];`` is one object per threadgroup;
+4. does it again under a second thread schedule (``schedules``, default 2:
+   threads and threadgroups in forward, then reverse order; more: seeded
+   shuffles) and requires the outputs to agree bit for bit.
+
+Race checker (``racecheck``, default on; ``$KIMI_MLX_SIM_RACECHECK=0`` turns it
+off, ``$KIMI_MLX_SIM_SCHEDULES=1`` runs one schedule). The kernel library is
+built with g++'s ``-fsanitize=thread`` instrumentation, whose per-access hooks
+metal_sim.h defines (no ThreadSanitizer runtime): every load and store of
+threadgroup memory and of the output buffers reaches the runtime, which keeps,
+per threadgroup and per byte, the last writer and up to two readers with the
+barrier epoch of each access. ``threadgroup_barrier(mem_threadgroup)`` orders
+threadgroup memory, ``threadgroup_barrier(mem_device)`` device memory,
+``mem_none`` nothing; ``simdgroup_barrier`` with those flags orders accesses
+within its SIMD-group only. Two accesses to the same byte by different threads
+of a threadgroup, at least one a store, with no such barrier between them are
+reported as ``MetalSimRaceError`` naming the kernel, the threadgroup array or
+buffer and element, both threads and both source lines (binutils' addr2line
+on the library's line tables), as CUDA's racecheck does; the verdict does not
+depend on the order the emulator ran them in. Not reported: stores of the
+same value by several threads (harmless on the GPU), accesses through atomic
+functions, device memory shared between threadgroups and inputs; a race of
+those kinds usually shows as outputs that differ between schedules, which is
+reported too (also for atomics whose result depends on their order, e.g.
+float atomic adds: pass ``schedules=1`` for such a kernel).
 
 Errors are Python exceptions naming the kernel (``errors.py``): compile
 errors carry g++'s diagnostics with the body line; in checked mode (default)
@@ -30,8 +54,12 @@ How the emulator differs from an Apple GPU (by design or as a limitation):
 
 * Threads run one at a time. Barriers and SIMD-group functions synchronise;
   other inter-thread communication through memory without a barrier (a data
-  race on the GPU) sees whatever order the scheduler produced, and device
-  memory is coherent across threadgroups (threadgroups run in order x, y, z).
+  race on the GPU) sees whatever order the scheduler produced (reported by
+  the race checker), and device memory is coherent across threadgroups
+  (threadgroups run in order x, y, z, or reversed / shuffled).
+  SIMD-group functions do not order memory for the race checker (Metal
+  requires simdgroup_barrier); a simdgroup_barrier reached by only some lanes
+  of a SIMD-group counts for all of them.
 * SIMD-groups are 32 lanes in thread_index_in_threadgroup order. The active
   lanes of a SIMD-group function are the lanes of that SIMD-group blocked at
   the same call site (divergent branches behave as on the GPU); reading an
@@ -60,7 +88,9 @@ How the emulator differs from an Apple GPU (by design or as a limitation):
   is limited to 32 KiB, threadgroups to 1024 threads.
 * Speed: a few million SIMD-group operations per second on one core (x86-64
   Linux uses an assembly fiber switch; elsewhere, or with
-  ``KIMI_MLX_SIM_UCONTEXT=1``, ucontext, about 8x slower). Keep test shapes
+  ``KIMI_MLX_SIM_UCONTEXT=1``, ucontext, about 8x slower). The race checker
+  costs a call per memory access (a table update per byte of threadgroup
+  memory and outputs) and each extra schedule a full run. Keep test shapes
   small.
 """
 
@@ -72,6 +102,7 @@ from .errors import (
     MetalSimFaultError,
     MetalSimKernelError,
     MetalSimOutOfBoundsError,
+    MetalSimRaceError,
     MetalSimTimeoutError,
 )
 from .kernel import SimKernel, metal_kernel
@@ -87,4 +118,5 @@ __all__ = [
     "MetalSimFaultError",
     "MetalSimTimeoutError",
     "MetalSimKernelError",
+    "MetalSimRaceError",
 ]

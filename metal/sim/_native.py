@@ -26,7 +26,7 @@ from typing import Dict, Optional, Sequence, Tuple
 from .errors import MetalSimCompileError
 
 SIM_DIR = Path(__file__).resolve().parent
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 CXX_FLAGS: Tuple[str, ...] = (
     "-std=c++20",
@@ -63,6 +63,8 @@ class Buffer(ctypes.Structure):
         ("lo", ctypes.c_int64),
         ("hi", ctypes.c_int64),
         ("name", ctypes.c_char_p),
+        ("itemsize", ctypes.c_uint32),
+        ("writable", ctypes.c_uint32),
     ]
 
 
@@ -70,6 +72,9 @@ class Launch(ctypes.Structure):
     _fields_ = [
         ("fn", ctypes.c_void_p),
         ("buffers", ctypes.POINTER(Buffer)),
+        ("nbuffers", ctypes.c_uint32),
+        ("schedule", ctypes.c_uint32),
+        ("racecheck", ctypes.c_int),
         ("grid", ctypes.c_uint32 * 3),
         ("threadgroup", ctypes.c_uint32 * 3),
         ("stack_bytes", ctypes.c_uint64),
@@ -82,7 +87,18 @@ class Launch(ctypes.Structure):
 
 
 # msim_dispatch return codes
-OK, ERR_OOB, ERR_DEADLOCK, ERR_FAULT, ERR_TIMEOUT, ERR_CONFIG, ERR_KERNEL = range(7)
+OK, ERR_OOB, ERR_DEADLOCK, ERR_FAULT, ERR_TIMEOUT, ERR_CONFIG, ERR_KERNEL, ERR_RACE = range(8)
+# msim_launch.schedule: thread (and threadgroup) order; >= SCHED_RANDOM: seeded shuffles
+SCHED_FORWARD, SCHED_REVERSE, SCHED_RANDOM = 0, 1, 2
+
+# Extra g++ flags of a race-checked kernel library: thread-sanitizer
+# instrumentation (our hooks in metal_sim.h, no libtsan) and line tables for
+# the source lines of a report.
+RACECHECK_FLAGS: Tuple[str, ...] = (
+    "-fsanitize=thread",
+    "--param=tsan-instrument-func-entry-exit=0",
+    "-g",
+)
 
 _lock = threading.Lock()
 _loaded: Dict[str, ctypes.CDLL] = {}
@@ -132,8 +148,10 @@ def _header_text(name: str) -> str:
 
 
 def _compile(kernel: str, key: str, files: Dict[str, str], main: str,
-             flags: Sequence[str]) -> Path:
-    """Compile `main` (one of `files`) into <cache>/<key>.so unless cached."""
+             flags: Sequence[str], compile_only: Sequence[str] = ()) -> Path:
+    """Compile `main` (one of `files`) into <cache>/<key>.so unless cached.
+    `compile_only` flags go to the compile step alone (then linked in a second
+    step), so -fsanitize=thread instruments without linking libtsan."""
     root = cache_dir()
     so = root / f"{key}.so"
     if so.exists():
@@ -143,11 +161,19 @@ def _compile(kernel: str, key: str, files: Dict[str, str], main: str,
         for fname, text in files.items():
             (build / fname).write_text(text)
         tmp_so = build / "out.so"
-        cmd = [compiler(), *flags, f"-I{SIM_DIR}", main, "-o", str(tmp_so)]
-        proc = subprocess.run(cmd, cwd=build, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise MetalSimCompileError(kernel, _trim(proc.stderr),
-                                       source=files.get(main, ""))
+        if compile_only:
+            obj = build / "out.o"
+            steps = [
+                [compiler(), *flags, *compile_only, "-c", f"-I{SIM_DIR}", main, "-o", str(obj)],
+                [compiler(), *flags, str(obj), "-o", str(tmp_so)],
+            ]
+        else:
+            steps = [[compiler(), *flags, f"-I{SIM_DIR}", main, "-o", str(tmp_so)]]
+        for cmd in steps:
+            proc = subprocess.run(cmd, cwd=build, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise MetalSimCompileError(kernel, _trim(proc.stderr),
+                                           source=files.get(main, ""))
         os.replace(tmp_so, so)  # atomic: concurrent builders are harmless
     finally:
         shutil.rmtree(build, ignore_errors=True)
@@ -186,13 +212,16 @@ def runtime() -> ctypes.CDLL:
 
 
 def kernel_library(kernel: str, files: Dict[str, str], main: str,
-                   extra_flags: Sequence[str] = ()) -> Tuple[ctypes.CDLL, int]:
+                   extra_flags: Sequence[str] = (),
+                   compile_only: Sequence[str] = ()) -> Tuple[ctypes.CDLL, int]:
     """Compile (or load from cache) a kernel translation unit.
 
     Args:
       kernel: kernel name, for error messages.
       files: file name -> text, written side by side; `main` includes the rest.
       main: the translation unit to compile.
+      extra_flags: more g++ flags; compile_only: flags for the compile step
+        only (e.g. RACECHECK_FLAGS).
     Returns:
       (library, address of its msim_kernel_run).
     Raises:
@@ -204,29 +233,72 @@ def kernel_library(kernel: str, files: Dict[str, str], main: str,
         _header_text("metal_sim.h"),
         _header_text("msim_abi.h"),
         " ".join(flags),
+        " ".join(compile_only),
         _compiler_version(),
     ])
     with _lock:
         lib = _loaded.get(key)
         if lib is None:
-            so = _compile(kernel, key, files, main, flags)
+            so = _compile(kernel, key, files, main, flags, compile_only)
             lib = ctypes.CDLL(str(so))
             _loaded[key] = lib
     fn = ctypes.cast(lib.msim_kernel_run, ctypes.c_void_p).value
     return lib, int(fn)
 
 
+def library_path(lib: ctypes.CDLL) -> str:
+    """File of a loaded kernel library (for addr2line)."""
+    return lib._name
+
+
+def source_lines(so: str, offsets: Sequence[int]) -> Dict[int, Tuple[str, int]]:
+    """Map code offsets in kernel library `so` to (file, line) of the innermost
+    frame in kernel text (``*.body.metal`` / ``*.header.metal``), via binutils'
+    addr2line and the library's line tables. Offsets it cannot place are left
+    out (no addr2line, no line table)."""
+    if not offsets or shutil.which("addr2line") is None:
+        return {}
+    # A return address points after the call; the access is on the call's line.
+    args = ["addr2line", "-e", so, "-i", "-a"] + [hex(max(o - 1, 0)) for o in offsets]
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    found: Dict[int, Tuple[str, int]] = {}
+    current = None
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("0x"):
+            current = int(line, 16) + 1
+            continue
+        if current is None or current in found or ":" not in line:
+            continue
+        path, _, num = line.rpartition(":")
+        num = num.split()[0] if num.split() else ""
+        name = os.path.basename(path)
+        if (name.endswith(".body.metal") or name.endswith(".header.metal")) and num.isdigit():
+            found[current] = (name, int(num))
+    return found
+
+
 def dispatch(fn: int, buffers: Sequence[Buffer], grid: Sequence[int],
              threadgroup: Sequence[int], *, timeout_s: float,
              stack_bytes: int, poison: bool,
-             max_threadgroup_bytes: int) -> Tuple[int, str]:
-    """Run one dispatch; returns (code, message). Releases the GIL."""
+             max_threadgroup_bytes: int, schedule: int = SCHED_FORWARD,
+             racecheck: bool = False) -> Tuple[int, str]:
+    """Run one dispatch; returns (code, message). Releases the GIL.
+
+    `schedule` orders threads and threadgroups (SCHED_*); `racecheck` needs a
+    library built with RACECHECK_FLAGS and MSIM_RACECHECK=1."""
     lib = runtime()
     arr = (Buffer * max(1, len(buffers)))(*buffers)
-    err = ctypes.create_string_buffer(4096)
+    err = ctypes.create_string_buffer(8192)
     launch = Launch()
     launch.fn = fn
     launch.buffers = arr
+    launch.nbuffers = len(buffers)
+    launch.schedule = schedule
+    launch.racecheck = 1 if racecheck else 0
     launch.grid = (ctypes.c_uint32 * 3)(*grid)
     launch.threadgroup = (ctypes.c_uint32 * 3)(*threadgroup)
     launch.stack_bytes = stack_bytes

@@ -50,6 +50,14 @@ class MetalSimTimeoutError(MetalSimError):
     """The dispatch ran past its watchdog limit (an infinite loop?)."""
 
 
+class MetalSimRaceError(MetalSimError):
+    """Threads of one threadgroup accessed the same threadgroup memory (or
+    device memory written in that threadgroup), at least one writing, with no
+    barrier of the right kind between them; or the outputs differ between two
+    thread schedules. The message names the kernel, the memory (array/buffer
+    and element), both threads and both source lines."""
+
+
 class MetalSimKernelError(MetalSimError):
     """Any other misuse detected while running (threadgroup memory over the
     limit, inconsistent SIMD-group operation, bad launch configuration)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -16,6 +17,7 @@ from .errors import (
     MetalSimFaultError,
     MetalSimKernelError,
     MetalSimOutOfBoundsError,
+    MetalSimRaceError,
     MetalSimTimeoutError,
 )
 from .signature import (
@@ -38,7 +40,23 @@ _ERRORS = {
     _native.ERR_TIMEOUT: MetalSimTimeoutError,
     _native.ERR_CONFIG: MetalSimKernelError,
     _native.ERR_KERNEL: MetalSimKernelError,
+    _native.ERR_RACE: MetalSimRaceError,
 }
+
+_PC_RE = re.compile(r"\{\{pc:(0x[0-9a-fA-F]+|\?[^}]*)\}\}")
+
+
+def _schedule_name(k: int) -> str:
+    if k == _native.SCHED_FORWARD:
+        return "forward"
+    if k == _native.SCHED_REVERSE:
+        return "reverse"
+    return f"random (seed {k - _native.SCHED_RANDOM})"
+
+
+def _schedule_code(i: int) -> int:
+    """The i-th schedule of a call: forward, reverse, then seeded shuffles."""
+    return i if i < _native.SCHED_RANDOM else _native.SCHED_RANDOM + i - 2
 
 # numpy stand-ins for dtypes numpy lacks (same size, bits copied).
 _NP_STORAGE = {mx.bfloat16: (np.uint16, mx.uint16)}
@@ -87,12 +105,12 @@ def _np_dtype(dtype: mx.Dtype):
         raise NotImplementedError(f"metal/sim: {dtype} outputs are not supported")
 
 
-def _buffer(arr: np.ndarray, name: str, keep: list) -> _native.Buffer:
+def _buffer(arr: np.ndarray, name: str, keep: list, writable: bool = False) -> _native.Buffer:
     """msim_buffer for a numpy array: pointer to element 0 and the byte range
     its elements span (strides may be zero or negative)."""
     keep.append(arr)
     if arr.size == 0:
-        return _native.Buffer(arr.ctypes.data, 0, 0, name.encode())
+        return _native.Buffer(arr.ctypes.data, 0, 0, name.encode(), arr.itemsize, int(writable))
     lo = hi = 0
     for n, s in zip(arr.shape, arr.strides):
         ext = s * (n - 1)
@@ -100,7 +118,8 @@ def _buffer(arr: np.ndarray, name: str, keep: list) -> _native.Buffer:
             lo += ext
         else:
             hi += ext
-    return _native.Buffer(arr.ctypes.data, lo, hi + arr.itemsize, name.encode())
+    return _native.Buffer(arr.ctypes.data, lo, hi + arr.itemsize, name.encode(), arr.itemsize,
+                          int(writable))
 
 
 def _dims3(v: Sequence[int], what: str) -> Tuple[int, int, int]:
@@ -122,6 +141,9 @@ class SimKernel:
       name, input_names, output_names, source, header, ensure_row_contiguous,
       atomic_outputs: as given.
       checked: bounds-checked device buffers and threadgroup arrays.
+      racecheck: the race checker is on (see ``metal/sim/__init__.py``).
+      schedules: thread schedules per call (forward, reverse, then seeded
+        shuffles); outputs must agree bit for bit across them.
       timeout_s: watchdog per dispatch (<= 0: none).
     """
 
@@ -129,7 +151,8 @@ class SimKernel:
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
                  atomic_outputs: bool = False, compile_options: Optional[dict] = None,
                  *, checked: Optional[bool] = None, timeout_s: Optional[float] = None,
-                 stack_kb: Optional[int] = None):
+                 stack_kb: Optional[int] = None, racecheck: Optional[bool] = None,
+                 schedules: Optional[int] = None):
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
         if compile_options is not None:
@@ -151,6 +174,13 @@ class SimKernel:
         self.atomic_outputs = atomic_outputs
         self.compile_options = compile_options
         self.checked = _env_flag("KIMI_MLX_SIM_CHECKED", True) if checked is None else checked
+        self.racecheck = (_env_flag("KIMI_MLX_SIM_RACECHECK", True) if racecheck is None
+                          else bool(racecheck))
+        if schedules is None:
+            schedules = int(os.environ.get("KIMI_MLX_SIM_SCHEDULES", "2") or 2)
+        if schedules < 1:
+            raise ValueError(f"[metal_sim] schedules must be >= 1, got {schedules}")
+        self.schedules = int(schedules)
         if timeout_s is None:
             timeout_s = float(os.environ.get("KIMI_MLX_SIM_TIMEOUT", "300"))
         self.timeout_s = timeout_s
@@ -158,6 +188,7 @@ class SimKernel:
             stack_kb = int(os.environ.get("KIMI_MLX_SIM_STACK_KB", "256"))
         self.stack_kb = stack_kb
         self._libs: Dict[tuple, Tuple[ctypes.CDLL, int]] = {}
+        self._so: Dict[int, str] = {}  # entry address -> library file
 
     def __repr__(self) -> str:
         return f"SimKernel({self.name!r}, inputs={self.input_names}, outputs={self.output_names})"
@@ -193,6 +224,8 @@ class SimKernel:
           MetalSimCompileError: g++ rejected the kernel.
           MetalSimOutOfBoundsError, MetalSimDeadlockError, MetalSimFaultError,
           MetalSimTimeoutError, MetalSimKernelError: the kernel misbehaved.
+          MetalSimRaceError: a data race (racecheck), or outputs that differ
+            between thread schedules.
         """
         if len(inputs) != len(self.input_names):
             raise ValueError(
@@ -252,7 +285,7 @@ class SimKernel:
                 if info.ndim:
                     buffers.append(_buffer(np.array(a.ndim, dtype=np.int32), name + "_ndim", keep))
 
-        outs: List[np.ndarray] = []
+        first: List[np.ndarray] = []
         for oname, shape, dtype in zip(self.output_names, output_shapes, out_dtypes):
             shape = tuple(int(s) for s in shape)
             if init_value is not None:
@@ -261,17 +294,33 @@ class SimKernel:
                 o = np.empty(shape, dtype=_np_dtype(dtype))
                 if self.checked:
                     o.reshape(-1).view(np.uint8).fill(0xFF)
-            outs.append(o)
-            buffers.append(_buffer(o, oname, keep))
+            first.append(o)
+        # Every schedule starts from the same output bytes.
+        initial = [o.copy() for o in first] if self.schedules > 1 else []
 
         # MLX: group_dims = min(threadgroup, grid) per dimension.
         eff_tg = tuple(max(1, min(t, g)) for t, g in zip(tg3, grid3))
-        code, msg = _native.dispatch(
-            fn, buffers, grid3, eff_tg, timeout_s=self.timeout_s,
-            stack_bytes=self.stack_kb * 1024, poison=self.checked,
-            max_threadgroup_bytes=MAX_THREADGROUP_BYTES)
-        if code != _native.OK:
-            raise self._fail(_ERRORS.get(code, MetalSimKernelError), msg)
+        outs: List[np.ndarray] = []
+        for i in range(self.schedules):
+            sched = _schedule_code(i)
+            run = first if i == 0 else [o.copy() for o in initial]
+            run_buffers = list(buffers) + [_buffer(o, n, keep, writable=True)
+                                           for o, n in zip(run, self.output_names)]
+            code, msg = _native.dispatch(
+                fn, run_buffers, grid3, eff_tg, timeout_s=self.timeout_s,
+                stack_bytes=self.stack_kb * 1024, poison=self.checked,
+                max_threadgroup_bytes=MAX_THREADGROUP_BYTES, schedule=sched,
+                racecheck=self.racecheck)
+            if code != _native.OK:
+                if code == _native.ERR_RACE:
+                    msg = self._source_lines(fn, msg)
+                if i > 0:
+                    msg += f" (thread schedule: {_schedule_name(sched)})"
+                raise self._fail(_ERRORS.get(code, MetalSimKernelError), msg)
+            if i == 0:
+                outs = run
+            else:
+                self._same_outputs(outs, run, sched)
 
         results = []
         for o, dtype in zip(outs, out_dtypes):
@@ -280,6 +329,47 @@ class SimKernel:
             else:
                 results.append(mx.array(o))
         return results
+
+    def _same_outputs(self, want: Sequence[np.ndarray], got: Sequence[np.ndarray],
+                      sched: int) -> None:
+        """Outputs of the forward schedule vs another one, bit for bit."""
+        for name, a, b in zip(self.output_names, want, got):
+            if a.size == 0:
+                continue
+            av = a.reshape(-1).view(np.uint8).reshape(a.size, a.itemsize)
+            bv = b.reshape(-1).view(np.uint8).reshape(b.size, b.itemsize)
+            bad = np.flatnonzero((av != bv).any(axis=1))
+            if bad.size == 0:
+                continue
+            flat = int(bad[0])
+            idx = tuple(int(x) for x in np.unravel_index(flat, a.shape))
+            raise self._fail(MetalSimRaceError, (
+                f"the result depends on the thread order: output '{name}' element {idx} is "
+                f"{a.reshape(-1)[flat]!r} with threads in forward order and "
+                f"{b.reshape(-1)[flat]!r} in the {_schedule_name(sched)} schedule "
+                f"({bad.size} elements differ): a data race the access checker does not see "
+                "(atomics, another threadgroup's output) or atomics whose result depends on "
+                "their order"))
+
+    def _source_lines(self, fn: int, msg: str) -> str:
+        """Replace the runtime's {{pc:0x...}} code offsets with source lines."""
+        so = self._so.get(fn)
+        offsets = [int(m.group(1), 16) for m in _PC_RE.finditer(msg)
+                   if m.group(1).startswith("0x")]
+        lines = _native.source_lines(so, offsets) if so else {}
+        texts = {"body": self.source.splitlines(), "header": self.header.splitlines()}
+
+        def place(m) -> str:
+            tok = m.group(1)
+            if not tok.startswith("0x") or int(tok, 16) not in lines:
+                return f"<code offset {tok}{' in ' + so if so else ''}>"
+            file, line = lines[int(tok, 16)]
+            part = "header" if file.endswith(".header.metal") else "body"
+            text = texts[part]
+            code = text[line - 1].strip() if 0 < line <= len(text) else ""
+            return f"{file}:{line} `{code}`" if code else f"{file}:{line}"
+
+        return _PC_RE.sub(place, msg)
 
     def metal_source(self, inputs: Sequence[Any], output_dtypes: Sequence[mx.Dtype],
                      template: Optional[Sequence[tuple]] = None) -> str:
@@ -298,21 +388,25 @@ class SimKernel:
             tuple(out_dtypes),
             tuple((n, type(v).__name__, str(v)) for n, v in tmpl),
             self.checked,
+            self.racecheck,
         )
         hit = self._libs.get(key)
         if hit is None:
             tu = cpp_translation_unit(self.name, self.input_names, self.output_names,
                                       self.source, self.header, infos, out_dtypes, tmpl,
-                                      self.atomic_outputs, self.checked)
-            hit = _native.kernel_library(self.name, tu.files, tu.main)
+                                      self.atomic_outputs, self.checked, self.racecheck)
+            flags = _native.RACECHECK_FLAGS if self.racecheck else ()
+            hit = _native.kernel_library(self.name, tu.files, tu.main, compile_only=flags)
             self._libs[key] = hit
+            self._so[hit[1]] = _native.library_path(hit[0])
         return hit[1]
 
 
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
                  atomic_outputs: bool = False, compile_options: Optional[dict] = None,
-                 *, checked: Optional[bool] = None, timeout_s: Optional[float] = None
+                 *, checked: Optional[bool] = None, timeout_s: Optional[float] = None,
+                 racecheck: Optional[bool] = None, schedules: Optional[int] = None
                  ) -> SimKernel:
     """Emulator counterpart of ``mx.fast.metal_kernel`` (same arguments).
 
@@ -328,6 +422,12 @@ def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[s
       checked: bounds-check device buffers and threadgroup arrays; default
         from $KIMI_MLX_SIM_CHECKED (on unless "0").
       timeout_s: watchdog per dispatch; default $KIMI_MLX_SIM_TIMEOUT or 300.
+      racecheck: report data races on threadgroup memory and on device memory
+        written within a threadgroup; default from $KIMI_MLX_SIM_RACECHECK
+        (on unless "0").
+      schedules: thread schedules per call (1: forward only; 2: forward and
+        reverse; more: seeded shuffles too), whose outputs must agree bit for
+        bit; default $KIMI_MLX_SIM_SCHEDULES or 2.
     Returns:
       SimKernel, callable as ``kernel(inputs=..., template=..., grid=...,
       threadgroup=..., output_shapes=..., output_dtypes=..., init_value=None)``.
@@ -335,4 +435,5 @@ def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[s
       ValueError: no outputs, bad compile_options.
     """
     return SimKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
-                     atomic_outputs, compile_options, checked=checked, timeout_s=timeout_s)
+                     atomic_outputs, compile_options, checked=checked, timeout_s=timeout_s,
+                     racecheck=racecheck, schedules=schedules)

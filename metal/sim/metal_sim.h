@@ -31,6 +31,15 @@
 #define MSIM_CHECKED 1
 #endif
 
+// MSIM_RACECHECK=1: the kernel library is compiled with g++'s
+// -fsanitize=thread instrumentation (every load and store of the kernel
+// calls __tsan_readN/__tsan_writeN) and this header defines those hooks to
+// feed metal/sim's race checker (msim_runtime.h) instead of ThreadSanitizer.
+#ifndef MSIM_RACECHECK
+#define MSIM_RACECHECK 0
+#endif
+#define MSIM_NO_RACECHECK __attribute__((no_sanitize_thread))
+
 typedef unsigned int uint;
 typedef unsigned short ushort;
 typedef unsigned char uchar;
@@ -49,6 +58,20 @@ inline const msim_api* g_api = nullptr;
 inline float bits_to_float(uint32_t u) { return __builtin_bit_cast(float, u); }
 inline uint32_t float_to_bits(float f) { return __builtin_bit_cast(uint32_t, f); }
 
+#if MSIM_RACECHECK
+// Only threadgroup memory and writable buffers are worth a call into the
+// runtime; everything else (fiber stacks, inputs) is dropped here.
+MSIM_NO_RACECHECK inline void race_hook(const void* p, uint32_t n, int w, const void* pc) {
+  const msim_api* api = g_api;
+  if (api == nullptr) return;
+  const volatile msim_race_window* r = api->race;
+  if (r == nullptr) return;
+  uintptr_t a = (uintptr_t)p;
+  if ((a < r->tg_lo || a >= r->tg_hi) && (a < r->dev_lo || a >= r->dev_hi)) return;
+  api->access(p, n, w, pc);
+}
+#endif
+
 // Round-to-nearest-even float -> bfloat16 (NaNs stay quiet NaNs), as MLX's
 // bf16.h and Metal's native bfloat do.
 inline uint16_t float_to_bf16_bits(float f) {
@@ -58,6 +81,48 @@ inline uint16_t float_to_bf16_bits(float f) {
   return (uint16_t)(u >> 16);
 }
 }  // namespace msim
+
+#if MSIM_RACECHECK
+// The hooks g++'s thread-sanitizer instrumentation calls (no libtsan linked).
+extern "C" {
+#define MSIM_TSAN_HOOKS(n)                                                     \
+  MSIM_NO_RACECHECK void __tsan_read##n(void* p) {                           \
+    msim::race_hook(p, n, 0, __builtin_return_address(0));                   \
+  }                                                                          \
+  MSIM_NO_RACECHECK void __tsan_write##n(void* p) {                          \
+    msim::race_hook(p, n, 1, __builtin_return_address(0));                   \
+  }                                                                          \
+  MSIM_NO_RACECHECK void __tsan_unaligned_read##n(void* p) {                 \
+    msim::race_hook(p, n, 0, __builtin_return_address(0));                   \
+  }                                                                          \
+  MSIM_NO_RACECHECK void __tsan_unaligned_write##n(void* p) {                \
+    msim::race_hook(p, n, 1, __builtin_return_address(0));                   \
+  }                                                                          \
+  MSIM_NO_RACECHECK void __tsan_volatile_read##n(void* p) {                  \
+    msim::race_hook(p, n, 0, __builtin_return_address(0));                   \
+  }                                                                          \
+  MSIM_NO_RACECHECK void __tsan_volatile_write##n(void* p) {                 \
+    msim::race_hook(p, n, 1, __builtin_return_address(0));                   \
+  }
+MSIM_TSAN_HOOKS(1)
+MSIM_TSAN_HOOKS(2)
+MSIM_TSAN_HOOKS(4)
+MSIM_TSAN_HOOKS(8)
+MSIM_TSAN_HOOKS(16)
+#undef MSIM_TSAN_HOOKS
+MSIM_NO_RACECHECK void __tsan_read_range(void* p, unsigned long n) {
+  msim::race_hook(p, (uint32_t)n, 0, __builtin_return_address(0));
+}
+MSIM_NO_RACECHECK void __tsan_write_range(void* p, unsigned long n) {
+  msim::race_hook(p, (uint32_t)n, 1, __builtin_return_address(0));
+}
+MSIM_NO_RACECHECK void __tsan_init(void) {}
+MSIM_NO_RACECHECK void __tsan_func_entry(void*) {}
+MSIM_NO_RACECHECK void __tsan_func_exit(void) {}
+MSIM_NO_RACECHECK void __tsan_vptr_update(void**, void*) {}
+MSIM_NO_RACECHECK void __tsan_vptr_read(void**) {}
+}
+#endif
 
 // ------------------------------------------------------------- bfloat16 ----
 
@@ -1160,7 +1225,8 @@ struct tg_array {
 
 template <class T>
 inline T& tg_var(uint32_t slot, const char* name) {
-  return *(T*)g_api->tg_alloc(slot, sizeof(T), alignof(T), name);
+  return *(T*)g_api->tg_alloc(slot, sizeof(T), alignof(T), name,
+                              (uint32_t)sizeof(std::remove_all_extents_t<T>));
 }
 template <class A>
 inline tg_array<A> tg_array_decl(uint32_t slot, const char* name) {
@@ -1281,13 +1347,16 @@ enum thread_scope {
   thread_scope_device,
 };
 
-inline void threadgroup_barrier(mem_flags = mem_flags::mem_none,
+// The flags matter to the race checker: a barrier orders only the memory its
+// flags name (mem_none: execution only), a simdgroup_barrier only within its
+// SIMD-group.
+inline void threadgroup_barrier(mem_flags f = mem_flags::mem_none,
                                 std::source_location l = std::source_location::current()) {
-  msim::g_api->barrier(l.file_name(), l.line(), l.column());
+  msim::g_api->barrier(l.file_name(), l.line(), l.column(), (int)f);
 }
-inline void simdgroup_barrier(mem_flags = mem_flags::mem_none,
+inline void simdgroup_barrier(mem_flags f = mem_flags::mem_none,
                               std::source_location l = std::source_location::current()) {
-  msim::exchange0(MSIM_SYNC_SIMD_BARRIER, l);
+  msim::exchange(MSIM_SYNC_SIMD_BARRIER, (int)f, l);
 }
 template <class... A>
 inline void atomic_thread_fence(A...) {}
@@ -1436,7 +1505,9 @@ inline bool quad_any(bool b, MSIM_LOC) {
 // ------------------------------------------------------------ atomics ------
 
 // Simulated threads never run at the same time, so plain loads and stores
-// are atomic; the layout of atomic<T> is that of T.
+// are atomic; the layout of atomic<T> is that of T. The functions are not
+// instrumented for the race checker (MSIM_NO_RACECHECK): atomic accesses
+// never race with each other.
 template <class T>
 struct atomic {
   T __v;
@@ -1452,23 +1523,23 @@ template <class T>
 using msim_ti = typename std::type_identity<T>::type;
 
 template <class T>
-inline T atomic_load_explicit(const volatile atomic<T>* o, memory_order = memory_order_relaxed) {
+MSIM_NO_RACECHECK inline T atomic_load_explicit(const volatile atomic<T>* o, memory_order = memory_order_relaxed) {
   return o->__v;
 }
 template <class T>
-inline void atomic_store_explicit(volatile atomic<T>* o, msim_ti<T> v,
+MSIM_NO_RACECHECK inline void atomic_store_explicit(volatile atomic<T>* o, msim_ti<T> v,
                                   memory_order = memory_order_relaxed) {
   o->__v = v;
 }
 template <class T>
-inline T atomic_exchange_explicit(volatile atomic<T>* o, msim_ti<T> v,
+MSIM_NO_RACECHECK inline T atomic_exchange_explicit(volatile atomic<T>* o, msim_ti<T> v,
                                   memory_order = memory_order_relaxed) {
   T old = o->__v;
   o->__v = v;
   return old;
 }
 template <class T>
-inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, msim_ti<T>* expected,
+MSIM_NO_RACECHECK inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, msim_ti<T>* expected,
                                                   msim_ti<T> desired, memory_order = memory_order_relaxed,
                                                   memory_order = memory_order_relaxed) {
   T cur = o->__v;
@@ -1480,7 +1551,7 @@ inline bool atomic_compare_exchange_weak_explicit(volatile atomic<T>* o, msim_ti
   return false;
 }
 template <class T>
-inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* o, msim_ti<T>* expected,
+MSIM_NO_RACECHECK inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* o, msim_ti<T>* expected,
                                                     msim_ti<T> desired,
                                                     memory_order m1 = memory_order_relaxed,
                                                     memory_order m2 = memory_order_relaxed) {
@@ -1488,7 +1559,7 @@ inline bool atomic_compare_exchange_strong_explicit(volatile atomic<T>* o, msim_
 }
 #define MSIM_ATOMIC_RMW(name, expr)                                          \
   template <class T>                                                         \
-  inline T name(volatile atomic<T>* o, msim_ti<T> v,                         \
+  MSIM_NO_RACECHECK inline T name(volatile atomic<T>* o, msim_ti<T> v,                         \
                 memory_order = memory_order_relaxed) {                       \
     T old = o->__v;                                                          \
     T a = old;                                                               \

@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define MSIM_ABI_VERSION 3
+#define MSIM_ABI_VERSION 4
 
 #ifdef __cplusplus
 extern "C" {
@@ -52,7 +52,18 @@ typedef struct msim_buffer {
   int64_t lo;
   int64_t hi;
   const char* name;
+  uint32_t itemsize;  // bytes per element (for element indices in reports)
+  uint32_t writable;  // an output: the race checker tracks accesses to it
 } msim_buffer;
+
+// Memory the race checker watches, read by the kernel library's access hooks
+// (metal_sim.h, MSIM_RACECHECK) before they call msim_api.access: accesses
+// outside both windows (stacks, inputs below or above every output) are
+// dropped without a call.
+typedef struct msim_race_window {
+  uintptr_t tg_lo, tg_hi;    // threadgroup memory of the running group
+  uintptr_t dev_lo, dev_hi;  // envelope of the writable buffers
+} msim_race_window;
 
 // Rendezvous kinds for simd_sync.
 enum { MSIM_SYNC_SIMD = 0, MSIM_SYNC_SIMD_BARRIER = 1, MSIM_SYNC_QUAD = 2 };
@@ -74,15 +85,23 @@ typedef struct msim_api {
                         const unsigned char** lanes, uint32_t* lane);
   // threadgroup_barrier: returns once every thread of the threadgroup waits
   // at this barrier; reports a deadlock otherwise (never returns then).
-  void (*barrier)(const char* file, uint32_t line, uint32_t col);
-  // Per-threadgroup storage for `threadgroup T name[...]` declaration `slot`.
+  // `flags` are Metal's mem_flags bits (1 device, 2 threadgroup).
+  void (*barrier)(const char* file, uint32_t line, uint32_t col, int flags);
+  // Per-threadgroup storage for `threadgroup T name[...]` declaration `slot`
+  // (elem_size: bytes of its innermost element, for reports).
   void* (*tg_alloc)(uint32_t slot, uint64_t size, uint64_t align,
-                    const char* name);
+                    const char* name, uint32_t elem_size);
   // Out-of-bounds access to argument/threadgroup array `name`: element
   // `index` (of the accessed type) outside [lo, hi); never returns.
   void (*oob)(const char* name, int64_t index, int64_t lo, int64_t hi);
   // Any other kernel-side error; never returns.
   void (*fail)(const char* msg);
+  // Race checker: null when off, else the windows worth reporting to
+  // `access` (a load or store of `size` bytes at `addr` by the running
+  // thread; `pc` is the kernel code that made it). Reports a race (never
+  // returns then) or records the access.
+  const volatile msim_race_window* race;
+  void (*access)(const void* addr, uint32_t size, int is_write, const void* pc);
 } msim_api;
 
 typedef void (*msim_kernel_fn)(const msim_api* api,
@@ -98,11 +117,20 @@ enum {
   MSIM_ERR_TIMEOUT = 4,
   MSIM_ERR_CONFIG = 5,
   MSIM_ERR_KERNEL = 6,
+  MSIM_ERR_RACE = 7,
 };
+
+// Thread schedules: the order in which runnable simulated threads (and
+// threadgroups) are run. Values >= MSIM_SCHED_RANDOM are seeded shuffles.
+enum { MSIM_SCHED_FORWARD = 0, MSIM_SCHED_REVERSE = 1, MSIM_SCHED_RANDOM = 2 };
 
 typedef struct msim_launch {
   msim_kernel_fn fn;
   const msim_buffer* buffers;
+  uint32_t nbuffers;
+  uint32_t schedule;   // MSIM_SCHED_*
+  int racecheck;       // track threadgroup/writable-buffer accesses (the
+                       // kernel library must be built with the hooks)
   uint32_t grid[3];
   uint32_t threadgroup[3];
   uint64_t stack_bytes;   // per simulated thread

@@ -19,6 +19,24 @@
 // Faults (SIGSEGV/SIGBUS/SIGFPE/SIGILL, fiber stack overflow included) and an
 // optional wall-clock watchdog abandon the dispatch with an error message
 // instead of killing the process or hanging it.
+//
+// Schedules: runnable fibers (and threadgroups) run in index order, reverse
+// order, or a seeded shuffle (msim_launch.schedule), so a kernel whose result
+// depends on thread order shows it when run under two schedules.
+//
+// Race checker (msim_launch.racecheck; the kernel library calls api_access
+// for its loads and stores, see metal_sim.h): per threadgroup, every byte of
+// threadgroup memory and of the writable (output) buffers remembers its last
+// writer and up to two readers, each with the barrier epoch of its access.
+// An epoch counts the threadgroup_barriers whose mem_flags cover that memory
+// (mem_threadgroup / mem_device); per SIMD-group, a second epoch counts its
+// simdgroup_barriers with those flags, which order accesses of threads of
+// that SIMD-group only. Two accesses by different threads, at least one a
+// write, in the same epoch are a data race on the GPU whatever order the
+// emulator ran them in; the first one found stops the dispatch with both
+// threads and both code addresses (turned into source lines in Python), as
+// CUDA's racecheck reports hazards. Atomic functions are not tracked.
+#include <dlfcn.h>
 #include <pthread.h>
 #include <setjmp.h>
 #include <signal.h>
@@ -36,6 +54,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "msim_abi.h"
@@ -103,13 +122,32 @@ struct SimThread {
   const void* value;
   uint32_t size;
   uint32_t mask;
+  int flags;  // mem_flags of the barrier it waits at
 };
+
+// Race checker: one access remembered for a byte of watched memory.
+struct Access {
+  int32_t tid = -1;    // thread_index_in_threadgroup; -1: none
+  uint32_t ep = 0;     // threadgroup epoch of that memory space at the access
+  uint32_t sgep = 0;   // the thread's SIMD-group epoch at the access
+  const void* pc = nullptr;
+};
+struct Cell {
+  uint32_t gen = 0;  // threadgroup run that wrote this cell; older: empty
+  Access w;          // last write
+  Access r[2];       // reads since (two distinct threads suffice to report)
+  Access pw;         // pending write-write pair: the earlier write,
+  uint8_t pbyte = 0; //   the value it left,
+  bool pending = false;  // and whether the pair awaits its value check
+};
+enum { SPACE_TG = 0, SPACE_DEV = 1 };
 
 struct TgVar {
   uint32_t slot;
   uint64_t size;
   uint64_t offset;
   const char* name;
+  uint32_t elem_size;
 };
 
 struct Sched {
@@ -126,6 +164,15 @@ struct Sched {
   uint64_t tg_used = 0;
   std::vector<TgVar> tg_vars;
   msim_uint3 tg_pos{0, 0, 0};
+  std::vector<int> order;  // fiber run order for this round
+  uint64_t rng = 0;
+  // race checker
+  bool race = false;
+  msim_race_window window{};
+  uint32_t ep[2] = {0, 0};           // per space: threadgroup barrier epochs
+  std::vector<uint32_t> sg_ep[2];    // per space, per SIMD-group
+  std::vector<const msim_buffer*> writable;
+  std::vector<std::pair<int, uintptr_t>> pending;  // write-write pairs to settle
   int err_code = MSIM_OK;
   std::string err;
   sigjmp_buf fault_jmp;
@@ -233,18 +280,216 @@ uint32_t api_simd_sync(int kind, const void* value, uint32_t size,
   return t.mask;
 }
 
-void api_barrier(const char* file, uint32_t line, uint32_t col) {
+void api_barrier(const char* file, uint32_t line, uint32_t col, int flags) {
   Sched* s = g_sched;
   SimThread& t = s->threads[s->cur];
   t.state = T_AT_BARRIER;
   t.file = file;
   t.line = line;
   t.col = col;
+  t.flags = flags;
   to_scheduler(t.ctx, s->main_ctx);
 }
 
+// ------------------------------------------------------- race checker -----
+
+// Shadow of threadgroup memory (one Cell per byte; a Cell from an earlier
+// threadgroup run is empty) and of the writable buffers (per byte, cleared
+// for every threadgroup). Dispatches run one at a time, so these are shared.
+std::vector<Cell> g_tg_shadow;
+std::unordered_map<uintptr_t, Cell> g_dev_shadow;
+uint32_t g_gen = 0;
+
+const char* kMemFlag[2] = {"mem_flags::mem_threadgroup", "mem_flags::mem_device"};
+
+// "{{pc:0x...}}": a code address inside the kernel library as an offset
+// from its load address (kernel.py turns it into a source line).
+std::string pc_mark(const void* pc) {
+  Dl_info info;
+  if (pc && dladdr(pc, &info) && info.dli_fbase) {
+    return fmt("{{pc:0x%llx}}",
+               (unsigned long long)((const char*)pc - (const char*)info.dli_fbase));
+  }
+  return fmt("{{pc:?%p}}", pc);
+}
+
+std::string thread_short(const SimThread& t) {
+  const auto& a = t.attrs;
+  return fmt("thread %u (thread_position_in_threadgroup=(%u,%u,%u), "
+             "simdgroup %u, thread_position_in_grid=(%u,%u,%u))",
+             a.thread_index_in_threadgroup, a.thread_position_in_threadgroup.x,
+             a.thread_position_in_threadgroup.y,
+             a.thread_position_in_threadgroup.z,
+             a.simdgroup_index_in_threadgroup, a.thread_position_in_grid.x,
+             a.thread_position_in_grid.y, a.thread_position_in_grid.z);
+}
+
+// True if `o` (an access by another thread) is ordered before an access by
+// thread `tid` now: a barrier of the right kind ran in between.
+inline bool ordered(const Sched* s, int space, const Access& o, int tid) {
+  if (o.ep != s->ep[space]) return true;
+  int sg = tid / 32;
+  return o.tid / 32 == sg && o.sgep != s->sg_ep[space][sg];
+}
+
+// Describes a race between access `a` (by another thread, earlier in the
+// emulator's order) and `b`; sets the dispatch error (first one wins).
+void set_race(Sched* s, int space, uintptr_t addr, const Access& a,
+              bool a_write, const Access& b, bool b_write) {
+  if (s->err_code != MSIM_OK) return;
+  std::string what;
+  if (space == SPACE_TG) {
+    uintptr_t off = addr - s->window.tg_lo;
+    what = fmt("threadgroup memory at byte %llu", (unsigned long long)off);
+    for (const TgVar& v : s->tg_vars) {
+      if (off >= v.offset && off < v.offset + v.size) {
+        uint64_t rel = off - v.offset;
+        uint32_t es = v.elem_size ? v.elem_size : 1;
+        what = fmt("threadgroup array '%s' (flat element %llu)", v.name,
+                   (unsigned long long)(rel / es));
+        break;
+      }
+    }
+  } else {
+    what = fmt("device memory at %p", (void*)addr);
+    for (const msim_buffer* b : s->writable) {
+      uintptr_t base = (uintptr_t)b->ptr;
+      if (addr >= base + b->lo && addr < base + b->hi) {
+        int64_t rel = (int64_t)(addr - base);
+        int64_t es = b->itemsize ? b->itemsize : 1;
+        what = fmt("device buffer '%s' (element %lld)", b->name ? b->name : "?",
+                   (long long)(rel >= 0 ? rel / es : -((-rel + es - 1) / es)));
+        break;
+      }
+    }
+  }
+  const char* kind = a_write ? (b_write ? "write-write, different values"
+                                        : "read-after-write")
+                             : "write-after-read";
+  s->err_code = MSIM_ERR_RACE;
+  s->err = fmt(
+      "data race (%s) on %s in threadgroup (%u,%u,%u): %s %s it at %s; %s %s "
+      "it at %s; no threadgroup_barrier(%s) (nor, within one SIMD-group, "
+      "simdgroup_barrier(%s)) separates the two accesses",
+      kind, what.c_str(), s->tg_pos.x, s->tg_pos.y, s->tg_pos.z,
+      thread_short(s->threads[a.tid]).c_str(), a_write ? "writes" : "reads",
+      pc_mark(a.pc).c_str(), thread_short(s->threads[b.tid]).c_str(),
+      b_write ? "writes" : "reads", pc_mark(b.pc).c_str(), kMemFlag[space],
+      kMemFlag[space]);
+}
+
+// A write-write pair is a race only if the values differ (many threads
+// storing the same value, e.g. all lanes zeroing one element, is harmless on
+// the GPU). The store happens after its hook, so the check is deferred to
+// the cell's next access, the next barrier or the end of the threadgroup.
+// Returns false (error set) for a race.
+bool settle(Sched* s, int space, Cell& c, uintptr_t addr) {
+  if (!c.pending) return true;
+  c.pending = false;
+  if (*(const volatile uint8_t*)addr == c.pbyte) return true;
+  set_race(s, space, addr, c.pw, true, c.w, true);
+  return false;
+}
+
+Cell* cell_at(Sched* s, int space, uintptr_t addr) {
+  if (space == SPACE_TG) {
+    if (addr < s->window.tg_lo || addr >= s->window.tg_hi) return nullptr;
+    Cell& c = g_tg_shadow[addr - s->window.tg_lo];
+    return c.gen == g_gen ? &c : nullptr;
+  }
+  auto it = g_dev_shadow.find(addr);
+  return it == g_dev_shadow.end() ? nullptr : &it->second;
+}
+
+// Settles every deferred write-write pair; false (error set) on a race.
+bool settle_all(Sched* s) {
+  bool ok = true;
+  for (const auto& p : s->pending) {
+    Cell* c = cell_at(s, p.first, p.second);
+    if (c && ok) ok = settle(s, p.first, *c, p.second);
+  }
+  s->pending.clear();
+  return ok;
+}
+
+[[noreturn]] void abandon_race() {
+  Sched* s = g_sched;
+  abandon_to_scheduler(s->main_ctx);
+}
+
+inline void track_byte(Sched* s, int space, Cell& c, uintptr_t addr,
+                       bool write, const void* pc) {
+  int tid = s->cur;
+  if (c.gen != g_gen) {
+    c = Cell();
+    c.gen = g_gen;
+  }
+  if (c.pending && !settle(s, space, c, addr)) abandon_race();
+  Access now{tid, s->ep[space], s->sg_ep[space][tid / 32], pc};
+  if (c.w.tid >= 0 && c.w.tid != tid && !ordered(s, space, c.w, tid)) {
+    if (!write) {
+      set_race(s, space, addr, c.w, true, now, false);
+      abandon_race();
+    }
+    c.pending = true;
+    c.pw = c.w;
+    c.pbyte = *(const volatile uint8_t*)addr;  // the other thread's value
+    s->pending.emplace_back(space, addr);
+  }
+  if (write) {
+    for (const Access& r : c.r) {
+      if (r.tid >= 0 && r.tid != tid && !ordered(s, space, r, tid)) {
+        set_race(s, space, addr, r, false, now, true);
+        abandon_race();
+      }
+    }
+    c.w = now;
+    c.r[0] = Access();
+    c.r[1] = Access();
+    return;
+  }
+  for (Access& r : c.r) {
+    if (r.tid == tid) {
+      r = now;
+      return;
+    }
+  }
+  for (Access& r : c.r) {
+    if (r.tid < 0 || r.ep != now.ep) {  // empty, or ordered before all later accesses
+      r = now;
+      return;
+    }
+  }
+  // Two other threads' reads are kept: enough to report any later writer.
+}
+
+void api_access(const void* addr, uint32_t size, int is_write, const void* pc) {
+  Sched* s = g_sched;
+  if (s == nullptr || !s->race || s->cur < 0) return;
+  uintptr_t a = (uintptr_t)addr;
+  const msim_race_window& w = s->window;
+  if (a + size > w.tg_lo && a < w.tg_hi) {
+    for (uint32_t i = 0; i < size; ++i) {
+      uintptr_t x = a + i;
+      if (x < w.tg_lo || x >= w.tg_hi) continue;
+      track_byte(s, SPACE_TG, g_tg_shadow[x - w.tg_lo], x, is_write != 0, pc);
+    }
+    return;
+  }
+  for (const msim_buffer* b : s->writable) {
+    uintptr_t lo = (uintptr_t)b->ptr + b->lo, hi = (uintptr_t)b->ptr + b->hi;
+    if (a + size <= lo || a >= hi) continue;
+    for (uint32_t i = 0; i < size; ++i) {
+      uintptr_t x = a + i;
+      if (x < lo || x >= hi) continue;
+      track_byte(s, SPACE_DEV, g_dev_shadow[x], x, is_write != 0, pc);
+    }
+    return;
+  }
+}
+
 void* api_tg_alloc(uint32_t slot, uint64_t size, uint64_t align,
-                   const char* name) {
+                   const char* name, uint32_t elem_size) {
   Sched* s = g_sched;
   for (const TgVar& v : s->tg_vars) {
     if (v.slot == slot) {
@@ -269,8 +514,9 @@ void* api_tg_alloc(uint32_t slot, uint64_t size, uint64_t align,
                      (unsigned long long)(off + size),
                      (unsigned long long)limit));
   }
-  s->tg_vars.push_back(TgVar{slot, size, off, name});
+  s->tg_vars.push_back(TgVar{slot, size, off, name, elem_size});
   s->tg_used = off + size;
+  s->window.tg_hi = s->window.tg_lo + s->tg_used;
   return s->tg_mem.data() + off;
 }
 
@@ -284,8 +530,8 @@ void api_oob(const char* name, int64_t index, int64_t lo, int64_t hi) {
 
 void api_fail(const char* msg) { fail_current(MSIM_ERR_KERNEL, msg); }
 
-const msim_api kApi = {MSIM_ABI_VERSION, api_simd_sync, api_barrier,
-                       api_tg_alloc,     api_oob,        api_fail};
+msim_api kApi = {MSIM_ABI_VERSION, api_simd_sync, api_barrier, api_tg_alloc,
+                 api_oob,          api_fail,      nullptr,     api_access};
 
 // ---------------------------------------------------------- scheduler -----
 
@@ -363,15 +609,26 @@ bool resolve_simd(Sched* s) {
       }
       unsigned char* slots =
           s->lanes.data() + (size_t)(base / 32) * 32 * MSIM_LANE_BYTES;
+      int flags = 0;
       for (int j = lo; j < hi; ++j) {
         if (!(mask >> (j - base) & 1u)) continue;
         SimThread& tj = s->threads[j];
         if (tj.size) {
           memcpy(slots + (size_t)(j - base) * MSIM_LANE_BYTES, tj.value,
                  tj.size);
+          if (tj.kind == MSIM_SYNC_SIMD_BARRIER && tj.size == sizeof(int)) {
+            int f;
+            memcpy(&f, tj.value, sizeof f);
+            flags |= f;
+          }
         }
         tj.mask = mask;
         tj.state = T_RUNNABLE;
+      }
+      if (s->race && ti.kind == MSIM_SYNC_SIMD_BARRIER) {
+        // simdgroup_barrier(flags): orders this SIMD-group's accesses.
+        if (flags & 2) s->sg_ep[SPACE_TG][base / 32]++;
+        if (flags & 1) s->sg_ep[SPACE_DEV][base / 32]++;
       }
       handled |= mask;
       progressed = true;
@@ -424,7 +681,15 @@ bool resolve_barrier(Sched* s) {
                  where.c_str(), waiting, n, done);
     return false;
   }
-  for (int i = 0; i < n; ++i) s->threads[i].state = T_RUNNABLE;
+  if (s->race && !settle_all(s)) return false;
+  int flags = 0;
+  for (int i = 0; i < n; ++i) {
+    flags |= s->threads[i].flags;
+    s->threads[i].state = T_RUNNABLE;
+  }
+  // threadgroup_barrier(flags): orders the memory those flags name.
+  if (flags & 2) s->ep[SPACE_TG]++;
+  if (flags & 1) s->ep[SPACE_DEV]++;
   return true;
 }
 
@@ -464,6 +729,29 @@ void init_thread_attrs(Sched* s, const msim_uint3& tg, const msim_uint3& size,
       }
 }
 
+uint64_t next_random(Sched* s) {  // splitmix64
+  uint64_t z = (s->rng += 0x9E3779B97F4A7C15ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// The order runnable fibers run in this round (msim_launch.schedule).
+void make_order(Sched* s, int n) {
+  uint32_t sched = s->L->schedule;
+  for (int i = 0; i < n; ++i) {
+    s->order[i] = sched == MSIM_SCHED_REVERSE ? n - 1 - i : i;
+  }
+  if (sched >= MSIM_SCHED_RANDOM) {
+    for (int i = n - 1; i > 0; --i) {
+      int j = (int)(next_random(s) % (uint64_t)(i + 1));
+      int t = s->order[i];
+      s->order[i] = s->order[j];
+      s->order[j] = t;
+    }
+  }
+}
+
 // Runs one threadgroup; false on error (s->err set).
 bool run_threadgroup(Sched* s, const msim_uint3& tg, const msim_uint3& groups) {
   const msim_launch* L = s->L;
@@ -482,11 +770,24 @@ bool run_threadgroup(Sched* s, const msim_uint3& tg, const msim_uint3& groups) {
   if (L->poison_threadgroup) {
     memset(s->tg_mem.data(), 0xFF, s->tg_mem.size());
   }
+  if (s->race) {
+    ++g_gen;  // every shadow cell is now empty
+    if (g_gen == 0) {  // (wrapped: clear for real)
+      for (Cell& c : g_tg_shadow) c = Cell();
+      g_gen = 1;
+    }
+    g_dev_shadow.clear();
+    s->window.tg_lo = s->window.tg_hi = (uintptr_t)s->tg_mem.data();
+    s->ep[0] = s->ep[1] = 0;
+    for (auto& v : s->sg_ep) std::fill(v.begin(), v.end(), 0u);
+  }
   init_thread_attrs(s, tg, size, groups);
+  s->order.resize(n);
   for (int i = 0; i < n; ++i) {
     SimThread& t = s->threads[i];
     t.state = T_RUNNABLE;
     t.mask = 0;
+    t.flags = 0;
     // Stacks grow down; the guard page sits at the low end of each slot.
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     init_fiber(s, t, s->stack_map + (size_t)i * s->stack_stride + page,
@@ -494,7 +795,9 @@ bool run_threadgroup(Sched* s, const msim_uint3& tg, const msim_uint3& groups) {
   }
   for (;;) {
     bool ran = false;
-    for (int i = 0; i < n; ++i) {
+    make_order(s, n);
+    for (int k = 0; k < n; ++k) {
+      int i = s->order[k];
       if (s->threads[i].state != T_RUNNABLE) continue;
       ran = true;
       s->cur = i;
@@ -516,13 +819,14 @@ bool run_threadgroup(Sched* s, const msim_uint3& tg, const msim_uint3& groups) {
       s->err = "deadlock: no simulated thread can make progress";
     }
     if (s->err_code != MSIM_OK) {
-      if (s->cur >= 0 && s->cur < n) {
+      if (s->err_code != MSIM_ERR_RACE && s->cur >= 0 && s->cur < n) {
         s->err += " [" + describe_thread(s->threads[s->cur]) + "]";
       }
       return false;
     }
   }
   s->cur = -1;
+  if (s->race && !settle_all(s)) return false;
   return true;
 }
 
@@ -703,22 +1007,61 @@ extern "C" int msim_dispatch(const msim_launch* L) {
   install_signals(guard);
   if (L->timeout_s > 0) dog.start(L->timeout_s, pthread_self(), s);
 
+  s->rng = 0x5DEECE66Dull * (L->schedule + 1);
+  s->race = L->racecheck != 0;
+  kApi.race = nullptr;
+  if (s->race) {
+    if (g_tg_shadow.size() < s->tg_mem.size()) g_tg_shadow.resize(s->tg_mem.size());
+    uint32_t nsg = (uint32_t)((tg_threads + 31) / 32);
+    s->sg_ep[0].assign(nsg, 0);
+    s->sg_ep[1].assign(nsg, 0);
+    uintptr_t dlo = UINTPTR_MAX, dhi = 0;
+    for (uint32_t i = 0; i < L->nbuffers; ++i) {
+      const msim_buffer& b = L->buffers[i];
+      if (!b.writable || b.hi <= b.lo) continue;
+      s->writable.push_back(&b);
+      uintptr_t lo = (uintptr_t)b.ptr + b.lo, hi = (uintptr_t)b.ptr + b.hi;
+      if (lo < dlo) dlo = lo;
+      if (hi > dhi) dhi = hi;
+    }
+    s->window.dev_lo = dlo;
+    s->window.dev_hi = dhi;
+    s->window.tg_lo = s->window.tg_hi = (uintptr_t)s->tg_mem.data();
+    kApi.race = &s->window;
+  }
+  // Threadgroups in order (x fastest), reversed, or shuffled with the threads.
+  uint64_t ngroups = (uint64_t)groups.x * groups.y * groups.z;
+  std::vector<uint64_t> tg_order;
+  if (L->schedule >= MSIM_SCHED_RANDOM) {
+    tg_order.resize(ngroups);
+    for (uint64_t i = 0; i < ngroups; ++i) tg_order[i] = i;
+    for (uint64_t i = ngroups; i > 1; --i) {
+      uint64_t j = next_random(s) % i;
+      std::swap(tg_order[i - 1], tg_order[j]);
+    }
+  }
+
   if (sigsetjmp(s->fault_jmp, 1) == 0) {
     s->in_kernel = 1;
     bool ok = true;
-    for (uint32_t z = 0; ok && z < groups.z; ++z)
-      for (uint32_t y = 0; ok && y < groups.y; ++y)
-        for (uint32_t x = 0; ok && x < groups.x; ++x) {
-          if (s->timed_out) {
-            ok = false;
-            s->err_code = MSIM_ERR_TIMEOUT;
-            s->err = "timeout: the dispatch ran longer than its watchdog limit";
-            break;
-          }
-          if (!run_threadgroup(s, msim_uint3{x, y, z}, groups)) ok = false;
-        }
+    for (uint64_t k = 0; ok && k < ngroups; ++k) {
+      if (s->timed_out) {
+        ok = false;
+        s->err_code = MSIM_ERR_TIMEOUT;
+        s->err = "timeout: the dispatch ran longer than its watchdog limit";
+        break;
+      }
+      uint64_t g = L->schedule == MSIM_SCHED_REVERSE ? ngroups - 1 - k
+                   : L->schedule >= MSIM_SCHED_RANDOM ? tg_order[k]
+                                                      : k;
+      msim_uint3 pos{(uint32_t)(g % groups.x),
+                     (uint32_t)(g / groups.x % groups.y),
+                     (uint32_t)(g / ((uint64_t)groups.x * groups.y))};
+      if (!run_threadgroup(s, pos, groups)) ok = false;
+    }
     s->in_kernel = 0;
   }
+  kApi.race = nullptr;
   // (a fault or the watchdog lands here too, with err_code set)
   s->in_kernel = 0;
   dog.stop();

@@ -365,11 +365,13 @@ def cpp_translation_unit(name: str, input_names: Sequence[str], output_names: Se
                          source: str, header: str, inputs: Sequence[ArgInfo],
                          output_dtypes: Sequence[mx.Dtype],
                          template: Sequence[Tuple[str, TemplateValue]],
-                         atomic_outputs: bool, checked: bool) -> Translation:
+                         atomic_outputs: bool, checked: bool,
+                         racecheck: bool = False) -> Translation:
     """C++ for the emulator: same parameters, order and names as
     `metal_source`, with metal_sim.h types (bounds-checked pointers when
     `checked`), plus ``msim_kernel_run`` which binds runtime buffers and thread
-    attributes to them.
+    attributes to them. `racecheck` defines the access hooks of the race
+    checker (compile with ``_native.RACECHECK_FLAGS``).
 
     Raises:
       NotImplementedError: a dtype the emulator cannot represent (complex64).
@@ -438,6 +440,7 @@ def cpp_translation_unit(name: str, input_names: Sequence[str], output_names: Se
     lines = [
         f"// metal/sim translation of mx.fast.metal_kernel '{name}'",
         f"#define MSIM_CHECKED {1 if checked else 0}",
+        f"#define MSIM_RACECHECK {1 if racecheck else 0}",
         '#include "metal_sim.h"',
     ]
     if header:
