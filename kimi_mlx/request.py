@@ -104,17 +104,20 @@ def build_prompt(tokenizer, prompt: str, system: Optional[str], raw: bool, effor
 
 
 def build_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], effort: str,
-                      tools: Optional[Sequence[Mapping[str, Any]]] = None) -> List[int]:
+                      tools: Optional[Sequence[Mapping[str, Any]]] = None,
+                      **options: Any) -> List[int]:
     """Token ids of a conversation in the K3.1 chat encoding, ending in the generation
-    prompt (`chat_format.encode_chat`). Raises InputError for an empty conversation or
-    anything `encode_chat` rejects (unknown role or effort, non-text parts, bad calls)."""
+    prompt (`chat_format.encode_chat`; options: tool_choice "required" / "none",
+    response_format json_object / json_schema). Raises InputError for an empty
+    conversation or anything `encode_chat` rejects (unknown role or effort, non-text
+    parts, bad calls)."""
     from .chat_format import encode_chat
 
     if not messages:
         raise InputError("messages is empty: give at least one message")
     try:
         return encode_chat(tokenizer, messages, reasoning_effort=effort,
-                           add_generation_prompt=True, tools=tools)
+                           add_generation_prompt=True, tools=tools, **options)
     except InputError:
         raise
     except ValueError as e:

@@ -299,7 +299,9 @@ def _post(url, path, body, key=KEY, raw=None, headers=None):
     ({"model": "micro", "messages": MSGS, "temperature": -1}, "temperature"),
     ({"model": "micro", "messages": MSGS, "reasoning_effort": "medium"}, "low, high, max"),
     ({"model": "micro", "messages": MSGS, "n": 2}, "n=2"),
-    ({"model": "micro", "messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "micro", "messages": MSGS, "response_format": {"type": "grammar"}}, "response_format"),
+    ({"model": "micro", "messages": MSGS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice"),
     ({"model": "micro", "messages": MSGS, "max_tokens": 5000}, "4096"),
     ({"model": "micro", "messages": MSGS, "max_tokens": 5000, "stream": True}, "5000"),
     ({"model": "micro", "messages": [{"role": "wizard", "content": "x"}]}, "role"),
@@ -633,3 +635,18 @@ def test_sampling_defaults_from_generation_config(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
     with pytest.raises(ValueError, match="top_p"):
         generation_defaults(tmp_path)
+
+
+def test_tool_choice_and_response_format_are_encoded(server, oai):
+    """tool_choice required/none and response_format json_object reach the prompt as the
+    reference encoder's system blocks (never silently dropped)."""
+    _, svc = server
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for kw, opts in [({"tool_choice": "required", "tools": tools}, {"tool_choice": "required"}),
+                     ({"tool_choice": "none", "tools": tools}, {"tool_choice": "none"}),
+                     ({"response_format": {"type": "json_object"}},
+                      {"response_format": {"type": "json_object"}})]:
+        r = oai.chat.completions.create(model="micro", messages=MSGS, max_tokens=1, **kw)
+        want = encode_chat(svc.tok, MSGS, tools=kw.get("tools"), **opts)
+        assert r.usage.prompt_tokens == len(want)
+        assert len(want) > len(encode_chat(svc.tok, MSGS, tools=kw.get("tools")))

@@ -79,7 +79,7 @@ def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
                     text = []
                 body = b.get("content", "")
                 body = _text(body, f"{where} tool_result") if not isinstance(body, str) else body
-                tool = {"role": "tool", "content": body}
+                tool = {"role": "tool", "content": body, "tool_call_id": b.get("tool_use_id")}
                 if names.get(b.get("tool_use_id")):
                     tool["name"] = names[b["tool_use_id"]]
                 out.append(tool)
@@ -91,16 +91,21 @@ def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
     return out
 
 
+_TOOL_CHOICE = {"auto": None, "any": "required", "none": "none"}
+
+
 def _tools(req: MessagesRequest):
+    """(tools in OpenAI form or None, encode_chat options) of a messages request."""
     choice = (req.tool_choice or {}).get("type", "auto")
-    if not req.tools or choice == "none":
-        return None
-    if choice != "auto":
-        raise APIError(400, f"tool_choice {choice!r} is not supported (the model decides "
-                       "whether to call a tool): use auto or none", param="tool_choice")
-    return [{"type": "function", "function": {"name": t.get("name"),
-             "description": t.get("description", ""),
-             "parameters": t.get("input_schema", {})}} for t in req.tools]
+    if choice not in _TOOL_CHOICE:
+        raise APIError(400, f"tool_choice {choice!r} is not supported: use one of "
+                       f"{', '.join(_TOOL_CHOICE)}", param="tool_choice")
+    if not req.tools:
+        return None, {}
+    tools = [{"type": "function", "function": {"name": t.get("name"),
+              "description": t.get("description", ""),
+              "parameters": t.get("input_schema", {})}} for t in req.tools]
+    return tools, ({"tool_choice": _TOOL_CHOICE[choice]} if _TOOL_CHOICE[choice] else {})
 
 
 def count_tokens(svc: Service, req) -> dict:
@@ -115,9 +120,9 @@ def _prompt(svc: Service, req):
         effort = resolve_effort(req.reasoning_effort)
     except ValueError as e:
         raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
-    messages, tools = to_chat_messages(req), _tools(req)
+    messages, (tools, options) = to_chat_messages(req), _tools(req)
     try:
-        ids = build_chat_prompt(svc.tok, messages, effort, tools)
+        ids = build_chat_prompt(svc.tok, messages, effort, tools, **options)
         ends = segment_ends(svc.tok, messages, effort, tools)
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None

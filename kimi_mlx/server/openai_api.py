@@ -24,9 +24,9 @@ def _unsupported(req, chat: bool) -> None:
                        "per request (n=1)", param="n")
     if chat:
         rf = req.response_format
-        if rf is not None and rf.get("type") != "text":
-            raise APIError(400, f"response_format {rf.get('type')!r} is not supported "
-                           "(no constrained decoding); omit it", param="response_format")
+        if rf is not None and rf.get("type") not in _RESPONSE_FORMATS:
+            raise APIError(400, f"response_format type {rf.get('type')!r} is not supported; "
+                           f"use one of {', '.join(_RESPONSE_FORMATS)}", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     else:
@@ -57,13 +57,24 @@ def chat_messages(req: ChatRequest) -> List[Dict[str, Any]]:
     return out
 
 
-def _tools(tools, choice) -> Optional[list]:
-    if not tools or choice == "none":
-        return None
-    if choice not in (None, "auto"):
-        raise APIError(400, f"tool_choice {choice!r} is not supported (the model decides "
-                       "whether to call a tool): use \"auto\" or \"none\"", param="tool_choice")
-    return tools
+# K3.1 is told these in its prompt, as Moonshot's reference encoder does (no constrained
+# decoding): "text" changes nothing, the JSON kinds add the reference's system block
+_RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+_TOOL_CHOICES = ("auto", "required", "none")
+
+
+def chat_options(tools, choice, response_format) -> dict:
+    """encode_chat options for OpenAI tool_choice / response_format; 400 for a named
+    function (the model cannot be forced to one tool)."""
+    if choice not in (None, *_TOOL_CHOICES):
+        raise APIError(400, f"tool_choice {choice!r} is not supported: use one of "
+                       f"{', '.join(_TOOL_CHOICES)}", param="tool_choice")
+    opts = {}
+    if tools and choice in ("required", "none"):
+        opts["tool_choice"] = choice
+    if response_format and response_format.get("type") in ("json_object", "json_schema"):
+        opts["response_format"] = response_format
+    return opts
 
 
 def prepare_chat(svc: Service, req: ChatRequest) -> Job:
@@ -74,9 +85,10 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     except ValueError as e:
         raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
     messages = chat_messages(req)
-    tools = _tools(req.tools, req.tool_choice)
+    tools = req.tools or None
+    options = chat_options(tools, req.tool_choice, req.response_format)
     try:
-        ids = build_chat_prompt(svc.tok, messages, effort, tools)
+        ids = build_chat_prompt(svc.tok, messages, effort, tools, **options)
         ends = segment_ends(svc.tok, messages, effort, tools)
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None

@@ -1,8 +1,8 @@
 """pydantic request models of the OpenAI (chat completions, completions) and Anthropic
 (messages) APIs: the fields we read, typed and range-checked. Unknown fields are kept
 (`extra="allow"`) so newer clients work; fields we cannot honour and that would change
-the result (`n` > 1, `response_format`, `echo`, ...) are rejected in the API modules, by
-name, never ignored."""
+the result (`n` > 1, an unknown `response_format` type, `echo`, ...) are rejected in the API
+modules, by name, never ignored."""
 
 from __future__ import annotations
 
