@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install demo test check-real bench bench-prune micro proto clean
+.PHONY: install demo test check-real bench bench-prune bench-server micro proto clean
 
 install: $(STAMP)
 
@@ -55,6 +55,10 @@ bench: install
 	$(BIN)/kimi-mlx bench kernels
 	@echo
 	$(BIN)/python -m kimi_mlx.cluster.bench
+
+# 1, 4, 8 concurrent HTTP clients vs one at a time: one process and a 3-stage cluster.
+bench-server: install
+	$(BIN)/python -m kimi_mlx.server.bench
 
 bench-prune: install
 	$(BIN)/python -m kimi_mlx.prune.bench

@@ -71,6 +71,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kimi_mlx.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(q)
+    _node_arguments(q)
+    q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
+    _common(q)
+
+    q = sub.add_parser("server", help="OpenAI + Anthropic API server over the pipeline",
+                       description="`kimi-mlx server`'s API with the pipeline behind it.")
+    from .api import add_arguments as add_api_arguments
+
+    add_api_arguments(q)
+    _node_arguments(q)
+    _common(q)
+
+
+def _node_arguments(q) -> None:
+    """Discovery, planning and loading flags shared by `launch` and `server`."""
     q.add_argument("--nodes", default="auto",
                    help="'auto' (zeroconf) or host[:port],host[:port] in pipeline order")
     q.add_argument("--interface", default=None, help="interface to discover on")
@@ -79,7 +94,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "answer within ~0.15 s; at least 0.3)")
     q.add_argument("--context", type=int, default=None,
                    help="tokens per sequence to plan caches for (default: prompt + max tokens)")
-    q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
     q.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per message")
     q.add_argument("--activation-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
@@ -95,7 +109,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="use nodes that run another kimi-mlx version (same stage protocol)")
     q.add_argument("--force-load", action="store_true",
                    help="replace what busy stages hold (frees other heads' sessions)")
-    _common(q)
 
 
 def _common(q) -> None:
@@ -114,9 +127,17 @@ def run(args) -> int:
     """Run the chosen subcommand; returns the exit status."""
     cmd = getattr(args, "cluster_command", None)
     if cmd is None:
-        print("usage: kimi-mlx cluster {init,serve,ls,launch} ... (see --help)", file=sys.stderr)
+        print("usage: kimi-mlx cluster {init,serve,ls,launch,server} ... (see --help)", file=sys.stderr)
         return 2
-    return {"init": _init, "serve": _serve, "ls": _ls, "launch": _launch}[cmd](args)
+    return {"init": _init, "serve": _serve, "ls": _ls, "launch": _launch,
+            "server": _server}[cmd](args)
+
+
+def _server(args) -> int:
+    _logging(args.log_level, "WARNING")
+    from .api import run as run_api
+
+    return run_api(args, _Cluster, _tokenizers)
 
 
 def _check_browse_time(flag: str, seconds: float) -> None:
@@ -407,8 +428,9 @@ class _Cluster:
 def _launch(args) -> int:
     _logging(args.log_level, "WARNING")
     from kimi_mlx.config import ModelArgs, read_config
-    from kimi_mlx.generate import (InputError, build_prompt, check_context, check_model_arguments,
-                                   print_generation, resolve_model_arg)
+    from kimi_mlx.generate import print_generation
+    from kimi_mlx.request import (InputError, build_prompt, check_context, check_model_arguments,
+                                  resolve_model_arg)
 
     from .auth import AuthError, load_secret
     from .fingerprint import FingerprintError, fingerprint, is_checkpoint

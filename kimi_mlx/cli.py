@@ -16,6 +16,7 @@ COMMANDS = [
     ("chat", "kimi_mlx.chat_cli", "multi-turn chat REPL that keeps reasoning between turns"),
     ("eval", "kimi_mlx.evaluate", "perplexity and tokens/s of a checkpoint on a text file"),
     ("plan", "kimi_mlx.cluster.plan_cli", "which Macs hold which layers of a checkpoint"),
+    ("server", "kimi_mlx.server.cli", "OpenAI- and Anthropic-compatible HTTP API server"),
     ("cluster", "kimi_mlx.cluster.cli", "zeroconf discovery, stage service and launcher"),
     ("prune", "kimi_mlx.prune.cli", "REAP expert pruning to a single-Mac checkpoint"),
     ("convert", "kimi_mlx.prune.convert_cli", "quantize the BF16 trunk (MLX affine, as mlx_lm.convert)"),

@@ -14,48 +14,10 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 
+from .cache import BatchDSACache, DSACache  # noqa: F401  (DSACache: old import path)
 from .config import ModelArgs
 from .metal.dsa import dsa_prefill_indices, dsa_sparse_decode, query_block, sparse_mla_attend
-
-
-class DSACache(KVCache):
-    """mlx-lm KVCache (keys = latent [B,1,T,512], values = k_pe [B,1,T,64]) that also keeps
-    the indexer keys [B,1,T,Di] at the same offsets (keys only: no zero values stored).
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.index_keys = None
-
-    def update_and_fetch_all(
-        self, latent: mx.array, k_pe: mx.array, k_idx: mx.array
-    ) -> Tuple[mx.array, mx.array, mx.array]:
-        """Append L new tokens; return all cached (latent, k_pe, k_idx) up to the offset."""
-        prev = self.offset
-        latent, k_pe = self.update_and_fetch(latent, k_pe)
-        cap = self.keys.shape[2]
-        if self.index_keys is None or self.index_keys.shape[2] != cap:
-            new = mx.zeros((*k_idx.shape[:2], cap, k_idx.shape[-1]), k_idx.dtype)
-            if self.index_keys is not None and prev:
-                new[..., :prev, :] = self.index_keys[..., :prev, :]
-            self.index_keys = new
-        self.index_keys[..., prev : self.offset, :] = k_idx
-        return latent, k_pe, self.index_keys[..., : self.offset, :]
-
-    @property
-    def state(self):
-        return self.keys, self.values, self.index_keys, self.offset
-
-    @state.setter
-    def state(self, v):
-        self.keys, self.values, self.index_keys, self.offset = v
-
-    @property
-    def nbytes(self):
-        n = super().nbytes
-        return n + (self.index_keys.nbytes if self.index_keys is not None else 0)
 
 
 class Indexer(nn.Module):
@@ -124,6 +86,8 @@ class GatedDSA(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def __call__(self, x: mx.array, cache: Optional[DSACache] = None) -> mx.array:
+        if isinstance(cache, BatchDSACache):  # several sequences: each on its own tokens
+            return cache.attend(self.__call__, x)
         B, L, _ = x.shape
         H = self.num_heads
         qr = self.q_a_layernorm(self.q_a_proj(x))
@@ -182,7 +146,7 @@ class GatedDSA(nn.Module):
         if L == 1:  # absorbed: attend in the 512-dim latent, then unembed per head
             q_lat = q_nope @ w_uk  # [B,H,1,rank]
             o = mx.fast.scaled_dot_product_attention(
-                q_lat, latent, latent, scale=self.scale, mask=self._dense_bias(q_pe, k_pe, offset)
+                q_lat, latent, latent, scale=self.scale, mask=self._dense_bias(q_pe, k_pe, offset, cache)
             )
             o = o @ w_uv.swapaxes(-1, -2)  # [B,H,1,v]
             return self._output(x, o)
@@ -195,18 +159,21 @@ class GatedDSA(nn.Module):
         outs = []
         for s0 in range(0, L, step):
             blk = slice(s0, s0 + step)
-            bias = self._dense_bias(q_pe[:, :, blk], k_pe, offset + s0)
+            bias = self._dense_bias(q_pe[:, :, blk], k_pe, offset + s0, cache)
             outs.append(mx.fast.scaled_dot_product_attention(
                 q_nope[:, :, blk], k, v, scale=self.scale, mask=bias))
             if step < L:
                 mx.eval(outs[-1])
         return self._output(x, mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0])
 
-    def _dense_bias(self, q_pe: mx.array, k_pe: mx.array, offset: int) -> mx.array:
+    def _dense_bias(self, q_pe: mx.array, k_pe: mx.array, offset: int, cache=None) -> mx.array:
         """Additive SDPA mask [B, H, L, S] for queries at offset..offset+L-1: the scaled
-        rope-part scores, -inf where s > the query's position."""
+        rope-part scores, -inf where s > the query's position or where a batch row's
+        cache holds left padding (`cache.pad_mask` [B, 1, 1, S], kimi_mlx/cache.py)."""
         L, S = q_pe.shape[2], k_pe.shape[2]
         causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]  # [L, S]
+        if getattr(cache, "pad_mask", None) is not None:  # batch rows' left padding
+            causal = causal & cache.pad_mask  # [B, 1, 1, S]
         pe = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # [B,H,L,S]
         return mx.where(causal, pe, mx.array(-mx.inf, pe.dtype))
 

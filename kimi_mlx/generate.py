@@ -9,40 +9,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Iterator, List
 
-DEFAULT_MAX_TOKENS = 256
-EFFORTS = ("low", "high", "max")
-
-
-class InputError(ValueError):
-    """Bad user input (empty prompt, prompt longer than the context, ...)."""
-
-
-def default_model() -> Optional[Path]:
-    """The shipped default checkpoint (trained micro model), if this install has one."""
-    path = Path(__file__).parent / "assets" / "micro"
-    return path if (path / "config.json").exists() else None
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared with chat / cluster launch: --model and sampling."""
-    p.add_argument("--model", default=None,
-                   help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
-    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
-                   help=f"maximum number of tokens to generate (default {DEFAULT_MAX_TOKENS}; -1 = up to the context)")
-    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0 = greedy)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability (default 1 = off)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (default 0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="PRNG seed")
-    p.add_argument("--max-kv-size", type=int, default=None,
-                   help="cap on prompt + generated tokens (generation stops there, with a "
-                        "note; unlike mlx-lm's rotating cache, since KDA state cannot rotate). "
-                        "KDA state is constant, DSA caches grow per token")
-    p.add_argument("--reasoning-effort", choices=EFFORTS, default="max",
-                   help="K3.1 thinking effort in the chat encoding (default max)")
+from .request import (  # noqa: F401  (re-exported: the request path lives in request.py)
+    DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_model_arguments, build_prompt,
+    check_context, check_model_arguments, default_model, load_for_generation,
+    resolve_model_arg, token_budget,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,91 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="feed the prompt as raw text, without the chat encoding")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
                    default=True, help="print timing and memory at the end (default: True)")
-
-
-def check_model_arguments(args) -> None:
-    """Range checks of the flags `add_model_arguments` adds (before any model is loaded).
-
-    Raises:
-        InputError: --max-tokens not -1 (no limit) or >= 1, --temp < 0, --top-p outside
-            (0, 1], --min-p outside [0, 1], --top-k < 0, or --max-kv-size < 1.
-    """
-    if args.max_tokens != -1 and args.max_tokens < 1:
-        raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
-    if args.temp < 0:
-        raise InputError(f"--temp must be >= 0 (0 = greedy), got {args.temp}")
-    if not 0 < args.top_p <= 1:
-        raise InputError(f"--top-p must be in (0, 1] (1 = off), got {args.top_p}")
-    if not 0 <= args.min_p <= 1:
-        raise InputError(f"--min-p must be in [0, 1] (0 = off), got {args.min_p}")
-    if args.top_k < 0:
-        raise InputError(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
-    if args.max_kv_size is not None and args.max_kv_size < 1:
-        raise InputError(f"--max-kv-size must be >= 1 token, got {args.max_kv_size}")
-
-
-def resolve_model_arg(spec: Optional[str]) -> str:
-    """--model value, or the shipped default; InputError when neither exists."""
-    if spec:
-        return spec
-    path = default_model()
-    if path is None:
-        raise InputError("no --model given and this install ships no default checkpoint")
-    return str(path)
-
-
-def build_prompt(tokenizer, prompt: str, system: Optional[str], raw: bool, effort: str) -> List[int]:
-    """Token ids for the prompt: K3.1 chat encoding unless `raw`."""
-    if not prompt:
-        raise InputError("the prompt is empty")
-    if raw:
-        text = prompt if system is None else f"{system}\n{prompt}"
-        return tokenizer.encode(text)
-    from .chat_format import encode_chat
-
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": prompt}
-    ]
-    return encode_chat(tokenizer, messages, reasoning_effort=effort, add_generation_prompt=True)
-
-
-def token_budget(n_prompt: int, max_tokens: int, context: int) -> int:
-    """Tokens that may be generated after an n_prompt-token prompt: max_tokens, capped by
-    the room left in a context of `context` tokens (max_tokens -1 = all of that room)."""
-    room = context - n_prompt
-    return room if max_tokens < 0 else min(max_tokens, room)
-
-
-def check_context(n_prompt: int, max_tokens: int, context: int, source: str) -> int:
-    """Number of tokens that may still be generated (max_tokens -1 = up to the context);
-    InputError when the prompt does not fit. When the context cuts a --max-tokens request
-    short, says so on stderr (generation would otherwise just stop early)."""
-    if n_prompt >= context:
-        raise InputError(
-            f"the prompt is {n_prompt} tokens, longer than the context of {context} tokens "
-            f"({source})"
-        )
-    budget = token_budget(n_prompt, max_tokens, context)
-    if 0 <= budget < max_tokens:
-        print(f"note: generating at most {budget} tokens: the prompt ({n_prompt}) and the "
-              f"generation must fit in {context} tokens ({source})", file=sys.stderr)
-    return budget
-
-
-def load_for_generation(spec: str):
-    """(model, mlx-lm TokenizerWrapper, our KimiTokenizer, config) for a checkpoint."""
-    from mlx_lm.utils import load_tokenizer
-
-    from .hub import resolve
-    from .loader import load_model
-    from .tokenizer import KimiTokenizer, register_with_transformers
-
-    model_dir = resolve(spec)
-    model, config, _ = load_model(model_dir)
-    kimi_tok = KimiTokenizer.from_pretrained(model_dir)
-    register_with_transformers()
-    wrapper = load_tokenizer(model_dir, eos_token_ids=kimi_tok.eos_token_ids)
-    return model, wrapper, kimi_tok, config
 
 
 def stream(model, wrapper, prompt_ids: List[int], args) -> Iterator:

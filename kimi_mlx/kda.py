@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from .config import ModelArgs
 from .metal.dispatch import kernel_mode
-from .metal.kda import kda_forward
+from .metal.kda import kda_forward, kda_prepare, kda_update
 
 
 def causal_depthwise_conv(x: mx.array, weight: mx.array, state: mx.array):
@@ -86,7 +86,12 @@ class KimiDeltaAttention(nn.Module):
             conv_state = mx.zeros((B, self.conv_size - 1, 3 * P), dtype=x.dtype)
         if state is None:
             state = mx.zeros((B, H, D, D), dtype=mx.float32)
-        if T == 1 and not self.training and kernel_mode() != "sim":
+        lengths = getattr(cache, "lengths", None)
+        if lengths is not None:
+            # right-padded batch prefill (mlx-lm BatchGenerator): row b has lengths[b] real
+            # tokens in this chunk; padded steps must leave both states untouched
+            y, conv_state, state = self._forward(x, conv_state, state, lengths)
+        elif T == 1 and not self.training and kernel_mode() != "sim":
             # One decode token: a compiled graph (fused elementwise ops, no per-op overhead).
             # Not under the emulator: its kernels read their inputs, which a trace cannot.
             if self._decode is None:
@@ -96,30 +101,50 @@ class KimiDeltaAttention(nn.Module):
             y, conv_state, state = self._forward(x, conv_state, state)
         if cache is not None:
             cache[0], cache[1] = conv_state, state
+            if hasattr(cache, "advance"):
+                cache.advance(T)  # counts down the batch padding bookkeeping
         return y
 
-    def _forward(self, x: mx.array, conv_state: mx.array, state: mx.array):
-        """(y [B, T, hidden], conv state [B, K-1, 3P], recurrent state [B, H, Dv, Dk])."""
+    def _forward(self, x: mx.array, conv_state: mx.array, state: mx.array,
+                 lengths: Optional[mx.array] = None):
+        """(y [B, T, hidden], conv state [B, K-1, 3P], recurrent state [B, H, Dv, Dk]).
+
+        lengths [B] (batched prefill): tokens past lengths[b] are padding; the returned
+        states are those after row b's last real token (outputs there are don't-care)."""
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         P = H * D
+        valid = None
+        if lengths is not None:
+            ends = mx.clip(lengths, 0, T)
+            valid = mx.arange(T)[None] < ends[:, None]  # [B, T]
 
         streams, new_conv = [], []
         for i, name in enumerate("qkv"):
+            proj = getattr(self, f"{name}_proj")(x)
             y, s = causal_depthwise_conv(
-                getattr(self, f"{name}_proj")(x),
-                getattr(self, f"{name}_conv1d").weight,
-                conv_state[..., i * P : (i + 1) * P],
+                proj, getattr(self, f"{name}_conv1d").weight, conv_state[..., i * P : (i + 1) * P],
             )
+            if valid is not None:  # state = the K-1 inputs before position ends[b]
+                xs = mx.concatenate([conv_state[..., i * P : (i + 1) * P].astype(x.dtype), proj], axis=1)
+                pos = (ends[:, None] + mx.arange(self.conv_size - 1))[..., None]
+                s = mx.take_along_axis(xs, pos, axis=1)
             streams.append(nn.silu(y).reshape(B, T, H, D))
             new_conv.append(s)
         q, k, v = streams
         raw = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
         lower = float(self.lower_bound) if self.lower_bound is not None else None
-        # L2 norms, gate, beta and the recurrence (kernel or reference: metal/kda.py).
-        o, state = kda_forward(
-            q, k, v, raw, self.b_proj(x), self.A_log, self.dt_bias, state, lower, D**-0.5
-        )
+        if valid is None:
+            # L2 norms, gate, beta and the recurrence (kernel or reference: metal/kda.py).
+            o, state = kda_forward(
+                q, k, v, raw, self.b_proj(x), self.A_log, self.dt_bias, state, lower, D**-0.5
+            )
+        else:  # padded steps: decay exp(0) = 1 and beta = 0 leave the state as it was
+            qn, kn, g, beta = kda_prepare(q, k, raw, self.b_proj(x), self.A_log, self.dt_bias,
+                                          lower, D**-0.5)
+            g = mx.where(valid[:, :, None, None], g, 0.0)
+            beta = mx.where(valid[:, :, None], beta, 0.0)
+            o, state = kda_update(qn, kn, v, g, beta, state)
 
         gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
         o = (self.o_norm(o.astype(x.dtype)) * gate).astype(x.dtype)  # o_norm is F32 on disk

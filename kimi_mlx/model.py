@@ -17,11 +17,11 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache
 
 from .attn_res import Banks, attn_res_mix, res_weights
 from .config import ModelArgs
-from .dsa import DSACache, GatedDSA
+from .cache import ArraysCache, DSACache
+from .dsa import GatedDSA
 from .ffn import LatentMoE, SiTUMLP
 from .kda import KimiDeltaAttention
 from .tensor_map import sanitize_weights

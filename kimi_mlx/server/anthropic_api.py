@@ -1,0 +1,235 @@
+"""Anthropic Messages API: POST /v1/messages, non-streamed and streamed (message_start,
+content_block_start / _delta / _stop, message_delta, message_stop), so Claude Code-style
+clients work. Thinking blocks carry the K3.1 reasoning; tool_use blocks keep the model's
+call ids (`functions.NAME:IDX`) so they survive being sent back as tool_result."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Dict, List
+
+from ..chat_format import resolve_effort
+from ..request import InputError, build_chat_prompt, segment_ends
+from .common import APIError, Service, budget, reply_events, sampling_from, stop_list, submit
+from .engine import Job
+from .reply import ReplyBuilder
+from .schemas import MessagesRequest
+
+_STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def _text(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for block in content or []:
+        if block.get("type") == "text":
+            parts.append(block.get("text", ""))
+        else:
+            raise APIError(400, f"{where}: content block type {block.get('type')!r} is not "
+                           "supported here (text only)", param="messages")
+    return "".join(parts)
+
+
+def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
+    """Anthropic system + messages -> chat_format messages (tool_result blocks become
+    tool messages, tool_use blocks assistant tool_calls, thinking blocks reasoning)."""
+    out: List[Dict[str, Any]] = []
+    if req.system:
+        out.append({"role": "system", "content": _text(req.system, "system")})
+    names: Dict[str, str] = {}
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}]"
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "assistant":
+            text, reasoning, calls = [], [], []
+            for b in m.content:
+                t = b.get("type")
+                if t == "text":
+                    text.append(b.get("text", ""))
+                elif t == "thinking":
+                    reasoning.append(b.get("thinking", ""))
+                elif t == "redacted_thinking":
+                    continue
+                elif t == "tool_use":
+                    names[b.get("id", "")] = b.get("name", "")
+                    calls.append({"id": b.get("id"), "type": "function",
+                                  "function": {"name": b.get("name"), "arguments": b.get("input", {})}})
+                else:
+                    raise APIError(400, f"{where}: assistant content block {t!r} is not supported",
+                                   param="messages")
+            msg: Dict[str, Any] = {"role": "assistant", "content": "".join(text)}
+            if reasoning:
+                msg["reasoning_content"] = "".join(reasoning)
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+            continue
+        text = []
+        for b in m.content:
+            t = b.get("type")
+            if t == "text":
+                text.append(b.get("text", ""))
+            elif t == "tool_result":
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                body = b.get("content", "")
+                body = _text(body, f"{where} tool_result") if not isinstance(body, str) else body
+                tool = {"role": "tool", "content": body, "tool_call_id": b.get("tool_use_id")}
+                if names.get(b.get("tool_use_id")):
+                    tool["name"] = names[b["tool_use_id"]]
+                out.append(tool)
+            else:
+                raise APIError(400, f"{where}: user content block {t!r} is not supported "
+                               "(text and tool_result only)", param="messages")
+        if text:
+            out.append({"role": "user", "content": "".join(text)})
+    return out
+
+
+_TOOL_CHOICE = {"auto": None, "any": "required", "none": "none"}
+
+
+def _tools(req: MessagesRequest):
+    """(tools in OpenAI form or None, encode_chat options) of a messages request."""
+    choice = (req.tool_choice or {}).get("type", "auto")
+    if choice not in _TOOL_CHOICE:
+        raise APIError(400, f"tool_choice {choice!r} is not supported: use one of "
+                       f"{', '.join(_TOOL_CHOICE)}", param="tool_choice")
+    if not req.tools:
+        return None, {}
+    tools = [{"type": "function", "function": {"name": t.get("name"),
+              "description": t.get("description", ""),
+              "parameters": t.get("input_schema", {})}} for t in req.tools]
+    return tools, ({"tool_choice": _TOOL_CHOICE[choice]} if _TOOL_CHOICE[choice] else {})
+
+
+def count_tokens(svc: Service, req) -> dict:
+    """POST /v1/messages/count_tokens: the prompt's token count (Claude Code asks)."""
+    return {"input_tokens": len(_prompt(svc, req)[0])}
+
+
+def _prompt(svc: Service, req):
+    """(prompt ids, segment ends) of a messages request; APIError 400/404."""
+    svc.check_model(req.model)
+    try:
+        effort = resolve_effort(req.reasoning_effort)
+    except ValueError as e:
+        raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
+    messages, (tools, options) = to_chat_messages(req), _tools(req)
+    try:
+        ids = build_chat_prompt(svc.tok, messages, effort, tools, **options)
+        ends = segment_ends(svc.tok, messages, effort, tools)
+    except InputError as e:
+        raise APIError(400, str(e), param="messages") from None
+    return ids, ends
+
+
+def prepare(svc: Service, req: MessagesRequest) -> Job:
+    ids, ends = _prompt(svc, req)
+    return Job(ids, budget(svc, len(ids), req.max_tokens),
+               sampling_from(svc, req.temperature, req.top_p, req.top_k, None, req.seed),
+               None, ends)
+
+
+def _stop_reason(b: ReplyBuilder, done) -> str:
+    return _STOP_REASON[b.finish_reason(done.reason)]
+
+
+def _usage(job: Job, b: ReplyBuilder, done) -> dict:
+    cached = done.cached_tokens if done else 0
+    return {"input_tokens": len(job.ids) - cached, "output_tokens": b.n_tokens,
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+async def messages_response(svc: Service, req: MessagesRequest, request) -> dict:
+    job = prepare(svc, req)
+    b = ReplyBuilder(svc.wrapper, stop_list(req.stop_sequences), chat=True)
+    submit(svc, job)
+    done = None
+    async for _ev, _tok, fin in reply_events(job, b, request):
+        done = fin or done
+    content: List[Dict[str, Any]] = []
+    if b.reasoning:
+        content.append({"type": "thinking", "thinking": b.reasoning, "signature": ""})
+    if b.content or not (content or b.tool_calls):  # never an empty content list
+        content.append({"type": "text", "text": b.content})
+    for c in b.tool_calls:
+        content.append({"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments})
+    reason = _stop_reason(b, done)
+    return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
+            "model": req.model, "content": content, "stop_reason": "stop_sequence"
+            if b.stopped and reason == "end_turn" else reason,
+            "stop_sequence": b.stop.matched, "usage": _usage(job, b, done)}
+
+
+def _event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps({'type': name, **data}, ensure_ascii=False)}\n\n"
+
+
+async def messages_stream(svc: Service, req: MessagesRequest, request):
+    job = prepare(svc, req)
+    b = ReplyBuilder(svc.wrapper, stop_list(req.stop_sequences), chat=True)
+    submit(svc, job)
+    msg_id = "msg_" + uuid.uuid4().hex
+
+    async def body():
+        yield _event("message_start", {"message": {
+            "id": msg_id, "type": "message", "role": "assistant", "model": req.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": len(job.ids), "output_tokens": 0}}})
+        index, open_kind, done = -1, None, None
+
+        def start(kind, block):
+            nonlocal index, open_kind
+            out = []
+            if open_kind is not None:
+                out.append(_event("content_block_stop", {"index": index}))
+            index += 1
+            open_kind = kind
+            out.append(_event("content_block_start", {"index": index, "content_block": block}))
+            return out
+
+        async for ev, _tok, fin in reply_events(job, b):
+            if ev.reasoning:
+                if open_kind != "thinking":
+                    for s in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                        yield s
+                yield _event("content_block_delta", {"index": index, "delta": {
+                    "type": "thinking_delta", "thinking": ev.reasoning}})
+            if ev.content:
+                if open_kind != "text":
+                    for s in start("text", {"type": "text", "text": ""}):
+                        yield s
+                yield _event("content_block_delta", {"index": index, "delta": {
+                    "type": "text_delta", "text": ev.content}})
+            for c in ev.tool_calls:
+                for s in start("tool_use", {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}):
+                    yield s
+                yield _event("content_block_delta", {"index": index, "delta": {
+                    "type": "input_json_delta", "partial_json": json.dumps(c.arguments, ensure_ascii=False)}})
+            done = fin or done
+        if open_kind is None:
+            for s in start("text", {"type": "text", "text": ""}):
+                yield s
+        yield _event("content_block_stop", {"index": index})
+        reason = _stop_reason(b, done)
+        yield _event("message_delta", {"delta": {
+            "stop_reason": "stop_sequence" if b.stopped and reason == "end_turn" else reason,
+            "stop_sequence": b.stop.matched}, "usage": _usage(job, b, done)})
+        yield _event("message_stop", {})
+
+    async def gen():
+        try:
+            async for s in body():
+                yield s
+        except APIError as e:
+            yield f"event: error\ndata: {json.dumps({'type': 'error', 'error': {'type': 'api_error', 'message': e.message}})}\n\n"
+        finally:
+            job.cancel()
+
+    return gen()

@@ -1,0 +1,199 @@
+"""The FastAPI app: routes, API-key auth, error shapes, body limit, health and metrics.
+
+Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`) everywhere
+except /v1/messages, which answers Anthropic-shaped (`{"type": "error", "error": {"type",
+"message"}}`). Every request is validated (and, for streams, queued) before the first
+byte is sent, so a bad request is a 4xx JSON error, never a broken stream.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from typing import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from . import anthropic_api, openai_api
+from .common import APIError, ClientGone, Service, parse_body
+from .metrics import CONTENT_TYPE_LATEST
+from .schemas import ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest
+
+log = logging.getLogger("kimi_mlx.server")
+
+_ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+           "/v1/messages", "/v1/messages/count_tokens"}
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def error_response(path: str, status: int, message: str, kind: str = "invalid_request_error",
+                   param=None, headers=None) -> JSONResponse:
+    if path.startswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, kind),
+                                           "message": message}}
+    else:
+        body = {"error": {"message": message, "type": kind, "param": param,
+                          "code": kind if status != 400 else None}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it passes `limit` bytes (Content-Length or
+    the bytes actually received, whichever tells first)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is {declared} bytes, over the limit of {limit} "
+                       "bytes (--max-body-bytes)", "request_too_large")
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise APIError(413, f"request body is over the limit of {limit} bytes "
+                           "(--max-body-bytes)", "request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_key(svc: Service, request: Request) -> None:
+    """401 unless the request carries the API key (Authorization: Bearer KEY, or
+    x-api-key as Anthropic clients send it); compared in constant time."""
+    if svc.api_key is None:
+        return
+    given = request.headers.get("x-api-key")
+    auth = request.headers.get("authorization", "")
+    if given is None and auth.lower().startswith("bearer "):
+        given = auth[7:].strip()
+    if given is None:
+        raise APIError(401, "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                       "authentication_error")
+    if not hmac.compare_digest(given.encode(), svc.api_key.encode()):
+        raise APIError(401, "invalid API key", "authentication_error")
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting requests by route and status (Starlette's
+    BaseHTTPMiddleware would hide a client's disconnect from the handlers)."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {}
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            known = path in _ROUTES or path.startswith("/v1/models/")
+            self.metrics.requests.labels(path if known else "other",
+                                         str(status.get("code", 499))).inc()
+
+
+def create_app(svc: Service) -> FastAPI:
+    """The ASGI app serving `svc` (whose engine may still be loading: 503 until then)."""
+    app = FastAPI(title="kimi-mlx server", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.svc = svc
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(request.url.path, e.status, e.message, e.kind, e.param, e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        msg = (f"no route {request.method} {request.url.path}" if e.status_code in (404, 405)
+               else str(e.detail))
+        return error_response(request.url.path, e.status_code, msg, kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return error_response(request.url.path, 400, str(e.errors()[0].get("msg")))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        log.exception("request failed")
+        return error_response(request.url.path, 500, f"internal error: {type(e).__name__}: {e}",
+                              "server_error")
+
+    if svc.metrics is not None:
+        app.add_middleware(_CountRequests, metrics=svc.metrics)
+
+    @app.get("/health")
+    async def health():
+        reason = svc.not_ready_reason()
+        if reason:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+        return {"status": "ok", "model": svc.model_ids[0] if svc.model_ids else None}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        check_key(svc, request)
+        if svc.metrics is None:
+            return Response(b"", media_type=CONTENT_TYPE_LATEST)
+        return Response(svc.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_key(svc, request)
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": svc.created, "owned_by": "kimi-mlx",
+             "context_length": svc.context} for m in svc.model_ids[:1]]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        check_key(svc, request)
+        svc.check_model(model_id)
+        return {"id": model_id, "object": "model", "created": svc.created, "owned_by": "kimi-mlx"}
+
+    def endpoint(schema, respond: Callable[..., Awaitable], stream: Callable[..., Awaitable],
+                 media="text/event-stream"):
+        async def handler(request: Request):
+            check_key(svc, request)
+            raw = await read_body(request, svc.max_body_bytes)
+            req = parse_body(raw, schema, svc.max_body_bytes)
+            reason = svc.not_ready_reason()
+            if reason:
+                raise APIError(503, f"not ready: {reason}", "overloaded_error",
+                               headers={"Retry-After": "5"})
+            if req.stream:
+                body = await stream(svc, req, request)
+                return StreamingResponse(body, media_type=media,
+                                         headers={"Cache-Control": "no-cache"})
+            t0 = time.perf_counter()
+            try:
+                out = await respond(svc, req, request)
+            except ClientGone:
+                log.info("client left after %.1fs; generation stopped", time.perf_counter() - t0)
+                return Response(status_code=499)
+            return JSONResponse(out)
+        return handler
+
+    app.post("/v1/chat/completions")(endpoint(ChatRequest, openai_api.chat_response,
+                                              openai_api.chat_stream))
+    app.post("/v1/completions")(endpoint(CompletionRequest, openai_api.completion_response,
+                                         openai_api.completion_stream))
+    app.post("/v1/messages")(endpoint(MessagesRequest, anthropic_api.messages_response,
+                                      anthropic_api.messages_stream))
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        check_key(svc, request)
+        req = parse_body(await read_body(request, svc.max_body_bytes), CountTokensRequest,
+                         svc.max_body_bytes)
+        if svc.tok is None:
+            raise APIError(503, "not ready: the model is loading", "overloaded_error")
+        return anthropic_api.count_tokens(svc, req)
+
+    return app

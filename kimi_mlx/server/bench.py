@@ -1,0 +1,142 @@
+"""`make bench-server`: aggregate generation tokens/s and time to first token for 1, 4
+and 8 concurrent clients against the same requests run one at a time, in one run, on one
+process (`kimi-mlx server` engine, continuous batching) and on a 3-stage loopback cluster
+(`kimi-mlx cluster server` engine). Ratios, not absolute times, are the result: the
+machine's load changes absolute figures.
+
+Clients are real HTTP clients (httpx, streamed responses) against uvicorn on loopback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Tuple
+
+import httpx
+
+PROMPT_CHARS = 120
+
+
+def _prompts(model_dir: Path, n: int) -> List[str]:
+    text = (model_dir / "heldout" / "prose.txt").read_text()
+    return [text[i * 311 : i * 311 + PROMPT_CHARS] for i in range(n)]
+
+
+def _one(url: str, model: str, prompt: str, max_tokens: int) -> Tuple[int, float]:
+    """(generated tokens, seconds to the first token) of one streamed completion."""
+    t0 = time.perf_counter()
+    ttft, n = None, 0
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            import json
+
+            d = json.loads(line[6:])
+            if d.get("usage"):
+                n = d["usage"]["completion_tokens"]
+            elif ttft is None and d["choices"] and d["choices"][0]["text"]:
+                ttft = time.perf_counter() - t0
+    return n, ttft if ttft is not None else time.perf_counter() - t0
+
+
+def measure(url: str, model: str, prompts: List[str], clients: int, max_tokens: int):
+    """(aggregate tokens/s, mean TTFT s) with `clients` concurrent clients, each sending
+    its share of `prompts` back to back."""
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(clients) as ex:
+        results = list(ex.map(lambda p: _one(url, model, p, max_tokens), prompts))
+    wall = time.perf_counter() - t0
+    return sum(n for n, _ in results) / wall, statistics.mean(t for _, t in results)
+
+
+def bench(url: str, model: str, prompts: List[str], max_tokens: int, label: str) -> List[str]:
+    lines = [f"{label}: {len(prompts)} requests x {max_tokens} tokens"]
+    _one(url, model, prompts[0], 4)  # warm-up (compile, caches)
+    base_tps, base_ttft = measure(url, model, prompts, 1, max_tokens)
+    lines.append(f"  1 client (one at a time): {base_tps:8.1f} tok/s aggregate, TTFT {base_ttft * 1e3:7.0f} ms")
+    for c in (4, 8):
+        tps, ttft = measure(url, model, prompts, c, max_tokens)
+        lines.append(f"  {c} clients:                {tps:8.1f} tok/s aggregate, TTFT {ttft * 1e3:7.0f} ms"
+                     f"   ({tps / base_tps:.2f}x the one-at-a-time tokens/s)")
+    return lines
+
+
+def single_process(model_dir: Path, prompts, max_tokens, concurrency) -> List[str]:
+    from .app import create_app
+    from .cli import BackgroundServer, load_service, make_service
+
+    svc = make_service(str(model_dir), None, "bench", 1 << 20)
+    load_service(svc, str(model_dir), concurrency, 0, 64, None)
+    srv = BackgroundServer(create_app(svc)).start()
+    try:
+        return bench(srv.url, "bench", prompts, max_tokens,
+                     f"one process (continuous batching, --max-concurrency {concurrency})")
+    finally:
+        srv.stop()
+        svc.engine.stop()
+
+
+def cluster(model_dir: Path, prompts, max_tokens, concurrency) -> List[str]:
+    from kimi_mlx.cluster.api import ClusterEngine
+    from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
+    from kimi_mlx.cluster.testing import LocalCluster
+    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.request import load_for_generation
+
+    from .app import create_app
+    from .cli import BackgroundServer, make_service
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lc = LocalCluster(Path(tmp), n=3, prefix="bench", ckpt=model_dir)
+        t = GrpcTransport(lc.secret, peer_timeout=10.0)
+        try:
+            accepted, _ = check_nodes(lc.nodes(), t.stub_for, lc.fp)
+            stages = plan_stages(model_dir, [n for n, _ in accepted], 4096, concurrency)[1]
+            t.load(lc.fp, stages, "float32", "float32")
+            _, wrapper, tok, _ = load_for_generation(str(model_dir))
+            svc = make_service(str(model_dir), None, "bench", 1 << 20)
+            svc.wrapper, svc.tok, svc.context = wrapper, tok, 4096
+            svc.engine = ClusterEngine(Pipeline(t, 128), tok.eos_token_ids, concurrency).start()
+            srv = BackgroundServer(create_app(svc)).start()
+            try:
+                return bench(srv.url, "bench", prompts, max_tokens,
+                             f"3-stage loopback cluster ({concurrency} sessions in flight)")
+            finally:
+                srv.stop()
+                svc.engine.stop(2.0)
+        finally:
+            t.shutdown()
+            lc.stop()
+
+
+def main(argv=None) -> int:
+    from kimi_mlx.request import default_model
+
+    p = argparse.ArgumentParser(prog="python -m kimi_mlx.server.bench")
+    p.add_argument("--model", default=None, help="checkpoint (default: the shipped micro model)")
+    p.add_argument("--requests", type=int, default=8, help="requests per measurement (default 8)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
+    p.add_argument("--concurrency", type=int, default=8, help="--max-concurrency (default 8)")
+    p.add_argument("--skip-cluster", action="store_true", help="only the single process")
+    a = p.parse_args(argv)
+    model_dir = Path(a.model or default_model())
+    prompts = _prompts(model_dir, a.requests)
+    for line in single_process(model_dir, prompts, a.max_tokens, a.concurrency):
+        print(line, flush=True)
+    if not a.skip_cluster:
+        for line in cluster(model_dir, prompts, a.max_tokens, a.concurrency):
+            print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""`kimi-mlx server`: load a checkpoint and serve the OpenAI + Anthropic API with uvicorn.
+
+The HTTP server starts at once and answers /health with 503 while the model loads.
+Binding a non-loopback address needs an API key (`--api-key` / `--api-key-file`) or an
+explicit `--no-auth`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..request import InputError, resolve_model_arg
+
+log = logging.getLogger("kimi_mlx.server")
+
+DEFAULT_PORT = 8080
+
+
+def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> None:
+    """HTTP flags shared with `kimi-mlx cluster server` (which has its own --log-level)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free port)")
+    p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key)")
+    p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="allow a non-loopback --host without an API key")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: the checkpoint folder's name)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait; past it the server answers 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="largest request body (default 8 MiB); larger ones get 413")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="cap on prompt + generated tokens (default: max_position_embeddings)")
+    if log_level:
+        p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
+    add_server_arguments(p)
+    p.add_argument("--max-concurrency", type=int, default=4,
+                   help="sequences generated at once by continuous batching (default 4; 1 = "
+                        "one request at a time)")
+    p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
+                   help="bytes of cache snapshots kept across requests (default 1 GiB; 0 = off)")
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback
+                       for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+def resolve_api_key(args) -> Optional[str]:
+    """The API key from --api-key or --api-key-file; InputError for an empty or unreadable
+    file, or a non-loopback --host with no key and no --no-auth."""
+    key = args.api_key
+    if args.api_key_file:
+        if key:
+            raise InputError("give --api-key or --api-key-file, not both")
+        try:
+            key = Path(args.api_key_file).expanduser().read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise InputError(f"--api-key-file {args.api_key_file}: no key read ({e or 'empty file'})") from None
+        if not key:
+            raise InputError(f"--api-key-file {args.api_key_file}: the first line is empty")
+    if key is not None and not key:
+        raise InputError("--api-key is empty")
+    if key is None and not is_loopback(args.host):
+        if not args.no_auth:
+            raise InputError(f"--host {args.host} is reachable from other machines: give "
+                             "--api-key / --api-key-file, or --no-auth to serve without one")
+        print(f"warning: serving on {args.host} without an API key (--no-auth): anyone who "
+              "can reach this port can use the model", file=sys.stderr)
+    return key
+
+
+def check_server_arguments(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 1:
+        raise InputError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_body_bytes < 1024:
+        raise InputError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if getattr(args, "max_concurrency", 1) < 1:
+        raise InputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if getattr(args, "prompt_cache_bytes", 0) < 0:
+        raise InputError(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
+    if args.max_kv_size is not None and args.max_kv_size < 2:
+        raise InputError(f"--max-kv-size must be >= 2, got {args.max_kv_size}")
+
+
+def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
+                 max_queue: int, max_kv_size: Optional[int]) -> None:
+    """Load the checkpoint into `svc` (sets tokenizers, context, defaults, engine)."""
+    from ..hub import resolve
+    from ..request import generation_defaults, load_for_generation
+    from .engine import Engine
+    from .prompt_cache import PromptCache
+
+    model, wrapper, tok, _ = load_for_generation(spec)
+    model_dir = Path(resolve(spec))
+    svc.defaults = generation_defaults(model_dir)
+    svc.wrapper, svc.tok = wrapper, tok
+    context = model.args.max_position_embeddings
+    svc.context = min(context, max_kv_size) if max_kv_size else context
+    pc = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+    svc.engine = Engine(model, tok.eos_token_ids, max_queue=max_queue,
+                        max_concurrency=max_concurrency, prompt_cache=pc,
+                        metrics=svc.metrics).start()
+
+
+def make_service(spec: str, api_key: Optional[str], served_name: Optional[str],
+                 max_body_bytes: int):
+    from .common import Service
+    from .metrics import Metrics
+
+    svc = Service(api_key=api_key, max_body_bytes=max_body_bytes, created=int(time.time()))
+    name = served_name or Path(spec.rstrip("/")).name or spec
+    svc.model_ids = [name] + ([spec] if spec != name else [])
+    svc.metrics = Metrics(lambda: svc.engine.queue_length if svc.engine else 0,
+                          lambda: svc.engine.active if svc.engine else 0)
+    return svc
+
+
+class BackgroundServer:
+    """uvicorn on a thread (tests, benchmarks): `start()` returns once it listens;
+    `port` is the bound port (port 0 = a free one); `stop()` shuts it down."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+
+def serve(app, host: str, port: int, log_level: str, banner: str = "kimi-mlx server") -> None:
+    """Bind host:port (port 0: any free one), print the URL on stderr, run uvicorn until
+    interrupted (Ctrl-C / SIGTERM shut it down gracefully)."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    bound = sock.getsockname()[1]
+    where = f"[{host}]" if ":" in host else host
+    print(f"{banner}: listening on http://{where}:{bound} (GET /health says when the model "
+          "is loaded)", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(),
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
+        pass
+
+
+def run(args) -> int:
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_server_arguments(args)
+        spec = resolve_model_arg(args.model)
+        key = resolve_api_key(args)
+    except InputError as e:
+        print(f"kimi-mlx server: error: {e}", file=sys.stderr)
+        return 2
+    from .app import create_app
+
+    svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)
+
+    def load():
+        try:
+            load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
+                         args.max_queue, args.max_kv_size)
+            log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
+        except Exception as e:  # noqa: BLE001 - reported by /health and the log
+            svc.loading_error = f"loading {spec} failed: {type(e).__name__}: {e}"
+            log.error(svc.loading_error)
+
+    threading.Thread(target=load, name="kimi-mlx-load", daemon=True).start()
+    try:
+        serve(create_app(svc), args.host, args.port, args.log_level,
+              f"kimi-mlx server (model {svc.model_ids[0]})")
+    except InputError as e:
+        print(f"kimi-mlx server: error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if svc.engine is not None:
+            svc.engine.stop()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kimi-mlx server")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    os._exit(main())

@@ -1,0 +1,198 @@
+"""What the API modules share: the served model (`Service`), API errors, building a
+`Job` from checked parameters, and the async loop that turns a job's token events into
+reply events (`reply_events`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
+
+from pydantic import BaseModel, ValidationError
+
+from ..request import InputError, SamplingParams, check_context_strict
+from .engine import Busy, Failed, Finished, Job, TokenOut
+from .reply import Event, ReplyBuilder
+
+
+class APIError(Exception):
+    """An error answered to the client. status: HTTP status; kind: OpenAI error type
+    (invalid_request_error, authentication_error, not_found_error, ...)."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: Optional[str] = None, headers: Optional[Dict[str, str]] = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.headers = headers or {}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected."""
+
+
+@dataclass
+class Service:
+    """The served model and everything a request handler needs.
+
+    engine: `Engine` (or a cluster engine with the same `submit`); wrapper: mlx-lm
+    TokenizerWrapper; tok: our KimiTokenizer; context: max prompt + generated tokens;
+    model_ids: names a request's `model` may use (the first is what /v1/models lists);
+    defaults: sampling defaults (generation_config.json).
+    """
+
+    engine: Any = None
+    wrapper: Any = None
+    tok: Any = None
+    context: int = 0
+    model_ids: List[str] = field(default_factory=list)
+    defaults: SamplingParams = field(default_factory=SamplingParams)
+    api_key: Optional[str] = None
+    max_body_bytes: int = 8 << 20
+    created: int = 0
+    loading_error: Optional[str] = None
+    metrics: Any = None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def not_ready_reason(self) -> Optional[str]:
+        """None when serving; else why not (loading, failed load, lost stage)."""
+        if self.loading_error:
+            return self.loading_error
+        if self.engine is None:
+            return "the model is loading"
+        health = getattr(self.engine, "health", None)
+        return health() if health else None
+
+    def check_model(self, name: str) -> None:
+        if name not in self.model_ids:
+            raise APIError(404, f"model {name!r} is not served here; this server serves "
+                           f"{', '.join(repr(m) for m in self.model_ids)} (GET /v1/models)",
+                           "not_found_error", "model")
+
+
+def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
+    """JSON body -> pydantic model; APIError 413 past `limit` bytes, 400 for malformed
+    JSON or fields that fail validation (naming the field)."""
+    if len(raw) > limit:
+        raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {limit} "
+                       "bytes (--max-body-bytes)", "request_too_large")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
+
+
+def sampling_from(svc: Service, temperature, top_p, top_k, min_p, seed) -> SamplingParams:
+    """Request values over the server's defaults; APIError 400 for out-of-range ones."""
+    d = svc.defaults
+    p = SamplingParams(
+        temp=d.temp if temperature is None else float(temperature),
+        top_p=d.top_p if top_p is None else float(top_p),
+        min_p=d.min_p if min_p is None else float(min_p),
+        top_k=d.top_k if top_k is None else int(top_k),
+        seed=seed,
+    )
+    try:
+        return p.check()
+    except InputError as e:
+        raise APIError(400, str(e)) from None
+
+
+def logits_processors(req) -> Optional[list]:
+    """mlx-lm logits processors for penalties / logit_bias, or None."""
+    bias = getattr(req, "logit_bias", None)
+    pres, freq = getattr(req, "presence_penalty", None), getattr(req, "frequency_penalty", None)
+    rep = getattr(req, "repetition_penalty", None)
+    if not (bias or pres or freq or rep):
+        return None
+    from mlx_lm.sample_utils import make_logits_processors
+
+    try:
+        bias = {int(k): float(v) for k, v in (bias or {}).items()} or None
+    except ValueError:
+        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    return make_logits_processors(bias, rep, presence_penalty=pres, frequency_penalty=freq)
+
+
+def budget(svc: Service, n_prompt: int, max_tokens: Optional[int]) -> int:
+    """max_tokens for the job: as asked (APIError 400 naming both numbers when prompt +
+    max_tokens exceeds the context), or the room left when not given."""
+    if n_prompt >= svc.context:
+        raise APIError(400, f"the prompt is {n_prompt} tokens; this model's context is "
+                       f"{svc.context} tokens", param="messages")
+    if max_tokens is None:
+        return svc.context - n_prompt
+    try:
+        check_context_strict(n_prompt, max_tokens, svc.context)
+    except InputError as e:
+        raise APIError(400, str(e), param="max_tokens") from None
+    return max_tokens
+
+
+def stop_list(stop: Union[None, str, Sequence[str]]) -> List[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise APIError(400, "stop strings must be non-empty strings", param="stop")
+    return stops
+
+
+def submit(svc: Service, job: Job) -> Job:
+    """Queue a job whose events arrive on the running event loop; 503 when full."""
+    job.attach(asyncio.get_running_loop())
+    try:
+        return svc.engine.submit(job)
+    except Busy as e:
+        raise APIError(503, f"the server is busy: {e}; retry later", "overloaded_error",
+                       headers={"Retry-After": "1"}) from None
+
+
+async def reply_events(job: Job, builder: ReplyBuilder, request=None,
+                       poll: float = 0.25) -> AsyncIterator[Tuple[Event, Optional[TokenOut], Optional[Finished]]]:
+    """Feed a job's tokens through `builder`; yields (reply event, token or None,
+    Finished or None). The last item carries the Finished. Cancels the job when a stop
+    string matched; raises ClientGone (after cancelling) when `request`'s client left,
+    APIError 500 when generation failed."""
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
+    try:
+        while True:
+            try:
+                ev = await job.next_event(poll)
+            except asyncio.TimeoutError:
+                ev = None
+            if request is not None and loop.time() - checked >= poll:
+                # also while tokens flow: a non-streamed request learns of a client that
+                # left only by asking
+                checked = loop.time()
+                if await request.is_disconnected():
+                    raise ClientGone()
+            if ev is None:
+                continue
+            if isinstance(ev, TokenOut):
+                if builder.stopped:
+                    continue
+                out = builder.feed(ev.token)
+                if builder.stopped:
+                    job.cancel()
+                yield out, ev, None
+            elif isinstance(ev, Finished):
+                yield builder.finish(), None, ev
+                return
+            else:
+                assert isinstance(ev, Failed)
+                raise APIError(500, ev.message, "server_error")
+    finally:
+        job.cancel()  # no-op after Finished; frees the slot when the consumer left early

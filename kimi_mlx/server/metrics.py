@@ -1,0 +1,50 @@
+"""Prometheus metrics of one server (prometheus_client, a registry per app so that two
+servers in one process, as in tests, do not share counters)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for app.py)
+
+disable_created_metrics()  # no *_created series: clutter for a single-process server
+
+
+class Metrics:
+    """Requests by endpoint and status; prompt / generated / cached tokens; the last
+    request's prompt and generation tokens/s; prompt-cache hits; queue length."""
+
+    def __init__(self, queue_length=lambda: 0, active=lambda: 0):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kimi_mlx_requests", "HTTP requests", ["endpoint", "status"],
+                                registry=r)
+        self.prompt_tokens = Counter("kimi_mlx_prompt_tokens", "prompt tokens", registry=r)
+        self.generation_tokens = Counter("kimi_mlx_generation_tokens", "generated tokens",
+                                         registry=r)
+        self.cached_tokens = Counter("kimi_mlx_cached_prompt_tokens",
+                                     "prompt tokens served from the prompt cache", registry=r)
+        self.cache_hits = Counter("kimi_mlx_prompt_cache_hits", "requests that reused a "
+                                  "prompt-cache snapshot", registry=r)
+        self.prompt_tps = Gauge("kimi_mlx_prompt_tokens_per_second",
+                                "prompt tokens/s of the last finished request", registry=r)
+        self.generation_tps = Gauge("kimi_mlx_generation_tokens_per_second",
+                                    "generation tokens/s of the last finished request",
+                                    registry=r)
+        q = Gauge("kimi_mlx_queue_length", "requests waiting to start", registry=r)
+        q.set_function(queue_length)
+        a = Gauge("kimi_mlx_active_requests", "requests being generated", registry=r)
+        a.set_function(active)
+
+    def finished(self, done) -> None:
+        """Account an engine `Finished` event."""
+        self.prompt_tokens.inc(done.prompt_tokens)
+        self.generation_tokens.inc(done.generation_tokens)
+        if done.cached_tokens:
+            self.cached_tokens.inc(done.cached_tokens)
+            self.cache_hits.inc()
+        if done.prompt_tps:
+            self.prompt_tps.set(done.prompt_tps)
+        if done.generation_tps:
+            self.generation_tps.set(done.generation_tps)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

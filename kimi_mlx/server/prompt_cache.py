@@ -1,0 +1,70 @@
+"""Prompt cache across requests: snapshots of the whole model cache (KDA conv + recurrent
+state, DSA latents / rope keys / index keys) taken at segment ends (end of the system
+prompt, of each earlier turn) and every `every` prefill tokens, in an LRU bounded by bytes.
+
+KDA state cannot be trimmed, so a request can only start from a snapshot whose tokens are
+a prefix of its prompt; the longest such prefix wins. A hit restores a fresh cache from
+the snapshot (`kimi_mlx.cache.restore`), so a request never sees another's state, and at
+least the last prompt token always runs (it gives the first token's logits).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import Any, List, Optional, Sequence, Tuple
+
+from ..cache import restore, snapshot, snapshot_nbytes
+
+
+class PromptCache:
+    """LRU of (token prefix -> cache snapshot), at most `max_bytes` of arrays.
+
+    Thread-safe (the engine thread stores and fetches; /metrics reads counters)."""
+
+    def __init__(self, max_bytes: int, every: int = 1024):
+        self.max_bytes = max_bytes
+        self.every = every  # also snapshot every this many prefill tokens (long prompts)
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._entries: "OrderedDict[Tuple[int, ...], Tuple[Any, int]]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def store(self, prefix: Sequence[int], cache: List[Any]) -> None:
+        """Keep a snapshot of `cache`, which holds exactly the tokens `prefix`."""
+        key = tuple(prefix)
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return
+        snap = snapshot(cache)
+        size = snapshot_nbytes(snap)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            self._entries[key] = (snap, size)
+            self.nbytes += size
+            while self.nbytes > self.max_bytes:
+                _, (_, n) = self._entries.popitem(last=False)
+                self.nbytes -= n
+
+    def fetch(self, ids: Sequence[int]) -> Tuple[Optional[List[Any]], int]:
+        """(fresh cache restored from the longest stored prefix of ids[:-1], its length),
+        or (None, 0) on a miss."""
+        best = None
+        with self._lock:
+            for key in self._entries:
+                n = len(key)
+                if n < len(ids) and (best is None or n > len(best)) and tuple(ids[:n]) == key:
+                    best = key
+            if best is None:
+                self.misses += 1
+                return None, 0
+            self._entries.move_to_end(best)
+            snap = self._entries[best][0]
+            self.hits += 1
+        return restore(snap), len(best)
