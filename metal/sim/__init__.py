@@ -9,7 +9,8 @@ the same call signature (``inputs``, ``template``, ``grid``, ``threadgroup``,
    ``constant`` for inputs under 8 elements, ``&`` for scalars,
    ``<name>_shape/_strides/_ndim`` and thread attributes when the body names
    them, template parameters) and its C++ translation over ``metal_sim.h``;
-2. compiles it with g++ (-O2, C++20), cached under ``cache_dir()``
+2. compiles it with g++ (-O2, C++20; with the race checker also
+   ``-fsanitize=thread -g1``, linked without libtsan), cached under ``cache_dir()``
    (``$KIMI_MLX_SIM_CACHE`` or ``~/.cache/kimi-mlx/metal-sim``) by a hash of
    the generated sources, the headers, the flags and the compiler version;
 3. runs every threadgroup of the grid (the grid counts threads, as MLX's

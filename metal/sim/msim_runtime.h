@@ -181,6 +181,10 @@ struct Sched {
 };
 
 thread_local Sched* g_sched = nullptr;
+// The running dispatch for the kernel-side api (dispatches run one at a time;
+// a plain global spares the hot paths a TLS lookup from this shared library).
+// The signal handler keeps using g_sched to tell our faults from others'.
+Sched* g_run = nullptr;
 
 // Fiber side: suspend this thread and resume the scheduler.
 inline void to_scheduler(Context& self, Context& main) {
@@ -258,7 +262,7 @@ std::string site(const char* file, uint32_t line, uint32_t col) {
 uint32_t api_simd_sync(int kind, const void* value, uint32_t size,
                        const char* file, uint32_t line, uint32_t col,
                        const unsigned char** lanes, uint32_t* lane) {
-  Sched* s = g_sched;
+  Sched* s = g_run;
   SimThread& t = s->threads[s->cur];
   if (size > MSIM_LANE_BYTES) {
     fail_current(MSIM_ERR_KERNEL,
@@ -281,7 +285,7 @@ uint32_t api_simd_sync(int kind, const void* value, uint32_t size,
 }
 
 void api_barrier(const char* file, uint32_t line, uint32_t col, int flags) {
-  Sched* s = g_sched;
+  Sched* s = g_run;
   SimThread& t = s->threads[s->cur];
   t.state = T_AT_BARRIER;
   t.file = file;
@@ -416,19 +420,23 @@ bool settle_all(Sched* s) {
 }
 
 [[noreturn]] void abandon_race() {
-  Sched* s = g_sched;
+  Sched* s = g_run;
   abandon_to_scheduler(s->main_ctx);
 }
 
+// One access `now` (by thread now.tid, this epoch) to the byte at `addr`.
 inline void track_byte(Sched* s, int space, Cell& c, uintptr_t addr,
-                       bool write, const void* pc) {
-  int tid = s->cur;
+                       bool write, const Access& now) {
+  int tid = now.tid;
   if (c.gen != g_gen) {
     c = Cell();
     c.gen = g_gen;
+  } else if (write && c.w.tid == tid && c.r[0].tid < 0 && c.r[1].tid < 0 &&
+             !c.pending) {
+    c.w = now;  // a thread rewriting its own data: nothing to check
+    return;
   }
   if (c.pending && !settle(s, space, c, addr)) abandon_race();
-  Access now{tid, s->ep[space], s->sg_ep[space][tid / 32], pc};
   if (c.w.tid >= 0 && c.w.tid != tid && !ordered(s, space, c.w, tid)) {
     if (!write) {
       set_race(s, space, addr, c.w, true, now, false);
@@ -467,21 +475,24 @@ inline void track_byte(Sched* s, int space, Cell& c, uintptr_t addr,
 }
 
 void api_access(const void* addr, uint32_t size, int is_write, const void* pc) {
-  Sched* s = g_sched;
+  Sched* s = g_run;
   if (s == nullptr || !s->race || s->cur < 0) return;
   uintptr_t a = (uintptr_t)addr;
   const msim_race_window& w = s->window;
+  int tid = s->cur;
   if (a + size > w.tg_lo && a < w.tg_hi) {
+    const Access now{tid, s->ep[SPACE_TG], s->sg_ep[SPACE_TG][tid / 32], pc};
     for (uint32_t i = 0; i < size; ++i) {
       uintptr_t x = a + i;
       if (x < w.tg_lo || x >= w.tg_hi) continue;
-      track_byte(s, SPACE_TG, g_tg_shadow[x - w.tg_lo], x, is_write != 0, pc);
+      track_byte(s, SPACE_TG, g_tg_shadow[x - w.tg_lo], x, is_write != 0, now);
     }
     return;
   }
   for (const msim_buffer* b : s->writable) {
     uintptr_t lo = (uintptr_t)b->ptr + b->lo, hi = (uintptr_t)b->ptr + b->hi;
     if (a + size <= lo || a >= hi) continue;
+    const Access now{tid, s->ep[SPACE_DEV], s->sg_ep[SPACE_DEV][tid / 32], pc};
     Cells4* q = nullptr;
     uintptr_t qkey = 0;
     for (uint32_t i = 0; i < size; ++i) {
@@ -491,7 +502,7 @@ void api_access(const void* addr, uint32_t size, int is_write, const void* pc) {
         qkey = x >> 2;
         q = &g_dev_shadow[qkey];
       }
-      track_byte(s, SPACE_DEV, q->c[x & 3], x, is_write != 0, pc);
+      track_byte(s, SPACE_DEV, q->c[x & 3], x, is_write != 0, now);
     }
     return;
   }
@@ -499,7 +510,7 @@ void api_access(const void* addr, uint32_t size, int is_write, const void* pc) {
 
 void* api_tg_alloc(uint32_t slot, uint64_t size, uint64_t align,
                    const char* name, uint32_t elem_size) {
-  Sched* s = g_sched;
+  Sched* s = g_run;
   for (const TgVar& v : s->tg_vars) {
     if (v.slot == slot) {
       if (v.size != size) {
@@ -989,6 +1000,7 @@ extern "C" int msim_dispatch(const msim_launch* L) {
   Sched* s = new Sched();
   Sched* prev = g_sched;
   g_sched = s;
+  g_run = s;
   s->L = L;
   s->threads.resize(tg_threads);
   s->lanes.assign(((tg_threads + 31) / 32) * 32 * MSIM_LANE_BYTES, 0);
@@ -1003,6 +1015,7 @@ extern "C" int msim_dispatch(const msim_launch* L) {
   if (m == MAP_FAILED) {
     set_err(L, "could not map fiber stacks");
     g_sched = prev;
+  g_run = nullptr;
     delete s;
     return MSIM_ERR_CONFIG;
   }
@@ -1080,6 +1093,7 @@ extern "C" int msim_dispatch(const msim_launch* L) {
   if (code != MSIM_OK) set_err(L, s->err);
   munmap(s->stack_map, s->stack_map_len);
   g_sched = prev;
+  g_run = nullptr;
   delete s;
   return code;
 }
