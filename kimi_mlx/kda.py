@@ -86,28 +86,35 @@ class KimiDeltaAttention(nn.Module):
             conv_state = mx.zeros((B, self.conv_size - 1, 3 * P), dtype=x.dtype)
         if state is None:
             state = mx.zeros((B, H, D, D), dtype=mx.float32)
-        if T == 1 and not self.training and kernel_mode() != "sim":
+        # A speculative verify step records this layer's per-token inputs for an exact
+        # rollback (kimi_mlx/rollback.py sets the record on the cache).
+        record = getattr(cache, "verify_record", None)
+        if T == 1 and not self.training and kernel_mode() != "sim" and record is None:
             # One decode token: a compiled graph (fused elementwise ops, no per-op overhead).
             # Not under the emulator: its kernels read their inputs, which a trace cannot.
             if self._decode is None:
                 self._decode = mx.compile(self._forward)
             y, conv_state, state = self._decode(x, conv_state, state)
         else:
-            y, conv_state, state = self._forward(x, conv_state, state)
+            y, conv_state, state = self._forward(x, conv_state, state, record)
         if cache is not None:
             cache[0], cache[1] = conv_state, state
         return y
 
-    def _forward(self, x: mx.array, conv_state: mx.array, state: mx.array):
-        """(y [B, T, hidden], conv state [B, K-1, 3P], recurrent state [B, H, Dv, Dk])."""
+    def _forward(self, x: mx.array, conv_state: mx.array, state: mx.array, record=None):
+        """(y [B, T, hidden], conv state [B, K-1, 3P], recurrent state [B, H, Dv, Dk]).
+
+        record: a `rollback.KDARecord` to receive the per-token inputs, or None.
+        """
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         P = H * D
 
-        streams, new_conv = [], []
+        streams, new_conv, conv_in = [], [], []
         for i, name in enumerate("qkv"):
+            conv_in.append(getattr(self, f"{name}_proj")(x))
             y, s = causal_depthwise_conv(
-                getattr(self, f"{name}_proj")(x),
+                conv_in[-1],
                 getattr(self, f"{name}_conv1d").weight,
                 conv_state[..., i * P : (i + 1) * P],
             )
@@ -115,11 +122,12 @@ class KimiDeltaAttention(nn.Module):
             new_conv.append(s)
         q, k, v = streams
         raw = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
+        b = self.b_proj(x)
+        if record is not None:
+            record.capture(self, mx.concatenate(conv_in, axis=-1), q, k, v, raw, b)
         lower = float(self.lower_bound) if self.lower_bound is not None else None
         # L2 norms, gate, beta and the recurrence (kernel or reference: metal/kda.py).
-        o, state = kda_forward(
-            q, k, v, raw, self.b_proj(x), self.A_log, self.dt_bias, state, lower, D**-0.5
-        )
+        o, state = kda_forward(q, k, v, raw, b, self.A_log, self.dt_bias, state, lower, D**-0.5)
 
         gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
         o = (self.o_norm(o.astype(x.dtype)) * gate).astype(x.dtype)  # o_norm is F32 on disk
