@@ -75,6 +75,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self.o_proj = nn.Linear(P, d, bias=False)
         self._decode = None
+        self._verify = None
 
     def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
         B, T, _ = x.shape
@@ -89,17 +90,30 @@ class KimiDeltaAttention(nn.Module):
         # A speculative verify step records this layer's per-token inputs for an exact
         # rollback (kimi_mlx/rollback.py sets the record on the cache).
         record = getattr(cache, "verify_record", None)
-        if T == 1 and not self.training and kernel_mode() != "sim" and record is None:
+        compiled = not self.training and kernel_mode() != "sim"
+        if T == 1 and compiled and record is None:
             # One decode token: a compiled graph (fused elementwise ops, no per-op overhead).
             # Not under the emulator: its kernels read their inputs, which a trace cannot.
             if self._decode is None:
                 self._decode = mx.compile(self._forward)
             y, conv_state, state = self._decode(x, conv_state, state)
+        elif record is not None and compiled:
+            # A verify step (a few tokens): compiled too, the recorded inputs as outputs.
+            if self._verify is None:
+                self._verify = mx.compile(self._forward_recorded)
+            y, conv_state, state, *inputs = self._verify(x, conv_state, state)
+            record.capture(self, *inputs)
         else:
             y, conv_state, state = self._forward(x, conv_state, state, record)
         if cache is not None:
             cache[0], cache[1] = conv_state, state
         return y
+
+    def _forward_recorded(self, x: mx.array, conv_state: mx.array, state: mx.array):
+        """`_forward`'s outputs followed by the inputs a rollback replays (see
+        `rollback.KDARecord`: conv_in, q, k, v, a, b)."""
+        rec = _Recorded()
+        return (*self._forward(x, conv_state, state, rec), *rec.arrays)
 
     def _forward(self, x: mx.array, conv_state: mx.array, state: mx.array, record=None):
         """(y [B, T, hidden], conv state [B, K-1, 3P], recurrent state [B, H, Dv, Dk]).
@@ -132,6 +146,13 @@ class KimiDeltaAttention(nn.Module):
         gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
         o = (self.o_norm(o.astype(x.dtype)) * gate).astype(x.dtype)  # o_norm is F32 on disk
         return self.o_proj(o.reshape(B, T, P)), mx.concatenate(new_conv, axis=-1), state
+
+
+class _Recorded:
+    """Collects the arrays `_forward` records, inside a compiled trace."""
+
+    def capture(self, layer, *arrays):
+        self.arrays = arrays
 
 
 class _Conv(nn.Module):
