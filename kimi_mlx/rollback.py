@@ -38,6 +38,8 @@ from typing import Any, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from .metal.dispatch import kernel_mode
+
 __all__ = ["RollbackError", "KDARecord", "Verify", "snapshot", "restore", "begin_verify",
            "rollback", "end_verify"]
 
@@ -203,8 +205,20 @@ def _replay(rec: KDARecord, conv0, state0, n: int):
     xs = mx.concatenate([conv0.astype(rec.conv_in.dtype), rec.conv_in[:, :n]], axis=1)
     conv = xs[:, n : n + K1]
     lower = float(layer.lower_bound) if layer.lower_bound is not None else None
-    _, state = kda_decode(
+    replay = kda_decode if kernel_mode() == "sim" else _compiled_decode
+    _, state = replay(
         rec.q[:, :n], rec.k[:, :n], rec.v[:, :n], rec.a[:, :n], rec.b[:, :n],
         layer.A_log, layer.dt_bias, state0, lower, D**-0.5,
     )
     return conv, state
+
+
+def _decode_fn(q, k, v, a, b, A_log, dt_bias, state, lower, scale):
+    from .metal.kda import kda_decode
+
+    return kda_decode(q, k, v, a, b, A_log, dt_bias, state, lower, scale)
+
+
+# One graph per (n, shapes): the replay is a few fused elementwise passes over the state
+# instead of a Python-level op sequence per token (the decode step compiles the same way).
+_compiled_decode = mx.compile(_decode_fn)

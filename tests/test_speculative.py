@@ -389,3 +389,33 @@ def test_generate_with_a_draft_prints_the_plain_greedy_text(tiny_ckpt, capsys):
     out = capsys.readouterr().out
     assert out.split("==========")[1] == plain
     assert "Speculative:" in out and "accepted per step" in out
+
+
+def test_chat_turns_with_a_draft_equal_plain_chat_and_reuse_the_caches(tiny_ckpt, draft):
+    """Greedy chat turns give the same replies with and without speculation, also when the
+    speculative turn is served from target + draft caches that already hold the prefix."""
+    from mlx_lm.sample_utils import make_sampler
+
+    from kimi_mlx.chat_cli import Conversation, chat_turn
+    from kimi_mlx.chat_format import encode_chat
+    from kimi_mlx.generate import load_for_generation
+    from kimi_mlx.speculative import Speculation
+
+    model, wrapper, tok, _ = load_for_generation(str(tiny_ckpt))
+    greedy = make_sampler(0.0)
+    plain, fast = Conversation(), Conversation()
+    sp = Speculation(draft, 3)  # the module's perturbed tiny model: same vocab and layout
+    a = chat_turn(model, wrapper, tok, plain, "hi", "low", greedy, 8, 4096)
+    b = chat_turn(model, wrapper, tok, fast, "hi", "low", greedy, 8, 4096, speculation=sp)
+    assert a == b and sp.stats.steps > 0
+
+    prefix = encode_chat(tok, fast.messages, reasoning_effort="low", add_generation_prompt=False)
+    fast.cache = model.make_cache() + draft.make_cache()
+    model(mx.array([prefix]), fast.cache[: len(model.layers)])
+    draft(mx.array([prefix]), fast.cache[len(model.layers):])
+    fast.processed = prefix
+    a = chat_turn(model, wrapper, tok, plain, "and then?", "low", greedy, 8, 4096,
+                  reuse_cache=False)
+    b = chat_turn(model, wrapper, tok, fast, "and then?", "low", greedy, 8, 4096, speculation=sp)
+    assert fast.reused_tokens == len(prefix) > 10
+    assert a == b
