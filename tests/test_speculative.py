@@ -419,3 +419,38 @@ def test_chat_turns_with_a_draft_equal_plain_chat_and_reuse_the_caches(tiny_ckpt
     b = chat_turn(model, wrapper, tok, fast, "and then?", "low", greedy, 8, 4096, speculation=sp)
     assert fast.reused_tokens == len(prefix) > 10
     assert a == b
+
+
+# ------------------------------------------------------------------ the shipped draft
+
+
+def test_shipped_micro_draft_matches_micro_and_keeps_its_greedy_output():
+    """kimi_mlx/assets/micro-draft: same tokenizer as micro (checked by the loader), and
+    speculative greedy text from micro equals its plain greedy text on real code."""
+    from kimi_mlx.generate import load_for_generation
+    from kimi_mlx.spec_bench import default_draft
+    from kimi_mlx.speculative import load_draft
+
+    path = default_draft()
+    assert path is not None, "kimi_mlx/assets/micro-draft is missing (make micro-draft)"
+    micro = path.parent / "micro"
+    model, wrapper, tok, _ = load_for_generation(str(micro))
+    d = load_draft(str(path), wrapper, str(micro))
+    assert len(d.layers) == 2
+    prompt = tok.encode('class Queue:\n    """A simple FIFO queue."""\n\n    def __init__(self')
+    plain = [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=24)]
+    stats = SpecStats()
+    got = [t for t, _, _ in speculative_generate_step(prompt, model, d, num_draft_tokens=3,
+                                                      max_tokens=24, stats=stats)]
+    assert got == plain
+    assert stats.mean_accepted > 0.5  # distilled: far above a random 2-layer model (~0)
+
+
+def test_bench_rows_have_the_figures(target, draft):
+    from kimi_mlx.spec_bench import bench
+
+    rows = bench(target, draft, [[1, 2, 3, 4, 5]], tokens=6, ks=[1, 2], repeats=1)
+    assert [r["k"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["plain_tps"] > 0 and r["spec_tps"] > 0 and 0 <= r["mean_accepted"] <= r["k"]
+        assert r["speedup"] == pytest.approx(r["spec_tps"] / r["plain_tps"])
