@@ -156,10 +156,11 @@ class Speculation:
                 f"{s.emitted / max(s.steps, 1):.2f} tokens per target pass")
 
 
-def _vocab_align(logits: mx.array, vocab: int) -> mx.array:
-    """Draft logits [..., Vd] -> [..., vocab]: extra rows cut, missing ones -inf."""
+def _vocab_align(logits: mx.array, vocab: Optional[int]) -> mx.array:
+    """Draft logits [..., Vd] -> [..., vocab]: extra rows cut, missing ones -inf (a
+    checkpoint may pad its vocabulary differently from the tokenizer's)."""
     vd = logits.shape[-1]
-    if vd == vocab:
+    if vocab is None or vd == vocab:
         return logits
     if vd > vocab:
         return logits[..., :vocab]
@@ -223,6 +224,7 @@ def speculative_generate_step(
     _prefill(draft_model, draft_cache, prompt[:-1], prefill_step_size)
     _prefill(model, model_cache, prompt[:-1], prefill_step_size)
 
+    vocab = model_vocab(model)
     y = prompt[-1]  # last token, not yet fed to the target
     draft_in: List[int] = [y]  # tokens not yet fed to the draft (ends with y)
     ntoks = 0
@@ -245,18 +247,16 @@ def speculative_generate_step(
         while max_tokens < 0 or ntoks < max_tokens:
             left = num_draft_tokens if max_tokens < 0 else max_tokens - ntoks - 1
             k = min(num_draft_tokens, left)
-            vocab = None
             # Draft: k tokens, one forward each; a snapshot after each (references).
             snaps, drafts, q_lps = [], [], []
             feed = mx.array(draft_in)
             for _ in range(k):
-                logits = draft_model(feed[None], cache=draft_cache)[0, -1]
+                logits = _vocab_align(draft_model(feed[None], cache=draft_cache)[0, -1], vocab)
                 snaps.append(snapshot(draft_cache))
                 if sampling.greedy:
                     d = mx.argmax(logits, axis=-1)
                 else:
-                    vocab = vocab or model_vocab(model)
-                    lq = sampling.log_probs(_vocab_align(logits, vocab))
+                    lq = sampling.log_probs(logits)
                     d = mx.random.categorical(lq)
                     q_lps.append(lq)
                 mx.async_eval(d)
@@ -307,18 +307,16 @@ def speculative_generate_step(
         elif step is not None:
             rollback(model_cache, step[0], 0)
             end_verify(model_cache)
+        end_verify(model_cache)  # also after an error inside a verify step
         if len(draft_in) > 1:  # leave the draft with every token but the last, too
             draft_model(mx.array(draft_in[:-1])[None], cache=draft_cache)
             mx.eval([c.state for c in draft_cache])
 
 
-def model_vocab(model) -> int:
-    """Output vocabulary size of a kimi-mlx or mlx-lm model (its args' vocab_size)."""
-    args = getattr(model, "args", None)
-    v = getattr(args, "vocab_size", None)
-    if v is None:
-        raise ValueError(f"{type(model).__name__}: no args.vocab_size")
-    return v
+def model_vocab(model) -> Optional[int]:
+    """Output vocabulary size of a kimi-mlx or mlx-lm model (its args' vocab_size), or
+    None when the model does not say (draft logits are then used as they are)."""
+    return getattr(getattr(model, "args", None), "vocab_size", None)
 
 
 def stream_speculative(
