@@ -454,3 +454,12 @@ def test_bench_rows_have_the_figures(target, draft):
     for r in rows:
         assert r["plain_tps"] > 0 and r["spec_tps"] > 0 and 0 <= r["mean_accepted"] <= r["k"]
         assert r["speedup"] == pytest.approx(r["spec_tps"] / r["plain_tps"])
+
+
+def test_cluster_launch_refuses_a_draft_before_contacting_nodes(capsys):
+    from kimi_mlx import cli
+
+    rc = cli.main(["cluster", "launch", "--draft-model", "x", "--prompt", "hi",
+                   "--nodes", "127.0.0.1:1"])
+    assert rc == 2
+    assert "--draft-model" in capsys.readouterr().err
