@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install demo test check-real bench bench-prune bench-server micro proto clean
+.PHONY: install demo test check-real bench bench-prune bench-server bench-spec micro micro-draft proto clean
 
 install: $(STAMP)
 
@@ -39,6 +39,10 @@ demo: install
 	@printf '\n[prose prompt]\nThe "for" statement is used to\n'
 	@$(BIN)/kimi-mlx generate --ignore-chat-template --temp 0 --max-tokens 64 \
 	  --prompt 'The "for" statement is used to'
+	@printf '\n[speculative decoding: the code prompt again, drafted by micro-draft, 3 drafts per step; same text]\n'
+	@printf 'class Queue:\n    """A simple FIFO queue."""\n\n    def __init__(self' | \
+	  $(BIN)/kimi-mlx generate --ignore-chat-template --temp 0 --max-tokens 64 \
+	  --draft-model kimi_mlx/assets/micro-draft --num-draft-tokens 3 --prompt -
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -65,6 +69,13 @@ bench-prune: install
 
 micro: install
 	$(BIN)/python -m kimi_mlx.micro.train
+
+# The draft for speculative decoding with the micro model, distilled from it (~10 min).
+micro-draft: install
+	$(BIN)/python -m kimi_mlx.micro.draft
+
+bench-spec: install
+	$(BIN)/kimi-mlx bench spec
 
 # The proto's import path is kimi_mlx/cluster/ so the generated stub imports the installed package.
 proto: install

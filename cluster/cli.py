@@ -440,6 +440,9 @@ def _launch(args) -> int:
 
     try:
         check_model_arguments(args)
+        if getattr(args, "draft_model", None):
+            raise InputError("--draft-model: speculative decoding through the pipeline is "
+                             "not built yet; use it with kimi-mlx generate or chat")
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):

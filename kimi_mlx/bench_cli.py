@@ -44,6 +44,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
     m.add_argument("--decode", type=int, default=32, help="decode steps (default 32)")
     m.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    s = sub.add_parser("spec", help="speculative vs plain decoding tokens/s for k = 1..6",
+                       description="Speculative decoding (greedy) against plain decoding in "
+                       "one process: mean accepted drafts per verify step and tokens/s for "
+                       "each k, plus the KDA rollback cost at K3.1's size "
+                       "(kimi_mlx.spec_bench).")
+    s.add_argument("--model", default=None, help="target (default: the shipped micro model)")
+    s.add_argument("--draft-model", default=None,
+                   help="draft (default: the shipped micro-draft)")
+    s.add_argument("--tokens", type=int, default=48, help="tokens per generation (default 48)")
+    s.add_argument("--ks", default="1,2,3,4,5,6", help="draft counts (default 1,2,3,4,5,6)")
+    s.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
+    s.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,6 +64,12 @@ def run(args: argparse.Namespace) -> int:
 
         return main(["--prompt", str(args.prompt), "--decode", str(args.decode),
                      "--repeats", str(args.repeats)])
+    if args.what == "spec":
+        from .spec_bench import main as spec_main
+
+        ks = [int(k) for k in args.ks.split(",")]
+        return spec_main(args.model, args.draft_model, args.tokens, ks, args.repeats,
+                         args.prompts)
     if args.what == "kernels":
         on_mac = mx.metal.is_available()
         prefill = args.prefill or (2048 if on_mac else 512)
@@ -59,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         rows = kernel_rows(prefill, args.context, args.repeats, on_mac)
         print_kernels(ratio, rows, on_mac)
         return 0
-    print("usage: kimi-mlx bench {kernels,model} [options]  (see kimi-mlx bench -h)")
+    print("usage: kimi-mlx bench {kernels,model,spec} [options]  (see kimi-mlx bench -h)")
     return 2
 
 

@@ -13,14 +13,16 @@ from __future__ import annotations
 import sys
 from typing import List
 
-from .generate import (EFFORTS, InputError, add_model_arguments, check_model_arguments,
-                       load_for_generation, resolve_model_arg, token_budget)
+from .generate import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
+                       check_draft_arguments, check_model_arguments, load_for_generation,
+                       load_speculation, resolve_model_arg, token_budget)
 
 
 def add_arguments(p) -> None:
     p.epilog = f"In the chat: {COMMANDS}."
     add_model_arguments(p)
     p.add_argument("--system-prompt", default=None, help="system message")
+    add_draft_arguments(p)
 
 
 COMMANDS = "/help, /reset, /effort low|high|max, /exit (or Ctrl-D); Ctrl-C stops a reply"
@@ -51,9 +53,12 @@ class Conversation:
 
 
 def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, sampler,
-              max_tokens: int, context: int, reuse_cache: bool = True, on_text=None) -> dict:
+              max_tokens: int, context: int, reuse_cache: bool = True, on_text=None,
+              speculation=None) -> dict:
     """One user turn: encode the whole conversation (with earlier reasoning), generate,
     store the reply with its `reasoning_content`; returns parse_reply's dict.
+    With `speculation` (`speculative.Speculation`) the reply is decoded speculatively and
+    the conversation's cache holds the target's caches followed by the draft's.
 
     Afterwards `conv.processed` is exactly the ids in `conv.cache`. The cache is reused
     when the new prompt extends those ids, else the conversation is prefilled afresh.
@@ -79,13 +84,25 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     n = len(conv.processed)
     if not reuse_cache or conv.cache is None or ids[:n] != conv.processed or n >= len(ids):
         conv.cache, n = model.make_cache(), 0  # the old cache object stays untouched
+        if speculation is not None:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            conv.cache += make_prompt_cache(speculation.draft)
     mark = checkpoint(conv.cache) if n else None
     conv.reused_tokens = n
     stream = ReplyStream()
     generated: List[int] = []
     finish = None
-    responses = stream_generate(model, wrapper, ids[n:], sampler=sampler, prompt_cache=conv.cache,
-                                max_tokens=token_budget(len(ids), max_tokens, context))
+    budget = token_budget(len(ids), max_tokens, context)
+    if speculation is None:
+        responses = stream_generate(model, wrapper, ids[n:], sampler=sampler,
+                                    prompt_cache=conv.cache, max_tokens=budget)
+    else:
+        from .speculative import stream_speculative
+
+        responses = stream_speculative(model, speculation.draft, wrapper, ids[n:],
+                                       max_tokens=budget, prompt_cache=conv.cache,
+                                       **speculation.kwargs())
     try:
         for r in responses:
             generated.append(r.token)
@@ -101,7 +118,10 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
         conv.cache, conv.processed, conv.reused_tokens = before
         del conv.messages[n_messages:]
         raise
-    conv.processed = tokens_in_cache(ids, generated)
+    if speculation is None:
+        conv.processed = tokens_in_cache(ids, generated)
+    else:  # stream_speculative leaves the last yielded token unfed (target and draft)
+        conv.processed = ids + generated[:-1]
     if finish == "length" and len(ids) + len(generated) >= context:
         print(f"\n[reply cut at the context of {context} tokens; /reset to start over]",
               file=sys.stderr)
@@ -117,7 +137,10 @@ def run(args) -> int:
 
     try:
         check_model_arguments(args)
-        model, wrapper, tok, _ = load_for_generation(resolve_model_arg(args.model))
+        check_draft_arguments(args)
+        spec = resolve_model_arg(args.model)
+        model, wrapper, tok, _ = load_for_generation(spec)
+        speculation = load_speculation(args, wrapper, spec)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx chat: error: {e}", file=sys.stderr)
         return 2
@@ -167,7 +190,7 @@ def run(args) -> int:
             continue
         try:
             chat_turn(model, wrapper, tok, conv, line, effort, sampler, args.max_tokens,
-                      context, on_text=show)
+                      context, on_text=show, speculation=speculation)
         except InputError as e:
             print(e, file=sys.stderr)
         except KeyboardInterrupt:  # Ctrl-C while replying: chat_turn undid this turn

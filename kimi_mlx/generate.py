@@ -26,16 +26,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="feed the prompt as raw text, without the chat encoding")
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
                    default=True, help="print timing and memory at the end (default: True)")
+    add_draft_arguments(p)
 
 
-def stream(model, wrapper, prompt_ids: List[int], args) -> Iterator:
-    """mlx-lm `stream_generate` with our sampler settings; yields GenerationResponse."""
+def add_draft_arguments(p: argparse.ArgumentParser) -> None:
+    """--draft-model / --num-draft-tokens (mlx-lm's names): speculative decoding."""
+    p.add_argument("--draft-model", default=None,
+                   help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint or "
+                        "any mlx-lm model with the same tokenizer (output stays the model's)")
+    p.add_argument("--num-draft-tokens", type=int, default=3,
+                   help="tokens the draft proposes per verify step (default 3)")
+
+
+def check_draft_arguments(args) -> None:
+    """InputError when --num-draft-tokens < 1 while a --draft-model is given."""
+    if getattr(args, "draft_model", None) and args.num_draft_tokens < 1:
+        raise InputError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
+
+
+def load_speculation(args, wrapper, target_name: str):
+    """The `speculative.Speculation` for --draft-model (None without one): the draft
+    loaded and its tokenizer checked against the target's (`speculative.load_draft`)."""
+    if not getattr(args, "draft_model", None):
+        return None
+    from .speculative import Sampling, Speculation, load_draft
+
+    draft = load_draft(args.draft_model, wrapper, target_name)
+    return Speculation(draft, args.num_draft_tokens,
+                       Sampling(args.temp, args.top_p, args.min_p, args.top_k))
+
+
+def stream(model, wrapper, prompt_ids: List[int], args, speculation=None) -> Iterator:
+    """mlx-lm `stream_generate` with our sampler settings, or speculative decoding with
+    `speculation` (`speculative.stream_speculative`); yields GenerationResponse."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     if args.seed is not None:
         mx.random.seed(args.seed)
+    if speculation is not None:
+        from .speculative import stream_speculative
+
+        yield from stream_speculative(model, speculation.draft, wrapper, prompt_ids,
+                                      max_tokens=args.max_tokens, **speculation.kwargs())
+        return
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     yield from stream_generate(
         model, wrapper, prompt_ids, max_tokens=args.max_tokens, sampler=sampler
@@ -45,6 +80,7 @@ def stream(model, wrapper, prompt_ids: List[int], args) -> Iterator:
 def run(args) -> int:
     try:
         check_model_arguments(args)
+        check_draft_arguments(args)
         spec = resolve_model_arg(args.model)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         if prompt is None:
@@ -57,11 +93,15 @@ def run(args) -> int:
         if args.max_kv_size:
             context, source = min(context, args.max_kv_size), "--max-kv-size"
         args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
+        speculation = load_speculation(args, wrapper, spec)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx generate: error: {e}", file=sys.stderr)
         return 2
 
-    return print_generation(args, stream(model, wrapper, ids, args))
+    rc = print_generation(args, stream(model, wrapper, ids, args, speculation))
+    if speculation is not None and args.verbose:
+        print(speculation.summary())
+    return rc
 
 
 def print_generation(args, responses) -> int:

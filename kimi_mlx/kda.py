@@ -75,6 +75,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.RMSNorm(D, eps=args.rms_norm_eps)
         self.o_proj = nn.Linear(P, d, bias=False)
         self._decode = None
+        self._verify = None
 
     def __call__(self, x: mx.array, cache: Optional[Any] = None) -> mx.array:
         B, T, _ = x.shape
@@ -86,31 +87,50 @@ class KimiDeltaAttention(nn.Module):
             conv_state = mx.zeros((B, self.conv_size - 1, 3 * P), dtype=x.dtype)
         if state is None:
             state = mx.zeros((B, H, D, D), dtype=mx.float32)
+        # A right-padded batch prefill (mlx-lm BatchGenerator) gives each row's real token
+        # count in this chunk; padded steps must leave both states untouched. A speculative
+        # verify step records this layer's per-token inputs for an exact rollback
+        # (kimi_mlx/rollback.py sets the record on the cache).
         lengths = getattr(cache, "lengths", None)
+        record = getattr(cache, "verify_record", None)
+        compiled = not self.training and kernel_mode() != "sim"
         if lengths is not None:
-            # right-padded batch prefill (mlx-lm BatchGenerator): row b has lengths[b] real
-            # tokens in this chunk; padded steps must leave both states untouched
-            y, conv_state, state = self._forward(x, conv_state, state, lengths)
-        elif T == 1 and not self.training and kernel_mode() != "sim":
+            y, conv_state, state = self._forward(x, conv_state, state, lengths=lengths,
+                                                 record=record)
+        elif T == 1 and compiled and record is None:
             # One decode token: a compiled graph (fused elementwise ops, no per-op overhead).
             # Not under the emulator: its kernels read their inputs, which a trace cannot.
             if self._decode is None:
                 self._decode = mx.compile(self._forward)
             y, conv_state, state = self._decode(x, conv_state, state)
+        elif record is not None and compiled:
+            # A verify step (a few tokens): compiled too, the recorded inputs as outputs.
+            if self._verify is None:
+                self._verify = mx.compile(self._forward_recorded)
+            y, conv_state, state, *inputs = self._verify(x, conv_state, state)
+            record.capture(self, *inputs)
         else:
-            y, conv_state, state = self._forward(x, conv_state, state)
+            y, conv_state, state = self._forward(x, conv_state, state, record=record)
         if cache is not None:
             cache[0], cache[1] = conv_state, state
             if hasattr(cache, "advance"):
                 cache.advance(T)  # counts down the batch padding bookkeeping
         return y
 
+    def _forward_recorded(self, x: mx.array, conv_state: mx.array, state: mx.array):
+        """`_forward`'s outputs followed by the inputs a rollback replays (see
+        `rollback.KDARecord`: conv_in, q, k, v, a, b)."""
+        rec = _Recorded()
+        return (*self._forward(x, conv_state, state, record=rec), *rec.arrays)
+
     def _forward(self, x: mx.array, conv_state: mx.array, state: mx.array,
-                 lengths: Optional[mx.array] = None):
+                 lengths: Optional[mx.array] = None, record=None):
         """(y [B, T, hidden], conv state [B, K-1, 3P], recurrent state [B, H, Dv, Dk]).
 
         lengths [B] (batched prefill): tokens past lengths[b] are padding; the returned
-        states are those after row b's last real token (outputs there are don't-care)."""
+        states are those after row b's last real token (outputs there are don't-care).
+        record: a `rollback.KDARecord` to receive the per-token inputs, or None.
+        """
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         P = H * D
@@ -119,9 +139,10 @@ class KimiDeltaAttention(nn.Module):
             ends = mx.clip(lengths, 0, T)
             valid = mx.arange(T)[None] < ends[:, None]  # [B, T]
 
-        streams, new_conv = [], []
+        streams, new_conv, conv_in = [], [], []
         for i, name in enumerate("qkv"):
             proj = getattr(self, f"{name}_proj")(x)
+            conv_in.append(proj)
             y, s = causal_depthwise_conv(
                 proj, getattr(self, f"{name}_conv1d").weight, conv_state[..., i * P : (i + 1) * P],
             )
@@ -133,15 +154,15 @@ class KimiDeltaAttention(nn.Module):
             new_conv.append(s)
         q, k, v = streams
         raw = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
+        b = self.b_proj(x)
+        if record is not None:
+            record.capture(self, mx.concatenate(conv_in, axis=-1), q, k, v, raw, b)
         lower = float(self.lower_bound) if self.lower_bound is not None else None
         if valid is None:
             # L2 norms, gate, beta and the recurrence (kernel or reference: metal/kda.py).
-            o, state = kda_forward(
-                q, k, v, raw, self.b_proj(x), self.A_log, self.dt_bias, state, lower, D**-0.5
-            )
+            o, state = kda_forward(q, k, v, raw, b, self.A_log, self.dt_bias, state, lower, D**-0.5)
         else:  # padded steps: decay exp(0) = 1 and beta = 0 leave the state as it was
-            qn, kn, g, beta = kda_prepare(q, k, raw, self.b_proj(x), self.A_log, self.dt_bias,
-                                          lower, D**-0.5)
+            qn, kn, g, beta = kda_prepare(q, k, raw, b, self.A_log, self.dt_bias, lower, D**-0.5)
             g = mx.where(valid[:, :, None, None], g, 0.0)
             beta = mx.where(valid[:, :, None], beta, 0.0)
             o, state = kda_update(qn, kn, v, g, beta, state)
@@ -149,6 +170,13 @@ class KimiDeltaAttention(nn.Module):
         gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
         o = (self.o_norm(o.astype(x.dtype)) * gate).astype(x.dtype)  # o_norm is F32 on disk
         return self.o_proj(o.reshape(B, T, P)), mx.concatenate(new_conv, axis=-1), state
+
+
+class _Recorded:
+    """Collects the arrays `_forward` records, inside a compiled trace."""
+
+    def capture(self, layer, *arrays):
+        self.arrays = arrays
 
 
 class _Conv(nn.Module):

@@ -1,0 +1,465 @@
+"""Speculative decoding with a draft model, for targets whose caches cannot be trimmed.
+
+The loop follows mlx-lm's `speculative_generate_step` (mlx_lm/generate.py): prefill
+both models with the prompt but its last token; then, per step, the draft proposes up to
+k tokens one at a time, the target scores [y, d1..dk] in one forward pass (its trunk is
+read once for k + 1 tokens), some prefix of the drafts is accepted and one more token
+comes from the target. Instead of mlx-lm's `trim` the caches are put back with
+`kimi_mlx.rollback` (exact for KDA's recurrent state). Yields mlx-lm's
+(token, logprobs, from_draft) triples, so `stream_speculative` can give
+`GenerationResponse`s that `kimi-mlx generate`'s printer shows unchanged.
+
+Acceptance rule (sampling stays the target's):
+  * temperature 0: accept draft d_i while it equals the target's argmax at its position;
+    the first mismatch is replaced by the target's argmax (mlx-lm's rule). The output is
+    token for token the target's greedy output.
+  * temperature > 0: speculative sampling (Leviathan, Kalman, Matias 2023, "Fast Inference
+    from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023,
+    "Accelerating LLM Decoding with Speculative Sampling"). With p_i the target's and q_i
+    the draft's sampling distribution at position i (both after the same temperature,
+    top-p, min-p and top-k filters as mlx-lm's `make_sampler`), d_i ~ q_i is accepted
+    with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is
+    drawn from norm(max(0, p_i - q_i)) and the step ends; if all k are accepted a bonus
+    token is drawn from p_k. Each emitted token is then distributed exactly as p.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Iterator, List, Optional, Tuple
+
+import mlx.core as mx
+
+from .rollback import begin_verify, end_verify, restore, rollback, snapshot
+
+__all__ = ["Sampling", "SpecStats", "Speculation", "accept_drafts", "speculative_generate_step",
+           "stream_speculative", "TokenizerMismatch", "check_tokenizers", "load_draft"]
+
+
+# ---------------------------------------------------------------------------- sampling
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The target's sampling settings (as `kimi-mlx generate`'s flags / `make_sampler`).
+
+    temp 0 = greedy; top_p 1 = off; min_p 0 = off; top_k 0 = off.
+    """
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0
+
+    def log_probs(self, logits: mx.array) -> mx.array:
+        """Sampling log-distribution [..., V] float32 for logits [..., V]: mlx-lm's filters
+        (`apply_top_p`, `apply_min_p`, `apply_top_k`, in `make_sampler`'s order) on the
+        log-softmax, then temperature; filtered tokens get -inf."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+        lp = logits.astype(mx.float32)
+        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+        if 0 < self.top_p < 1.0:
+            lp = apply_top_p(lp, self.top_p)
+        if self.min_p != 0.0:
+            lp = apply_min_p(lp, self.min_p)
+        if self.top_k > 0:
+            lp = apply_top_k(lp, self.top_k)
+        lp = lp * (1.0 / self.temp)
+        return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+
+
+def accept_drafts(
+    p_logprobs: mx.array, q_logprobs: mx.array, drafts: mx.array
+) -> Tuple[mx.array, mx.array]:
+    """Speculative-sampling acceptance (Leviathan et al. 2023, Algorithm 1).
+
+    Args:
+        p_logprobs: [k+1, V] float32 target sampling log-distributions at the k+1 verify
+            positions.
+        q_logprobs: [k, V] float32 draft sampling log-distributions the drafts came from.
+        drafts: [k] int drafted tokens, d_i ~ q_i.
+    Returns:
+        (n, token): n int32 scalar, the number of accepted drafts (0..k); token int32
+        scalar, drawn from norm(max(0, p_n - q_n)) when n < k, else from p_k. Uses the
+        global `mx.random` state (k uniforms and k + 1 categorical draws).
+    """
+    k = drafts.shape[0]
+    p = mx.exp(p_logprobs)
+    if k == 0:
+        return mx.array(0, mx.int32), mx.random.categorical(p_logprobs[0]).astype(mx.int32)
+    q = mx.exp(q_logprobs)
+    rows = mx.arange(k)
+    pd, qd = p[rows, drafts], q[rows, drafts]
+    u = mx.random.uniform(shape=(k,))
+    ok = u * qd < pd  # u < p/q without dividing by a q that underflowed
+    n = mx.where(mx.all(ok), k, mx.argmin(ok.astype(mx.int32))).astype(mx.int32)
+    resid = mx.maximum(p[:k] - q, 0.0)
+    mass = resid.sum(axis=-1, keepdims=True)
+    # p == q to rounding: a rejection is then (almost) impossible; fall back to p.
+    resid = mx.where(mass > 0, resid, p[:k])
+    cands = mx.random.categorical(mx.log(resid))  # [k]
+    bonus = mx.random.categorical(p_logprobs[k])
+    token = mx.concatenate([cands, bonus[None]])[n].astype(mx.int32)
+    return n, token
+
+
+# ------------------------------------------------------------------------------- loop
+
+
+@dataclass
+class SpecStats:
+    """Acceptance figures of a speculative run (updated as it goes)."""
+
+    steps: int = 0  # verify steps
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    emitted: int = 0  # tokens yielded
+    per_step: List[int] = field(default_factory=list)  # accepted drafts per step
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted draft tokens per verify step."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class Speculation:
+    """A draft model and the settings a front end (generate, chat) speculates with."""
+
+    draft: Any
+    num_draft_tokens: int = 3
+    sampling: Sampling = field(default_factory=Sampling)
+    stats: SpecStats = field(default_factory=SpecStats)
+
+    def kwargs(self) -> dict:
+        """Keyword arguments for `stream_speculative` / `speculative_generate_step`."""
+        return dict(num_draft_tokens=self.num_draft_tokens, sampling=self.sampling,
+                    stats=self.stats)
+
+    def summary(self) -> str:
+        """One line of acceptance figures, e.g. for the end of `kimi-mlx generate`."""
+        s = self.stats
+        return (f"Speculative: {s.steps} verify steps of up to {self.num_draft_tokens} "
+                f"drafts, {s.mean_accepted:.2f} accepted per step "
+                f"({100 * s.acceptance_rate:.0f}% of drafted), "
+                f"{s.emitted / max(s.steps, 1):.2f} tokens per target pass")
+
+
+def _vocab_align(logits: mx.array, vocab: Optional[int]) -> mx.array:
+    """Draft logits [..., Vd] -> [..., vocab]: extra rows cut, missing ones -inf (a
+    checkpoint may pad its vocabulary differently from the tokenizer's)."""
+    vd = logits.shape[-1]
+    if vocab is None or vd == vocab:
+        return logits
+    if vd > vocab:
+        return logits[..., :vocab]
+    pad = mx.full((*logits.shape[:-1], vocab - vd), -mx.inf, logits.dtype)
+    return mx.concatenate([logits, pad], axis=-1)
+
+
+def _prefill(model, cache, tokens: List[int], step: int) -> None:
+    for s in range(0, len(tokens), step):
+        model(mx.array(tokens[s : s + step])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+
+
+def speculative_generate_step(
+    prompt,
+    model,
+    draft_model,
+    *,
+    num_draft_tokens: int = 3,
+    max_tokens: int = 256,
+    sampling: Optional[Sampling] = None,
+    prompt_cache: Optional[List[Any]] = None,
+    prefill_step_size: int = 512,
+    stats: Optional[SpecStats] = None,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Generate with speculative decoding; yields (token, logprobs [V], from_draft).
+
+    Args:
+        prompt: token ids (list or 1-D mx.array), at least one.
+        model: the target (any model whose caches `kimi_mlx.rollback` handles: our Kimi
+            model, or an mlx-lm model with trimmable caches).
+        draft_model: the draft (same tokenizer; kimi-mlx or mlx-lm model).
+        num_draft_tokens: k, drafts per verify step (>= 1).
+        max_tokens: tokens to yield at most (-1: no limit).
+        sampling: target sampling settings (default greedy); see the module docstring for
+            the acceptance rule.
+        prompt_cache: target caches followed by draft caches (mlx-lm's convention), used
+            and updated in place; new caches when None. When generation ends (or the
+            generator is closed) both hold every token but the last one yielded, as after
+            mlx-lm's `generate_step`.
+        prefill_step_size: prompt tokens per prefill forward pass.
+        stats: updated with the acceptance figures when given.
+    Raises:
+        ValueError: an empty prompt or num_draft_tokens < 1.
+    """
+    prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    if not prompt:
+        raise ValueError("the prompt is empty")
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    sampling = sampling or Sampling()
+    stats = stats if stats is not None else SpecStats()
+    if prompt_cache is None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        model_cache, draft_cache = make_prompt_cache(model), make_prompt_cache(draft_model)
+    else:
+        model_cache = prompt_cache[: len(model.layers)]
+        draft_cache = prompt_cache[len(model.layers) :]
+
+    _prefill(draft_model, draft_cache, prompt[:-1], prefill_step_size)
+    _prefill(model, model_cache, prompt[:-1], prefill_step_size)
+
+    vocab = model_vocab(model)
+    y = prompt[-1]  # last token, not yet fed to the target
+    draft_in: List[int] = [y]  # tokens not yet fed to the draft (ends with y)
+    ntoks = 0
+    step = None  # the verify step whose rollback is pending
+
+    def settle(st, m: int) -> List[int]:
+        """Caches hold everything but the m-th (last) emitted token of this step; returns
+        the tokens the draft has yet to be fed."""
+        verify, snaps, drafts, emitted = st
+        rollback(model_cache, verify, m)
+        end_verify(model_cache)
+        if not snaps:  # no draft step ran: the draft is fed nothing yet
+            return draft_in + emitted[m - 1 : m]
+        if m - 1 < len(snaps):
+            restore(draft_cache, snaps[m - 1])
+            return [emitted[m - 1]]
+        return [drafts[-1], emitted[m - 1]]  # all accepted: the draft never saw d_k
+
+    try:
+        while max_tokens < 0 or ntoks < max_tokens:
+            left = num_draft_tokens if max_tokens < 0 else max_tokens - ntoks - 1
+            k = min(num_draft_tokens, left)
+            # Draft: k tokens, one forward each; a snapshot after each (references).
+            snaps, drafts, q_lps = [], [], []
+            feed = mx.array(draft_in)
+            for _ in range(k):
+                logits = _vocab_align(draft_model(feed[None], cache=draft_cache)[0, -1], vocab)
+                snaps.append(snapshot(draft_cache))
+                if sampling.greedy:
+                    d = mx.argmax(logits, axis=-1)
+                else:
+                    lq = sampling.log_probs(logits)
+                    d = mx.random.categorical(lq)
+                    q_lps.append(lq)
+                mx.async_eval(d)
+                drafts.append(d)
+                feed = d.reshape(1).astype(mx.uint32)
+            d_arr = mx.stack(drafts).astype(mx.uint32) if drafts else mx.array([], mx.uint32)
+
+            # Verify: the target scores [y, d1..dk] in one pass, recording for rollback.
+            verify = begin_verify(model_cache)
+            x = mx.concatenate([mx.array([y], mx.uint32), d_arr])
+            logits = model(x[None], cache=model_cache)[0].astype(mx.float32)  # [k+1, V]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            if sampling.greedy:
+                target = mx.argmax(logits, axis=-1)
+                mx.eval(target, d_arr)
+                t_list, d_list = target.tolist(), d_arr.tolist()
+                n = 0
+                while n < k and t_list[n] == d_list[n]:
+                    n += 1
+                token = t_list[n]
+            else:
+                p_lps = sampling.log_probs(logits)
+                q_arr = mx.stack(q_lps) if q_lps else mx.zeros((0, logits.shape[-1]))
+                n_arr, t_arr = accept_drafts(p_lps, q_arr, d_arr.astype(mx.int32))
+                mx.eval(n_arr, t_arr, d_arr)
+                n, token, d_list = n_arr.item(), t_arr.item(), d_arr.tolist()
+            stats.steps += 1
+            stats.drafted += k
+            stats.accepted += n
+            stats.per_step.append(n)
+
+            emitted: List[int] = []
+            step = (verify, snaps, d_list, emitted)
+            for i in range(n + 1):
+                tok = d_list[i] if i < n else token
+                emitted.append(tok)
+                ntoks += 1
+                stats.emitted += 1
+                yield tok, logprobs[i], i < n
+                if max_tokens >= 0 and ntoks >= max_tokens:
+                    break
+            draft_in = settle(step, len(emitted))
+            step = None
+            y = emitted[-1]
+    finally:
+        if step is not None and step[3]:
+            draft_in = settle(step, len(step[3]))
+        elif step is not None:
+            rollback(model_cache, step[0], 0)
+            end_verify(model_cache)
+        end_verify(model_cache)  # also after an error inside a verify step
+        if len(draft_in) > 1:  # leave the draft with every token but the last, too
+            draft_model(mx.array(draft_in[:-1])[None], cache=draft_cache)
+            mx.eval([c.state for c in draft_cache])
+
+
+def model_vocab(model) -> Optional[int]:
+    """Output vocabulary size of a kimi-mlx or mlx-lm model (its args' vocab_size), or
+    None when the model does not say (draft logits are then used as they are)."""
+    return getattr(getattr(model, "args", None), "vocab_size", None)
+
+
+def stream_speculative(
+    model,
+    draft_model,
+    tokenizer,
+    prompt: List[int],
+    max_tokens: int = 256,
+    **kwargs,
+) -> Iterator:
+    """mlx-lm `stream_generate` for `speculative_generate_step`: yields mlx-lm
+    `GenerationResponse`s (from_draft marks accepted drafts), stops at an EOS token like
+    mlx-lm, and closes the generator so the caches are settled before returning.
+
+    kwargs go to `speculative_generate_step` (num_draft_tokens, sampling, prompt_cache,
+    prefill_step_size, stats).
+    """
+    from mlx_lm.generate import GenerationResponse
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    detok = tokenizer.detokenizer
+    detok.reset()
+    n_prompt = len(prompt)
+    gen = speculative_generate_step(prompt, model, draft_model, max_tokens=max_tokens,
+                                    **kwargs)
+    try:
+        tic = time.perf_counter()
+        n, token, logprobs, from_draft = -1, None, None, False
+        prompt_tps = 0.0
+        for n, (token, logprobs, from_draft) in enumerate(gen):
+            if n == 0:
+                prompt_tps = n_prompt / (time.perf_counter() - tic)
+                tic = time.perf_counter()
+            if token in tokenizer.eos_token_ids:
+                break
+            detok.add_token(token)
+            if n + 1 == max_tokens:
+                break
+            yield GenerationResponse(
+                text=detok.last_segment, token=token, logprobs=logprobs,
+                from_draft=from_draft, prompt_tokens=n_prompt, prompt_tps=prompt_tps,
+                generation_tokens=n + 1,
+                generation_tps=(n + 1) / (time.perf_counter() - tic),
+                peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None,
+            )
+        gen.close()
+        detok.finalize()
+        yield GenerationResponse(
+            text=detok.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
+            prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
+            generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9,
+            finish_reason="stop" if token in tokenizer.eos_token_ids else "length",
+        )
+    finally:
+        gen.close()
+
+
+# ---------------------------------------------------------------------- draft loading
+
+
+class TokenizerMismatch(ValueError):
+    """The draft's tokenizer differs from the target's (the message names both)."""
+
+
+def _vocab(tok) -> dict:
+    return dict(tok.get_vocab())
+
+
+def _specials(tok) -> dict:
+    """Special tokens by name -> id (added tokens marked special, and the named ones)."""
+    out = {}
+    dec = getattr(tok, "added_tokens_decoder", None) or {}
+    for i, t in dec.items():
+        if getattr(t, "special", True):
+            out[str(t)] = int(i)
+    for name in getattr(tok, "all_special_tokens", []) or []:
+        out[name] = tok.convert_tokens_to_ids(name)
+    return out
+
+
+def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> None:
+    """Refuse a draft whose tokenizer is not the target's: same vocabulary (token -> id)
+    and same special tokens (name -> id).
+
+    Args:
+        target_tok, draft_tok: Hugging Face tokenizers or mlx-lm TokenizerWrappers.
+        target_name, draft_name: paths or ids, for the message.
+    Raises:
+        TokenizerMismatch: naming both models and the first difference found.
+    """
+    tv, dv = _vocab(target_tok), _vocab(draft_tok)
+    head = (f"draft model {draft_name} does not share the tokenizer of target model "
+            f"{target_name}")
+    if tv != dv:
+        if len(tv) != len(dv):
+            raise TokenizerMismatch(f"{head}: vocabulary of {len(dv)} tokens vs {len(tv)}")
+        diff = next(t for t in sorted(set(tv) | set(dv), key=str) if tv.get(t) != dv.get(t))
+        raise TokenizerMismatch(f"{head}: token {diff!r} has id {dv.get(diff)} in the draft "
+                                f"and {tv.get(diff)} in the target")
+    ts, ds = _specials(target_tok), _specials(draft_tok)
+    if ts != ds:
+        diff = next(t for t in sorted(set(ts) | set(ds)) if ts.get(t) != ds.get(t))
+        raise TokenizerMismatch(f"{head}: special token {diff!r} is {ds.get(diff)} in the "
+                                f"draft and {ts.get(diff)} in the target")
+
+
+def _is_kimi_checkpoint(path) -> bool:
+    import json
+    from pathlib import Path
+
+    from .config import ACCEPTED_MODEL_TYPES
+
+    cfg = Path(path) / "config.json"
+    try:
+        return json.loads(cfg.read_text()).get("model_type") in ACCEPTED_MODEL_TYPES
+    except (OSError, ValueError):
+        return False
+
+
+def load_draft(spec: str, target_wrapper, target_name: str):
+    """Load a draft model: a kimi-mlx checkpoint (our loader) or any mlx-lm-loadable
+    model; its tokenizer must match the target's (`check_tokenizers`).
+
+    Returns:
+        the draft model.
+    Raises:
+        TokenizerMismatch, FileNotFoundError, ValueError (from the loaders).
+    """
+    from .hub import resolve
+
+    path = resolve(spec)
+    if _is_kimi_checkpoint(path):
+        from .generate import load_for_generation
+
+        draft, wrapper, _, _ = load_for_generation(str(path))
+    else:
+        from mlx_lm.utils import load
+
+        draft, wrapper = load(str(path))
+    check_tokenizers(target_wrapper, wrapper, target_name, spec)
+    return draft
