@@ -35,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (must not exist unless --force)")
     p.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
                    help=f"saliency: reap (mean of router weight x expert output norm over "
-                        f"routed tokens), reap-sum (its sum), frequency, ean, random "
-                        f"(default {DEFAULT_METHOD})")
+                        f"routed tokens), reap-sum (its sum: frequency x mean), frequency, ean, "
+                        f"random (default {DEFAULT_METHOD}, the best mean rank in "
+                        f"`make bench-prune`)")
     p.add_argument("--gate", choices=GATES, default=DEFAULT_GATE,
                    help="router weight of reap / reap-sum: softmax (REAP's reference: softmax of "
                         "the router logits over the model's selected experts) or model (the "

@@ -16,6 +16,7 @@ from kimi_mlx.config import ModelArgs
 from kimi_mlx.loader import load_model
 from kimi_mlx.prune.calib import load_calibration
 from kimi_mlx.prune.observe import ExpertRecorder, LayerStats, observe
+from kimi_mlx.prune.saliency import DEFAULT_METHOD
 from kimi_mlx.prune.testing import moe_text_config, set_router_bias, write_code_text
 from kimi_mlx.shards import read_header, weight_map
 from kimi_mlx.testing import build_checkpoint, full_config, random_model
@@ -98,7 +99,8 @@ def test_pruned_checkpoint_layout(src, pruned):
     assert cfg["text_config"]["num_experts_per_token"] == K
     assert cfg["quantization_config"] == src_cfg["quantization_config"]
     report = json.loads((pruned / "saliency.json").read_text())
-    assert report["method"] == "reap" and report["experts_kept_per_layer"] == E // 2
+    assert report["method"] == DEFAULT_METHOD and report["experts_kept_per_layer"] == E // 2
+    assert report["gate"] == "softmax"
     assert [l["layer"] for l in report["layers"]] == [1, 2, 3, 4, 5]
     wm_src, wm = weight_map(src), weight_map(pruned)
     for entry in report["layers"]:
@@ -177,7 +179,7 @@ def test_never_routed_expert_is_counted_zero_and_dropped_first(src, code, tmp_pa
         assert (np.delete(st.count, DEAD) > 0).any()
     # Some layer may leave another expert unrouted by chance: keep E - 2, so every
     # never-routed expert must be among the dropped ones, the forced one included.
-    for method in ("reap", "frequency", "ean"):
+    for method in ("reap", "reap-sum", "frequency", "ean"):
         out = tmp_path / method
         code_, _, err = run(prune_args(src, code, out, "--experts", str(E - 2), "--method", method),
                             capsys)
