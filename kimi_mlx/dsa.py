@@ -145,8 +145,9 @@ class GatedDSA(nn.Module):
         # scaled rope-part scores, -inf above the diagonal.
         if L == 1:  # absorbed: attend in the 512-dim latent, then unembed per head
             q_lat = q_nope @ w_uk  # [B,H,1,rank]
+            bias = self._dense_bias(q_pe, k_pe, offset, cache)
             o = mx.fast.scaled_dot_product_attention(
-                q_lat, latent, latent, scale=self.scale, mask=self._dense_bias(q_pe, k_pe, offset, cache)
+                q_lat, latent, latent, scale=self.scale, mask=bias
             )
             o = o @ w_uv.swapaxes(-1, -2)  # [B,H,1,v]
             return self._output(x, o)

@@ -209,16 +209,17 @@ def sparse_mla_attend(
     return o.transpose(0, 2, 1, 3).astype(q_lat.dtype)
 
 
-QUERY_BLOCK_BUDGET = 1 << 24  # elements (64 MiB in float32) per sparse-prefill intermediate
+QUERY_BLOCK_BUDGET = 1 << 24  # elements (64 MiB in float32) per prefill-block intermediate
 
 
 def query_block(L: int, S: int, K: int, heads: int, index_heads: int, row: int,
                 budget: int = QUERY_BLOCK_BUDGET) -> int:
-    """Queries per block for sparse prefill so that no intermediate of a block exceeds
+    """Queries per block for Gated DSA prefill so that no intermediate of a block exceeds
     `budget` elements: indexer scores (index_heads * S per query), gathered latent + rope
-    rows (K * row) and attention scores (heads * K). The model evaluates one block at a
-    time, so prefill memory past `index_topk` is bounded by a few times the budget
-    whatever the prompt and context length.
+    rows (K * row) and attention scores (heads * K); the dense path within index_topk
+    passes K = S (its bias and scores are heads * S per query). The model evaluates one
+    block at a time, so prefill memory is bounded by a few times the budget whatever the
+    prompt and context length.
 
     Args:
         L: queries in the chunk; S: keys (cached + new); K: selected keys per query;
