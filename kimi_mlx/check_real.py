@@ -3,7 +3,7 @@
 Builds a slice of the real model (`kimi_mlx.testing_real.build_real_slice`: layers [2, 4)
 = one KDA layer and one Gated DSA layer at hidden 7168, 96 KDA heads of 128, MLA ranks
 1536 / 512, 32 indexer heads of 128, index_topk 2048; 8 routed MXFP4 experts at their
-real widths, 2 per token) in a temporary folder, loads it as a pipeline stage would
+real widths, 1 per token) in a temporary folder, loads it as a pipeline stage would
 (`loader.load_model(start=2, end=4)`), and then:
 
 1. prefills index_topk + 64 tokens in chunks with the reference ops (float32 activations,
@@ -364,17 +364,31 @@ def prefill(run: Run, opts, report: Report) -> None:
 def decode(run: Run, opts, report: Report) -> None:
     """Decode in BF16 from BF16 caches (what a Mac holds); keep step 1's kernel inputs,
     router choices and a snapshot of the caches before it; measure the peak memory."""
-    from . import dsa as dsa_mod
-    from . import ffn as ffn_mod
-    from . import kda as kda_mod
-    from .attn_res import Banks
-
     _cache_to(run.caches, mx.bfloat16)
     gc.collect()
     mx.clear_cache()
     mx.reset_peak_memory()
     rec = run.decode
     t0 = time.perf_counter()
+    with report.phase(f"decode {opts.decode_tokens} tokens (BF16)"):
+        _decode_steps(run, opts, rec)
+    seconds = time.perf_counter() - t0
+    run.decode_peak = mx.get_peak_memory()
+    report.info("decode speed (BF16)", f"{opts.decode_tokens / seconds:.2f} tok/s",
+                f"{seconds:.1f} s")
+    n_moe = sum(1 for l in run.model.layers if "block_sparse_moe" in l)
+    n_dsa = sum(1 for l in run.model.layers if not l.is_kda)
+    if (len(rec["kda"]), len(rec["dsa"]), len(rec["route"])) != (len(run.kda_layers), n_dsa, n_moe):
+        report.fail("decode taps", f"kda {len(rec['kda'])}, dsa {len(rec['dsa'])}, "
+                    f"route {len(rec['route'])} calls seen")
+
+
+def _decode_steps(run: Run, opts, rec: Dict[str, list]) -> None:
+    from . import dsa as dsa_mod
+    from . import ffn as ffn_mod
+    from . import kda as kda_mod
+    from .attn_res import Banks
+
     for step in range(opts.decode_tokens):
         h, raw = run.feed.next(1, mx.bfloat16)
         with contextlib.ExitStack() as ctx:
@@ -394,15 +408,6 @@ def decode(run: Run, opts, report: Report) -> None:
             out, _ = run.model.text.run_layers(h, Banks.from_stacked(raw, run.eps), run.caches)
             mx.eval(out, [_cache_arrays(c) for c in run.caches])
         del out
-    seconds = time.perf_counter() - t0
-    run.decode_peak = mx.get_peak_memory()
-    report.info("decode speed (BF16)", f"{opts.decode_tokens / seconds:.2f} tok/s",
-                f"{seconds:.1f} s")
-    n_moe = sum(1 for l in run.model.layers if "block_sparse_moe" in l)
-    n_dsa = sum(1 for l in run.model.layers if not l.is_kda)
-    if (len(rec["kda"]), len(rec["dsa"]), len(rec["route"])) != (len(run.kda_layers), n_dsa, n_moe):
-        report.fail("decode taps", f"kda {len(rec['kda'])}, dsa {len(rec['dsa'])}, "
-                    f"route {len(rec['route'])} calls seen")
 
 
 def planner_checks(run: Run, opts, report: Report) -> None:
@@ -642,7 +647,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default="2:4",
                    help="layer range START:END, 0-based (default 2:4: KDA layer 2, DSA layer 3)")
     p.add_argument("--experts", type=int, default=8, help="routed experts per layer (default 8)")
-    p.add_argument("--experts-per-token", type=int, default=2, help="default 2")
+    p.add_argument("--experts-per-token", type=int, default=1,
+                   help="default 1: MLX's CPU MXFP4 gather-matmul is several times slower "
+                   "per FLOP than its float32 matmul, and each expert per token adds about "
+                   "a fifth to the prefill")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="prompt length (default index_topk + 64, so the sparse path runs)")
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
