@@ -526,110 +526,136 @@ def through_kernels(report: Report, model, first, eps: float) -> None:
 
 
 def run_kernels(report: Report, opts, kda_prefill, index_blocks, decode, heads) -> None:
-    """Emulator kernels vs float64 oracles (and the reference ops alongside)."""
-    from .metal import dsa as dsa_ops
+    """Each kernel in the emulator on inputs taken from the run, judged (with its
+    reference op alongside) against the float64 oracles of `real_oracles`."""
+    if decode["kda"]:
+        check_kda_decode(report, decode["kda"][0][0])
+    if kda_prefill:
+        check_kda_prefill(report, kda_prefill, len(heads))
+    else:
+        report.fail("kda_prefill capture", "kimi_mlx.kda.kda_forward was not seen in prefill")
+    rows = [dict(q_idx=a["q_idx"], weights=a["weights"], k_idx=a["k_idx"], topk=a["topk"],
+                 offset=a["offset"], ref_idx=None) for a, _ in decode["dsa"]]
+    if rows or index_blocks:
+        check_index_topk(report, rows + list(index_blocks))
+    if decode["dsa"]:
+        check_sparse_mla_decode(report, decode["dsa"][0][0])
+
+
+def _f32(x) -> mx.array:
+    return mx.array(np.asarray(x, dtype=np.float32))
+
+
+def check_kda_decode(report: Report, a: Dict[str, Any]) -> None:
+    """kda_decode on all heads for one token from the state after the prompt."""
     from .metal import kda as kda_ops
     from .metal import kernels
     from .metal.dispatch import use_sim
 
-    def f32(x):
-        return mx.array(np.asarray(x, dtype=np.float32))
+    with report.phase("emulator: kda_decode (all heads)"):
+        ins = [_f32(a[k]) for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state")]
+        H = ins[0].shape[2]
+        ins[5], ins[6] = ins[5].reshape(H), ins[6].reshape(H, -1)
+        lb, scale = a["lower_bound"], a["scale"]
+        q, k, g, beta = ora.kda_prepare64(ins[0], ins[1], ins[3], ins[4], ins[5], ins[6], lb, scale)
+        want = ora.kda_recurrence64(q, k, ins[2], g, beta, ins[7])
+        with use_sim():
+            y, s = kernels.kda_decode(*ins, lower_bound=lb, scale=scale)
+            mx.eval(y, s)
+        y_ref, _ = kda_ops.kda_decode(*ins, lower_bound=lb, scale=scale)
+    shape = f"[1, 1, {H}, {ins[0].shape[-1]}]"
+    report.error_check(f"kda_decode kernel {shape}: output",
+                       *ora.max_excess(y, want["o"], want["o_tol"]))
+    report.error_check("kda_decode kernel: state",
+                       *ora.max_excess(s, want["state"], want["state_tol"]))
+    report.error_check("kda_decode reference op: output",
+                       *ora.max_excess(y_ref, want["o"], want["o_tol"]))
 
-    # kda_decode: all heads, one token, the state after the prompt.
-    if decode["kda"]:
-        with report.phase("emulator: kda_decode (all heads)"):
-            a, _ = decode["kda"][0]
-            ins = [f32(a[k]) for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state")]
-            H = ins[0].shape[2]
-            ins[5], ins[6] = ins[5].reshape(H), ins[6].reshape(H, -1)
-            lb, scale = a["lower_bound"], a["scale"]
-            q, k, g, beta = ora.kda_prepare64(*ins[:2], ins[3], ins[4], ins[5], ins[6], lb, scale)
-            want = ora.kda_recurrence64(q, k, ins[2], g, beta, ins[7])
+
+def check_kda_prefill(report: Report, p: Dict[str, Any], n_heads: int) -> None:
+    """kda_prefill on some heads for a stretch of tokens from a real incoming state."""
+    from .metal import kda as kda_ops
+    from .metal import kernels
+    from .metal.dispatch import use_sim
+
+    T = p["q"].shape[1]
+    with report.phase(f"emulator: kda_prefill ({n_heads} heads x {T} tokens)"):
+        q, k, g, beta = kda_ops.kda_prepare(
+            _f32(p["q"]), _f32(p["k"]), _f32(p["a"]), _f32(p["b"]), _f32(p["A_log"]),
+            _f32(p["dt_bias"]), p["lower_bound"], p["scale"])
+        v, state = _f32(p["v"]), _f32(p["state"])
+        C = 16  # the kernel's and kda_chunked's chunk: in-chunk products add C (log2 C + 2)
+        want = ora.kda_recurrence64(q, k, v, g, beta, state,
+                                    extra_terms=16 + C * (int(np.log2(C)) + 2))
+        with use_sim():
+            y, s = kernels.kda_prefill(q, k, v, g, beta, state)
+            mx.eval(y, s)
+        y_chunked, _ = kda_ops.kda_chunked(q, k, v, g, beta, state)
+    shape = f"[1, {T}, {n_heads}, {q.shape[-1]}]"
+    report.error_check(f"kda_prefill kernel {shape}: output",
+                       *ora.max_excess(y, want["o"], want["o_tol"]))
+    report.error_check("kda_prefill kernel: state",
+                       *ora.max_excess(s, want["state"], want["state_tol"]))
+    report.error_check("kda_chunked reference op: output",
+                       *ora.max_excess(y_chunked, want["o"], want["o_tol"]))
+    report.error_check("model's prefill (reference) output",
+                       *ora.max_excess(_f32(p["ref_o"]), want["o"], want["o_tol"]))
+
+
+def check_index_topk(report: Report, rows: List[Dict[str, Any]]) -> None:
+    """dsa_index_topk on the decode query and the sparse prefill blocks: the selected
+    sets may differ from the float64 top-k only at ties within float32 rounding."""
+    from .metal import dsa as dsa_ops
+    from .metal import kernels
+    from .metal.dispatch import use_sim
+
+    n_q = sum(r["q_idx"].shape[1] for r in rows)
+    S = max(r["k_idx"].shape[1] for r in rows)
+    kern = {"rows": 0, "bad_rows": 0, "swaps": 0, "worst": 0.0}
+    ref = dict(kern)
+    with report.phase(f"emulator: dsa_index_topk ({n_q} queries, up to {S} keys)"):
+        for r in rows:
+            ins = (_f32(r["q_idx"]), _f32(r["weights"]), _f32(r["k_idx"]), r["topk"], r["offset"])
+            scores, tol = ora.index_scores64(r["q_idx"], r["weights"], r["k_idx"], r["offset"])
             with use_sim():
-                y, s = kernels.kda_decode(*ins, lower_bound=lb, scale=scale)
-                mx.eval(y, s)
-            y_ref, s_ref = kda_ops.kda_decode(*ins, lower_bound=lb, scale=scale)
-            shape = f"[1, 1, {H}, {ins[0].shape[-1]}]"
-            report.error_check(f"kda_decode kernel {shape}: output", *ora.max_excess(y, want["o"], want["o_tol"]))
-            report.error_check("kda_decode kernel: state", *ora.max_excess(s, want["state"], want["state_tol"]))
-            report.error_check("kda_decode reference op: output", *ora.max_excess(y_ref, want["o"], want["o_tol"]))
+                idx = np.array(kernels.dsa_index_topk(*ins))
+            ref_idx = r["ref_idx"]
+            if ref_idx is None:
+                ref_idx = np.array(dsa_ops.dsa_index_topk(*ins))
+            for acc, got in ((kern, idx), (ref, ref_idx)):
+                rep = ora.selection_report(got, scores, tol, r["topk"])
+                for key in ("rows", "bad_rows", "swaps"):
+                    acc[key] += rep[key]
+                acc["worst"] = max(acc["worst"], rep["worst"])
+    for label, acc in (("dsa_index_topk kernel", kern), ("dsa_index_topk reference op", ref)):
+        report.check(f"{label}: top-{rows[0]['topk']} sets",
+                     f"{acc['rows']} rows, {acc['swaps']} swaps", "float64 top-k",
+                     f"ties only ({acc['worst']:.2f} of 2x bound)",
+                     acc["bad_rows"] == 0 and acc["worst"] <= 1.0)
 
-    # kda_prefill: some heads, a stretch of tokens from a real incoming state.
-    if kda_prefill:
-        p = kda_prefill
-        T = p["q"].shape[1]
-        with report.phase(f"emulator: kda_prefill ({len(heads)} heads x {T} tokens)"):
-            q, k, g, beta = kda_ops.kda_prepare(f32(p["q"]), f32(p["k"]), f32(p["a"]), f32(p["b"]),
-                                                f32(p["A_log"]), f32(p["dt_bias"]),
-                                                p["lower_bound"], p["scale"])
-            v, state = f32(p["v"]), f32(p["state"])
-            C = 16
-            want = ora.kda_recurrence64(q, k, v, g, beta, state,
-                                        extra_terms=16 + C * (int(np.log2(C)) + 2))
-            with use_sim():
-                y, s = kernels.kda_prefill(q, k, v, g, beta, state)
-                mx.eval(y, s)
-            y_chunked, _ = kda_ops.kda_chunked(q, k, v, g, beta, state)
-            shape = f"[1, {T}, {len(heads)}, {q.shape[-1]}]"
-            report.error_check(f"kda_prefill kernel {shape}: output", *ora.max_excess(y, want["o"], want["o_tol"]))
-            report.error_check("kda_prefill kernel: state", *ora.max_excess(s, want["state"], want["state_tol"]))
-            report.error_check("kda_chunked reference op: output", *ora.max_excess(y_chunked, want["o"], want["o_tol"]))
-            report.error_check("model's prefill (reference) output", *ora.max_excess(
-                f32(p["ref_o"]), want["o"], want["o_tol"]))
-    else:
-        report.fail("kda_prefill capture", "kimi_mlx.kda.kda_forward was not seen in prefill")
 
-    # dsa_index_topk: the decode query and the sparse prefill chunk's queries.
-    rows = []
-    for a, _ in decode["dsa"]:
-        rows.append(dict(q_idx=a["q_idx"], weights=a["weights"], k_idx=a["k_idx"],
-                         topk=a["topk"], offset=a["offset"], ref_idx=None))
-    rows.extend(index_blocks)
-    if rows:
-        n_q = sum(r["q_idx"].shape[1] for r in rows)
-        S = max(r["k_idx"].shape[1] for r in rows)
-        with report.phase(f"emulator: dsa_index_topk ({n_q} queries, up to {S} keys)"):
-            kern = {"rows": 0, "bad_rows": 0, "swaps": 0, "worst": 0.0}
-            ref = dict(kern)
-            for r in rows:
-                scores, tol = ora.index_scores64(r["q_idx"], r["weights"], r["k_idx"], r["offset"])
-                with use_sim():
-                    idx = kernels.dsa_index_topk(f32(r["q_idx"]), f32(r["weights"]),
-                                                 f32(r["k_idx"]), r["topk"], r["offset"])
-                    idx = np.array(idx)
-                ref_idx = r["ref_idx"]
-                if ref_idx is None:
-                    ref_idx = np.array(dsa_ops.dsa_index_topk(
-                        f32(r["q_idx"]), f32(r["weights"]), f32(r["k_idx"]), r["topk"], r["offset"]))
-                for acc, got in ((kern, idx), (ref, ref_idx)):
-                    rep = ora.selection_report(got, scores, tol, r["topk"])
-                    for key in ("rows", "bad_rows", "swaps"):
-                        acc[key] += rep[key]
-                    acc["worst"] = max(acc["worst"], rep["worst"])
-                r["scores"] = scores
-            for label, acc in (("dsa_index_topk kernel", kern), ("dsa_index_topk reference op", ref)):
-                report.check(
-                    f"{label}: top-{rows[0]['topk']} sets", f"{acc['rows']} rows, {acc['swaps']} swaps",
-                    "float64 top-k", f"ties only ({acc['worst']:.2f} of 2x bound)",
-                    acc["bad_rows"] == 0 and acc["worst"] <= 1.0)
+def check_sparse_mla_decode(report: Report, a: Dict[str, Any]) -> None:
+    """sparse_mla_decode on all heads for the decode query over the float64 top-k rows."""
+    from .metal import dsa as dsa_ops
+    from .metal import kernels
+    from .metal.dispatch import use_sim
 
-    # sparse_mla_decode: the decode query over the oracle's selected rows.
-    if decode["dsa"]:
-        a, _ = decode["dsa"][0]
-        with report.phase("emulator: sparse_mla_decode (all heads)"):
-            scores = ora.index_scores64(a["q_idx"], a["weights"], a["k_idx"], a["offset"])[0]
-            K = int(min(a["topk"], np.isfinite(scores).sum()))
-            sel = np.argsort(-scores[0, 0], kind="stable")[:K].astype(np.int32)[None]
-            ql, qp = f32(a["q_lat"]), f32(a["q_pe"])
-            lat, kp = f32(a["latent"][:, 0]), f32(a["k_pe"][:, 0])
-            want = ora.sparse_mla_decode64(ql, qp, lat, kp, sel, a["scale"])
-            with use_sim():
-                o = kernels.sparse_mla_decode(ql, qp, lat, kp, mx.array(sel), a["scale"])
-                mx.eval(o)
-            o_ref = dsa_ops.sparse_mla_decode(ql, qp, lat, kp, mx.array(sel), a["scale"])
-            shape = f"H {ql.shape[1]}, R {ql.shape[-1]}, K {K} of S {lat.shape[1]}"
-            report.error_check(f"sparse_mla_decode kernel ({shape})", *ora.max_excess(o, want["o"], want["tol"]))
-            report.error_check("sparse_mla_decode reference op", *ora.max_excess(o_ref, want["o"], want["tol"]))
+    with report.phase("emulator: sparse_mla_decode (all heads)"):
+        scores = ora.index_scores64(a["q_idx"], a["weights"], a["k_idx"], a["offset"])[0]
+        K = int(min(a["topk"], np.isfinite(scores).sum()))
+        sel = np.argsort(-scores[0, 0], kind="stable")[:K].astype(np.int32)[None]
+        ql, qp = _f32(a["q_lat"]), _f32(a["q_pe"])
+        lat, kp = _f32(a["latent"][:, 0]), _f32(a["k_pe"][:, 0])
+        want = ora.sparse_mla_decode64(ql, qp, lat, kp, sel, a["scale"])
+        with use_sim():
+            o = kernels.sparse_mla_decode(ql, qp, lat, kp, mx.array(sel), a["scale"])
+            mx.eval(o)
+        o_ref = dsa_ops.sparse_mla_decode(ql, qp, lat, kp, mx.array(sel), a["scale"])
+    shape = f"H {ql.shape[1]}, R {ql.shape[-1]}, K {K} of S {lat.shape[1]}"
+    report.error_check(f"sparse_mla_decode kernel ({shape})",
+                       *ora.max_excess(o, want["o"], want["tol"]))
+    report.error_check("sparse_mla_decode reference op",
+                       *ora.max_excess(o_ref, want["o"], want["tol"]))
 
 
 # ---------------------------------------------------------------------------- CLI
