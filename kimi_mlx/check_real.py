@@ -30,7 +30,8 @@ real widths, 1 per token) in a temporary folder, loads it as a pipeline stage wo
 Prints one line per check (value, reference, tolerance, result) and the time of each
 phase; exits 1 if any check fails. The slice is deleted afterwards (unless --slice
 names an existing one). Memory: about 2.4 GB of weights plus up to 2 GB of prefill buffers.
-Time on two idle x86 cores: see the report's wall / CPU times (the README states a run).
+Each phase reports wall and CPU seconds: on a shared machine the CPU seconds, over the
+cores available, say what an idle machine needs.
 """
 
 from __future__ import annotations
