@@ -681,7 +681,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "a fifth to the prefill")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="prompt length (default index_topk + 64, so the sparse path runs)")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk in tokens (default 512)")
+    p.add_argument("--chunk", type=int, default=256,
+                   help="prefill chunk in tokens (default 256: at 512 the Gated DSA layer's "
+                   "dense-path buffers near 2048 keys reach the planner's 2 GiB headroom)")
     p.add_argument("--decode-tokens", type=int, default=3, help="default 3")
     p.add_argument("--kda-prefill-heads", type=int, default=24,
                    help="KDA heads the emulated kda_prefill runs on (default 24 of 96)")
