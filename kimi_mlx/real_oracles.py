@@ -115,11 +115,13 @@ def index_scores64(q_idx, weights, k_idx, offset: int) -> Tuple[np.ndarray, np.n
     """
     q, w, k = f64(q_idx), f64(weights), f64(k_idx)
     Hi, Di = q.shape[2], q.shape[3]
-    dots = np.einsum("blhd,bsd->blhs", q, k)
-    mags = np.einsum("blhd,bsd->blhs", np.abs(q), np.abs(k))
-    scores = np.einsum("blh,blhs->bls", w, np.maximum(dots, 0.0))
-    tol = (Di + Hi + 2) * U32 * np.einsum("blh,blhs->bls", np.abs(w), mags)
-    L, S = scores.shape[1], scores.shape[2]
+    B, L = q.shape[:2]
+    S = k.shape[1]
+    kt = k.transpose(0, 2, 1)  # [B, Di, S]: the products go through BLAS matmul
+    dots = (q.reshape(B, L * Hi, Di) @ kt).reshape(B, L, Hi, S)
+    mags = (np.abs(q).reshape(B, L * Hi, Di) @ np.abs(kt)).reshape(B, L, Hi, S)
+    scores = (w[..., None] * np.maximum(dots, 0.0)).sum(axis=2)
+    tol = (Di + Hi + 2) * U32 * (np.abs(w)[..., None] * mags).sum(axis=2)
     causal = np.arange(S)[None, :] <= (np.arange(L)[:, None] + offset)
     return np.where(causal[None], scores, -np.inf), tol
 

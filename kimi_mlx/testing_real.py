@@ -43,7 +43,7 @@ from .testing import F32_SUFFIXES
 
 OFFICIAL_CONFIG = Path(__file__).resolve().parent / "assets" / "official" / "Kimi-K3.1-Pro" / "config.json"
 
-__all__ = ["OFFICIAL_CONFIG", "real_slice_config", "build_real_slice", "real_value"]
+__all__ = ["OFFICIAL_CONFIG", "real_slice_config", "build_real_slice", "real_value", "random_mxfp4"]
 
 
 def real_slice_config(num_experts: int = 8, experts_per_token: int = 2) -> Dict[str, Any]:
@@ -222,7 +222,3 @@ def _ends(args: ModelArgs, which: str, seed: int) -> Dict[str, mx.array]:
             out[name] = real_value(name, shape, mx.bfloat16, seed)
     return out
 
-
-def slice_args(path) -> ModelArgs:
-    """ModelArgs of a slice folder's config.json."""
-    return ModelArgs.from_config(json.loads((Path(path) / "config.json").read_text()))

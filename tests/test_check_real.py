@@ -158,3 +158,46 @@ def test_tap_names_a_missing_dispatch_function():
     with tap(ora, "f64", lambda a, o: seen.append((a["a"], o.item()))):
         ora.f64(np.float32(2.0))
     assert seen == [(np.float32(2.0), 2.0)]
+
+
+# At toy widths a decode step's activations are a third of the 0.2 MB of weights, hence a
+# looser planner tolerance than the real run's 10% (where they are ~1%).
+TOY_RUN = ["--layers", "1:3", "--prompt-tokens", "12", "--chunk", "4", "--decode-tokens", "2",
+           "--kda-prefill-heads", "2", "--kda-prefill-tokens", "4", "--tolerance", "0.6"]
+
+
+@pytest.fixture(scope="module")
+def toy_slice(tmp_path_factory):
+    """Layers [1, 3) of the tiny config (KDA 1, DSA 2; index_topk 8) as a slice."""
+    return build_real_slice(tmp_path_factory.mktemp("slice") / "s", start=1, end=3,
+                            config=full_config(tiny_text_config()))
+
+
+def test_check_real_passes_end_to_end_on_a_toy_slice(toy_slice, capsys):
+    from kimi_mlx import check_real
+
+    rc = check_real.main(["--slice", str(toy_slice), *TOY_RUN])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for line in ("kda_decode kernel", "kda_prefill kernel", "dsa_index_topk kernel",
+                 "sparse_mla_decode kernel", "decode step (float32)", "peak memory while decoding",
+                 "bytes read by one decode step at 13", "cache bytes at 14 tokens"):
+        assert re.search(rf"^{re.escape(line)}.*\bok$", out, re.M), line
+
+
+def test_check_real_fails_on_a_wrong_kernel(toy_slice, capsys, monkeypatch):
+    from kimi_mlx import check_real
+    from kimi_mlx.metal import kernels
+
+    real = kernels.kda_decode
+
+    def off(*args, **kwargs):  # a kernel whose output is off by 1e-3
+        y, s = real(*args, **kwargs)
+        return y + 1e-3, s
+
+    monkeypatch.setattr(kernels, "kda_decode", off)
+    rc = check_real.main(["--slice", str(toy_slice), *TOY_RUN])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert re.search(r"^kda_decode kernel .*: output.*FAIL$", out, re.M), out
+    assert re.search(r"^decode step \(float32\).*FAIL$", out, re.M), out
