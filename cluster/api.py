@@ -73,6 +73,14 @@ class ClusterEngine:
         return job
 
     def _worker(self) -> None:
+        import mlx.core as mx
+
+        try:
+            self._serve()
+        finally:
+            mx.clear_streams()  # this thread ran MLX (see compute.py)
+
+    def _serve(self) -> None:
         from kimi_mlx.server.engine import Failed
 
         while True:
@@ -199,6 +207,10 @@ def run(args, cluster_factory, tokenizers) -> int:
         except Exception as e:  # noqa: BLE001 - reported by /health
             svc.loading_error = f"the pipeline did not load: {type(e).__name__}: {e}"
             log.error(svc.loading_error)
+        finally:
+            import mlx.core as mx
+
+            mx.clear_streams()
 
     threading.Thread(target=load, name="kimi-mlx-cluster-load", daemon=True).start()
     try:

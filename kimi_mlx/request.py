@@ -111,31 +111,39 @@ def build_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], effort: 
     response_format json_object / json_schema). Raises InputError for an empty
     conversation or anything `encode_chat` rejects (unknown role or effort, non-text
     parts, bad calls)."""
-    from .chat_format import encode_chat
+    return build_chat_prompt_with_ends(tokenizer, messages, effort, tools, **options)[0]
+
+
+def build_chat_prompt_with_ends(tokenizer, messages: Sequence[Mapping[str, Any]], effort: str,
+                                tools: Optional[Sequence[Mapping[str, Any]]] = None,
+                                **options: Any) -> Tuple[List[int], List[int]]:
+    """(ids as `build_chat_prompt`, message ends): the prompt positions (token counts)
+    after each `<|end_of_msg|>`: the tool and effort system blocks, the system prompt,
+    every earlier turn. Where a prompt cache takes its snapshots: a later request that
+    shares the first k messages shares these prefixes. One pass over the segments
+    (`chat_format.encode_segments` tokenizes each segment on its own, so encoding the
+    pieces between message ends gives exactly `encode_chat`'s ids)."""
+    from .chat_format import END_OF_MSG, chat_segments, encode_segments
 
     if not messages:
         raise InputError("messages is empty: give at least one message")
     try:
-        return encode_chat(tokenizer, messages, reasoning_effort=effort,
-                           add_generation_prompt=True, tools=tools, **options)
+        segments = chat_segments(messages, effort, True, tools, **options)
+        ids: List[int] = []
+        ends: List[int] = []
+        piece: list = []
+        for seg in segments:
+            piece.append(seg)
+            if seg == (True, END_OF_MSG):
+                ids += encode_segments(tokenizer, piece)
+                ends.append(len(ids))
+                piece = []
+        ids += encode_segments(tokenizer, piece)
     except InputError:
         raise
     except ValueError as e:
         raise InputError(str(e)) from None
-
-
-def segment_ends(tokenizer, messages: Sequence[Mapping[str, Any]], effort: str,
-                 tools: Optional[Sequence[Mapping[str, Any]]] = None) -> List[int]:
-    """Prompt positions (token counts) where each message of the conversation ends:
-    the end of the system prompt, of every earlier turn. Where a prompt cache takes its
-    snapshots (a later request that shares the first k messages shares these prefixes)."""
-    from .chat_format import encode_chat
-
-    ends = []
-    for k in range(len(messages)):
-        ends.append(len(encode_chat(tokenizer, messages[: k + 1], reasoning_effort=effort,
-                                    add_generation_prompt=False, tools=tools)))
-    return ends
+    return ids, ends
 
 
 def token_budget(n_prompt: int, max_tokens: int, context: int) -> int:

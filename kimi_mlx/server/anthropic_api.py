@@ -10,7 +10,7 @@ import uuid
 from typing import Any, Dict, List
 
 from ..chat_format import resolve_effort
-from ..request import InputError, build_chat_prompt, segment_ends
+from ..request import InputError, build_chat_prompt_with_ends
 from .common import APIError, Service, budget, reply_events, sampling_from, stop_list, submit
 from .engine import Job
 from .reply import ReplyBuilder
@@ -122,8 +122,7 @@ def _prompt(svc: Service, req):
         raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
     messages, (tools, options) = to_chat_messages(req), _tools(req)
     try:
-        ids = build_chat_prompt(svc.tok, messages, effort, tools, **options)
-        ends = segment_ends(svc.tok, messages, effort, tools)
+        ids, ends = build_chat_prompt_with_ends(svc.tok, messages, effort, tools, **options)
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None
     return ids, ends

@@ -223,6 +223,10 @@ def run(args) -> int:
         except Exception as e:  # noqa: BLE001 - reported by /health and the log
             svc.loading_error = f"loading {spec} failed: {type(e).__name__}: {e}"
             log.error(svc.loading_error)
+        finally:
+            import mlx.core as mx
+
+            mx.clear_streams()  # this thread ran MLX (see Engine._loop)
 
     threading.Thread(target=load, name="kimi-mlx-load", daemon=True).start()
     try:

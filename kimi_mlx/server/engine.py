@@ -181,6 +181,16 @@ class Engine:
     # ---------------------------------------------------------------- worker
 
     def _loop(self) -> None:
+        import mlx.core as mx
+
+        try:
+            self._serve()
+        finally:
+            # a thread that ran MLX must release its streams before it ends, or the
+            # process may abort at exit (ml-explore/mlx#4373; see cluster/compute.py)
+            mx.clear_streams()
+
+    def _serve(self) -> None:
         if self.max_concurrency > 1:
             from .batch import run_batched
 

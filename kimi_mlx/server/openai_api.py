@@ -9,7 +9,7 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from ..chat_format import resolve_effort
-from ..request import InputError, build_chat_prompt, segment_ends
+from ..request import InputError, build_chat_prompt_with_ends
 from .common import (APIError, Service, budget, logits_processors, reply_events,
                      sampling_from, stop_list, submit)
 from .engine import Job
@@ -88,8 +88,7 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     tools = req.tools or None
     options = chat_options(tools, req.tool_choice, req.response_format)
     try:
-        ids = build_chat_prompt(svc.tok, messages, effort, tools, **options)
-        ends = segment_ends(svc.tok, messages, effort, tools)
+        ids, ends = build_chat_prompt_with_ends(svc.tok, messages, effort, tools, **options)
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None
     max_tokens = req.max_completion_tokens or req.max_tokens
