@@ -59,6 +59,8 @@ bench: install
 	$(BIN)/kimi-mlx bench kernels
 	@echo
 	$(BIN)/python -m kimi_mlx.cluster.bench
+	@echo
+	$(BIN)/python -m kimi_mlx.cluster.hop_bench
 
 # 1, 4, 8 concurrent HTTP clients vs one at a time: one process and a 3-stage cluster.
 bench-server: install

@@ -200,6 +200,10 @@ class _Downstream:
 class StageService(pb_grpc.StageServicer):
     """The servicer; see the module doc. Construct via `StageServer`.
 
+    `stage_loader` (class attribute, default None = `runner.load_stage`): what `Load`
+    calls, `(path, spec, progress) -> (runner, report, tensor bytes)`; the hop bench's
+    null stages (`cluster.hop_bench`) set it in a subclass.
+
     Args:
         node_id: this node's name. models_dir: where checkpoints may be loaded from.
         secret: cluster secret (for calls to the next stage).
@@ -209,6 +213,8 @@ class StageService(pb_grpc.StageServicer):
         stream_deadline: deadline (s) of a Forward call to the next stage.
         usable_memory/bandwidth: overrides of the detected figures (bytes, bytes/s).
     """
+
+    stage_loader = None
 
     def __init__(self, node_id: str, models_dir: Optional[Path], secret: bytes,
                  tls_secret_path: Optional[Path] = None, idle_timeout: float = 120.0,
@@ -441,7 +447,8 @@ class StageService(pb_grpc.StageServicer):
             try:
                 gc.collect()  # the previous layers' memory goes back before the new load
                 mx.clear_cache()
-                res = load_stage(path, spec, lambda d, t: events.put(("progress", d, t)))
+                loader = self.stage_loader or load_stage
+                res = loader(path, spec, lambda d, t: events.put(("progress", d, t)))
                 events.put(("done", res, rchar()))
             except Exception as e:  # CheckpointError, ConfigError, MLX errors
                 events.put(("error", f"{type(e).__name__}: {e}", None))

@@ -56,6 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--ks", default="1,2,3,4,5,6", help="draft counts (default 1,2,3,4,5,6)")
     s.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
     s.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    h = sub.add_parser("hop", help="the pipeline's own cost: ms per hop, 2-stage pipelined "
+                       "prefill, beside each stage's real compute",
+                       description="Null stage processes on loopback (the real service, "
+                       "transport and wire code, no model compute): ms per hop at decode, "
+                       "2-stage pipelined vs sequential prefill with a sleep standing for "
+                       "compute, and the real model's per-stage compute time "
+                       "(kimi_mlx.cluster.hop_bench).")
+    h.add_argument("--model", default=None, help="checkpoint (default: a mid-size random one)")
+    h.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
         ks = [int(k) for k in args.ks.split(",")]
         return spec_main(args.model, args.draft_model, args.tokens, ks, args.repeats,
                          args.prompts)
+    if args.what == "hop":
+        from kimi_mlx.cluster.hop_bench import main as hop_main
+
+        return hop_main((["--model", args.model] if args.model else [])
+                        + ["--repeats", str(args.repeats)])
     if args.what == "kernels":
         on_mac = mx.metal.is_available()
         prefill = args.prefill or (2048 if on_mac else 512)
@@ -77,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         rows = kernel_rows(prefill, args.context, args.repeats, on_mac)
         print_kernels(ratio, rows, on_mac)
         return 0
-    print("usage: kimi-mlx bench {kernels,model,spec} [options]  (see kimi-mlx bench -h)")
+    print("usage: kimi-mlx bench {kernels,model,spec,hop} [options]  (see kimi-mlx bench -h)")
     return 2
 
 
