@@ -25,6 +25,8 @@ log = logging.getLogger("kimi_mlx.cluster.api")
 class ClusterEngine:
     """Runs server `Job`s through a loaded `Pipeline` (see module doc)."""
 
+    supports_logits_processors = False  # the last stage samples; penalties are a 400
+
     def __init__(self, pipeline, eos_ids: Sequence[int], max_concurrency: int = 4,
                  max_queue: int = 64, metrics=None):
         self.pipeline = pipeline

@@ -663,3 +663,20 @@ def test_prompt_and_message_ends_in_one_pass(server):
     assert ids == encode_chat(svc.tok, msgs, "high", tools=tools, tool_choice="required")
     for k in range(1, len(msgs) + 1):  # every message prefix ends at one of the positions
         assert len(encode_chat(svc.tok, msgs[:k], "high", False, tools)) in ends
+
+
+def test_penalties_apply_and_are_refused_where_unsupported(server, oai):
+    _, svc = server
+    kw = dict(model="micro", prompt="the the the the the", max_tokens=4, temperature=0)
+    forced = oai.completions.create(logit_bias={"300": 100}, **kw).choices[0].text
+    assert forced == svc.tok.decode([300] * 4)  # the processors reach the sampler
+
+    class NoPenalties(ScriptedEngine):
+        supports_logits_processors = False
+
+    srv = _fake_server(server, NoPenalties([300]))
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={**kw, "presence_penalty": 1.0}, timeout=30)
+        assert r.status_code == 400 and "not supported" in r.json()["error"]["message"]
+    finally:
+        srv.stop()

@@ -109,13 +109,18 @@ def sampling_from(svc: Service, temperature, top_p, top_k, min_p, seed) -> Sampl
         raise APIError(400, str(e)) from None
 
 
-def logits_processors(req) -> Optional[list]:
-    """mlx-lm logits processors for penalties / logit_bias, or None."""
+def logits_processors(svc: "Service", req) -> Optional[list]:
+    """mlx-lm logits processors for penalties / logit_bias, or None; APIError 400 when
+    the engine cannot apply them (the cluster samples on its last stage)."""
     bias = getattr(req, "logit_bias", None)
     pres, freq = getattr(req, "presence_penalty", None), getattr(req, "frequency_penalty", None)
     rep = getattr(req, "repetition_penalty", None)
     if not (bias or pres or freq or rep):
         return None
+    if not getattr(svc.engine, "supports_logits_processors", True):
+        raise APIError(400, "presence_penalty, frequency_penalty, repetition_penalty and "
+                       "logit_bias are not supported by this server (the pipeline samples on "
+                       "its last stage)", param="logit_bias" if bias else "presence_penalty")
     from mlx_lm.sample_utils import make_logits_processors
 
     try:

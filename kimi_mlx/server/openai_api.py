@@ -94,7 +94,7 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     max_tokens = req.max_completion_tokens or req.max_tokens
     return Job(ids, budget(svc, len(ids), max_tokens),
                sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
-               (req.top_logprobs or 0) if req.logprobs else None, ends, logits_processors(req))
+               (req.top_logprobs or 0) if req.logprobs else None, ends, logits_processors(svc, req))
 
 
 def prepare_completion(svc: Service, req: CompletionRequest) -> Job:
@@ -118,7 +118,7 @@ def prepare_completion(svc: Service, req: CompletionRequest) -> Job:
                            f"{bad[:3] or 'none'}", param="prompt")
     return Job(ids, budget(svc, len(ids), req.max_tokens),
                sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
-               req.logprobs, (), logits_processors(req))
+               req.logprobs, (), logits_processors(svc, req))
 
 
 def _usage(job: Job, builder: ReplyBuilder, done) -> dict:
