@@ -10,7 +10,11 @@ from one run:
 - hop: ms per decode token through 1, 2 and 3 null stages (no compute at all), and the
   cost of one hop = (3-stage - 1-stage) / 2: one stage-to-stage message with its encode,
   gRPC send, receive, checks, decode and hand-off to and from the stage's MLX thread.
-  Target: <= 0.3 ms per hop.
+  Target: <= 0.3 ms per hop. Beside it: the CPU time the head and stage processes spend
+  per step (on a machine with fewer free cores than processes, wall time above CPU time
+  is waiting for a core), and a bare grpcio bidi message of the same size between two
+  processes (echo server, round trip / 2) measured in the same run: the floor that
+  gRPC's Python threads set, so "ours" = hop - bare.
 - prefill: 2 stages whose compute is a sleep of a fixed time per token (it stands for
   compute but takes no CPU, so 2 cores suffice), chunks sent back to back (pipelined)
   against one chunk at a time (sequential). Target: >= 1.8x; the ideal with n equal
