@@ -10,7 +10,11 @@ from one run:
 - hop: ms per decode token through 1, 2 and 3 null stages (no compute at all), and the
   cost of one hop = (3-stage - 1-stage) / 2: one stage-to-stage message with its encode,
   gRPC send, receive, checks, decode and hand-off to and from the stage's MLX thread.
-  Target: <= 0.3 ms per hop.
+  Target: <= 0.3 ms per hop. Beside it: the CPU time the head and stage processes spend
+  per step (on a machine with fewer free cores than processes, wall time above CPU time
+  is waiting for a core), and a bare grpcio bidi message of the same size between two
+  processes (echo server, round trip / 2) measured in the same run: the floor that
+  gRPC's Python threads set, so "ours" = hop - bare.
 - prefill: 2 stages whose compute is a sleep of a fixed time per token (it stands for
   compute but takes no CPU, so 2 cores suffice), chunks sent back to back (pipelined)
   against one chunk at a time (sequential). Target: >= 1.8x; the ideal with n equal
@@ -41,6 +45,7 @@ from types import SimpleNamespace
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from .runner import Output, Refused, Session, StageRunner, StageSpec
 from .testing import StageProc
@@ -82,24 +87,27 @@ class NullRunner(StageRunner):
         self.check(s, seq, offset, length, sample)
         if self.ms_per_token:
             time.sleep(self.ms_per_token * length / 1e3)
-        D = self.args.hidden_size
+        # NumPy, not MLX: an MLX eval costs a hand-off to its stream thread (~0.1-0.6 ms
+        # here), which is compute, not transport. from_tensor's arrays are already
+        # evaluated, so np.asarray is a view.
+        a = np.asarray(x)
         if self.is_first:
-            lo, hi = mx.min(x).item(), mx.max(x).item()
+            lo, hi = int(a.min()), int(a.max())
             if lo < 0 or hi >= self.args.vocab_size:
                 raise Refused(f"session {s.session}: token id out of range [0, "
                               f"{self.args.vocab_size}) (got {lo}..{hi})")
-            h = mx.concatenate([x[..., None].astype(self.compute),
-                                mx.zeros((1, length, D - 1), self.compute)], axis=-1)
+            h = np.zeros((1, length, self.args.hidden_size), np.float32)
+            h[..., 0] = a
             banks = []
         else:
-            h, banks = x[-1], [x[i] for i in range(self.in_banks)]
+            h, banks = a[-1], list(a[:self.in_banks])
         out = Output()
         if not self.is_last:
             banks = banks + [h] * (self.out_banks - len(banks))
-            out.hidden = mx.stack(banks + [h]).astype(self.wire)
-            mx.eval(out.hidden)
+            m = mx.array(np.stack(banks + [h]))
+            out.hidden = m if m.dtype == self.wire else m.astype(self.wire)
         elif sample:
-            out.token = int(h[0, -1, 0].astype(mx.float32).item())
+            out.token = int(np.asarray(h[0, -1, 0], np.float32))
         s.next_seq += 1
         s.offset += length
         s.last_active = time.monotonic()
@@ -150,6 +158,97 @@ def serve(argv: Sequence[str]) -> int:
     stop.wait()
     server.stop(1.0)
     return 0
+
+
+def echo_serve(argv: Sequence[str]) -> int:
+    """`python -m kimi_mlx.cluster.hop_bench echo --port-file F`: a bare grpcio server
+    whose `Forward` answers each message with an event at once (no auth, no checks, no
+    MLX thread): the baseline of what one gRPC message costs on this machine. Writes its
+    port to F and serves until SIGTERM."""
+    from concurrent import futures
+
+    import grpc
+
+    from . import stage_pb2 as pb
+    from . import stage_pb2_grpc as pb_grpc
+
+    p = argparse.ArgumentParser(prog="hop_bench echo")
+    p.add_argument("--port-file", required=True)
+    a = p.parse_args(argv)
+
+    class Echo(pb_grpc.StageServicer):
+        def Forward(self, request_iterator, context):
+            for m in request_iterator:
+                yield pb.Event(kind=pb.Event.TOKEN, session=m.session, seq=m.seq)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_StageServicer_to_server(Echo(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    tmp = Path(a.port_file + ".tmp")
+    tmp.write_text(str(port))
+    tmp.replace(a.port_file)
+    stop.wait()
+    server.stop(0)
+    return 0
+
+
+def bare_grpc_message_ms(workdir: Path, payload: int, n: int = 300, rounds: int = 3) -> float:
+    """Median ms per message of a bare grpcio bidi ping-pong with an `echo_serve`
+    process (round trip / 2), `payload` bytes per request, as the pipeline sends them
+    (a request iterator fed from a queue). The floor our hop cost sits on."""
+    import queue
+    import subprocess
+
+    import grpc
+
+    from . import stage_pb2 as pb
+    from . import stage_pb2_grpc as pb_grpc
+
+    port_file = Path(workdir) / "echo.port"
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx.cluster.hop_bench", "echo",
+                             "--port-file", str(port_file)], start_new_session=True)
+    try:
+        end = time.monotonic() + 60
+        while not port_file.exists():
+            if proc.poll() is not None or time.monotonic() > end:
+                raise RuntimeError("the bare gRPC echo server did not start")
+            time.sleep(0.05)
+        ch = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}")
+        q: "queue.Queue" = queue.Queue()
+
+        def requests():
+            while True:
+                m = q.get()
+                if m is None:
+                    return
+                yield m
+
+        call = pb_grpc.StageStub(ch).Forward(requests())
+        data = bytes(payload)
+        per = []
+        for r in range(rounds + 1):
+            stamps = []
+            for i in range(n):
+                m = pb.Activation(session="echo", seq=i)
+                m.tensor.data = data
+                q.put(m)
+                next(call)
+                stamps.append(time.perf_counter())
+            if r:
+                per.append(statistics.median(b - a for a, b in zip(stamps, stamps[1:])))
+        q.put(None)
+        ch.close()
+        return statistics.median(per) / 2 * 1e3
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except Exception:
+            proc.kill()
 
 
 class NullStageProc(StageProc):
@@ -233,6 +332,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
+    if argv[:1] == ["echo"]:
+        return echo_serve(argv[1:])
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.cluster.hop_bench",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the cluster bench's "
@@ -251,6 +352,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   dict(os.environ, **_threads_env(1)))
     with tempfile.TemporaryDirectory(prefix="kimi-mlx-hop-bench-") as tmp:
         return _run(args, Path(tmp))
+
+
+def _cpu_seconds(pids: Sequence[int]) -> float:
+    """CPU time (user + system, s) used so far by this process and processes `pids`
+    (Linux /proc; 0 for a pid it cannot read)."""
+    total = time.process_time()
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
 
 
 def _median_gap(gen, n: int) -> float:
@@ -292,21 +408,36 @@ def _run(args, tmp: Path) -> int:
         pipe = Pipeline(t, prefill_chunk=args.chunk)
         prompt = [(13 * i + 7) % (a.vocab_size - 1) + 1 for i in range(8)]
         per = {1: [], 2: [], 3: []}
+        cpu = {1: 0.0, 2: 0.0, 3: 0.0}
+        pids = [p.proc.pid for p in cluster.procs[:3]]
         for r in range(args.repeats + 1):  # round 0 warms up
             for n in (1, 2, 3):
                 t.load(cluster.fp, cluster.plan(range(n)), "float32", "float32", force=True)
+                c0 = _cpu_seconds(pids)
                 g = _median_gap(pipe.generate_step(prompt, Sampling(), args.decode_tokens),
                                 args.decode_tokens)
                 if r:
                     per[n].append(g)
+                    cpu[n] += (_cpu_seconds(pids) - c0) / (args.decode_tokens * args.repeats)
         d = {n: statistics.median(v) * 1e3 for n, v in per.items()}
         hop = (d[3] - d[1]) / 2
+        hop_cpu = (cpu[3] - cpu[1]) / 2 * 1e3
         bs = a.attn_res_block_size
         msg_kb = ((-(-a.num_hidden_layers // (3 * bs)) if bs else 0) + 1) * D * 4 / 1024
         print(f"hop: decode step through 1 / 2 / 3 null stages {d[1]:.3f} / {d[2]:.3f} / "
               f"{d[3]:.3f} ms ({d[1] / 2:.3f} ms per message with 1 stage); one more hop "
               f"+{hop:.3f} ms (messages of ~{msg_kb:.0f} KiB; target <= 0.3 ms per hop: "
-              f"{'met' if hop <= 0.3 else 'NOT met'})")
+              f"{'met' if hop <= 0.3 else 'NOT met'}); CPU time of the head and stage "
+              f"processes per step {cpu[1] * 1e3:.3f} / {cpu[2] * 1e3:.3f} / "
+              f"{cpu[3] * 1e3:.3f} ms, +{hop_cpu:.3f} ms per hop (load average "
+              f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: a wall figure well above "
+              "the CPU one is waiting for a core)")
+
+        bare = bare_grpc_message_ms(tmp, int(msg_kb * 1024))
+        print(f"baseline: a bare grpcio bidi message of the same size between two processes "
+              f"here {bare:.3f} ms (round trip / 2): of the +{hop:.3f} ms per hop, "
+              f"{max(hop - bare, 0):.3f} ms is ours (checks, wire decode/encode, the hand-off "
+              f"to the stage's MLX thread and on to the next stage's stream)")
 
         # -- prefill -----------------------------------------------------------------
         P, C = args.prompt_tokens, args.chunk
