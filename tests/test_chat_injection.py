@@ -106,8 +106,36 @@ def transformers_template(micro, prompt):
     return ids
 
 
+def _service(micro):
+    from kimi_mlx.server.common import Service
+
+    return Service(wrapper=micro[1], tok=micro[2], context=4096, model_ids=["micro"])
+
+
+def ours_server_openai(micro, prompt):
+    """`kimi-mlx server` (and `cluster server`, same handlers): POST /v1/chat/completions
+    as parsed by its pydantic schema and turned into a job's prompt ids."""
+    from kimi_mlx.server.openai_api import prepare_chat
+    from kimi_mlx.server.schemas import ChatRequest
+
+    req = ChatRequest.model_validate(
+        {"model": "micro", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1})
+    return list(prepare_chat(_service(micro), req).ids)
+
+
+def ours_server_anthropic(micro, prompt):
+    """`kimi-mlx server`: POST /v1/messages (Anthropic), text given as a content-block list."""
+    from kimi_mlx.server.anthropic_api import prepare
+    from kimi_mlx.server.schemas import MessagesRequest
+
+    req = MessagesRequest.model_validate(
+        {"model": "micro", "max_tokens": 1,
+         "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}]})
+    return list(prepare(_service(micro), req).ids)
+
+
 ENTRY_POINTS = [ours_generate, cluster_head, ours_chat, mlx_lm_generate, mlx_lm_server,
-                transformers_template]
+                transformers_template, ours_server_openai, ours_server_anthropic]
 
 
 def test_every_entry_point_gives_the_same_ids_and_only_the_templates_control_ids(micro):
