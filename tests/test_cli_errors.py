@@ -1,0 +1,21 @@
+"""Argument errors are reported with the subcommand's usage, not the top-level one."""
+
+import pytest
+
+from kimi_mlx.cli import main
+
+
+def test_unknown_flag_names_the_subcommand(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--bogus"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: kimi-mlx generate" in err
+    assert "kimi-mlx generate: error: unrecognized arguments: --bogus" in err
+
+
+def test_unknown_top_level_flag_still_uses_the_top_level_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--bogus"])
+    assert e.value.code == 2
+    assert "kimi-mlx: error: unrecognized arguments: --bogus" in capsys.readouterr().err
