@@ -19,3 +19,8 @@ def test_unknown_top_level_flag_still_uses_the_top_level_usage(capsys):
         main(["--bogus"])
     assert e.value.code == 2
     assert "kimi-mlx: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_convert_errors_name_the_command(tmp_path, capsys):
+    assert main(["convert", "--model", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "kimi-mlx convert: error: give --q-bits" in capsys.readouterr().err
