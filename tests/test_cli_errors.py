@@ -24,3 +24,10 @@ def test_unknown_top_level_flag_still_uses_the_top_level_usage(capsys):
 def test_convert_errors_name_the_command(tmp_path, capsys):
     assert main(["convert", "--model", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "kimi-mlx convert: error: give --q-bits" in capsys.readouterr().err
+
+
+def test_an_unknown_log_level_is_refused_before_loading(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["server", "--log-level", "bogus"])
+    assert e.value.code == 2
+    assert "argument --log-level: not a logging level: 'bogus'" in capsys.readouterr().err
