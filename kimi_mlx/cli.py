@@ -43,7 +43,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             continue  # command not built yet
         p = sub.add_parser(name, help=help_text, description=help_text)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _parser=p)
     return parser
 
 
@@ -51,7 +51,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = argv[0] if argv and not argv[0].startswith("-") else None
     parser = build_parser(only=command)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # say it with the subcommand's usage, not the top-level one
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2 if command else 0

@@ -149,7 +149,7 @@ def run(args) -> int:
                     force=args.force, quant=quant,
                     chunk=args.chunk, activation_budget=budget, progress=not args.quiet)
     except (PruneError, CalibError, KeepError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"kimi-mlx prune: error: {e}", file=sys.stderr)
         return 2
     protected = sum(len(v) for v in res.selection.protected.values())
     print(f"pruned {args.model} -> {res.out}: {n_keep} of {margs.num_experts} experts kept in "

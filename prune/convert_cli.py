@@ -36,7 +36,7 @@ def run(args) -> int:
         src = _source(args.model)
         plan = convert(src, args.out, quant, force=args.force, progress=not args.quiet)
     except PruneError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"kimi-mlx convert: error: {e}", file=sys.stderr)
         return 2
     print(f"converted {args.model} -> {args.out}: {plan.bytes_out / 1e9:.3f} GB of tensors "
           f"(source {plan.bytes_in / 1e9:.3f} GB); " + " ".join(quant.describe()[:1]))

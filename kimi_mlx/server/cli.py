@@ -23,6 +23,16 @@ from ..request import InputError, resolve_model_arg
 log = logging.getLogger("kimi_mlx.server")
 
 DEFAULT_PORT = 8080
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level_arg(text: str) -> str:
+    """argparse type for --log-level: a logging level name, any case (uvicorn takes
+    these too; an unknown one used to surface as a KeyError from uvicorn after loading)."""
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"not a logging level: {text!r} (one of {', '.join(LOG_LEVELS)})")
+    return level
 
 
 def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> None:
@@ -42,7 +52,8 @@ def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> 
     p.add_argument("--max-kv-size", type=int, default=None,
                    help="cap on prompt + generated tokens (default: max_position_embeddings)")
     if log_level:
-        p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+        p.add_argument("--log-level", type=log_level_arg, default="INFO",
+                      help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

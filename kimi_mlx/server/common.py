@@ -127,6 +127,11 @@ def logits_processors(svc: "Service", req) -> Optional[list]:
         bias = {int(k): float(v) for k, v in (bias or {}).items()} or None
     except ValueError:
         raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
+    n_vocab = getattr(svc.tok, "vocab_size", None)
+    bad = sorted(k for k in bias or () if k < 0 or (n_vocab is not None and k >= n_vocab))
+    if bad:  # an id past the logits indexes out of bounds in the sampler (the process dies)
+        raise APIError(400, f"logit_bias: token id {bad[0]} is not in the vocabulary "
+                       f"[0, {n_vocab})", param="logit_bias")
     return make_logits_processors(bias, rep, presence_penalty=pres, frequency_penalty=freq)
 
 
