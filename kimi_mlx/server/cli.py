@@ -163,6 +163,7 @@ class BackgroundServer:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
+        self.sock.listen(2048)  # connections queue until uvicorn accepts (see serve)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -200,6 +201,9 @@ def serve(app, host: str, port: int, log_level: str, banner: str = "kimi-mlx ser
     except OSError as e:
         sock.close()
         raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    # Listen now, not when uvicorn starts: a client that read the printed URL is queued in
+    # the backlog instead of refused during the moments before uvicorn accepts.
+    sock.listen(2048)
     bound = sock.getsockname()[1]
     where = f"[{host}]" if ":" in host else host
     print(f"{banner}: listening on http://{where}:{bound} (GET /health says when the model "
