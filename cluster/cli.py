@@ -7,7 +7,8 @@
   machine has the secret).
 - `launch`: on the head: discover, check versions and fingerprints, plan, load every
   stage with a progress bar per node, then generate with `kimi-mlx generate`'s flags and
-  output. Exit status: 0 done, 1 a stage was lost / refused or the model does not fit,
+  output (`--draft-model`: speculative decoding, the draft on the head, verify steps
+  through the stages: `cluster.speculative`). Exit status: 0 done, 1 a stage was lost / refused or the model does not fit,
   2 bad input.
 """
 
@@ -431,7 +432,7 @@ class _Cluster:
 def _launch(args) -> int:
     _logging(args.log_level, "WARNING")
     from kimi_mlx.config import ModelArgs, read_config
-    from kimi_mlx.generate import print_generation
+    from kimi_mlx.generate import check_draft_arguments, load_speculation, print_generation
     from kimi_mlx.request import (InputError, build_prompt, check_context, check_model_arguments,
                                   resolve_model_arg)
 
@@ -443,9 +444,7 @@ def _launch(args) -> int:
 
     try:
         check_model_arguments(args)
-        if getattr(args, "draft_model", None):
-            raise InputError("--draft-model: speculative decoding through the pipeline is "
-                             "not built yet; use it with kimi-mlx generate or chat")
+        check_draft_arguments(args)
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):
@@ -468,6 +467,7 @@ def _launch(args) -> int:
             context, source = min(context, args.max_kv_size), "--max-kv-size"
         args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
         fp = fingerprint(model_dir)
+        speculation = load_speculation(args, wrapper, spec)  # the draft runs on this head
     except (InputError, FileNotFoundError, ValueError, AuthError, FingerprintError) as e:
         _err("launch", e)
         return 2
@@ -482,15 +482,29 @@ def _launch(args) -> int:
         return 1
     failure: List[BaseException] = []
 
+    def step(prompt_ids: List[int], max_tokens: int):
+        """(token, logprobs, from_draft) from the pipeline, plain or speculative."""
+        if speculation is None:
+            return ((t, lp, False) for t, lp in
+                    pipeline.generate_step(prompt_ids, sampling, max_tokens))
+        from .speculative import speculative_pipeline_step
+
+        if args.seed is not None:  # the head draws every random number (draft, acceptance)
+            import mlx.core as mx
+
+            mx.random.seed(args.seed)
+        return speculative_pipeline_step(pipeline, prompt_ids, speculation.draft, margs,
+                                         **speculation.kwargs(), max_tokens=max_tokens)
+
     def tokens():
         nonlocal pipeline
         generated: List[int] = []
         while True:
             try:
-                for tok_id, lp in pipeline.generate_step(ids + generated, sampling,
-                                                         args.max_tokens - len(generated)):
+                for tok_id, lp, from_draft in step(ids + generated,
+                                                   args.max_tokens - len(generated)):
                     generated.append(tok_id)
-                    yield tok_id, lp
+                    yield tok_id, lp, from_draft
                 return
             except StageFailure as e:
                 left = cluster.transport.abort()
@@ -521,6 +535,8 @@ def _launch(args) -> int:
     finally:
         if cluster.transport is not None:
             cluster.transport.shutdown()
+    if speculation is not None and args.verbose:
+        print(speculation.summary())
     if failure:
         e = failure[0]
         _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError) else e)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,39 +115,14 @@ class Pipeline:
                 log.debug("close %s: %s", sid, e)
 
 
-def stream_generate(tokens: Iterator[Tuple[int, object]], tokenizer, n_prompt: int,
+def stream_generate(tokens: Iterator[Tuple], tokenizer, n_prompt: int,
                     max_tokens: int, peak_memory: Callable[[], int]):
-    """mlx-lm's `stream_generate` over a token iterator: yields GenerationResponse with
-    text segments, tokens/s and peak memory (GB, the largest of any stage)."""
-    from mlx_lm.generate import GenerationResponse
+    """mlx-lm's `stream_generate` over a token iterator of (token, logprobs[, from_draft])
+    (`kimi_mlx.streaming.stream_responses`): yields GenerationResponse with text segments,
+    tokens/s and peak memory (GB, the largest of any stage)."""
+    from kimi_mlx.streaming import stream_responses
 
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-    tic = time.perf_counter()
-    prompt_tps = 0.0
-    token, logprobs, n = None, None, 0
-    for n, (token, logprobs) in enumerate(tokens):
-        if n == 0:
-            prompt_tps = n_prompt / (time.perf_counter() - tic)
-            tic = time.perf_counter()
-        if token in tokenizer.eos_token_ids:
-            break
-        detokenizer.add_token(token)
-        if (n + 1) == max_tokens:
-            break
-        yield GenerationResponse(
-            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
-            prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
-            generation_tps=(n + 1) / (time.perf_counter() - tic),
-            peak_memory=peak_memory() / 1e9, finish_reason=None)
-    if token is None:
-        return
-    detokenizer.finalize()
-    yield GenerationResponse(
-        text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=False,
-        prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
-        generation_tps=(n + 1) / (time.perf_counter() - tic), peak_memory=peak_memory() / 1e9,
-        finish_reason="stop" if token in tokenizer.eos_token_ids else "length")
+    yield from stream_responses(tokens, tokenizer, n_prompt, max_tokens, peak_memory)
 
 
 # -- nodes -------------------------------------------------------------------------------

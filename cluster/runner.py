@@ -12,6 +12,13 @@ and leaves as the same layout with K' = ceil(end / block) banks, or, on the last
 as a sampled token (output AttnRes mix + norm + lm_head + mlx-lm's sampler, exactly as
 mlx-lm's `generate_step` does it) when the chunk asks for one.
 
+Speculative decoding (`cluster.speculative`): a *verify* chunk [y, d1..dk] runs after
+`kimi_mlx.rollback.begin_verify` on the session's caches, and the last stage returns the
+float32 logits of every position. The session then holds what it needs to roll the
+chunk back until the next message says how many of its positions to keep (`keep`,
+piggybacked on that message): `rollback` + `end_verify` run first, so every cache holds
+exactly what a plain decode of the kept tokens would have left.
+
 Every field is checked before any compute (`Refused` names what and why); one session's
 bad message never touches another session's state.
 """
@@ -79,16 +86,21 @@ class Session:
     next_seq: int = 0
     offset: int = 0
     last_active: float = field(default_factory=time.monotonic)
+    verify: Any = None  # kimi_mlx.rollback.Verify of the last chunk, until a keep settles it
+    verify_offset: int = 0  # where that verify chunk started
+    verify_length: int = 0
 
 
 @dataclass
 class Output:
     """What a processed chunk produced: `hidden` for the next stage, or (last stage,
-    sampled chunk) `token` with optional `logprobs` float32 [vocab]."""
+    sampled chunk) `token` with optional `logprobs` float32 [vocab], or (last stage,
+    verify chunk) `logits` float32 [length, vocab]."""
 
     hidden: Optional[mx.array] = None
     token: Optional[int] = None
     logprobs: Optional[mx.array] = None
+    logits: Optional[mx.array] = None
 
 
 class StageRunner:
@@ -142,14 +154,28 @@ class StageRunner:
                                      top_k=sampling.top_k)
         return s
 
-    def check(self, s: Session, seq: int, offset: int, length: int, sample: bool) -> None:
-        """Refused unless the chunk is the session's next one, in order and in range."""
+    def check(self, s: Session, seq: int, offset: int, length: int, sample: bool,
+              verify: bool = False, keep: Optional[int] = None) -> None:
+        """Refused unless the chunk is the session's next one, in order and in range; the
+        message right after a verify chunk must say how many of its positions to keep
+        (0..length), and no other message may."""
         if seq != s.next_seq:
             raise Refused(f"session {s.session}: sequence number {seq}, expected {s.next_seq} "
                           "(lost or reordered message)")
-        if offset != s.offset:
+        expected = s.offset
+        if s.verify is not None:
+            if keep is None:
+                raise Refused(f"session {s.session}: the message after a verify chunk must say "
+                              "how many of its positions to keep")
+            if not 0 <= keep <= s.verify_length:
+                raise Refused(f"session {s.session}: keep {keep} of a verify chunk of "
+                              f"{s.verify_length} positions")
+            expected = s.verify_offset + keep
+        elif keep is not None:
+            raise Refused(f"session {s.session}: keep {keep} without a verify chunk before it")
+        if offset != expected:
             raise Refused(f"session {s.session}: chunk starts at position {offset}, expected "
-                          f"{s.offset}")
+                          f"{expected}")
         if not 1 <= length <= MAX_CHUNK:
             raise Refused(f"session {s.session}: chunk of {length} positions (allowed 1..{MAX_CHUNK})")
         limit = self.args.max_position_embeddings
@@ -157,17 +183,23 @@ class StageRunner:
             raise Refused(f"session {s.session}: positions up to {offset + length} exceed the "
                           f"model's context of {limit}")
 
-    def run(self, s: Session, seq: int, offset: int, x: mx.array, sample: bool) -> Output:
+    def run(self, s: Session, seq: int, offset: int, x: mx.array, sample: bool,
+            verify: bool = False, keep: Optional[int] = None) -> Output:
         """Process one checked chunk; advances the session.
 
         Args:
             x: as `input_spec(L)` says (already decoded from the wire).
             sample: on the last stage, sample a token from the chunk's last position.
+            verify: a speculative verify chunk: record for rollback (`begin_verify`) and,
+                on the last stage, return the logits of every position.
+            keep: after a verify chunk: how many of its positions stay (the rest are
+                rolled back before this chunk runs).
         Raises:
-            Refused: out-of-order chunk or bad token ids (the session is unchanged).
+            Refused: out-of-order chunk, bad token ids or a missing/extra keep (the session
+                is unchanged).
         """
         length = x.shape[-1] if self.is_first else x.shape[2]
-        self.check(s, seq, offset, length, sample)
+        self.check(s, seq, offset, length, sample, verify, keep)
         with self.lock:
             text = self.model.text
             eps = self.args.rms_norm_eps
@@ -181,12 +213,23 @@ class StageRunner:
                 x = x.astype(self.compute) if x.dtype != self.compute else x
                 banks = Banks.from_stacked(x[:-1] if self.in_banks else None, eps)
                 h = x[-1]
+            if keep is not None:
+                self._settle(s, keep)
+            if verify:
+                from kimi_mlx.rollback import begin_verify
+
+                s.verify = begin_verify(s.cache)
+                s.verify_offset, s.verify_length = offset, length
             h, banks = text.run_layers(h, banks, s.cache, eval_each=length == 1)
             out = Output()
             states = [c.state for c in s.cache]
             if not self.is_last:
                 out.hidden = mx.stack(banks.raw + [h]).astype(self.wire)
                 mx.eval(out.hidden, states)
+            elif verify:
+                logits = self.model.language_model.logits(text.finish(h, banks))[0]
+                out.logits = logits.astype(mx.float32)
+                mx.eval(out.logits, states)
             elif sample:
                 if h.shape[1] > 1:  # only the last position's logits are needed
                     h = h[:, -1:]
@@ -204,6 +247,20 @@ class StageRunner:
         s.offset += length
         s.last_active = time.monotonic()
         return out
+
+    def _settle(self, s: Session, keep: int) -> None:
+        """Roll the pending verify chunk back to its first `keep` positions (exact for
+        KDA state: `kimi_mlx.rollback`) and stop recording."""
+        from kimi_mlx.rollback import RollbackError, end_verify, rollback
+
+        try:
+            rollback(s.cache, s.verify, keep)
+        except RollbackError as e:
+            raise Refused(f"session {s.session}: cannot roll back the verify chunk: {e}") from None
+        finally:
+            end_verify(s.cache)
+        s.verify = None
+        s.offset = s.verify_offset + keep
 
     def _sample(self, s: Session, logprobs: mx.array) -> mx.array:
         if s.key is None:

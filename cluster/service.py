@@ -15,7 +15,8 @@ RPCs (stage.proto):
 - `Forward`: one session's chunks, in order. The stage checks each message (session,
   sequence number, position, dtype, shape, byte count: `runner.Refused`), runs its
   layers, and sends the result straight to the next stage on its own `Forward` stream
-  (or, on the last stage, the sampled token to the head's `Watch`). A refused message
+  (or, on the last stage, the sampled token to the head's `Watch`; for a speculative
+  verify chunk, the logits of every position, see `runner`). A refused message
   ends that session with INVALID_ARGUMENT and a message naming this stage; other
   sessions and the service carry on. A session beyond `max_sessions` is refused with
   RESOURCE_EXHAUSTED naming the limit.
@@ -647,20 +648,27 @@ class StageService(pb_grpc.StageServicer):
             raise Refused(f"message for session {msg.session!r} on the stream of session {s.session!r}")
         if msg.seq != 0 and msg.HasField("open"):
             raise Refused("only seq 0 may open a session")
-        runner.check(s, msg.seq, msg.offset, msg.length, msg.sample)
+        keep = msg.keep if msg.HasField("keep") else None
+        runner.check(s, msg.seq, msg.offset, msg.length, msg.sample, msg.verify, keep)
         shape, dtype = runner.input_spec(msg.length)
         try:
             x = from_tensor(msg.tensor, shape, dtype, "activation" if not runner.is_first else "tokens")
         except WireError as e:
             raise Refused(str(e)) from None
-        out = runner.run(s, msg.seq, msg.offset, x, msg.sample)
+        out = runner.run(s, msg.seq, msg.offset, x, msg.sample, msg.verify, keep)
         if out.hidden is not None:
             nxt = pb.Activation(session=msg.session, seq=msg.seq, offset=msg.offset,
-                                length=msg.length, sample=msg.sample)
+                                length=msg.length, sample=msg.sample, verify=msg.verify,
+                                keep=keep)
             to_tensor(out.hidden, out=nxt.tensor)
             if msg.seq == 0:
                 nxt.open.CopyFrom(msg.open)
             return nxt
+        if out.logits is not None:  # a verify chunk's answer: every position's logits
+            ev = self._event(pb.Event.TOKEN, msg.session, msg.seq,
+                             peak_memory=mx.get_peak_memory())
+            to_tensor(out.logits, out=ev.logits)
+            return ev
         if out.token is not None:
             ev = self._event(pb.Event.TOKEN, msg.session, msg.seq, token=out.token,
                              peak_memory=mx.get_peak_memory())

@@ -35,27 +35,27 @@ class StageStub:
             channel: A grpc.Channel.
         """
         self.Health = channel.unary_unary(
-                '/kimimlx.stage.v1.Stage/Health',
+                '/kimimlx.stage.v2.Stage/Health',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.HealthRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.HealthReply.FromString,
                 _registered_method=True)
         self.Load = channel.unary_stream(
-                '/kimimlx.stage.v1.Stage/Load',
+                '/kimimlx.stage.v2.Stage/Load',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.LoadRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.LoadProgress.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
-                '/kimimlx.stage.v1.Stage/Watch',
+                '/kimimlx.stage.v2.Stage/Watch',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.WatchRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
         self.Forward = channel.stream_stream(
-                '/kimimlx.stage.v1.Stage/Forward',
+                '/kimimlx.stage.v2.Stage/Forward',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.Activation.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
-                '/kimimlx.stage.v1.Stage/Reset',
+                '/kimimlx.stage.v2.Stage/Reset',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.ResetRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.ResetReply.FromString,
                 _registered_method=True)
@@ -127,9 +127,9 @@ def add_StageServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'kimimlx.stage.v1.Stage', rpc_method_handlers)
+            'kimimlx.stage.v2.Stage', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('kimimlx.stage.v1.Stage', rpc_method_handlers)
+    server.add_registered_method_handlers('kimimlx.stage.v2.Stage', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -150,7 +150,7 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kimimlx.stage.v1.Stage/Health',
+            '/kimimlx.stage.v2.Stage/Health',
             kimi__mlx_dot_cluster_dot_stage__pb2.HealthRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.HealthReply.FromString,
             options,
@@ -177,7 +177,7 @@ class Stage:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/kimimlx.stage.v1.Stage/Load',
+            '/kimimlx.stage.v2.Stage/Load',
             kimi__mlx_dot_cluster_dot_stage__pb2.LoadRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.LoadProgress.FromString,
             options,
@@ -204,7 +204,7 @@ class Stage:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/kimimlx.stage.v1.Stage/Watch',
+            '/kimimlx.stage.v2.Stage/Watch',
             kimi__mlx_dot_cluster_dot_stage__pb2.WatchRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
             options,
@@ -231,7 +231,7 @@ class Stage:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/kimimlx.stage.v1.Stage/Forward',
+            '/kimimlx.stage.v2.Stage/Forward',
             kimi__mlx_dot_cluster_dot_stage__pb2.Activation.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
             options,
@@ -258,7 +258,7 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kimimlx.stage.v1.Stage/Reset',
+            '/kimimlx.stage.v2.Stage/Reset',
             kimi__mlx_dot_cluster_dot_stage__pb2.ResetRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.ResetReply.FromString,
             options,

@@ -58,12 +58,14 @@ class StageAssignment:
 class TokenResult:
     """A token sampled by the last stage for message `seq` of `session`.
 
-    logprobs: float32 [vocab] when the session asked for them, else None."""
+    logprobs: float32 [vocab] when the session asked for them, else None.
+    logits: the answer to a verify chunk instead: float32 [length, vocab] (token is 0)."""
 
     session: str
     seq: int
     token: int
     logprobs: Optional[mx.array] = None
+    logits: Optional[mx.array] = None
 
 
 @dataclass
@@ -110,9 +112,13 @@ class Transport(ABC):
         """Start a session (its first `send` opens it on every stage)."""
 
     @abstractmethod
-    def send(self, session: str, seq: int, offset: int, tokens: Sequence[int], sample: bool) -> None:
+    def send(self, session: str, seq: int, offset: int, tokens: Sequence[int], sample: bool,
+             verify: bool = False, keep: Optional[int] = None) -> None:
         """Queue token ids for positions [offset, offset + len) into the first stage
-        (non-blocking); with `sample`, the last stage returns a token for them."""
+        (non-blocking); with `sample`, the last stage returns a token for them. With
+        `verify` (speculative decoding) every stage records the chunk for rollback and the
+        last stage returns the logits of every position; the next message after it gives
+        `keep`, the positions of that chunk to keep."""
 
     @abstractmethod
     def receive(self, session: str, timeout: Optional[float] = None) -> TokenResult:
@@ -344,11 +350,11 @@ class GrpcTransport(Transport):
         finally:
             s.closed.set()
 
-    def send(self, session, seq, offset, tokens, sample):
+    def send(self, session, seq, offset, tokens, sample, verify=False, keep=None):
         s = self._sessions[session]
         ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         msg = pb.Activation(session=session, seq=seq, offset=offset, length=ids.shape[1],
-                            sample=sample)
+                            sample=sample, verify=verify, keep=keep)
         msg.tensor.data = ids.tobytes()
         msg.tensor.shape[:] = list(ids.shape)
         msg.tensor.dtype = "int32"
@@ -371,10 +377,12 @@ class GrpcTransport(Transport):
             if ev is None:
                 continue
             if ev.kind == pb.Event.TOKEN:
-                lp = None
+                lp = logits = None
                 if ev.HasField("logprobs"):
                     lp = from_tensor(ev.logprobs, (None,), "float32", "logprobs")
-                return TokenResult(session, ev.seq, ev.token, lp)
+                if ev.HasField("logits"):
+                    logits = from_tensor(ev.logits, (None, None), "float32", "logits")
+                return TokenResult(session, ev.seq, ev.token, lp, logits)
             raise self._failure(ev)
 
     def _check_alive(self) -> None:

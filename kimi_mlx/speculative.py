@@ -26,7 +26,6 @@ Acceptance rule (sampling stays the target's):
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, List, Optional, Tuple
 
@@ -334,47 +333,19 @@ def stream_speculative(
     kwargs go to `speculative_generate_step` (num_draft_tokens, sampling, prompt_cache,
     prefill_step_size, stats).
     """
-    from mlx_lm.generate import GenerationResponse
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from .streaming import stream_responses
 
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    detok = tokenizer.detokenizer
-    detok.reset()
-    n_prompt = len(prompt)
     gen = speculative_generate_step(prompt, model, draft_model, max_tokens=max_tokens,
                                     **kwargs)
     try:
-        tic = time.perf_counter()
-        n, token, logprobs, from_draft = -1, None, None, False
-        prompt_tps = 0.0
-        for n, (token, logprobs, from_draft) in enumerate(gen):
-            if n == 0:
-                prompt_tps = n_prompt / (time.perf_counter() - tic)
-                tic = time.perf_counter()
-            if token in tokenizer.eos_token_ids:
-                break
-            detok.add_token(token)
-            if n + 1 == max_tokens:
-                break
-            yield GenerationResponse(
-                text=detok.last_segment, token=token, logprobs=logprobs,
-                from_draft=from_draft, prompt_tokens=n_prompt, prompt_tps=prompt_tps,
-                generation_tokens=n + 1,
-                generation_tps=(n + 1) / (time.perf_counter() - tic),
-                peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None,
-            )
-        gen.close()
-        detok.finalize()
-        yield GenerationResponse(
-            text=detok.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
-            prompt_tokens=n_prompt, prompt_tps=prompt_tps, generation_tokens=n + 1,
-            generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason="stop" if token in tokenizer.eos_token_ids else "length",
-        )
+        yield from stream_responses(gen, tokenizer, len(prompt), max_tokens,
+                                    mx.get_peak_memory, before_final=gen.close)
     finally:
         gen.close()
 

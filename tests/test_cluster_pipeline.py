@@ -20,7 +20,7 @@ from kimi_mlx.cluster import stage_pb2 as pb
 from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
 from kimi_mlx.cluster.runner import Sampling
-from kimi_mlx.cluster.service import make_channel
+from kimi_mlx.cluster.service import STAGE_SERVICE, make_channel
 from kimi_mlx.cluster.testing import LocalCluster
 from kimi_mlx.cluster.transport import GrpcTransport
 from kimi_mlx.cluster.wire import to_tensor
@@ -196,8 +196,8 @@ def test_wrong_secret_is_refused_and_logged(cluster, loaded):
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     time.sleep(0.2)
     log = p.log_text()
-    assert "refused /kimimlx.stage.v1.Stage/Health" in log and "wrong cluster secret" in log
-    assert "refused /kimimlx.stage.v1.Stage/Load" in log and "no credentials" in log
+    assert f"refused /{STAGE_SERVICE}/Health" in log and "wrong cluster secret" in log
+    assert f"refused /{STAGE_SERVICE}/Load" in log and "no credentials" in log
 
 
 def _forward(stub, msgs, timeout=10):

@@ -1,0 +1,197 @@
+"""Speculative decoding through the pipeline: the head drafts, the stages verify.
+
+The head runs the draft model; each verify step sends [y, d1..dk] through the stages as
+ONE message per hop (`Activation.verify`). Every stage snapshots its caches and records
+its KDA inputs before that forward (`kimi_mlx.rollback.begin_verify`) and keeps them
+until the head says how many of the k + 1 positions were accepted; that count rides on
+the next step's message (`Activation.keep`: no extra round trip), and each stage rolls
+back exactly (`rollback` + `end_verify`) before running it. The last stage returns the
+k + 1 rows of logits (float32), from which the head applies the acceptance rule.
+
+The loop itself is the one-process one, `kimi_mlx.speculative.speculative_generate_step`
+(draft, acceptance rule `accept_drafts` at temperature > 0, mlx-lm's greedy rule at 0,
+draft snapshots): here the target it drives is `PipelineTarget`, a stand-in model whose
+forward pass is a message through the stages and whose one "cache" is the pipeline's
+position, trimmed (= the next message's `keep`) by the loop's own `rollback` call. So
+greedy output is token for token the plain pipeline's (and one process's), and sampled
+output keeps the target's distribution, by the same code in both places.
+
+A stage lost mid-verify raises the transport's `StageFailure` out of the forward pass,
+as for any other message (the launcher's existing stage-loss path reports it).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any, Generator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from .head import Pipeline
+from .runner import Sampling as StageSampling
+
+log = logging.getLogger("kimi_mlx.cluster.speculative")
+
+__all__ = ["PipelineTarget", "speculative_pipeline_step"]
+
+
+class _PipelineCache:
+    """The pipeline's caches as the one-process loop sees them: one trimmable KV-like
+    cache whose offset is the session's position (`kimi_mlx.rollback` snapshots it as an
+    offset and trims it after a verify step)."""
+
+    def __init__(self, target: "PipelineTarget"):
+        self.target = target
+
+    @property
+    def offset(self) -> int:
+        return self.target.offset
+
+    @property
+    def state(self) -> List[mx.array]:
+        return []  # nothing to evaluate on the head
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return self.target.trim(n)
+
+
+class PipelineTarget:
+    """A target model whose layers run in the pipeline's stages, for one session.
+
+    Called like a model on token ids [1, T]:
+      * positions before `n_prefill` (the prompt but its last token) are prefill: sent in
+        chunks of `prefill_chunk`, back to back, without waiting (returns an empty
+        [1, T, 0] array: the loop ignores prefill output);
+      * any later call is a verify step: one message with `verify`, carrying the pending
+        `keep` of the previous verify step; waits for and returns the logits
+        float32 [1, T, vocab] (a `StageFailure` / `TimeoutError` from the transport).
+
+    Args:
+        transport: a loaded `Transport`; session: its open session id.
+        args: the checkpoint's `ModelArgs` (vocab_size for the checks and the draft).
+        n_prefill: prompt tokens that are prefill (len(prompt) - 1).
+        prefill_chunk: prompt tokens per message. step_timeout: seconds per verify step
+            (None: as long as every stage is alive).
+    """
+
+    def __init__(self, transport, session: str, args, n_prefill: int, prefill_chunk: int,
+                 step_timeout: Optional[float] = None):
+        self.transport, self.session, self.args = transport, session, args
+        self.n_prefill, self.prefill_chunk, self.step_timeout = n_prefill, prefill_chunk, step_timeout
+        self.layers = [None]  # one stand-in cache for all stages (mlx-lm's cache split)
+        self.offset = 0  # positions the stages hold (after the pending keep)
+        self.seq = 0
+        self._verify: Optional[Tuple[int, int]] = None  # (offset, length) awaiting a keep
+        self.verify_steps = 0
+
+    def make_cache(self) -> List[Any]:
+        return [_PipelineCache(self)]
+
+    def trim(self, n: int) -> int:
+        """Drop the last n positions of the pending verify step (sent as the next
+        message's keep). Raises ValueError for anything else (a prefill cannot be
+        taken back)."""
+        if n < 0 or self._verify is None or self.offset - n < self._verify[0]:
+            raise ValueError(f"the pipeline can only drop positions of the last verify step "
+                             f"(asked to drop {n} at position {self.offset})")
+        self.offset -= n
+        return n
+
+    def _send(self, tokens: Sequence[int], sample: bool, verify: bool) -> None:
+        keep = None
+        if self._verify is not None:
+            keep = self.offset - self._verify[0]
+            self._verify = None
+        self.transport.send(self.session, self.seq, self.offset, list(tokens), sample,
+                            verify=verify, keep=keep)
+        self.seq += 1
+
+    def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        ids = [int(t) for t in inputs.reshape(-1).tolist()]
+        T = len(ids)
+        if self.offset + T <= self.n_prefill:
+            for s in range(0, T, self.prefill_chunk):
+                part = ids[s:s + self.prefill_chunk]
+                self._send(part, sample=False, verify=False)
+                self.offset += len(part)
+            return mx.zeros((1, T, 0), mx.float32)
+        if self.offset < self.n_prefill:
+            raise ValueError(f"a forward call of {T} tokens at position {self.offset} mixes "
+                             f"prompt (before {self.n_prefill}) and verify positions")
+        start = self.offset
+        self._send(ids, sample=True, verify=True)
+        self._verify = (start, T)
+        self.offset += T
+        self.verify_steps += 1
+        r = self.transport.receive(self.session, self.step_timeout)
+        V = self.args.vocab_size
+        if r.logits is None or tuple(r.logits.shape) != (T, V):
+            got = "none" if r.logits is None else list(r.logits.shape)
+            raise ValueError(f"the last stage answered verify step seq {r.seq} with logits "
+                             f"{got}, expected [{T}, {V}] (a stage of another protocol?)")
+        return r.logits[None]
+
+
+def speculative_pipeline_step(
+    pipeline: Pipeline,
+    prompt: Sequence[int],
+    draft_model,
+    model_args,
+    *,
+    num_draft_tokens: int = 3,
+    max_tokens: int = 256,
+    sampling=None,
+    stats=None,
+    session: Optional[str] = None,
+) -> Generator[Tuple[int, mx.array, bool], None, None]:
+    """Speculative decoding through `pipeline`; yields (token, logprobs [V], from_draft)
+    like `kimi_mlx.speculative.speculative_generate_step`.
+
+    Args:
+        pipeline: a `Pipeline` over loaded stages (its prefill_chunk and step_timeout).
+        prompt: token ids (at least one).
+        draft_model: the draft, run here on the head (same tokenizer as the target).
+        model_args: the target checkpoint's `ModelArgs` (its vocab_size).
+        num_draft_tokens: k (>= 1). max_tokens: tokens to yield (-1: no limit).
+        sampling: `kimi_mlx.speculative.Sampling` (default greedy).
+        stats: `SpecStats` to update.
+        session: session id (default: a new one).
+    Raises:
+        StageFailure: a stage was lost or refused (also mid-verify); the session is
+            cancelled here, as `Pipeline.generate_step` does.
+        ValueError: empty prompt, k < 1.
+    """
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kimi_mlx.speculative import speculative_generate_step
+
+    if len(prompt) == 0:
+        raise ValueError("the prompt is empty")
+    if num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    t = pipeline.transport
+    sid = session or f"s-{uuid.uuid4().hex[:16]}"
+    # The stages' own sampler is not used: every token comes from a verify step here.
+    t.open(sid, StageSampling(), False)
+    target = PipelineTarget(t, sid, model_args, len(prompt) - 1, pipeline.prefill_chunk,
+                            pipeline.step_timeout)
+    caches = target.make_cache() + make_prompt_cache(draft_model)
+    ok = False
+    try:
+        yield from speculative_generate_step(
+            list(prompt), target, draft_model, num_draft_tokens=num_draft_tokens,
+            max_tokens=max_tokens, sampling=sampling, prompt_cache=caches,
+            prefill_step_size=pipeline.prefill_chunk, stats=stats)
+        ok = True
+    except GeneratorExit:  # the caller stopped early: a clean end
+        ok = True
+        raise
+    finally:
+        try:
+            t.close(sid) if ok else t.cancel(sid)
+        except Exception as e:
+            log.debug("close %s: %s", sid, e)
