@@ -649,13 +649,18 @@ class StageService(pb_grpc.StageServicer):
         if msg.seq != 0 and msg.HasField("open"):
             raise Refused("only seq 0 may open a session")
         keep = msg.keep if msg.HasField("keep") else None
-        runner.check(s, msg.seq, msg.offset, msg.length, msg.sample, msg.verify, keep)
+        # Speculative fields go to the runner only when set: a runner that cannot verify
+        # (the hop bench's null stages) keeps the plain signature.
+        spec = dict(verify=True) if msg.verify else {}
+        if keep is not None:
+            spec["keep"] = keep
+        runner.check(s, msg.seq, msg.offset, msg.length, msg.sample, **spec)
         shape, dtype = runner.input_spec(msg.length)
         try:
             x = from_tensor(msg.tensor, shape, dtype, "activation" if not runner.is_first else "tokens")
         except WireError as e:
             raise Refused(str(e)) from None
-        out = runner.run(s, msg.seq, msg.offset, x, msg.sample, msg.verify, keep)
+        out = runner.run(s, msg.seq, msg.offset, x, msg.sample, **spec)
         if out.hidden is not None:
             nxt = pb.Activation(session=msg.session, seq=msg.seq, offset=msg.offset,
                                 length=msg.length, sample=msg.sample, verify=msg.verify,

@@ -456,10 +456,15 @@ def test_bench_rows_have_the_figures(target, draft):
         assert r["speedup"] == pytest.approx(r["spec_tps"] / r["plain_tps"])
 
 
-def test_cluster_launch_refuses_a_draft_before_contacting_nodes(capsys):
+def test_cluster_launch_refuses_a_draft_with_another_tokenizer_before_contacting_nodes(
+        tiny_ckpt, other_tokenizer_ckpt, tmp_path, capsys):
     from kimi_mlx import cli
+    from kimi_mlx.cluster.auth import init_secret
 
-    rc = cli.main(["cluster", "launch", "--draft-model", "x", "--prompt", "hi",
-                   "--nodes", "127.0.0.1:1"])
-    assert rc == 2
-    assert "--draft-model" in capsys.readouterr().err
+    secret = init_secret(tmp_path / "cluster.key")
+    rc = cli.main(["cluster", "launch", "--model", str(tiny_ckpt), "--draft-model",
+                   str(other_tokenizer_ckpt), "--prompt", "hi", "--nodes", "127.0.0.1:1",
+                   "--secret-file", str(secret)])
+    err = capsys.readouterr().err
+    assert rc == 2  # 1 would mean it went on to the (absent) node
+    assert str(tiny_ckpt) in err and str(other_tokenizer_ckpt) in err and "tokenizer" in err
