@@ -48,7 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        description="Speculative decoding (greedy) against plain decoding in "
                        "one process: mean accepted drafts per verify step and tokens/s for "
                        "each k, plus the KDA rollback cost at K3.1's size "
-                       "(kimi_mlx.spec_bench).")
+                       "(kimi_mlx.spec_bench); then the same through 3 stage processes on "
+                       "loopback (kimi_mlx.cluster.spec_bench).")
     s.add_argument("--model", default=None, help="target (default: the shipped micro model)")
     s.add_argument("--draft-model", default=None,
                    help="draft (default: the shipped micro-draft)")
@@ -56,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--ks", default="1,2,3,4,5,6", help="draft counts (default 1,2,3,4,5,6)")
     s.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
     s.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    s.add_argument("--stages", type=int, default=3,
+                   help="then the same k values through this many loopback stage processes, "
+                        "the draft on the head (kimi_mlx.cluster.spec_bench; 0 = skip; "
+                        "default 3)")
+    s.add_argument("--stage-prompts", type=int, default=2,
+                   help="prompts for the pipeline rows (default 2)")
+    s.add_argument("--stage-repeats", type=int, default=1,
+                   help="interleaved rounds for the pipeline rows (default 1)")
     h = sub.add_parser("hop", help="the pipeline's own cost: ms per hop, 2-stage pipelined "
                        "prefill, beside each stage's real compute",
                        description="Null stage processes on loopback (the real service, "
@@ -77,8 +86,15 @@ def run(args: argparse.Namespace) -> int:
         from .spec_bench import main as spec_main
 
         ks = [int(k) for k in args.ks.split(",")]
-        return spec_main(args.model, args.draft_model, args.tokens, ks, args.repeats,
-                         args.prompts)
+        rc = spec_main(args.model, args.draft_model, args.tokens, ks, args.repeats,
+                       args.prompts)
+        if rc or args.stages < 1:
+            return rc
+        from kimi_mlx.cluster.spec_bench import main as pipeline_main
+
+        print()
+        return pipeline_main(args.model, args.draft_model, args.tokens, ks,
+                             args.stage_repeats, args.stage_prompts, args.stages)
     if args.what == "hop":
         from kimi_mlx.cluster.hop_bench import main as hop_main
 

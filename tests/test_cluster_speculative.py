@@ -220,6 +220,19 @@ def test_launch_with_a_draft_prints_what_generate_prints(cluster, mode):
     assert _wait_no_sessions(cluster, [0, 1, 2]) == [0, 0, 0]
 
 
+def test_bench_rows_through_the_stages(loaded, models):
+    from kimi_mlx.cluster.spec_bench import bench_rows
+
+    t, _ = loaded
+    model, _, draft = models
+    rows = bench_rows(Pipeline(t), draft, model.args, [_prompt(6)], tokens=6, ks=[1, 2],
+                      repeats=1)
+    assert [r["k"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["plain_tps"] > 0 and r["spec_tps"] > 0 and 0 <= r["mean_accepted"] <= r["k"]
+        assert r["speedup"] == pytest.approx(r["spec_tps"] / r["plain_tps"])
+
+
 # ----------------------------------------------------------------------- stage loss
 # Last in the module: it kills a stage (restarted afterwards, not reloaded).
 
