@@ -86,7 +86,6 @@ class PipelineTarget:
         self.offset = 0  # positions the stages hold (after the pending keep)
         self.seq = 0
         self._verify: Optional[Tuple[int, int]] = None  # (offset, length) awaiting a keep
-        self.verify_steps = 0
 
     def make_cache(self) -> List[Any]:
         return [_PipelineCache(self)]
@@ -123,10 +122,9 @@ class PipelineTarget:
             raise ValueError(f"a forward call of {T} tokens at position {self.offset} mixes "
                              f"prompt (before {self.n_prefill}) and verify positions")
         start = self.offset
-        self._send(ids, sample=True, verify=True)
+        self._send(ids, sample=False, verify=True)  # answered with logits, not a token
         self._verify = (start, T)
         self.offset += T
-        self.verify_steps += 1
         r = self.transport.receive(self.session, self.step_timeout)
         V = self.args.vocab_size
         if r.logits is None or tuple(r.logits.shape) != (T, V):
