@@ -132,3 +132,16 @@ def test_lost_stage_is_reported_by_health(served):
     assert r.status_code == 500 and "stage" in r.json()["error"]["message"].lower()
     h = httpx.get(url + "/health", timeout=10)
     assert h.status_code == 503 and "api" in h.json()["reason"]
+
+
+def test_a_pipeline_that_does_not_load_ends_the_server(tmp_path):
+    """No 503 forever: the command stops with status 1 and says what failed."""
+    secret = tmp_path / "secret"
+    secret.write_text("ab" * 32)
+    secret.chmod(0o600)
+    r = subprocess.run([sys.executable, "-m", "kimi_mlx.cli", "cluster", "server", "--nodes",
+                        f"127.0.0.1:{_free_port()}", "--secret-file", str(secret), "--port", "0",
+                        "--peer-timeout", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "listening on" in r.stderr  # it had started serving (health: loading)
+    assert "error: loading the pipeline failed" in r.stderr and "--nodes" in r.stderr
