@@ -71,6 +71,8 @@ def test_speculative_server_gives_the_plain_greedy_output(servers):
     # speculation ran and accepted drafts (the micro-draft agrees with micro often)
     assert stats.steps > steps0 and stats.accepted > accepted0
     assert stats.steps - steps0 < 24  # fewer target passes than tokens
+    m = ssvc.metrics
+    assert m.verify_steps._value.get() == stats.steps and m.accepted._value.get() == stats.accepted
     # a prompt-cache hit (same system prompt, another user turn) restores the draft too
     msgs = MSGS[:1] + [{"role": "user", "content": "Write a stack class."}]
     p2 = plain.chat.completions.create(**{**kw, "messages": msgs})

@@ -1,6 +1,8 @@
 """`kimi-mlx server`: load a checkpoint and serve the OpenAI + Anthropic API with uvicorn.
 
-The HTTP server starts at once and answers /health with 503 while the model loads.
+The HTTP server starts at once and answers /health with 503 while the model loads; if
+loading fails the command ends with status 1, naming the checkpoint and the error. With
+`--draft-model` every request is decoded speculatively, one request at a time.
 Binding a non-loopback address needs an API key (`--api-key` / `--api-key-file`) or an
 explicit `--no-auth`.
 """
@@ -192,10 +194,7 @@ class BackgroundServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import uvicorn
 
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(2048)  # connections queue until uvicorn accepts (see serve)
+        self.sock = listen(host, port)  # connections queue until uvicorn accepts
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},

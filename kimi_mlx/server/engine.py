@@ -333,7 +333,8 @@ class Engine:
         spec, p = self.speculation, job.sampling
         if p.seed is not None:
             mx.random.seed(p.seed)
-        steps = spec.stats.steps
+        st = spec.stats
+        before = (st.steps, st.drafted, st.accepted)
         gen = speculative_generate_step(
             job.ids[-1:], self.model, spec.draft, num_draft_tokens=spec.num_draft_tokens,
             max_tokens=job.max_tokens, sampling=Sampling(p.temp, p.top_p, p.min_p, p.top_k),
@@ -343,8 +344,9 @@ class Engine:
                 yield tok, lp
         finally:
             gen.close()
-            log.debug("speculative: %d verify steps, %.2f drafts accepted per step overall",
-                      spec.stats.steps - steps, spec.stats.mean_accepted)
+            if self.metrics is not None:
+                self.metrics.speculated(st.steps - before[0], st.drafted - before[1],
+                                        st.accepted - before[2])
 
 
 def _draft_cache(draft) -> list:
