@@ -4,8 +4,7 @@ the real `openai` and `anthropic` clients on the shipped micro checkpoint and it
 shipped micro-draft. References: the same server without a draft, and an independent
 greedy loop (whole sequence recomputed each step, no cache, no mlx-lm)."""
 
-import subprocess
-import sys
+import threading
 
 import anthropic
 import httpx
@@ -110,24 +109,28 @@ def test_speculative_server_sampling_and_penalties(servers):
     assert ssvc.engine.speculation.stats.steps == steps
 
 
-def _cli(args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "kimi_mlx.cli", "server", "--port", "0", *args],
-                          capture_output=True, text=True, timeout=timeout)
+def _main_within(argv, seconds=120):
+    """server_main(argv) on a thread: its status, or a failure (not a hang) past `seconds`."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(server_main(argv)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"kimi-mlx server {' '.join(argv)} still running after {seconds}s"
+    return out[0]
 
 
-def test_a_failed_load_ends_the_server_naming_path_and_error(tmp_path, tiny_ckpt):
+def test_a_failed_load_ends_the_server_naming_path_and_error(tmp_path, tiny_ckpt, capsys):
+    """No 503 forever: `kimi-mlx server` stops with status 1 once loading fails."""
     missing = tmp_path / "no-such-model"
-    r = _cli(["--model", str(missing)])
-    assert r.returncode == 1, r.stderr
-    assert f"loading {missing} failed" in r.stderr and "error" in r.stderr
-    # a draft with another tokenizer is refused at start, naming both models
-    from kimi_mlx.testing import build_checkpoint, byte_level_ranks
-
-    ranks = {b: 255 - i for b, i in byte_level_ranks().items()}
-    other = build_checkpoint(tmp_path / "other", seed=1, ranks=ranks)
-    r = _cli(["--model", str(tiny_ckpt), "--draft-model", str(other)])
-    assert r.returncode == 1, r.stderr
-    assert "tokenizer" in r.stderr and str(tiny_ckpt) in r.stderr and str(other) in r.stderr
+    assert _main_within(["--port", "0", "--model", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert "listening on" in err  # it had started serving (health: loading)
+    assert f"kimi-mlx server: error: loading {missing} failed" in err
+    # a draft with another tokenizer (the tiny checkpoint's byte-level one) is refused at
+    # start, naming both models
+    assert _main_within(["--port", "0", "--draft-model", str(tiny_ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert "does not share the tokenizer" in err and MICRO in err and str(tiny_ckpt) in err
 
 
 @pytest.mark.parametrize("flags, message", [
