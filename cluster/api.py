@@ -25,7 +25,11 @@ log = logging.getLogger("kimi_mlx.cluster.api")
 class ClusterEngine:
     """Runs server `Job`s through a loaded `Pipeline` (see module doc)."""
 
-    supports_logits_processors = False  # the last stage samples; penalties are a 400
+    # presence/frequency penalties and logit_bias are applied at the head (`head_chooser`);
+    # repetition_penalty is not: it scales raw logits by their sign, and the last stage
+    # returns only log-probabilities (a 400 names this)
+    supports_logits_processors = True
+    unsupported_penalties = ("repetition_penalty",)
 
     def __init__(self, pipeline, eos_ids: Sequence[int], max_concurrency: int = 4,
                  max_queue: int = 64, metrics=None):
@@ -65,22 +69,16 @@ class ClusterEngine:
         return self.lost
 
     def submit(self, job):
-        from kimi_mlx.server.engine import Busy
+        from kimi_mlx.server.engine import Busy, enqueue
 
         if self.lost:
             raise Busy(f"the pipeline is down ({self.lost})")
-        if self._jobs.qsize() >= self.max_queue:
-            raise Busy(f"{self._jobs.qsize()} requests are waiting (--max-queue {self.max_queue})")
-        self._jobs.put(job)
-        return job
+        return enqueue(self._jobs, job, self.max_queue)
 
     def _worker(self) -> None:
-        import mlx.core as mx
+        from kimi_mlx.server.engine import run_mlx_thread
 
-        try:
-            self._serve()
-        finally:
-            mx.clear_streams()  # this thread ran MLX (see compute.py)
+        run_mlx_thread(self._serve)
 
     def _serve(self) -> None:
         from kimi_mlx.server.engine import Failed
@@ -107,21 +105,22 @@ class ClusterEngine:
     def _run(self, job) -> None:
         import mlx.core as mx
 
-        from kimi_mlx.server.engine import Failed, Finished, TokenOut, top_logprobs
+        from kimi_mlx.server.engine import Finished, TokenOut, top_logprobs
 
         from .runner import Sampling
 
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
             return
-        if job.logits_processors:
-            job.emit(Failed("penalties and logit_bias are not supported by the cluster server"))
-            return
         p = job.sampling
         want_lp = job.logprobs is not None
+        choose = head_chooser(job) if job.logits_processors else None
+        # with head-side sampling the last stage samples greedily, and its token is unused
+        sampling = Sampling() if choose else Sampling(p.temp, p.top_p, p.min_p, p.top_k, p.seed)
         tic = time.perf_counter()
-        gen = self.pipeline.generate_step(job.ids, Sampling(p.temp, p.top_p, p.min_p, p.top_k, p.seed),
-                                          job.max_tokens, return_logprobs=want_lp)
+        gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
+                                          return_logprobs=want_lp or choose is not None,
+                                          choose=choose)
         reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
         try:
             for tok, lp in gen:
@@ -149,6 +148,33 @@ class ClusterEngine:
         job.emit(done)
 
 
+def head_chooser(job):
+    """Head-side sampling for a job with logits processors (`Pipeline.generate_step`'s
+    `choose`): logprobs float32 [vocab] from the last stage -> (token, processed logprobs).
+
+    As mlx-lm's `generate_step` (which the one-process server runs from the last prompt
+    token): the processors see the last prompt token plus the tokens generated so far,
+    then the result is normalised (logits - logsumexp) and the job's sampler draws. Only
+    processors that add to the logits may run here (presence / frequency penalties,
+    logit_bias): for those, log-probabilities give the same distribution as logits."""
+    import mlx.core as mx
+
+    sampler = job.sampling.sampler()
+    history = mx.array(job.ids[-1:])
+
+    def choose(logprobs):
+        nonlocal history
+        x = mx.array(logprobs)[None]
+        for proc in job.logits_processors:
+            x = proc(history, x)
+        x = x - mx.logsumexp(x, keepdims=True)
+        token = sampler(x)
+        history = mx.concatenate([history, token.astype(history.dtype)])
+        return token.item(), x[0]
+
+    return choose
+
+
 def add_arguments(q) -> None:
     """Flags of `kimi-mlx cluster server`: the model, `cluster launch`'s node flags (added
     by the caller) and the HTTP flags of `kimi-mlx server`."""
@@ -164,7 +190,8 @@ def add_arguments(q) -> None:
 
 def run(args, cluster_factory, tokenizers) -> int:
     """`kimi-mlx cluster server`: start HTTP at once, connect and load the pipeline in the
-    background (/health answers 503 until then, or names what failed).
+    background (/health answers 503 until then); when that fails the command ends with
+    status 1, naming what failed (`kimi_mlx.server.cli.serve`).
 
     cluster_factory(args, secret, model_dir, fingerprint, context) -> object with
     `connect()` -> Pipeline and `transport`; tokenizers(model_dir) -> (wrapper, tok)."""
@@ -201,29 +228,17 @@ def run(args, cluster_factory, tokenizers) -> int:
     cluster = cluster_factory(args, secret, model_dir, fp, args.context)
 
     def load():
-        try:
-            pipeline = cluster.connect()
-            svc.engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
-                                       args.max_queue, svc.metrics).start()
-            log.warning("serving %s through %s", svc.model_ids[0], "the pipeline")
-        except Exception as e:  # noqa: BLE001 - reported by /health
-            svc.loading_error = f"the pipeline did not load: {type(e).__name__}: {e}"
-            log.error(svc.loading_error)
-        finally:
-            import mlx.core as mx
+        pipeline = cluster.connect()
+        svc.engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
+                                   args.max_queue, svc.metrics).start()
+        log.warning("serving %s through %s", svc.model_ids[0], "the pipeline")
 
-            mx.clear_streams()
-
-    threading.Thread(target=load, name="kimi-mlx-cluster-load", daemon=True).start()
-    try:
-        serve(create_app(svc), args.host, args.port, args.log_level or "WARNING",
-              f"kimi-mlx cluster server (model {svc.model_ids[0]})")
-    except InputError as e:
-        print(f"kimi-mlx cluster server: error: {e}", file=sys.stderr)
-        return 2
-    finally:
+    def cleanup():
         if svc.engine is not None:
             svc.engine.stop(2.0)
         if cluster.transport is not None:
             cluster.transport.shutdown()
-    return 0
+
+    return serve(svc, create_app(svc), args.host, args.port, args.log_level or "WARNING",
+                 f"kimi-mlx cluster server (model {svc.model_ids[0]})",
+                 "kimi-mlx cluster server", load, "loading the pipeline", cleanup)

@@ -64,6 +64,7 @@ class Pipeline:
     def generate_step(self, prompt: Sequence[int], sampling: Optional[Sampling] = None,
                       max_tokens: int = 256, return_logprobs: bool = False,
                       pipelined: bool = True, session: Optional[str] = None,
+                      choose: Optional[Callable[[object], Tuple[int, object]]] = None,
                       ) -> Iterator[Tuple[int, Optional[object]]]:
         """Yield (token, logprobs or None), like mlx-lm's `generate_step`.
 
@@ -74,6 +75,10 @@ class Pipeline:
                 wire: vocab x 4 per token).
             pipelined: stream prefill chunks back to back (False: wait for each chunk to
                 clear the last stage before sending the next; for measuring).
+            choose: head-side sampling (needs return_logprobs): called with the last
+                stage's logprobs float32 [vocab] for each position, returns (token,
+                logprobs) to yield; that token, not the last stage's, is fed back (the
+                server applies logits processors this way).
         Raises:
             StageFailure: a stage was lost or refused (the session is freed everywhere
                 reachable before this propagates out of the caller's `abort`).
@@ -81,6 +86,8 @@ class Pipeline:
         """
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
+        if choose is not None and not return_logprobs:
+            raise ValueError("head-side sampling (choose) needs return_logprobs")
         t = self.transport
         sampling = sampling or Sampling()
         sid = session or f"s-{uuid.uuid4().hex[:16]}"
@@ -98,12 +105,13 @@ class Pipeline:
             n = 0
             while True:
                 r = t.receive(sid, self.step_timeout)
-                yield r.token, r.logprobs
+                token, logprobs = (r.token, r.logprobs) if choose is None else choose(r.logprobs)
+                yield token, logprobs
                 n += 1
                 if n == max_tokens:
                     break
                 seq, offset = seq + 1, offset + 1
-                t.send(sid, seq, offset, [r.token], sample=True)
+                t.send(sid, seq, offset, [token], sample=True)
             ok = True
         except GeneratorExit:  # the caller stopped early (end of message): a clean end
             ok = True

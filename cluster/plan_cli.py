@@ -19,6 +19,9 @@ from .planner import (
 )
 
 
+DEFAULT_CONTEXT = 131072  # tokens planned for when --context is not given
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL_ID,
                    help=f"local checkpoint folder or hub id (default {DEFAULT_MODEL_ID}; never downloaded)")
@@ -30,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--wired-limit-mb", type=int, default=None,
                    help="the Macs' `sysctl iogpu.wired_limit_mb` (default: assume RAM - 16 GiB "
                         "above 64 GiB, 3/4 of RAM below)")
-    p.add_argument("--context", type=int, default=131072, help="tokens per sequence (default 131072)")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"tokens per sequence (default {DEFAULT_CONTEXT}, or the model's "
+                        "max_position_embeddings when smaller)")
     p.add_argument("--sequences", type=int, default=1, help="concurrent sequences (default 1)")
     p.add_argument("--headroom", default="0.1",
                    help="kept free per Mac: a fraction of usable memory (0.1) or a size (8GB); "
@@ -138,7 +143,7 @@ def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: 
 
 def run(args) -> int:
     try:
-        if args.context < 1 or args.sequences < 1:
+        if (args.context is not None and args.context < 1) or args.sequences < 1:
             raise ValueError(f"--context and --sequences must be >= 1 (got {args.context}, "
                              f"{args.sequences})")
         nodes = parse_macs(args.macs, args.mac_chip, args.wired_limit_mb)
@@ -162,6 +167,8 @@ def run(args) -> int:
         print(f"build: {build.describe()}; {_gb(model.file_bytes)} GB of safetensors files "
               f"({model.file_bytes:,} bytes)")
     limit = model.max_position_embeddings
+    if args.context is None:  # a 4k-context micro model is not planned for 128k tokens
+        args.context = min(DEFAULT_CONTEXT, limit) if limit else DEFAULT_CONTEXT
     if limit and args.context > limit:
         print(f"note: --context {args.context} is past the model's max_position_embeddings "
               f"({limit}); it is planned for, but the model is not made for it", file=sys.stderr)

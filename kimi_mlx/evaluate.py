@@ -156,10 +156,13 @@ def read_tokens(tokenizer, path, max_tokens: Optional[int] = None) -> List[int]:
     """Token ids of a UTF-8 text file (special-token text encoded as ordinary text).
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file, or a folder (the message names the path).
         ValueError: the file is not UTF-8.
     """
     path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file" if not path.exists()
+                                else f"--data {path}: not a file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:

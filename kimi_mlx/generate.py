@@ -12,9 +12,9 @@ import sys
 from typing import Iterator, List
 
 from .request import (  # noqa: F401  (re-exported: the request path lives in request.py)
-    DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_model_arguments, build_prompt,
-    check_context, check_model_arguments, default_model, load_for_generation,
-    resolve_model_arg, token_budget,
+    DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_draft_arguments, add_model_arguments,
+    build_prompt, check_context, check_draft_arguments, check_model_arguments, default_model,
+    load_for_generation, resolve_model_arg, token_budget,
 )
 
 
@@ -27,21 +27,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
                    default=True, help="print timing and memory at the end (default: True)")
     add_draft_arguments(p)
-
-
-def add_draft_arguments(p: argparse.ArgumentParser) -> None:
-    """--draft-model / --num-draft-tokens (mlx-lm's names): speculative decoding."""
-    p.add_argument("--draft-model", default=None,
-                   help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint or "
-                        "any mlx-lm model with the same tokenizer (output stays the model's)")
-    p.add_argument("--num-draft-tokens", type=int, default=3,
-                   help="tokens the draft proposes per verify step (default 3)")
-
-
-def check_draft_arguments(args) -> None:
-    """InputError when --num-draft-tokens < 1 while a --draft-model is given."""
-    if getattr(args, "draft_model", None) and args.num_draft_tokens < 1:
-        raise InputError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
 
 
 def load_speculation(args, wrapper, target_name: str):

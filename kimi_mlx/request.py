@@ -17,6 +17,10 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 DEFAULT_MAX_TOKENS = 256
 EFFORTS = ("low", "high", "max")
+DEFAULT_NUM_DRAFT_TOKENS = 3
+# The smallest usable cap on prompt + generated tokens: a prompt holds at least one token
+# and a request generates at least one, so a cap of 1 could never serve anything
+MIN_KV_SIZE = 2
 
 
 class InputError(ValueError):
@@ -53,13 +57,51 @@ def check_model_arguments(args) -> None:
 
     Raises:
         InputError: --max-tokens not -1 (no limit) or >= 1, --temp < 0, --top-p outside
-            (0, 1], --min-p outside [0, 1], --top-k < 0, or --max-kv-size < 1.
+            (0, 1], --min-p outside [0, 1], --top-k < 0, or --max-kv-size < 2.
     """
     if args.max_tokens != -1 and args.max_tokens < 1:
         raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
     check_sampling(args.temp, args.top_p, args.min_p, args.top_k, prefix="--")
-    if args.max_kv_size is not None and args.max_kv_size < 1:
-        raise InputError(f"--max-kv-size must be >= 1 token, got {args.max_kv_size}")
+    check_max_kv_size(args.max_kv_size)
+
+
+def check_max_kv_size(value: Optional[int]) -> None:
+    """InputError unless --max-kv-size is None (no cap) or >= MIN_KV_SIZE (2): the cap
+    must leave room for one prompt token and one generated token. The same floor for
+    generate, chat, cluster launch and both servers."""
+    if value is not None and value < MIN_KV_SIZE:
+        raise InputError(f"--max-kv-size must be >= {MIN_KV_SIZE} tokens (one prompt token "
+                         f"and one generated token), got {value}")
+
+
+def add_draft_arguments(p: argparse.ArgumentParser, note: str = "") -> None:
+    """--draft-model / --num-draft-tokens (mlx-lm's names): speculative decoding.
+    `note` is appended to --draft-model's help (e.g. the server's concurrency rule)."""
+    p.add_argument("--draft-model", default=None,
+                   help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint or "
+                        "any mlx-lm model with the same tokenizer (output stays the model's)"
+                        + note)
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help=f"tokens the draft proposes per verify step (default "
+                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model)")
+
+
+def check_draft_arguments(args) -> None:
+    """Checks --draft-model / --num-draft-tokens and fills in the default k.
+
+    Raises:
+        InputError: --num-draft-tokens without --draft-model (it would be silently
+            ignored), or --num-draft-tokens < 1."""
+    k = getattr(args, "num_draft_tokens", None)
+    if not getattr(args, "draft_model", None):
+        if k is not None:
+            raise InputError("--num-draft-tokens needs --draft-model (without a draft model "
+                             "there is no speculative decoding to configure)")
+        return
+    if k is None:
+        args.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
+    elif k < 1:
+        raise InputError(f"--num-draft-tokens must be >= 1, got {k}")
 
 
 def check_sampling(temp: float, top_p: float, min_p: float, top_k: int, prefix: str = "") -> None:

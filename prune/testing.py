@@ -52,3 +52,44 @@ def set_router_bias(model, expert: int, value: float, layers: Optional[list] = N
         bias = gate.e_score_correction_bias
         gate.e_score_correction_bias = mx.where(mx.arange(bias.shape[0]) == expert,
                                                 mx.array(value, bias.dtype), bias)
+
+
+def cluster_and_generate(model, workdir, stages: int = 2, prompt: str = "def f(x):",
+                         max_tokens: int = 8):
+    """Run the same greedy request through `kimi-mlx cluster launch` over `stages` loopback
+    stage processes and through `kimi-mlx generate`; return both `CompletedProcess`es.
+
+    The stages serve `model` (linked into `workdir/models`); the stats lines ("Prompt:",
+    "Generation:", "Peak") differ between the two and are for the caller to drop.
+    """
+    import subprocess
+    import sys
+
+    from kimi_mlx.cluster.auth import init_secret
+    from kimi_mlx.cluster.testing import start_stages
+
+    workdir = Path(workdir)
+    models = workdir / "models"
+    models.mkdir()
+    (models / Path(model).name).symlink_to(model)
+    secret = init_secret(workdir / "cluster.key")
+    procs = start_stages(stages, models, secret, workdir, prefix="stage")
+    try:
+        flags = ["--model", str(model), "--prompt", prompt, "--max-tokens", str(max_tokens),
+                 "--temp", "0", "--ignore-chat-template"]
+        nodes = ",".join(p.address for p in procs)
+        cli = [sys.executable, "-m", "kimi_mlx.cli"]
+        launch = subprocess.run(cli + ["cluster", "launch", "--nodes", nodes, "--secret-file",
+                                       str(secret)] + flags, capture_output=True, text=True,
+                                timeout=180)
+        gen = subprocess.run(cli + ["generate"] + flags, capture_output=True, text=True,
+                             timeout=180)
+    finally:
+        for p in procs:
+            p.stop()
+    return launch, gen
+
+
+def reply_lines(stdout: str):
+    """The printed reply of `generate` / `cluster launch`, without its stats lines."""
+    return [l for l in stdout.splitlines() if not l.startswith(("Prompt:", "Generation:", "Peak"))]

@@ -88,3 +88,11 @@ def test_help_lists_the_commands(tiny_ckpt, monkeypatch, capsys):
     assert rc == 0 and "unknown command" not in err
     for command in ("/help", "/reset", "/effort low|high|max", "/exit", "Ctrl-D", "Ctrl-C"):
         assert err.count(command) >= 2, command  # the banner and the /help list
+
+
+def test_num_draft_tokens_without_a_draft_is_an_error(capsys):
+    """Not silently ignored: the flag only means something with --draft-model."""
+    from kimi_mlx.cli import main
+
+    assert main(["chat", "--num-draft-tokens", "5"]) == 2
+    assert "--num-draft-tokens needs --draft-model" in capsys.readouterr().err

@@ -113,7 +113,8 @@ def test_expert_usage_rows_are_shares(loaded):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--data", "/nonexistent/file.txt"], "file.txt"),
+        (["--data", "/nonexistent/file.txt"], "--data /nonexistent/file.txt: no such file"),
+        (["--data", "/"], "--data /: not a file"),
         (["--seq-len", "0"], "--seq-len"),
         (["--max-tokens", "0"], "--max-tokens"),
         (["--batch-size", "0"], "--batch-size must be >= 1"),

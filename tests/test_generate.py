@@ -88,7 +88,9 @@ def test_prompt_longer_than_context_is_refused(tiny_ckpt, capsys):
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--min-p", "1.5"], "--min-p must be in [0, 1]"),
     (["--top-k", "-1"], "--top-k must be >= 0"),
-    (["--max-kv-size", "-3"], "--max-kv-size must be >= 1"),
+    (["--max-kv-size", "-3"], "--max-kv-size must be >= 2"),
+    (["--max-kv-size", "1"], "--max-kv-size must be >= 2"),  # the server's floor too
+    (["--num-draft-tokens", "4"], "--num-draft-tokens needs --draft-model"),
 ])
 def test_out_of_range_sampling_flags_are_refused(tiny_ckpt, capsys, flags, message):
     code, out, err = run_cli(["generate", "--model", str(tiny_ckpt), "--prompt", "hi", *flags],

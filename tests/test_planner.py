@@ -419,3 +419,15 @@ def test_cli_refuses_empty_macs_and_non_positive_context_before_printing(capsys,
 def test_cli_notes_a_context_past_the_models_limit(capsys):
     assert main(["plan", "--model", K31, "--macs", "8x512GB", "--context", "2000000"]) == 0
     assert "past the model's max_position_embeddings (1048576)" in capsys.readouterr().err
+
+
+def test_cli_default_context_is_capped_by_the_models_limit(capsys):
+    """Without --context a 4096-token model is planned for 4096 tokens, not 131072, and
+    K3.1 (limit 1048576) for 131072."""
+    from kimi_mlx.request import default_model  # the shipped micro checkpoint
+
+    assert main(["plan", "--model", str(default_model()), "--macs", "1x64GB"]) == 0
+    out = capsys.readouterr()
+    assert "context 4096 tokens x 1 sequence(s)" in out.out and "past the model" not in out.err
+    assert main(["plan", "--model", K31, "--macs", "4x512GB"]) == 0
+    assert "context 131072 tokens x 1 sequence(s)" in capsys.readouterr().out

@@ -266,25 +266,8 @@ def test_dry_run_of_the_release_from_its_shipped_config(capsys):
 @pytest.mark.slow
 def test_pruned_checkpoint_in_the_cluster(pruned, tmp_path):
     """Two `kimi-mlx cluster serve` stages on loopback print what `generate` prints."""
-    from kimi_mlx.cluster.auth import init_secret
-    from kimi_mlx.cluster.testing import start_stages
+    from kimi_mlx.prune.testing import cluster_and_generate, reply_lines
 
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "pruned").symlink_to(pruned)
-    secret = init_secret(tmp_path / "cluster.key")
-    procs = start_stages(2, models, secret, tmp_path, prefix="stage")
-    try:
-        flags = ["--model", str(pruned), "--prompt", "def f(x):", "--max-tokens", "8",
-                 "--temp", "0", "--ignore-chat-template"]
-        nodes = ",".join(p.address for p in procs)
-        cli = [sys.executable, "-m", "kimi_mlx.cli"]
-        launch = subprocess.run(cli + ["cluster", "launch", "--nodes", nodes, "--secret-file",
-                                       str(secret)] + flags, capture_output=True, text=True, timeout=180)
-        gen = subprocess.run(cli + ["generate"] + flags, capture_output=True, text=True, timeout=180)
-    finally:
-        for p in procs:
-            p.stop()
+    launch, gen = cluster_and_generate(pruned, tmp_path)
     assert launch.returncode == 0 and gen.returncode == 0, launch.stderr[-2000:] + gen.stderr[-2000:]
-    body = lambda s: [l for l in s.splitlines() if not l.startswith(("Prompt:", "Generation:", "Peak"))]
-    assert body(launch.stdout) == body(gen.stdout) and body(gen.stdout)
+    assert reply_lines(launch.stdout) == reply_lines(gen.stdout) and reply_lines(gen.stdout)

@@ -281,27 +281,10 @@ def test_release_build_sizes_offline(capsys):
 def test_quantized_build_in_the_cluster(q4, tmp_path):
     """Two `kimi-mlx cluster serve` stages on loopback print what `generate` prints, and
     the planner sizes the stages from the quantized tensors."""
-    from kimi_mlx.cluster.auth import init_secret
     from kimi_mlx.cluster.layer_bytes import model_bytes
-    from kimi_mlx.cluster.testing import start_stages
+    from kimi_mlx.prune.testing import cluster_and_generate, reply_lines
 
     assert model_bytes(str(q4)).file_bytes == _files(q4)  # real headers: exact
-    models = tmp_path / "models"
-    models.mkdir()
-    (models / "q4").symlink_to(q4)
-    secret = init_secret(tmp_path / "cluster.key")
-    procs = start_stages(2, models, secret, tmp_path, prefix="stage")
-    try:
-        flags = ["--model", str(q4), "--prompt", "def f(x):", "--max-tokens", "8",
-                 "--temp", "0", "--ignore-chat-template"]
-        nodes = ",".join(p.address for p in procs)
-        cli = [sys.executable, "-m", "kimi_mlx.cli"]
-        launch = subprocess.run(cli + ["cluster", "launch", "--nodes", nodes, "--secret-file",
-                                       str(secret)] + flags, capture_output=True, text=True, timeout=180)
-        gen = subprocess.run(cli + ["generate"] + flags, capture_output=True, text=True, timeout=180)
-    finally:
-        for p in procs:
-            p.stop()
+    launch, gen = cluster_and_generate(q4, tmp_path)
     assert launch.returncode == 0 and gen.returncode == 0, launch.stderr[-2000:] + gen.stderr[-2000:]
-    body = lambda s: [l for l in s.splitlines() if not l.startswith(("Prompt:", "Generation:", "Peak"))]
-    assert body(launch.stdout) == body(gen.stdout) and body(gen.stdout)
+    assert reply_lines(launch.stdout) == reply_lines(gen.stdout) and reply_lines(gen.stdout)

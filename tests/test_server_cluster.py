@@ -83,6 +83,47 @@ def test_concurrent_requests_through_the_pipeline_equal_one_process(served):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_penalties_and_logit_bias_through_the_pipeline_equal_one_process(served):
+    """presence/frequency penalties and logit_bias are applied at the head: the tokens
+    equal mlx-lm's generate_step with the same logits processors in one process (run,
+    as the one-process server does, from the last prompt token after a prefill)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_logits_processors
+
+    from kimi_mlx.loader import load_model
+    from kimi_mlx.tokenizer import KimiTokenizer
+
+    cluster, url = served
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
+    model, _, _ = load_model(cluster.ckpt, verbose=False)
+    tok = KimiTokenizer.from_pretrained(cluster.ckpt)
+    prompt = "the cat and the cat and the cat and the"
+    ids = tok.encode(prompt)
+
+    def one_process(**pen):
+        cache = model.make_cache()
+        model(mx.array(ids[:-1])[None], cache=cache)
+        procs = make_logits_processors(pen.get("logit_bias"), None,
+                                       presence_penalty=pen.get("presence_penalty"),
+                                       frequency_penalty=pen.get("frequency_penalty"))
+        return [t for t, _ in generate_step(mx.array(ids[-1:]), model, max_tokens=8,
+                                            prompt_cache=cache, logits_processors=procs)]
+
+    plain = one_process()
+    for pen in ({"presence_penalty": 2.0}, {"frequency_penalty": 1.5},
+                {"logit_bias": {ids[-1]: 4.0}}):
+        want = one_process(**pen)
+        assert want != plain  # the penalty changes the greedy tokens: the check can fail
+        body = {k: ({str(i): v for i, v in pen[k].items()} if k == "logit_bias" else v)
+                for k, v in pen.items()}
+        r = c.completions.create(model="micro", prompt=prompt, max_tokens=8, temperature=0,
+                                 logprobs=2, **body)
+        assert r.choices[0].text == tok.decode(want)
+    with pytest.raises(openai.BadRequestError, match="repetition_penalty is not supported"):
+        c.completions.create(model="micro", prompt=prompt, max_tokens=2,
+                             extra_body={"repetition_penalty": 1.2})
+
+
 def test_lost_stage_is_reported_by_health(served):
     cluster, url = served
     cluster.procs[1].stop()
@@ -91,3 +132,16 @@ def test_lost_stage_is_reported_by_health(served):
     assert r.status_code == 500 and "stage" in r.json()["error"]["message"].lower()
     h = httpx.get(url + "/health", timeout=10)
     assert h.status_code == 503 and "api" in h.json()["reason"]
+
+
+def test_a_pipeline_that_does_not_load_ends_the_server(tmp_path):
+    """No 503 forever: the command stops with status 1 and says what failed."""
+    secret = tmp_path / "secret"
+    secret.write_text("ab" * 32)
+    secret.chmod(0o600)
+    r = subprocess.run([sys.executable, "-m", "kimi_mlx.cli", "cluster", "server", "--nodes",
+                        f"127.0.0.1:{_free_port()}", "--secret-file", str(secret), "--port", "0",
+                        "--peer-timeout", "2"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "listening on" in r.stderr  # it had started serving (health: loading)
+    assert "error: loading the pipeline failed" in r.stderr and "--nodes" in r.stderr

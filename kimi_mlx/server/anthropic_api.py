@@ -113,13 +113,41 @@ def count_tokens(svc: Service, req) -> dict:
     return {"input_tokens": len(_prompt(svc, req)[0])}
 
 
-def _prompt(svc: Service, req):
-    """(prompt ids, segment ends) of a messages request; APIError 400/404."""
-    svc.check_model(req.model)
+_THINKING_TYPES = ("enabled", "adaptive", "disabled")
+
+
+def thinking_enabled(req) -> bool:
+    """False for `thinking: {"type": "disabled"}`; True when absent, "enabled" or
+    "adaptive". APIError 400 for another type."""
+    kind = (req.thinking or {}).get("type", "enabled")
+    if kind not in _THINKING_TYPES:
+        raise APIError(400, f"thinking.type {kind!r} is not supported: use one of "
+                       f"{', '.join(_THINKING_TYPES)}", param="thinking")
+    return kind != "disabled"
+
+
+def _effort(req) -> str:
+    """The K3.1 thinking effort of a messages request. K3.1 always thinks (its encoding
+    has no non-thinking mode, chat_format), so `thinking: {"type": "disabled"}` is
+    honoured as the lowest effort, "low", with the thinking block left out of the reply;
+    asking for another effort at the same time is a 400."""
     try:
         effort = resolve_effort(req.reasoning_effort)
     except ValueError as e:
         raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
+    if not thinking_enabled(req):
+        if req.reasoning_effort not in (None, "low"):
+            raise APIError(400, f"thinking disabled asks for the lowest effort (low); it "
+                           f"contradicts reasoning_effort {req.reasoning_effort!r}",
+                           param="thinking")
+        effort = "low"
+    return effort
+
+
+def _prompt(svc: Service, req):
+    """(prompt ids, segment ends) of a messages request; APIError 400/404."""
+    svc.check_model(req.model)
+    effort = _effort(req)
     messages, (tools, options) = to_chat_messages(req), _tools(req)
     try:
         ids, ends = build_chat_prompt_with_ends(svc.tok, messages, effort, tools, **options)
@@ -153,7 +181,7 @@ async def messages_response(svc: Service, req: MessagesRequest, request) -> dict
     async for _ev, _tok, fin in reply_events(job, b, request):
         done = fin or done
     content: List[Dict[str, Any]] = []
-    if b.reasoning:
+    if b.reasoning and thinking_enabled(req):
         content.append({"type": "thinking", "thinking": b.reasoning, "signature": ""})
     if b.content or not (content or b.tool_calls):  # never an empty content list
         content.append({"type": "text", "text": b.content})
@@ -193,8 +221,9 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
             out.append(_event("content_block_start", {"index": index, "content_block": block}))
             return out
 
+        show_thinking = thinking_enabled(req)
         async for ev, _tok, fin in reply_events(job, b):
-            if ev.reasoning:
+            if ev.reasoning and show_thinking:
                 if open_kind != "thinking":
                     for s in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
                         yield s

@@ -1,6 +1,8 @@
 """`kimi-mlx server`: load a checkpoint and serve the OpenAI + Anthropic API with uvicorn.
 
-The HTTP server starts at once and answers /health with 503 while the model loads.
+The HTTP server starts at once and answers /health with 503 while the model loads; if
+loading fails the command ends with status 1, naming the checkpoint and the error. With
+`--draft-model` every request is decoded speculatively, one request at a time.
 Binding a non-loopback address needs an API key (`--api-key` / `--api-key-file`) or an
 explicit `--no-auth`.
 """
@@ -16,13 +18,15 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from ..request import InputError, resolve_model_arg
+from ..request import (InputError, add_draft_arguments, check_draft_arguments,
+                       check_max_kv_size, resolve_model_arg)
 
 log = logging.getLogger("kimi_mlx.server")
 
 DEFAULT_PORT = 8080
+DEFAULT_CONCURRENCY = 4
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -60,11 +64,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
     add_server_arguments(p)
-    p.add_argument("--max-concurrency", type=int, default=4,
-                   help="sequences generated at once by continuous batching (default 4; 1 = "
-                        "one request at a time)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help=f"sequences generated at once by continuous batching (default "
+                        f"{DEFAULT_CONCURRENCY}; 1 = one request at a time, the default and "
+                        "the only choice with --draft-model)")
     p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
                    help="bytes of cache snapshots kept across requests (default 1 GiB; 0 = off)")
+    add_draft_arguments(p, note=": the server then runs one request at a time "
+                        "(--max-concurrency 1), every request speculatively (requests with "
+                        "penalties or logit_bias decode plainly)")
 
 
 def is_loopback(host: str) -> bool:
@@ -116,28 +124,54 @@ def check_server_arguments(args) -> None:
         raise InputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if getattr(args, "prompt_cache_bytes", 0) < 0:
         raise InputError(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
-    if args.max_kv_size is not None and args.max_kv_size < 2:
-        raise InputError(f"--max-kv-size must be >= 2, got {args.max_kv_size}")
+    check_max_kv_size(args.max_kv_size)
+
+
+def check_draft_server_arguments(args) -> None:
+    """--draft-model / --num-draft-tokens for `kimi-mlx server`; sets --max-concurrency's
+    default (4, or 1 with a draft). InputError for --max-concurrency > 1 with a draft:
+    speculative decoding runs one sequence at a time (mlx-lm's batch generator has no
+    verify step), and batching would silently turn it off."""
+    check_draft_arguments(args)
+    if args.max_concurrency is None:
+        args.max_concurrency = 1 if args.draft_model else DEFAULT_CONCURRENCY
+    elif args.draft_model and args.max_concurrency != 1:
+        raise InputError(f"--draft-model serves one request at a time: use it with "
+                         f"--max-concurrency 1 (or leave that flag out), not "
+                         f"{args.max_concurrency}")
 
 
 def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
-                 max_queue: int, max_kv_size: Optional[int]) -> None:
-    """Load the checkpoint into `svc` (sets tokenizers, context, defaults, engine)."""
+                 max_queue: int, max_kv_size: Optional[int], draft_model: Optional[str] = None,
+                 num_draft_tokens: int = 3) -> None:
+    """Load the checkpoint (and the draft, when given) into `svc` (sets tokenizers,
+    context, defaults, engine).
+
+    Raises whatever loading raises (FileNotFoundError, ValueError, ...);
+    `speculative.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
+    not the target's; ValueError for a draft with max_concurrency > 1."""
     from ..hub import resolve
     from ..request import generation_defaults, load_for_generation
     from .engine import Engine
     from .prompt_cache import PromptCache
 
+    if draft_model and max_concurrency != 1:
+        raise ValueError("speculative decoding (a draft model) needs max_concurrency 1")
     model, wrapper, tok, _ = load_for_generation(spec)
     model_dir = Path(resolve(spec))
     svc.defaults = generation_defaults(model_dir)
+    speculation = None
+    if draft_model:
+        from ..speculative import Speculation, load_draft
+
+        speculation = Speculation(load_draft(draft_model, wrapper, spec), num_draft_tokens)
     svc.wrapper, svc.tok = wrapper, tok
     context = model.args.max_position_embeddings
     svc.context = min(context, max_kv_size) if max_kv_size else context
     pc = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
     svc.engine = Engine(model, tok.eos_token_ids, max_queue=max_queue,
                         max_concurrency=max_concurrency, prompt_cache=pc,
-                        metrics=svc.metrics).start()
+                        metrics=svc.metrics, speculation=speculation).start()
 
 
 def make_service(spec: str, api_key: Optional[str], served_name: Optional[str],
@@ -160,10 +194,7 @@ class BackgroundServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         import uvicorn
 
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(2048)  # connections queue until uvicorn accepts (see serve)
+        self.sock = listen(host, port)  # connections queue until uvicorn accepts
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
@@ -188,38 +219,79 @@ class BackgroundServer:
         self.sock.close()
 
 
-def serve(app, host: str, port: int, log_level: str, banner: str = "kimi-mlx server") -> None:
-    """Bind host:port (port 0: any free one), print the URL on stderr, run uvicorn until
-    interrupted (Ctrl-C / SIGTERM shut it down gracefully)."""
-    import uvicorn
-
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family)
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: any free one) and already listening, so a
+    client that read the printed URL is queued in the backlog, not refused, during the
+    moments before uvicorn accepts. InputError when the address cannot be bound."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
         raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-    # Listen now, not when uvicorn starts: a client that read the printed URL is queued in
-    # the backlog instead of refused during the moments before uvicorn accepts.
     sock.listen(2048)
-    bound = sock.getsockname()[1]
-    where = f"[{host}]" if ":" in host else host
-    print(f"{banner}: listening on http://{where}:{bound} (GET /health says when the model "
-          "is loaded)", file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(),
-                                           timeout_graceful_shutdown=5))
+    return sock
+
+
+def serve(svc, app, host: str, port: int, log_level: str, banner: str, prog: str,
+          load: Callable[[], None], what: str, cleanup: Callable[[], None] = lambda: None) -> int:
+    """Run a server command: bind host:port, print the URL on stderr, call `load()` on a
+    thread while uvicorn already answers (/health: 503 "loading"), and serve until
+    interrupted (Ctrl-C / SIGTERM shut it down gracefully). Shared by `kimi-mlx server`
+    and `kimi-mlx cluster server`.
+
+    When `load()` raises, the server does not linger answering 503: it stops and the
+    command fails, with "`prog`: error: `what` failed: <type>: <message>" on stderr.
+
+    Returns the exit status: 0 after a normal stop, 1 when loading failed, 2 when the
+    address cannot be bound. `cleanup()` runs in every case once uvicorn has stopped."""
+    import uvicorn
+
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
-        pass
+        try:
+            sock = listen(host, port)
+        except InputError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        where = f"[{host}]" if ":" in host else host
+        print(f"{banner}: listening on http://{where}:{sock.getsockname()[1]} (GET /health "
+              "says when the model is loaded)", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(),
+                                               timeout_graceful_shutdown=5))
+        failed: list = []
+
+        def loader():
+            try:
+                load()
+            except Exception as e:  # noqa: BLE001 - ends the command, naming the error
+                svc.loading_error = f"{what} failed: {type(e).__name__}: {e}"
+                log.debug("load failed", exc_info=True)
+                failed.append(svc.loading_error)
+                server.should_exit = True
+            finally:
+                import mlx.core as mx
+
+                mx.clear_streams()  # this thread ran MLX (see engine.run_mlx_thread)
+
+        threading.Thread(target=loader, name="kimi-mlx-load", daemon=True).start()
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
+            pass
+        if failed:
+            print(f"{prog}: error: {failed[0]}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        cleanup()
 
 
 def run(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
         check_server_arguments(args)
         spec = resolve_model_arg(args.model)
         key = resolve_api_key(args)
@@ -231,29 +303,18 @@ def run(args) -> int:
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)
 
     def load():
-        try:
-            load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
-                         args.max_queue, args.max_kv_size)
-            log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
-        except Exception as e:  # noqa: BLE001 - reported by /health and the log
-            svc.loading_error = f"loading {spec} failed: {type(e).__name__}: {e}"
-            log.error(svc.loading_error)
-        finally:
-            import mlx.core as mx
+        load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
+                     args.max_queue, args.max_kv_size, draft_model=args.draft_model,
+                     num_draft_tokens=args.num_draft_tokens)
+        log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
 
-            mx.clear_streams()  # this thread ran MLX (see Engine._loop)
-
-    threading.Thread(target=load, name="kimi-mlx-load", daemon=True).start()
-    try:
-        serve(create_app(svc), args.host, args.port, args.log_level,
-              f"kimi-mlx server (model {svc.model_ids[0]})")
-    except InputError as e:
-        print(f"kimi-mlx server: error: {e}", file=sys.stderr)
-        return 2
-    finally:
+    def cleanup():
         if svc.engine is not None:
             svc.engine.stop()
-    return 0
+
+    return serve(svc, create_app(svc), args.host, args.port, args.log_level,
+                 f"kimi-mlx server (model {svc.model_ids[0]})", "kimi-mlx server", load,
+                 f"loading {spec}", cleanup)
 
 
 def main(argv=None) -> int:

@@ -90,7 +90,39 @@ def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
-        raise APIError(400, f"{loc}: {err['msg']}" if loc else err["msg"], param=loc or None) from None
+        msg = err["msg"]
+        bounds = field_range(model, err["loc"])
+        if bounds and err["type"] in _RANGE_ERRORS:
+            finite = "a finite number " if err["type"] == "finite_number" else ""
+            msg = f"must be {finite}in {bounds}, got {err.get('input')!r}"
+        raise APIError(400, f"{loc}: {msg}" if loc else msg, param=loc or None) from None
+
+
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                 "finite_number"}
+
+
+def field_range(model: type[BaseModel], loc) -> Optional[str]:
+    """The allowed range of a top-level numeric field from its pydantic bounds, in
+    interval notation ("[0, 2]", "(0, 1]", "[1, inf)"), or None for a field without
+    bounds or a nested location."""
+    if len(loc) != 1 or loc[0] not in model.model_fields:
+        return None
+    lo = hi = None
+    lo_open = hi_open = False
+    for m in model.model_fields[loc[0]].metadata:
+        for attr, is_lo, is_open in (("ge", True, False), ("gt", True, True),
+                                     ("le", False, False), ("lt", False, True)):
+            v = getattr(m, attr, None)
+            if v is not None:
+                if is_lo:
+                    lo, lo_open = v, is_open
+                else:
+                    hi, hi_open = v, is_open
+    if lo is None and hi is None:
+        return None
+    return (f"{'(' if lo_open or lo is None else '['}{'-inf' if lo is None else lo}, "
+            f"{'inf' if hi is None else hi}{')' if hi_open or hi is None else ']'}")
 
 
 def sampling_from(svc: Service, temperature, top_p, top_k, min_p, seed) -> SamplingParams:
@@ -119,8 +151,14 @@ def logits_processors(svc: "Service", req) -> Optional[list]:
         return None
     if not getattr(svc.engine, "supports_logits_processors", True):
         raise APIError(400, "presence_penalty, frequency_penalty, repetition_penalty and "
-                       "logit_bias are not supported by this server (the pipeline samples on "
-                       "its last stage)", param="logit_bias" if bias else "presence_penalty")
+                       "logit_bias are not supported by this server",
+                       param="logit_bias" if bias else "presence_penalty")
+    for name in getattr(svc.engine, "unsupported_penalties", ()):
+        if getattr(req, name, None):
+            raise APIError(400, f"{name} is not supported by this server (the pipeline's "
+                           "last stage returns log-probabilities, and this penalty scales "
+                           "raw logits by their sign); presence_penalty, frequency_penalty "
+                           "and logit_bias are", param=name)
     from mlx_lm.sample_utils import make_logits_processors
 
     try:

@@ -5,7 +5,9 @@ handlers that wait on them.
 One thread touches MLX, so requests never share mutable state; a job that is cancelled
 (client gone, stop string matched) stops within one decode step and its cache is dropped.
 With `max_concurrency` > 1 the worker runs mlx-lm's `BatchGenerator` (continuous
-batching) over our batchable caches (`kimi_mlx.cache`); with 1 it runs `generate_step`.
+batching) over our batchable caches (`kimi_mlx.cache`); with 1 it runs `generate_step`,
+or, given a draft model (`speculation`), `kimi_mlx.speculative.speculative_generate_step`
+with the draft's caches kept beside the target's (in the prompt cache too).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from ..request import SamplingParams
 
@@ -112,6 +114,28 @@ class Job:
         self.cancelled.set()
 
 
+def enqueue(jobs: "queue.Queue", job, max_queue: int):
+    """Put `job` on a worker's queue; `Busy` when `max_queue` jobs already wait (the one
+    admission rule of the one-process engine and the cluster engine)."""
+    waiting = jobs.qsize()
+    if waiting >= max_queue:
+        raise Busy(f"{waiting} requests are waiting (--max-queue {max_queue})")
+    jobs.put(job)
+    return job
+
+
+def run_mlx_thread(body: Callable[[], None]) -> None:
+    """Run `body()` on the calling thread, then release that thread's MLX streams: a
+    thread that ran MLX must do so before it ends, or the process may abort at exit
+    (ml-explore/mlx#4373; see cluster/compute.py). Every engine worker runs through this."""
+    import mlx.core as mx
+
+    try:
+        body()
+    finally:
+        mx.clear_streams()
+
+
 def top_logprobs(logprobs, token: int, k: Optional[int]):
     """(logprob of `token`, [(id, logprob)] of the k most likely, best first) from a
     logprob vector [vocab] (mlx-lm's: logits - logsumexp)."""
@@ -135,10 +159,28 @@ class Engine:
         max_queue: jobs waiting beyond this raise `Busy`.
         max_concurrency: sequences generated at once (continuous batching when > 1).
         prompt_cache: optional `PromptCache` (snapshots across requests).
+        speculation: optional `speculative.Speculation` (draft model, drafts per verify
+            step): every request decodes speculatively, except those with logits
+            processors (penalties, logit_bias), which the verify step does not apply.
+            Needs max_concurrency 1. A job's cache is then the target's caches followed
+            by the draft's (mlx-lm's convention), prefilled and snapshotted together;
+            with a draft whose caches cannot be snapshotted (an mlx-lm KVCache model)
+            the prompt cache is turned off.
+    Raises:
+        ValueError: speculation with max_concurrency > 1.
     """
 
     def __init__(self, model, eos_ids: Sequence[int], max_queue: int = 64,
-                 max_concurrency: int = 1, prompt_cache=None, metrics=None):
+                 max_concurrency: int = 1, prompt_cache=None, metrics=None,
+                 speculation=None):
+        if speculation is not None and max_concurrency != 1:
+            raise ValueError(f"speculative decoding serves one request at a time, not "
+                             f"max_concurrency {max_concurrency}")
+        self.speculation = speculation
+        if speculation is not None and prompt_cache is not None:
+            if not _snapshots(_draft_cache(speculation.draft)):
+                log.warning("the draft's caches cannot be snapshotted: prompt cache off")
+                prompt_cache = None
         self.model = model
         self.eos_ids = set(eos_ids)
         self.max_queue = max_queue
@@ -173,22 +215,12 @@ class Engine:
         return self._active
 
     def submit(self, job: Job) -> Job:
-        if self._jobs.qsize() >= self.max_queue:
-            raise Busy(f"{self._jobs.qsize()} requests are waiting (--max-queue {self.max_queue})")
-        self._jobs.put(job)
-        return job
+        return enqueue(self._jobs, job, self.max_queue)
 
     # ---------------------------------------------------------------- worker
 
     def _loop(self) -> None:
-        import mlx.core as mx
-
-        try:
-            self._serve()
-        finally:
-            # a thread that ran MLX must release its streams before it ends, or the
-            # process may abort at exit (ml-explore/mlx#4373; see cluster/compute.py)
-            mx.clear_streams()
+        run_mlx_thread(self._serve)
 
     def _serve(self) -> None:
         if self.max_concurrency > 1:
@@ -215,7 +247,17 @@ class Engine:
             cache, n = self.prompt_cache.fetch(job.ids)
             if cache is not None:
                 return cache, n
-        return self.model.make_cache(), 0
+        cache = self.model.make_cache()
+        if self.speculation is not None:
+            cache += _draft_cache(self.speculation.draft)
+        return cache, 0
+
+    def _models(self, cache) -> List[Tuple[object, list]]:
+        """(model, its part of `cache`) pairs: the target, then the draft if any."""
+        if self.speculation is None:
+            return [(self.model, cache)]
+        n = len(self.model.layers)
+        return [(self.model, cache[:n]), (self.speculation.draft, cache[n:])]
 
     def prefill(self, ids: List[int], cache, start: int, segment_ends: Sequence[int],
                 step: int = 2048) -> None:
@@ -231,7 +273,8 @@ class Engine:
         for end in sorted(snaps | {len(ids) - 1}):
             while pos < end:
                 n = min(step, end - pos)
-                self.model(mx.array(ids[pos:pos + n])[None], cache=cache)
+                for model, part in self._models(cache):
+                    model(mx.array(ids[pos:pos + n])[None], cache=part)
                 mx.eval([c.state for c in cache])
                 pos += n
             if self.prompt_cache is not None and end in snaps:
@@ -247,9 +290,13 @@ class Engine:
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)
         self.prefill(job.ids, cache, cached, job.segment_ends)
-        gen = generate_step(mx.array(job.ids[-1:]), self.model, max_tokens=job.max_tokens,
-                            sampler=job.sampling.sampler(),
-                            logits_processors=job.logits_processors, prompt_cache=cache)
+        if self.speculation is not None and not job.logits_processors:
+            gen = self._speculate(job, cache)
+        else:
+            gen = generate_step(mx.array(job.ids[-1:]), self.model, max_tokens=job.max_tokens,
+                                sampler=job.sampling.sampler(),
+                                logits_processors=job.logits_processors,
+                                prompt_cache=self._models(cache)[0][1])
         reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
         for tok, lp in gen:
             if n == 0:
@@ -273,3 +320,48 @@ class Engine:
         if self.metrics is not None:
             self.metrics.finished(done)
         job.emit(done)
+
+    def _speculate(self, job: Job, cache):
+        """(token, logprobs [vocab]) of `job` by speculative decoding from a prefilled
+        target + draft `cache` (all prompt tokens but the last). The acceptance rule keeps
+        the target's sampling (greedy: token for token the plain output); a seeded
+        request seeds MLX's global PRNG, which only this one sequence uses."""
+        import mlx.core as mx
+
+        from ..speculative import Sampling, speculative_generate_step
+
+        spec, p = self.speculation, job.sampling
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        st = spec.stats
+        before = (st.steps, st.drafted, st.accepted)
+        gen = speculative_generate_step(
+            job.ids[-1:], self.model, spec.draft, num_draft_tokens=spec.num_draft_tokens,
+            max_tokens=job.max_tokens, sampling=Sampling(p.temp, p.top_p, p.min_p, p.top_k),
+            prompt_cache=cache, stats=spec.stats)
+        try:
+            for tok, lp, _from_draft in gen:
+                yield tok, lp
+        finally:
+            gen.close()
+            if self.metrics is not None:
+                self.metrics.speculated(st.steps - before[0], st.drafted - before[1],
+                                        st.accepted - before[2])
+
+
+def _draft_cache(draft) -> list:
+    """Fresh caches of a draft model (ours or mlx-lm's)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(draft)
+
+
+def _snapshots(cache) -> bool:
+    """True when the prompt cache can snapshot these caches (`kimi_mlx.cache.snapshot`)."""
+    from ..cache import snapshot
+
+    try:
+        snapshot(cache)
+    except TypeError:
+        return False
+    return True

@@ -33,6 +33,19 @@ class Metrics:
         q.set_function(queue_length)
         a = Gauge("kimi_mlx_active_requests", "requests being generated", registry=r)
         a.set_function(active)
+        self.verify_steps = Counter("kimi_mlx_speculative_verify_steps", "speculative "
+                                    "decoding: target passes that verified drafts", registry=r)
+        self.drafted = Counter("kimi_mlx_speculative_draft_tokens", "speculative decoding: "
+                               "tokens the draft proposed", registry=r)
+        self.accepted = Counter("kimi_mlx_speculative_accepted_tokens", "speculative "
+                                "decoding: draft tokens the target accepted", registry=r)
+
+    def speculated(self, steps: int, drafted: int, accepted: int) -> None:
+        """Account one request's speculative decoding (verify steps, drafted and accepted
+        draft tokens); accepted / steps is the mean accepted per target pass."""
+        self.verify_steps.inc(steps)
+        self.drafted.inc(drafted)
+        self.accepted.inc(accepted)
 
     def finished(self, done) -> None:
         """Account an engine `Finished` event."""

@@ -12,7 +12,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # NaN / Infinity (which Python's json reads and writes) are never a valid setting
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Model):
@@ -31,7 +32,7 @@ class ChatMessage(_Model):
 
 class _Sampling(_Model):
     model: str
-    temperature: Optional[float] = Field(None, ge=0)
+    temperature: Optional[float] = Field(None, ge=0, le=2)  # OpenAI's documented range
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
@@ -81,7 +82,7 @@ class MessagesRequest(_Model):
     system: Optional[Union[str, List[Dict[str, Any]]]] = None
     stop_sequences: Optional[List[str]] = None
     stream: bool = False
-    temperature: Optional[float] = Field(None, ge=0)
+    temperature: Optional[float] = Field(None, ge=0, le=1)  # Anthropic's documented range
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
     tools: Optional[List[Dict[str, Any]]] = None
