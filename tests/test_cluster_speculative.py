@@ -181,6 +181,71 @@ def test_keep_is_required_after_a_verify_and_refused_elsewhere(runners):
     assert s[0].offset == 5 and s[0].verify is None
 
 
+class _Recorder:
+    """A transport that records what the head sends and answers verify steps with
+    logits whose argmax is a fixed token sequence (the 'target')."""
+
+    def __init__(self, vocab, answers):
+        self.vocab, self.answers, self.sent = vocab, list(answers), []
+
+    def open(self, *a):
+        pass
+
+    def send(self, session, seq, offset, tokens, sample, verify=False, keep=None):
+        self.sent.append(dict(seq=seq, offset=offset, tokens=list(tokens), verify=verify,
+                              keep=keep))
+
+    def receive(self, session, timeout=None):
+        from kimi_mlx.cluster.transport import TokenResult
+
+        m = self.sent[-1]
+        rows = [self.answers[m["offset"] + i] for i in range(len(m["tokens"]))]
+        logits = mx.zeros((len(rows), self.vocab)) + mx.eye(self.vocab)[mx.array(rows)] * 9
+        return TokenResult(session, m["seq"], 0, None, logits)
+
+    def close(self, session):
+        pass
+
+
+def test_the_accepted_count_rides_on_the_next_message(models):
+    """No extra round trip: after each verify step the next message (the next verify
+    step) carries `keep`, positions continue from the kept ones, and the greedy tokens
+    are the 'target's (the recorder's argmax per position)."""
+    model, _, draft = models
+    prompt = _prompt(9)
+    # The 'target': the draft's own greedy choice (full forward, no cache), changed at
+    # every third position, so drafts are accepted up to the next change.
+    answers, seq = [0] * 8, list(prompt)
+    for pos in range(8, 8 + 14):
+        tok = int(mx.argmax(draft(mx.array([seq]))[0, -1]).item())
+        tok = (tok + 1) % model.args.vocab_size if pos % 3 == 0 else tok
+        answers.append(tok)
+        seq.append(tok)
+    rec = _Recorder(model.args.vocab_size, answers)
+    pipe = Pipeline.__new__(Pipeline)
+    pipe.transport, pipe.prefill_chunk, pipe.step_timeout = rec, 4, None
+    got = [tok for tok, _, _ in speculative_pipeline_step(pipe, prompt, draft, model.args,
+                                                          num_draft_tokens=3, max_tokens=12)]
+    assert got == answers[8:20]
+    prefill, steps = rec.sent[:2], rec.sent[2:]
+    assert [m["tokens"] for m in prefill] == [prompt[:4], prompt[4:8]]
+    assert not any(m["verify"] or m["keep"] is not None for m in prefill)
+    assert all(m["verify"] for m in steps) and steps[0]["keep"] is None
+    assert steps[0]["offset"] == 8 and steps[0]["tokens"][0] == prompt[-1]
+    counts = []
+    for a, b in zip(steps, steps[1:]):
+        accepted = 0  # drafts of a equal to the target's tokens at their positions
+        while accepted + 1 < len(a["tokens"]) and \
+                a["tokens"][accepted + 1] == answers[a["offset"] + accepted]:
+            accepted += 1
+        counts.append(accepted)
+        assert b["keep"] == accepted + 1  # y and the accepted drafts
+        assert b["offset"] == a["offset"] + b["keep"]
+        assert b["tokens"][0] == answers[a["offset"] + accepted]  # the target's token
+    assert [m["seq"] for m in rec.sent] == list(range(len(rec.sent)))
+    assert max(counts) > 0 and min(counts) < 3  # steps with acceptances and rejections
+
+
 # ------------------------------------------------------------------------------ CLI
 
 
