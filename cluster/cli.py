@@ -443,9 +443,11 @@ def _launch(args) -> int:
 
     try:
         check_model_arguments(args)
-        if getattr(args, "draft_model", None):
-            raise InputError("--draft-model: speculative decoding through the pipeline is "
-                             "not built yet; use it with kimi-mlx generate or chat")
+        for flag, value in (("--draft-model", getattr(args, "draft_model", None)),
+                            ("--draft", getattr(args, "draft", None))):
+            if value:
+                raise InputError(f"{flag}: speculative decoding through the pipeline is "
+                                 "not built yet; use it with kimi-mlx generate or chat")
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):

@@ -140,7 +140,7 @@ def run(args) -> int:
         check_draft_arguments(args)
         spec = resolve_model_arg(args.model)
         model, wrapper, tok, _ = load_for_generation(spec)
-        speculation = load_speculation(args, wrapper, spec)
+        speculation = load_speculation(args, wrapper, spec, model)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx chat: error: {e}", file=sys.stderr)
         return 2

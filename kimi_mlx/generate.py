@@ -30,28 +30,45 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_draft_arguments(p: argparse.ArgumentParser) -> None:
-    """--draft-model / --num-draft-tokens (mlx-lm's names): speculative decoding."""
+    """--draft-model / --num-draft-tokens (mlx-lm's names), --draft mtp: speculative decoding."""
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint or "
                         "any mlx-lm model with the same tokenizer (output stays the model's)")
+    p.add_argument("--draft", choices=("mtp",), default=None,
+                   help="mtp: speculative decoding with the checkpoint's own multi-token-"
+                        "prediction layers as the draft (config num_nextn_predict_layers > 0; "
+                        "instead of --draft-model; output stays the model's)")
     p.add_argument("--num-draft-tokens", type=int, default=3,
                    help="tokens the draft proposes per verify step (default 3)")
 
 
 def check_draft_arguments(args) -> None:
-    """InputError when --num-draft-tokens < 1 while a --draft-model is given."""
-    if getattr(args, "draft_model", None) and args.num_draft_tokens < 1:
+    """InputError for --draft with --draft-model, or --num-draft-tokens < 1 with either."""
+    draft_model, draft = getattr(args, "draft_model", None), getattr(args, "draft", None)
+    if draft_model and draft:
+        raise InputError(f"give --draft {draft} or --draft-model, not both")
+    if (draft_model or draft) and args.num_draft_tokens < 1:
         raise InputError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
 
 
-def load_speculation(args, wrapper, target_name: str):
-    """The `speculative.Speculation` for --draft-model (None without one): the draft
-    loaded and its tokenizer checked against the target's (`speculative.load_draft`)."""
-    if not getattr(args, "draft_model", None):
+def load_speculation(args, wrapper, target_name: str, model=None):
+    """The `speculative.Speculation` for --draft-model or --draft mtp (None without
+    either): a draft model loaded and its tokenizer checked against the target's
+    (`speculative.load_draft`), or the target checkpoint's MTP layers (`mtp.load_mtp`,
+    bound to `model`; CheckpointError, a ValueError, when it has none)."""
+    if not getattr(args, "draft_model", None) and not getattr(args, "draft", None):
         return None
     from .speculative import Sampling, Speculation, load_draft
 
-    draft = load_draft(args.draft_model, wrapper, target_name)
+    if getattr(args, "draft", None) == "mtp":
+        from .hub import resolve
+        from .mtp import load_mtp
+
+        if model is None:
+            raise InputError("--draft mtp needs the loaded target model")
+        draft = load_mtp(resolve(target_name), model, depths=1)
+    else:
+        draft = load_draft(args.draft_model, wrapper, target_name)
     return Speculation(draft, args.num_draft_tokens,
                        Sampling(args.temp, args.top_p, args.min_p, args.top_k))
 
@@ -93,7 +110,7 @@ def run(args) -> int:
         if args.max_kv_size:
             context, source = min(context, args.max_kv_size), "--max-kv-size"
         args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
-        speculation = load_speculation(args, wrapper, spec)
+        speculation = load_speculation(args, wrapper, spec, model)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx generate: error: {e}", file=sys.stderr)
         return 2

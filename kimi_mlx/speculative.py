@@ -332,7 +332,7 @@ def stream_speculative(
     mlx-lm, and closes the generator so the caches are settled before returning.
 
     kwargs go to `speculative_generate_step` (num_draft_tokens, sampling, prompt_cache,
-    prefill_step_size, stats).
+    prefill_step_size, stats), or to `draft_model.generate_step` when the draft has one.
     """
     from mlx_lm.generate import GenerationResponse
     from mlx_lm.tokenizer_utils import TokenizerWrapper
@@ -344,8 +344,10 @@ def stream_speculative(
     detok = tokenizer.detokenizer
     detok.reset()
     n_prompt = len(prompt)
-    gen = speculative_generate_step(prompt, model, draft_model, max_tokens=max_tokens,
-                                    **kwargs)
+    # A draft that brings its own loop (`kimi_mlx.mtp.MTP.generate_step`: the target's
+    # own MTP layers) runs it, with the same arguments and triples.
+    step = getattr(draft_model, "generate_step", None) or speculative_generate_step
+    gen = step(prompt, model, draft_model, max_tokens=max_tokens, **kwargs)
     try:
         tic = time.perf_counter()
         n, token, logprobs, from_draft = -1, None, None, False
