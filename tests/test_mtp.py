@@ -351,3 +351,38 @@ def test_draft_mtp_errors(tiny_ckpt, capsys):
     assert cli.main(["cluster", "launch", "--draft", "mtp", "--prompt", "hi",
                      "--nodes", "127.0.0.1:1"]) == 2
     assert "--draft" in capsys.readouterr().err
+
+
+def test_chat_turns_with_draft_mtp_equal_plain_chat(mtp_ckpt):
+    """Greedy chat turns give the same replies with `--draft mtp`, also when the turn is
+    served from target + MTP caches that already hold the conversation (the MTP's
+    pending hidden carried over from the call that filled them)."""
+    from kimi_mlx.chat_cli import Conversation, chat_turn
+    from kimi_mlx.chat_format import encode_chat
+    from kimi_mlx.generate import load_for_generation
+    from kimi_mlx.speculative import Speculation
+
+    model, wrapper, tok, _ = load_for_generation(str(mtp_ckpt))
+    sp = Speculation(load_mtp(mtp_ckpt, model), 2)
+    greedy = make_sampler(0.0)
+    plain, fast = Conversation(), Conversation()
+    a = chat_turn(model, wrapper, tok, plain, "hi", "low", greedy, 6, 4096)
+    b = chat_turn(model, wrapper, tok, fast, "hi", "low", greedy, 6, 4096, speculation=sp)
+    assert a == b and sp.stats.steps > 0
+
+    nxt = plain.messages + [{"role": "user", "content": "and then?"}]
+    ids = encode_chat(tok, nxt, reasoning_effort="low")
+    prefix = encode_chat(tok, plain.messages, reasoning_effort="low", add_generation_prompt=False)
+    assert ids[: len(prefix)] == prefix
+    held = ids[: len(prefix) + 1]
+    fast.cache = model.make_cache() + sp.draft.make_cache()
+    # one step from `held`: its last token is verified, so the target then holds all of it
+    list(mtp_generate_step(held, model, sp.draft, max_tokens=1, prompt_cache=fast.cache))
+    n = len(model.layers)
+    assert fast.cache[2].offset == len(held) and fast.cache[n + 1][0] is not None
+    fast.processed = held
+    a = chat_turn(model, wrapper, tok, plain, "and then?", "low", greedy, 6, 4096,
+                  reuse_cache=False)
+    b = chat_turn(model, wrapper, tok, fast, "and then?", "low", greedy, 6, 4096, speculation=sp)
+    assert fast.reused_tokens == len(held) > 10
+    assert a == b
