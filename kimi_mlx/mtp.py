@@ -48,10 +48,9 @@ step are fed at the next step's first call.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -286,8 +285,8 @@ class _Pending:
         return len(self.tokens)
 
 
-def _feed(mtp: MTP, cache, pend: _Pending, keep: int, step: int) -> Optional[mx.array]:
-    """Feed all but the last `keep` pending pairs to the MTP in chunks of `step`."""
+def _feed(mtp: MTP, cache, pend: _Pending, keep: int, step: int) -> None:
+    """Feed all but the last `keep` pending pairs to the MTP's cache, `step` at a time."""
     m = len(pend) - keep
     for s in range(0, m, step):
         e = min(s + step, m)
@@ -319,9 +318,11 @@ def mtp_generate_step(
             hidden, drafts 2..k chained on the MTP's own output.
         prompt_cache: the target's caches followed by `mtp.make_cache()`, used and updated
             in place (new ones when None). When generation ends (or the generator is
-            closed), the target holds every token but the last one yielded, the MTP every
-            pair before that, and the MTP's pending cache the hiddens still to pair: the
-            next call continues from there (a multi-turn chat).
+            closed), the target holds every token but the last one yielded (as
+            `speculative_generate_step` leaves it), the MTP's layer cache the pairs up to
+            the last verify step, and its pending cache the target hiddens of that step's
+            tokens with their known next tokens: a next call on the same caches (a chat's
+            next turn) pairs the last hidden with its prompt's first token.
         Others: see `speculative.speculative_generate_step`.
     Raises:
         ValueError: an empty prompt, num_draft_tokens < 1, or an MTP not bound.
