@@ -386,3 +386,33 @@ def test_chat_turns_with_draft_mtp_equal_plain_chat(mtp_ckpt):
     b = chat_turn(model, wrapper, tok, fast, "and then?", "low", greedy, 6, 4096, speculation=sp)
     assert fast.reused_tokens == len(held) > 10
     assert a == b
+
+
+def test_micro_mtp_export_is_a_copy_with_the_layer_it_trained(tiny_ckpt, tmp_path):
+    """`make micro-mtp`'s export (`write_copy`) on the tiny checkpoint: the source is
+    untouched, the copy's trunk is the source's, and its MTP layer loads with the values
+    written (BF16, experts MXFP4-rounded); `build_mtp` starts from the last trunk layer."""
+    import hashlib
+
+    from kimi_mlx.micro.mtp_train import build_mtp, write_copy
+    from kimi_mlx.micro.train import mxfp4_roundtrip
+
+    def digest(folder):
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in folder.iterdir()}
+
+    before = digest(tiny_ckpt)
+    teacher, _, _ = load_model(tiny_ckpt, verbose=False)
+    mtp = build_mtp(teacher, seed=0)
+    layer, last = mtp.mtp_layers[0], teacher.layers[-1]
+    assert mx.array_equal(layer.self_attn.kv_b_proj.weight,
+                          last.self_attn.kv_b_proj.weight.astype(mx.float32)).item()
+    write_copy(tiny_ckpt, tmp_path / "copy", mtp)
+    assert digest(tiny_ckpt) == before
+    model, _, _ = load_model(tmp_path / "copy", verbose=False)
+    ours, want = dict(tree_flatten(model.parameters())), dict(tree_flatten(teacher.parameters()))
+    assert all(mx.array_equal(ours[k], want[k]).item() for k in want)
+    got = load_mtp(tmp_path / "copy", model).mtp_layers[0]
+    assert mx.array_equal(got.eh_proj.weight, layer.eh_proj.weight.astype(mx.bfloat16)).item()
+    q = got.block_sparse_moe.switch_mlp.up_proj
+    deq = mx.dequantize(q.weight, q.scales, group_size=32, bits=4, mode="mxfp4")
+    assert mx.array_equal(deq, mxfp4_roundtrip(layer.block_sparse_moe.switch_mlp.up_proj.weight)).item()
