@@ -33,8 +33,9 @@ Conventions (the record for K3.1 is silent; each is one place to change):
   output hidden y (before `shared_head.norm`) and draft j, as vLLM's MTP proposer does.
   Deeper MTP layers (D > 1) load with `depths` but only depth 1 drafts: a depth-d layer
   would need the depth-(d-1) hiddens of every accepted position kept up to date.
-- vLLM zeroes the embedding at position 0; we do not (nothing in the training recipe
-  asks for it, and position 0 of a K3.1 prompt is a fixed special token).
+- vLLM zeroes the embedding at MTP position 0; we do not: that position pairs h_0 with
+  t_1 like any other in the DeepSeek-V3 report's MTP objective (and position 0 of a K3.1
+  chat prompt is a fixed special token either way).
 
 Speculative loop (`mtp_generate_step`, mlx-lm's (token, logprobs, from_draft) triples):
 the target's verify pass over [y, d1..dk] returns its hidden states with its logits; the

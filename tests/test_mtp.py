@@ -416,3 +416,29 @@ def test_micro_mtp_export_is_a_copy_with_the_layer_it_trained(tiny_ckpt, tmp_pat
     q = got.block_sparse_moe.switch_mlp.up_proj
     deq = mx.dequantize(q.weight, q.scales, group_size=32, bits=4, mode="mxfp4")
     assert mx.array_equal(deq, mxfp4_roundtrip(layer.block_sparse_moe.switch_mlp.up_proj.weight)).item()
+
+
+def test_an_mtp_layer_with_its_own_head_and_embedding_uses_them(mtp_ckpt, loaded, tmp_path):
+    """DeepSeek's layout also ships `shared_head.head` and `embed_tokens` in the MTP layer:
+    they are loaded and used instead of the trunk's (here: the trunk's head scaled by 2,
+    and its embedding rows shifted by one token)."""
+    import shutil
+
+    model, mtp, _ = loaded
+    own = tmp_path / "own"
+    shutil.copytree(mtp_ckpt, own)
+    lm = model.language_model
+    extra = {PRE + "shared_head.head.weight": (2 * lm.lm_head.weight).astype(mx.bfloat16),
+             PRE + "embed_tokens.weight": mx.roll(lm.model.embed_tokens.weight, -1, 0)}
+    mx.save_safetensors(str(own / "model-mtp-extra.safetensors"), extra, metadata={"format": "pt"})
+    idx = own / "model.safetensors.index.json"
+    data = json.loads(idx.read_text())
+    data["weight_map"].update({k: "model-mtp-extra.safetensors" for k in extra})
+    idx.write_text(json.dumps(data))
+    mine = load_mtp(own, model)
+    h, _ = target_forward(model, mx.array([[5, 6, 7]]), None)
+    toks = mx.array([[6, 7, 8]])
+    _, base = mtp.step(h, toks + 1, DSACache())  # own row t = trunk row t + 1
+    _, got = mine.step(h, toks, DSACache())
+    assert rel_err(got, 2 * base) < tolerance(2, reduction_length(model.args, 3))
+    assert "head" in mine.mtp_layers[0].shared_head and "embed_tokens" in mine.mtp_layers[0]
