@@ -6,7 +6,8 @@ multimodal wrapper with `text_config`, `dsa_config`, compressed-tensors
 `model.safetensors.index.json`, the `language_model.` prefix, BF16 weights (F32 for KDA
 conv/A_log/dt_bias and the router bias), MXFP4 `weight_packed` + E8M0 `weight_scale`
 routed experts, a zero-padded `A_log[128]`, vision-tower / projector tensors and an MTP
-layer (both must be skipped), and tokenizer files (`tiktoken.model` +
+layer (both must be skipped; with `mtp_layers` a real MTP layer and
+`num_nextn_predict_layers`, for `--draft mtp`), and tokenizer files (`tiktoken.model` +
 `tokenizer_config.json`).
 """
 
