@@ -445,6 +445,9 @@ def _launch(args) -> int:
     try:
         check_model_arguments(args)
         check_draft_arguments(args)
+        if getattr(args, "draft", None):
+            raise InputError("--draft mtp: the MTP draft runs in one process only (kimi-mlx "
+                             "generate or chat); through the pipeline use --draft-model")
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 from typing import List
 
-from .generate import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
+from .generate import (EFFORTS, InputError, add_draft_arguments, add_model_arguments, add_mtp_argument,
                        check_draft_arguments, check_model_arguments, load_for_generation,
                        load_speculation, resolve_model_arg, token_budget)
 
@@ -23,6 +23,7 @@ def add_arguments(p) -> None:
     add_model_arguments(p)
     p.add_argument("--system-prompt", default=None, help="system message")
     add_draft_arguments(p)
+    add_mtp_argument(p)
 
 
 COMMANDS = "/help, /reset, /effort low|high|max, /exit (or Ctrl-D); Ctrl-C stops a reply"
@@ -140,7 +141,7 @@ def run(args) -> int:
         check_draft_arguments(args)
         spec = resolve_model_arg(args.model)
         model, wrapper, tok, _ = load_for_generation(spec)
-        speculation = load_speculation(args, wrapper, spec)
+        speculation = load_speculation(args, wrapper, spec, model)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx chat: error: {e}", file=sys.stderr)
         return 2

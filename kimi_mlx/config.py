@@ -106,6 +106,8 @@ class ModelArgs(BaseModelArgs):
     routed_expert_hidden_size: Optional[int] = 3584
     latent_moe_use_norm: bool = True
     tie_word_embeddings: bool = False
+    # DeepSeek-style MTP layers after the trunk (`kimi_mlx.mtp`; the trunk skips them).
+    num_nextn_predict_layers: int = 0
     # K3.1 lightning indexer (normalised from `dsa_config` by `from_config`).
     index_n_heads: int = 32
     index_head_dim: int = 128

@@ -12,7 +12,7 @@ import sys
 from typing import Iterator, List
 
 from .request import (  # noqa: F401  (re-exported: the request path lives in request.py)
-    DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_draft_arguments, add_model_arguments,
+    DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_draft_arguments, add_model_arguments, add_mtp_argument,
     build_prompt, check_context, check_draft_arguments, check_model_arguments, default_model,
     load_for_generation, resolve_model_arg, token_budget,
 )
@@ -27,16 +27,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
                    default=True, help="print timing and memory at the end (default: True)")
     add_draft_arguments(p)
+    add_mtp_argument(p)
 
 
-def load_speculation(args, wrapper, target_name: str):
-    """The `speculative.Speculation` for --draft-model (None without one): the draft
-    loaded and its tokenizer checked against the target's (`speculative.load_draft`)."""
-    if not getattr(args, "draft_model", None):
+def load_speculation(args, wrapper, target_name: str, model=None):
+    """The `speculative.Speculation` for --draft-model or --draft mtp (None without
+    either): a draft model loaded and its tokenizer checked against the target's
+    (`speculative.load_draft`), or the target checkpoint's MTP layers (`mtp.load_mtp`,
+    bound to `model`; CheckpointError, a ValueError, when it has none)."""
+    if not getattr(args, "draft_model", None) and not getattr(args, "draft", None):
         return None
     from .speculative import Sampling, Speculation, load_draft
 
-    draft = load_draft(args.draft_model, wrapper, target_name)
+    if getattr(args, "draft", None) == "mtp":
+        from .hub import resolve
+        from .mtp import load_mtp
+
+        if model is None:
+            raise InputError("--draft mtp needs the loaded target model")
+        draft = load_mtp(resolve(target_name), model, depths=1)
+    else:
+        draft = load_draft(args.draft_model, wrapper, target_name)
     return Speculation(draft, args.num_draft_tokens,
                        Sampling(args.temp, args.top_p, args.min_p, args.top_k))
 
@@ -78,7 +89,7 @@ def run(args) -> int:
         if args.max_kv_size:
             context, source = min(context, args.max_kv_size), "--max-kv-size"
         args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
-        speculation = load_speculation(args, wrapper, spec)
+        speculation = load_speculation(args, wrapper, spec, model)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx generate: error: {e}", file=sys.stderr)
         return 2

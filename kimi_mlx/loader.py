@@ -24,8 +24,8 @@ from .config import ModelArgs, read_config
 from .shards import INDEX_FILE, CheckpointError, TensorInfo, read_header, weight_map
 from .tensor_map import TensorError, in_range, kind, original_names, sanitize_weights
 
-__all__ = ["CheckpointError", "LoadReport", "TensorInfo", "load", "load_model", "needed_shards",
-           "read_header", "weight_map"]
+__all__ = ["CheckpointError", "LoadReport", "TensorInfo", "check_tensors", "load", "load_model",
+           "needed_shards", "read_header", "read_tensors", "weight_map"]
 
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
@@ -102,10 +102,42 @@ def load_model(
         elif in_range(name, args, start, end):
             wanted[name] = shard
 
+    weights, where = read_tensors(model_dir, wanted, report)
+
+    if verbose and report.skipped:
+        parts = [f"{v} {k} tensors" for k, v in sorted(report.skipped.items())]
+        print(f"[kimi-mlx] skipping {' and '.join(parts)} (text model only)", file=sys.stderr)
+
+    try:
+        sanitized = sanitize_weights(weights, args, start, end)
+    except TensorError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    model = Model(args, start, end)
+    quantize_like(model, sanitized, args.quantization, model_dir)
+    check_tensors(model, sanitized, args, where, model_dir)
+    model.load_weights(list(sanitized.items()), strict=True)
+    model.eval()
+    if activation_dtype is None and mx.default_device() == mx.cpu:
+        activation_dtype = mx.float32
+    model.activation_dtype = activation_dtype
+    if not lazy:
+        mx.eval(model.parameters())
+    return model, config, report
+
+
+def read_tensors(model_dir: Path, wanted: Dict[str, str],
+                 report: Optional[LoadReport] = None) -> Tuple[Dict[str, mx.array], Dict[str, str]]:
+    """Read the tensors `wanted` ({checkpoint name: shard file}) from their shards, each
+    shard's header checked first; returns ({name: array (lazy)}, {name: shard file}).
+
+    Raises:
+        CheckpointError: a shard missing, unreadable, or without a tensor its index names.
+    """
+    report = report if report is not None else LoadReport()
     weights: Dict[str, mx.array] = {}
     where: Dict[str, str] = {}
     for shard in sorted(set(wanted.values())):
-        shard_path = model_dir / shard
+        shard_path = Path(model_dir) / shard
         header = read_header(shard_path)
         names = [n for n, s in wanted.items() if s == shard]
         absent = [n for n in names if n not in header]
@@ -125,26 +157,7 @@ def load_model(
             report.tensors_loaded += 1
             report.bytes_loaded += header[n].nbytes
         del arrays
-
-    if verbose and report.skipped:
-        parts = [f"{v} {k} tensors" for k, v in sorted(report.skipped.items())]
-        print(f"[kimi-mlx] skipping {' and '.join(parts)} (text model only)", file=sys.stderr)
-
-    try:
-        sanitized = sanitize_weights(weights, args, start, end)
-    except TensorError as e:
-        raise CheckpointError(f"{model_dir}: {e}") from None
-    model = Model(args, start, end)
-    quantize_like(model, sanitized, args.quantization, model_dir)
-    _check_tensors(model, sanitized, args, where, model_dir)
-    model.load_weights(list(sanitized.items()), strict=True)
-    model.eval()
-    if activation_dtype is None and mx.default_device() == mx.cpu:
-        activation_dtype = mx.float32
-    model.activation_dtype = activation_dtype
-    if not lazy:
-        mx.eval(model.parameters())
-    return model, config, report
+    return weights, where
 
 
 def quantize_like(model: nn.Module, weights: Dict[str, mx.array], default: Optional[dict] = None,
@@ -175,7 +188,9 @@ def quantize_like(model: nn.Module, weights: Dict[str, mx.array], default: Optio
                 mode=default.get("mode", "affine"), class_predicate=predicate)
 
 
-def _check_tensors(model, weights, args, where, model_dir: Path) -> None:
+def check_tensors(model, weights, args, where, model_dir: Path) -> None:
+    """Every parameter of `model` is in `weights` (module paths) with its shape and dtype
+    class, and nothing else is; CheckpointError names the tensor, shard and expectation."""
     expected = dict(tree_flatten(model.parameters()))
 
     def shard_of(key):

@@ -83,20 +83,31 @@ def add_draft_arguments(p: argparse.ArgumentParser, note: str = "") -> None:
                         + note)
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help=f"tokens the draft proposes per verify step (default "
-                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model)")
+                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model or --draft)")
+
+
+def add_mtp_argument(p: argparse.ArgumentParser) -> None:
+    """--draft mtp: the checkpoint's own MTP layers as the draft (generate, chat)."""
+    p.add_argument("--draft", choices=("mtp",), default=None,
+                   help="mtp: speculative decoding with the checkpoint's own multi-token-"
+                        "prediction layers as the draft (config num_nextn_predict_layers > 0; "
+                        "instead of --draft-model; output stays the model's)")
 
 
 def check_draft_arguments(args) -> None:
     """Checks --draft-model / --num-draft-tokens and fills in the default k.
 
     Raises:
-        InputError: --num-draft-tokens without --draft-model (it would be silently
-            ignored), or --num-draft-tokens < 1."""
+        InputError: --num-draft-tokens without --draft-model or --draft (it would be
+            silently ignored), --draft with --draft-model, or --num-draft-tokens < 1."""
     k = getattr(args, "num_draft_tokens", None)
-    if not getattr(args, "draft_model", None):
+    draft_model, draft = getattr(args, "draft_model", None), getattr(args, "draft", None)
+    if draft_model and draft:
+        raise InputError(f"give --draft {draft} or --draft-model, not both")
+    if not draft_model and not draft:
         if k is not None:
-            raise InputError("--num-draft-tokens needs --draft-model (without a draft model "
-                             "there is no speculative decoding to configure)")
+            raise InputError("--num-draft-tokens needs --draft-model or --draft mtp (without "
+                             "a draft there is no speculative decoding to configure)")
         return
     if k is None:
         args.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS

@@ -331,7 +331,7 @@ def stream_speculative(
     mlx-lm, and closes the generator so the caches are settled before returning.
 
     kwargs go to `speculative_generate_step` (num_draft_tokens, sampling, prompt_cache,
-    prefill_step_size, stats).
+    prefill_step_size, stats), or to `draft_model.generate_step` when the draft has one.
     """
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -341,8 +341,10 @@ def stream_speculative(
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    gen = speculative_generate_step(prompt, model, draft_model, max_tokens=max_tokens,
-                                    **kwargs)
+    # A draft that brings its own loop (`kimi_mlx.mtp.MTP.generate_step`: the target's
+    # own MTP layers) runs it, with the same arguments and triples.
+    step = getattr(draft_model, "generate_step", None) or speculative_generate_step
+    gen = step(prompt, model, draft_model, max_tokens=max_tokens, **kwargs)
     try:
         yield from stream_responses(gen, tokenizer, len(prompt), max_tokens,
                                     mx.get_peak_memory, before_final=gen.close)

@@ -6,7 +6,8 @@ multimodal wrapper with `text_config`, `dsa_config`, compressed-tensors
 `model.safetensors.index.json`, the `language_model.` prefix, BF16 weights (F32 for KDA
 conv/A_log/dt_bias and the router bias), MXFP4 `weight_packed` + E8M0 `weight_scale`
 routed experts, a zero-padded `A_log[128]`, vision-tower / projector tensors and an MTP
-layer (both must be skipped), and tokenizer files (`tiktoken.model` +
+layer (both must be skipped; with `mtp_layers` a real MTP layer and
+`num_nextn_predict_layers`, for `--draft mtp`), and tokenizer files (`tiktoken.model` +
 `tokenizer_config.json`).
 """
 
@@ -154,6 +155,18 @@ def random_model(args: ModelArgs, seed: int = 0, conditioned: bool = False):
 
     mx.random.seed(seed)
     model = Model(args)
+    return _randomize(model, args, seed, conditioned)
+
+
+def random_mtp(args: ModelArgs, depths: int = 1, seed: int = 1, conditioned: bool = False):
+    """`kimi_mlx.mtp.MTP` with `depths` MTP layers (layers N..N+depths-1) and random
+    weights drawn by `random_model`'s rules (its `conditioned` included)."""
+    from .mtp import MTP
+
+    return _randomize(MTP(args, depths), args, seed, conditioned)
+
+
+def _randomize(model, args: ModelArgs, seed: int, conditioned: bool):
     rng = np.random.default_rng(seed)
     params = dict(tree_flatten(model.parameters()))
     new = {}
@@ -502,6 +515,7 @@ def build_checkpoint(
     ranks: Optional[Dict[bytes, int]] = None,
     extras: bool = True,
     conditioned: bool = False,
+    mtp_layers: int = 0,
 ) -> Path:
     """Write a checkpoint folder in the official layout; returns its path.
 
@@ -516,6 +530,10 @@ def build_checkpoint(
         extras: also write vision / projector / MTP tensors that loaders must skip.
         conditioned: random weights drawn for numerical comparisons
             (`random_model(conditioned=True)`); ignored when `model` is given.
+        mtp_layers: write that many real MTP layers (`layers.N..N+mtp_layers-1`, official
+            names, MXFP4 experts; random weights by `random_mtp` with seed + 1000, so the
+            trunk is the one the same seed gives without them) and set the text config's
+            `num_nextn_predict_layers`; they replace the extras' stand-in MTP tensors.
     Raises:
         FileExistsError: out_dir exists.
     """
@@ -529,12 +547,20 @@ def build_checkpoint(
     specials = kimi_special_tokens(len(ranks))
     text["vocab_size"] = max(text["vocab_size"], len(ranks) + len(specials))
     text["eos_token_id"] = specials["<|end_of_msg|>"]
+    if mtp_layers:
+        text["num_nextn_predict_layers"] = mtp_layers
     config = full_config(text)
     args = ModelArgs.from_config(config)
     model = model if model is not None else random_model(args, seed, conditioned)
     tensors = checkpoint_tensors(model, args, dtype)
     if extras:
         tensors.update(extra_tensors(args, dtype))
+    if mtp_layers:
+        n = args.num_hidden_layers
+        tensors = {k: v for k, v in tensors.items()
+                   if not k.startswith(f"language_model.model.layers.{n}.")}
+        tensors.update(checkpoint_tensors(random_mtp(args, mtp_layers, seed + 1000, conditioned),
+                                          args, dtype))
     plan = shard_plan(tensors, args, n_shards)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
