@@ -87,7 +87,7 @@ class GatedDSA(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def __call__(self, x: mx.array, cache: Optional[DSACache] = None) -> mx.array:
-        if isinstance(cache, BatchDSACache):  # several sequences: each on its own tokens
+        if isinstance(cache, BatchDSACache):  # several sequences, one call (padding masked)
             return cache.attend(self.__call__, x)
         B, L, _ = x.shape
         H = self.num_heads
