@@ -86,9 +86,10 @@ def bench(url: str, model: str, prompts: List[str], max_tokens: int, label: str,
     ratio to one at a time taken within each round, then its median (and range).
 
     Clients run in a process of their own, as real clients do, so their HTTP parsing
-    does not compete with the server for this process's interpreter lock. Server CPU
-    seconds per generated token (this process: engine, HTTP and asyncio threads) are
-    reported beside wall-clock figures: they move less with other processes' load."""
+    does not compete with the server for this process's interpreter lock. CPU seconds
+    of this process per generated token (the one-process server: engine, HTTP and asyncio
+    threads; for the cluster, its head only) are reported beside wall-clock figures: they
+    move less with other processes' load."""
     lines = [f"{label}: {len(prompts)} requests x {max_tokens} tokens, median of {rounds} "
              f"interleaved rounds (load average {os.getloadavg()[0]:.1f} at start)"]
     ctx = mp.get_context("spawn")
@@ -109,7 +110,7 @@ def bench(url: str, model: str, prompts: List[str], max_tokens: int, label: str,
         cpu = statistics.median(r[2] for r in runs[c])
         line = (f"  {c} client{'s' if c > 1 else ' '}{' (one at a time)' if c == 1 else ' ' * 16}"
                 f" {tps:8.1f} tok/s aggregate, TTFT {ttft * 1e3:7.0f} ms,"
-                f" {cpu * 1e3:6.1f} server CPU ms/token")
+                f" {cpu * 1e3:6.1f} CPU ms/token here")
         if c > 1:
             ratios = sorted(r[0] / b[0] for r, b in zip(runs[c], base))
             line += (f"   ({statistics.median(ratios):.2f}x the one-at-a-time tokens/s,"
