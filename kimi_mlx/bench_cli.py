@@ -74,6 +74,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "(kimi_mlx.cluster.hop_bench).")
     h.add_argument("--model", default=None, help="checkpoint (default: a mid-size random one)")
     h.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    v = sub.add_parser("server", help="server throughput: 1/4/8 concurrent clients vs one "
+                       "at a time (make bench-server)",
+                       description="Aggregate generation tokens/s and time to first token "
+                       "for 1, 4 and 8 concurrent HTTP clients, one process and a 3-stage "
+                       "loopback cluster (kimi_mlx.server.bench).")
+    v.add_argument("--model", default=None, help="checkpoint (default: the shipped micro model)")
+    v.add_argument("--requests", type=int, default=8, help="requests per measurement (default 8)")
+    v.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
+    v.add_argument("--concurrency", type=int, default=8, help="--max-concurrency (default 8)")
+    v.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    v.add_argument("--skip-cluster", action="store_true", help="only the single process")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,6 +111,14 @@ def run(args: argparse.Namespace) -> int:
 
         return hop_main((["--model", args.model] if args.model else [])
                         + ["--repeats", str(args.repeats)])
+    if args.what == "server":
+        from .server.bench import main as server_main
+
+        return server_main((["--model", args.model] if args.model else [])
+                           + ["--requests", str(args.requests), "--max-tokens",
+                              str(args.max_tokens), "--concurrency", str(args.concurrency),
+                              "--rounds", str(args.rounds)]
+                           + (["--skip-cluster"] if args.skip_cluster else []))
     if args.what == "kernels":
         on_mac = mx.metal.is_available()
         prefill = args.prefill or (2048 if on_mac else 512)
@@ -107,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         rows = kernel_rows(prefill, args.context, args.repeats, on_mac)
         print_kernels(ratio, rows, on_mac)
         return 0
-    print("usage: kimi-mlx bench {kernels,model,spec,hop} [options]  (see kimi-mlx bench -h)")
+    print("usage: kimi-mlx bench {kernels,model,spec,hop,server} [options]  (see kimi-mlx bench -h)")
     return 2
 
 

@@ -8,9 +8,12 @@
   as mlx-lm's `BatchKVCache`): MLA latent [B, 1, T, 512] as keys, rope key [B, 1, T, 64]
   as values, and indexer keys [B, 1, T, 128] at the same offsets.
 
-A batched DSA layer attends row by row over each row's own tokens (`BatchDSACache.
-attend`), so padding never enters the dense mask, the indexer's causal top-k or the
-sparse gather: every row computes exactly what a single run computes.
+A batched DSA layer runs the whole batch in one call (`BatchDSACache.attend`): each
+row's first real key (`starts`, its left padding) reaches the dense mask, the indexer's
+causal top-k and the sparse gather (kimi_mlx/metal/dsa.py), so no padded key is ever
+scored, selected or attended to and every row computes what its single run computes.
+Right-padded prefill (rows of different lengths in one chunk) needs nothing more: a real
+query never sees the padding after it, and `finalize` rolls that padding to the left.
 
 `snapshot` / `restore` copy a whole single-sequence model cache for the prompt cache
 across requests: MLX arrays are immutable values, so a snapshot holds references, not
@@ -21,7 +24,7 @@ grows into a new buffer (concatenation) before it writes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
@@ -42,16 +45,7 @@ class DSACache(KVCache):
         self, latent: mx.array, k_pe: mx.array, k_idx: mx.array
     ) -> Tuple[mx.array, mx.array, mx.array]:
         """Append L new tokens; return all cached (latent, k_pe, k_idx) up to the offset."""
-        prev = self.offset
-        latent, k_pe = self.update_and_fetch(latent, k_pe)
-        cap = self.keys.shape[2]
-        if self.index_keys is None or self.index_keys.shape[2] != cap:
-            new = mx.zeros((*k_idx.shape[:2], cap, k_idx.shape[-1]), k_idx.dtype)
-            if self.index_keys is not None and prev:
-                new[..., :prev, :] = self.index_keys[..., :prev, :]
-            self.index_keys = new
-        self.index_keys[..., prev : self.offset, :] = k_idx
-        return latent, k_pe, self.index_keys[..., : self.offset, :]
+        return _append_all(self, "offset", latent, k_pe, k_idx)
 
     @property
     def state(self):
@@ -84,82 +78,27 @@ class BatchDSACache(BatchKVCache):
         # Python copies of the padding, so a decode step never waits for the device to
         # read `left_padding` back (that would stall MLX's async pipelining every layer)
         self._pads = [int(p) for p in left_padding]
-        self._right = None
-        self._remaining = None  # real tokens still to come per row (right-padded prefill)
+        self._right = None  # right padding of the prefill in progress (until finalize)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         super().prepare(left_padding=left_padding, lengths=lengths, right_padding=right_padding)
         if left_padding is not None:
             self._pads = [a + int(b) for a, b in zip(self._pads, left_padding)]
-        if lengths is not None and right_padding is not None and max(right_padding) > 0:
-            self._remaining = list(lengths)
+        if right_padding is not None and max(right_padding) > 0:
             self._right = [int(r) for r in right_padding]
 
     # -------------------------------------------------------------- writes
 
     def update_and_fetch_all(self, latent, k_pe, k_idx):
-        prev = self._idx
-        latent, k_pe = self.update_and_fetch(latent, k_pe)
-        cap = self.keys.shape[2]
-        if self.index_keys is None or self.index_keys.shape[2] != cap:
-            new = mx.zeros((*k_idx.shape[:2], cap, k_idx.shape[-1]), k_idx.dtype)
-            if self.index_keys is not None and prev:
-                new[..., :prev, :] = self.index_keys[..., :prev, :]
-            self.index_keys = new
-        self.index_keys[..., prev : self._idx, :] = k_idx
-        return latent, k_pe, self.index_keys[..., : self._idx, :]
+        """Append L new tokens to every row; return the buffers up to `_idx`."""
+        return _append_all(self, "_idx", latent, k_pe, k_idx)
 
-    def attend(self, layer_call: Callable[[mx.array, DSACache], mx.array], x: mx.array) -> mx.array:
-        """Run a DSA layer on x [B, L, hidden] (-> [B, L, hidden]) against this batch.
-
-        Rows aligned, or all within index_topk (dense path: a mask hides each row's left
-        padding): one call over the whole batch. Otherwise (sparse path with padding,
-        right-padded prefill) each row goes through the single-sequence path on a
-        `DSACache` copy of its own tokens, and the new tokens are appended here.
-        `layer_call(x_rows, cache)` is the layer's single-sequence forward."""
-        L = x.shape[1]
-        pads = self._pads
-        real = ([max(0, min(L, r)) for r in self._remaining] if self._remaining is not None
-                else [L] * len(pads))
-        if self._remaining is not None:
-            self._remaining = [r - L for r in self._remaining]
-        full = all(n == L for n in real)
-        topk = getattr(getattr(layer_call, "__self__", None), "index_topk", 0)
-        # one batched call when rows are aligned, or when the dense path (context within
-        # index_topk) can mask each row's left padding; else row by row
-        masked = full and any(pads) and self._idx + L <= topk
-        if full and (not any(pads) or masked):
-            # the whole batch at once, writing straight into this cache
-            pad_mask = None
-            if masked:
-                pad_mask = (mx.arange(self._idx + L)[None] >= mx.array(pads)[:, None])[:, None, None, :]
-            return layer_call(x, _WholeBatch(self, pad_mask))
-        outs, new = [], []
-        for b, (lp, n) in enumerate(zip(pads, real)):
-            view = DSACache()  # this row's own tokens, as a single sequence sees them
-            if self.keys is not None and self._idx > lp:
-                view.keys = self.keys[b : b + 1, :, lp : self._idx]
-                view.values = self.values[b : b + 1, :, lp : self._idx]
-                view.index_keys = self.index_keys[b : b + 1, :, lp : self._idx]
-                view.offset = self._idx - lp
-            if n == 0:  # a right-padded row whose real tokens are all in earlier chunks
-                outs.append(mx.zeros_like(x[b : b + 1]))
-                new.append(None)
-                continue
-            # only the row's real tokens run; padded positions get zeros, which finalize()
-            # rolls to the left where the padding mask hides them
-            y = layer_call(x[b : b + 1, :n], view)
-            o = view.offset
-            rows = [a[..., o - n : o, :] for a in (view.keys, view.values, view.index_keys)]
-            if n < L:
-                y = mx.pad(y, [(0, 0), (0, L - n), (0, 0)])
-                rows = [mx.pad(a, [(0, 0), (0, 0), (0, L - n), (0, 0)]) for a in rows]
-            outs.append(y)
-            new.append(rows)
-        like = next(r for r in new if r is not None)
-        new = [r if r is not None else [mx.zeros_like(a) for a in like] for r in new]
-        self.update_and_fetch_all(*(mx.concatenate([r[i] for r in new]) for i in range(3)))
-        return mx.concatenate(outs)
+    def attend(self, layer_call: Callable[[mx.array, Any], mx.array], x: mx.array) -> mx.array:
+        """Run a DSA layer on x [B, L, hidden] (-> [B, L, hidden]) against this batch in
+        one call: `layer_call(x, view)` is the layer's forward on a view whose `offset`
+        is the shared buffer position, whose `starts` [B] (None without padding) is each
+        row's first real key, and whose writes go to this cache."""
+        return layer_call(x, _WholeBatch(self))
 
     # -------------------------------------------------------------- batch protocol
 
@@ -167,7 +106,7 @@ class BatchDSACache(BatchKVCache):
         padding = self._right_padding
         if padding is not None:
             self._pads = [a + b for a, b in zip(self._pads, self._right)]
-        self._remaining = self._right = None
+        self._right = None
         super().finalize()
         if padding is not None and self.index_keys is not None:
             self.index_keys = dynamic_roll(self.index_keys, padding[:, None], axis=2)
@@ -257,7 +196,7 @@ class BatchDSACache(BatchKVCache):
     def state(self, v):
         self.keys, self.values, self.index_keys, self.offset, self.left_padding, self._idx = v
         self._pads = self.left_padding.tolist()
-        self._right = self._remaining = None
+        self._right = None
         self._right_padding = None
 
     def is_trimmable(self):
@@ -269,14 +208,34 @@ class BatchDSACache(BatchKVCache):
         return n + (self.index_keys.nbytes if self.index_keys is not None else 0)
 
 
-class _WholeBatch:
-    """A `BatchDSACache` seen by the single-sequence DSA path when every row can run in
-    one call: `offset` is the shared buffer position, writes go to the batch cache, and
-    `pad_mask` [B, 1, 1, S] (or None) hides each row's left padding in the dense path."""
+def _append_all(cache, pos: str, latent, k_pe, k_idx):
+    """Append L tokens (latent [B,1,L,R], k_pe [B,1,L,P], k_idx [B,1,L,Di]) to a DSA cache
+    whose write position is the attribute `pos` (`offset` for one sequence, `_idx` for a
+    batch); the indexer keys follow the key buffer's capacity. Returns (latent, k_pe,
+    k_idx) up to the new position."""
+    prev = getattr(cache, pos)
+    latent, k_pe = cache.update_and_fetch(latent, k_pe)
+    end = getattr(cache, pos)
+    cap = cache.keys.shape[2]
+    if cache.index_keys is None or cache.index_keys.shape[2] != cap:
+        new = mx.zeros((*k_idx.shape[:2], cap, k_idx.shape[-1]), k_idx.dtype)
+        if cache.index_keys is not None and prev:
+            new[..., :prev, :] = cache.index_keys[..., :prev, :]
+        cache.index_keys = new
+    cache.index_keys[..., prev:end, :] = k_idx
+    return latent, k_pe, cache.index_keys[..., :end, :]
 
-    def __init__(self, batch: BatchDSACache, pad_mask: Optional[mx.array]):
-        self.batch, self.pad_mask = batch, pad_mask
+
+class _WholeBatch:
+    """A `BatchDSACache` as the single-sequence DSA path sees it: `offset` is the shared
+    buffer position, `starts` [B] int32 each row's first real key (None when no row is
+    padded), and writes go to the batch cache."""
+
+    def __init__(self, batch: BatchDSACache):
+        self.batch = batch
         self.offset = batch._idx
+        # from the Python copy of the padding: building it never waits for the device
+        self.starts = mx.array(batch._pads, dtype=mx.int32) if any(batch._pads) else None
 
     def update_and_fetch_all(self, latent, k_pe, k_idx):
         return self.batch.update_and_fetch_all(latent, k_pe, k_idx)

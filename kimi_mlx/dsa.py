@@ -17,7 +17,8 @@ import mlx.nn as nn
 
 from .cache import BatchDSACache, DSACache  # noqa: F401  (DSACache: old import path)
 from .config import ModelArgs
-from .metal.dsa import dsa_prefill_indices, dsa_sparse_decode, query_block, sparse_mla_attend
+from .metal.dsa import (allowed_keys, dsa_prefill_indices, dsa_sparse_decode, query_block,
+                        sparse_mla_attend)
 
 
 class Indexer(nn.Module):
@@ -86,7 +87,7 @@ class GatedDSA(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def __call__(self, x: mx.array, cache: Optional[DSACache] = None) -> mx.array:
-        if isinstance(cache, BatchDSACache):  # several sequences: each on its own tokens
+        if isinstance(cache, BatchDSACache):  # several sequences, one call (padding masked)
             return cache.attend(self.__call__, x)
         B, L, _ = x.shape
         H = self.num_heads
@@ -99,6 +100,8 @@ class GatedDSA(nn.Module):
         k_pe = ckv[..., self.kv_rank :][:, None]  # [B,1,L,rope]
         k_idx = self.indexer.keys(x)  # [B,1,L,Di]
         offset = cache.offset if cache is not None else 0
+        # first real key of each row of a left-padded batch (None: no padding)
+        starts = getattr(cache, "starts", None)
         if cache is not None:
             latent, k_pe, k_idx = cache.update_and_fetch_all(latent, k_pe, k_idx)
         S = latent.shape[2]
@@ -110,7 +113,7 @@ class GatedDSA(nn.Module):
             q_idx, w = self.indexer.queries(x, qr)
             o = dsa_sparse_decode(
                 q_nope @ w_uk, q_pe, latent, k_pe, self.scale,
-                q_idx, w, k_idx[:, 0], self.index_topk, offset,
+                q_idx, w, k_idx[:, 0], self.index_topk, offset, starts=starts,
             )
             o = o @ w_uv.swapaxes(-1, -2)  # [B,H,1,v]
             return self._output(x, o)
@@ -129,7 +132,8 @@ class GatedDSA(nn.Module):
             outs = []
             for s0 in range(0, L, step):
                 blk = slice(s0, s0 + step)
-                idx = dsa_prefill_indices(q_idx[:, blk], w[:, blk], k_idx[:, 0], k, offset + s0)
+                idx = dsa_prefill_indices(q_idx[:, blk], w[:, blk], k_idx[:, 0], k, offset + s0,
+                                          starts=starts)
                 outs.append(sparse_mla_attend(q_lat[:, :, blk], q_pe[:, :, blk], latent[:, 0],
                                               k_pe[:, 0], idx, self.scale))
                 if step < L:
@@ -145,7 +149,7 @@ class GatedDSA(nn.Module):
         # scaled rope-part scores, -inf above the diagonal.
         if L == 1:  # absorbed: attend in the 512-dim latent, then unembed per head
             q_lat = q_nope @ w_uk  # [B,H,1,rank]
-            bias = self._dense_bias(q_pe, k_pe, offset, cache)
+            bias = self._dense_bias(q_pe, k_pe, offset, starts)
             o = mx.fast.scaled_dot_product_attention(
                 q_lat, latent, latent, scale=self.scale, mask=bias
             )
@@ -160,21 +164,22 @@ class GatedDSA(nn.Module):
         outs = []
         for s0 in range(0, L, step):
             blk = slice(s0, s0 + step)
-            bias = self._dense_bias(q_pe[:, :, blk], k_pe, offset + s0, cache)
+            bias = self._dense_bias(q_pe[:, :, blk], k_pe, offset + s0, starts)
             outs.append(mx.fast.scaled_dot_product_attention(
                 q_nope[:, :, blk], k, v, scale=self.scale, mask=bias))
             if step < L:
                 mx.eval(outs[-1])
         return self._output(x, mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0])
 
-    def _dense_bias(self, q_pe: mx.array, k_pe: mx.array, offset: int, cache=None) -> mx.array:
+    def _dense_bias(self, q_pe: mx.array, k_pe: mx.array, offset: int,
+                    starts: Optional[mx.array] = None) -> mx.array:
         """Additive SDPA mask [B, H, L, S] for queries at offset..offset+L-1: the scaled
-        rope-part scores, -inf where s > the query's position or where a batch row's
-        cache holds left padding (`cache.pad_mask` [B, 1, 1, S], kimi_mlx/cache.py)."""
+        rope-part scores, -inf where s > the query's position or, in a left-padded batch,
+        s < the row's first real key `starts` [B] (`allowed_keys`)."""
         L, S = q_pe.shape[2], k_pe.shape[2]
-        causal = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]  # [L, S]
-        if getattr(cache, "pad_mask", None) is not None:  # batch rows' left padding
-            causal = causal & cache.pad_mask  # [B, 1, 1, S]
+        causal = allowed_keys(L, S, offset, starts)  # [L, S] or [B, L, S]
+        if starts is not None:
+            causal = causal[:, None]  # [B, 1, L, S]
         pe = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)  # [B,H,L,S]
         return mx.where(causal, pe, mx.array(-mx.inf, pe.dtype))
 

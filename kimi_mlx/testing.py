@@ -345,11 +345,11 @@ def _router_margin(logits, bias, top_k):
     return (gap / mx.maximum(scale, 1e-30)).reshape(-1)
 
 
-def _indexer_margin(q_idx, weights, k_idx, topk, offset):
+def _indexer_margin(q_idx, weights, k_idx, topk, offset, starts=None):
     """Indexer margins (see `Margins`) of the queries with more than `topk` candidates:
     [P, 2] float32 rows (margin, key difference), one per pair of a selected and an
     unselected key near the boundary (the 4 lowest selected against the 4 highest left
-    out). The key difference is max|k_i - k_j| / max|k| of the row: a swap of two keys
+    out; `starts` [B]: first real key of each left-padded batch row, or None). The key difference is max|k_i - k_j| / max|k| of the row: a swap of two keys
     that close changes the attention by about that much, so a near tie between them is
     harmless to a comparison whose tolerance is larger (the same token in the same local
     context gets nearly the same key, and natural text repeats).
@@ -358,24 +358,26 @@ def _indexer_margin(q_idx, weights, k_idx, topk, offset):
 
     if k_idx.shape[1] <= topk:
         return mx.zeros((0, 2), mx.float32)
-    scores = np.array(dsa_index_scores(q_idx, weights, k_idx, offset))  # [B, L, S]
+    scores = np.array(dsa_index_scores(q_idx, weights, k_idx, offset, starts))  # [B, L, S]
+    first = [0] * scores.shape[0] if starts is None else np.array(starts).tolist()
     q = np.array(q_idx.astype(mx.float32))
     k = np.array(k_idx.astype(mx.float32))
     w = np.abs(np.array(weights.astype(mx.float32)))
     out = []
     for b in range(scores.shape[0]):
         for l in range(scores.shape[1]):
-            n = offset + l + 1  # allowed keys 0..offset+l
-            if n <= topk:
+            s0, n = first[b], offset + l + 1  # allowed keys s0..offset+l
+            if n - s0 <= topk:
                 continue
-            row = scores[b, l, :n]
+            row = scores[b, l, s0:n]
+            kb = k[b, s0:n]
             order = np.argsort(-row, kind="stable")
-            kmax = max(float(np.abs(k[b, :n]).max()), 1e-30)
-            bound = (w[b, l][:, None] * np.abs(q[b, l] @ k[b, :n].T)).sum(axis=0).max()
+            kmax = max(float(np.abs(kb).max()), 1e-30)
+            bound = (w[b, l][:, None] * np.abs(q[b, l] @ kb.T)).sum(axis=0).max()
             for i in order[max(0, topk - 4) : topk]:
                 for j in order[topk : topk + 4]:
                     out.append(((row[i] - row[j]) / max(3 * bound, 1e-30),
-                                np.abs(k[b, i] - k[b, j]).max() / kmax))
+                                np.abs(kb[i] - kb[j]).max() / kmax))
     return mx.array(np.array(out, dtype=np.float32).reshape(-1, 2))
 
 
@@ -405,14 +407,15 @@ def margins():
         rec.router.append(_router_margin(logits, bias, top_k))
         return real_route(logits, bias, top_k, *a, **kw)
 
-    def prefill(q_idx, weights, k_idx, topk, offset):
-        rec.indexer.append(_indexer_margin(q_idx, weights, k_idx, topk, offset))
-        return real_prefill(q_idx, weights, k_idx, topk, offset)
+    def prefill(q_idx, weights, k_idx, topk, offset, starts=None):
+        rec.indexer.append(_indexer_margin(q_idx, weights, k_idx, topk, offset, starts))
+        return real_prefill(q_idx, weights, k_idx, topk, offset, starts=starts)
 
-    def decode(q_lat, q_pe, latent, k_pe, scale, q_idx, weights, k_idx, topk, offset):
-        rec.indexer.append(_indexer_margin(q_idx, weights, k_idx, topk, offset))
+    def decode(q_lat, q_pe, latent, k_pe, scale, q_idx, weights, k_idx, topk, offset,
+               starts=None):
+        rec.indexer.append(_indexer_margin(q_idx, weights, k_idx, topk, offset, starts))
         return real_decode(q_lat, q_pe, latent, k_pe, scale, q_idx, weights, k_idx, topk,
-                           offset)
+                           offset, starts=starts)
 
     ffn_mod.route, dsa_mod.dsa_prefill_indices, dsa_mod.dsa_sparse_decode = route, prefill, decode
     try:

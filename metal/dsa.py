@@ -9,19 +9,41 @@ Math: DeepSeek-V3.2 indexer (transformers `modeling_deepseek_v32.py` Indexer, ml
 Positive constant factors (DSv3.2's 128^-1/2 * 32^-1/2) do not change the selection and
 are left out. Scores are computed in float32.
 
+Batch rows of a continuous batch are left-padded (kimi_mlx/cache.py `BatchDSACache`): every
+op takes an optional `starts` [B] (the first real key of each row) and never selects or
+attends to a key before it, so a padded row computes what its single run computes.
+
 Dispatch points (kernel on Metal / in the emulator, these references otherwise):
 `dsa_prefill_indices` (selected keys of a block of queries) and `dsa_sparse_decode` (one decode token past index_topk).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import mlx.core as mx
 
 from .dispatch import kernel_mode
 
 
+def allowed_keys(L: int, S: int, offset: int, starts: Optional[mx.array] = None) -> mx.array:
+    """Which keys each query may see: causal, and not before its batch row's start.
+
+    Args:
+        L: queries at positions offset .. offset+L-1; S: keys at positions 0 .. S-1.
+        starts: [B] int, first real key of each batch row (left padding), or None (0).
+    Returns:
+        bool [L, S] without starts, [B, L, S] with: s <= offset + l and s >= starts[b].
+    """
+    ok = mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None]  # [L, S]
+    if starts is None:
+        return ok
+    return ok & (mx.arange(S)[None, None] >= starts.astype(mx.int32)[:, None, None])
+
+
 def dsa_index_scores(
-    q_idx: mx.array, weights: mx.array, k_idx: mx.array, offset: int
+    q_idx: mx.array, weights: mx.array, k_idx: mx.array, offset: int,
+    starts: Optional[mx.array] = None,
 ) -> mx.array:
     """Indexer scores of L queries against all S cached index keys, causally masked.
 
@@ -30,8 +52,9 @@ def dsa_index_scores(
         weights: [B, L, Hi] per-head weights (weights_proj of the layer input).
         k_idx: [B, S, Di] index keys (LayerNorm(wk x)), S = offset + L.
         offset: position of the first query (tokens already in the cache).
+        starts: [B] int, first real key of each batch row, or None (`allowed_keys`).
     Returns:
-        [B, L, S] float32; -inf where s > offset + l.
+        [B, L, S] float32; -inf where s > offset + l or s < starts[b].
     """
     q = q_idx.astype(mx.float32)
     k = k_idx.astype(mx.float32)
@@ -39,8 +62,7 @@ def dsa_index_scores(
     logits = mx.maximum(q @ k[:, None].swapaxes(-1, -2), 0.0)
     scores = (weights.astype(mx.float32)[..., None] * logits).sum(axis=2)
     L, S = scores.shape[-2:]
-    causal = (mx.arange(S)[None] <= (mx.arange(L) + offset)[:, None])
-    return mx.where(causal, scores, -mx.inf)
+    return mx.where(allowed_keys(L, S, offset, starts), scores, -mx.inf)
 
 
 def dsa_topk_mask(scores: mx.array, topk: int) -> mx.array:
@@ -64,14 +86,15 @@ def dsa_topk_mask(scores: mx.array, topk: int) -> mx.array:
 
 
 def dsa_index_topk(
-    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
+    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int,
+    starts: Optional[mx.array] = None,
 ) -> mx.array:
     """Top-`topk` key positions per query (reference for the `dsa_index_topk` kernel).
 
-    Shapes as `dsa_index_scores`. Returns [B, L, min(topk, S)] int32, unordered; -1 where
-    a row has fewer than `topk` allowed keys (the kernel's format).
+    Shapes and `starts` as `dsa_index_scores`. Returns [B, L, min(topk, S)] int32,
+    unordered; -1 where a row has fewer than `topk` allowed keys (the kernel's format).
     """
-    scores = dsa_index_scores(q_idx, weights, k_idx, offset)
+    scores = dsa_index_scores(q_idx, weights, k_idx, offset, starts)
     k = min(topk, scores.shape[-1])
     idx = mx.argpartition(-scores, kth=k - 1, axis=-1)[..., :k].astype(mx.int32)
     ok = mx.take_along_axis(scores, idx, axis=-1) > -mx.inf
@@ -118,19 +141,21 @@ def sparse_mla_decode(
 
 
 def dsa_prefill_indices(
-    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
+    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int,
+    starts: Optional[mx.array] = None,
 ) -> mx.array:
     """Selected keys of a block of queries past `index_topk` (dispatch point: the
     `dsa_index_topk` kernel on Metal or in the emulator, its reference op otherwise).
 
-    Shapes as `dsa_index_scores`. Returns [B, L, min(topk, S)] int32, -1 padded where a
-    row has fewer allowed keys; the selected set (not the order) is what is defined.
+    Shapes and `starts` as `dsa_index_scores`. Returns [B, L, min(topk, S)] int32, -1
+    padded where a row has fewer allowed keys; the selected set (not the order) is what
+    is defined.
     """
     if kernel_mode() == "reference":
-        return dsa_index_topk(q_idx, weights, k_idx, topk, offset)
+        return dsa_index_topk(q_idx, weights, k_idx, topk, offset, starts)
     from .kernels import dsa_index_topk as kernel
 
-    return kernel(q_idx, weights, k_idx, topk, offset)
+    return kernel(q_idx, weights, k_idx, topk, offset, starts)
 
 
 def dsa_sparse_decode(
@@ -144,20 +169,22 @@ def dsa_sparse_decode(
     k_idx: mx.array,
     topk: int,
     offset: int,
+    starts: Optional[mx.array] = None,
 ) -> mx.array:
     """One decode token of Gated DSA in the absorbed latent form (dispatch point).
 
     Args:
         q_lat: [B, H, 1, R]; q_pe: [B, H, 1, P]; latent: [B, 1, S, R]; k_pe: [B, 1, S, P]
             (the DSACache layout); scale: softmax scale.
-        q_idx, weights, k_idx, topk, offset: the indexer inputs (`dsa_index_scores`, L = 1).
+        q_idx, weights, k_idx, topk, offset, starts: the indexer inputs
+            (`dsa_index_scores`, L = 1); a batch row attends to no key before its start.
     Returns:
         [B, H, 1, R] in q_lat's dtype. On Metal or in the emulator: the `dsa_index_topk`
         kernel, then `sparse_mla_decode` over the selected rows. Otherwise the reference:
         the selection mask as an additive -inf bias on the rope scores, and dense SDPA.
     """
     if kernel_mode() == "reference":
-        allowed = dsa_topk_mask(dsa_index_scores(q_idx, weights, k_idx, offset), topk)
+        allowed = dsa_topk_mask(dsa_index_scores(q_idx, weights, k_idx, offset, starts), topk)
         pe = (q_pe * scale) @ k_pe.swapaxes(-1, -2)  # [B, H, 1, S]
         bias = mx.where(allowed[:, None], pe, mx.array(-mx.inf, pe.dtype))
         return mx.fast.scaled_dot_product_attention(
@@ -166,7 +193,7 @@ def dsa_sparse_decode(
     from .kernels import dsa_index_topk as index_kernel
     from .kernels import sparse_mla_decode as attend_kernel
 
-    idx = index_kernel(q_idx, weights, k_idx, topk, offset)  # [B, 1, k]
+    idx = index_kernel(q_idx, weights, k_idx, topk, offset, starts)  # [B, 1, k]
     return attend_kernel(q_lat, q_pe, latent[:, 0], k_pe[:, 0], idx[:, 0], scale)
 
 

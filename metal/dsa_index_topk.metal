@@ -2,17 +2,18 @@
 // index key, causal, then the row's top-K key positions by radix select on the float bits
 // (no sort): four 8-bit histogram passes find the K-th largest score exactly, then one
 // ordered compaction pass writes the keys above it and, in position order, as many keys
-// equal to it as are needed.
+// equal to it as are needed. Keys before a batch row's `start` (its left padding in a
+// continuous batch, kimi_mlx/cache.py BatchDSACache) are never allowed.
 //
 // Math: K31_SPEC.md section 3 "K3.1 lightning indexer" (DeepSeek-V3.2 indexer, no RoPE):
-//     I[l, s] = sum_h w[l, h] * relu(q[l, h] . k[s])     allowed iff s <= offset + l
+//     I[l, s] = sum_h w[l, h] * relu(q[l, h] . k[s])     allowed iff start[b] <= s <= offset + l
 // Reference op: kimi_mlx.metal.dsa.dsa_index_topk.
 //
-// Inputs:   q [B, L, Hi, Di]; w [B, L, Hi]; kx [B, S, Di];
-//           scalars S, L, offset, K (= min(topk, S)) (int).
+// Inputs:   q [B, L, Hi, Di]; w [B, L, Hi]; kx [B, S, Di]; start [B] int32 (first allowed
+//           key of each row, 0 without padding); scalars S, L, offset, K (= min(topk, S)).
 // Outputs:  idx [B, L, K] int32: the selected positions (ascending among the keys above the
-//           threshold, then the tied ones); a row with n = min(S, offset + l + 1) <= K
-//           allowed keys gets 0..n-1 followed by -1.
+//           threshold, then the tied ones); a row with n = min(S, offset + l + 1) - start
+//           <= K allowed keys gets start..start+n-1 followed by -1.
 //           scores [B, L, S] float32: the row's scores (-inf where not allowed); scratch.
 // Template: Hi, Di, NT (threads per threadgroup, a multiple of 32, <= 1024).
 // Grid (NT, L, B), threadgroup (NT, 1, 1): one threadgroup per query row.
@@ -25,7 +26,8 @@ const uint lane = thread_index_in_simdgroup;
 const uint sgi = simdgroup_index_in_threadgroup;
 const uint l = threadgroup_position_in_grid.y;
 const uint bi = threadgroup_position_in_grid.z;
-const int limit = metal::min(S, offset + int(l) + 1);  // keys 0 .. limit-1 are allowed
+const int limit = metal::min(S, offset + int(l) + 1);  // keys first .. limit-1 are allowed
+const int first = metal::min(start[bi], limit);
 
 threadgroup float sq[Hi][Di];
 threadgroup float sw[Hi];
@@ -48,7 +50,7 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 device float* srow = scores + qrow * S;
 for (int s = tid; s < S; s += NT) {
   float sc = -INFINITY;
-  if (s < limit) {
+  if (s >= first && s < limit) {
     float acc[Hi];
     for (int hh = 0; hh < Hi; ++hh) {
       acc[hh] = 0.0f;
@@ -69,16 +71,16 @@ for (int s = tid; s < S; s += NT) {
 }
 
 device int* orow = idx + qrow * K;
-if (limit <= K) {
+if (limit - first <= K) {
   // Every allowed key is selected.
   for (int i = tid; i < K; i += NT) {
-    orow[i] = i < limit ? i : -1;
+    orow[i] = i < limit - first ? first + i : -1;
   }
   return;
 }
-// Each thread reads back only the scores it wrote (the same s = tid + j * NT below), so
-// this orders nothing today; it keeps the passes below correct if the mappings ever
-// differ (tests/test_metal_kernels.py plants such a change and checks the race report).
+// The passes below read the scores from `first` on, so with a row start that is not a
+// multiple of NT a thread reads scores another thread wrote: this barrier orders them
+// (tests/test_metal_kernels.py plants a reversed mapping and checks the race report).
 threadgroup_barrier(mem_flags::mem_device);
 
 // 2. Radix select: the K-th largest key (float bits mapped to an order-preserving uint).
@@ -91,7 +93,7 @@ for (int pass = 0; pass < 4; ++pass) {
     atomic_store_explicit(&hist[i], 0u, memory_order_relaxed);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int s = tid; s < limit; s += NT) {
+  for (int s = first + int(tid); s < limit; s += NT) {
     const uint bits = as_type<uint>(srow[s]);
     const uint key = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
     if ((key & pmask) == prefix) {
@@ -123,7 +125,7 @@ const uint n_above = K - remaining;
 // 3. Ordered compaction (SIMD prefix sums, then SIMD-group offsets).
 uint base_gt = 0;
 uint base_eq = 0;
-for (int s0 = 0; s0 < limit; s0 += NT) {
+for (int s0 = first; s0 < limit; s0 += NT) {
   const int s = s0 + int(tid);
   uint key = 0;
   if (s < limit) {

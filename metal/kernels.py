@@ -60,7 +60,7 @@ SPECS: Dict[str, Tuple[str, Sequence[str], Sequence[str]]] = {
     ),
     "dsa_index_topk": (
         "dsa_index_topk.metal",
-        ["q", "w", "kx", "S", "L", "offset", "K"],
+        ["q", "w", "kx", "start", "S", "L", "offset", "K"],
         ["idx", "scores"],
     ),
     "sparse_mla_partial": (
@@ -240,7 +240,8 @@ def kda_prefill(
 
 
 def dsa_index_topk(
-    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int
+    q_idx: mx.array, weights: mx.array, k_idx: mx.array, topk: int, offset: int,
+    starts: Optional[mx.array] = None,
 ) -> mx.array:
     """Indexer top-k per query row (kernel for `dsa.dsa_index_topk`).
 
@@ -248,6 +249,8 @@ def dsa_index_topk(
         q_idx: [B, L, Hi, Di] index queries; weights: [B, L, Hi] head weights;
         k_idx: [B, S, Di] cached index keys; topk: index_topk (>= 1);
         offset: position of the first query (query l sees keys s <= offset + l).
+        starts: [B] int, first allowed key of each batch row (its left padding), or None
+            for 0: query l of row b sees keys starts[b] <= s <= offset + l.
     Returns:
         [B, L, min(topk, S)] int32, a top-k set of each row's allowed keys (order free;
         ties broken towards lower positions). A row with fewer allowed keys than that
@@ -261,12 +264,14 @@ def dsa_index_topk(
     _check(weights.shape == (B, L, Hi), "dsa_index_topk: weights must be [B, L, Hi]")
     _check(k_idx.shape == (B, S, Di), "dsa_index_topk: k_idx must be [B, S, Di]")
     _check(topk >= 1 and S >= 1, "dsa_index_topk: topk and S must be >= 1")
+    starts = mx.zeros((B,), mx.int32) if starts is None else starts.astype(mx.int32)
+    _check(starts.shape == (B,), "dsa_index_topk: starts must be [B]")
     NT = 256
     _check(4 * (Hi * Di + Hi + 256 + 2 * NT // 32 + 2) <= MAX_THREADGROUP_BYTES,
            "dsa_index_topk: Hi * Di too large for threadgroup memory")
     K = min(topk, S)
     idx, _ = KERNELS["dsa_index_topk"](
-        inputs=[q_idx, weights, k_idx, S, L, int(offset), K],
+        inputs=[q_idx, weights, k_idx, starts, S, L, int(offset), K],
         template=[("Hi", Hi), ("Di", Di), ("NT", NT)],
         grid=(NT, L, B),
         threadgroup=(NT, 1, 1),

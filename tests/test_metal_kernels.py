@@ -240,24 +240,28 @@ INDEX_CASES = [
 ]
 
 
-def check_dsa_index_topk(B, L, S, Hi, Di, topk, offset, dtype, ties, seed=0):
+def check_dsa_index_topk(B, L, S, Hi, Di, topk, offset, dtype, ties, seed=0, starts=None):
     q, w, k = _index_inputs(B, L, S, Hi, Di, dtype, seed, ties)
+    st = None if starts is None else mx.array(starts, dtype=mx.int32)
     with use_sim():
-        idx = kernels.dsa_index_topk(q, w, k, topk, offset)
-    ref = dsa_ref.dsa_index_topk(q, w, k, topk, offset)
+        idx = kernels.dsa_index_topk(q, w, k, topk, offset, st)
+    ref = dsa_ref.dsa_index_topk(q, w, k, topk, offset, st)
     K = min(topk, S)
     assert idx.shape == (B, L, K) and idx.dtype == mx.int32
-    scores = np.array(dsa_ref.dsa_index_scores(q, w, k, offset))  # [B, L, S], -inf masked
+    scores = np.array(dsa_ref.dsa_index_scores(q, w, k, offset, st))  # [B, L, S], -inf masked
+    first = [0] * B if starts is None else starts
     got, want = np.array(idx), np.array(ref)
     tol = F32_RTOL * max(float(np.max(np.abs(scores[np.isfinite(scores)]))), 1e-30)
     for bi in range(B):
         for l in range(L):
-            n_allowed = min(S, offset + l + 1)
+            end = min(S, offset + l + 1)
+            n_allowed = max(0, end - first[bi])
             row = got[bi, l]
             chosen = row[row >= 0]
             # a valid selection: distinct allowed keys, -1 only where fewer than K exist
             assert len(set(chosen.tolist())) == len(chosen), f"repeated index in row {l}"
-            assert np.all(chosen < n_allowed), f"row {l} selects a future key"
+            assert np.all(chosen < end), f"row {l} selects a future key"
+            assert np.all(chosen >= first[bi]), f"row ({bi}, {l}) selects a padding key"
             assert len(chosen) == min(K, n_allowed), f"row {l}: {len(chosen)} selected"
             mine = np.sort(scores[bi, l, chosen])
             theirs = np.sort(scores[bi, l, want[bi, l][want[bi, l] >= 0]])
@@ -270,6 +274,20 @@ def check_dsa_index_topk(B, L, S, Hi, Di, topk, offset, dtype, ties, seed=0):
 @pytest.mark.parametrize("B,L,S,Hi,Di,topk,offset,dtype,ties", INDEX_CASES)
 def test_dsa_index_topk_matches_reference(B, L, S, Hi, Di, topk, offset, dtype, ties):
     check_dsa_index_topk(B, L, S, Hi, Di, topk, offset, dtype, ties)
+
+
+PADDED_INDEX_CASES = [
+    # B, L, S, topk, offset, starts: first real key per row (left padding of a batch)
+    (3, 1, 40, 8, 39, [0, 5, 35]),  # decode; the last row has fewer keys than topk
+    (2, 3, 20, 5, 17, [3, 13]),  # several queries at an offset
+    (2, 4, 10, 3, 6, [0, 9]),  # queries before a row's start see nothing (-1 only)
+    (2, 1, 300, 37, 299, [0, 97]),  # S > threads, a start that is not a multiple of NT
+]
+
+
+@pytest.mark.parametrize("B,L,S,topk,offset,starts", PADDED_INDEX_CASES)
+def test_dsa_index_topk_skips_each_rows_padding(B, L, S, topk, offset, starts):
+    check_dsa_index_topk(B, L, S, 2, 16, topk, offset, mx.float32, False, seed=2, starts=starts)
 
 
 def test_dsa_prefill_indices_select_the_reference_sets():
@@ -388,6 +406,9 @@ BROKEN = [
      lambda: check_dsa_index_topk(1, 6, 6, 2, 8, 3, 0, mx.float32, False)),
     ("dsa_index_topk", _plant("(key >> shift) & 255u", "((key >> shift) + 1) & 255u"),
      lambda: check_dsa_index_topk(2, 1, 40, 2, 16, 8, 39, mx.float32, False)),
+    # a batch row's last padding key taken as real
+    ("dsa_index_topk", _plant("metal::min(start[bi], limit)", "metal::min(start[bi] - 1, limit)"),
+     lambda: check_dsa_index_topk(2, 1, 40, 2, 16, 8, 39, mx.float32, False, starts=[0, 35])),
     ("sparse_mla_partial", _plant("metal::min(K, k0 + per)", "metal::min(K, k0 + per - 1)"),
      lambda: check_sparse_mla_decode(2, 3, 40, 8, 30, 12, 3, mx.float32, 0.0)),
     # index S (one past the end) taken as valid
@@ -448,6 +469,12 @@ def _check_topk():
     check_dsa_index_topk(2, 1, 40, 2, 16, 8, 39, mx.float32, False)  # radix path
 
 
+def _check_topk_padded():
+    # a row start (5) that is not a multiple of the threads: each thread reads scores
+    # another thread wrote, so the device barrier is needed without any planted change
+    check_dsa_index_topk(2, 1, 40, 2, 16, 8, 39, mx.float32, False, starts=[0, 5])
+
+
 def _check_topk_blocked():
     # S > threads, and the top keys reach past the first 256: two compaction blocks
     check_dsa_index_topk(1, 1, 300, 4, 16, 37, 299, mx.float32, False, seed=1)
@@ -472,6 +499,7 @@ RACES = [
     ("dsa_index_topk", _weaken(TG_BARRIER, 4), _check_topk, "sgt"),
     ("dsa_index_topk", _weaken(TG_BARRIER, 5), _check_topk_blocked, "sgt"),
     ("dsa_index_topk", _both(_REVERSED_SCORES, _weaken(DEV_BARRIER, 0)), _check_topk, "scores"),
+    ("dsa_index_topk", _weaken(DEV_BARRIER, 0), _check_topk_padded, "scores"),
     ("dsa_index_topk", _both(_REVERSED_SCORES, _weaken(DEV_BARRIER, 0, TG_BARRIER)),
      _check_topk, "scores"),
 ]

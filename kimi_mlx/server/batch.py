@@ -1,10 +1,15 @@
 """Continuous batching for the server engine: mlx-lm's `BatchGenerator` over our
 batchable caches (`kimi_mlx.cache`).
 
-Each new job is prefilled on its own (B = 1, so the prompt cache can snapshot it at
-segment ends and no prompt is padded), then inserted into the generator with its last
-prompt token; decode steps run every active sequence in one batch. A job that finishes,
-is cancelled or whose client left is removed from the batch before the next step.
+A new job's prompt goes to the generator as segments split at its prompt-cache snapshot
+points (`Engine.snapshot_points`), with the cache the prompt cache restored (or a fresh
+one). The generator interleaves: each step decodes every active sequence in one batch,
+then runs one prefill chunk (`PREFILL_STEP` tokens at most) of the jobs still being
+prefilled, together as one right-padded batch. So a joining request stalls the others by
+one chunk, not by its whole prompt, and requests that arrive together share their
+prefill. At the end of a segment that is a snapshot point the job's row is extracted as a
+single-sequence cache and stored, so snapshots hold what a B = 1 prefill would hold.
+A job that finishes, is cancelled or whose client left is removed before the next step.
 """
 
 from __future__ import annotations
@@ -12,18 +17,30 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Dict
+from typing import Dict, List
+
+import mlx.core as mx
 
 from .engine import Failed, Finished, Job, TokenOut, top_logprobs
 
 log = logging.getLogger("kimi_mlx.server")
 
+# Prompt tokens per row per prefill chunk between two decode steps: bounds how long a
+# joining request holds up the others' next token.
+PREFILL_STEP = 512
+
 
 class _Live:
-    def __init__(self, job: Job, cached: int, prompt_tps: float):
-        self.job, self.cached, self.prompt_tps = job, cached, prompt_tps
+    """A job in the generator: `ends` are its prompt segments' end positions still to
+    come (snapshot points, then the end of the prompt but its last token)."""
+
+    def __init__(self, job: Job, cached: int, ends: List[int], snaps: List[int]):
+        self.job, self.cached = job, cached
+        self.ends, self.snaps = ends, set(snaps)
         self.n = 0
         self.t0 = time.perf_counter()
+        self.t_first = None  # when its first token was sampled
+        self.prompt_tps = 0.0
 
 
 def run_batched(engine) -> None:
@@ -32,7 +49,9 @@ def run_batched(engine) -> None:
 
     gen = BatchGenerator(engine.model, max_tokens=1 << 30,
                          stop_tokens=[[e] for e in sorted(engine.eos_ids)],
-                         completion_batch_size=engine.max_concurrency, prefill_batch_size=1)
+                         completion_batch_size=engine.max_concurrency,
+                         prefill_batch_size=engine.max_concurrency,
+                         prefill_step_size=PREFILL_STEP)
     live: Dict[int, _Live] = {}
     try:
         while not engine._stopping.is_set():
@@ -48,7 +67,8 @@ def run_batched(engine) -> None:
             if not live:
                 continue
             try:
-                responses = gen.next_generated()
+                prompt_responses, responses = gen.next()
+                _snapshot(engine, gen, live, prompt_responses)
             except Exception as e:  # noqa: BLE001 - a failed step fails the jobs in it
                 log.exception("batched generation step failed")
                 gen.remove(list(live))
@@ -60,6 +80,9 @@ def run_batched(engine) -> None:
                 s = live.get(r.uid)
                 if s is None:
                     continue
+                if s.t_first is None:
+                    s.t_first = time.perf_counter()
+                    s.prompt_tps = (len(s.job.ids) - s.cached) / max(s.t_first - s.t0, 1e-9)
                 if r.finish_reason == "stop" and r.token in engine.eos_ids:
                     live.pop(r.uid)
                     _finish(engine, s, "stop")
@@ -82,7 +105,7 @@ def run_batched(engine) -> None:
 
 
 def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
-    """Prefill and insert waiting jobs while there is room; blocks when idle.
+    """Hand waiting jobs to the generator while there is room; blocks when idle.
     False when the engine is stopping."""
     while len(live) < engine.max_concurrency:
         try:
@@ -95,25 +118,44 @@ def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
             job.emit(Finished("cancelled", len(job.ids)))
             continue
         try:
-            tic = time.perf_counter()
             cache, cached = engine._start_cache(job)
-            engine.prefill(job.ids, cache, cached, job.segment_ends)
-            tps = (len(job.ids) - cached) / max(time.perf_counter() - tic, 1e-9)
+            snaps = engine.snapshot_points(job.ids, cached, job.segment_ends)
+            cuts = [cached] + snaps + [len(job.ids)]
+            segments = [job.ids[a:b] for a, b in zip(cuts, cuts[1:])]
+            # the generator runs the last prompt token as the first decode step
+            ends = snaps + ([len(job.ids) - 1] if len(segments[-1]) > 1 else [])
             sampler = None if job.sampling.temp == 0 else job.sampling.sampler()
-            (uid,) = gen.insert([job.ids[-1:]], max_tokens=[job.max_tokens], caches=[cache],
-                                samplers=[sampler],
-                                logits_processors=[job.logits_processors or []])
+            (uid,) = gen.insert_segments([segments], max_tokens=[job.max_tokens],
+                                         caches=[cache], samplers=[sampler],
+                                         logits_processors=[job.logits_processors or []])
         except Exception as e:  # noqa: BLE001 - this job fails, the others go on
-            log.exception("prefill failed")
+            log.exception("admitting a job failed")
             job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
             continue
-        live[uid] = _Live(job, cached, tps)
+        live[uid] = _Live(job, cached, ends, snaps)
         engine._active = len(live)
     return True
 
 
+def _snapshot(engine, gen, live: Dict[int, _Live], prompt_responses) -> None:
+    """Store a prompt-cache snapshot for each job whose prefill just ended a segment at a
+    snapshot point (its row, extracted as a single-sequence cache)."""
+    for r in prompt_responses:
+        s = live.get(r.uid)
+        if s is None or not r.end_of_segment or r.end_of_prompt or not s.ends:
+            continue
+        end = s.ends.pop(0)
+        if end in s.snaps and engine.prompt_cache is not None:
+            cache, _ = gen.extract_cache([r.uid])[r.uid]
+            # evaluated now: the row's own copy, not a lazy slice that keeps the whole
+            # batch buffer alive (and that only this thread's stream could evaluate)
+            mx.eval([c.state for c in cache])
+            engine.prompt_cache.store(s.job.ids[:end], cache)
+
+
 def _finish(engine, s: _Live, reason: str) -> None:
-    dt = time.perf_counter() - s.t0
+    t = s.t_first if s.t_first is not None else s.t0
+    dt = time.perf_counter() - t
     done = Finished(reason, len(s.job.ids), s.cached, s.n, s.prompt_tps,
                     s.n / dt if dt > 0 else 0.0)
     if engine.metrics is not None:

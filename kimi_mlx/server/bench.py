@@ -4,15 +4,23 @@ process (`kimi-mlx server` engine, continuous batching) and on a 3-stage loopbac
 (`kimi-mlx cluster server` engine). Ratios, not absolute times, are the result: the
 machine's load changes absolute figures.
 
-Clients are real HTTP clients (httpx, streamed responses) against uvicorn on loopback.
+Clients are real HTTP clients (httpx, streamed responses) in a process of their own,
+against uvicorn on loopback. The 1-, 4- and 8-client runs are interleaved over several
+rounds and each ratio is taken within a round, so a drift in the machine's load between
+rounds does not show up as a speed-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import contextlib
+import json
+import multiprocessing as mp
+import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import List, Tuple
@@ -27,19 +35,29 @@ def _prompts(model_dir: Path, n: int) -> List[str]:
     return [text[i * 311 : i * 311 + PROMPT_CHARS] for i in range(n)]
 
 
+_local = threading.local()
+
+
+def _client() -> httpx.Client:
+    """This client thread's HTTP client, kept as an SDK client is: connections are
+    reused, and no request pays for building a client (httpx makes an SSL context for
+    each, ~0.1 s on a loaded machine, which padded the one-at-a-time baseline)."""
+    if getattr(_local, "client", None) is None:
+        _local.client = httpx.Client(timeout=600)
+    return _local.client
+
+
 def _one(url: str, model: str, prompt: str, max_tokens: int) -> Tuple[int, float]:
     """(generated tokens, seconds to the first token) of one streamed completion."""
     t0 = time.perf_counter()
     ttft, n = None, 0
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with _client().stream("POST", url + "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            import json
-
             d = json.loads(line[6:])
             if d.get("usage"):
                 n = d["usage"]["completion_tokens"]
@@ -58,42 +76,82 @@ def measure(url: str, model: str, prompts: List[str], clients: int, max_tokens: 
     return sum(n for n, _ in results) / wall, statistics.mean(t for _, t in results)
 
 
-def bench(url: str, model: str, prompts: List[str], max_tokens: int, label: str) -> List[str]:
-    lines = [f"{label}: {len(prompts)} requests x {max_tokens} tokens"]
-    _one(url, model, prompts[0], 4)  # warm-up (compile, caches)
-    base_tps, base_ttft = measure(url, model, prompts, 1, max_tokens)
-    lines.append(f"  1 client (one at a time): {base_tps:8.1f} tok/s aggregate, TTFT {base_ttft * 1e3:7.0f} ms")
-    for c in (4, 8):
-        tps, ttft = measure(url, model, prompts, c, max_tokens)
-        lines.append(f"  {c} clients:                {tps:8.1f} tok/s aggregate, TTFT {ttft * 1e3:7.0f} ms"
-                     f"   ({tps / base_tps:.2f}x the one-at-a-time tokens/s)")
+CLIENTS = (1, 4, 8)
+
+
+def bench(url: str, model: str, prompts: List[str], max_tokens: int, label: str,
+          rounds: int = 3) -> List[str]:
+    """The table for one server: `rounds` interleaved rounds of 1, 4 and 8 clients (the
+    machine's load drifts between rounds, not within one); medians over rounds, and the
+    ratio to one at a time taken within each round, then its median (and range).
+
+    Clients run in a process of their own, as real clients do, so their HTTP parsing
+    does not compete with the server for this process's interpreter lock. CPU seconds
+    of this process per generated token (the one-process server: engine, HTTP and asyncio
+    threads; for the cluster, its head only) are reported beside wall-clock figures: they
+    move less with other processes' load."""
+    lines = [f"{label}: {len(prompts)} requests x {max_tokens} tokens, median of {rounds} "
+             f"interleaved rounds (load average {os.getloadavg()[0]:.1f} at start)"]
+    ctx = mp.get_context("spawn")
+    with cf.ProcessPoolExecutor(1, mp_context=ctx) as clients_proc:
+        clients_proc.submit(_one, url, model, prompts[0], 4).result()  # warm-up
+        runs = {c: [] for c in CLIENTS}
+        for _ in range(rounds):
+            for c in CLIENTS:
+                cpu = time.process_time()
+                tps, ttft = clients_proc.submit(measure, url, model, prompts, c,
+                                                max_tokens).result()
+                cpu = (time.process_time() - cpu) / (len(prompts) * max_tokens)
+                runs[c].append((tps, ttft, cpu))
+    base = runs[1]
+    for c in CLIENTS:
+        tps = statistics.median(r[0] for r in runs[c])
+        ttft = statistics.median(r[1] for r in runs[c])
+        cpu = statistics.median(r[2] for r in runs[c])
+        line = (f"  {c} client{'s' if c > 1 else ' '}{' (one at a time)' if c == 1 else ' ' * 16}"
+                f" {tps:8.1f} tok/s aggregate, TTFT {ttft * 1e3:7.0f} ms,"
+                f" {cpu * 1e3:6.1f} CPU ms/token here")
+        if c > 1:
+            ratios = sorted(r[0] / b[0] for r, b in zip(runs[c], base))
+            line += (f"   ({statistics.median(ratios):.2f}x the one-at-a-time tokens/s,"
+                     f" rounds {ratios[0]:.2f}-{ratios[-1]:.2f})")
+        lines.append(line)
     return lines
 
 
-def single_process(model_dir: Path, prompts, max_tokens, concurrency) -> List[str]:
+@contextlib.contextmanager
+def _serving(svc, stop_timeout: float = 10.0):
+    """uvicorn on loopback for `svc`; on exit the server and then its engine stop."""
     from .app import create_app
-    from .cli import BackgroundServer, load_service, make_service
+    from .cli import BackgroundServer
+
+    srv = BackgroundServer(create_app(svc)).start()
+    try:
+        yield srv.url
+    finally:
+        srv.stop()
+        svc.engine.stop(stop_timeout)
+
+
+def single_process(model_dir: Path, prompts, max_tokens, concurrency, rounds) -> List[str]:
+    from .cli import load_service, make_service
 
     svc = make_service(str(model_dir), None, "bench", 1 << 20)
     load_service(svc, str(model_dir), concurrency, 0, 64, None)
-    srv = BackgroundServer(create_app(svc)).start()
-    try:
-        return bench(srv.url, "bench", prompts, max_tokens,
-                     f"one process (continuous batching, --max-concurrency {concurrency})")
-    finally:
-        srv.stop()
-        svc.engine.stop()
+    with _serving(svc) as url:
+        return bench(url, "bench", prompts, max_tokens,
+                     f"one process (continuous batching, --max-concurrency {concurrency})",
+                     rounds)
 
 
-def cluster(model_dir: Path, prompts, max_tokens, concurrency) -> List[str]:
+def cluster(model_dir: Path, prompts, max_tokens, concurrency, rounds) -> List[str]:
     from kimi_mlx.cluster.api import ClusterEngine
     from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
     from kimi_mlx.cluster.testing import LocalCluster
     from kimi_mlx.cluster.transport import GrpcTransport
     from kimi_mlx.request import load_for_generation
 
-    from .app import create_app
-    from .cli import BackgroundServer, make_service
+    from .cli import make_service
 
     with tempfile.TemporaryDirectory() as tmp:
         lc = LocalCluster(Path(tmp), n=3, prefix="bench", ckpt=model_dir)
@@ -106,13 +164,10 @@ def cluster(model_dir: Path, prompts, max_tokens, concurrency) -> List[str]:
             svc = make_service(str(model_dir), None, "bench", 1 << 20)
             svc.wrapper, svc.tok, svc.context = wrapper, tok, 4096
             svc.engine = ClusterEngine(Pipeline(t, 128), tok.eos_token_ids, concurrency).start()
-            srv = BackgroundServer(create_app(svc)).start()
-            try:
-                return bench(srv.url, "bench", prompts, max_tokens,
-                             f"3-stage loopback cluster ({concurrency} sessions in flight)")
-            finally:
-                srv.stop()
-                svc.engine.stop(2.0)
+            with _serving(svc, 2.0) as url:
+                return bench(url, "bench", prompts, max_tokens,
+                             f"3-stage loopback cluster ({concurrency} sessions in flight)",
+                             rounds)
         finally:
             t.shutdown()
             lc.stop()
@@ -126,14 +181,16 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=8, help="requests per measurement (default 8)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
     p.add_argument("--concurrency", type=int, default=8, help="--max-concurrency (default 8)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds of 1/4/8 clients, medians reported (default 3)")
     p.add_argument("--skip-cluster", action="store_true", help="only the single process")
     a = p.parse_args(argv)
     model_dir = Path(a.model or default_model())
     prompts = _prompts(model_dir, a.requests)
-    for line in single_process(model_dir, prompts, a.max_tokens, a.concurrency):
+    for line in single_process(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds):
         print(line, flush=True)
     if not a.skip_cluster:
-        for line in cluster(model_dir, prompts, a.max_tokens, a.concurrency):
+        for line in cluster(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds):
             print(line, flush=True)
     return 0
 

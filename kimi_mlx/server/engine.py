@@ -259,16 +259,26 @@ class Engine:
         n = len(self.model.layers)
         return [(self.model, cache[:n]), (self.speculation.draft, cache[n:])]
 
+    def snapshot_points(self, ids: Sequence[int], start: int,
+                        segment_ends: Sequence[int]) -> List[int]:
+        """Sorted prompt positions e (start < e < len(ids)) where the prompt cache keeps a
+        snapshot of ids[:e]: the segment ends, and every `prompt_cache.every` tokens short
+        of the last one. Empty without a prompt cache."""
+        if self.prompt_cache is None:
+            return []
+        snaps = {e for e in segment_ends if start < e < len(ids)}
+        if self.prompt_cache.every:
+            k = self.prompt_cache.every
+            snaps |= set(range((start // k + 1) * k, len(ids) - 1, k))
+        return sorted(snaps)
+
     def prefill(self, ids: List[int], cache, start: int, segment_ends: Sequence[int],
                 step: int = 2048) -> None:
         """Run ids[start:-1] into `cache`, stopping at each segment end to let the prompt
         cache snapshot it (the last prompt token is left for the sampling step)."""
         import mlx.core as mx
 
-        snaps = {e for e in segment_ends if start < e < len(ids)}
-        if self.prompt_cache is not None and self.prompt_cache.every:
-            k = self.prompt_cache.every
-            snaps |= set(range((start // k + 1) * k, len(ids) - 1, k))
+        snaps = set(self.snapshot_points(ids, start, segment_ends))
         pos = start
         for end in sorted(snaps | {len(ids) - 1}):
             while pos < end:
