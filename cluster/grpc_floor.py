@@ -9,7 +9,7 @@ one-way cost of a hop's message. Variants (each against its own server process, 
 interleaved round by round so load from other jobs falls on all of them alike):
 
 - `sync stream`: sync grpcio bidi stream whose request iterator is fed from a queue (as
-  the stages' downstream link and the head's session stream were until protocol 2);
+  the stages' downstream link and the head's session stream are);
 - `sync unary`: one blocking sync unary call per message;
 - `aio stream`: grpc.aio bidi stream, `write` then `read`, client and server on asyncio;
 - `aio unary`: one grpc.aio unary call per message;
@@ -26,8 +26,10 @@ sends on another. So the bench also builds chains of 3 bare relay processes (syn
 with a queue-fed downstream stream, as `service._Downstream`; and grpc.aio), the last of
 which hands each message to the head's `Watch`-like stream, and measures one more hop =
 (round trip through 3 relays - through 1) / 2, with and without a hand-off of each message
-to a compute thread and back (as `StageService.Forward` does with its MLX thread). That is
-the floor under `hop_bench`'s hop: the same threads and calls, no checks, no compute.
+to a compute thread (sync: which puts it into the downstream queue while the handler
+waits for it, as `StageService.Forward` does with its MLX thread; aio: there and back
+through a one-thread executor). The sync relay with the hand-off is the floor under
+`hop_bench`'s hop: the same threads and calls, no checks, no compute.
 Every variant checks that it gets back the message it sent (sequence number and size).
 """
 
@@ -92,8 +94,8 @@ def _identity(m):
 def _relay_handlers_sync(next_address: str):
     """Sync relay: `Forward` passes each message to the next relay's `Forward` (a
     queue-fed stream, as `service._Downstream`), or, on the last relay, to `Watch`.
-    A stream whose messages carry session 'handoff' first runs each message through a
-    compute thread and waits for it (as `StageService.Forward` does)."""
+    A stream whose messages carry session 'handoff' hands each message to a compute
+    thread, which passes it on while the handler waits (as `StageService.Forward`)."""
     import grpc
 
     from . import stage_pb2 as pb
@@ -119,8 +121,9 @@ def _relay_handlers_sync(next_address: str):
         sink = q.put if call is not None else watch_q.put
         for m in it:
             if m.session == "handoff":
-                m = compute.call(_identity, m)
-            sink(m)
+                compute.call(sink, m)
+            else:
+                sink(m)
         q.put(None)
         return iter(())
 
