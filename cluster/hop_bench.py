@@ -12,9 +12,11 @@ from one run:
   gRPC send, receive, checks, decode and hand-off to and from the stage's MLX thread.
   Target: <= 0.3 ms per hop. Beside it: the CPU time the head and stage processes spend
   per step (on a machine with fewer free cores than processes, wall time above CPU time
-  is waiting for a core), and a bare grpcio bidi message of the same size between two
-  processes (echo server, round trip / 2) measured in the same run: the floor that
-  gRPC's Python threads set, so "ours" = hop - bare.
+  is waiting for a core), and the floors (`grpc_floor`, measured between the hop rounds
+  of the same run, same message size): one bare message between two processes over
+  sync/aio gRPC streams, unary calls and a plain TCP socket, and one more hop through a
+  chain of bare gRPC relay processes (sync and aio, with and without a compute-thread
+  hand-off), so "ours" = hop - the bare relay with the same threads as a stage.
 - prefill: 2 stages whose compute is a sleep of a fixed time per token (it stands for
   compute but takes no CPU, so 2 cores suffice), chunks sent back to back (pipelined)
   against one chunk at a time (sequential). Target: >= 1.8x; the ideal with n equal
@@ -49,6 +51,7 @@ import numpy as np
 
 from .runner import Output, Refused, Session, StageRunner, StageSpec
 from .testing import StageProc
+from .grpc_floor import FloorBench
 from .wire import mx_dtype
 
 
@@ -160,97 +163,6 @@ def serve(argv: Sequence[str]) -> int:
     return 0
 
 
-def echo_serve(argv: Sequence[str]) -> int:
-    """`python -m kimi_mlx.cluster.hop_bench echo --port-file F`: a bare grpcio server
-    whose `Forward` answers each message with an event at once (no auth, no checks, no
-    MLX thread): the baseline of what one gRPC message costs on this machine. Writes its
-    port to F and serves until SIGTERM."""
-    from concurrent import futures
-
-    import grpc
-
-    from . import stage_pb2 as pb
-    from . import stage_pb2_grpc as pb_grpc
-
-    p = argparse.ArgumentParser(prog="hop_bench echo")
-    p.add_argument("--port-file", required=True)
-    a = p.parse_args(argv)
-
-    class Echo(pb_grpc.StageServicer):
-        def Forward(self, request_iterator, context):
-            for m in request_iterator:
-                yield pb.Event(kind=pb.Event.TOKEN, session=m.session, seq=m.seq)
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    pb_grpc.add_StageServicer_to_server(Echo(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    tmp = Path(a.port_file + ".tmp")
-    tmp.write_text(str(port))
-    tmp.replace(a.port_file)
-    stop.wait()
-    server.stop(0)
-    return 0
-
-
-def bare_grpc_message_ms(workdir: Path, payload: int, n: int = 300, rounds: int = 3) -> float:
-    """Median ms per message of a bare grpcio bidi ping-pong with an `echo_serve`
-    process (round trip / 2), `payload` bytes per request, as the pipeline sends them
-    (a request iterator fed from a queue). The floor our hop cost sits on."""
-    import queue
-    import subprocess
-
-    import grpc
-
-    from . import stage_pb2 as pb
-    from . import stage_pb2_grpc as pb_grpc
-
-    port_file = Path(workdir) / "echo.port"
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx.cluster.hop_bench", "echo",
-                             "--port-file", str(port_file)], start_new_session=True)
-    try:
-        end = time.monotonic() + 60
-        while not port_file.exists():
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError("the bare gRPC echo server did not start")
-            time.sleep(0.05)
-        ch = grpc.insecure_channel(f"127.0.0.1:{port_file.read_text()}")
-        q: "queue.Queue" = queue.Queue()
-
-        def requests():
-            while True:
-                m = q.get()
-                if m is None:
-                    return
-                yield m
-
-        call = pb_grpc.StageStub(ch).Forward(requests())
-        data = bytes(payload)
-        per = []
-        for r in range(rounds + 1):
-            stamps = []
-            for i in range(n):
-                m = pb.Activation(session="echo", seq=i)
-                m.tensor.data = data
-                q.put(m)
-                next(call)
-                stamps.append(time.perf_counter())
-            if r:
-                per.append(statistics.median(b - a for a, b in zip(stamps, stamps[1:])))
-        q.put(None)
-        ch.close()
-        return statistics.median(per) / 2 * 1e3
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except Exception:
-            proc.kill()
-
-
 class NullStageProc(StageProc):
     """A `StageProc` running `serve` (a null stage) instead of `kimi-mlx cluster serve`."""
 
@@ -332,8 +244,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         return serve(argv[1:])
-    if argv[:1] == ["echo"]:
-        return echo_serve(argv[1:])
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.cluster.hop_bench",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the cluster bench's "
@@ -410,20 +320,25 @@ def _run(args, tmp: Path) -> int:
         per = {1: [], 2: [], 3: []}
         cpu = {1: 0.0, 2: 0.0, 3: 0.0}
         pids = [p.proc.pid for p in cluster.procs[:3]]
-        for r in range(args.repeats + 1):  # round 0 warms up
-            for n in (1, 2, 3):
-                t.load(cluster.fp, cluster.plan(range(n)), "float32", "float32", force=True)
-                c0 = _cpu_seconds(pids)
-                g = _median_gap(pipe.generate_step(prompt, Sampling(), args.decode_tokens),
-                                args.decode_tokens)
-                if r:
-                    per[n].append(g)
-                    cpu[n] += (_cpu_seconds(pids) - c0) / (args.decode_tokens * args.repeats)
+        bs = a.attn_res_block_size
+        msg_kb = ((-(-a.num_hidden_layers // (3 * bs)) if bs else 0) + 1) * D * 4 / 1024
+        floors = FloorBench(tmp, int(msg_kb * 1024))
+        try:
+            for r in range(args.repeats + 1):  # round 0 warms up
+                for n in (1, 2, 3):
+                    t.load(cluster.fp, cluster.plan(range(n)), "float32", "float32", force=True)
+                    c0 = _cpu_seconds(pids)
+                    g = _median_gap(pipe.generate_step(prompt, Sampling(), args.decode_tokens),
+                                    args.decode_tokens)
+                    if r:
+                        per[n].append(g)
+                        cpu[n] += (_cpu_seconds(pids) - c0) / (args.decode_tokens * args.repeats)
+                floors.round()  # the bare floors, interleaved with the hop rounds
+        finally:
+            floors.close()
         d = {n: statistics.median(v) * 1e3 for n, v in per.items()}
         hop = (d[3] - d[1]) / 2
         hop_cpu = (cpu[3] - cpu[1]) / 2 * 1e3
-        bs = a.attn_res_block_size
-        msg_kb = ((-(-a.num_hidden_layers // (3 * bs)) if bs else 0) + 1) * D * 4 / 1024
         print(f"hop: decode step through 1 / 2 / 3 null stages {d[1]:.3f} / {d[2]:.3f} / "
               f"{d[3]:.3f} ms ({d[1] / 2:.3f} ms per message with 1 stage); one more hop "
               f"+{hop:.3f} ms (messages of ~{msg_kb:.0f} KiB; target <= 0.3 ms per hop: "
@@ -432,12 +347,20 @@ def _run(args, tmp: Path) -> int:
               f"{cpu[3] * 1e3:.3f} ms, +{hop_cpu:.3f} ms per hop (load average "
               f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: a wall figure well above "
               "the CPU one is waiting for a core)")
-
-        bare = bare_grpc_message_ms(tmp, int(msg_kb * 1024))
-        print(f"baseline: a bare grpcio bidi message of the same size between two processes "
-              f"here {bare:.3f} ms (round trip / 2): of the +{hop:.3f} ms per hop, "
-              f"{max(hop - bare, 0):.3f} ms is ours (checks, wire decode/encode, the hand-off "
-              f"to the stage's MLX thread and on to the next stage's stream)")
+        print("floors, measured in the same run between the hop rounds, same message size "
+              "(kimi_mlx.cluster.grpc_floor):")
+        print("  one message between two processes, one-way (echo round trip / 2), CPU of "
+              "both per message: " + "; ".join(
+                  f"{f.name} {f.ms:.3f} ms (CPU {f.cpu_ms:.3f})" for f in floors.floors()))
+        relays = {f.name: f for f in floors.relays()}
+        print("  one more hop through a chain of bare relay processes (receive on a stream, "
+              "send on the next one; no checks, no compute), CPU of all per hop: " + "; ".join(
+                  f"{f.name} +{f.ms:.3f} ms (CPU +{f.cpu_ms:.3f})" for f in relays.values()))
+        ref = relays.get("sync relay + hand-off")
+        if ref is not None:
+            print(f"  ours: of the +{hop:.3f} ms per hop, the bare relay with the same threads "
+                  f"(sync grpcio, a compute-thread hand-off) takes {ref.ms:.3f} ms; the rest, "
+                  f"{hop - ref.ms:+.3f} ms, is our checks, wire decode/encode and bookkeeping")
 
         # -- prefill -----------------------------------------------------------------
         P, C = args.prompt_tokens, args.chunk

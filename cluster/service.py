@@ -606,11 +606,11 @@ class StageService(pb_grpc.StageServicer):
                 if live.freed:
                     return
                 live.last_active = time.monotonic()
-                out = self.compute.call(self._process, live, msg, runner)
+                out = self.compute.call(self._process_and_pass, live, msg, runner)
                 live.last_active = time.monotonic()
-                if isinstance(out, pb.Activation):  # sent from here: the MLX thread never waits
+                if isinstance(out, pb.Activation):  # the queue was full: the MLX thread never waits
                     live.down.send(out, self.idle_timeout)
-                elif out is not None and not self._emit(live.session.head, out):
+                elif out is not None:
                     yield out  # no Watch from this head: answer on the stream itself
                 msg = self._next(request_iterator)
             if live.down is not None:
@@ -637,6 +637,24 @@ class StageService(pb_grpc.StageServicer):
         finally:
             if live is not None and not live.freed:
                 self._free(live, "" if context.is_active() else "stream ended", cancel=False)
+
+    def _process_and_pass(self, live: _Live, msg, runner: StageRunner):
+        """`_process`, then hand its result on from the MLX thread when that cannot wait:
+        an Activation into the next stage's send queue if it has room, a TOKEN event to
+        the head's Watch. Returns what is left for the stream's handler thread to send
+        (a full queue: its bounded wait; no Watch: the stream's own answer), else None.
+        Saves the handler thread's wake-up on the way to the next stage."""
+        out = self._process(live, msg, runner)
+        down = live.down
+        if isinstance(out, pb.Activation) and down is not None and not (down.error or down.cancelled):
+            try:
+                down.q.put_nowait(out)
+                return None
+            except queue.Full:
+                return out
+        if isinstance(out, pb.Event) and self._emit(live.session.head, out):
+            return None
+        return out
 
     def _process(self, live: _Live, msg, runner: StageRunner):
         """Check and run one chunk (on the MLX thread). Returns the Activation for the

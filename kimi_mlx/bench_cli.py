@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     h = sub.add_parser("hop", help="the pipeline's own cost: ms per hop, 2-stage pipelined "
                        "prefill, beside each stage's real compute",
                        description="Null stage processes on loopback (the real service, "
-                       "transport and wire code, no model compute): ms per hop at decode, "
+                       "transport and wire code, no model compute): ms per hop at decode beside "
+                       "its floors (bare gRPC and TCP messages, bare gRPC relay hops), "
                        "2-stage pipelined vs sequential prefill with a sleep standing for "
                        "compute, and the real model's per-stage compute time "
                        "(kimi_mlx.cluster.hop_bench).")
