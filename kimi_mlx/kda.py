@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from .config import ModelArgs
 from .metal.dispatch import kernel_mode
-from .metal.kda import kda_forward, kda_prepare, kda_update
+from .metal.kda import RECURRENT_MAX_T, kda_forward, kda_prepare, kda_recurrent, kda_update
 
 
 def causal_depthwise_conv(x: mx.array, weight: mx.array, state: mx.array):
@@ -155,10 +155,16 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = streams
         raw = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
         b = self.b_proj(x)
-        if record is not None:
-            record.capture(self, mx.concatenate(conv_in, axis=-1), q, k, v, raw, b)
         lower = float(self.lower_bound) if self.lower_bound is not None else None
-        if valid is None:
+        step_states = None
+        if record is not None and valid is None and keeps_step_states(T, B, H, D):
+            # A small verify step: the token loop computes every per-token state anyway;
+            # keeping them makes the rollback a pick instead of a replay.
+            qn, kn, g, beta = kda_prepare(q, k, raw, b, self.A_log, self.dt_bias, lower, D**-0.5)
+            step_states = []
+            o, state = kda_recurrent(qn, kn, v, g, beta, state, states_out=step_states)
+            step_states = mx.stack(step_states, axis=1)  # [B, T, H, Dv, Dk]
+        elif valid is None:
             # L2 norms, gate, beta and the recurrence (kernel or reference: metal/kda.py).
             o, state = kda_forward(q, k, v, raw, b, self.A_log, self.dt_bias, state, lower, D**-0.5)
         else:  # padded steps: decay exp(0) = 1 and beta = 0 leave the state as it was
@@ -166,17 +172,35 @@ class KimiDeltaAttention(nn.Module):
             g = mx.where(valid[:, :, None, None], g, 0.0)
             beta = mx.where(valid[:, :, None], beta, 0.0)
             o, state = kda_update(qn, kn, v, g, beta, state)
+        if record is not None:
+            record.capture(self, mx.concatenate(conv_in, axis=-1), q, k, v, raw, b, step_states)
 
         gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
         o = (self.o_norm(o.astype(x.dtype)) * gate).astype(x.dtype)  # o_norm is F32 on disk
         return self.o_proj(o.reshape(B, T, P)), mx.concatenate(new_conv, axis=-1), state
 
 
+# Per-token states a verify step may keep for its rollback (bytes per layer, all T states).
+# At the micro model's size (4 heads x 32 x 32) a state is 16 KB and keeping them is free;
+# at K3.1's (96 x 128 x 128 f32 = 6.3 MB) a 4-token verify would write 25 MB per layer x 69
+# layers on every step, so there the rollback replays the accepted tokens instead
+# (kimi_mlx/rollback.py says why).
+STEP_STATES_MAX_BYTES = 1 << 20
+
+
+def keeps_step_states(T: int, B: int, H: int, D: int) -> bool:
+    """Whether a T-token verify step keeps its per-token states (see STEP_STATES_MAX_BYTES):
+    only where the token loop runs anyway (the reference ops, T <= RECURRENT_MAX_T; the
+    Metal kernels and the emulator produce the final state only)."""
+    return (kernel_mode() == "reference" and T <= RECURRENT_MAX_T
+            and T * B * H * D * D * 4 <= STEP_STATES_MAX_BYTES)
+
+
 class _Recorded:
     """Collects the arrays `_forward` records, inside a compiled trace."""
 
     def capture(self, layer, *arrays):
-        self.arrays = arrays
+        self.arrays = tuple(a for a in arrays if a is not None)  # no per-step states: None
 
 
 class _Conv(nn.Module):

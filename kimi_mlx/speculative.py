@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, List, Optional, Tuple
 
@@ -168,6 +169,96 @@ def _vocab_align(logits: mx.array, vocab: Optional[int]) -> mx.array:
     return mx.concatenate([logits, pad], axis=-1)
 
 
+class _GreedyChain:
+    """k greedy draft steps as one compiled graph (`mx.compile`), for a draft whose caches
+    are all fixed-size arrays (mlx-lm `ArraysCache`: a KDA-only kimi-mlx draft such as the
+    shipped micro-draft).
+
+    On MLX the cost of a small model is per op and per Python call, not per FLOP: run
+    eagerly, k draft steps build k graphs of a few hundred ops each. Compiled, the k steps
+    (embedding, layers, head, argmax, the argmax fed to the next step) are one fused graph
+    built by one call, and it stays lazy: the verify pass is built on top of the drafts and
+    both are evaluated together, with no host sync between draft steps. One trace per
+    (k, fed-token count, cache shapes); the draft's weights are captured as constants.
+
+    Call: (tokens [m] int, caches) -> (drafts [k] uint32 lazy, snaps), where snaps[i] is
+    `rollback.snapshot`'s form of the caches after step i + 1 (for `restore`); the caches
+    are left as after step k (as k eager steps leave them).
+    """
+
+    def __init__(self, draft_model, vocab: Optional[int]):
+        self.model, self.vocab = draft_model, vocab
+        self._fns = {}
+
+    @classmethod
+    def of(cls, draft_model, vocab: Optional[int]) -> "_GreedyChain":
+        """The chain of this draft model (kept while the model lives, so that its traces
+        serve every generation, not only the first)."""
+        key = (id(draft_model), vocab)
+        ref_chain = _CHAINS.get(key)
+        if ref_chain is None or ref_chain[0]() is not draft_model:
+            ref_chain = (weakref.ref(draft_model), cls(draft_model, vocab))
+            _CHAINS[key] = ref_chain
+            weakref.finalize(draft_model, _CHAINS.pop, key, None)
+        return ref_chain[1]
+
+    @staticmethod
+    def usable(sampling: "Sampling", caches: List[Any]) -> bool:
+        """Greedy, every cache an `ArraysCache` holding arrays (not a batch's), and not
+        under the Metal emulator (its kernels read their inputs, which a trace cannot)."""
+        from mlx_lm.models.cache import ArraysCache
+
+        from .metal.dispatch import kernel_mode
+
+        return (sampling.greedy and kernel_mode() != "sim" and bool(caches)
+                and all(isinstance(c, ArraysCache) and getattr(c, "lengths", None) is None
+                        and all(a is not None for a in c.cache) for c in caches))
+
+    def _fn(self, k: int, sizes: Tuple[int, ...]):
+        key = (k, sizes)
+        if key not in self._fns:
+            from mlx_lm.models.cache import ArraysCache
+
+            def chain(tokens, *flat):
+                caches, i = [], 0
+                for n in sizes:
+                    c = ArraysCache(n)
+                    c.cache = list(flat[i : i + n])
+                    caches.append(c)
+                    i += n
+                feed, drafts, states = tokens, [], []
+                for _ in range(k):
+                    logits = self.model(feed[None], cache=caches)[0, -1]
+                    d = mx.argmax(_vocab_align(logits, self.vocab), axis=-1)
+                    drafts.append(d)
+                    for c in caches:
+                        states.extend(c.cache)
+                    feed = d.reshape(1)
+                return (mx.stack(drafts), *states)
+
+            self._fns[key] = mx.compile(chain)
+        return self._fns[key]
+
+    def __call__(self, tokens: List[int], caches: List[Any], k: int):
+        sizes = tuple(len(c.cache) for c in caches)
+        out = self._fn(k, sizes)(mx.array(tokens, mx.uint32),
+                                 *[a for c in caches for a in c.cache])
+        drafts, flat, per = out[0], out[1:], sum(sizes)
+        snaps = []
+        for i in range(k):
+            step, j = [], i * per
+            for n in sizes:
+                step.append(tuple(flat[j : j + n]))
+                j += n
+            snaps.append(step)
+        for c, s in zip(caches, snaps[-1]):
+            c.cache = list(s)
+        return drafts, snaps
+
+
+_CHAINS: dict = {}  # (id(draft model), vocab) -> (weakref to it, its _GreedyChain)
+
+
 def _prefill(model, cache, tokens: List[int], step: int) -> None:
     for s in range(0, len(tokens), step):
         model(mx.array(tokens[s : s + step])[None], cache=cache)
@@ -225,6 +316,7 @@ def speculative_generate_step(
     _prefill(model, model_cache, prompt[:-1], prefill_step_size)
 
     vocab = model_vocab(model)
+    chain = _GreedyChain.of(draft_model, vocab) if sampling.greedy else None
     y = prompt[-1]  # last token, not yet fed to the target
     draft_in: List[int] = [y]  # tokens not yet fed to the draft (ends with y)
     ntoks = 0
@@ -250,7 +342,12 @@ def speculative_generate_step(
             # Draft: k tokens, one forward each; a snapshot after each (references).
             snaps, drafts, q_lps = [], [], []
             feed = mx.array(draft_in)
-            for _ in range(k):
+            if k and chain is not None and _GreedyChain.usable(sampling, draft_cache):
+                d_arr, snaps = chain(draft_in, draft_cache, k)
+                k_eager = 0
+            else:
+                k_eager = k
+            for _ in range(k_eager):
                 logits = _vocab_align(draft_model(feed[None], cache=draft_cache)[0, -1], vocab)
                 snaps.append(snapshot(draft_cache))
                 if sampling.greedy:
@@ -262,7 +359,10 @@ def speculative_generate_step(
                 mx.async_eval(d)
                 drafts.append(d)
                 feed = d.reshape(1).astype(mx.uint32)
-            d_arr = mx.stack(drafts).astype(mx.uint32) if drafts else mx.array([], mx.uint32)
+            if k_eager:
+                d_arr = mx.stack(drafts).astype(mx.uint32)
+            elif not snaps:
+                d_arr = mx.array([], mx.uint32)
 
             # Verify: the target scores [y, d1..dk] in one pass, recording for rollback.
             verify = begin_verify(model_cache)
