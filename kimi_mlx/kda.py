@@ -11,6 +11,7 @@ recurrent state [B, H, Dv, Dk] float32], constant size in the sequence length.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -104,32 +105,43 @@ class KimiDeltaAttention(nn.Module):
                 self._decode = mx.compile(self._forward)
             y, conv_state, state = self._decode(x, conv_state, state)
         elif record is not None and compiled:
-            # A verify step (a few tokens): compiled too, the recorded inputs as outputs.
+            # A verify step (a few tokens): compiled too, the recorded inputs as outputs;
+            # one graph with and one without per-token states (`keeps_step_states`).
+            keep = keeps_step_states(T, B, H, D)
             if self._verify is None:
-                self._verify = mx.compile(self._forward_recorded)
-            y, conv_state, state, *inputs = self._verify(x, conv_state, state)
+                self._verify = {}
+            if keep not in self._verify:
+                self._verify[keep] = mx.compile(partial(self._forward_recorded, keep=keep))
+            y, conv_state, state, *inputs = self._verify[keep](x, conv_state, state)
             record.capture(self, *inputs)
         else:
-            y, conv_state, state = self._forward(x, conv_state, state, record=record)
+            y, conv_state, state = self._forward(
+                x, conv_state, state, record=record,
+                keep_states=record is not None and keeps_step_states(T, B, H, D))
         if cache is not None:
             cache[0], cache[1] = conv_state, state
             if hasattr(cache, "advance"):
                 cache.advance(T)  # counts down the batch padding bookkeeping
         return y
 
-    def _forward_recorded(self, x: mx.array, conv_state: mx.array, state: mx.array):
+    def _forward_recorded(self, x: mx.array, conv_state: mx.array, state: mx.array,
+                          keep: bool = False):
         """`_forward`'s outputs followed by the inputs a rollback replays (see
-        `rollback.KDARecord`: conv_in, q, k, v, a, b)."""
+        `rollback.KDARecord`: conv_in, q, k, v, a, b, and the per-token states if keep)."""
         rec = _Recorded()
-        return (*self._forward(x, conv_state, state, record=rec), *rec.arrays)
+        return (*self._forward(x, conv_state, state, record=rec, keep_states=keep),
+                *rec.arrays)
 
     def _forward(self, x: mx.array, conv_state: mx.array, state: mx.array,
-                 lengths: Optional[mx.array] = None, record=None):
+                 lengths: Optional[mx.array] = None, record=None, keep_states: bool = False):
         """(y [B, T, hidden], conv state [B, K-1, 3P], recurrent state [B, H, Dv, Dk]).
 
         lengths [B] (batched prefill): tokens past lengths[b] are padding; the returned
         states are those after row b's last real token (outputs there are don't-care).
         record: a `rollback.KDARecord` to receive the per-token inputs, or None.
+        keep_states: with a record, run the token loop and record each token's state too
+            (`keeps_step_states` decides; the caller passes it so that a compiled trace
+            knows which graph it holds).
         """
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
@@ -157,7 +169,7 @@ class KimiDeltaAttention(nn.Module):
         b = self.b_proj(x)
         lower = float(self.lower_bound) if self.lower_bound is not None else None
         step_states = None
-        if record is not None and valid is None and keeps_step_states(T, B, H, D):
+        if record is not None and valid is None and keep_states:
             # A small verify step: the token loop computes every per-token state anyway;
             # keeping them makes the rollback a pick instead of a replay.
             qn, kn, g, beta = kda_prepare(q, k, raw, b, self.A_log, self.dt_bias, lower, D**-0.5)
