@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Iterator, List, Optional, Tuple
 
@@ -205,15 +204,15 @@ class _GreedyChain:
 
     @classmethod
     def of(cls, draft_model, vocab: Optional[int]) -> "_GreedyChain":
-        """The chain of this draft model (kept while the model lives, so that its traces
-        serve every generation, not only the first)."""
-        key = (id(draft_model), vocab)
-        ref_chain = _CHAINS.get(key)
-        if ref_chain is None or ref_chain[0]() is not draft_model:
-            ref_chain = (weakref.ref(draft_model), cls(draft_model, vocab))
-            _CHAINS[key] = ref_chain
-            weakref.finalize(draft_model, _CHAINS.pop, key, None)
-        return ref_chain[1]
+        """The chain of this draft model, kept on the model (as a plain attribute, not a
+        parameter) so that its traces serve every generation and die with the model."""
+        chains = getattr(draft_model, CHAIN_ATTR, None)
+        if chains is None:
+            chains = {}
+            object.__setattr__(draft_model, CHAIN_ATTR, chains)
+        if vocab not in chains:
+            chains[vocab] = cls(draft_model, vocab)
+        return chains[vocab]
 
     @staticmethod
     def usable(sampling: "Sampling", caches: List[Any]) -> bool:
@@ -283,7 +282,7 @@ class _GreedyChain:
         return drafts, snaps
 
 
-_CHAINS: dict = {}  # (id(draft model), vocab) -> (weakref to it, its _GreedyChain)
+CHAIN_ATTR = "_kimi_mlx_greedy_chains"  # vocab -> _GreedyChain, on the draft model
 
 
 def _verify_forward(model, tokens: mx.array, cache: List[Any]) -> mx.array:
