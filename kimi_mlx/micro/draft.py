@@ -1,4 +1,4 @@
-"""Train the shipped draft for the micro model (`make micro-draft`): ~25 min on 2 CPU cores.
+"""Train the shipped draft for the micro model (`make micro-draft`): ~25 min on 2 idle CPU cores.
 
 A 2-layer Kimi K3.1 model (both layers KDA with dense SiTU MLPs, AttnRes blocks of 2,
 hidden 128, no Gated DSA layer) with the micro model's own tokenizer, initialised from the
