@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tokens", type=int, default=48, help="tokens per generation (default 48)")
     s.add_argument("--ks", default="1,2,3,4,5,6", help="draft counts (default 1,2,3,4,5,6)")
     s.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
-    s.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    s.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     h = sub.add_parser("hop", help="the pipeline's own cost: ms per hop, 2-stage pipelined "
                        "prefill, beside each stage's real compute",
                        description="Null stage processes on loopback (the real service, "
