@@ -13,8 +13,9 @@ Cost (MLX on a CPU or a small model: per graph node, not per FLOP): at temperatu
 draft whose caches are all fixed-size (a KDA-only kimi-mlx draft, like the shipped
 micro-draft) proposes its k tokens as one compiled graph (`_GreedyChain`, with the fused
 step of `kimi_mlx/draft_step.py`), left lazy so that it computes while the verify graph is
-built; the verify pass starts each layer as soon as it is built (`_verify_forward`); the
-only host sync per step is the verify's argmax, and a rejection costs a pick of the kept
+built (on Metal; on the CPU backend `async_eval` was measured doing most of the work
+before it returns, so there the two simply run back to back); the only
+host sync per step is the verify's argmax, and a rejection costs a pick of the kept
 per-token KDA states (`kimi_mlx/rollback.py`), not a replay.
 
 Acceptance rule (sampling stays the target's):
@@ -285,26 +286,6 @@ class _GreedyChain:
 CHAIN_ATTR = "_kimi_mlx_greedy_chains"  # vocab -> _GreedyChain, on the draft model
 
 
-def _verify_forward(model, tokens: mx.array, cache: List[Any]) -> mx.array:
-    """`model(tokens, cache=cache)` (logits [1, T, V]); for a whole kimi-mlx model, each
-    layer starts computing as soon as its graph is built (`run_layers(eval_each=True)`).
-
-    mlx-lm's plain decode loop hides graph construction by building token t + 1 while
-    token t computes; a verify step cannot (its input depends on the previous step's
-    accepted count), so without this the whole verify graph would be built before any
-    of it runs.
-    """
-    from .attn_res import Banks
-
-    text = getattr(getattr(model, "language_model", None), "model", None)
-    if not (getattr(text, "is_first", False) and getattr(text, "is_last", False)
-            and hasattr(text, "run_layers")):
-        return model(tokens, cache=cache)
-    h, banks = text.run_layers(text.embed(tokens), Banks(text.args.rms_norm_eps), cache,
-                               eval_each=True)
-    return model.language_model.logits(text.finish(h, banks))
-
-
 def _prefill(model, cache, tokens: List[int], step: int) -> None:
     for s in range(0, len(tokens), step):
         model(mx.array(tokens[s : s + step])[None], cache=cache)
@@ -414,7 +395,7 @@ def speculative_generate_step(
             # Verify: the target scores [y, d1..dk] in one pass, recording for rollback.
             verify = begin_verify(model_cache)
             x = mx.concatenate([mx.array([y], mx.uint32), d_arr])
-            logits = _verify_forward(model, x[None], model_cache)[0].astype(mx.float32)
+            logits = model(x[None], cache=model_cache)[0].astype(mx.float32)  # [k+1, V]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             if sampling.greedy:
                 target = mx.argmax(logits, axis=-1)
