@@ -39,10 +39,10 @@ demo: install
 	@printf '\n[prose prompt]\nThe "for" statement is used to\n'
 	@$(BIN)/kimi-mlx generate --ignore-chat-template --temp 0 --max-tokens 64 \
 	  --prompt 'The "for" statement is used to'
-	@printf '\n[speculative decoding: the code prompt again, drafted by micro-draft, 3 drafts per step; same text]\n'
+	@printf '\n[speculative decoding: the code prompt again, drafted by micro-draft, 2 drafts per step; same text]\n'
 	@printf 'class Queue:\n    """A simple FIFO queue."""\n\n    def __init__(self' | \
 	  $(BIN)/kimi-mlx generate --ignore-chat-template --temp 0 --max-tokens 64 \
-	  --draft-model kimi_mlx/assets/micro-draft --num-draft-tokens 3 --prompt -
+	  --draft-model kimi_mlx/assets/micro-draft --num-draft-tokens 2 --prompt -
 
 test: install
 	$(BIN)/python -m pytest -q

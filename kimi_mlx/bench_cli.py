@@ -56,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--tokens", type=int, default=48, help="tokens per generation (default 48)")
     s.add_argument("--ks", default="1,2,3,4,5,6", help="draft counts (default 1,2,3,4,5,6)")
     s.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
-    s.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
+    s.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     s.add_argument("--stages", type=int, default=3,
                    help="then the same k values through this many loopback stage processes, "
                         "the draft on the head (kimi_mlx.cluster.spec_bench; 0 = skip; "

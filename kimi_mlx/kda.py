@@ -11,6 +11,7 @@ recurrent state [B, H, Dv, Dk] float32], constant size in the sequence length.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -18,7 +19,7 @@ import mlx.nn as nn
 
 from .config import ModelArgs
 from .metal.dispatch import kernel_mode
-from .metal.kda import kda_forward, kda_prepare, kda_update
+from .metal.kda import RECURRENT_MAX_T, kda_forward, kda_prepare, kda_recurrent, kda_update
 
 
 def causal_depthwise_conv(x: mx.array, weight: mx.array, state: mx.array):
@@ -104,32 +105,43 @@ class KimiDeltaAttention(nn.Module):
                 self._decode = mx.compile(self._forward)
             y, conv_state, state = self._decode(x, conv_state, state)
         elif record is not None and compiled:
-            # A verify step (a few tokens): compiled too, the recorded inputs as outputs.
+            # A verify step (a few tokens): compiled too, the recorded inputs as outputs;
+            # one graph with and one without per-token states (`keeps_step_states`).
+            keep = keeps_step_states(T, B, H, D)
             if self._verify is None:
-                self._verify = mx.compile(self._forward_recorded)
-            y, conv_state, state, *inputs = self._verify(x, conv_state, state)
+                self._verify = {}
+            if keep not in self._verify:
+                self._verify[keep] = mx.compile(partial(self._forward_recorded, keep=keep))
+            y, conv_state, state, *inputs = self._verify[keep](x, conv_state, state)
             record.capture(self, *inputs)
         else:
-            y, conv_state, state = self._forward(x, conv_state, state, record=record)
+            y, conv_state, state = self._forward(
+                x, conv_state, state, record=record,
+                keep_states=record is not None and keeps_step_states(T, B, H, D))
         if cache is not None:
             cache[0], cache[1] = conv_state, state
             if hasattr(cache, "advance"):
                 cache.advance(T)  # counts down the batch padding bookkeeping
         return y
 
-    def _forward_recorded(self, x: mx.array, conv_state: mx.array, state: mx.array):
+    def _forward_recorded(self, x: mx.array, conv_state: mx.array, state: mx.array,
+                          keep: bool = False):
         """`_forward`'s outputs followed by the inputs a rollback replays (see
-        `rollback.KDARecord`: conv_in, q, k, v, a, b)."""
+        `rollback.KDARecord`: conv_in, q, k, v, a, b, and the per-token states if keep)."""
         rec = _Recorded()
-        return (*self._forward(x, conv_state, state, record=rec), *rec.arrays)
+        return (*self._forward(x, conv_state, state, record=rec, keep_states=keep),
+                *rec.arrays)
 
     def _forward(self, x: mx.array, conv_state: mx.array, state: mx.array,
-                 lengths: Optional[mx.array] = None, record=None):
+                 lengths: Optional[mx.array] = None, record=None, keep_states: bool = False):
         """(y [B, T, hidden], conv state [B, K-1, 3P], recurrent state [B, H, Dv, Dk]).
 
         lengths [B] (batched prefill): tokens past lengths[b] are padding; the returned
         states are those after row b's last real token (outputs there are don't-care).
         record: a `rollback.KDARecord` to receive the per-token inputs, or None.
+        keep_states: with a record, run the token loop and record each token's state too
+            (`keeps_step_states` decides; the caller passes it so that a compiled trace
+            knows which graph it holds).
         """
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
@@ -155,10 +167,16 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = streams
         raw = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
         b = self.b_proj(x)
-        if record is not None:
-            record.capture(self, mx.concatenate(conv_in, axis=-1), q, k, v, raw, b)
         lower = float(self.lower_bound) if self.lower_bound is not None else None
-        if valid is None:
+        step_states = None
+        if record is not None and valid is None and keep_states:
+            # A small verify step: the token loop computes every per-token state anyway;
+            # keeping them makes the rollback a pick instead of a replay.
+            qn, kn, g, beta = kda_prepare(q, k, raw, b, self.A_log, self.dt_bias, lower, D**-0.5)
+            step_states = []
+            o, state = kda_recurrent(qn, kn, v, g, beta, state, states_out=step_states)
+            step_states = mx.stack(step_states, axis=1)  # [B, T, H, Dv, Dk]
+        elif valid is None:
             # L2 norms, gate, beta and the recurrence (kernel or reference: metal/kda.py).
             o, state = kda_forward(q, k, v, raw, b, self.A_log, self.dt_bias, state, lower, D**-0.5)
         else:  # padded steps: decay exp(0) = 1 and beta = 0 leave the state as it was
@@ -166,17 +184,35 @@ class KimiDeltaAttention(nn.Module):
             g = mx.where(valid[:, :, None, None], g, 0.0)
             beta = mx.where(valid[:, :, None], beta, 0.0)
             o, state = kda_update(qn, kn, v, g, beta, state)
+        if record is not None:
+            record.capture(self, mx.concatenate(conv_in, axis=-1), q, k, v, raw, b, step_states)
 
         gate = mx.sigmoid(self.g_proj(x).reshape(B, T, H, D))
         o = (self.o_norm(o.astype(x.dtype)) * gate).astype(x.dtype)  # o_norm is F32 on disk
         return self.o_proj(o.reshape(B, T, P)), mx.concatenate(new_conv, axis=-1), state
 
 
+# Per-token states a verify step may keep for its rollback (bytes per layer, all T states).
+# At the micro model's size (4 heads x 32 x 32) a state is 16 KB and keeping them is free;
+# at K3.1's (96 x 128 x 128 f32 = 6.3 MB) a 4-token verify would write 25 MB per layer x 69
+# layers on every step, so there the rollback replays the accepted tokens instead
+# (kimi_mlx/rollback.py says why).
+STEP_STATES_MAX_BYTES = 1 << 20
+
+
+def keeps_step_states(T: int, B: int, H: int, D: int) -> bool:
+    """Whether a T-token verify step keeps its per-token states (see STEP_STATES_MAX_BYTES):
+    only where the token loop runs anyway (the reference ops, T <= RECURRENT_MAX_T; the
+    Metal kernels and the emulator produce the final state only)."""
+    return (kernel_mode() == "reference" and T <= RECURRENT_MAX_T
+            and T * B * H * D * D * 4 <= STEP_STATES_MAX_BYTES)
+
+
 class _Recorded:
     """Collects the arrays `_forward` records, inside a compiled trace."""
 
     def capture(self, layer, *arrays):
-        self.arrays = arrays
+        self.arrays = tuple(a for a in arrays if a is not None)  # no per-step states: None
 
 
 class _Conv(nn.Module):

@@ -23,6 +23,11 @@ verify through the token-by-token recurrence (the chunked/prefill kernels produc
 the final state). The record costs 7P + H values per token (about 172 KB per token per
 layer in bf16, 37x less than a state) and the replay runs only when a draft is rejected,
 over at most k tokens; `kimi-mlx bench spec` prints both costs at the real size.
+The exception is a small state on the reference path (`kda.keeps_step_states`: at most
+1 MiB for all verify tokens of a layer, e.g. the micro model's 16 KB states), where the
+verify runs the token loop anyway: there the layer keeps each token's state and the
+rollback picks one, which on the MLX CPU backend saves the replay's few dozen ops per
+layer (its cost is per op, not per byte).
 
 For a model that is fed one token at a time (the draft), `snapshot` / `restore` keep and
 put back per-step cache states: references for array caches, offsets for KV caches.
@@ -55,22 +60,25 @@ class KDARecord:
 
     Attributes (None until `capture`): layer (the `KimiDeltaAttention`), conv_in
     [B, T, 3P] projected q|k|v before the conv, q/k/v [B, T, H, D] after conv + SiLU,
-    a [B, T, H, D] raw gate input f_b(f_a(x)), b [B, T, H] beta logits.
+    a [B, T, H, D] raw gate input f_b(f_a(x)), b [B, T, H] beta logits; states
+    [B, T, H, Dv, Dk] float32, the recurrent state after each token, when the layer kept
+    them (`kda.keeps_step_states`: small states on the reference path), else None.
     """
 
-    __slots__ = ("layer", "conv_in", "q", "k", "v", "a", "b")
+    __slots__ = ("layer", "conv_in", "q", "k", "v", "a", "b", "states")
 
     def __init__(self):
         self.layer = None
-        self.conv_in = self.q = self.k = self.v = self.a = self.b = None
+        self.conv_in = self.q = self.k = self.v = self.a = self.b = self.states = None
 
-    def capture(self, layer, conv_in, q, k, v, a, b) -> None:
+    def capture(self, layer, conv_in, q, k, v, a, b, states=None) -> None:
         if self.layer is not None:
             raise RollbackError(
                 f"KDA layer {layer.layer_idx}: two forward calls in one verify step "
                 "(call begin_verify before each verify step)")
         self.layer = layer
         self.conv_in, self.q, self.k, self.v, self.a, self.b = conv_in, q, k, v, a, b
+        self.states = states
 
 
 def _is_kv(c) -> bool:
@@ -204,6 +212,8 @@ def _replay(rec: KDARecord, conv0, state0, n: int):
         return conv0, state0
     xs = mx.concatenate([conv0.astype(rec.conv_in.dtype), rec.conv_in[:, :n]], axis=1)
     conv = xs[:, n : n + K1]
+    if rec.states is not None:  # the verify pass kept the state after each token
+        return conv, rec.states[:, n - 1]
     lower = float(layer.lower_bound) if layer.lower_bound is not None else None
     replay = kda_decode if kernel_mode() == "sim" else _compiled_decode
     _, state = replay(

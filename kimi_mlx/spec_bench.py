@@ -5,7 +5,11 @@ and the generation tokens/s of greedy speculative decoding next to plain greedy 
 (mlx-lm's `generate_step`) of the same prompts, with the ratio. Plain and speculative runs
 alternate, repeated, and each figure is the median over repeats: on a shared machine a
 burst of load then hits both sides alike. Tokens/s counts generated tokens over the
-generation wall time (the prompt's prefill excluded, for both sides).
+generation wall time (the prompt's prefill excluded, for both sides). The ratio is the
+median over repeats of each repeat's speculative/plain ratio: within a repeat the two
+sides alternate prompt by prompt, so a change of machine load between repeats cancels
+in the ratio (on a shared 2-core machine the load swings plain tokens/s by 1.5x
+between repeats).
 
 It also prints what the rollback costs at K3.1's size (one KDA layer: 96 heads x 128 x
 128 float32 state): replay of m accepted tokens from the snapshot, against the memory
@@ -75,15 +79,18 @@ def run_spec(model, draft, prompt: List[int], tokens: int, k: int, stats):
 
 def bench(model, draft, prompts: List[List[int]], tokens: int, ks: List[int],
           repeats: int, log=None) -> List[Dict]:
-    """Rows {k, mean_accepted, plain_tps, spec_tps, speedup}; k=0 is not a row."""
+    """Rows {k, mean_accepted, plain_tps, spec_tps (medians over repeats), speedup (median
+    of the per-repeat ratios)}; k=0 is not a row."""
     from .speculative import SpecStats
 
-    # warm up both paths (compilation of the decode graphs, first-call allocations)
+    # warm up both paths (compilation of the decode graphs and of each k's draft chain,
+    # first-call allocations): one-time costs, left out of both sides alike
     run_plain(model, prompts[0], 4)
-    run_spec(model, draft, prompts[0], 4, max(ks), SpecStats())
+    for k in ks:
+        run_spec(model, draft, prompts[0], 2 * k + 2, k, SpecStats())
     rows = []
     for k in ks:
-        plain_tps, spec_tps, stats = [], [], SpecStats()
+        plain_tps, spec_tps, ratios, stats = [], [], [], SpecStats()
         for _ in range(repeats):
             tp = np_ = ts = ns = 0
             for p in prompts:
@@ -93,9 +100,10 @@ def bench(model, draft, prompts: List[List[int]], tokens: int, ks: List[int],
                 ts, ns = ts + dt, ns + n
             plain_tps.append(np_ / tp)
             spec_tps.append(ns / ts)
+            ratios.append(spec_tps[-1] / plain_tps[-1])
         row = dict(k=k, mean_accepted=stats.mean_accepted,
-                   plain_tps=statistics.median(plain_tps), spec_tps=statistics.median(spec_tps))
-        row["speedup"] = row["spec_tps"] / row["plain_tps"]
+                   plain_tps=statistics.median(plain_tps), spec_tps=statistics.median(spec_tps),
+                   speedup=statistics.median(ratios))
         rows.append(row)
         if log:
             log(row)
@@ -133,7 +141,8 @@ def rollback_cost(max_m: int = 6, repeats: int = 5) -> Dict:
 def print_report(rows: List[Dict], cost: Dict, target: str, draft: str, tokens: int,
                  n_prompts: int) -> None:
     print(f"speculative decoding, one process: target {target}, draft {draft}")
-    print(f"greedy, {n_prompts} prompts x {tokens} tokens, medians of interleaved repeats")
+    print(f"greedy, {n_prompts} prompts x {tokens} tokens, medians of interleaved repeats "
+          "(ratio: median of the per-repeat ratios)")
     print(f"{'k':>3} {'accepted/step':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7}")
     for r in rows:
         print(f"{r['k']:>3} {r['mean_accepted']:>14.2f} {r['plain_tps']:>12.1f} "

@@ -9,6 +9,15 @@ comes from the target. Instead of mlx-lm's `trim` the caches are put back with
 (token, logprobs, from_draft) triples, so `stream_speculative` can give
 `GenerationResponse`s that `kimi-mlx generate`'s printer shows unchanged.
 
+Cost (MLX on a CPU or a small model: per graph node, not per FLOP): at temperature 0 a
+draft whose caches are all fixed-size (a KDA-only kimi-mlx draft, like the shipped
+micro-draft) proposes its k tokens as one compiled graph (`_GreedyChain`, with the fused
+step of `kimi_mlx/draft_step.py`), left lazy so that it computes while the verify graph is
+built (on Metal; on the CPU backend `async_eval` was measured doing most of the work
+before it returns, so there the two simply run back to back); the only
+host sync per step is the verify's argmax, and a rejection costs a pick of the kept
+per-token KDA states (`kimi_mlx/rollback.py`), not a replay.
+
 Acceptance rule (sampling stays the target's):
   * temperature 0: accept draft d_i while it equals the target's argmax at its position;
     the first mismatch is replaced by the target's argmax (mlx-lm's rule). The output is
@@ -167,6 +176,115 @@ def _vocab_align(logits: mx.array, vocab: Optional[int]) -> mx.array:
     return mx.concatenate([logits, pad], axis=-1)
 
 
+class _GreedyChain:
+    """k greedy draft steps as one compiled graph (`mx.compile`), for a draft whose caches
+    are all fixed-size arrays (mlx-lm `ArraysCache`: a KDA-only kimi-mlx draft such as the
+    shipped micro-draft).
+
+    On MLX the cost of a small model is per op and per Python call, not per FLOP: run
+    eagerly, k draft steps build k graphs of a few hundred ops each. Compiled, the k steps
+    (embedding, layers, head, argmax, the argmax fed to the next step) are one fused graph
+    built by one call, and it stays lazy: the verify pass is built on top of the drafts and
+    both are evaluated together, with no host sync between draft steps. One trace per
+    (k, fed-token count, cache shapes); the draft's weights are captured as constants.
+
+    Call: (tokens [m] int, caches) -> (drafts [k] uint32 lazy, snaps), where snaps[i] is
+    `rollback.snapshot`'s form of the caches after step i + 1 (for `restore`); the caches
+    are left as after step k (as k eager steps leave them).
+    """
+
+    def __init__(self, draft_model, vocab: Optional[int]):
+        from .draft_step import fused_step_for
+
+        self.model, self.vocab = draft_model, vocab
+        self._fns = {}
+        # A KDA-only kimi-mlx draft steps with fused weights (kimi_mlx/draft_step.py): ~4x
+        # fewer graph nodes than the model's own forward.
+        self.fused = fused_step_for(draft_model)
+
+    @classmethod
+    def of(cls, draft_model, vocab: Optional[int]) -> "_GreedyChain":
+        """The chain of this draft model, kept on the model (as a plain attribute, not a
+        parameter) so that its traces serve every generation and die with the model."""
+        chains = getattr(draft_model, CHAIN_ATTR, None)
+        if chains is None:
+            chains = {}
+            object.__setattr__(draft_model, CHAIN_ATTR, chains)
+        if vocab not in chains:
+            chains[vocab] = cls(draft_model, vocab)
+        return chains[vocab]
+
+    @staticmethod
+    def usable(sampling: "Sampling", caches: List[Any]) -> bool:
+        """Greedy, every cache an `ArraysCache` holding arrays (not a batch's), and not
+        under the Metal emulator (its kernels read their inputs, which a trace cannot)."""
+        from mlx_lm.models.cache import ArraysCache
+
+        from .metal.dispatch import kernel_mode
+
+        return (sampling.greedy and kernel_mode() != "sim" and bool(caches)
+                and all(isinstance(c, ArraysCache) and getattr(c, "lengths", None) is None
+                        and all(a is not None for a in c.cache) for c in caches))
+
+    def _fn(self, k: int, sizes: Tuple[int, ...]):
+        key = (k, sizes)
+        if key not in self._fns:
+            from mlx_lm.models.cache import ArraysCache
+
+            def fused_chain(tokens, *flat):
+                states = [tuple(flat[i : i + 2]) for i in range(0, len(flat), 2)]
+                for t in range(tokens.shape[0]):
+                    logits, states = self.fused(tokens[t : t + 1], states)
+                drafts, out = [], []
+                for i in range(k):
+                    d = mx.argmax(_vocab_align(logits, self.vocab), axis=-1)
+                    drafts.append(d)
+                    out.extend(a for st in states for a in st)
+                    if i + 1 < k:
+                        logits, states = self.fused(d.reshape(1), states)
+                return (mx.stack(drafts), *out)
+
+            def chain(tokens, *flat):
+                caches, i = [], 0
+                for n in sizes:
+                    c = ArraysCache(n)
+                    c.cache = list(flat[i : i + n])
+                    caches.append(c)
+                    i += n
+                feed, drafts, states = tokens, [], []
+                for _ in range(k):
+                    logits = self.model(feed[None], cache=caches)[0, -1]
+                    d = mx.argmax(_vocab_align(logits, self.vocab), axis=-1)
+                    drafts.append(d)
+                    for c in caches:
+                        states.extend(c.cache)
+                    feed = d.reshape(1)
+                return (mx.stack(drafts), *states)
+
+            fused = self.fused is not None and all(n == 2 for n in sizes)
+            self._fns[key] = mx.compile(fused_chain if fused else chain)
+        return self._fns[key]
+
+    def __call__(self, tokens: List[int], caches: List[Any], k: int):
+        sizes = tuple(len(c.cache) for c in caches)
+        out = self._fn(k, sizes)(mx.array(tokens, mx.uint32),
+                                 *[a for c in caches for a in c.cache])
+        drafts, flat, per = out[0], out[1:], sum(sizes)
+        snaps = []
+        for i in range(k):
+            step, j = [], i * per
+            for n in sizes:
+                step.append(tuple(flat[j : j + n]))
+                j += n
+            snaps.append(step)
+        for c, s in zip(caches, snaps[-1]):
+            c.cache = list(s)
+        return drafts, snaps
+
+
+CHAIN_ATTR = "_kimi_mlx_greedy_chains"  # vocab -> _GreedyChain, on the draft model
+
+
 def _prefill(model, cache, tokens: List[int], step: int) -> None:
     for s in range(0, len(tokens), step):
         model(mx.array(tokens[s : s + step])[None], cache=cache)
@@ -224,6 +342,7 @@ def speculative_generate_step(
     _prefill(model, model_cache, prompt[:-1], prefill_step_size)
 
     vocab = model_vocab(model)
+    chain = _GreedyChain.of(draft_model, vocab) if sampling.greedy else None
     y = prompt[-1]  # last token, not yet fed to the target
     draft_in: List[int] = [y]  # tokens not yet fed to the draft (ends with y)
     ntoks = 0
@@ -249,7 +368,13 @@ def speculative_generate_step(
             # Draft: k tokens, one forward each; a snapshot after each (references).
             snaps, drafts, q_lps = [], [], []
             feed = mx.array(draft_in)
-            for _ in range(k):
+            if k and chain is not None and _GreedyChain.usable(sampling, draft_cache):
+                d_arr, snaps = chain(draft_in, draft_cache, k)
+                mx.async_eval(d_arr)  # the drafts compute while the verify graph is built
+                k_eager = 0
+            else:
+                k_eager = k
+            for _ in range(k_eager):
                 logits = _vocab_align(draft_model(feed[None], cache=draft_cache)[0, -1], vocab)
                 snaps.append(snapshot(draft_cache))
                 if sampling.greedy:
@@ -261,7 +386,10 @@ def speculative_generate_step(
                 mx.async_eval(d)
                 drafts.append(d)
                 feed = d.reshape(1).astype(mx.uint32)
-            d_arr = mx.stack(drafts).astype(mx.uint32) if drafts else mx.array([], mx.uint32)
+            if k_eager:
+                d_arr = mx.stack(drafts).astype(mx.uint32)
+            elif not snaps:
+                d_arr = mx.array([], mx.uint32)
 
             # Verify: the target scores [y, d1..dk] in one pass, recording for rollback.
             verify = begin_verify(model_cache)

@@ -1,15 +1,15 @@
-"""Train the shipped draft for the micro model (`make micro-draft`): ~10 min on 2 CPU cores.
+"""Train the shipped draft for the micro model (`make micro-draft`): ~25 min on 2 idle CPU cores.
 
-A 2-layer Kimi K3.1 model (layer 0 KDA, layer 1 Gated DSA, both with dense SiTU MLPs,
-AttnRes blocks of 2, hidden 128) with the micro model's own tokenizer, initialised from
-the micro model's embedding, head, layer 0 and layer 2's attention (`init_from_teacher`)
-and distilled from the micro model's outputs: on random windows of the micro training corpus
+A 2-layer Kimi K3.1 model (both layers KDA with dense SiTU MLPs, AttnRes blocks of 2,
+hidden 128, no Gated DSA layer) with the micro model's own tokenizer, initialised from the
+micro model's embedding, head and first two (KDA) layers (`init_from_teacher`) and
+distilled from the micro model's outputs: on random windows of the micro training corpus
 (`kimi_mlx.micro.corpus`, the same stdlib code and prose), the loss is the KL divergence
 from the micro model's next-token distribution (soft labels, temperature 1; Hinton et
-al. 2015) to the draft's, plus the DeepSeek-V3.2 indexer KL of the DSA layer (the micro
-trainer's `TrainGatedDSA`, dense warm-up then sparse). Speculative decoding accepts a
-draft token at temperature 0 when it equals the micro model's argmax, so matching the
-teacher's distribution (not the corpus') is what raises the acceptance rate.
+al. 2015) to the draft's. Speculative decoding accepts a draft token at temperature 0
+when it equals the micro model's argmax, so matching the teacher's distribution (not the
+corpus') is what raises the acceptance rate. KDA only so that a draft step is cheap: see
+`draft_text_config`.
 
 Writes, atomically, `kimi_mlx/assets/micro-draft`: the official layout (config, BF16
 safetensors shards + index, tokenizer files identical to the micro model's),
@@ -41,16 +41,21 @@ from mlx.utils import tree_flatten
 from ..config import ModelArgs
 from ..testing import full_config
 from .corpus import DOMAINS, build_corpus
-from .train import (ASSET_DIR, Sampler, TrainGatedDSA, _modules, _umask_permissions,
-                    build_model, dir_bytes, lr_at, micro_text_config, replace_dir, set_phase,
-                    token_streams)
+from .train import (ASSET_DIR, Sampler, TrainGatedDSA, _modules, build_model, lr_at,
+                    micro_text_config, publish_checkpoint, set_phase, token_streams)
 
 DRAFT_DIR = ASSET_DIR.parent / "micro-draft"
 
 
 def draft_text_config(vocab_size: int) -> Dict:
-    """2 layers: 0-based 0 KDA, 1 Gated DSA (index_topk 64 as the micro model), dense SiTU
-    MLPs (width 384), AttnRes blocks of 2, hidden 128, MLA 4 heads, no experts."""
+    """2 layers, both Kimi Delta Attention, dense SiTU MLPs (width 384), AttnRes blocks of
+    2, hidden 128, no experts, no Gated DSA layer.
+
+    KDA only because a draft step must cost little next to a target step, and on MLX the
+    cost is per op: with only fixed-size caches (conv + recurrent state) the whole draft
+    step, embedding to argmax, is one `mx.compile` graph, and so are k chained steps
+    (`kimi_mlx.speculative`'s compiled greedy chain); a DSA layer's growing latent cache
+    would retrace that graph on every token. (MLA/indexer keys stay in the config, unused.)"""
     cfg = micro_text_config(vocab_size)
     cfg.update(
         num_hidden_layers=2,
@@ -59,15 +64,17 @@ def draft_text_config(vocab_size: int) -> Dict:
         num_experts_per_token=0,
         num_shared_experts=0,
     )
-    cfg["linear_attn_config"] = dict(cfg["linear_attn_config"], full_attn_layers=[2],
-                                     kda_layers=[1])
-    cfg["dsa_config"] = dict(cfg["dsa_config"], dsa_layers=[2])
+    cfg["linear_attn_config"] = dict(cfg["linear_attn_config"], full_attn_layers=[],
+                                     kda_layers=[1, 2])
+    cfg["dsa_config"] = dict(cfg["dsa_config"], dsa_layers=[])
     return cfg
 
 
 # Draft layer -> micro layer its attention (and norms, AttnRes weights) start from: micro
-# layer 0 is KDA + dense MLP (copied whole), micro layer 2 is the first Gated DSA layer.
-INIT_FROM = {0: 0, 1: 2}
+# layers 0 and 1 are its first two KDA layers (layer 0 with a dense MLP, copied whole; layer
+# 1 has a MoE, so the draft's layer-1 MLP is new). The draft starts as micro cut after
+# layer 1: an early exit through micro's own final norm and head.
+INIT_FROM = {0: 0, 1: 1}
 
 
 def init_from_teacher(student, teacher) -> int:
@@ -104,7 +111,7 @@ def distill_loss(student, teacher_logprobs: mx.array, inputs: mx.array):
     s_lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     kd = (mx.exp(teacher_logprobs) * (teacher_logprobs - s_lp)).sum(axis=-1).mean()
     kls = [m.stash.value for m in _modules(student, TrainGatedDSA)]
-    kl = sum(kls) / len(kls)
+    kl = sum(kls) / len(kls) if kls else mx.array(0.0)  # no DSA layer: no indexer loss
     return kd + kl, (kd, kl)
 
 
@@ -166,23 +173,29 @@ def model_card(info: Dict) -> str:
                     f"| {a['tokens_per_step']:.2f} |" for a in e["acceptance"])
     return f"""# micro-draft: the draft model for speculative decoding with `micro`
 
-A 2-layer Kimi K3.1 model (layer 0 Kimi Delta Attention, layer 1 Gated DSA with the
-lightning indexer, dense SiTU MLPs, AttnRes, hidden 128; {info['parameters']:,}
-parameters) in the official checkpoint layout, with the tokenizer of `../micro`
-(identical files). Built by `make micro-draft` (`python -m kimi_mlx.micro.draft`).
+A 2-layer Kimi K3.1 model (both layers Kimi Delta Attention, dense SiTU MLPs, AttnRes,
+hidden 128, no Gated DSA layer and no experts; {info['parameters']:,} parameters) in the
+official checkpoint layout, with the tokenizer of `../micro` (identical files). Built by
+`make micro-draft` (`python -m kimi_mlx.micro.draft`).
 
 Use: `kimi-mlx generate --model kimi_mlx/assets/micro --draft-model
 kimi_mlx/assets/micro-draft --num-draft-tokens 3 ...`. It is useless on its own.
 
+Why only KDA layers: a draft step must cost little next to a target step, and on MLX the
+cost is per graph node. With fixed-size caches only, k greedy draft steps are one compiled
+graph with fused weights (`kimi_mlx/draft_step.py`), evaluated together with the verify
+pass; a DSA layer's growing cache would retrace it every token.
+
 ## Training
 
-Distilled from the micro model's outputs: KL(micro || draft) of the next-token
-distributions on random windows of the micro training corpus (stdlib code and prose,
-half each), plus the indexer's KL (dense attention for the first {t['dense_steps']} steps,
-then top-{info['text_config']['dsa_config']['index_topk']} sparse as at inference).
+Initialised from micro itself: embedding, head, final norms, and layers 0 and 1 (micro's
+first two KDA layers; layer 0's dense MLP copied, layer 1's new MLP starting silent), so
+the start is micro cut after layer 1. Then distilled from the micro model's outputs:
+KL(micro || draft) of the next-token distributions on random windows of the micro
+training corpus (stdlib code and prose, half each).
 {t['steps']} AdamW steps, batch {t['batch']} x {t['seq_len']} tokens, peak lr {t['lr']},
-seed {t['seed']}: {t['wall_seconds'] / 60:.1f} min on {info['machine']}. Final KD loss
-{t['final_kd']:.3f} nats per token.
+seed {t['seed']}: {t['wall_seconds'] / 60:.1f} min on {info['machine']} (shared with other
+jobs). Final KD loss {t['final_kd']:.3f} nats per token.
 
 ## Evaluation
 
@@ -205,7 +218,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--teacher", type=Path, default=ASSET_DIR, help="the micro checkpoint")
     p.add_argument("--out", type=Path, default=DRAFT_DIR, help="draft folder to (re)write")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=450)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -286,13 +299,8 @@ def main(argv=None) -> int:
                      "max_tokens": max_tokens},
         }
         info["total_seconds"] = time.perf_counter() - t_start
-        (ckpt / "eval.json").write_text(json.dumps(info, indent=1) + "\n")
-        (ckpt / "MODEL_CARD.md").write_text(model_card(info))
-        total = dir_bytes(ckpt)
-        if total > cfg.max_mb * 1e6:
-            raise RuntimeError(f"draft folder is {total / 1e6:.1f} MB, over --max-mb {cfg.max_mb}")
-        _umask_permissions(ckpt)
-        replace_dir(ckpt, cfg.out)
+        total = publish_checkpoint(ckpt, cfg.out, info, model_card(info), cfg.max_mb,
+                                   what="draft")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"wrote {cfg.out} ({total / 1e6:.2f} MB) in {(time.perf_counter() - t_start) / 60:.1f} min")

@@ -591,6 +591,28 @@ def replace_dir(src: Path, dst: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def publish_checkpoint(ckpt: Path, out: Path, info: Dict[str, Any], card: str,
+                       max_mb: float, what: str = "checkpoint") -> int:
+    """Finish a built checkpoint folder and move it into place: write `eval.json` (info)
+    and `MODEL_CARD.md` (card) into `ckpt`, refuse a folder over `max_mb` MB, give it the
+    usual permissions, then `replace_dir(ckpt, out)`. Shared by `make micro` and
+    `make micro-draft`.
+
+    Returns:
+        the folder's size in bytes.
+    Raises:
+        RuntimeError: the folder is over max_mb (named by `what`); `out` is left as it was.
+    """
+    (ckpt / "eval.json").write_text(json.dumps(info, indent=1) + "\n")
+    (ckpt / "MODEL_CARD.md").write_text(card)
+    total = dir_bytes(ckpt)
+    if total > max_mb * 1e6:
+        raise RuntimeError(f"{what} folder is {total / 1e6:.1f} MB, over --max-mb {max_mb}")
+    _umask_permissions(ckpt)
+    replace_dir(ckpt, out)
+    return total
+
+
 def model_card(info: Dict) -> str:
     """MODEL_CARD.md text from the run's figures (`info` as written to eval.json)."""
     ev, c, t = info["eval"], info["corpus"], info["training"]
@@ -828,13 +850,7 @@ def main(argv=None) -> int:
             "eval": results,
         }
         info["total_seconds"] = time.perf_counter() - t_start
-        (ckpt / "eval.json").write_text(json.dumps(info, indent=1) + "\n")
-        (ckpt / "MODEL_CARD.md").write_text(model_card(info))
-        total = dir_bytes(ckpt)
-        if total > cfg.max_mb * 1e6:
-            raise RuntimeError(f"checkpoint folder is {total / 1e6:.1f} MB, over --max-mb {cfg.max_mb}")
-        _umask_permissions(ckpt)
-        replace_dir(ckpt, cfg.out)
+        total = publish_checkpoint(ckpt, cfg.out, info, model_card(info), cfg.max_mb)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"wrote {cfg.out} ({total / 1e6:.2f} MB) in {(time.perf_counter() - t_start) / 60:.1f} min")
