@@ -40,6 +40,7 @@ demo: install
 	@$(BIN)/kimi-mlx generate --ignore-chat-template --temp 0 --max-tokens 64 \
 	  --prompt 'The "for" statement is used to'
 	@printf '\n[speculative decoding: the code prompt again, drafted by micro-draft, 2 drafts per step; same text]\n'
+	@printf '[a 64-token run pays one-time graph compilation in its tok/s; make bench-spec measures the speed-up]\n'
 	@printf 'class Queue:\n    """A simple FIFO queue."""\n\n    def __init__(self' | \
 	  $(BIN)/kimi-mlx generate --ignore-chat-template --temp 0 --max-tokens 64 \
 	  --draft-model kimi_mlx/assets/micro-draft --num-draft-tokens 2 --prompt -
