@@ -63,7 +63,7 @@ from .config import ModelArgs, read_config, text_config
 from .model import DecoderLayer
 from .rollback import begin_verify, end_verify, restore, rollback, snapshot
 from .shards import CheckpointError, weight_map
-from .speculative import Sampling, SpecStats, accept_drafts
+from .speculative import Sampling, SpecStats, draw_draft, judge_verify
 from .tensor_map import PREFIX, TensorError, canonical, layer_of, sanitize_weights
 
 __all__ = ["CONFIG_KEY", "MTP", "MTPLayer", "load_mtp", "mtp_generate_step", "target_forward"]
@@ -395,14 +395,7 @@ def mtp_generate_step(
                 pend.hidden, pend.tokens = None, []
                 after = snapshot([mcache])
                 for i in range(k):
-                    row = logits[0, -1]
-                    if sampling.greedy:
-                        d = mx.argmax(row, axis=-1)
-                    else:
-                        lq = sampling.log_probs(row)
-                        d = mx.random.categorical(lq)
-                        q_lps.append(lq)
-                    mx.async_eval(d)
+                    d = draw_draft(logits[0, -1], sampling, q_lps)
                     drafts.append(d)
                     if i + 1 < k:
                         g, logits = mtp.step(g[:, -1:], d.reshape(1, 1), mcache)
@@ -412,25 +405,8 @@ def mtp_generate_step(
             x = mx.concatenate([mx.array([y], mx.uint32), d_arr])
             hid, logits = target_forward(model, x[None], tcache)
             logits = logits[0].astype(mx.float32)  # [k+1, V]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            if sampling.greedy:
-                target = mx.argmax(logits, axis=-1)
-                mx.eval(target, d_arr, hid)
-                t_list, d_list = target.tolist(), d_arr.tolist()
-                n = 0
-                while n < k and t_list[n] == d_list[n]:
-                    n += 1
-                token = t_list[n]
-            else:
-                p_lps = sampling.log_probs(logits)
-                q_arr = mx.stack(q_lps) if q_lps else mx.zeros((0, logits.shape[-1]))
-                n_arr, t_arr = accept_drafts(p_lps, q_arr, d_arr.astype(mx.int32))
-                mx.eval(n_arr, t_arr, d_arr, hid)
-                n, token, d_list = n_arr.item(), t_arr.item(), d_arr.tolist()
-            stats.steps += 1
-            stats.drafted += k
-            stats.accepted += n
-            stats.per_step.append(n)
+            n, token, d_list, logprobs = judge_verify(logits, d_arr, q_lps, sampling, stats,
+                                                      also=(hid,))
 
             emitted: List[int] = []
             state = (verify, before, after, hid, d_list, emitted, fed)

@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from .rollback import begin_verify, end_verify, restore, rollback, snapshot
 
-__all__ = ["Sampling", "SpecStats", "Speculation", "accept_drafts", "speculative_generate_step",
-           "stream_speculative", "TokenizerMismatch", "check_tokenizers", "load_draft"]
+__all__ = ["Sampling", "SpecStats", "Speculation", "accept_drafts", "draw_draft", "judge_verify",
+           "speculative_generate_step", "stream_speculative", "TokenizerMismatch", "check_tokenizers", "load_draft"]
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -285,6 +285,57 @@ class _GreedyChain:
 CHAIN_ATTR = "_kimi_mlx_greedy_chains"  # vocab -> _GreedyChain, on the draft model
 
 
+def draw_draft(logits: mx.array, sampling: Sampling, q_lps: List[mx.array]) -> mx.array:
+    """One draft token from the draft's logits row [V]: its argmax when greedy, else a
+    sample from `sampling.log_probs(logits)`, whose log-distribution is appended to q_lps
+    (the q of `accept_drafts`). Evaluation is started (`mx.async_eval`), not awaited."""
+    if sampling.greedy:
+        d = mx.argmax(logits, axis=-1)
+    else:
+        lq = sampling.log_probs(logits)
+        d = mx.random.categorical(lq)
+        q_lps.append(lq)
+    mx.async_eval(d)
+    return d
+
+
+def judge_verify(logits: mx.array, drafts: mx.array, q_lps: List[mx.array],
+                 sampling: Sampling, stats: SpecStats, also: Sequence[mx.array] = ()
+                 ) -> Tuple[int, int, List[int], mx.array]:
+    """How many drafts a verify pass accepts, and the token that follows them.
+
+    Args:
+        logits: [k+1, V] float32 target logits at [y, d1..dk].
+        drafts: [k] uint32 drafted tokens. q_lps: their k draft log-distributions
+            (sampled drafts only). sampling: the target's settings (see the module
+            docstring for both rules). stats: updated with this step.
+        also: arrays to evaluate in the same host sync (e.g. the MTP's hidden states).
+    Returns:
+        (n accepted, next token, drafts as a list, log-probs [k+1, V] of the logits).
+    """
+    k = drafts.shape[0]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if sampling.greedy:
+        target = mx.argmax(logits, axis=-1)
+        mx.eval(target, drafts, *also)
+        t_list, d_list = target.tolist(), drafts.tolist()
+        n = 0
+        while n < k and t_list[n] == d_list[n]:
+            n += 1
+        token = t_list[n]
+    else:
+        p_lps = sampling.log_probs(logits)
+        q_arr = mx.stack(q_lps) if q_lps else mx.zeros((0, logits.shape[-1]))
+        n_arr, t_arr = accept_drafts(p_lps, q_arr, drafts.astype(mx.int32))
+        mx.eval(n_arr, t_arr, drafts, *also)
+        n, token, d_list = n_arr.item(), t_arr.item(), drafts.tolist()
+    stats.steps += 1
+    stats.drafted += k
+    stats.accepted += n
+    stats.per_step.append(n)
+    return n, token, d_list, logprobs
+
+
 def _prefill(model, cache, tokens: List[int], step: int) -> None:
     for s in range(0, len(tokens), step):
         model(mx.array(tokens[s : s + step])[None], cache=cache)
@@ -377,13 +428,7 @@ def speculative_generate_step(
             for _ in range(k_eager):
                 logits = _vocab_align(draft_model(feed[None], cache=draft_cache)[0, -1], vocab)
                 snaps.append(snapshot(draft_cache))
-                if sampling.greedy:
-                    d = mx.argmax(logits, axis=-1)
-                else:
-                    lq = sampling.log_probs(logits)
-                    d = mx.random.categorical(lq)
-                    q_lps.append(lq)
-                mx.async_eval(d)
+                d = draw_draft(logits, sampling, q_lps)
                 drafts.append(d)
                 feed = d.reshape(1).astype(mx.uint32)
             if k_eager:
@@ -395,25 +440,7 @@ def speculative_generate_step(
             verify = begin_verify(model_cache)
             x = mx.concatenate([mx.array([y], mx.uint32), d_arr])
             logits = model(x[None], cache=model_cache)[0].astype(mx.float32)  # [k+1, V]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            if sampling.greedy:
-                target = mx.argmax(logits, axis=-1)
-                mx.eval(target, d_arr)
-                t_list, d_list = target.tolist(), d_arr.tolist()
-                n = 0
-                while n < k and t_list[n] == d_list[n]:
-                    n += 1
-                token = t_list[n]
-            else:
-                p_lps = sampling.log_probs(logits)
-                q_arr = mx.stack(q_lps) if q_lps else mx.zeros((0, logits.shape[-1]))
-                n_arr, t_arr = accept_drafts(p_lps, q_arr, d_arr.astype(mx.int32))
-                mx.eval(n_arr, t_arr, d_arr)
-                n, token, d_list = n_arr.item(), t_arr.item(), d_arr.tolist()
-            stats.steps += 1
-            stats.drafted += k
-            stats.accepted += n
-            stats.per_step.append(n)
+            n, token, d_list, logprobs = judge_verify(logits, d_arr, q_lps, sampling, stats)
 
             emitted: List[int] = []
             step = (verify, snaps, d_list, emitted)
