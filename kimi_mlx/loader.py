@@ -108,21 +108,35 @@ def load_model(
         parts = [f"{v} {k} tensors" for k, v in sorted(report.skipped.items())]
         print(f"[kimi-mlx] skipping {' and '.join(parts)} (text model only)", file=sys.stderr)
 
-    try:
-        sanitized = sanitize_weights(weights, args, start, end)
-    except TensorError as e:
-        raise CheckpointError(f"{model_dir}: {e}") from None
-    model = Model(args, start, end)
-    quantize_like(model, sanitized, args.quantization, model_dir)
-    check_tensors(model, sanitized, args, where, model_dir)
-    model.load_weights(list(sanitized.items()), strict=True)
-    model.eval()
+    model = fill_module(Model(args, start, end), weights, args, start, end, where, model_dir)
     if activation_dtype is None and mx.default_device() == mx.cpu:
         activation_dtype = mx.float32
     model.activation_dtype = activation_dtype
     if not lazy:
         mx.eval(model.parameters())
     return model, config, report
+
+
+def fill_module(module: nn.Module, weights: Dict[str, mx.array], args: ModelArgs, start: int,
+                end: int, where: Dict[str, str], model_dir: Path) -> nn.Module:
+    """Load checkpoint tensors of layers [start, end) into `module` (built for them), in
+    eval mode: `sanitize_weights` (official names -> ours), the checkpoint's quantization
+    (`quantize_like`), every tensor checked (`check_tensors`), then a strict load.
+    Used for the trunk (`load_model`) and the MTP layers (`mtp.load_mtp`).
+
+    Raises:
+        CheckpointError: a tensor that cannot be mapped, or missing / extra / misshapen
+            tensors (each names `model_dir`, the tensor and its shard in `where`).
+    """
+    try:
+        sanitized = sanitize_weights(weights, args, start, end)
+    except TensorError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    quantize_like(module, sanitized, args.quantization, model_dir)
+    check_tensors(module, sanitized, args, where, model_dir)
+    module.load_weights(list(sanitized.items()), strict=True)
+    module.eval()
+    return module
 
 
 def read_tensors(model_dir: Path, wanted: Dict[str, str],

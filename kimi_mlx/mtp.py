@@ -64,7 +64,7 @@ from .model import DecoderLayer
 from .rollback import begin_verify, end_verify, restore, rollback, snapshot
 from .shards import CheckpointError, weight_map
 from .speculative import Sampling, SpecStats, draw_draft, judge_verify
-from .tensor_map import PREFIX, TensorError, canonical, layer_of, sanitize_weights
+from .tensor_map import PREFIX, canonical, layer_of
 
 __all__ = ["CONFIG_KEY", "MTP", "MTPLayer", "load_mtp", "mtp_generate_step", "target_forward"]
 
@@ -210,7 +210,7 @@ def load_mtp(path, target=None, depths: Optional[int] = None, lazy: bool = False
             `num_nextn_predict_layers`), depths outside 1..D, or a missing, extra or
             misshapen MTP tensor (named, with its shard).
     """
-    from .loader import check_tensors, quantize_like, read_tensors
+    from .loader import fill_module, read_tensors
 
     model_dir = Path(path)
     config = read_config(model_dir)
@@ -239,15 +239,7 @@ def load_mtp(path, target=None, depths: Optional[int] = None, lazy: bool = False
     weights, where = read_tensors(model_dir, wanted)
     # Seen as a model of N + depths layers, the MTP layers are ordinary layers [N, N+depths).
     ext = replace(args, num_hidden_layers=n + depths)
-    try:
-        sanitized = sanitize_weights(weights, ext, n, n + depths)
-    except TensorError as e:
-        raise CheckpointError(f"{model_dir}: {e}") from None
-    mtp = MTP(args, depths, own)
-    quantize_like(mtp, sanitized, args.quantization, model_dir)
-    check_tensors(mtp, sanitized, ext, where, model_dir)
-    mtp.load_weights(list(sanitized.items()), strict=True)
-    mtp.eval()
+    mtp = fill_module(MTP(args, depths, own), weights, ext, n, n + depths, where, model_dir)
     if not lazy:
         mx.eval(mtp.parameters())
     if target is not None:
