@@ -110,13 +110,7 @@ def _relay_handlers_sync(next_address: str):
         q: "queue.Queue" = queue.Queue()
         call = None
         if channel is not None:
-            def requests():
-                while True:
-                    m = q.get()
-                    if m is None:
-                        return
-                    yield m
-            call = channel.stream_stream(f"/{RELAY}/Forward", ser, des)(requests())
+            call = channel.stream_stream(f"/{RELAY}/Forward", ser, des)(iter(q.get, None))
             threading.Thread(target=lambda: [None for _ in call], daemon=True).start()
         sink = q.put if call is not None else watch_q.put
         for m in it:
@@ -338,14 +332,7 @@ def _variants(ports: Dict[str, int], payload: int, loop):
     ch_s = sync_channel("sync")
     q: "queue.Queue" = queue.Queue()
 
-    def requests():
-        while True:
-            m = q.get()
-            if m is None:
-                return
-            yield m
-
-    call = ch_s.stream_stream(f"/{SERVICE}/Stream", ser, des)(requests())
+    call = ch_s.stream_stream(f"/{SERVICE}/Stream", ser, des)(iter(q.get, None))
 
     def sync_stream(n):
         out = []
@@ -464,13 +451,7 @@ def _relay_variants(heads: Dict[str, List[int]], payload: int, loop):
                     ch = grpc.insecure_channel(f"127.0.0.1:{first}")
                     q: "queue.Queue" = queue.Queue()
 
-                    def requests(q=q):
-                        while True:
-                            m = q.get()
-                            if m is None:
-                                return
-                            yield m
-                    call = ch.stream_stream(f"/{RELAY}/Forward", ser, des)(requests())
+                    call = ch.stream_stream(f"/{RELAY}/Forward", ser, des)(iter(q.get, None))
 
                     def run(n, q=q, watch=watch, session=session):
                         out = []

@@ -159,11 +159,8 @@ class _HeadSession:
         self.open_msg: Optional[pb.SessionOpen] = None
 
     def requests(self):
-        while True:
-            m = self.out.get()
-            if m is None:
-                return
-            yield m
+        """The messages put on `out`, until the None that ends the stream."""
+        return iter(self.out.get, None)
 
 
 class GrpcTransport(Transport):
