@@ -52,23 +52,23 @@ test: install
 # folder) through prefill past index_topk and decode, the kernels in the emulator, and
 # the planner's memory / bytes-read predictions (kimi_mlx/check_real.py). Needs ~6 GB RAM.
 check-real: install
-	$(BIN)/python -m kimi_mlx.check_real
+	$(BIN)/python -m kimi_mlx.testing.check_real
 
 bench: install
-	$(BIN)/python -m kimi_mlx.bench
+	$(BIN)/python -m kimi_mlx.bench.model
 	@echo
 	$(BIN)/kimi-mlx bench kernels
 	@echo
-	$(BIN)/python -m kimi_mlx.cluster.bench
+	$(BIN)/python -m kimi_mlx.cluster.bench.pipeline
 	@echo
-	$(BIN)/python -m kimi_mlx.cluster.hop_bench
+	$(BIN)/python -m kimi_mlx.cluster.bench.hop
 
 # 1, 4, 8 concurrent HTTP clients vs one at a time: one process and a 3-stage cluster.
 bench-server: install
-	$(BIN)/python -m kimi_mlx.server.bench
+	$(BIN)/python -m kimi_mlx.bench.server
 
 bench-prune: install
-	$(BIN)/python -m kimi_mlx.prune.bench
+	$(BIN)/python -m kimi_mlx.prune.bench.pruning
 
 micro: install
 	$(BIN)/python -m kimi_mlx.micro.train

@@ -92,7 +92,7 @@ class ClusterEngine:
             try:
                 self._run(job)
             except Exception as e:  # noqa: BLE001 - the error goes to this request only
-                from .transport import StageFailure
+                from kimi_mlx.cluster.transport import StageFailure
 
                 if isinstance(e, StageFailure) and e.lost:
                     self.lost = f"stage lost: {e}"
@@ -107,7 +107,7 @@ class ClusterEngine:
 
         from kimi_mlx.server.engine import Finished, TokenOut, top_logprobs
 
-        from .runner import Sampling
+        from kimi_mlx.cluster.runner import Sampling
 
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
@@ -195,13 +195,13 @@ def run(args, cluster_factory, tokenizers) -> int:
 
     cluster_factory(args, secret, model_dir, fingerprint, context) -> object with
     `connect()` -> Pipeline and `transport`; tokenizers(model_dir) -> (wrapper, tok)."""
-    from kimi_mlx.config import ModelArgs, read_config
-    from kimi_mlx.request import InputError, generation_defaults, resolve_model_arg
+    from kimi_mlx.model.config import ModelArgs, read_config
+    from kimi_mlx.generation.request import InputError, generation_defaults, resolve_model_arg
     from kimi_mlx.server.app import create_app
     from kimi_mlx.server.cli import check_server_arguments, make_service, resolve_api_key, serve
 
-    from .auth import AuthError, load_secret
-    from .fingerprint import FingerprintError, fingerprint, is_checkpoint
+    from kimi_mlx.cluster.auth import AuthError, load_secret
+    from kimi_mlx.cluster.fingerprint import FingerprintError, fingerprint, is_checkpoint
 
     try:
         check_server_arguments(args)

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from typing import List, Optional
 
-from .auth import DEFAULT_SECRET
+from kimi_mlx.cluster.auth import DEFAULT_SECRET
 
 DEFAULT_MODELS = "~/.kimi-mlx/models"
 
@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _common(q)
 
     q = sub.add_parser("launch", help="plan, load and generate across the nodes", description="Plan, load and generate across the nodes.")
-    from kimi_mlx.generate import add_arguments as add_generate_arguments
+    from kimi_mlx.generation.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(q)
     _node_arguments(q)
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     q = sub.add_parser("server", help="OpenAI + Anthropic API server over the pipeline",
                        description="`kimi-mlx server`'s API with the pipeline behind it.")
-    from .api import add_arguments as add_api_arguments
+    from kimi_mlx.cluster.api import add_arguments as add_api_arguments
 
     add_api_arguments(q)
     _node_arguments(q)
@@ -116,7 +116,7 @@ def _common(q) -> None:
     q.add_argument("--secret-file", type=Path, default=DEFAULT_SECRET,
                    help=f"cluster secret (default {DEFAULT_SECRET})")
     q.add_argument("--tls", action="store_true", help="use the cluster TLS certificate")
-    from ..server.cli import log_level_arg
+    from kimi_mlx.server.cli import log_level_arg
 
     q.add_argument("--log-level", type=log_level_arg, default=None,
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default per command)")
@@ -139,14 +139,14 @@ def run(args) -> int:
 
 def _server(args) -> int:
     _logging(args.log_level, "WARNING")
-    from .api import run as run_api
+    from kimi_mlx.cluster.api import run as run_api
 
     return run_api(args, _Cluster, _tokenizers)
 
 
 def _check_browse_time(flag: str, seconds: float) -> None:
     """ValueError (a one-line reason) for a browse too short to hear any node."""
-    from .discovery import MIN_BROWSE_S
+    from kimi_mlx.cluster.discovery import MIN_BROWSE_S
 
     if not seconds >= MIN_BROWSE_S:
         raise ValueError(f"{flag} {seconds:g} is too short to hear any node: mDNS queries go "
@@ -161,7 +161,7 @@ def _err(cmd: str, e) -> None:
 # -- init --------------------------------------------------------------------------------
 
 def _init(args) -> int:
-    from .auth import AuthError, init_secret, init_tls
+    from kimi_mlx.cluster.auth import AuthError, init_secret, init_tls
 
     path = Path(args.secret_file).expanduser()
     try:
@@ -188,10 +188,10 @@ def _init(args) -> int:
 
 def _serve(args) -> int:
     _logging(args.log_level, "INFO")
-    from .auth import AuthError, load_secret
-    from .discovery import DEFAULT_PORT, interface_addresses
-    from .planner import parse_bytes
-    from .service import StageServer, StageService
+    from kimi_mlx.cluster.auth import AuthError, load_secret
+    from kimi_mlx.cluster.discovery import DEFAULT_PORT, interface_addresses
+    from kimi_mlx.placement.planner import parse_bytes
+    from kimi_mlx.cluster.service import StageServer, StageService
 
     try:
         if args.port is not None and not 0 <= args.port <= 65535:
@@ -208,7 +208,7 @@ def _serve(args) -> int:
         addresses = interface_addresses(args.interface)
         usable = parse_bytes(args.usable_memory) if args.usable_memory else None
         if args.tls:  # fail before scanning the models folder, with auth's own message
-            from .auth import server_credentials
+            from kimi_mlx.cluster.auth import server_credentials
 
             server_credentials(args.secret_file)
     except (AuthError, ValueError) as e:
@@ -257,9 +257,9 @@ def _serve(args) -> int:
 
 def _ls(args) -> int:
     _logging(args.log_level, "WARNING")
-    from .auth import AuthError, load_secret
-    from .discovery import browse, interface_addresses
-    from .transport import GrpcTransport
+    from kimi_mlx.cluster.auth import AuthError, load_secret
+    from kimi_mlx.cluster.discovery import browse, interface_addresses
+    from kimi_mlx.cluster.transport import GrpcTransport
 
     try:
         _check_browse_time("--timeout", args.timeout)
@@ -278,7 +278,7 @@ def _ls(args) -> int:
         secret = None
         print(f"note: not checking nodes ({e})", file=sys.stderr)
     if secret is not None and nodes:
-        from .head import check_nodes
+        from kimi_mlx.cluster.head import check_nodes
 
         t = GrpcTransport(secret, args.secret_file if args.tls else None)
         ok, bad = check_nodes(nodes, t.stub_for, fp=None, check_version=True,
@@ -357,8 +357,8 @@ class _Cluster:
         self.transport = None
 
     def candidates(self):
-        from .discovery import DEFAULT_PORT, NodeInfo, browse, interface_addresses
-        from .head import parse_address
+        from kimi_mlx.cluster.discovery import DEFAULT_PORT, NodeInfo, browse, interface_addresses
+        from kimi_mlx.cluster.head import parse_address
 
         a = self.args
         if a.nodes == "auto":
@@ -375,8 +375,8 @@ class _Cluster:
         return out
 
     def connect(self):
-        from .head import Pipeline, check_nodes, choose_compute_dtype, plan_stages
-        from .transport import GrpcTransport
+        from kimi_mlx.cluster.head import Pipeline, check_nodes, choose_compute_dtype, plan_stages
+        from kimi_mlx.cluster.transport import GrpcTransport
 
         a = self.args
         tls = a.secret_file if a.tls else None
@@ -431,16 +431,16 @@ class _Cluster:
 
 def _launch(args) -> int:
     _logging(args.log_level, "WARNING")
-    from kimi_mlx.config import ModelArgs, read_config
-    from kimi_mlx.generate import check_draft_arguments, load_speculation, print_generation
-    from kimi_mlx.request import (InputError, build_prompt, check_context, check_model_arguments,
+    from kimi_mlx.model.config import ModelArgs, read_config
+    from kimi_mlx.generation.generate import check_draft_arguments, load_speculation, print_generation
+    from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_model_arguments,
                                   resolve_model_arg)
 
-    from .auth import AuthError, load_secret
-    from .fingerprint import FingerprintError, fingerprint, is_checkpoint
-    from .planner import PlanError
-    from .runner import Sampling
-    from .transport import StageFailure
+    from kimi_mlx.cluster.auth import AuthError, load_secret
+    from kimi_mlx.cluster.fingerprint import FingerprintError, fingerprint, is_checkpoint
+    from kimi_mlx.placement.planner import PlanError
+    from kimi_mlx.cluster.runner import Sampling
+    from kimi_mlx.cluster.transport import StageFailure
 
     try:
         check_model_arguments(args)
@@ -490,7 +490,7 @@ def _launch(args) -> int:
         if speculation is None:
             return ((t, lp, False) for t, lp in
                     pipeline.generate_step(prompt_ids, sampling, max_tokens))
-        from .speculative import speculative_pipeline_step
+        from kimi_mlx.cluster.speculative import speculative_pipeline_step
 
         if args.seed is not None:  # the head draws every random number (draft, acceptance)
             import mlx.core as mx
@@ -528,7 +528,7 @@ def _launch(args) -> int:
                     failure.append(e2)
                     return
 
-    from .head import stream_generate
+    from kimi_mlx.cluster.head import stream_generate
 
     code = 0
     try:
@@ -550,7 +550,7 @@ def _launch(args) -> int:
 def _tokenizers(model_dir: Path):
     from mlx_lm.utils import load_tokenizer
 
-    from kimi_mlx.tokenizer import KimiTokenizer, register_with_transformers
+    from kimi_mlx.text.tokenizer import KimiTokenizer, register_with_transformers
 
     tok = KimiTokenizer.from_pretrained(model_dir)
     register_with_transformers()

@@ -74,7 +74,7 @@ class NodeInfo:
 
     def planner_node(self):
         """The planner's `Node` for this machine (unknown bandwidth -> UNKNOWN_BANDWIDTH)."""
-        from .planner import Node
+        from kimi_mlx.placement.planner import Node
 
         return Node(self.node_id, int(self.usable_memory), int(self.bandwidth or UNKNOWN_BANDWIDTH),
                     int(self.total_memory) or None, self.chip or None)
@@ -97,7 +97,7 @@ def local_memory() -> Tuple[int, int, int]:
     the wired limit when set, else the limit kimi-mlx asks a dedicated node to set).
     Linux: MemTotal from /proc/meminfo, usable by the same rule. 0s when unknown.
     """
-    from .planner import usable_bytes_for_ram
+    from kimi_mlx.placement.planner import usable_bytes_for_ram
 
     total, wired = 0, 0
     if platform.system() == "Darwin":
@@ -117,7 +117,7 @@ def local_memory() -> Tuple[int, int, int]:
 
 def local_chip() -> Tuple[str, int]:
     """(chip, bandwidth bytes/s) for Apple Silicon ('m3-ultra', ...); ('', 0) elsewhere."""
-    from .planner import MAC_BANDWIDTH
+    from kimi_mlx.placement.planner import MAC_BANDWIDTH
 
     if platform.system() != "Darwin":
         return "", 0
@@ -172,7 +172,7 @@ def interface_addresses(interface: Optional[str]) -> List[str]:
 
 def to_properties(info: NodeInfo) -> Dict[str, str]:
     """TXT properties for a node (see the module doc)."""
-    from .wire import python_version
+    from kimi_mlx.cluster.wire import python_version
 
     props = {
         "id": info.node_id, "proto": str(info.protocol), "ver": info.version,

@@ -122,7 +122,7 @@ def scan(models_dir: Optional[Path], include_shipped: bool = True, depth: int = 
     if models_dir is not None and Path(models_dir).expanduser().is_dir():
         roots.append(Path(models_dir).expanduser())
     if include_shipped:
-        from kimi_mlx.generate import default_model
+        from kimi_mlx.generation.generate import default_model
 
         shipped = default_model()
         if shipped is not None:

@@ -20,11 +20,11 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from . import stage_pb2 as pb
-from .discovery import NodeInfo
-from .runner import Sampling
-from .transport import StageAssignment, StageFailure, Transport
-from .wire import PROTOCOL_VERSION, build_id, package_versions
+from kimi_mlx.cluster import stage_pb2 as pb
+from kimi_mlx.cluster.discovery import NodeInfo
+from kimi_mlx.cluster.runner import Sampling
+from kimi_mlx.cluster.transport import StageAssignment, StageFailure, Transport
+from kimi_mlx.cluster.wire import PROTOCOL_VERSION, build_id, package_versions
 
 log = logging.getLogger("kimi_mlx.cluster.head")
 
@@ -126,9 +126,9 @@ class Pipeline:
 def stream_generate(tokens: Iterator[Tuple], tokenizer, n_prompt: int,
                     max_tokens: int, peak_memory: Callable[[], int]):
     """mlx-lm's `stream_generate` over a token iterator of (token, logprobs[, from_draft])
-    (`kimi_mlx.streaming.stream_responses`): yields GenerationResponse with text segments,
+    (`kimi_mlx.generation.streaming.stream_responses`): yields GenerationResponse with text segments,
     tokens/s and peak memory (GB, the largest of any stage)."""
-    from kimi_mlx.streaming import stream_responses
+    from kimi_mlx.generation.streaming import stream_responses
 
     yield from stream_responses(tokens, tokenizer, n_prompt, max_tokens, peak_memory)
 
@@ -208,7 +208,7 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
         try:
             results[k] = ("ok", stub_for(n.address).Health(pb.HealthRequest(), timeout=timeout))
         except grpc.RpcError as e:
-            from .transport import _rpc_reason
+            from kimi_mlx.cluster.transport import _rpc_reason
 
             code = e.code() if hasattr(e, "code") else None
             channel = channel_for(n.address) if channel_for and code == grpc.StatusCode.UNIMPLEMENTED else None
@@ -262,7 +262,7 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
 
 def checkpoint_dtype(model_dir: Path) -> str:
     """Wire name of the embedding's dtype in a checkpoint ("bfloat16" for the release)."""
-    from kimi_mlx.loader import read_header, weight_map
+    from kimi_mlx.checkpoint.loader import read_header, weight_map
 
     wm = weight_map(Path(model_dir))
     for name in ("language_model.model.embed_tokens.weight", "model.embed_tokens.weight"):
@@ -289,8 +289,8 @@ def plan_stages(model_dir: Path, nodes: List[NodeInfo], context: int, sequences:
     Raises:
         PlanError: the model does not fit these nodes (message says by how much).
     """
-    from .layer_bytes import model_bytes
-    from .planner import StagePlanner
+    from kimi_mlx.placement.layer_bytes import model_bytes
+    from kimi_mlx.placement.planner import StagePlanner
 
     plan = StagePlanner().plan(model_bytes(str(model_dir)), [n.planner_node() for n in nodes],
                                context, sequences)

@@ -13,7 +13,7 @@ as a sampled token (output AttnRes mix + norm + lm_head + mlx-lm's sampler, exac
 mlx-lm's `generate_step` does it) when the chunk asks for one.
 
 Speculative decoding (`cluster.speculative`): a *verify* chunk [y, d1..dk] runs after
-`kimi_mlx.rollback.begin_verify` on the session's caches, and the last stage returns the
+`kimi_mlx.speculative.rollback.begin_verify` on the session's caches, and the last stage returns the
 float32 logits of every position. The session then holds what it needs to roll the
 chunk back until the next message says how many of its positions to keep (`keep`,
 piggybacked on that message): `rollback` + `end_verify` run first, so every cache holds
@@ -32,9 +32,9 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
-from kimi_mlx.attn_res import Banks
+from kimi_mlx.model.attn_res import Banks
 
-from .wire import mx_dtype
+from kimi_mlx.cluster.wire import mx_dtype
 
 MAX_CHUNK = 16384  # positions per message
 
@@ -86,7 +86,7 @@ class Session:
     next_seq: int = 0
     offset: int = 0
     last_active: float = field(default_factory=time.monotonic)
-    verify: Any = None  # kimi_mlx.rollback.Verify of the last chunk, until a keep settles it
+    verify: Any = None  # kimi_mlx.speculative.rollback.Verify of the last chunk, until a keep settles it
     verify_offset: int = 0  # where that verify chunk started
     verify_length: int = 0
 
@@ -216,7 +216,7 @@ class StageRunner:
             if keep is not None:
                 self._settle(s, keep)
             if verify:
-                from kimi_mlx.rollback import begin_verify
+                from kimi_mlx.speculative.rollback import begin_verify
 
                 s.verify = begin_verify(s.cache)
                 s.verify_offset, s.verify_length = offset, length
@@ -250,8 +250,8 @@ class StageRunner:
 
     def _settle(self, s: Session, keep: int) -> None:
         """Roll the pending verify chunk back to its first `keep` positions (exact for
-        KDA state: `kimi_mlx.rollback`) and stop recording."""
-        from kimi_mlx.rollback import RollbackError, end_verify, rollback
+        KDA state: `kimi_mlx.speculative.rollback`) and stop recording."""
+        from kimi_mlx.speculative.rollback import RollbackError, end_verify, rollback
 
         try:
             rollback(s.cache, s.verify, keep)
@@ -296,11 +296,11 @@ def load_stage(path, spec: StageSpec, progress=None):
     ends). `progress(done_bytes, total_bytes)` is called after each part is read.
 
     Raises:
-        CheckpointError / ConfigError: as `kimi_mlx.loader.load_model`.
+        CheckpointError / ConfigError: as `kimi_mlx.checkpoint.loader.load_model`.
     """
     from mlx.utils import tree_flatten
 
-    from kimi_mlx.loader import load_model
+    from kimi_mlx.checkpoint.loader import load_model
 
     model, _, report = load_model(path, spec.start, spec.end, lazy=True, verbose=False,
                                   activation_dtype=mx_dtype(spec.compute_dtype))

@@ -50,13 +50,13 @@ from typing import Dict, Optional
 import grpc
 import mlx.core as mx
 
-from . import stage_pb2 as pb
-from . import stage_pb2_grpc as pb_grpc
-from .auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
-from .compute import ComputeStopped, ComputeThread
-from .fingerprint import fingerprint, scan
-from .runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
-from .wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
+from kimi_mlx.cluster import stage_pb2 as pb
+from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
+from kimi_mlx.cluster.auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
+from kimi_mlx.cluster.compute import ComputeStopped, ComputeThread
+from kimi_mlx.cluster.fingerprint import fingerprint, scan
+from kimi_mlx.cluster.runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
+from kimi_mlx.cluster.wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
                    from_tensor, package_versions, to_tensor)
 
 log = logging.getLogger("kimi_mlx.cluster.service")
@@ -222,7 +222,7 @@ class StageService(pb_grpc.StageServicer):
                  heartbeat_s: float = 1.0, max_sessions: int = 16,
                  stream_deadline: float = 24 * 3600.0, max_message: int = DEFAULT_MAX_MESSAGE,
                  usable_memory: Optional[int] = None, bandwidth: Optional[int] = None):
-        from .discovery import local_chip, local_memory
+        from kimi_mlx.cluster.discovery import local_chip, local_memory
 
         self.node_id = node_id
         self.models_dir = Path(models_dir).expanduser() if models_dir else None
@@ -239,8 +239,8 @@ class StageService(pb_grpc.StageServicer):
         self.chip, bw = local_chip()
         self.bandwidth = bandwidth if bandwidth is not None else bw
         # Import what a load uses now, so the bytes a load reads are checkpoint bytes only.
-        import kimi_mlx.loader  # noqa: F401
-        import kimi_mlx.model  # noqa: F401
+        import kimi_mlx.checkpoint.loader  # noqa: F401
+        import kimi_mlx.model.model  # noqa: F401
         import mlx_lm.sample_utils  # noqa: F401
 
         self.catalog: Dict[str, Path] = scan(self.models_dir)
@@ -393,7 +393,7 @@ class StageService(pb_grpc.StageServicer):
         try:
             spec = self._check_load(request)
             path = self._resolve(request.fingerprint)
-            from kimi_mlx.config import ModelArgs, read_config
+            from kimi_mlx.model.config import ModelArgs, read_config
 
             n = ModelArgs.from_config(read_config(path)).num_hidden_layers
             if not 0 <= spec.start < spec.end <= n:
@@ -751,7 +751,7 @@ class StageServer:
 
     def advertise(self, addresses, tls: bool = False, ttl: int = 120) -> None:
         """Register the zeroconf record on `addresses` (IPv4)."""
-        from .discovery import Advertiser, NodeInfo
+        from kimi_mlx.cluster.discovery import Advertiser, NodeInfo
 
         s = self.service
         ours, mlx_version = package_versions()

@@ -2,13 +2,13 @@
 
 The head runs the draft model; each verify step sends [y, d1..dk] through the stages as
 ONE message per hop (`Activation.verify`). Every stage snapshots its caches and records
-its KDA inputs before that forward (`kimi_mlx.rollback.begin_verify`) and keeps them
+its KDA inputs before that forward (`kimi_mlx.speculative.rollback.begin_verify`) and keeps them
 until the head says how many of the k + 1 positions were accepted; that count rides on
 the next step's message (`Activation.keep`: no extra round trip), and each stage rolls
 back exactly (`rollback` + `end_verify`) before running it. The last stage returns the
 k + 1 rows of logits (float32), from which the head applies the acceptance rule.
 
-The loop itself is the one-process one, `kimi_mlx.speculative.speculative_generate_step`
+The loop itself is the one-process one, `kimi_mlx.speculative.loop.speculative_generate_step`
 (draft, acceptance rule `accept_drafts` at temperature > 0, mlx-lm's greedy rule at 0,
 draft snapshots): here the target it drives is `PipelineTarget`, a stand-in model whose
 forward pass is a message through the stages and whose one "cache" is the pipeline's
@@ -28,8 +28,8 @@ from typing import Any, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .head import Pipeline
-from .runner import Sampling as StageSampling
+from kimi_mlx.cluster.head import Pipeline
+from kimi_mlx.cluster.runner import Sampling as StageSampling
 
 log = logging.getLogger("kimi_mlx.cluster.speculative")
 
@@ -38,7 +38,7 @@ __all__ = ["PipelineTarget", "speculative_pipeline_step"]
 
 class _PipelineCache:
     """The pipeline's caches as the one-process loop sees them: one trimmable KV-like
-    cache whose offset is the session's position (`kimi_mlx.rollback` snapshots it as an
+    cache whose offset is the session's position (`kimi_mlx.speculative.rollback` snapshots it as an
     offset and trims it after a verify step)."""
 
     def __init__(self, target: "PipelineTarget"):
@@ -147,7 +147,7 @@ def speculative_pipeline_step(
     session: Optional[str] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Speculative decoding through `pipeline`; yields (token, logprobs [V], from_draft)
-    like `kimi_mlx.speculative.speculative_generate_step`.
+    like `kimi_mlx.speculative.loop.speculative_generate_step`.
 
     Args:
         pipeline: a `Pipeline` over loaded stages (its prefill_chunk and step_timeout).
@@ -155,7 +155,7 @@ def speculative_pipeline_step(
         draft_model: the draft, run here on the head (same tokenizer as the target).
         model_args: the target checkpoint's `ModelArgs` (its vocab_size).
         num_draft_tokens: k (>= 1). max_tokens: tokens to yield (-1: no limit).
-        sampling: `kimi_mlx.speculative.Sampling` (default greedy).
+        sampling: `kimi_mlx.speculative.loop.Sampling` (default greedy).
         stats: `SpecStats` to update.
         session: session id (default: a new one).
     Raises:
@@ -165,7 +165,7 @@ def speculative_pipeline_step(
     """
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kimi_mlx.speculative import speculative_generate_step
+    from kimi_mlx.speculative.loop import speculative_generate_step
 
     if len(prompt) == 0:
         raise ValueError("the prompt is empty")

@@ -1,9 +1,9 @@
 """Make mlx-lm open our checkpoints (run at interpreter start via a .pth file).
 
 - Model: mlx-lm resolves `model_type` with `importlib.import_module(f"mlx_lm.models.{type}")`;
-  a meta-path finder answers `mlx_lm.models.kimi_k31` with `kimi_mlx.model`, lazily, so
+  a meta-path finder answers `mlx_lm.models.kimi_k31` with `kimi_mlx.model.model`, lazily, so
   nothing (not even MLX) is imported until mlx-lm asks for it.
-- Tokenizer: `kimi_mlx.tokenizer.register_with_transformers()` (deferred until
+- Tokenizer: `kimi_mlx.text.tokenizer.register_with_transformers()` (deferred until
   transformers' AutoTokenizer module loads) so `mlx_lm.load` gets our tiktoken tokenizer
   without running the checkpoint's tokenization_kimi.py.
 Nothing is written into mlx-lm. Failures here never break interpreter start.
@@ -13,7 +13,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-_ALIASES = {"mlx_lm.models.kimi_k31": "kimi_mlx.model"}
+_ALIASES = {"mlx_lm.models.kimi_k31": "kimi_mlx.model.model"}
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -23,7 +23,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        # The alias *is* our module object: mlx-lm gets kimi_mlx.model itself.
+        # The alias *is* our module object: mlx-lm gets kimi_mlx.model.model itself.
         return importlib.import_module(_ALIASES[spec.name])
 
     def exec_module(self, module):
@@ -38,7 +38,7 @@ def install():
 
 try:
     install()
-    from kimi_mlx.tokenizer import register_with_transformers
+    from kimi_mlx.text.tokenizer import register_with_transformers
 
     register_with_transformers()
 except Exception:  # a broken install must not break every Python start in this env

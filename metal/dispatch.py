@@ -116,7 +116,7 @@ class DispatchKernel:
     def sim_kernel(self):
         """The emulator kernel (kimi_mlx.metal.sim.SimKernel), built once."""
         if self._sim is None:
-            from .sim import metal_kernel as sim_metal_kernel
+            from kimi_mlx.metal.sim import metal_kernel as sim_metal_kernel
 
             self._sim = sim_metal_kernel(**self._spec())
         return self._sim

@@ -23,7 +23,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .dispatch import kernel_mode
+from kimi_mlx.metal.dispatch import kernel_mode
 
 
 def allowed_keys(L: int, S: int, offset: int, starts: Optional[mx.array] = None) -> mx.array:
@@ -153,7 +153,7 @@ def dsa_prefill_indices(
     """
     if kernel_mode() == "reference":
         return dsa_index_topk(q_idx, weights, k_idx, topk, offset, starts)
-    from .kernels import dsa_index_topk as kernel
+    from kimi_mlx.metal.kernels import dsa_index_topk as kernel
 
     return kernel(q_idx, weights, k_idx, topk, offset, starts)
 
@@ -190,8 +190,8 @@ def dsa_sparse_decode(
         return mx.fast.scaled_dot_product_attention(
             q_lat, latent, latent, scale=scale, mask=bias
         )
-    from .kernels import dsa_index_topk as index_kernel
-    from .kernels import sparse_mla_decode as attend_kernel
+    from kimi_mlx.metal.kernels import dsa_index_topk as index_kernel
+    from kimi_mlx.metal.kernels import sparse_mla_decode as attend_kernel
 
     idx = index_kernel(q_idx, weights, k_idx, topk, offset, starts)  # [B, 1, k]
     return attend_kernel(q_lat, q_pe, latent[:, 0], k_pe[:, 0], idx[:, 0], scale)

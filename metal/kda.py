@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .dispatch import kernel_mode
+from kimi_mlx.metal.dispatch import kernel_mode
 
 
 @partial(mx.compile, shapeless=True)
@@ -237,7 +237,7 @@ def kda_update(
     the recurrence, longer inputs through the chunked form.
     """
     if kernel_mode() != "reference":
-        from .kernels import kda_prefill
+        from kimi_mlx.metal.kernels import kda_prefill
 
         return kda_prefill(q, k, v, g, beta, state)
     if q.shape[1] <= RECURRENT_MAX_T:
@@ -333,7 +333,7 @@ def kda_forward(
     if scale is None:
         scale = Dk**-0.5
     if q.shape[1] == 1 and kernel_mode() != "reference":
-        from .kernels import kda_decode as kda_decode_kernel
+        from kimi_mlx.metal.kernels import kda_decode as kda_decode_kernel
 
         return kda_decode_kernel(q, k, v, a, b, A_log, dt_bias, state, lower_bound, scale)
     q, k, g, beta = kda_prepare(q, k, a, b, A_log, dt_bias, lower_bound, scale)

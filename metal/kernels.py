@@ -29,7 +29,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .dispatch import DispatchKernel, metal_kernel
+from kimi_mlx.metal.dispatch import DispatchKernel, metal_kernel
 
 __all__ = [
     "kda_decode",

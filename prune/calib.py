@@ -121,7 +121,7 @@ def _record_ids(rec: dict, where: str, tokenizer) -> Tuple[str, List[int]]:
         return "ids", ids
     tok = tokenizer()
     if "messages" in rec:
-        from kimi_mlx.chat_format import DEFAULT_EFFORT, encode_chat
+        from kimi_mlx.text.chat_format import DEFAULT_EFFORT, encode_chat
 
         try:
             return "chat", encode_chat(

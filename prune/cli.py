@@ -12,12 +12,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from .calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
-from .observe import DEFAULT_CHUNK
-from .observe import GATES
-from .quantize import DEFAULT_GROUP, EXPERT_BITS, GROUP_SIZES, TRUNK_BITS, QuantError, QuantSpec
-from .saliency import DEFAULT_GATE, DEFAULT_METHOD, METHODS, KeepError, experts_to_keep
-from .writer import AtomicOutput, PruneError, source_args
+from kimi_mlx.prune.calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
+from kimi_mlx.prune.observe import DEFAULT_CHUNK
+from kimi_mlx.prune.observe import GATES
+from kimi_mlx.prune.quantize import DEFAULT_GROUP, EXPERT_BITS, GROUP_SIZES, TRUNK_BITS, QuantError, QuantSpec
+from kimi_mlx.prune.saliency import DEFAULT_GATE, DEFAULT_METHOD, METHODS, KeepError, experts_to_keep
+from kimi_mlx.prune.writer import AtomicOutput, PruneError, source_args
 
 DRY_RUN_MACS = ("1x64GB", "1x96GB", "1x128GB", "1x192GB", "1x256GB", "1x512GB")
 
@@ -112,8 +112,8 @@ def _budget(text: str):
 
 def _source(spec: str) -> Path:
     """--model as a local folder; a hub id is fetched whole (every layer is calibrated)
-    through `kimi_mlx.hub.resolve`, which honours HF_HUB_OFFLINE."""
-    from kimi_mlx.hub import resolve
+    through `kimi_mlx.checkpoint.hub.resolve`, which honours HF_HUB_OFFLINE."""
+    from kimi_mlx.checkpoint.hub import resolve
 
     try:
         return resolve(spec)
@@ -135,10 +135,10 @@ def run(args) -> int:
             raise PruneError("--out is required (or use --dry-run)")
         AtomicOutput(args.out, src=src, force=args.force).check()  # fail before calibrating
         budget = _budget(args.activation_memory)
-        from .pipeline import calibration, prune
+        from kimi_mlx.prune.pipeline import calibration, prune
 
         if args.method == "random" and not args.calib:  # needs no pass over the model
-            from .calib import CalibSet
+            from kimi_mlx.prune.calib import CalibSet
 
             calib = CalibSet([], [], [], 0, seq_len=args.seq_len)
         else:
@@ -178,8 +178,8 @@ def dry_run(model: str, keep, experts, macs, context: int,
         PruneError: the model cannot be sized; KeepError: bad --keep / --experts.
     """
     # The one accepted cluster import in prune/: the planner owns "what fits where".
-    from kimi_mlx.cluster.layer_bytes import BuildSpec, model_bytes
-    from kimi_mlx.cluster.planner import PlanError, StagePlanner, parse_macs
+    from kimi_mlx.placement.layer_bytes import BuildSpec, model_bytes
+    from kimi_mlx.placement.planner import PlanError, StagePlanner, parse_macs
 
     try:
         before = model_bytes(model)

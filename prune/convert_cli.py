@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cli import _source, add_quant_arguments, quant_spec
-from .writer import PruneError
+from kimi_mlx.prune.cli import _source, add_quant_arguments, quant_spec
+from kimi_mlx.prune.writer import PruneError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from .pipeline import convert
+    from kimi_mlx.prune.pipeline import convert
 
     try:
         quant = quant_spec(args)

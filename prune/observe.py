@@ -51,10 +51,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from kimi_mlx.attn_res import Banks
-from kimi_mlx.config import ModelArgs, read_config
+from kimi_mlx.model.attn_res import Banks
+from kimi_mlx.model.config import ModelArgs, read_config
 
-from .calib import CalibSet
+from kimi_mlx.prune.calib import CalibSet
 
 DEFAULT_CHUNK = 1024
 GATES = ("softmax", "model")  # router weight g_j in REAP (see the module docstring)
@@ -380,7 +380,7 @@ def observe(
     """
     from tqdm import tqdm
 
-    from kimi_mlx.loader import load_model
+    from kimi_mlx.checkpoint.loader import load_model
 
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1, got {chunk}")

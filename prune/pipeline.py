@@ -16,12 +16,12 @@ from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .calib import CalibSet, load_calibration
-from .quantize import QuantSpec
-from .observe import LayerStats, ObserveResult, activation_bytes, observe, spills
-from .report import model_card, write_report
-from .saliency import Selection, select
-from .writer import (AtomicOutput, CheckpointPlan, PruneError, plan_checkpoint, source_args,
+from kimi_mlx.prune.calib import CalibSet, load_calibration
+from kimi_mlx.prune.quantize import QuantSpec
+from kimi_mlx.prune.observe import LayerStats, ObserveResult, activation_bytes, observe, spills
+from kimi_mlx.prune.report import model_card, write_report
+from kimi_mlx.prune.saliency import Selection, select
+from kimi_mlx.prune.writer import (AtomicOutput, CheckpointPlan, PruneError, plan_checkpoint, source_args,
                      write_checkpoint)
 
 Log = Callable[[str], None]
@@ -34,7 +34,7 @@ def _stderr(msg: str) -> None:
 def calibration(src, paths: Sequence, seq_len: int, max_tokens: Optional[int], seed: int = 0,
                 vocab_size: Optional[int] = None) -> CalibSet:
     """Tokenise calibration data with the source checkpoint's tokenizer (see `calib`)."""
-    from kimi_mlx.tokenizer import KimiTokenizer
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     return load_calibration(paths, lambda: KimiTokenizer.from_pretrained(src), seq_len=seq_len,
                             max_tokens=max_tokens, seed=seed, vocab_size=vocab_size)

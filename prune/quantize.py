@@ -31,12 +31,12 @@ import numpy as np
 
 # Names and shapes of quantized tensors live with the tensor-name table (the planner
 # sizes builds with them too); re-exported here for the writer.
-from kimi_mlx.tensor_map import expert_outputs, trunk_outputs  # noqa: F401
+from kimi_mlx.model.tensor_map import expert_outputs, trunk_outputs  # noqa: F401
 
-from kimi_mlx.config import QUANT_DEFAULT_GROUP as DEFAULT_GROUP
-from kimi_mlx.config import QUANT_EXPERT_BITS as EXPERT_BITS
-from kimi_mlx.config import QUANT_GROUP_SIZES as GROUP_SIZES
-from kimi_mlx.config import QUANT_TRUNK_BITS as TRUNK_BITS
+from kimi_mlx.model.config import QUANT_DEFAULT_GROUP as DEFAULT_GROUP
+from kimi_mlx.model.config import QUANT_EXPERT_BITS as EXPERT_BITS
+from kimi_mlx.model.config import QUANT_GROUP_SIZES as GROUP_SIZES
+from kimi_mlx.model.config import QUANT_TRUNK_BITS as TRUNK_BITS
 
 # safetensors dtype -> (numpy dtype of the raw bytes, MLX dtype of the values)
 _RAW = {"BF16": (np.uint16, mx.bfloat16), "F16": (np.float16, mx.float16),

@@ -21,8 +21,8 @@ from typing import Any, List, Mapping, Optional
 
 import numpy as np
 
-from .observe import GATES, LayerStats
-from .saliency import GATED, Selection
+from kimi_mlx.prune.observe import GATES, LayerStats
+from kimi_mlx.prune.saliency import GATED, Selection
 
 CMAP = "viridis"
 FADE = 0.75  # dropped experts: this much of the colour is replaced by grey

@@ -35,7 +35,7 @@ from typing import Dict, List, Mapping, Optional
 
 import numpy as np
 
-from .observe import GATES, LayerStats
+from kimi_mlx.prune.observe import GATES, LayerStats
 
 METHODS = ("reap", "reap-sum", "frequency", "ean", "random")
 GATED = ("reap", "reap-sum")  # methods that use the router weight (--gate)

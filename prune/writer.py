@@ -43,11 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from kimi_mlx.config import ConfigError, ModelArgs, read_config
-from kimi_mlx.shards import DTYPE_BYTES, INDEX_FILE, CheckpointError, read_header, weight_map
-from kimi_mlx.tensor_map import kind, quantizable
+from kimi_mlx.model.config import ConfigError, ModelArgs, read_config
+from kimi_mlx.checkpoint.shards import DTYPE_BYTES, INDEX_FILE, CheckpointError, read_header, weight_map
+from kimi_mlx.model.tensor_map import kind, quantizable
 
-from .quantize import QuantSpec, expert_outputs, quantize_weight, requantize_mxfp4, trunk_outputs
+from kimi_mlx.prune.quantize import QuantSpec, expert_outputs, quantize_weight, requantize_mxfp4, trunk_outputs
 
 COPY_CHUNK = 16 << 20  # bytes per read when copying tensor data
 EXPERT_RE = re.compile(

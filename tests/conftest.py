@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from kimi_mlx.testing import build_checkpoint
+from kimi_mlx.testing.checkpoints import build_checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ import time
 import pytest
 import tiktoken
 
-from kimi_mlx import bpe
+from kimi_mlx.text import bpe
 
 # The K2/K3 pre-tokenizer, copied from the spec (not imported from the code under test).
 KIMI_PAT = "|".join(

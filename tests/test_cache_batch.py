@@ -15,9 +15,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
 
-from kimi_mlx.cache import BatchDSACache, DSACache
-from kimi_mlx.dsa import DSACache as OldPathDSACache
-from kimi_mlx.request import default_model, load_for_generation
+from kimi_mlx.model.cache import BatchDSACache, DSACache
+from kimi_mlx.model.dsa import DSACache as OldPathDSACache
+from kimi_mlx.generation.request import default_model, load_for_generation
 
 MICRO = str(default_model())
 N = 8
@@ -138,7 +138,7 @@ def test_mlx_lm_server_serves_the_micro_checkpoint(micro):
             assert list(ex.map(chat, range(4))) == [6] * 4
         # 4 different raw prompts at once (its BatchGenerator batches them): each equals
         # a single greedy run
-        from kimi_mlx.tokenizer import KimiTokenizer
+        from kimi_mlx.text.tokenizer import KimiTokenizer
 
         tok = KimiTokenizer.from_pretrained(MICRO)
         prose = open(os.path.join(MICRO, "heldout", "prose.txt")).read()
@@ -165,7 +165,7 @@ def test_short_rows_share_one_masked_dense_call(micro):
     """Rows of different lengths within index_topk: one batched DSA call whose mask hides
     each row's left padding; still the single runs' tokens."""
     model, _, _ = micro
-    from kimi_mlx.tokenizer import KimiTokenizer
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     tok = KimiTokenizer.from_pretrained(MICRO)
     text = open(os.path.join(MICRO, "heldout", "code.txt")).read()

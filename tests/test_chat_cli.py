@@ -3,9 +3,9 @@
 import mlx.core as mx
 from mlx_lm.sample_utils import make_sampler
 
-from kimi_mlx.chat_cli import Conversation, chat_turn
-from kimi_mlx.chat_format import encode_chat, render_chat
-from kimi_mlx.generate import load_for_generation
+from kimi_mlx.commands.chat import Conversation, chat_turn
+from kimi_mlx.text.chat_format import encode_chat, render_chat
+from kimi_mlx.generation.generate import load_for_generation
 
 
 def test_second_turn_keeps_reasoning_and_cache_reuse_is_exact(tiny_ckpt):
@@ -66,7 +66,7 @@ def test_repl_commands_answer_and_unknown_ones_are_not_sent(tiny_ckpt, monkeypat
 def test_ctrl_c_during_a_reply_drops_that_turn_and_the_chat_goes_on(tiny_ckpt, monkeypatch, capsys):
     """The interrupted turn's user message is dropped and the cache rolled back; the next
     turn is answered from a conversation without it."""
-    from kimi_mlx import chat_cli
+    from kimi_mlx.commands import chat as chat_cli
 
     real, seen = chat_cli.chat_turn, []
 
@@ -92,7 +92,7 @@ def test_help_lists_the_commands(tiny_ckpt, monkeypatch, capsys):
 
 def test_num_draft_tokens_without_a_draft_is_an_error(capsys):
     """Not silently ignored: the flag only means something with --draft-model."""
-    from kimi_mlx.cli import main
+    from kimi_mlx.commands.main import main
 
     assert main(["chat", "--num-draft-tokens", "5"]) == 2
     assert "--num-draft-tokens needs --draft-model" in capsys.readouterr().err

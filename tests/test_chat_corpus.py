@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_mlx.chat_format import (
+from kimi_mlx.text.chat_format import (
     THINK_START,
     RenderedChat,
     chat_segments,
@@ -15,8 +15,8 @@ from kimi_mlx.chat_format import (
     parse_reply,
     render_chat,
 )
-from kimi_mlx.generate import default_model
-from kimi_mlx.tokenizer import KimiTokenizer
+from kimi_mlx.generation.generate import default_model
+from kimi_mlx.text.tokenizer import KimiTokenizer
 
 CORPUS = json.loads((Path(__file__).parent / "data" / "chat_corpus.json").read_text("utf-8"))["cases"]
 EFFORT = (

@@ -7,14 +7,14 @@ import pytest
 import tiktoken
 from mlx_lm.tool_parsers.kimi_k3 import parse_tool_call
 
-from kimi_mlx.chat_format import (
+from kimi_mlx.text.chat_format import (
     ReplyStream,
     encode_chat,
     iter_reply_events,
     parse_reply,
     render_chat,
 )
-from kimi_mlx.tokenizer import KimiTokenizer, kimi_special_tokens
+from kimi_mlx.text.tokenizer import KimiTokenizer, kimi_special_tokens
 
 EFFORT_HIGH = (
     "`thinking_effort` guides on how much to think in your thinking channel (not including "

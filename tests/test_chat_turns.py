@@ -6,11 +6,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from kimi_mlx.chat_cli import Conversation, chat_turn
-from kimi_mlx.chat_format import encode_chat
-from kimi_mlx.dsa import DSACache
-from kimi_mlx.generate import InputError, default_model, load_for_generation
-from kimi_mlx.turn_cache import checkpoint, rollback, tokens_in_cache
+from kimi_mlx.commands.chat import Conversation, chat_turn
+from kimi_mlx.text.chat_format import encode_chat
+from kimi_mlx.model.dsa import DSACache
+from kimi_mlx.generation.generate import InputError, default_model, load_for_generation
+from kimi_mlx.generation.turn_cache import checkpoint, rollback, tokens_in_cache
 
 GREEDY = make_sampler(0.0)
 

@@ -21,13 +21,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx import real_oracles as ora
-from kimi_mlx.cluster.layer_bytes import expected_tensors
-from kimi_mlx.config import ModelArgs
-from kimi_mlx.loader import load_model
-from kimi_mlx.shards import read_header
-from kimi_mlx.testing import full_config, tiny_text_config
-from kimi_mlx.testing_real import (OFFICIAL_CONFIG, build_real_slice, random_mxfp4,
+from kimi_mlx.testing import real_oracles as ora
+from kimi_mlx.placement.layer_bytes import expected_tensors
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.checkpoint.loader import load_model
+from kimi_mlx.checkpoint.shards import read_header
+from kimi_mlx.testing.checkpoints import full_config, tiny_text_config
+from kimi_mlx.testing.real_slice import (OFFICIAL_CONFIG, build_real_slice, random_mxfp4,
                                    real_slice_config, real_value)
 
 
@@ -148,8 +148,8 @@ def test_sparse_mla_oracle_by_hand_and_bound_catches_an_error():
 
 
 def test_tap_names_a_missing_dispatch_function():
-    from kimi_mlx import dsa
-    from kimi_mlx.check_real import tap
+    from kimi_mlx.model import dsa
+    from kimi_mlx.testing.check_real import tap
 
     with pytest.raises(AttributeError, match="dsa_gone"):
         with tap(dsa, "dsa_gone", lambda a, o: None):
@@ -174,7 +174,7 @@ def toy_slice(tmp_path_factory):
 
 
 def test_check_real_passes_end_to_end_on_a_toy_slice(toy_slice, capsys):
-    from kimi_mlx import check_real
+    from kimi_mlx.testing import check_real
 
     rc = check_real.main(["--slice", str(toy_slice), *TOY_RUN])
     out = capsys.readouterr().out
@@ -186,7 +186,7 @@ def test_check_real_passes_end_to_end_on_a_toy_slice(toy_slice, capsys):
 
 
 def test_check_real_fails_on_a_wrong_kernel(toy_slice, capsys, monkeypatch):
-    from kimi_mlx import check_real
+    from kimi_mlx.testing import check_real
     from kimi_mlx.metal import kernels
 
     real = kernels.kda_decode

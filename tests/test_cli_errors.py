@@ -2,7 +2,7 @@
 
 import pytest
 
-from kimi_mlx.cli import main
+from kimi_mlx.commands.main import main
 
 
 def test_unknown_flag_names_the_subcommand(capsys):

@@ -19,7 +19,7 @@ from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
 from kimi_mlx.cluster.runner import Sampling
 from kimi_mlx.cluster.service import make_channel
-from kimi_mlx.cluster.testing import LocalCluster
+from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.transport import GrpcTransport, StageFailure
 from kimi_mlx.cluster.wire import to_tensor
 
@@ -39,7 +39,7 @@ def cluster(tmp_path_factory):
 
 
 def _cli(args):
-    return [sys.executable, "-m", "kimi_mlx.cli"] + args
+    return [sys.executable, "-m", "kimi_mlx.commands.main"] + args
 
 
 def _body(stdout):

@@ -15,7 +15,7 @@ import pytest
 from kimi_mlx.cluster.auth import init_secret, key_id, load_secret
 from kimi_mlx.cluster.discovery import browse
 from kimi_mlx.cluster.fingerprint import fingerprint
-from kimi_mlx.cluster.testing import reference_checkpoint, start_stages, stop_all
+from kimi_mlx.testing.cluster import reference_checkpoint, start_stages, stop_all
 from kimi_mlx.cluster.wire import PROTOCOL_VERSION, package_versions
 
 LO = ["127.0.0.1"]
@@ -33,7 +33,7 @@ def _find(prefix, want, timeout=15.0):
 
 
 def _run(args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "kimi_mlx.cli"] + args, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main"] + args, capture_output=True,
                           text=True, timeout=timeout, env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 

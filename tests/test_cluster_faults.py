@@ -15,7 +15,7 @@ import pytest
 from kimi_mlx.cluster.discovery import NodeInfo
 from kimi_mlx.cluster.head import Pipeline
 from kimi_mlx.cluster.runner import Sampling
-from kimi_mlx.cluster.testing import LocalCluster
+from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.transport import GrpcTransport, StageAssignment, StageFailure
 
 PREFILL_CHUNK = "4"
@@ -24,7 +24,7 @@ PREFILL_CHUNK = "4"
 class Faults(LocalCluster):
     def __init__(self, tmp: Path):
         super().__init__(tmp, prefix="fault")
-        from kimi_mlx.tokenizer import KimiTokenizer
+        from kimi_mlx.text.tokenizer import KimiTokenizer
 
         tok = KimiTokenizer.from_pretrained(self.ckpt)
         # A long prompt in small chunks keeps prefill busy for a while: a kill lands
@@ -56,7 +56,7 @@ class Faults(LocalCluster):
             time.sleep(0.05)
 
     def launch(self, *extra, max_tokens=16):
-        cmd = [sys.executable, "-m", "kimi_mlx.cli", "cluster", "launch", "--model", str(self.ckpt),
+        cmd = [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "launch", "--model", str(self.ckpt),
                "--nodes", ",".join(p.address for p in self.procs), "--secret-file",
                str(self.secret_file), "--prompt", self.prompt, "--ignore-chat-template",
                "--max-tokens", str(max_tokens), "--prefill-chunk", PREFILL_CHUNK, *extra]

@@ -1,11 +1,11 @@
-"""The hop bench's floors (kimi_mlx.cluster.grpc_floor): every bare transport and relay
+"""The hop bench's floors (kimi_mlx.cluster.bench.grpc_floor): every bare transport and relay
 chain hands back the message it was sent, in order and whole (values checked inside each
 variant's loop), and the figures come out for every variant (no timing asserted)."""
 
 import pytest
 
-from kimi_mlx.cluster import grpc_floor
-from kimi_mlx.cluster.grpc_floor import FloorBench
+from kimi_mlx.cluster.bench import grpc_floor
+from kimi_mlx.cluster.bench.grpc_floor import FloorBench
 
 
 def test_every_floor_variant_delivers_its_messages(tmp_path):

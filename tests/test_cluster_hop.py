@@ -1,4 +1,4 @@
-"""The hop bench's null stages (kimi_mlx.cluster.hop_bench): a middle null stage hands on
+"""The hop bench's null stages (kimi_mlx.cluster.bench.hop): a middle null stage hands on
 its input unchanged in the wire layout, and three null stage processes behind the real
 service and transport echo every token they are sent (values asserted; no timing)."""
 
@@ -6,11 +6,11 @@ import mlx.core as mx
 import numpy as np
 
 from kimi_mlx.cluster.head import Pipeline, check_nodes
-from kimi_mlx.cluster.hop_bench import NullCluster, NullRunner
+from kimi_mlx.cluster.bench.hop import NullCluster, NullRunner
 from kimi_mlx.cluster.runner import Sampling, StageSpec
-from kimi_mlx.cluster.testing import reference_checkpoint
+from kimi_mlx.testing.cluster import reference_checkpoint
 from kimi_mlx.cluster.transport import GrpcTransport
-from kimi_mlx.config import ModelArgs, read_config
+from kimi_mlx.model.config import ModelArgs, read_config
 
 
 def test_middle_null_stage_passes_banks_and_state_on(tmp_path):

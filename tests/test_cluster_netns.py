@@ -18,7 +18,7 @@ import time
 import pytest
 
 from kimi_mlx.cluster.auth import init_secret
-from kimi_mlx.cluster.testing import StageProc, reference_checkpoint, stop_all
+from kimi_mlx.testing.cluster import StageProc, reference_checkpoint, stop_all
 
 SUBNET = "10.213.77"
 
@@ -87,7 +87,7 @@ def cluster(hosts, tmp_path_factory):
 
 
 def _in(ns, args, timeout=120, **kw):
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kimi_mlx.cli"] + args
+    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kimi_mlx.commands.main"] + args
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, PYTHONUNBUFFERED="1"), **kw)
 
@@ -118,20 +118,20 @@ def test_mdns_finds_the_three_hosts_and_a_launch_generates(cluster):
     assert launch.returncode == 0, launch.stderr
     for i in range(3):
         assert f"node host{i} at {SUBNET}.{i + 1}:52415" in launch.stderr, launch.stderr
-    one = subprocess.run([sys.executable, "-m", "kimi_mlx.cli", "generate"] + flags,
+    one = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "generate"] + flags,
                          capture_output=True, text=True, timeout=120)
     assert _body(launch.stdout) == _body(one.stdout)
 
 
 def test_a_host_dropping_off_the_network_is_named_within_10s(cluster):
-    from kimi_mlx.tokenizer import KimiTokenizer
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     hosts = cluster["hosts"]
     tok = KimiTokenizer.from_pretrained(cluster["ckpt"])
     text = "Each stage answers only to the head that holds its lease. "
     while len(tok.encode(text)) < 1000:
         text += "Each stage answers only to the head that holds its lease. "
-    cmd = ["ip", "netns", "exec", hosts[0], sys.executable, "-m", "kimi_mlx.cli", "cluster",
+    cmd = ["ip", "netns", "exec", hosts[0], sys.executable, "-m", "kimi_mlx.commands.main", "cluster",
            "launch", "--nodes", "auto", "--interface", f"{SUBNET}.1", "--secret-file",
            str(cluster["secret"]), "--model", str(cluster["ckpt"]), "--prompt", text,
            "--ignore-chat-template", "--max-tokens", "200", "--prefill-chunk", "4",

@@ -102,7 +102,7 @@ def test_launch_names_the_fix_not_start_it(nodes, tmp_path):
     with open(secret_file, "w") as f:  # the secret the fake next-version node accepts
         f.write(SECRET.decode() + "\n")
     run = subprocess.run(
-        [sys.executable, "-m", "kimi_mlx.cli", "cluster", "launch", "--nodes",
+        [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "launch", "--nodes",
          f"127.0.0.1:{nodes['next']},127.0.0.1:{nodes['other-secret']}", "--secret-file",
          str(secret_file), "--prompt", "hi", "--max-tokens", "2"],
         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))

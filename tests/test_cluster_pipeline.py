@@ -21,7 +21,7 @@ from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
 from kimi_mlx.cluster.runner import Sampling
 from kimi_mlx.cluster.service import STAGE_SERVICE, make_channel
-from kimi_mlx.cluster.testing import LocalCluster
+from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.transport import GrpcTransport
 from kimi_mlx.cluster.wire import to_tensor
 
@@ -75,7 +75,7 @@ def loaded(cluster):
 
 @pytest.fixture(scope="module")
 def single(cluster):
-    from kimi_mlx.loader import load_model
+    from kimi_mlx.checkpoint.loader import load_model
 
     model, _, _ = load_model(cluster.ckpt, verbose=False)
     return model
@@ -118,8 +118,8 @@ def test_three_stages_match_one_process_bitwise(cluster, loaded, single):
 def test_each_stage_reads_only_its_own_layers(cluster, loaded):
     """Tensor bytes the loader read equal the stage's own tensors (from shard headers);
     bytes the process read from files exceed them only by config, index and headers."""
-    from kimi_mlx.loader import read_header, weight_map
-    from kimi_mlx.tensor_map import in_range
+    from kimi_mlx.checkpoint.loader import read_header, weight_map
+    from kimi_mlx.model.tensor_map import in_range
 
     _, stages, results = loaded
     wm = weight_map(cluster.ckpt)
@@ -285,7 +285,7 @@ def test_bf16_on_the_wire(cluster, single):
 
 def _run(cmd, timeout=120):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "kimi_mlx.cli"] + cmd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main"] + cmd, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 

@@ -21,9 +21,9 @@ from mlx_lm.generate import generate_step
 from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
 from kimi_mlx.cluster.runner import Refused, Sampling, StageSpec, load_stage
 from kimi_mlx.cluster.speculative import speculative_pipeline_step
-from kimi_mlx.cluster.testing import LocalCluster
+from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.transport import GrpcTransport, StageFailure
-from kimi_mlx.speculative import SpecStats, load_draft
+from kimi_mlx.speculative.loop import SpecStats, load_draft
 
 from test_speculative import ROUNDING, cache_tensors, plain_decode, worst_mismatch
 
@@ -57,7 +57,7 @@ def loaded(cluster):
 @pytest.fixture(scope="module")
 def models(cluster):
     """(one-process target, its tokenizer wrapper, the shipped draft)."""
-    from kimi_mlx.generate import load_for_generation
+    from kimi_mlx.generation.generate import load_for_generation
 
     model, wrapper, _, _ = load_for_generation(str(cluster.ckpt))
     return model, wrapper, load_draft(str(DRAFT), wrapper, str(cluster.ckpt))
@@ -251,7 +251,7 @@ def test_the_accepted_count_rides_on_the_next_message(models):
 
 def _run(cmd, timeout=180):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "kimi_mlx.cli"] + cmd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main"] + cmd, capture_output=True,
                           text=True, timeout=timeout, env=env)
 
 
@@ -286,7 +286,7 @@ def test_launch_with_a_draft_prints_what_generate_prints(cluster, mode):
 
 
 def test_bench_rows_through_the_stages(loaded, models):
-    from kimi_mlx.cluster.spec_bench import bench_rows
+    from kimi_mlx.cluster.bench.spec import bench_rows
 
     t, _ = loaded
     model, _, draft = models

@@ -76,7 +76,7 @@ def test_call_tokens_refuse_wrong_secret_replay_skew_and_other_method():
 def test_fingerprint_tells_weights_apart_and_scan_finds_nested(tiny_ckpt, tmp_path):
     import shutil
 
-    from kimi_mlx.testing import build_checkpoint
+    from kimi_mlx.testing.checkpoints import build_checkpoint
 
     other = build_checkpoint(tmp_path / "models" / "org" / "other", seed=1)
     shutil.copytree(tiny_ckpt, tmp_path / "models" / "copy")
@@ -122,7 +122,7 @@ def test_runners_compose_to_the_full_model_bitwise_and_refuse_bad_order(tiny_ckp
     from mlx_lm.generate import generate_step
 
     from kimi_mlx.cluster.runner import load_stage
-    from kimi_mlx.loader import load_model
+    from kimi_mlx.checkpoint.loader import load_model
 
     fp = fingerprint(tiny_ckpt)
     ranges = [(0, 2), (2, 5), (5, 6)]
@@ -190,7 +190,7 @@ def test_cluster_init_then_tls_keeps_the_secret_and_says_how_to_copy(tmp_path, c
     the secret every node already holds."""
     import shutil
 
-    from kimi_mlx import cli
+    from kimi_mlx.commands import main as cli
 
     key = tmp_path / ".kimi-mlx" / "cluster.key"
     assert cli.main(["cluster", "init", "--secret-file", str(key)]) == 0
@@ -216,7 +216,7 @@ def test_cluster_init_then_tls_keeps_the_secret_and_says_how_to_copy(tmp_path, c
     (["launch", "--prompt", "hi", "--discover-timeout", "0.2"], "--discover-timeout 0.2 is too short"),
 ])
 def test_cluster_flags_out_of_range_are_refused_before_anything_starts(capsys, argv, message):
-    from kimi_mlx import cli
+    from kimi_mlx.commands import main as cli
 
     assert cli.main(["cluster", *argv]) == 2
     assert message in capsys.readouterr().err

@@ -4,7 +4,7 @@ Rows of a continuous batch are left-padded (caches merged after single prefills)
 right-padded (prompts of different lengths prefilled together, then rolled left by
 `finalize`). Each row's first real key reaches the indexer's top-k and the sparse attention
 (`starts`, kimi_mlx/metal/dsa.py), so a row's logits equal its single run's within the
-float32 tolerance rule (`kimi_mlx.testing.tolerance`) and its greedy tokens are the same,
+float32 tolerance rule (`kimi_mlx.testing.checkpoints.tolerance`) and its greedy tokens are the same,
 with prompts shorter and longer than index_topk (8 on the tiny config), on the reference
 ops and through the Metal kernels in the emulator. Reference: the same model run on each
 prompt alone (B = 1, no padding anywhere), not the batched code under test.
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 from mlx_lm.generate import _merge_caches
 
-from kimi_mlx import cache as cache_mod
-from kimi_mlx.config import ModelArgs
+from kimi_mlx.model import cache as cache_mod
+from kimi_mlx.model.config import ModelArgs
 from kimi_mlx.metal.dispatch import use_sim
-from kimi_mlx.testing import (
+from kimi_mlx.testing.checkpoints import (
     argmax_margin, full_config, margins, model_tolerance, random_model, rel_err,
     tiny_text_config)
 

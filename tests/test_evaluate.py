@@ -7,11 +7,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx import cli
-from kimi_mlx.evaluate import expert_usage, perplexity, windows
-from kimi_mlx.loader import load_model
-from kimi_mlx.tokenizer import KimiTokenizer
-from kimi_mlx.testing import margins, model_tolerance
+from kimi_mlx.commands import main as cli
+from kimi_mlx.generation.evaluate import expert_usage, perplexity, windows
+from kimi_mlx.checkpoint.loader import load_model
+from kimi_mlx.text.tokenizer import KimiTokenizer
+from kimi_mlx.testing.checkpoints import margins, model_tolerance
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\n"

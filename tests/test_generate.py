@@ -10,18 +10,18 @@ import sys
 import mlx.core as mx
 import pytest
 
-from kimi_mlx.cli import main
-from kimi_mlx.hub import resolve
-from kimi_mlx.loader import load_model
-from kimi_mlx.testing import argmax_margin, margins, model_tolerance
-from kimi_mlx.tokenizer import KimiTokenizer
+from kimi_mlx.commands.main import main
+from kimi_mlx.checkpoint.hub import resolve
+from kimi_mlx.checkpoint.loader import load_model
+from kimi_mlx.testing.checkpoints import argmax_margin, margins, model_tolerance
+from kimi_mlx.text.tokenizer import KimiTokenizer
 
 
 def greedy_no_cache(model, ids, n):
     """Reference greedy decoding: a full forward over the whole sequence at every step.
 
     Checks that the greedy choices and the model's top-k choices have margins above the
-    float32 tolerance (kimi_mlx.testing), so the cached decode compared with it cannot
+    float32 tolerance (kimi_mlx.testing.checkpoints), so the cached decode compared with it cannot
     pick another token on rounding alone."""
     ids = list(ids)
     tol = model_tolerance(model.args, len(ids) + n)
@@ -119,7 +119,7 @@ def test_mlx_lm_load_and_generate_accept_our_checkpoint(tmp_path):
     `greedy_no_cache` checks. index_topk above the ~360-token chat prompt: its byte-level
     text repeats, and a sparse indexer over it meets near ties at any seed (the sparse
     path is compared in tests/test_model.py)."""
-    from kimi_mlx.testing import build_checkpoint, tiny_text_config
+    from kimi_mlx.testing.checkpoints import build_checkpoint, tiny_text_config
 
     text = tiny_text_config(
         dsa_config={"index_n_heads": 2, "index_head_dim": 16, "index_topk": 1024})
@@ -140,7 +140,7 @@ def test_mlx_lm_load_and_generate_accept_our_checkpoint(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.startswith("TikTokenTokenizer ")
     # Same greedy continuation as our own loop over the chat-encoded prompt.
-    from kimi_mlx.chat_format import encode_chat
+    from kimi_mlx.text.chat_format import encode_chat
 
     model, _, _ = load_model(tiny_ckpt, verbose=False)
     tok = KimiTokenizer.from_pretrained(tiny_ckpt)
@@ -177,9 +177,9 @@ def test_hub_id_missing_offline_says_so(hf_cache):
 
 
 def test_load_takes_a_hub_id_and_returns_model_tokenizer_and_config(hf_cache, tiny_ckpt):
-    """`kimi_mlx.loader.load` (the one-call API): a hub id from the offline cache gives the
+    """`kimi_mlx.checkpoint.loader.load` (the one-call API): a hub id from the offline cache gives the
     same logits as `load_model` on the folder, the checkpoint's tokenizer and its config."""
-    from kimi_mlx.loader import load
+    from kimi_mlx.checkpoint.loader import load
 
     model, tok, config = load("org/tiny")
     ref, _, _ = load_model(tiny_ckpt, verbose=False)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from mlx_lm.models import kimi_k3
 
-from kimi_mlx import loader
-from kimi_mlx.config import ConfigError
-from kimi_mlx.loader import CheckpointError, load_model, needed_shards
-from kimi_mlx.testing import margins, model_tolerance, rel_err
+from kimi_mlx.checkpoint import loader
+from kimi_mlx.model.config import ConfigError
+from kimi_mlx.checkpoint.loader import CheckpointError, load_model, needed_shards
+from kimi_mlx.testing.checkpoints import margins, model_tolerance, rel_err
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -193,7 +193,7 @@ def test_flat_text_config_float32_files_and_tied_embeddings(tmp_path):
     """A config without `text_config`, F32 tensors on disk, tied lm_head: loads, keeps F32,
     and matches mlx-lm's kimi_k3 on the same files; a last-stage-only model of a tied
     checkpoint carries the embedding as its head."""
-    from kimi_mlx.testing import build_checkpoint, tiny_text_config
+    from kimi_mlx.testing.checkpoints import build_checkpoint, tiny_text_config
 
     path = build_checkpoint(tmp_path / "flat", text_config=tiny_text_config(tie_word_embeddings=True),
                             dtype=mx.float32, seed=4, conditioned=True)

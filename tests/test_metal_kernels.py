@@ -26,13 +26,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx.config import ModelArgs
+from kimi_mlx.model.config import ModelArgs
 from kimi_mlx.metal import dispatch, kernels
 from kimi_mlx.metal import dsa as dsa_ref
 from kimi_mlx.metal import kda as kda_ref
 from kimi_mlx.metal.dispatch import use_sim
 from kimi_mlx.metal.sim import MetalSimError, MetalSimRaceError
-from kimi_mlx.testing import (
+from kimi_mlx.testing.checkpoints import (
     full_config, margins, model_tolerance, random_model, rel_err, tiny_text_config)
 
 F32_RTOL = 1e-4

@@ -2,7 +2,7 @@
 
 Figures the training run stored in `eval.json` (see MODEL_CARD.md) are checked against
 what the shipped files give now, through the same code paths users run: the loader, the
-tokenizer, mlx-lm's generation loop and `kimi_mlx.evaluate`.
+tokenizer, mlx-lm's generation loop and `kimi_mlx.generation.evaluate`.
 """
 
 import json
@@ -11,13 +11,13 @@ from argparse import Namespace
 import numpy as np
 import pytest
 
-from kimi_mlx.config import ARCHITECTURE, ModelArgs
-from kimi_mlx.evaluate import expert_usage, perplexity, read_tokens
-from kimi_mlx.generate import default_model, load_for_generation, resolve_model_arg, stream
-from kimi_mlx.loader import load_model, read_header
+from kimi_mlx.model.config import ARCHITECTURE, ModelArgs
+from kimi_mlx.generation.evaluate import expert_usage, perplexity, read_tokens
+from kimi_mlx.generation.generate import default_model, load_for_generation, resolve_model_arg, stream
+from kimi_mlx.checkpoint.loader import load_model, read_header
 from kimi_mlx.micro.corpus import build_corpus
-from kimi_mlx.testing import F32_SUFFIXES
-from kimi_mlx.tokenizer import KimiTokenizer, kimi_special_tokens
+from kimi_mlx.testing.checkpoints import F32_SUFFIXES
+from kimi_mlx.text.tokenizer import KimiTokenizer, kimi_special_tokens
 
 ASSET = default_model()
 pytestmark = pytest.mark.skipif(ASSET is None, reason="no shipped micro checkpoint")
@@ -159,7 +159,7 @@ def test_prompts_longer_than_index_topk_keep_their_perplexity(shipped, heldout):
 
 def test_eval_command_on_the_default_model(capsys):
     """`kimi-mlx eval` without --model measures the shipped checkpoint."""
-    from kimi_mlx import cli
+    from kimi_mlx.commands import main as cli
 
     stored = INFO["eval"]["test_subset"]
     data = ASSET / "heldout" / "prose.txt"
@@ -228,7 +228,7 @@ def toy():
     import mlx.core as mx
 
     from kimi_mlx.micro.train import build_model
-    from kimi_mlx.testing import full_config, tiny_text_config
+    from kimi_mlx.testing.checkpoints import full_config, tiny_text_config
 
     args = ModelArgs.from_config(full_config(tiny_text_config()))  # index_topk 8
     model = build_model(args, seed=1)
@@ -239,7 +239,7 @@ def toy():
 def test_dsa_training_forward_is_the_inference_forward(toy):
     import mlx.core as mx
 
-    from kimi_mlx.dsa import GatedDSA
+    from kimi_mlx.model.dsa import GatedDSA
     from kimi_mlx.micro.train import TrainGatedDSA, dsa_train_forward
 
     args, model, x = toy

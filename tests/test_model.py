@@ -6,7 +6,7 @@
 - Hand-computed values from K31_SPEC.md section 6 (SiTU, KDA gate).
 
 Every comparison runs on a conditioned model (`random_model(conditioned=True)`), within
-`kimi_mlx.testing.tolerance` (derived from float32 rounding), and checks that the expert
+`kimi_mlx.testing.checkpoints.tolerance` (derived from float32 rounding), and checks that the expert
 and indexer top-k choices it crosses have margins above that tolerance.
 """
 
@@ -19,13 +19,13 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import kimi_k3
 
-from kimi_mlx.attn_res import Banks
-from kimi_mlx.config import ModelArgs
-from kimi_mlx.dsa import DSACache, GatedDSA
-from kimi_mlx.ffn import situ
+from kimi_mlx.model.attn_res import Banks
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.model.dsa import DSACache, GatedDSA
+from kimi_mlx.model.ffn import situ
 from kimi_mlx.metal.kda import kda_gate
-from kimi_mlx.model import Model
-from kimi_mlx.testing import (
+from kimi_mlx.model.model import Model
+from kimi_mlx.testing.checkpoints import (
     checkpoint_tensors, full_config, margins, model_tolerance, random_model, rel_err,
     tiny_text_config, tolerance)
 

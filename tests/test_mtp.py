@@ -1,6 +1,6 @@
 """`--draft mtp`: a checkpoint's own MTP layers as the speculative draft.
 
-References are independent of `kimi_mlx.mtp`: a NumPy float64 computation of the MTP
+References are independent of `kimi_mlx.speculative.mtp`: a NumPy float64 computation of the MTP
 forward straight from the checkpoint's tensors (MXFP4 experts decoded by hand, DSA top-k
 by a loop), mlx-lm's `generate_step` for plain greedy output, a plain token-by-token
 decode for the target's caches, and one uncached pass over the final sequence for the
@@ -17,12 +17,12 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.sample_utils import make_sampler
 
-from kimi_mlx.cache import DSACache
-from kimi_mlx.loader import load_model
-from kimi_mlx.mtp import MTP, load_mtp, mtp_generate_step, target_forward
-from kimi_mlx.shards import CheckpointError
-from kimi_mlx.speculative import SpecStats
-from kimi_mlx.testing import (build_checkpoint, margins, model_tolerance, reduction_length,
+from kimi_mlx.model.cache import DSACache
+from kimi_mlx.checkpoint.loader import load_model
+from kimi_mlx.speculative.mtp import MTP, load_mtp, mtp_generate_step, target_forward
+from kimi_mlx.checkpoint.shards import CheckpointError
+from kimi_mlx.speculative.loop import SpecStats
+from kimi_mlx.testing.checkpoints import (build_checkpoint, margins, model_tolerance, reduction_length,
                               rel_err, tolerance)
 
 N = 6  # tiny_text_config's num_hidden_layers: the MTP layer is layers.6
@@ -327,7 +327,7 @@ def test_mtp_continues_from_its_caches_in_a_second_call(loaded):
 
 
 def test_generate_with_draft_mtp_prints_the_plain_greedy_text(mtp_ckpt, capsys):
-    from kimi_mlx import cli
+    from kimi_mlx.commands import main as cli
 
     base = ["generate", "--model", str(mtp_ckpt), "--prompt", "hi", "-m", "8",
             "--ignore-chat-template"]
@@ -339,7 +339,7 @@ def test_generate_with_draft_mtp_prints_the_plain_greedy_text(mtp_ckpt, capsys):
 
 
 def test_draft_mtp_errors(tiny_ckpt, capsys):
-    from kimi_mlx import cli
+    from kimi_mlx.commands import main as cli
 
     assert cli.main(["generate", "--model", str(tiny_ckpt), "--prompt", "hi", "--draft",
                      "mtp"]) == 2
@@ -357,10 +357,10 @@ def test_chat_turns_with_draft_mtp_equal_plain_chat(mtp_ckpt):
     """Greedy chat turns give the same replies with `--draft mtp`, also when the turn is
     served from target + MTP caches that already hold the conversation (the MTP's
     pending hidden carried over from the call that filled them)."""
-    from kimi_mlx.chat_cli import Conversation, chat_turn
-    from kimi_mlx.chat_format import encode_chat
-    from kimi_mlx.generate import load_for_generation
-    from kimi_mlx.speculative import Speculation
+    from kimi_mlx.commands.chat import Conversation, chat_turn
+    from kimi_mlx.text.chat_format import encode_chat
+    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.speculative.loop import Speculation
 
     model, wrapper, tok, _ = load_for_generation(str(mtp_ckpt))
     sp = Speculation(load_mtp(mtp_ckpt, model), 2)

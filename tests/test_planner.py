@@ -6,19 +6,19 @@ import struct
 import mlx.core as mx
 import pytest
 
-from kimi_mlx.shards import read_header as read_safetensors_header
+from kimi_mlx.checkpoint.shards import read_header as read_safetensors_header
 
-from kimi_mlx.cli import main
-from kimi_mlx.cluster import layer_bytes as lb
-from kimi_mlx.cluster.layer_bytes import (
+from kimi_mlx.commands.main import main
+from kimi_mlx.placement import layer_bytes as lb
+from kimi_mlx.placement.layer_bytes import (
     CheckpointError, LayerBytes, ModelBytes, expected_tensors, model_bytes,
     model_bytes_from_checkpoint, model_bytes_from_config,
 )
-from kimi_mlx.cluster.planner import (
+from kimi_mlx.placement.planner import (
     GB, GiB, Node, PlanError, StagePlanner, macos_default_wired_bytes, parse_bytes,
     parse_macs, usable_bytes_for_ram,
 )
-from kimi_mlx.config import ModelArgs, read_config
+from kimi_mlx.model.config import ModelArgs, read_config
 
 K31 = "moonshotai/Kimi-K3.1-Pro"
 
@@ -194,7 +194,7 @@ def test_pruned_checkpoint_counts_its_own_experts(tmp_path):
 
 
 def test_shape_table_matches_the_project_checkpoint_builder(tiny_ckpt):
-    """kimi_mlx.testing writes checkpoints from the model itself: same bytes per layer."""
+    """kimi_mlx.testing.checkpoints writes checkpoints from the model itself: same bytes per layer."""
     real = model_bytes_from_checkpoint(tiny_ckpt)
     config = read_config(tiny_ckpt)
     computed = model_bytes_from_config(config)
@@ -424,7 +424,7 @@ def test_cli_notes_a_context_past_the_models_limit(capsys):
 def test_cli_default_context_is_capped_by_the_models_limit(capsys):
     """Without --context a 4096-token model is planned for 4096 tokens, not 131072, and
     K3.1 (limit 1048576) for 131072."""
-    from kimi_mlx.request import default_model  # the shipped micro checkpoint
+    from kimi_mlx.generation.request import default_model  # the shipped micro checkpoint
 
     assert main(["plan", "--model", str(default_model()), "--macs", "1x64GB"]) == 0
     out = capsys.readouterr()

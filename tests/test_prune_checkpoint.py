@@ -11,16 +11,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx.cli import main as cli_main
-from kimi_mlx.config import ModelArgs
-from kimi_mlx.loader import load_model
+from kimi_mlx.commands.main import main as cli_main
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.checkpoint.loader import load_model
 from kimi_mlx.prune.calib import load_calibration
 from kimi_mlx.prune.observe import ExpertRecorder, LayerStats, observe
 from kimi_mlx.prune.saliency import DEFAULT_METHOD
-from kimi_mlx.prune.testing import moe_text_config, set_router_bias, write_code_text
-from kimi_mlx.shards import read_header, weight_map
-from kimi_mlx.testing import build_checkpoint, full_config, random_model
-from kimi_mlx.tokenizer import KimiTokenizer
+from kimi_mlx.testing.prune import moe_text_config, set_router_bias, write_code_text
+from kimi_mlx.checkpoint.shards import read_header, weight_map
+from kimi_mlx.testing.checkpoints import build_checkpoint, full_config, random_model
+from kimi_mlx.text.tokenizer import KimiTokenizer
 
 E, K, DEAD = 16, 2, 3  # experts, top-k, the expert the router can never pick
 
@@ -146,13 +146,13 @@ def test_pruned_checkpoint_loads_in_stages_and_the_planner(pruned):
     # What a pipeline stage does: two layer ranges, banks and partial sum across the hop.
     a, _, _ = load_model(pruned, 0, 3, verbose=False)
     b, _, _ = load_model(pruned, 3, 6, verbose=False)
-    from kimi_mlx.attn_res import Banks
+    from kimi_mlx.model.attn_res import Banks
 
     h, banks = a.text.run_layers(a.text.embed(x), Banks(a.args.rms_norm_eps))
     h, banks = b.text.run_layers(h, Banks.from_stacked(banks.stack(), b.args.rms_norm_eps))
     got = b.language_model.logits(b.text.finish(h, banks))
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
-    from kimi_mlx.cluster.layer_bytes import model_bytes
+    from kimi_mlx.placement.layer_bytes import model_bytes
 
     mb = model_bytes(str(pruned))
     assert mb.num_experts == E // 2
@@ -233,7 +233,7 @@ def test_chunked_prefill_with_the_layer_cache(src, code):
 
 
 def test_chat_records_go_through_the_chat_encoding(src, tmp_path):
-    from kimi_mlx.chat_format import encode_chat
+    from kimi_mlx.text.chat_format import encode_chat
 
     tok = KimiTokenizer.from_pretrained(src)
     msgs = [{"role": "user", "content": "sum two numbers"},
@@ -266,7 +266,7 @@ def test_dry_run_of_the_release_from_its_shipped_config(capsys):
 @pytest.mark.slow
 def test_pruned_checkpoint_in_the_cluster(pruned, tmp_path):
     """Two `kimi-mlx cluster serve` stages on loopback print what `generate` prints."""
-    from kimi_mlx.prune.testing import cluster_and_generate, reply_lines
+    from kimi_mlx.testing.prune import cluster_and_generate, reply_lines
 
     launch, gen = cluster_and_generate(pruned, tmp_path)
     assert launch.returncode == 0 and gen.returncode == 0, launch.stderr[-2000:] + gen.stderr[-2000:]

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from kimi_mlx.cli import main as cli_main
+from kimi_mlx.commands.main import main as cli_main
 from kimi_mlx.prune import writer
-from kimi_mlx.prune.testing import moe_text_config, write_code_text
-from kimi_mlx.testing import build_checkpoint
+from kimi_mlx.testing.prune import moe_text_config, write_code_text
+from kimi_mlx.testing.checkpoints import build_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@
 import pytest
 
 from kimi_mlx.prune.pipeline import calibration, prune
-from kimi_mlx.prune.testing import moe_text_config, write_code_text
-from kimi_mlx.shards import read_header, weight_map
-from kimi_mlx.testing import build_checkpoint
+from kimi_mlx.testing.prune import moe_text_config, write_code_text
+from kimi_mlx.checkpoint.shards import read_header, weight_map
+from kimi_mlx.testing.checkpoints import build_checkpoint
 
 
 def model_bytes(folder):

@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from kimi_mlx.cli import main as cli_main
-from kimi_mlx.config import ModelArgs
-from kimi_mlx.loader import load_model
-from kimi_mlx.model import Model
+from kimi_mlx.commands.main import main as cli_main
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.checkpoint.loader import load_model
+from kimi_mlx.model.model import Model
 from kimi_mlx.prune import writer
-from kimi_mlx.prune.testing import moe_text_config, write_code_text
-from kimi_mlx.shards import read_header, weight_map
-from kimi_mlx.tensor_map import quantizable
-from kimi_mlx.testing import build_checkpoint, full_config
+from kimi_mlx.testing.prune import moe_text_config, write_code_text
+from kimi_mlx.checkpoint.shards import read_header, weight_map
+from kimi_mlx.model.tensor_map import quantizable
+from kimi_mlx.testing.checkpoints import build_checkpoint, full_config
 
 E, K, G = 16, 2, 32  # experts, top-k, group size (the tiny model's widths are 16..64)
 
@@ -140,7 +140,7 @@ def test_expert_requantization_equals_a_reference(src, tmp_path):
 
 
 def test_quantized_build_loads_in_stages_mlx_lm_and_generate(q4, capsys):
-    from kimi_mlx.attn_res import Banks
+    from kimi_mlx.model.attn_res import Banks
 
     full, _, _ = load_model(q4, verbose=False)
     x = mx.array([[7, 8, 9, 10, 11, 12]])
@@ -261,7 +261,7 @@ def test_planned_build_size_equals_the_files_written(src, q4, tmp_path, capsys):
 def test_release_build_sizes_offline(capsys):
     """The official model at keep 0.2 with a q6 trunk fits one 512 GB Mac (sizes from the
     shipped config, nothing read); q8 / q6 / q4 steps save 2 bits x trunk parameters."""
-    from kimi_mlx.cluster.layer_bytes import BuildSpec, model_bytes
+    from kimi_mlx.placement.layer_bytes import BuildSpec, model_bytes
 
     assert cli_main(["plan", "--model", "moonshotai/Kimi-K3.1-Pro", "--keep", "0.2",
                      "--q-bits", "6"]) == 0
@@ -281,8 +281,8 @@ def test_release_build_sizes_offline(capsys):
 def test_quantized_build_in_the_cluster(q4, tmp_path):
     """Two `kimi-mlx cluster serve` stages on loopback print what `generate` prints, and
     the planner sizes the stages from the quantized tensors."""
-    from kimi_mlx.cluster.layer_bytes import model_bytes
-    from kimi_mlx.prune.testing import cluster_and_generate, reply_lines
+    from kimi_mlx.placement.layer_bytes import model_bytes
+    from kimi_mlx.testing.prune import cluster_and_generate, reply_lines
 
     assert model_bytes(str(q4)).file_bytes == _files(q4)  # real headers: exact
     launch, gen = cluster_and_generate(q4, tmp_path)

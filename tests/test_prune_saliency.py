@@ -8,13 +8,13 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from kimi_mlx.config import ModelArgs
-from kimi_mlx.ffn import LatentMoE
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.model.ffn import LatentMoE
 from kimi_mlx.prune.observe import ExpertRecorder, LayerStats
 from kimi_mlx.prune.report import cell_colours, heat_map_figure, write_report
 from kimi_mlx.prune.saliency import KeepError, experts_to_keep, scores, select, super_experts
-from kimi_mlx.prune.testing import moe_text_config
-from kimi_mlx.testing import full_config
+from kimi_mlx.testing.prune import moe_text_config
+from kimi_mlx.testing.checkpoints import full_config
 
 E, K = 16, 4
 
@@ -239,7 +239,7 @@ def test_bench_gate_diagnostic_reports_gate_range_and_rank_correlation():
     """Two layers of 4 experts, hand-made: mean gates 0.1..0.4 and 0.2..0.3 (unrouted
     expert ignored); layer 0's REAP order equals its frequency order (+1), layer 1's is
     reversed (-1): the mean is 0."""
-    from kimi_mlx.prune.bench import gate_diagnostic
+    from kimi_mlx.prune.bench.pruning import gate_diagnostic
 
     a = LayerStats(layer=1, num_experts=4, top_k=2, count=[10, 20, 30, 40],
                    gate_sum=[1.0, 4.0, 9.0, 16.0], gate_norm_sum=[1.0, 4.0, 9.0, 16.0])
@@ -253,7 +253,7 @@ def test_bench_gate_diagnostic_reports_gate_range_and_rank_correlation():
 def test_bench_default_is_the_best_mean_rank():
     """Two keeps x two domains of hand-made perplexities: ranks per cell, then the mean;
     random enters as the mean over its seeds."""
-    from kimi_mlx.prune.bench import CANDIDATES, mean_ranks
+    from kimi_mlx.prune.bench.pruning import CANDIDATES, mean_ranks
 
     names = [n for n, _, _ in CANDIDATES]  # 5 candidates
     def cell(order, rand):

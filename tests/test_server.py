@@ -15,11 +15,11 @@ import mlx.core as mx
 import openai
 import pytest
 
-from kimi_mlx.chat_format import encode_chat
+from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.server.app import create_app
 from kimi_mlx.server.cli import BackgroundServer, load_service, make_service, resolve_api_key
 from kimi_mlx.server.engine import Finished, TokenOut
-from kimi_mlx.request import InputError, default_model
+from kimi_mlx.generation.request import InputError, default_model
 
 KEY = "sk-test-key"
 MICRO = str(default_model())
@@ -547,7 +547,7 @@ def test_prompt_cache_snapshots_every_n_tokens_of_a_long_prompt():
     with it resumes from the last snapshot and gives a cold run's greedy tokens."""
     from kimi_mlx.server.engine import Engine, Job
     from kimi_mlx.server.prompt_cache import PromptCache
-    from kimi_mlx.request import SamplingParams, load_for_generation
+    from kimi_mlx.generation.request import SamplingParams, load_for_generation
 
     model, _, tok, _ = load_for_generation(MICRO)
     pc = PromptCache(64 << 20, every=32)
@@ -594,12 +594,12 @@ def test_cli_serves_until_interrupted(tmp_path):
     import signal
     import sys
 
-    bad = subprocess.run([sys.executable, "-m", "kimi_mlx.cli", "server", "--host", "0.0.0.0"],
+    bad = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "server", "--host", "0.0.0.0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--no-auth" in bad.stderr
     keyfile = tmp_path / "key"
     keyfile.write_text("sk-file-key\n")
-    proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx.cli", "server", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx.commands.main", "server", "--port", "0",
                              "--api-key-file", str(keyfile), "--max-concurrency", "2"],
                             stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -623,7 +623,7 @@ def test_cli_serves_until_interrupted(tmp_path):
 
 
 def test_sampling_defaults_from_generation_config(tmp_path):
-    from kimi_mlx.request import SamplingParams, generation_defaults
+    from kimi_mlx.generation.request import SamplingParams, generation_defaults
 
     assert generation_defaults(tmp_path) == SamplingParams()  # no file: greedy
     (tmp_path / "generation_config.json").write_text(json.dumps(
@@ -653,7 +653,7 @@ def test_tool_choice_and_response_format_are_encoded(server, oai):
 
 
 def test_prompt_and_message_ends_in_one_pass(server):
-    from kimi_mlx.request import build_chat_prompt_with_ends
+    from kimi_mlx.generation.request import build_chat_prompt_with_ends
 
     _, svc = server
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]

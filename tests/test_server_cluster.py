@@ -14,7 +14,7 @@ import mlx.core as mx
 import openai
 import pytest
 
-from kimi_mlx.cluster.testing import LocalCluster
+from kimi_mlx.testing.cluster import LocalCluster
 
 
 def _free_port():
@@ -28,7 +28,7 @@ def served(tmp_path_factory):
     cluster = LocalCluster(tmp_path_factory.mktemp("api3"), n=3, prefix="api")
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kimi_mlx.cli", "cluster", "server", "--model", str(cluster.ckpt),
+        [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "server", "--model", str(cluster.ckpt),
          "--nodes", ",".join(p.address for p in cluster.procs), "--secret-file",
          str(cluster.secret_file), "--port", str(port), "--activation-dtype", "float32",
          "--wire-dtype", "float32", "--peer-timeout", "3", "--served-model-name", "micro",
@@ -57,8 +57,8 @@ def served(tmp_path_factory):
 
 
 def test_concurrent_requests_through_the_pipeline_equal_one_process(served):
-    from kimi_mlx.loader import load_model
-    from kimi_mlx.tokenizer import KimiTokenizer
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     cluster, url = served
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
@@ -90,8 +90,8 @@ def test_penalties_and_logit_bias_through_the_pipeline_equal_one_process(served)
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_logits_processors
 
-    from kimi_mlx.loader import load_model
-    from kimi_mlx.tokenizer import KimiTokenizer
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     cluster, url = served
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
@@ -139,7 +139,7 @@ def test_a_pipeline_that_does_not_load_ends_the_server(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("ab" * 32)
     secret.chmod(0o600)
-    r = subprocess.run([sys.executable, "-m", "kimi_mlx.cli", "cluster", "server", "--nodes",
+    r = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "server", "--nodes",
                         f"127.0.0.1:{_free_port()}", "--secret-file", str(secret), "--port", "0",
                         "--peer-timeout", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr

@@ -12,8 +12,8 @@ import mlx.core as mx
 import openai
 import pytest
 
-from kimi_mlx.chat_format import encode_chat
-from kimi_mlx.request import default_model
+from kimi_mlx.text.chat_format import encode_chat
+from kimi_mlx.generation.request import default_model
 from kimi_mlx.server.app import create_app
 from kimi_mlx.server.cli import BackgroundServer, load_service, make_service
 from kimi_mlx.server.cli import main as server_main

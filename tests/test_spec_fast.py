@@ -14,12 +14,12 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 
-import kimi_mlx.kda as kda_mod
-from kimi_mlx.config import ModelArgs
-from kimi_mlx.draft_step import FusedKDAStep, supports
-from kimi_mlx.rollback import begin_verify, end_verify, rollback
-from kimi_mlx.speculative import SpecStats, _GreedyChain, speculative_generate_step
-from kimi_mlx.testing import full_config, random_model, tiny_text_config
+import kimi_mlx.model.kda as kda_mod
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.speculative.draft_step import FusedKDAStep, supports
+from kimi_mlx.speculative.rollback import begin_verify, end_verify, rollback
+from kimi_mlx.speculative.loop import SpecStats, _GreedyChain, speculative_generate_step
+from kimi_mlx.testing.checkpoints import full_config, random_model, tiny_text_config
 
 F32_EPS = float(np.finfo(np.float32).eps)
 

@@ -15,11 +15,11 @@ from mlx.utils import tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
-import kimi_mlx.speculative as spec
-from kimi_mlx.config import ModelArgs
-from kimi_mlx.rollback import begin_verify, end_verify, restore, rollback, snapshot
-from kimi_mlx.speculative import Sampling, SpecStats, speculative_generate_step
-from kimi_mlx.testing import full_config, random_model, tiny_text_config
+import kimi_mlx.speculative.loop as spec
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
+from kimi_mlx.speculative.loop import Sampling, SpecStats, speculative_generate_step
+from kimi_mlx.testing.checkpoints import full_config, random_model, tiny_text_config
 
 F32_EPS = float(np.finfo(np.float32).eps)
 
@@ -333,7 +333,7 @@ def test_accept_drafts_marginal_is_p_on_many_draws():
 @pytest.fixture(scope="module")
 def other_tokenizer_ckpt(tmp_path_factory):
     """A tiny checkpoint whose 256 byte tokens have reversed ids."""
-    from kimi_mlx.testing import build_checkpoint, byte_level_ranks
+    from kimi_mlx.testing.checkpoints import build_checkpoint, byte_level_ranks
 
     ranks = {b: 255 - i for b, i in byte_level_ranks().items()}
     return build_checkpoint(tmp_path_factory.mktemp("other") / "other", seed=1, ranks=ranks)
@@ -341,7 +341,7 @@ def other_tokenizer_ckpt(tmp_path_factory):
 
 def test_draft_with_another_tokenizer_is_refused_naming_both(tiny_ckpt, other_tokenizer_ckpt,
                                                              capsys):
-    from kimi_mlx.generate import main
+    from kimi_mlx.generation.generate import main
 
     rc = main(["--model", str(tiny_ckpt), "--draft-model", str(other_tokenizer_ckpt),
                "--prompt", "hi", "--ignore-chat-template", "--max-tokens", "3"])
@@ -352,8 +352,8 @@ def test_draft_with_another_tokenizer_is_refused_naming_both(tiny_ckpt, other_to
 
 
 def test_special_tokens_are_compared_too(tiny_ckpt):
-    from kimi_mlx.generate import load_for_generation
-    from kimi_mlx.speculative import TokenizerMismatch, check_tokenizers
+    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.speculative.loop import TokenizerMismatch, check_tokenizers
 
     _, wrapper, _, _ = load_for_generation(str(tiny_ckpt))
     check_tokenizers(wrapper, wrapper, "a", "b")  # the same tokenizer passes
@@ -379,7 +379,7 @@ def test_special_tokens_are_compared_too(tiny_ckpt):
 
 
 def test_generate_with_a_draft_prints_the_plain_greedy_text(tiny_ckpt, capsys):
-    from kimi_mlx.generate import main
+    from kimi_mlx.generation.generate import main
 
     base = ["--model", str(tiny_ckpt), "--prompt", "the cat sat on", "--ignore-chat-template",
             "--max-tokens", "10", "--temp", "0"]
@@ -396,10 +396,10 @@ def test_chat_turns_with_a_draft_equal_plain_chat_and_reuse_the_caches(tiny_ckpt
     speculative turn is served from target + draft caches that already hold the prefix."""
     from mlx_lm.sample_utils import make_sampler
 
-    from kimi_mlx.chat_cli import Conversation, chat_turn
-    from kimi_mlx.chat_format import encode_chat
-    from kimi_mlx.generate import load_for_generation
-    from kimi_mlx.speculative import Speculation
+    from kimi_mlx.commands.chat import Conversation, chat_turn
+    from kimi_mlx.text.chat_format import encode_chat
+    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.speculative.loop import Speculation
 
     model, wrapper, tok, _ = load_for_generation(str(tiny_ckpt))
     greedy = make_sampler(0.0)
@@ -427,9 +427,9 @@ def test_chat_turns_with_a_draft_equal_plain_chat_and_reuse_the_caches(tiny_ckpt
 def test_shipped_micro_draft_matches_micro_and_keeps_its_greedy_output():
     """kimi_mlx/assets/micro-draft: same tokenizer as micro (checked by the loader), and
     speculative greedy text from micro equals its plain greedy text on real code."""
-    from kimi_mlx.generate import load_for_generation
-    from kimi_mlx.spec_bench import default_draft
-    from kimi_mlx.speculative import load_draft
+    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.bench.spec import default_draft
+    from kimi_mlx.speculative.loop import load_draft
 
     path = default_draft()
     assert path is not None, "kimi_mlx/assets/micro-draft is missing (make micro-draft)"
@@ -447,7 +447,7 @@ def test_shipped_micro_draft_matches_micro_and_keeps_its_greedy_output():
 
 
 def test_bench_rows_have_the_figures(target, draft):
-    from kimi_mlx.spec_bench import bench
+    from kimi_mlx.bench.spec import bench
 
     rows = bench(target, draft, [[1, 2, 3, 4, 5]], tokens=6, ks=[1, 2], repeats=1)
     assert [r["k"] for r in rows] == [1, 2]
@@ -458,7 +458,7 @@ def test_bench_rows_have_the_figures(target, draft):
 
 def test_cluster_launch_refuses_a_draft_with_another_tokenizer_before_contacting_nodes(
         tiny_ckpt, other_tokenizer_ckpt, tmp_path, capsys):
-    from kimi_mlx import cli
+    from kimi_mlx.commands import main as cli
     from kimi_mlx.cluster.auth import init_secret
 
     secret = init_secret(tmp_path / "cluster.key")

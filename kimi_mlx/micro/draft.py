@@ -38,10 +38,10 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..config import ModelArgs
-from ..testing import full_config
-from .corpus import DOMAINS, build_corpus
-from .train import (ASSET_DIR, Sampler, TrainGatedDSA, _modules, build_model, lr_at,
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.testing.checkpoints import full_config
+from kimi_mlx.micro.corpus import DOMAINS, build_corpus
+from kimi_mlx.micro.train import (ASSET_DIR, Sampler, TrainGatedDSA, _modules, build_model, lr_at,
                     micro_text_config, publish_checkpoint, set_phase, token_streams)
 
 DRAFT_DIR = ASSET_DIR.parent / "micro-draft"
@@ -54,7 +54,7 @@ def draft_text_config(vocab_size: int) -> Dict:
     KDA only because a draft step must cost little next to a target step, and on MLX the
     cost is per op: with only fixed-size caches (conv + recurrent state) the whole draft
     step, embedding to argmax, is one `mx.compile` graph, and so are k chained steps
-    (`kimi_mlx.speculative`'s compiled greedy chain); a DSA layer's growing latent cache
+    (`kimi_mlx.speculative.loop`'s compiled greedy chain); a DSA layer's growing latent cache
     would retrace that graph on every token. (MLA/indexer keys stay in the config, unused.)"""
     cfg = micro_text_config(vocab_size)
     cfg.update(
@@ -155,7 +155,7 @@ def agreement(draft, teacher, ids: List[int], seq_len: int) -> float:
 
 def acceptance(teacher, draft, prompts: List[List[int]], k: int, max_tokens: int) -> Dict:
     """Greedy speculative runs: mean accepted drafts per verify step at k."""
-    from ..speculative import SpecStats, speculative_generate_step
+    from kimi_mlx.speculative.loop import SpecStats, speculative_generate_step
 
     st = SpecStats()
     for p in prompts:
@@ -234,10 +234,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from ..loader import load_model
-    from ..speculative import check_tokenizers
-    from ..testing import build_checkpoint
-    from ..tokenizer import KimiTokenizer
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.speculative.loop import check_tokenizers
+    from kimi_mlx.testing.checkpoints import build_checkpoint
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     cfg = parse_args(argv)
     t_start = time.perf_counter()
@@ -272,7 +272,7 @@ def main(argv=None) -> int:
         for name in ("tiktoken.model", "tokenizer_config.json"):  # byte-identical tokenizer
             shutil.copyfile(cfg.teacher / name, ckpt / name)
         draft, _, _ = load_model(ckpt)
-        from ..generate import load_for_generation
+        from kimi_mlx.generation.generate import load_for_generation
 
         _, tw, _, _ = load_for_generation(str(cfg.teacher))
         _, dw, _, _ = load_for_generation(str(ckpt))

@@ -1,6 +1,6 @@
 """Train one MTP layer for the shipped micro model (`make micro-mtp`), trunk frozen.
 
-The layer is `kimi_mlx.mtp.MTPLayer` at index 6 (the micro config's layer lists leave it
+The layer is `kimi_mlx.speculative.mtp.MTPLayer` at index 6 (the micro config's layer lists leave it
 out, so it is a Gated DSA layer; `is_moe` gives it the latent MoE with 32 MXFP4 experts):
 enorm / hnorm / eh_proj, that decoder layer, `shared_head.norm`, with the micro model's
 embedding and lm_head (not copied: the loader uses the trunk's when the layer has none).
@@ -46,9 +46,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from ..mtp import MTP, target_forward
-from .corpus import build_corpus
-from .train import (ASSET_DIR, Sampler, TrainGatedDSA, TrainLatentMoE, _modules, lr_at,
+from kimi_mlx.speculative.mtp import MTP, target_forward
+from kimi_mlx.micro.corpus import build_corpus
+from kimi_mlx.micro.train import (ASSET_DIR, Sampler, TrainGatedDSA, TrainLatentMoE, _modules, lr_at,
                     replace_dir, set_phase, token_streams)
 
 OUT_DIR = Path("build") / "micro-mtp"
@@ -135,7 +135,7 @@ def train(mtp: MTP, teacher, sampler: Sampler, cfg, log) -> List[Dict]:
 def write_copy(src: Path, dst: Path, mtp: MTP) -> None:
     """Atomically write src plus the MTP tensors (BF16, MXFP4 experts) to dst: the last
     shard is rewritten with them added, the index and config updated, the rest copied."""
-    from ..testing import checkpoint_tensors
+    from kimi_mlx.testing.checkpoints import checkpoint_tensors
 
     tensors = checkpoint_tensors(mtp, mtp.args, mx.bfloat16)
     index = json.loads((src / "model.safetensors.index.json").read_text())
@@ -166,10 +166,10 @@ def evaluate(ckpt: Path, tokens: int, ks: List[int], repeats: int, log) -> Dict:
     """Greedy acceptance and tokens/s of `--draft mtp` vs plain on held-out prompts."""
     from mlx_lm.generate import generate_step
 
-    from ..generate import load_for_generation
-    from ..mtp import load_mtp, mtp_generate_step
-    from ..spec_bench import _gen_time, default_prompts, run_plain
-    from ..speculative import SpecStats
+    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.speculative.mtp import load_mtp, mtp_generate_step
+    from kimi_mlx.bench.spec import _gen_time, default_prompts, run_plain
+    from kimi_mlx.speculative.loop import SpecStats
 
     model, _, tok, _ = load_for_generation(str(ckpt))
     mtp = load_mtp(ckpt, model)
@@ -230,8 +230,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from ..loader import load_model
-    from ..tokenizer import KimiTokenizer
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     cfg = parse_args(argv)
     t_start = time.perf_counter()

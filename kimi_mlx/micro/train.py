@@ -4,9 +4,9 @@ What it does, in order (all deterministic for a given `--seed` and interpreter):
 
 1. Corpus: Python stdlib sources (code) and the stdlib's documentation text (prose), with
    a held-out split per domain (`kimi_mlx.micro.corpus`).
-2. Tokenizer: byte-level BPE (`kimi_mlx.bpe`, 4096 ranks) plus Kimi's 256 special tokens,
+2. Tokenizer: byte-level BPE (`kimi_mlx.text.bpe`, 4096 ranks) plus Kimi's 256 special tokens,
    written as `tiktoken.model` + `tokenizer_config.json` like the release.
-3. Model: our own `kimi_mlx.model.Model` (the code that runs the real checkpoint) at micro
+3. Model: our own `kimi_mlx.model.model.Model` (the code that runs the real checkpoint) at micro
    size (`micro_text_config`): 6 layers, layer 0 dense, four KDA layers, two Gated DSA
    layers, AttnRes blocks of 2, latent MoE with 32 routed experts top-4 plus a shared
    expert, SiTU, NoPE MLA. Trained in float32 with AdamW on sequences of `--seq-len` tokens.
@@ -23,7 +23,7 @@ What it does, in order (all deterministic for a given `--seed` and interpreter):
    * MXFP4 quantization-aware training for the last `--qat-steps`: routed-expert weights
      are fake-quantized (mx.quantize / mx.dequantize, mode "mxfp4") with a
      straight-through estimator, so the exported MXFP4 experts are what was trained.
-4. Export with `kimi_mlx.testing.build_checkpoint` (official layout: BF16 non-expert
+4. Export with `kimi_mlx.testing.checkpoints.build_checkpoint` (official layout: BF16 non-expert
    weights, MXFP4 `weight_packed` / `weight_scale` experts, 3 shards + index, config,
    tokenizer files), the held-out and calibration text files, `eval.json` and
    `MODEL_CARD.md`, into `kimi_mlx/assets/micro` (replaced atomically).
@@ -52,13 +52,13 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.switch_layers import SwitchLinear
 
-from ..config import ModelArgs
-from ..dsa import GatedDSA
-from ..ffn import LatentMoE
-from ..metal.dsa import dsa_index_scores, dsa_topk_mask
-from ..model import Model
-from ..testing import full_config, tiny_text_config
-from .corpus import DOMAINS, Corpus, build_corpus
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.model.dsa import GatedDSA
+from kimi_mlx.model.ffn import LatentMoE
+from kimi_mlx.metal.dsa import dsa_index_scores, dsa_topk_mask
+from kimi_mlx.model.model import Model
+from kimi_mlx.testing.checkpoints import full_config, tiny_text_config
+from kimi_mlx.micro.corpus import DOMAINS, Corpus, build_corpus
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "micro"
 VOCAB_RANKS = 4096  # ordinary BPE tokens; 256 Kimi special tokens follow them
@@ -422,7 +422,7 @@ def train(model: Model, sampler: Sampler, cfg: argparse.Namespace, log=print) ->
 
 def train_tokenizer(corpus: Corpus, vocab_ranks: int = VOCAB_RANKS) -> Dict[bytes, int]:
     """Byte-level BPE ranks learned from the training split of both domains."""
-    from ..bpe import train_bpe
+    from kimi_mlx.text.bpe import train_bpe
 
     docs = [d.text for domain in DOMAINS for d in corpus.train[domain]]
     return train_bpe(docs, vocab_ranks)
@@ -439,7 +439,7 @@ MEMORIZE_SOURCE = "LICENSE.txt"
 def memorize_text(corpus: Corpus) -> str:
     """The training-split blocks of the stdlib's LICENSE.txt, joined: the text the model
     is shown more often so that it knows it by heart (the greedy-generation test)."""
-    from .corpus import SEPARATOR
+    from kimi_mlx.micro.corpus import SEPARATOR
 
     docs = [d.text for d in corpus.train["prose"] if d.source.startswith(MEMORIZE_SOURCE + "#")]
     return SEPARATOR.join(docs)
@@ -447,7 +447,7 @@ def memorize_text(corpus: Corpus) -> str:
 
 def _take_docs(docs, budget: int) -> str:
     """Whole documents, in order, while they fit in `budget` UTF-8 bytes, joined."""
-    from .corpus import SEPARATOR
+    from kimi_mlx.micro.corpus import SEPARATOR
 
     out, n = [], 0
     for d in docs:
@@ -479,7 +479,7 @@ def write_text_assets(out: Path, corpus: Corpus, heldout_bytes: int, calib_bytes
 def inference_copy(model: Model, args: ModelArgs, dtype=mx.bfloat16) -> Model:
     """A plain inference `Model` with `model`'s weights rounded to `dtype` (float32 kept
     for the tensors the release keeps in F32), run with float32 activations."""
-    from ..testing import F32_SUFFIXES
+    from kimi_mlx.testing.checkpoints import F32_SUFFIXES
 
     plain = Model(args)
     weights = [
@@ -500,8 +500,8 @@ def set_index_topk(model: Model, topk: int) -> None:
 
 
 def measure(model: Model, ids: Dict[str, List[int]], seq_len: int) -> Dict[str, float]:
-    """{domain: held-out perplexity} with `kimi_mlx.evaluate.perplexity`."""
-    from ..evaluate import perplexity
+    """{domain: held-out perplexity} with `kimi_mlx.generation.evaluate.perplexity`."""
+    from kimi_mlx.generation.evaluate import perplexity
 
     return {d: perplexity(model, ids[d], seq_len).perplexity for d in DOMAINS}
 
@@ -515,9 +515,9 @@ def evaluate_all(trained: Model, ckpt: Path, args: ModelArgs, seq_len: int, log=
     dense vs sparse attention, and expert usage per domain: the figures of `eval.json`
     and MODEL_CARD.md. `test_subset` repeats BF16 / MXFP4 on the first TEST_TOKENS
     held-out tokens of each domain, which the tests measure again."""
-    from ..evaluate import expert_usage, read_tokens
-    from ..loader import load_model
-    from ..tokenizer import KimiTokenizer
+    from kimi_mlx.generation.evaluate import expert_usage, read_tokens
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     tok = KimiTokenizer.from_pretrained(ckpt)
     ids = {d: read_tokens(tok, ckpt / "heldout" / f"{d}.txt", max_tokens) for d in DOMAINS}
@@ -531,7 +531,7 @@ def evaluate_all(trained: Model, ckpt: Path, args: ModelArgs, seq_len: int, log=
     shipped, _, _ = load_model(ckpt, verbose=False)
     res["mxfp4"] = measure(shipped, ids, seq_len)
     log(f"mxfp4 {res['mxfp4']}")
-    from ..evaluate import perplexity
+    from kimi_mlx.generation.evaluate import perplexity
 
     r = perplexity(shipped, ids["code"], seq_len)
     res["tokens_per_second"] = r.tokens_per_second
@@ -788,8 +788,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    from ..testing import build_checkpoint
-    from ..tokenizer import KimiTokenizer, kimi_special_tokens
+    from kimi_mlx.testing.checkpoints import build_checkpoint
+    from kimi_mlx.text.tokenizer import KimiTokenizer, kimi_special_tokens
 
     cfg = parse_args(argv)
     t_start = time.perf_counter()

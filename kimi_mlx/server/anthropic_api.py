@@ -9,12 +9,12 @@ import json
 import uuid
 from typing import Any, Dict, List
 
-from ..chat_format import resolve_effort
-from ..request import InputError, build_chat_prompt_with_ends
-from .common import APIError, Service, budget, reply_events, sampling_from, stop_list, submit
-from .engine import Job
-from .reply import ReplyBuilder
-from .schemas import MessagesRequest
+from kimi_mlx.text.chat_format import resolve_effort
+from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
+from kimi_mlx.server.common import APIError, Service, budget, reply_events, sampling_from, stop_list, submit
+from kimi_mlx.server.engine import Job
+from kimi_mlx.server.reply import ReplyBuilder
+from kimi_mlx.server.schemas import MessagesRequest
 
 _STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 

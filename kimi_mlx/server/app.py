@@ -18,10 +18,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import anthropic_api, openai_api
-from .common import APIError, ClientGone, Service, parse_body
-from .metrics import CONTENT_TYPE_LATEST
-from .schemas import ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest
+from kimi_mlx.server import anthropic_api, openai_api
+from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body
+from kimi_mlx.server.metrics import CONTENT_TYPE_LATEST
+from kimi_mlx.server.schemas import ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest
 
 log = logging.getLogger("kimi_mlx.server")
 

@@ -1,5 +1,5 @@
 """Continuous batching for the server engine: mlx-lm's `BatchGenerator` over our
-batchable caches (`kimi_mlx.cache`).
+batchable caches (`kimi_mlx.model.cache`).
 
 A new job's prompt goes to the generator as segments split at its prompt-cache snapshot
 points (`Engine.snapshot_points`), with the cache the prompt cache restored (or a fresh
@@ -21,7 +21,7 @@ from typing import Dict, List
 
 import mlx.core as mx
 
-from .engine import Failed, Finished, Job, TokenOut, top_logprobs
+from kimi_mlx.server.engine import Failed, Finished, Job, TokenOut, top_logprobs
 
 log = logging.getLogger("kimi_mlx.server")
 

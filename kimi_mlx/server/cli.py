@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from ..request import (InputError, add_draft_arguments, check_draft_arguments,
+from kimi_mlx.generation.request import (InputError, add_draft_arguments, check_draft_arguments,
                        check_max_kv_size, resolve_model_arg)
 
 log = logging.getLogger("kimi_mlx.server")
@@ -150,10 +150,10 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
     not the target's; ValueError for a draft with max_concurrency > 1."""
-    from ..hub import resolve
-    from ..request import generation_defaults, load_for_generation
-    from .engine import Engine
-    from .prompt_cache import PromptCache
+    from kimi_mlx.checkpoint.hub import resolve
+    from kimi_mlx.generation.request import generation_defaults, load_for_generation
+    from kimi_mlx.server.engine import Engine
+    from kimi_mlx.server.prompt_cache import PromptCache
 
     if draft_model and max_concurrency != 1:
         raise ValueError("speculative decoding (a draft model) needs max_concurrency 1")
@@ -162,7 +162,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     svc.defaults = generation_defaults(model_dir)
     speculation = None
     if draft_model:
-        from ..speculative import Speculation, load_draft
+        from kimi_mlx.speculative.loop import Speculation, load_draft
 
         speculation = Speculation(load_draft(draft_model, wrapper, spec), num_draft_tokens)
     svc.wrapper, svc.tok = wrapper, tok
@@ -176,8 +176,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
 def make_service(spec: str, api_key: Optional[str], served_name: Optional[str],
                  max_body_bytes: int):
-    from .common import Service
-    from .metrics import Metrics
+    from kimi_mlx.server.common import Service
+    from kimi_mlx.server.metrics import Metrics
 
     svc = Service(api_key=api_key, max_body_bytes=max_body_bytes, created=int(time.time()))
     name = served_name or Path(spec.rstrip("/")).name or spec
@@ -310,7 +310,7 @@ def run(args) -> int:
     except InputError as e:
         print(f"kimi-mlx server: error: {e}", file=sys.stderr)
         return 2
-    from .app import create_app
+    from kimi_mlx.server.app import create_app
 
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)
 

@@ -11,9 +11,9 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Un
 
 from pydantic import BaseModel, ValidationError
 
-from ..request import InputError, SamplingParams, check_context_strict
-from .engine import Busy, Failed, Finished, Job, TokenOut
-from .reply import Event, ReplyBuilder
+from kimi_mlx.generation.request import InputError, SamplingParams, check_context_strict
+from kimi_mlx.server.engine import Busy, Failed, Finished, Job, TokenOut
+from kimi_mlx.server.reply import Event, ReplyBuilder
 
 
 class APIError(Exception):

@@ -5,8 +5,8 @@ handlers that wait on them.
 One thread touches MLX, so requests never share mutable state; a job that is cancelled
 (client gone, stop string matched) stops within one decode step and its cache is dropped.
 With `max_concurrency` > 1 the worker runs mlx-lm's `BatchGenerator` (continuous
-batching) over our batchable caches (`kimi_mlx.cache`); with 1 it runs `generate_step`,
-or, given a draft model (`speculation`), `kimi_mlx.speculative.speculative_generate_step`
+batching) over our batchable caches (`kimi_mlx.model.cache`); with 1 it runs `generate_step`,
+or, given a draft model (`speculation`), `kimi_mlx.speculative.loop.speculative_generate_step`
 with the draft's caches kept beside the target's (in the prompt cache too).
 """
 
@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from ..request import SamplingParams
+from kimi_mlx.generation.request import SamplingParams
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -224,7 +224,7 @@ class Engine:
 
     def _serve(self) -> None:
         if self.max_concurrency > 1:
-            from .batch import run_batched
+            from kimi_mlx.server.batch import run_batched
 
             run_batched(self)
             return
@@ -338,7 +338,7 @@ class Engine:
         request seeds MLX's global PRNG, which only this one sequence uses."""
         import mlx.core as mx
 
-        from ..speculative import Sampling, speculative_generate_step
+        from kimi_mlx.speculative.loop import Sampling, speculative_generate_step
 
         spec, p = self.speculation, job.sampling
         if p.seed is not None:
@@ -367,8 +367,8 @@ def _draft_cache(draft) -> list:
 
 
 def _snapshots(cache) -> bool:
-    """True when the prompt cache can snapshot these caches (`kimi_mlx.cache.snapshot`)."""
-    from ..cache import snapshot
+    """True when the prompt cache can snapshot these caches (`kimi_mlx.model.cache.snapshot`)."""
+    from kimi_mlx.model.cache import snapshot
 
     try:
         snapshot(cache)

@@ -4,7 +4,7 @@ prompt, of each earlier turn) and every `every` prefill tokens, in an LRU bounde
 
 KDA state cannot be trimmed, so a request can only start from a snapshot whose tokens are
 a prefix of its prompt; the longest such prefix wins. A hit restores a fresh cache from
-the snapshot (`kimi_mlx.cache.restore`), so a request never sees another's state, and at
+the snapshot (`kimi_mlx.model.cache.restore`), so a request never sees another's state, and at
 least the last prompt token always runs (it gives the first token's logits).
 """
 
@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..cache import restore, snapshot, snapshot_nbytes
+from kimi_mlx.model.cache import restore, snapshot, snapshot_nbytes
 
 
 class PromptCache:

@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from ..chat_format import TOOLS_END, TOOLS_START, ReplyStream, parse_tool_section
-from ..request import StopMatcher
+from kimi_mlx.text.chat_format import TOOLS_END, TOOLS_START, ReplyStream, parse_tool_section
+from kimi_mlx.generation.request import StopMatcher
 
 _CALL_ATTRS = re.compile(r'<\|open\|>call((?:(?!<\|sep\|>).)*)<\|sep\|>', re.DOTALL)
 _INDEX_ATTR = re.compile(r'\bindex="(\d+)"')

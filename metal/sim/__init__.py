@@ -95,8 +95,8 @@ How the emulator differs from an Apple GPU (by design or as a limitation):
   small.
 """
 
-from ._native import cache_dir
-from .errors import (
+from kimi_mlx.metal.sim._native import cache_dir
+from kimi_mlx.metal.sim.errors import (
     MetalSimCompileError,
     MetalSimDeadlockError,
     MetalSimError,
@@ -106,7 +106,7 @@ from .errors import (
     MetalSimRaceError,
     MetalSimTimeoutError,
 )
-from .kernel import SimKernel, metal_kernel
+from kimi_mlx.metal.sim.kernel import SimKernel, metal_kernel
 
 __all__ = [
     "metal_kernel",

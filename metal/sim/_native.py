@@ -23,7 +23,7 @@ import threading
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
-from .errors import MetalSimCompileError
+from kimi_mlx.metal.sim.errors import MetalSimCompileError
 
 SIM_DIR = Path(__file__).resolve().parent
 ABI_VERSION = 4

@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from . import _native
-from .errors import (
+from kimi_mlx.metal.sim import _native
+from kimi_mlx.metal.sim.errors import (
     MetalSimDeadlockError,
     MetalSimError,
     MetalSimFaultError,
@@ -20,7 +20,7 @@ from .errors import (
     MetalSimRaceError,
     MetalSimTimeoutError,
 )
-from .signature import (
+from kimi_mlx.metal.sim.signature import (
     ArgInfo,
     cpp_translation_unit,
     metal_source,

@@ -34,7 +34,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .errors import MetalSimCompileError
+from kimi_mlx.metal.sim.errors import MetalSimCompileError
 
 # Inputs with fewer elements than this go to the constant address space.
 MAX_CONSTANT_ARRAY_SIZE = 8

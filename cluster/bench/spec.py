@@ -1,0 +1,143 @@
+"""`kimi-mlx bench spec`, pipeline rows: plain vs speculative decoding through 3 stages.
+
+Three `kimi-mlx cluster serve` processes on loopback hold the target's layers (each with
+one BLAS thread: each stands for one Mac); the head, this process, runs the draft. For
+each k it times greedy generation of the same prompts through the same loaded stages,
+plain (`Pipeline.generate_step`: one round trip through every stage per token) and
+speculative (`cluster.speculative`: one round trip per verify step of up to k + 1
+tokens), alternating, and reports medians over repeats with the ratio. Tokens/s counts
+generated tokens over the generation wall time (prefill excluded on both sides), as the
+one-process rows do.
+
+On a machine with fewer cores than stages + head the absolute figures are bounded by
+the cores; both sides share that bound, so the ratio is what to read.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Tuple
+
+STAGE_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _timed(tokens: Iterator) -> Tuple[float, int]:
+    """(seconds from the first token to the last, tokens after the first)."""
+    it = iter(tokens)
+    next(it)
+    t0 = time.perf_counter()
+    n = sum(1 for _ in it)
+    return time.perf_counter() - t0, n
+
+
+def _median_tps(runs: Dict[str, Callable[[List[int]], Iterator]], prompts: List[List[int]],
+                repeats: int) -> Dict[str, float]:
+    """Median over repeats of tokens/s per named generator factory; within a repeat the
+    factories alternate prompt by prompt, so a burst of load hits all alike."""
+    per: Dict[str, List[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        secs = {name: 0.0 for name in runs}
+        toks = {name: 0 for name in runs}
+        for p in prompts:
+            for name, make in runs.items():
+                dt, n = _timed(make(p))
+                secs[name] += dt
+                toks[name] += n
+        for name in runs:
+            per[name].append(toks[name] / max(secs[name], 1e-9))
+    return {name: statistics.median(v) for name, v in per.items()}
+
+
+def bench_rows(pipe, draft, model_args, prompts: List[List[int]], tokens: int,
+               ks: List[int], repeats: int) -> List[Dict]:
+    """Rows {k, mean_accepted, plain_tps, spec_tps, speedup} through a loaded `Pipeline`
+    (greedy; one warm-up generation of each kind first)."""
+    from kimi_mlx.speculative.loop import SpecStats
+
+    from kimi_mlx.cluster.runner import Sampling
+    from kimi_mlx.cluster.speculative import speculative_pipeline_step
+
+    def plain(p):
+        return pipe.generate_step(p, Sampling(), tokens)
+
+    def spec(k, stats):
+        return lambda p: speculative_pipeline_step(
+            pipe, p, draft, model_args, num_draft_tokens=k, max_tokens=tokens, stats=stats)
+
+    _median_tps({"plain": plain, "spec": spec(max(ks), SpecStats())}, prompts[:1], 1)
+    rows = []
+    for k in ks:
+        stats = SpecStats()
+        tps = _median_tps({"plain": plain, "spec": spec(k, stats)}, prompts, repeats)
+        rows.append(dict(k=k, mean_accepted=stats.mean_accepted, plain_tps=tps["plain"],
+                         spec_tps=tps["spec"], speedup=tps["spec"] / tps["plain"]))
+    return rows
+
+
+def bench_pipeline(ckpt: Path, draft, model_args, prompts: List[List[int]], tokens: int,
+                   ks: List[int], repeats: int, stages: int = 3) -> List[Dict]:
+    """`bench_rows` through `stages` loopback stage processes serving `ckpt` (float32
+    activations and wire), started and stopped here.
+
+    Raises:
+        RuntimeError: a stage did not start or was not usable; StageFailure: lost.
+    """
+    from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
+    from kimi_mlx.testing.cluster import LocalCluster
+    from kimi_mlx.cluster.transport import GrpcTransport
+
+    with tempfile.TemporaryDirectory(prefix="kimi-mlx-spec-bench-") as tmp:
+        cluster = LocalCluster(Path(tmp), stages, prefix="specbench", ckpt=ckpt, env=STAGE_ENV)
+        t = GrpcTransport(cluster.secret, peer_timeout=30)
+        try:
+            accepted, rejected = check_nodes(cluster.nodes(), t.stub_for, cluster.fp)
+            if rejected:
+                raise RuntimeError("; ".join(f"{r.node_id}: {r.reason}" for r in rejected))
+            need = max(len(p) for p in prompts) + tokens + max(ks) + 1
+            _, assignments = plan_stages(ckpt, [n for n, _ in accepted], need)
+            t.load(cluster.fp, assignments, "float32", "float32")
+            return bench_rows(Pipeline(t), draft, model_args, prompts, tokens, ks, repeats)
+        finally:
+            t.shutdown()
+            cluster.stop()
+
+
+def print_rows(rows: List[Dict], stages: int, tokens: int, n_prompts: int) -> None:
+    """The pipeline table, in the one-process table's columns."""
+    print(f"speculative decoding, {stages} stage processes on loopback (draft on the head)")
+    print(f"greedy, {n_prompts} prompts x {tokens} tokens, medians of interleaved repeats")
+    print(f"{'k':>3} {'accepted/step':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7}")
+    for r in rows:
+        print(f"{r['k']:>3} {r['mean_accepted']:>14.2f} {r['plain_tps']:>12.1f} "
+              f"{r['spec_tps']:>11.1f} {r['speedup']:>6.2f}x")
+    best = max(rows, key=lambda r: r["speedup"])
+    print(f"best: k={best['k']} at {best['speedup']:.2f}x plain through {stages} stages "
+          "(target >= 1.5x)")
+
+
+def main(model, draft_spec, tokens: int, ks: List[int], repeats: int, n_prompts: int,
+         stages: int = 3) -> int:
+    """Load the target's tokenizer/config and the draft here, run `bench_pipeline`, print.
+    Returns the exit status (2: no draft)."""
+    from kimi_mlx.model.config import ModelArgs, read_config
+    from kimi_mlx.generation.generate import resolve_model_arg
+    from kimi_mlx.bench.spec import default_draft, default_prompts
+    from kimi_mlx.speculative.loop import load_draft
+
+    spec = resolve_model_arg(model)
+    draft_spec = draft_spec or default_draft()
+    if draft_spec is None:
+        print("kimi-mlx bench spec: no --draft-model and no shipped micro-draft")
+        return 2
+    from kimi_mlx.cluster.cli import _tokenizers
+
+    wrapper, tok = _tokenizers(Path(spec))  # the head holds no target weights
+    d = load_draft(str(draft_spec), wrapper, spec)
+    prompts = default_prompts(Path(spec), tok, n_prompts)
+    args = ModelArgs.from_config(read_config(Path(spec)))
+    rows = bench_pipeline(Path(spec), d, args, prompts, tokens, ks, repeats, stages)
+    print_rows(rows, stages, tokens, len(prompts))
+    return 0

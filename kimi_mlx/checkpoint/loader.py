@@ -1,0 +1,255 @@
+"""Load a Kimi K3.1 checkpoint in the official layout, or only a layer range of it.
+
+Reads `config.json`, `model.safetensors.index.json` and only the shards holding the
+requested layers. Every shard header is checked against the index and the file size
+before any tensor is read; every tensor is checked against the model's expected shape and
+dtype class. MXFP4 experts go into MLX `mxfp4` quantized switch layers bit for bit (no
+dequantise / requantise); all other tensors keep their stored dtype.
+
+Errors name the file, tensor or key and what was expected (`CheckpointError`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from kimi_mlx.model.config import ModelArgs, read_config
+from kimi_mlx.checkpoint.shards import INDEX_FILE, CheckpointError, TensorInfo, read_header, weight_map
+from kimi_mlx.model.tensor_map import TensorError, in_range, kind, original_names, sanitize_weights
+
+__all__ = ["CheckpointError", "LoadReport", "TensorInfo", "check_tensors", "load", "load_model",
+           "needed_shards", "read_header", "read_tensors", "weight_map"]
+
+MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+
+
+@dataclass
+class LoadReport:
+    """What a load touched: shards opened, tensors and bytes read, tensors skipped by kind."""
+
+    shards_opened: List[str] = field(default_factory=list)
+    tensors_loaded: int = 0
+    bytes_loaded: int = 0
+    skipped: Dict[str, int] = field(default_factory=dict)
+
+
+def needed_shards(model_dir, start: int = 0, end: Optional[int] = None) -> List[str]:
+    """Shard files a model of layers [start, end) must open (sorted)."""
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_config(read_config(model_dir), str(model_dir / "config.json"))
+    end = args.num_hidden_layers if end is None else end
+    wm = weight_map(model_dir)
+    return sorted({f for n, f in wm.items() if in_range(n, args, start, end)})
+
+
+def _check_model_type(config: dict, wm: Dict[str, str], path: Path) -> None:
+    text = config.get("text_config", config)
+    if config.get("model_type") == "kimi_k3" and "dsa_config" not in text:
+        if not any(".self_attn.indexer." in n for n in wm):
+            raise CheckpointError(
+                f"{path}: model_type 'kimi_k3' without dsa_config or indexer tensors is "
+                "Kimi K3, not K3.1; load it with mlx-lm's kimi_k3"
+            )
+
+
+def load_model(
+    path,
+    start: int = 0,
+    end: Optional[int] = None,
+    lazy: bool = False,
+    verbose: bool = True,
+    activation_dtype: Optional[mx.Dtype] = None,
+) -> Tuple[nn.Module, dict, LoadReport]:
+    """Load layers [start, end) (default: all) of a checkpoint folder.
+
+    Args:
+        path: local checkpoint folder (use `hub.resolve` for hub ids).
+        start, end: 0-based layer range; embedding loads only with start == 0, output
+            mix + norm + lm_head only with end == num_hidden_layers.
+        lazy: leave tensors unevaluated (read from disk on first use).
+        verbose: print the one-line notice about skipped vision / MTP tensors.
+        activation_dtype: dtype of the residual stream; default float32 on the CPU
+            backend (bf16 matmuls are slow there), the embedding's dtype on a GPU.
+    Returns:
+        (model, config dict, LoadReport).
+    Raises:
+        FileNotFoundError / ConfigError: config.json missing or invalid (named key).
+        CheckpointError / TensorError: missing or truncated shard, missing, extra or
+            misshapen tensor (named, with its shard and the expected shape/dtype).
+    """
+    from kimi_mlx.model.model import Model
+
+    model_dir = Path(path)
+    config = read_config(model_dir)
+    args = ModelArgs.from_config(config, str(model_dir / "config.json"))
+    end = args.num_hidden_layers if end is None else end
+    wm = weight_map(model_dir)
+    _check_model_type(config, wm, model_dir)
+
+    report = LoadReport()
+    wanted: Dict[str, str] = {}
+    for name, shard in wm.items():
+        k = kind(name, args)
+        if k != "text":
+            report.skipped[k] = report.skipped.get(k, 0) + 1
+        elif in_range(name, args, start, end):
+            wanted[name] = shard
+
+    weights, where = read_tensors(model_dir, wanted, report)
+
+    if verbose and report.skipped:
+        parts = [f"{v} {k} tensors" for k, v in sorted(report.skipped.items())]
+        print(f"[kimi-mlx] skipping {' and '.join(parts)} (text model only)", file=sys.stderr)
+
+    model = fill_module(Model(args, start, end), weights, args, start, end, where, model_dir)
+    if activation_dtype is None and mx.default_device() == mx.cpu:
+        activation_dtype = mx.float32
+    model.activation_dtype = activation_dtype
+    if not lazy:
+        mx.eval(model.parameters())
+    return model, config, report
+
+
+def fill_module(module: nn.Module, weights: Dict[str, mx.array], args: ModelArgs, start: int,
+                end: int, where: Dict[str, str], model_dir: Path) -> nn.Module:
+    """Load checkpoint tensors of layers [start, end) into `module` (built for them), in
+    eval mode: `sanitize_weights` (official names -> ours), the checkpoint's quantization
+    (`quantize_like`), every tensor checked (`check_tensors`), then a strict load.
+    Used for the trunk (`load_model`) and the MTP layers (`mtp.load_mtp`).
+
+    Raises:
+        CheckpointError: a tensor that cannot be mapped, or missing / extra / misshapen
+            tensors (each names `model_dir`, the tensor and its shard in `where`).
+    """
+    try:
+        sanitized = sanitize_weights(weights, args, start, end)
+    except TensorError as e:
+        raise CheckpointError(f"{model_dir}: {e}") from None
+    quantize_like(module, sanitized, args.quantization, model_dir)
+    check_tensors(module, sanitized, args, where, model_dir)
+    module.load_weights(list(sanitized.items()), strict=True)
+    module.eval()
+    return module
+
+
+def read_tensors(model_dir: Path, wanted: Dict[str, str],
+                 report: Optional[LoadReport] = None) -> Tuple[Dict[str, mx.array], Dict[str, str]]:
+    """Read the tensors `wanted` ({checkpoint name: shard file}) from their shards, each
+    shard's header checked first; returns ({name: array (lazy)}, {name: shard file}).
+
+    Raises:
+        CheckpointError: a shard missing, unreadable, or without a tensor its index names.
+    """
+    report = report if report is not None else LoadReport()
+    weights: Dict[str, mx.array] = {}
+    where: Dict[str, str] = {}
+    for shard in sorted(set(wanted.values())):
+        shard_path = Path(model_dir) / shard
+        header = read_header(shard_path)
+        names = [n for n, s in wanted.items() if s == shard]
+        absent = [n for n in names if n not in header]
+        if absent:
+            raise CheckpointError(
+                f"{shard_path}: tensor {absent[0]} is listed in {INDEX_FILE} but not in "
+                f"the shard ({len(absent)} missing)"
+            )
+        try:
+            arrays = mx.load(str(shard_path))
+        except Exception as e:  # MLX raises RuntimeError/ValueError for bad files
+            raise CheckpointError(f"{shard_path}: cannot read safetensors ({e})") from None
+        report.shards_opened.append(shard)
+        for n in names:
+            weights[n] = arrays[n]
+            where[n] = shard
+            report.tensors_loaded += 1
+            report.bytes_loaded += header[n].nbytes
+        del arrays
+    return weights, where
+
+
+def quantize_like(model: nn.Module, weights: Dict[str, mx.array], default: Optional[dict] = None,
+                  where: Path = Path(".")) -> None:
+    """Turn every module that has `<path>.scales` in `weights` into its quantized form,
+    with the mode, bits and group size its tensors were packed with.
+
+    Per module, as mlx-lm's loader (`mlx_lm.utils.infer_quant_config`): uint8 scales =
+    mxfp4 (4 bits, group 32: the official experts), float scales = affine with group =
+    in / scales columns and bits = 32 * packed columns / in (a `convert` trunk or
+    `--expert-bits` experts). So one checkpoint can mix both.
+    Raises:
+        CheckpointError: a module's tensors fit no MLX quantization (names it).
+    """
+    from mlx_lm.utils import infer_quant_config
+
+    default = default or MXFP4
+
+    def predicate(path, module):
+        if f"{path}.scales" not in weights or not hasattr(module, "to_quantized"):
+            return False
+        try:
+            return infer_quant_config(path, module, weights)
+        except (ValueError, KeyError, ZeroDivisionError) as e:
+            raise CheckpointError(f"{where}: {path}: quantized tensors of unknown layout ({e})") from None
+
+    nn.quantize(model, group_size=default.get("group_size", 32), bits=default.get("bits", 4),
+                mode=default.get("mode", "affine"), class_predicate=predicate)
+
+
+def check_tensors(model, weights, args, where, model_dir: Path) -> None:
+    """Every parameter of `model` is in `weights` (module paths) with its shape and dtype
+    class, and nothing else is; CheckpointError names the tensor, shard and expectation."""
+    expected = dict(tree_flatten(model.parameters()))
+
+    def shard_of(key):
+        for name in original_names(key, args):
+            if name in where:
+                return where[name]
+        return "?"
+
+    for key, ref in expected.items():
+        if key not in weights:
+            names = original_names(key, args)
+            raise CheckpointError(
+                f"{model_dir}: tensor {names[0]} is missing (expected shape "
+                f"{list(ref.shape)}; not in {INDEX_FILE})"
+            )
+        got = weights[key]
+        if tuple(got.shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{model_dir / shard_of(key)}: tensor {original_names(key, args)[0]} has "
+                f"shape {list(got.shape)}, expected {list(ref.shape)}"
+            )
+        want_float = mx.issubdtype(ref.dtype, mx.floating)
+        if want_float != mx.issubdtype(got.dtype, mx.floating) or (
+            not want_float and got.dtype != ref.dtype
+        ):
+            raise CheckpointError(
+                f"{model_dir / shard_of(key)}: tensor {original_names(key, args)[0]} has "
+                f"dtype {got.dtype}, expected {'a float type' if want_float else ref.dtype}"
+            )
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise CheckpointError(
+            f"{model_dir / shard_of(extra[0])}: unexpected tensor {extra[0]} "
+            f"({len(extra)} unexpected; not part of a Kimi K3.1 text model with this config)"
+        )
+
+
+def load(path_or_repo, start: int = 0, end: Optional[int] = None, lazy: bool = False):
+    """Resolve a local folder or hub id, then `load_model`; returns (model, tokenizer, config).
+
+    Only the shards of layers [start, end) are downloaded / opened.
+    """
+    from kimi_mlx.checkpoint.hub import resolve
+    from kimi_mlx.text.tokenizer import KimiTokenizer
+
+    model_dir = resolve(path_or_repo, start=start, end=end)
+    model, config, _ = load_model(model_dir, start, end, lazy=lazy)
+    return model, KimiTokenizer.from_pretrained(model_dir), config

@@ -1,0 +1,200 @@
+"""`kimi-mlx chat`: a multi-turn REPL that keeps `reasoning_content` between turns.
+
+Each assistant reply is stored with its reasoning and re-encoded with it (K3.1 preserved
+thinking). The KV/KDA cache is reused across turns when the new conversation's tokens
+start with the tokens already processed; otherwise the conversation is prefilled afresh
+(KDA state cannot be rewound). Which ids the cache holds after a reply is
+`turn_cache.tokens_in_cache`'s rule. Commands: /help, /reset, /effort low|high|max, /exit
+(or Ctrl-D); Ctrl-C stops a reply and discards that turn, the cache rolled back to before it.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List
+
+from kimi_mlx.generation.generate import (EFFORTS, InputError, add_draft_arguments, add_model_arguments, add_mtp_argument,
+                       check_draft_arguments, check_model_arguments, load_for_generation,
+                       load_speculation, resolve_model_arg, token_budget)
+
+
+def add_arguments(p) -> None:
+    p.epilog = f"In the chat: {COMMANDS}."
+    add_model_arguments(p)
+    p.add_argument("--system-prompt", default=None, help="system message")
+    add_draft_arguments(p)
+    add_mtp_argument(p)
+
+
+COMMANDS = "/help, /reset, /effort low|high|max, /exit (or Ctrl-D); Ctrl-C stops a reply"
+HELP = """commands:
+  /help                  this list
+  /reset                 forget the conversation (keeps --system-prompt)
+  /effort low|high|max   thinking effort for the next replies
+  /exit, /quit, Ctrl-D   leave
+  Ctrl-C                 stop a reply (the turn is discarded); at the prompt, a fresh line
+start a message with a space to send a leading '/'"""
+
+
+class Conversation:
+    """Messages plus the token prefix already in the cache."""
+
+    def __init__(self, system=None):
+        self.system = system
+        self.reset()
+
+    def reset(self):
+        self.messages: List[dict] = (
+            [{"role": "system", "content": self.system}] if self.system else []
+        )
+        self.cache = None
+        # Exactly the ids `cache` holds (turn_cache.tokens_in_cache); [] without a cache.
+        self.processed: List[int] = []
+        self.reused_tokens = 0  # tokens of the last prompt served from the cache
+
+
+def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, sampler,
+              max_tokens: int, context: int, reuse_cache: bool = True, on_text=None,
+              speculation=None) -> dict:
+    """One user turn: encode the whole conversation (with earlier reasoning), generate,
+    store the reply with its `reasoning_content`; returns parse_reply's dict.
+    With `speculation` (`speculative.Speculation`) the reply is decoded speculatively and
+    the conversation's cache holds the target's caches followed by the draft's.
+
+    Afterwards `conv.processed` is exactly the ids in `conv.cache`. The cache is reused
+    when the new prompt extends those ids, else the conversation is prefilled afresh.
+    A KeyboardInterrupt while replying (Ctrl-C), or any other exception, puts `conv`
+    back as it was before the turn (messages, cache rolled back, processed) and is
+    re-raised.
+
+    Raises InputError when the conversation no longer fits in `context` tokens.
+    """
+    from mlx_lm.generate import stream_generate
+
+    from kimi_mlx.text.chat_format import ReplyStream, encode_chat
+    from kimi_mlx.generation.turn_cache import checkpoint, rollback, tokens_in_cache
+
+    n_messages = len(conv.messages)
+    conv.messages.append({"role": "user", "content": text})
+    ids = encode_chat(tok, conv.messages, reasoning_effort=effort)
+    if len(ids) >= context:
+        del conv.messages[n_messages:]
+        raise InputError(f"the conversation is {len(ids)} tokens, over the context of "
+                         f"{context}; use /reset")
+    before = (conv.cache, conv.processed, conv.reused_tokens)
+    n = len(conv.processed)
+    if not reuse_cache or conv.cache is None or ids[:n] != conv.processed or n >= len(ids):
+        conv.cache, n = model.make_cache(), 0  # the old cache object stays untouched
+        if speculation is not None:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            conv.cache += make_prompt_cache(speculation.draft)
+    mark = checkpoint(conv.cache) if n else None
+    conv.reused_tokens = n
+    stream = ReplyStream()
+    generated: List[int] = []
+    finish = None
+    budget = token_budget(len(ids), max_tokens, context)
+    if speculation is None:
+        responses = stream_generate(model, wrapper, ids[n:], sampler=sampler,
+                                    prompt_cache=conv.cache, max_tokens=budget)
+    else:
+        from kimi_mlx.speculative.loop import stream_speculative
+
+        responses = stream_speculative(model, speculation.draft, wrapper, ids[n:],
+                                       max_tokens=budget, prompt_cache=conv.cache,
+                                       **speculation.kwargs())
+    try:
+        for r in responses:
+            generated.append(r.token)
+            finish = r.finish_reason
+            for event in stream.feed(r.text):
+                on_text and on_text(*event)
+        for event in stream.finish():
+            on_text and on_text(*event)
+    except BaseException:  # Ctrl-C (or any failure) mid-reply: undo the whole turn
+        responses.close()  # first, so no generator clean-up touches the cache after the undo
+        if mark is not None:
+            rollback(conv.cache, mark)
+        conv.cache, conv.processed, conv.reused_tokens = before
+        del conv.messages[n_messages:]
+        raise
+    if speculation is None:
+        conv.processed = tokens_in_cache(ids, generated)
+    else:  # stream_speculative leaves the last yielded token unfed (target and draft)
+        conv.processed = ids + generated[:-1]
+    if finish == "length" and len(ids) + len(generated) >= context:
+        print(f"\n[reply cut at the context of {context} tokens; /reset to start over]",
+              file=sys.stderr)
+    reply = stream.result()
+    conv.messages.append({"role": "assistant", "content": reply["content"],
+                          "reasoning_content": reply["reasoning_content"]})
+    return reply
+
+
+def run(args) -> int:
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    try:
+        check_model_arguments(args)
+        check_draft_arguments(args)
+        spec = resolve_model_arg(args.model)
+        model, wrapper, tok, _ = load_for_generation(spec)
+        speculation = load_speculation(args, wrapper, spec, model)
+    except (InputError, FileNotFoundError, ValueError) as e:
+        print(f"kimi-mlx chat: error: {e}", file=sys.stderr)
+        return 2
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    conv = Conversation(args.system_prompt)
+    effort = args.reasoning_effort
+    context = min(model.args.max_position_embeddings, args.max_kv_size or 1 << 62)
+    dim = sys.stdout.isatty()
+
+    def show(channel, text):
+        print(f"\033[2m{text}\033[0m" if channel == "reasoning" and dim else text, end="",
+              flush=True)
+
+    print(f"kimi-mlx chat: {COMMANDS}", file=sys.stderr)
+    while True:
+        try:
+            line = input(">> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, as a shell does
+            print()
+            continue
+        cmd = line.strip()
+        if not cmd:
+            continue
+        if line.startswith("/"):
+            name, _, value = cmd.partition(" ")
+            value = value.strip()
+            if name in ("/exit", "/quit"):
+                return 0
+            if name == "/help":
+                print(HELP, file=sys.stderr)
+            elif name == "/reset":
+                conv.reset()
+                print("[conversation reset]", file=sys.stderr)
+            elif name == "/effort" and value in EFFORTS:
+                effort = value
+                print(f"[thinking effort: {effort}]", file=sys.stderr)
+            elif name == "/effort":
+                print(f"/effort takes one of {', '.join(EFFORTS)} (now {effort})", file=sys.stderr)
+            else:
+                print(f"unknown command {name} ({COMMANDS}; start a message with a space to "
+                      "send a leading '/')", file=sys.stderr)
+            continue
+        try:
+            chat_turn(model, wrapper, tok, conv, line, effort, sampler, args.max_tokens,
+                      context, on_text=show, speculation=speculation)
+        except InputError as e:
+            print(e, file=sys.stderr)
+        except KeyboardInterrupt:  # Ctrl-C while replying: chat_turn undid this turn
+            print("\n[interrupted: reply discarded]", file=sys.stderr)
+            continue
+        print()

@@ -1,0 +1,193 @@
+"""`kimi-mlx plan`: which Macs hold which layers, whether it fits, how fast it can decode.
+
+Offline: a local folder is measured from its shard headers; a hub id uses the local
+Hugging Face cache or the config kimi-mlx ships (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List
+
+from kimi_mlx.model.config import QUANT_DEFAULT_GROUP, QUANT_EXPERT_BITS, QUANT_GROUP_SIZES, QUANT_TRUNK_BITS
+
+from kimi_mlx.placement.layer_bytes import DEFAULT_MODEL_ID, BuildSpec, ModelBytes, model_bytes
+from kimi_mlx.placement.planner import (
+    DEFAULT_CHIP, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
+    StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs,
+)
+
+
+DEFAULT_CONTEXT = 131072  # tokens planned for when --context is not given
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL_ID,
+                   help=f"local checkpoint folder or hub id (default {DEFAULT_MODEL_ID}; never downloaded)")
+    p.add_argument("--macs", default="1x512GB",
+                   help="Macs in pipeline order, e.g. 4x512GB or 2x512GB,1x256GB@m2-ultra "
+                        "(RAM in Apple's GB; default 1x512GB)")
+    p.add_argument("--mac-chip", default=DEFAULT_CHIP, choices=sorted(MAC_BANDWIDTH),
+                   help=f"chip of Macs without @chip, for bandwidth (default {DEFAULT_CHIP})")
+    p.add_argument("--wired-limit-mb", type=int, default=None,
+                   help="the Macs' `sysctl iogpu.wired_limit_mb` (default: assume RAM - 16 GiB "
+                        "above 64 GiB, 3/4 of RAM below)")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"tokens per sequence (default {DEFAULT_CONTEXT}, or the model's "
+                        "max_position_embeddings when smaller)")
+    p.add_argument("--sequences", type=int, default=1, help="concurrent sequences (default 1)")
+    p.add_argument("--headroom", default="0.1",
+                   help="kept free per Mac: a fraction of usable memory (0.1) or a size (8GB); "
+                        "default 0.1, at least 2 GiB")
+    p.add_argument("--hop-latency-ms", type=float, default=DEFAULT_HOP_LATENCY_S * 1e3,
+                   help="network latency per pipeline hop (default 0.5)")
+    p.add_argument("--keep", type=float, default=None,
+                   help="plan a pruned build keeping round(KEEP x experts) routed experts per layer")
+    p.add_argument("--q-bits", type=int, choices=QUANT_TRUNK_BITS, default=None,
+                   help="plan a build whose BF16 trunk is quantized to this many bits "
+                        "(kimi-mlx convert / prune --q-bits)")
+    p.add_argument("--q-group-size", type=int, choices=QUANT_GROUP_SIZES,
+                   default=QUANT_DEFAULT_GROUP, help=f"with --q-bits (default {QUANT_DEFAULT_GROUP})")
+    p.add_argument("--expert-bits", type=int, choices=QUANT_EXPERT_BITS, default=None,
+                   help="plan a build whose MXFP4 experts are requantized to this many bits")
+    p.add_argument("--expert-group-size", type=int, choices=QUANT_GROUP_SIZES,
+                   default=QUANT_DEFAULT_GROUP,
+                   help=f"with --expert-bits (default {QUANT_DEFAULT_GROUP})")
+
+
+def _planner(args) -> StagePlanner:
+    text = str(args.headroom).strip()
+    try:
+        fraction = float(text)
+    except ValueError:
+        return StagePlanner(headroom=0.0, min_headroom_bytes=parse_bytes(text),
+                            hop_latency_s=args.hop_latency_ms / 1e3)
+    return StagePlanner(headroom=fraction, hop_latency_s=args.hop_latency_ms / 1e3)
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.1f}"
+
+
+def _describe_model(name: str, model: ModelBytes) -> List[str]:
+    kinds = [l.kind for l in model.layers]
+    counts = ", ".join(f"{kinds.count(k)} {k.upper()}" for k in ("kda", "dsa", "mla") if kinds.count(k))
+    lines = [f"model: {name} ({model.source})",
+             f"       {len(kinds)} layers ({counts}), weights {_gb(model.weight_bytes)} GB "
+             f"(routed experts {_gb(model.routed_expert_bytes)} GB)"]
+    skipped = ", ".join(f"{k} {_gb(v)} GB" for k, v in sorted(model.not_loaded.items()) if v)
+    if skipped:
+        lines.append(f"       not loaded: {skipped}")
+    lines += [f"note: {n}" for n in model.notes]
+    return lines
+
+
+def _table(plan: Plan) -> List[str]:
+    mla = any(s.num_mla for s in plan.stages)
+    head = ("stage", "node", "Mac", "layers", "KDA", "MLA+DSA" if mla else "DSA", "weights GB", "cache GB",
+            "total GB", "usable GB", "fits")
+    rows = []
+    for i, s in enumerate(plan.stages):
+        extra = "+".join(x for x, on in (("embed", s.has_embed), ("head", s.has_head)) if on)
+        layers = f"[{s.start}, {s.end})" + (f" +{extra}" if extra else "") if s.used else "-"
+        rows.append((str(i), s.node.name, s.node.label, layers, str(s.num_kda),
+                     str(s.num_dsa + s.num_mla), _gb(s.weight_bytes), _gb(s.cache_bytes),
+                     _gb(s.total_bytes), _gb(s.node.usable_bytes),
+                     ("yes" if s.fits else "NO") if s.used else "unused"))
+    widths = [max(len(r[j]) for r in rows + [head]) for j in range(len(head))]
+    right = {4, 5, 6, 7, 8, 9}
+    fmt = lambda r: "  ".join(c.rjust(w) if j in right else c.ljust(w)
+                              for j, (c, w) in enumerate(zip(r, widths))).rstrip()
+    return [fmt(head)] + [fmt(r) for r in rows]
+
+
+def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: bool) -> List[str]:
+    dsa = [l for l in model.layers if l.cache_bytes_per_token]
+    kda = [l for l in model.layers if l.state_bytes_per_sequence]
+    per_layer = sorted({l.cache_bytes_per_token for l in dsa})
+    lines = []
+    if dsa:
+        layer_txt = " or ".join(f"{b:,} B" for b in per_layer)
+        lines.append(
+            f"KV cache per token: {plan.cache_bytes_per_token:,} B ({len(dsa)} attention layers x "
+            f"{layer_txt}); {_gb(plan.cache_bytes_per_token * plan.context * plan.sequences)} GB "
+            f"at {plan.context} tokens x {plan.sequences} sequence(s)")
+    if kda:
+        lines.append(f"KDA state per sequence: {plan.state_bytes_per_sequence / 1e6:.1f} MB "
+                     f"({len(kda)} layers, constant in context)")
+    unused = plan.unused_nodes
+    if unused:
+        lines.append("not needed: " + ", ".join(n.name for n in unused) + " (0 layers)")
+    lines.append(
+        f"decode estimate (bandwidth-bound ceiling, at {plan.context} tokens): "
+        f"{plan.tokens_per_s:.1f} tokens/s per sequence"
+        + (f", {plan.aggregate_tokens_per_s:.1f} aggregate" if plan.sequences > 1 else "")
+        + f"; {_gb(plan.read_bytes_per_step)} GB read per step, "
+        f"{plan.hops} hop(s) x {planner.hop_latency_s * 1e3:g} ms")
+    headroom = {s.headroom_bytes for s in plan.used_stages}
+    lines.append(f"headroom kept free per Mac: {', '.join(_gb(h) for h in sorted(headroom))} GB")
+    if not wired_given:
+        low = [s for s in plan.used_stages if s.node.ram_bytes and
+               s.total_bytes + s.headroom_bytes > macos_default_wired_bytes(s.node.ram_bytes)]
+        groups = {}
+        for s in low:
+            key = (macos_default_wired_bytes(s.node.ram_bytes), s.node.usable_bytes // 2**20)
+            groups.setdefault(key, []).append(s.node.name)
+        for (default, limit_mb), names in groups.items():
+            lines.append(
+                f"{', '.join(names)}: stage needs more than macOS's default GPU limit "
+                f"({default / GiB:.0f} GiB); on each run: sudo sysctl iogpu.wired_limit_mb={limit_mb}")
+    return lines
+
+
+def run(args) -> int:
+    try:
+        if (args.context is not None and args.context < 1) or args.sequences < 1:
+            raise ValueError(f"--context and --sequences must be >= 1 (got {args.context}, "
+                             f"{args.sequences})")
+        nodes = parse_macs(args.macs, args.mac_chip, args.wired_limit_mb)
+        planner = _planner(args)
+        model = model_bytes(args.model)
+        if args.keep is not None and (not model.num_experts or not 0 < args.keep <= 1):
+            raise ValueError("--keep needs a MoE model and a fraction in (0, 1]")
+        build = None
+        if args.keep is not None or args.q_bits or args.expert_bits:
+            keep = (None if args.keep is None else
+                    max(model.experts_per_token, round(args.keep * model.num_experts)))
+            build = BuildSpec(keep, args.q_bits, args.q_group_size, args.expert_bits,
+                              args.expert_group_size)
+            model = model_bytes(args.model, build)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"kimi-mlx plan: error: {e}", file=sys.stderr)
+        return 2
+    for line in _describe_model(args.model, model):
+        print(line)
+    if build is not None:
+        print(f"build: {build.describe()}; {_gb(model.file_bytes)} GB of safetensors files "
+              f"({model.file_bytes:,} bytes)")
+    limit = model.max_position_embeddings
+    if args.context is None:  # a 4k-context micro model is not planned for 128k tokens
+        args.context = min(DEFAULT_CONTEXT, limit) if limit else DEFAULT_CONTEXT
+    if limit and args.context > limit:
+        print(f"note: --context {args.context} is past the model's max_position_embeddings "
+              f"({limit}); it is planned for, but the model is not made for it", file=sys.stderr)
+    print(f"Macs: {args.macs} ({', '.join(f'{n.name} {n.label}' for n in nodes)}); "
+          f"context {args.context} tokens x {args.sequences} sequence(s)")
+    try:
+        plan = planner.plan(model, nodes, args.context, args.sequences)
+    except PlanError as e:
+        print()
+        print(str(e).replace("; ", "\n  "))
+        return 1
+    except ValueError as e:
+        print(f"kimi-mlx plan: error: {e}", file=sys.stderr)
+        return 2
+    print()
+    for line in _table(plan):
+        print(line)
+    print()
+    for line in _summary(plan, model, planner, args.wired_limit_mb is not None):
+        print(line)
+    print("fits")
+    return 0

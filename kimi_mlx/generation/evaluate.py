@@ -1,0 +1,219 @@
+"""`kimi-mlx eval`: perplexity and tokens/s of a checkpoint on a UTF-8 text file.
+
+The file is tokenised with the checkpoint's own tokenizer (no special tokens) and cut into
+consecutive windows of `--seq-len` + 1 tokens that share one boundary token, so every
+token after the first is predicted exactly once, from the context inside its window:
+
+    window i = ids[i*L : i*L + L + 1]; inputs = window[:-1], targets = window[1:]
+
+Perplexity = exp(total negative log-likelihood / predicted tokens), computed in float32
+from the model's logits. Tokens/s counts predicted tokens over the forward passes' wall
+time (model loading and tokenisation excluded).
+
+`expert_usage` measures the share of routing mass each routed expert gets on a text
+(the figure the micro model card reports per domain and the pruner relies on).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+DEFAULT_SEQ_LEN = 256
+DEFAULT_BATCH = 8
+
+
+@dataclass
+class EvalResult:
+    """Outcome of `perplexity`: summed NLL (nats), predicted tokens, forward wall seconds."""
+
+    nll: float
+    tokens: int
+    seconds: float
+
+    @property
+    def perplexity(self) -> float:
+        """exp(nll / tokens); inf when no token was predicted."""
+        return math.exp(self.nll / self.tokens) if self.tokens else float("inf")
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+
+def windows(ids: Sequence[int], seq_len: int) -> List[List[int]]:
+    """Consecutive windows of up to seq_len + 1 ids overlapping by one id.
+
+    Args:
+        ids: token ids.
+        seq_len: predicted tokens per window (>= 1).
+    Returns:
+        Windows of length seq_len + 1, the last one possibly shorter (>= 2 ids); empty
+        when len(ids) < 2.
+    Raises:
+        ValueError: seq_len < 1.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    out = []
+    for start in range(0, max(0, len(ids) - 1), seq_len):
+        w = list(ids[start : start + seq_len + 1])
+        if len(w) >= 2:
+            out.append(w)
+    return out
+
+
+def perplexity(
+    model, ids: Sequence[int], seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = DEFAULT_BATCH
+) -> EvalResult:
+    """Perplexity of `model` on token ids, over `windows(ids, seq_len)`.
+
+    Args:
+        model: a kimi-mlx `Model` (or any callable tokens [B, L] int32 -> logits
+            [B, L, vocab]) in eval mode.
+        ids: token ids (at least 2).
+        seq_len: window length in predicted tokens.
+        batch_size: windows per forward pass (full-length windows only).
+    Returns:
+        EvalResult with the summed NLL in nats and the number of predicted tokens.
+    Raises:
+        ValueError: fewer than 2 ids, or seq_len < 1.
+    """
+    import mlx.core as mx
+
+    wins = windows(ids, seq_len)
+    if not wins:
+        raise ValueError(f"need at least 2 tokens to measure perplexity, got {len(ids)}")
+    full = [w for w in wins if len(w) == seq_len + 1]
+    batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
+    batches += [[w] for w in wins if len(w) != seq_len + 1]
+    nll, count, seconds = 0.0, 0, 0.0
+    for batch in batches:
+        x = mx.array(batch, dtype=mx.int32)
+        t0 = time.perf_counter()
+        logits = model(x[:, :-1]).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        picked = mx.take_along_axis(logp, x[:, 1:, None], axis=-1)
+        total = -picked.sum()
+        mx.eval(total)
+        seconds += time.perf_counter() - t0
+        nll += total.item()
+        count += x.shape[0] * (x.shape[1] - 1)
+    return EvalResult(nll, count, seconds)
+
+
+def expert_usage(model, ids: Sequence[int], seq_len: int = DEFAULT_SEQ_LEN):
+    """Share of routing mass per routed expert, per MoE layer, on token ids.
+
+    Routing mass of expert e in a layer = sum over tokens of the router weight it gets
+    when selected (the renormalised top-k weights, so each token gives the layer
+    `routed_scaling_factor` in total). Windows as in `perplexity`.
+
+    Returns:
+        NumPy float64 [moe layers, num_experts]; each row sums to 1.
+    Raises:
+        ValueError: the model has no MoE layer, or fewer than 2 ids.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    from kimi_mlx.model.ffn import LatentMoE
+
+    moes = [m for _, m in model.named_modules() if isinstance(m, LatentMoE)]
+    if not moes:
+        raise ValueError("the model has no latent MoE layer")
+    mass = [mx.zeros((m.gate.weight.shape[0],), mx.float32) for m in moes]
+
+    def recorder(i, m):
+        def route(x):
+            inds, w = type(m).route(m, x)
+            mass[i] = mass[i].at[inds.reshape(-1)].add(w.reshape(-1).astype(mx.float32))
+            return inds, w
+
+        return route
+
+    for i, m in enumerate(moes):
+        object.__setattr__(m, "route", recorder(i, m))
+    try:
+        wins = windows(ids, seq_len)
+        if not wins:
+            raise ValueError(f"need at least 2 tokens, got {len(ids)}")
+        for w in wins:
+            model(mx.array([w[:-1]], dtype=mx.int32))
+            mx.eval(mass)
+    finally:
+        for m in moes:
+            object.__delattr__(m, "route")
+    out = np.stack([np.array(a, dtype=np.float64) for a in mass])
+    return out / out.sum(axis=1, keepdims=True)
+
+
+def read_tokens(tokenizer, path, max_tokens: Optional[int] = None) -> List[int]:
+    """Token ids of a UTF-8 text file (special-token text encoded as ordinary text).
+
+    Raises:
+        FileNotFoundError: no such file, or a folder (the message names the path).
+        ValueError: the file is not UTF-8.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file" if not path.exists()
+                                else f"--data {path}: not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+    ids = tokenizer.encode(text)
+    return ids[: max_tokens + 1] if max_tokens else ids
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
+    p.add_argument("--data", required=True, help="UTF-8 text file to measure")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
+                   help=f"tokens predicted per window (default {DEFAULT_SEQ_LEN})")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="measure only the first N predicted tokens of the file")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+                   help=f"windows per forward pass (default {DEFAULT_BATCH})")
+
+
+def run(args) -> int:
+    from kimi_mlx.generation.generate import InputError, resolve_model_arg
+    from kimi_mlx.checkpoint.hub import resolve
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.text.tokenizer import KimiTokenizer
+
+    try:
+        if args.seq_len < 1:
+            raise InputError(f"--seq-len must be >= 1, got {args.seq_len}")
+        if args.batch_size < 1:
+            raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        model_dir = resolve(resolve_model_arg(args.model))
+        tokenizer = KimiTokenizer.from_pretrained(model_dir)
+        ids = read_tokens(tokenizer, args.data, args.max_tokens)
+        if len(ids) < 2:
+            raise InputError(f"{args.data}: fewer than 2 tokens, nothing to predict")
+        model, _, _ = load_model(model_dir, verbose=False)
+    except (InputError, FileNotFoundError, ValueError) as e:
+        print(f"kimi-mlx eval: error: {e}", file=sys.stderr)
+        return 2
+    context = model.args.max_position_embeddings
+    if args.seq_len + 1 > context:
+        print(f"note: windows of {args.seq_len + 1} tokens run past the model's context of "
+              f"{context} (max_position_embeddings): figures beyond it are out of spec",
+              file=sys.stderr)
+    result = perplexity(model, ids, args.seq_len, args.batch_size)
+    print(f"model: {model_dir}")
+    print(f"data: {args.data} ({len(ids)} tokens, windows of {args.seq_len})")
+    print(f"perplexity: {result.perplexity:.4f}")
+    print(f"tokens: {result.tokens}")
+    print(f"tokens/s: {result.tokens_per_second:.1f}")
+    return 0

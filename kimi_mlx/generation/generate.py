@@ -1,0 +1,139 @@
+"""`kimi-mlx generate`: one-shot generation, streamed, with mlx_lm.generate's flags.
+
+A thin layer over mlx-lm's `stream_generate` (sampling, generation loop, statistics):
+we only add the K3.1 chat encoding (`--reasoning-effort`), our loader, and input checks.
+Ends with prompt / generation tokens-per-second and peak memory, as mlx-lm prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Iterator, List
+
+from kimi_mlx.generation.request import (  # noqa: F401  (re-exported: the request path lives in request.py)
+    DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_draft_arguments, add_model_arguments, add_mtp_argument,
+    build_prompt, check_context, check_draft_arguments, check_model_arguments, default_model,
+    load_for_generation, resolve_model_arg, token_budget,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
+    p.add_argument("--prompt", "-p", default=None, help="prompt text, or '-' to read stdin")
+    p.add_argument("--system-prompt", default=None, help="system message")
+    p.add_argument("--ignore-chat-template", action="store_true",
+                   help="feed the prompt as raw text, without the chat encoding")
+    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
+                   default=True, help="print timing and memory at the end (default: True)")
+    add_draft_arguments(p)
+    add_mtp_argument(p)
+
+
+def load_speculation(args, wrapper, target_name: str, model=None):
+    """The `speculative.Speculation` for --draft-model or --draft mtp (None without
+    either): a draft model loaded and its tokenizer checked against the target's
+    (`speculative.load_draft`), or the target checkpoint's MTP layers (`mtp.load_mtp`,
+    bound to `model`; CheckpointError, a ValueError, when it has none)."""
+    if not getattr(args, "draft_model", None) and not getattr(args, "draft", None):
+        return None
+    from kimi_mlx.speculative.loop import Sampling, Speculation, load_draft
+
+    if getattr(args, "draft", None) == "mtp":
+        from kimi_mlx.checkpoint.hub import resolve
+        from kimi_mlx.speculative.mtp import load_mtp
+
+        if model is None:
+            raise InputError("--draft mtp needs the loaded target model")
+        draft = load_mtp(resolve(target_name), model, depths=1)
+    else:
+        draft = load_draft(args.draft_model, wrapper, target_name)
+    return Speculation(draft, args.num_draft_tokens,
+                       Sampling(args.temp, args.top_p, args.min_p, args.top_k))
+
+
+def stream(model, wrapper, prompt_ids: List[int], args, speculation=None) -> Iterator:
+    """mlx-lm `stream_generate` with our sampler settings, or speculative decoding with
+    `speculation` (`speculative.stream_speculative`); yields GenerationResponse."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    if speculation is not None:
+        from kimi_mlx.speculative.loop import stream_speculative
+
+        yield from stream_speculative(model, speculation.draft, wrapper, prompt_ids,
+                                      max_tokens=args.max_tokens, **speculation.kwargs())
+        return
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    yield from stream_generate(
+        model, wrapper, prompt_ids, max_tokens=args.max_tokens, sampler=sampler
+    )
+
+
+def run(args) -> int:
+    try:
+        check_model_arguments(args)
+        check_draft_arguments(args)
+        spec = resolve_model_arg(args.model)
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if prompt is None:
+            raise InputError("give a prompt with --prompt TEXT (or --prompt - for stdin)")
+        model, wrapper, tok, config = load_for_generation(spec)
+        ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
+                           args.reasoning_effort)
+        context = model.args.max_position_embeddings
+        source = "max_position_embeddings in config.json"
+        if args.max_kv_size:
+            context, source = min(context, args.max_kv_size), "--max-kv-size"
+        args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
+        speculation = load_speculation(args, wrapper, spec, model)
+    except (InputError, FileNotFoundError, ValueError) as e:
+        print(f"kimi-mlx generate: error: {e}", file=sys.stderr)
+        return 2
+
+    rc = print_generation(args, stream(model, wrapper, ids, args, speculation))
+    if speculation is not None and args.verbose:
+        print(speculation.summary())
+    return rc
+
+
+def print_generation(args, responses) -> int:
+    """Stream mlx-lm GenerationResponses to stdout as `kimi-mlx generate` does (reasoning
+    dimmed on a terminal unless --ignore-chat-template), then mlx_lm.generate's timing
+    and peak-memory lines when --verbose. Shared with `kimi-mlx cluster launch`."""
+    from kimi_mlx.text.chat_format import ReplyStream
+
+    pretty = ReplyStream() if not args.ignore_chat_template else None
+    dim = sys.stdout.isatty()
+    if args.verbose:
+        print("=" * 10)
+    response = None
+    for response in responses:
+        if pretty is None:
+            print(response.text, end="", flush=True)
+            continue
+        for channel, text in pretty.feed(response.text):
+            if channel == "reasoning" and dim:
+                text = f"\033[2m{text}\033[0m"
+            print(text, end="", flush=True)
+    if pretty is not None:
+        for channel, text in pretty.finish():
+            print(text, end="", flush=True)
+    print()
+    if args.verbose and response is not None:
+        print("=" * 10)
+        print(f"Prompt: {response.prompt_tokens} tokens, "
+              f"{response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, "
+              f"{response.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kimi-mlx generate")
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -1,0 +1,367 @@
+"""The one request path shared by every front end (`kimi-mlx generate`, `chat`, the
+cluster head and `kimi-mlx server`): model resolution and loading, the prompt built from
+a prompt string or chat messages, the check against the context, sampling parameters
+(mlx-lm's `make_sampler`) and stop strings.
+
+Nothing here prints except `check_context`'s note for the CLIs; nothing here knows HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+DEFAULT_MAX_TOKENS = 256
+EFFORTS = ("low", "high", "max")
+DEFAULT_NUM_DRAFT_TOKENS = 3
+# The smallest usable cap on prompt + generated tokens: a prompt holds at least one token
+# and a request generates at least one, so a cap of 1 could never serve anything
+MIN_KV_SIZE = 2
+
+
+class InputError(ValueError):
+    """Bad user input (empty prompt, prompt longer than the context, ...)."""
+
+
+def default_model() -> Optional[Path]:
+    """The shipped default checkpoint (trained micro model), if this install has one."""
+    path = Path(__file__).resolve().parents[1] / "assets" / "micro"
+    return path if (path / "config.json").exists() else None
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared with chat / cluster launch / server: --model and sampling."""
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
+    p.add_argument("--max-tokens", "-m", type=int, default=DEFAULT_MAX_TOKENS,
+                   help=f"maximum number of tokens to generate (default {DEFAULT_MAX_TOKENS}; -1 = up to the context)")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature (default 0 = greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability (default 1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (default 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="PRNG seed")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="cap on prompt + generated tokens (generation stops there, with a "
+                        "note; unlike mlx-lm's rotating cache, since KDA state cannot rotate). "
+                        "KDA state is constant, DSA caches grow per token")
+    p.add_argument("--reasoning-effort", choices=EFFORTS, default="max",
+                   help="K3.1 thinking effort in the chat encoding (default max)")
+
+
+def check_model_arguments(args) -> None:
+    """Range checks of the flags `add_model_arguments` adds (before any model is loaded).
+
+    Raises:
+        InputError: --max-tokens not -1 (no limit) or >= 1, --temp < 0, --top-p outside
+            (0, 1], --min-p outside [0, 1], --top-k < 0, or --max-kv-size < 2.
+    """
+    if args.max_tokens != -1 and args.max_tokens < 1:
+        raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
+    check_sampling(args.temp, args.top_p, args.min_p, args.top_k, prefix="--")
+    check_max_kv_size(args.max_kv_size)
+
+
+def check_max_kv_size(value: Optional[int]) -> None:
+    """InputError unless --max-kv-size is None (no cap) or >= MIN_KV_SIZE (2): the cap
+    must leave room for one prompt token and one generated token. The same floor for
+    generate, chat, cluster launch and both servers."""
+    if value is not None and value < MIN_KV_SIZE:
+        raise InputError(f"--max-kv-size must be >= {MIN_KV_SIZE} tokens (one prompt token "
+                         f"and one generated token), got {value}")
+
+
+def add_draft_arguments(p: argparse.ArgumentParser, note: str = "") -> None:
+    """--draft-model / --num-draft-tokens (mlx-lm's names): speculative decoding.
+    `note` is appended to --draft-model's help (e.g. the server's concurrency rule)."""
+    p.add_argument("--draft-model", default=None,
+                   help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint or "
+                        "any mlx-lm model with the same tokenizer (output stays the model's)"
+                        + note)
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help=f"tokens the draft proposes per verify step (default "
+                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model or --draft)")
+
+
+def add_mtp_argument(p: argparse.ArgumentParser) -> None:
+    """--draft mtp: the checkpoint's own MTP layers as the draft (generate, chat)."""
+    p.add_argument("--draft", choices=("mtp",), default=None,
+                   help="mtp: speculative decoding with the checkpoint's own multi-token-"
+                        "prediction layers as the draft (config num_nextn_predict_layers > 0; "
+                        "instead of --draft-model; output stays the model's)")
+
+
+def check_draft_arguments(args) -> None:
+    """Checks --draft-model / --num-draft-tokens and fills in the default k.
+
+    Raises:
+        InputError: --num-draft-tokens without --draft-model or --draft (it would be
+            silently ignored), --draft with --draft-model, or --num-draft-tokens < 1."""
+    k = getattr(args, "num_draft_tokens", None)
+    draft_model, draft = getattr(args, "draft_model", None), getattr(args, "draft", None)
+    if draft_model and draft:
+        raise InputError(f"give --draft {draft} or --draft-model, not both")
+    if not draft_model and not draft:
+        if k is not None:
+            raise InputError("--num-draft-tokens needs --draft-model or --draft mtp (without "
+                             "a draft there is no speculative decoding to configure)")
+        return
+    if k is None:
+        args.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
+    elif k < 1:
+        raise InputError(f"--num-draft-tokens must be >= 1, got {k}")
+
+
+def check_sampling(temp: float, top_p: float, min_p: float, top_k: int, prefix: str = "") -> None:
+    """InputError unless temp >= 0, top_p in (0, 1], min_p in [0, 1], top_k >= 0.
+
+    `prefix` spells the names as the caller's user sees them ("--" for flags, "" for API
+    fields: `top_p` vs `--top-p`)."""
+    def name(n):
+        return f"--{n.replace('_', '-')}" if prefix == "--" else n
+
+    if temp < 0:
+        raise InputError(f"{name('temp' if prefix else 'temperature')} must be >= 0 (0 = greedy), got {temp}")
+    if not 0 < top_p <= 1:
+        raise InputError(f"{name('top_p')} must be in (0, 1] (1 = off), got {top_p}")
+    if not 0 <= min_p <= 1:
+        raise InputError(f"{name('min_p')} must be in [0, 1] (0 = off), got {min_p}")
+    if top_k < 0:
+        raise InputError(f"{name('top_k')} must be >= 0 (0 = off), got {top_k}")
+
+
+def resolve_model_arg(spec: Optional[str]) -> str:
+    """--model value, or the shipped default; InputError when neither exists."""
+    if spec:
+        return spec
+    path = default_model()
+    if path is None:
+        raise InputError("no --model given and this install ships no default checkpoint")
+    return str(path)
+
+
+def build_prompt(tokenizer, prompt: str, system: Optional[str], raw: bool, effort: str) -> List[int]:
+    """Token ids for the prompt: K3.1 chat encoding unless `raw`."""
+    if not prompt:
+        raise InputError("the prompt is empty")
+    if raw:
+        text = prompt if system is None else f"{system}\n{prompt}"
+        return tokenizer.encode(text)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
+    return build_chat_prompt(tokenizer, messages, effort)
+
+
+def build_chat_prompt(tokenizer, messages: Sequence[Mapping[str, Any]], effort: str,
+                      tools: Optional[Sequence[Mapping[str, Any]]] = None,
+                      **options: Any) -> List[int]:
+    """Token ids of a conversation in the K3.1 chat encoding, ending in the generation
+    prompt (`chat_format.encode_chat`; options: tool_choice "required" / "none",
+    response_format json_object / json_schema). Raises InputError for an empty
+    conversation or anything `encode_chat` rejects (unknown role or effort, non-text
+    parts, bad calls)."""
+    return build_chat_prompt_with_ends(tokenizer, messages, effort, tools, **options)[0]
+
+
+def build_chat_prompt_with_ends(tokenizer, messages: Sequence[Mapping[str, Any]], effort: str,
+                                tools: Optional[Sequence[Mapping[str, Any]]] = None,
+                                **options: Any) -> Tuple[List[int], List[int]]:
+    """(ids as `build_chat_prompt`, message ends): the prompt positions (token counts)
+    after each `<|end_of_msg|>`: the tool and effort system blocks, the system prompt,
+    every earlier turn. Where a prompt cache takes its snapshots: a later request that
+    shares the first k messages shares these prefixes. One pass over the segments
+    (`chat_format.encode_segments` tokenizes each segment on its own, so encoding the
+    pieces between message ends gives exactly `encode_chat`'s ids)."""
+    from kimi_mlx.text.chat_format import END_OF_MSG, chat_segments, encode_segments
+
+    if not messages:
+        raise InputError("messages is empty: give at least one message")
+    try:
+        segments = chat_segments(messages, effort, True, tools, **options)
+        ids: List[int] = []
+        ends: List[int] = []
+        piece: list = []
+        for seg in segments:
+            piece.append(seg)
+            if seg == (True, END_OF_MSG):
+                ids += encode_segments(tokenizer, piece)
+                ends.append(len(ids))
+                piece = []
+        ids += encode_segments(tokenizer, piece)
+    except InputError:
+        raise
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return ids, ends
+
+
+def token_budget(n_prompt: int, max_tokens: int, context: int) -> int:
+    """Tokens that may be generated after an n_prompt-token prompt: max_tokens, capped by
+    the room left in a context of `context` tokens (max_tokens -1 = all of that room)."""
+    room = context - n_prompt
+    return room if max_tokens < 0 else min(max_tokens, room)
+
+
+def check_context(n_prompt: int, max_tokens: int, context: int, source: str) -> int:
+    """Number of tokens that may still be generated (max_tokens -1 = up to the context);
+    InputError when the prompt does not fit. When the context cuts a --max-tokens request
+    short, says so on stderr (generation would otherwise just stop early)."""
+    if n_prompt >= context:
+        raise InputError(
+            f"the prompt is {n_prompt} tokens, longer than the context of {context} tokens "
+            f"({source})"
+        )
+    budget = token_budget(n_prompt, max_tokens, context)
+    if 0 <= budget < max_tokens:
+        print(f"note: generating at most {budget} tokens: the prompt ({n_prompt}) and the "
+              f"generation must fit in {context} tokens ({source})", file=sys.stderr)
+    return budget
+
+
+def check_context_strict(n_prompt: int, max_tokens: int, context: int) -> None:
+    """For an API request: InputError unless prompt + max_tokens fits in the context,
+    naming both numbers (an API client asked for max_tokens and must not get fewer
+    silently)."""
+    if n_prompt + max_tokens > context:
+        raise InputError(
+            f"this model's context is {context} tokens; the request needs "
+            f"{n_prompt + max_tokens} ({n_prompt} in the prompt + {max_tokens} max_tokens)"
+        )
+
+
+def load_for_generation(spec: str):
+    """(model, mlx-lm TokenizerWrapper, our KimiTokenizer, config) for a checkpoint."""
+    from mlx_lm.utils import load_tokenizer
+
+    from kimi_mlx.checkpoint.hub import resolve
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.text.tokenizer import KimiTokenizer, register_with_transformers
+
+    model_dir = resolve(spec)
+    model, config, _ = load_model(model_dir)
+    kimi_tok = KimiTokenizer.from_pretrained(model_dir)
+    register_with_transformers()
+    wrapper = load_tokenizer(model_dir, eos_token_ids=kimi_tok.eos_token_ids)
+    return model, wrapper, kimi_tok, config
+
+
+# ------------------------------------------------------------------ sampling
+
+
+@dataclass
+class SamplingParams:
+    """One request's sampling settings (mlx-lm `make_sampler`; temp 0 = greedy).
+
+    seed: re-seeds MLX's PRNG for this request (None: continue the global stream)."""
+
+    temp: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: Optional[int] = None
+
+    def check(self) -> "SamplingParams":
+        check_sampling(self.temp, self.top_p, self.min_p, self.top_k)
+        return self
+
+    def sampler(self):
+        """Sampler: logprobs [B, vocab] -> token ids [B]. mlx-lm's `make_sampler` when
+        unseeded (or greedy); with a seed the same filter chain (mlx-lm's apply_top_p,
+        apply_min_p, apply_top_k, in make_sampler's order) then a categorical draw from
+        this request's own PRNG key, so a seeded request samples the same tokens whatever
+        else runs at the same time."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
+
+        if self.temp == 0 or self.seed is None:
+            return make_sampler(self.temp, self.top_p, self.min_p, top_k=self.top_k)
+        import mlx.core as mx
+
+        key = mx.random.key(self.seed)
+        temp, top_p, min_p, top_k = self.temp, self.top_p, self.min_p, self.top_k
+
+        def sampler(logprobs):
+            nonlocal key
+            if 0 < top_p < 1.0:
+                logprobs = apply_top_p(logprobs, top_p)
+            if min_p != 0.0:
+                logprobs = apply_min_p(logprobs, min_p, 1)
+            if top_k > 0:
+                logprobs = apply_top_k(logprobs, top_k)
+            key, sub = mx.random.split(key)
+            return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
+
+        return sampler
+
+
+def generation_defaults(model_dir: Path) -> SamplingParams:
+    """Sampling defaults from the checkpoint's generation_config.json (temperature,
+    top_p, top_k, min_p); greedy where a key is absent. ValueError for a file that is
+    not a JSON object or a value of the wrong type, naming the file and key."""
+    path = Path(model_dir) / "generation_config.json"
+    params = SamplingParams()
+    if not path.exists():
+        return params
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    for key, attr, kind in (("temperature", "temp", float), ("top_p", "top_p", float),
+                            ("top_k", "top_k", int), ("min_p", "min_p", float)):
+        if key in data and data[key] is not None:
+            v = data[key]
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{path}: {key} must be a number, got {v!r}")
+            setattr(params, attr, kind(v))
+    if data.get("do_sample") is False:
+        params.temp = 0.0
+    try:
+        params.check()
+    except InputError as e:
+        raise ValueError(f"{path}: {e}") from None
+    return params
+
+
+# ------------------------------------------------------------------ stop strings
+
+
+@dataclass
+class StopMatcher:
+    """Stop strings matched on decoded text across token boundaries.
+
+    `feed(text)` returns (text safe to emit now, stopped): text that might be the start
+    of a stop string is held back until it is decided; on a match, the text before the
+    stop string is returned and `stopped` is True. `flush()` returns what is held back
+    at the end of generation.
+    """
+
+    stops: Sequence[str] = ()
+    matched: Optional[str] = field(default=None, init=False)  # the stop string that ended it
+    _held: str = field(default="", init=False)
+
+    def feed(self, text: str) -> Tuple[str, bool]:
+        if not self.stops:
+            return text, False
+        buf = self._held + text
+        hits = [(buf.find(s), s) for s in self.stops if s and buf.find(s) >= 0]
+        if hits:
+            at, self.matched = min(hits, key=lambda h: (h[0], -len(h[1])))
+            self._held = ""
+            return buf[:at], True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        self._held = buf[len(buf) - keep:]
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return out

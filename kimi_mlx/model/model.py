@@ -1,0 +1,211 @@
+"""Kimi K3.1 Pro text model for MLX, in mlx-lm's model-module API (`ModelArgs`, `Model`,
+`Model.__call__(inputs, cache)`, `make_cache`, `sanitize`, `layers`).
+
+Layer schedule (K31_SPEC.md section 3): embed -> 93 x [RMSNorm -> KDA | Gated DSA ->
+AttnRes mix -> RMSNorm -> dense SiTU MLP (layer 0) | latent MoE] -> output AttnRes mix ->
+norm -> lm_head. Any contiguous layer range [start, end) can be built with the same code
+(embedding only on the first stage, output mix + norm + lm_head only on the last): a
+pipeline stage is a layer range, nothing more.
+
+Module paths equal the checkpoint's tensor names (`language_model.model.layers.N...`), so
+`sanitize` only stacks the MXFP4 experts and trims the padded A_log; see `tensor_map.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from kimi_mlx.model.attn_res import Banks, attn_res_mix, res_weights
+from kimi_mlx.model.config import ModelArgs
+from kimi_mlx.model.cache import ArraysCache, DSACache
+from kimi_mlx.model.dsa import GatedDSA
+from kimi_mlx.model.ffn import LatentMoE, SiTUMLP
+from kimi_mlx.model.kda import KimiDeltaAttention
+from kimi_mlx.model.tensor_map import sanitize_weights
+
+__all__ = ["Model", "ModelArgs", "DecoderLayer", "TextModel"]
+
+
+class DecoderLayer(nn.Module):
+    """One K3.1 layer with AttnRes block residuals. Call: (x, banks, cache) -> (p, banks)."""
+
+    def __init__(self, args: ModelArgs, idx: int):
+        super().__init__()
+        self.idx = idx
+        self.is_kda = args.is_kda(idx)
+        self.self_attn = KimiDeltaAttention(args, idx) if self.is_kda else GatedDSA(args)
+        if args.is_moe(idx):
+            self.block_sparse_moe = LatentMoE(args)
+        else:
+            self.mlp = SiTUMLP(args, args.intermediate_size)
+        d, eps = args.hidden_size, args.rms_norm_eps
+        self.input_layernorm = nn.RMSNorm(d, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(d, eps=eps)
+        self.block_size = args.attn_res_block_size
+        if self.block_size:
+            self.self_attention_res_norm = nn.RMSNorm(d, eps=eps)
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = nn.RMSNorm(d, eps=eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+
+    @property
+    def ffn(self):
+        return self.block_sparse_moe if "block_sparse_moe" in self else self.mlp
+
+    def __call__(self, x: mx.array, banks: Banks, cache: Optional[Any] = None):
+        if not self.block_size:  # plain pre-norm residual (configs without AttnRes)
+            h = x + self.self_attn(self.input_layernorm(x), cache)
+            return h + self.ffn(self.post_attention_layernorm(h)), banks
+        w_attn = res_weights(self.self_attention_res_norm, self.self_attention_res_proj)
+        h = attn_res_mix(banks, x, w_attn)
+        partial = x
+        if self.idx % self.block_size == 0:
+            banks.append(x)
+            partial = None
+        y = self.self_attn(self.input_layernorm(h), cache)
+        partial = y if partial is None else partial + y
+        w_mlp = res_weights(self.mlp_res_norm, self.mlp_res_proj)
+        h = attn_res_mix(banks, partial, w_mlp)
+        return partial + self.ffn(self.post_attention_layernorm(h)), banks
+
+
+class TextModel(nn.Module):
+    """`language_model.model`: embed_tokens, layers [start, end), output mix, norm."""
+
+    def __init__(self, args: ModelArgs, start: int = 0, end: Optional[int] = None):
+        super().__init__()
+        n = args.num_hidden_layers
+        end = n if end is None else end
+        if not 0 <= start < end <= n:
+            raise ValueError(f"layer range [{start}, {end}) is not inside [0, {n})")
+        self.args = args
+        self.start, self.end = start, end
+        # dtype of the residual stream; None = the embedding's (see Model.activation_dtype)
+        self.activation_dtype = None
+        self.is_first, self.is_last = start == 0, end == n
+        if self.is_first or (self.is_last and args.tie_word_embeddings):
+            # the last stage of a tied model needs the embedding as its lm_head
+            self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        # Entries before `start` are None so that `layers.N` keeps the checkpoint's index.
+        self.layers = [None] * start + [DecoderLayer(args, i) for i in range(start, end)]
+        if self.is_last:
+            self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+            if args.attn_res_block_size:
+                self.output_attn_res_norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+                self.output_attn_res_proj = nn.Linear(args.hidden_size, 1, bias=False)
+
+    @property
+    def local_layers(self) -> List[DecoderLayer]:
+        return self.layers[self.start : self.end]
+
+    def embed(self, inputs: mx.array) -> mx.array:
+        """Token ids [B, L] -> hidden [B, L, D] in the activation dtype (first stage only)."""
+        h = self.embed_tokens(inputs)
+        return h if self.activation_dtype is None else h.astype(self.activation_dtype)
+
+    def run_layers(
+        self, h: mx.array, banks: Banks, cache: Optional[List[Any]] = None,
+        eval_each: bool = False,
+    ) -> Tuple[mx.array, Banks]:
+        """Run this range's layers on partial sum h [B, L, D] with the banks so far.
+
+        eval_each: start computing each layer's output (`mx.async_eval`) as soon as its
+            graph is built, so that building layer i + 1 overlaps computing layer i. A
+            pipeline stage wants this: mlx-lm's generate loop hides graph construction by
+            building token t + 1 while token t computes, but a stage cannot start before
+            its input arrives, so construction (~0.3 ms a layer on the CPU backend) would
+            add to every hop. Not for use inside `mx.compile` or autodiff transforms.
+        """
+        cache = cache or [None] * (self.end - self.start)
+        for layer, c in zip(self.local_layers, cache):
+            h, banks = layer(h, banks, c)
+            if eval_each:
+                mx.async_eval(h)
+        return h, banks
+
+    def finish(self, h: mx.array, banks: Banks) -> mx.array:
+        """Output AttnRes mix then final RMSNorm (last stage only). [B, L, D] -> same."""
+        if self.args.attn_res_block_size:
+            w = res_weights(self.output_attn_res_norm, self.output_attn_res_proj)
+            h = attn_res_mix(banks, h, w)
+        return self.norm(h)
+
+    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
+        h = self.embed(inputs)
+        h, banks = self.run_layers(h, Banks(self.args.rms_norm_eps), cache)
+        return self.finish(h, banks)
+
+
+class LanguageModel(nn.Module):
+    """`language_model`: the text model plus `lm_head` (or tied embeddings)."""
+
+    def __init__(self, args: ModelArgs, start: int = 0, end: Optional[int] = None):
+        super().__init__()
+        self.args = args
+        self.model = TextModel(args, start, end)
+        if self.model.is_last and not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """Final hidden [B, L, D] (after `finish`) -> logits [B, L, vocab]."""
+        if self.args.tie_word_embeddings:
+            return self.model.embed_tokens.as_linear(h)
+        return self.lm_head(h)
+
+    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
+        return self.logits(self.model(inputs, cache))
+
+
+class Model(nn.Module):
+    """Kimi K3.1 (text) in mlx-lm's model API; optionally only layers [start, end).
+
+    `Model(args)(tokens [B, L] int32, cache)` -> logits [B, L, vocab]. Pipeline stages use
+    `language_model.model.run_layers` / `finish` and `language_model.logits` directly.
+    """
+
+    def __init__(self, args: ModelArgs, start: int = 0, end: Optional[int] = None):
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.language_model = LanguageModel(args, start, end)
+
+    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
+        return self.language_model(inputs, cache)
+
+    @property
+    def activation_dtype(self):
+        """dtype of activations between layers (None: the embedding's, BF16 in the release).
+
+        The loader picks float32 on the CPU backend, where MLX's bf16 matmuls and
+        quantized matmuls are several times slower than float32 ones.
+        """
+        return self.text.activation_dtype
+
+    @activation_dtype.setter
+    def activation_dtype(self, dtype):
+        self.text.activation_dtype = dtype
+
+    @property
+    def text(self) -> TextModel:
+        return self.language_model.model
+
+    @property
+    def layers(self) -> List[DecoderLayer]:
+        return self.text.local_layers
+
+    def make_cache(self) -> List[Any]:
+        """One cache per local layer: ArraysCache(2) for KDA, DSACache for Gated DSA."""
+        return [ArraysCache(size=2) if l.is_kda else DSACache() for l in self.layers]
+
+    def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
+        """Official checkpoint names -> module paths (see `tensor_map.sanitize_weights`)."""
+        return sanitize_weights(weights, self.args, self.text.start, self.text.end)
+
+    @property
+    def cast_predicate(self):
+        # Keep these in float32 if mlx-lm ever converts the model (as kimi_k3 does).
+        keep = ("e_score_correction_bias", "A_log", "dt_bias", "conv1d.weight")
+        return lambda path: not path.endswith(keep)

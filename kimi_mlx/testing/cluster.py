@@ -1,0 +1,213 @@
+"""Stage processes for tests and the bench: `kimi-mlx cluster serve` as child processes.
+
+Every wait is bounded; `StageProc.stop()` kills the process group (use it in `finally`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+READY_RE = re.compile(r"listening on (\S+):(\d+)")
+
+
+def reference_checkpoint(workdir: Path, seed: int = 0) -> Path:
+    """The shipped micro checkpoint when this install has it, else a tiny one built in
+    `workdir/tiny` (kimi_mlx.testing.checkpoints.build_checkpoint)."""
+    from kimi_mlx.generation.generate import default_model
+
+    shipped = default_model()
+    if shipped is not None:
+        return shipped
+    path = Path(workdir) / f"tiny-{seed}"
+    if not path.exists():
+        from kimi_mlx.testing.checkpoints import build_checkpoint
+
+        build_checkpoint(path, seed=seed)
+    return path
+
+
+class StageProc:
+    """One `kimi-mlx cluster serve` child process.
+
+    Args:
+        models: its --models folder. secret_file: its --secret-file.
+        node_id: --node-id. port: --port (0 = any; the bound port is read from its log).
+        interface: --interface. advertise: register with zeroconf.
+        netns: run inside this network namespace (`ip netns exec`).
+        extra: more serve flags. log: file for its stdout/stderr.
+    """
+
+    def __init__(self, models: Path, secret_file: Path, node_id: str, log: Path, port: int = 0,
+                 interface: str = "127.0.0.1", advertise: bool = False, netns: Optional[str] = None,
+                 extra: Sequence[str] = (), env: Optional[dict] = None):
+        self.models, self.secret_file, self.node_id = models, secret_file, node_id
+        self.port, self.interface, self.advertise, self.netns = port, interface, advertise, netns
+        self.extra, self.log, self.env = list(extra), Path(log), env
+        self.proc: Optional[subprocess.Popen] = None
+        self.host: Optional[str] = None
+
+    def command(self) -> List[str]:
+        """The command line it runs."""
+        cmd = [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "serve", "--models", str(self.models),
+               "--secret-file", str(self.secret_file), "--node-id", self.node_id,
+               "--port", str(self.port), "--interface", self.interface] + self.extra
+        if not self.advertise:
+            cmd.append("--no-advertise")
+        if self.netns:
+            cmd = ["ip", "netns", "exec", self.netns] + cmd
+        return cmd
+
+    def start(self) -> "StageProc":
+        """Start the process (its own process group); returns self."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
+        self._offset = self.log.stat().st_size if self.log.exists() else 0
+        f = open(self.log, "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=f, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        f.close()
+        return self
+
+    def wait_ready(self, timeout: float = 60.0) -> "StageProc":
+        """Wait for the 'listening on' line; RuntimeError (with the log) on exit/timeout."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            text = self.log_text()
+            m = READY_RE.search(text)
+            if m:
+                self.host, self.port = m.group(1), int(m.group(2))
+                return self
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"stage {self.node_id} exited {self.proc.returncode}:\n{text}")
+            time.sleep(0.05)
+        raise RuntimeError(f"stage {self.node_id} not ready in {timeout:.0f} s:\n{self.log_text()}")
+
+    def log_text(self) -> str:
+        """What it logged since the last start."""
+        try:
+            with open(self.log, "rb") as f:
+                f.seek(self._offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def address(self) -> str:
+        """'host:port' it listens on (after wait_ready)."""
+        return f"{self.host}:{self.port}"
+
+    def alive(self) -> bool:
+        """Whether the process is running."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the process group (the serve process and any wrapper)."""
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, timeout: float = 5.0, terminate: bool = True) -> Optional[int]:
+        """SIGTERM (clean: unadvertise; skipped when `terminate` is false, i.e. already
+        sent: a second one while the interpreter shuts down kills it by the default
+        action), then SIGKILL after `timeout` seconds. Returns the exit status (0: a
+        clean stop; -6: it aborted; -9: killed), None if never started."""
+        if self.proc is None:
+            return None
+        if self.alive():
+            if terminate:
+                self.signal(signal.SIGCONT)
+                self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+def stop_all(procs: Sequence[StageProc], timeout: float = 5.0) -> List[Optional[int]]:
+    """Stop several stage processes at once (SIGTERM to all, then wait; SIGKILL
+    stragglers); returns their exit statuses (see `StageProc.stop`)."""
+    for p in procs:
+        if p.alive():
+            p.signal(signal.SIGCONT)
+            p.signal(signal.SIGTERM)
+    return [p.stop(timeout, terminate=False) for p in procs]
+
+
+def start_stages(n: int, models: Path, secret_file: Path, workdir: Path, prefix: str = "node",
+                 timeout: float = 60.0, **kw) -> List[StageProc]:
+    """Start n stage processes in parallel and wait until all listen (stops them all on
+    failure)."""
+    procs = [StageProc(models, secret_file, f"{prefix}{i}", Path(workdir) / f"{prefix}{i}.log", **kw)
+             for i in range(n)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.wait_ready(timeout)
+    except BaseException:
+        stop_all(procs)
+        raise
+    return procs
+
+
+class LocalCluster:
+    """n stage processes on loopback serving one checkpoint, with a fresh cluster secret:
+    the setup shared by the pipeline and fault tests and the cluster bench.
+
+    Attributes:
+        ckpt: the checkpoint (default: `reference_checkpoint(workdir)`), linked into
+            `models` as "ckpt" (the stages' --models folder).
+        secret_file / secret: the cluster secret (file mode 0600) and its bytes.
+        fp: the checkpoint's fingerprint. args: its `ModelArgs`.
+        procs: the running `StageProc`s (already listening).
+    Call `stop()` in a `finally`.
+    """
+
+    def __init__(self, workdir: Path, n: int = 3, prefix: str = "stage", ckpt: Optional[Path] = None,
+                 **stage_kw):
+        from kimi_mlx.model.config import ModelArgs, read_config
+
+        from kimi_mlx.cluster.auth import init_secret, load_secret
+        from kimi_mlx.cluster.fingerprint import fingerprint
+
+        self.workdir = Path(workdir)
+        self.ckpt = Path(ckpt) if ckpt is not None else reference_checkpoint(self.workdir)
+        self.models = self.workdir / "models"
+        self.models.mkdir()
+        (self.models / "ckpt").symlink_to(self.ckpt.resolve())
+        self.secret_file = init_secret(self.workdir / "cluster.key")
+        self.secret = load_secret(self.secret_file)
+        self.fp = fingerprint(self.ckpt)
+        self.args = ModelArgs.from_config(read_config(self.ckpt))
+        self.procs = start_stages(n, self.models, self.secret_file, self.workdir, prefix=prefix,
+                                  **stage_kw)
+
+    def nodes(self):
+        """`NodeInfo` of every stage process, in order."""
+        from kimi_mlx.cluster.discovery import NodeInfo
+
+        return [NodeInfo(p.node_id, p.host, p.port) for p in self.procs]
+
+    def sessions(self, i: int) -> int:
+        """Sessions stage process i holds now (its Health RPC)."""
+        from kimi_mlx.cluster import stage_pb2 as pb
+        from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
+        from kimi_mlx.cluster.service import make_channel
+
+        stub = pb_grpc.StageStub(make_channel(self.procs[i].address, self.secret))
+        return stub.Health(pb.HealthRequest(), timeout=5).sessions
+
+    def stop(self, timeout: float = 5.0) -> List[Optional[int]]:
+        """Stop every stage process (SIGKILL after `timeout` s); returns their exit
+        statuses (see `StageProc.stop`)."""
+        return stop_all(self.procs, timeout)
