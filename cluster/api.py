@@ -69,19 +69,19 @@ class ClusterEngine:
         return self.lost
 
     def submit(self, job):
-        from kimi_mlx.server.engine import Busy, enqueue
+        from kimi_mlx.server.jobs import Busy, enqueue
 
         if self.lost:
             raise Busy(f"the pipeline is down ({self.lost})")
         return enqueue(self._jobs, job, self.max_queue)
 
     def _worker(self) -> None:
-        from kimi_mlx.server.engine import run_mlx_thread
+        from kimi_mlx.server.jobs import run_mlx_thread
 
         run_mlx_thread(self._serve)
 
     def _serve(self) -> None:
-        from kimi_mlx.server.engine import Failed
+        from kimi_mlx.server.jobs import Failed
 
         while True:
             job = self._jobs.get()
@@ -105,7 +105,7 @@ class ClusterEngine:
     def _run(self, job) -> None:
         import mlx.core as mx
 
-        from kimi_mlx.server.engine import Finished, TokenOut, top_logprobs
+        from kimi_mlx.server.jobs import Finished, TokenOut, top_logprobs
 
         from kimi_mlx.cluster.runner import Sampling
 
@@ -178,7 +178,7 @@ def head_chooser(job):
 def add_arguments(q) -> None:
     """Flags of `kimi-mlx cluster server`: the model, `cluster launch`'s node flags (added
     by the caller) and the HTTP flags of `kimi-mlx server`."""
-    from kimi_mlx.server.cli import add_server_arguments
+    from kimi_mlx.server.serving import add_server_arguments
 
     q.add_argument("--model", default=None,
                    help="checkpoint folder (default: the shipped micro model); the nodes "
@@ -191,14 +191,14 @@ def add_arguments(q) -> None:
 def run(args, cluster_factory, tokenizers) -> int:
     """`kimi-mlx cluster server`: start HTTP at once, connect and load the pipeline in the
     background (/health answers 503 until then); when that fails the command ends with
-    status 1, naming what failed (`kimi_mlx.server.cli.serve`).
+    status 1, naming what failed (`kimi_mlx.server.serving.serve`).
 
     cluster_factory(args, secret, model_dir, fingerprint, context) -> object with
     `connect()` -> Pipeline and `transport`; tokenizers(model_dir) -> (wrapper, tok)."""
     from kimi_mlx.model.config import ModelArgs, read_config
     from kimi_mlx.generation.request import InputError, generation_defaults, resolve_model_arg
     from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.cli import check_server_arguments, make_service, resolve_api_key, serve
+    from kimi_mlx.server.serving import check_server_arguments, make_service, resolve_api_key, serve
 
     from kimi_mlx.cluster.auth import AuthError, load_secret
     from kimi_mlx.cluster.fingerprint import FingerprintError, fingerprint, is_checkpoint

@@ -116,7 +116,7 @@ def _common(q) -> None:
     q.add_argument("--secret-file", type=Path, default=DEFAULT_SECRET,
                    help=f"cluster secret (default {DEFAULT_SECRET})")
     q.add_argument("--tls", action="store_true", help="use the cluster TLS certificate")
-    from kimi_mlx.server.cli import log_level_arg
+    from kimi_mlx.server.serving import log_level_arg
 
     q.add_argument("--log-level", type=log_level_arg, default=None,
                    help="DEBUG, INFO, WARNING, ERROR or CRITICAL (default per command)")

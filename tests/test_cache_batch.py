@@ -17,7 +17,8 @@ from mlx_lm.generate import BatchGenerator, generate_step
 
 from kimi_mlx.model.cache import BatchDSACache, DSACache
 from kimi_mlx.model.dsa import DSACache as OldPathDSACache
-from kimi_mlx.generation.request import default_model, load_for_generation
+from kimi_mlx.generation.request import default_model
+from kimi_mlx.checkpoint.loader import load_for_generation
 
 MICRO = str(default_model())
 N = 8

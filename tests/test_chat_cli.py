@@ -5,7 +5,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from kimi_mlx.commands.chat import Conversation, chat_turn
 from kimi_mlx.text.chat_format import encode_chat, render_chat
-from kimi_mlx.generation.generate import load_for_generation
+from kimi_mlx.checkpoint.loader import load_for_generation
 
 
 def test_second_turn_keeps_reasoning_and_cache_reuse_is_exact(tiny_ckpt):
@@ -41,7 +41,7 @@ def _repl(tiny_ckpt, monkeypatch, capsys, lines, turn=None):
     """Run `kimi-mlx chat` on stdin `lines`; `turn` replaces chat_turn when given."""
     import io
 
-    from kimi_mlx import chat_cli, cli
+    from kimi_mlx.commands import chat as chat_cli, main as cli
 
     if turn is not None:
         monkeypatch.setattr(chat_cli, "chat_turn", turn)

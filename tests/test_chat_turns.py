@@ -9,7 +9,8 @@ from mlx_lm.sample_utils import make_sampler
 from kimi_mlx.commands.chat import Conversation, chat_turn
 from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.model.dsa import DSACache
-from kimi_mlx.generation.generate import InputError, default_model, load_for_generation
+from kimi_mlx.generation.generate import InputError, default_model
+from kimi_mlx.checkpoint.loader import load_for_generation
 from kimi_mlx.generation.turn_cache import checkpoint, rollback, tokens_in_cache
 
 GREEDY = make_sampler(0.0)

@@ -57,7 +57,7 @@ def loaded(cluster):
 @pytest.fixture(scope="module")
 def models(cluster):
     """(one-process target, its tokenizer wrapper, the shipped draft)."""
-    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.checkpoint.loader import load_for_generation
 
     model, wrapper, _, _ = load_for_generation(str(cluster.ckpt))
     return model, wrapper, load_draft(str(DRAFT), wrapper, str(cluster.ckpt))

@@ -13,7 +13,8 @@ import pytest
 
 from kimi_mlx.model.config import ARCHITECTURE, ModelArgs
 from kimi_mlx.generation.evaluate import expert_usage, perplexity, read_tokens
-from kimi_mlx.generation.generate import default_model, load_for_generation, resolve_model_arg, stream
+from kimi_mlx.generation.generate import default_model, resolve_model_arg, stream
+from kimi_mlx.checkpoint.loader import load_for_generation
 from kimi_mlx.checkpoint.loader import load_model, read_header
 from kimi_mlx.micro.corpus import build_corpus
 from kimi_mlx.testing.checkpoints import F32_SUFFIXES

@@ -359,7 +359,7 @@ def test_chat_turns_with_draft_mtp_equal_plain_chat(mtp_ckpt):
     pending hidden carried over from the call that filled them)."""
     from kimi_mlx.commands.chat import Conversation, chat_turn
     from kimi_mlx.text.chat_format import encode_chat
-    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.checkpoint.loader import load_for_generation
     from kimi_mlx.speculative.loop import Speculation
 
     model, wrapper, tok, _ = load_for_generation(str(mtp_ckpt))

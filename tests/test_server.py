@@ -17,8 +17,8 @@ import pytest
 
 from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.server.app import create_app
-from kimi_mlx.server.cli import BackgroundServer, load_service, make_service, resolve_api_key
-from kimi_mlx.server.engine import Finished, TokenOut
+from kimi_mlx.server.serving import BackgroundServer, load_service, make_service, resolve_api_key
+from kimi_mlx.server.jobs import Finished, TokenOut
 from kimi_mlx.generation.request import InputError, default_model
 
 KEY = "sk-test-key"
@@ -458,7 +458,7 @@ class _Refusing:
         self.fail_after = fail_after
 
     def submit(self, job):
-        from kimi_mlx.server.engine import Busy, Failed
+        from kimi_mlx.server.jobs import Busy, Failed
 
         if self.fail_after is None:
             raise Busy("2 requests are waiting (--max-queue 2)")
@@ -545,9 +545,11 @@ def test_built_checkpoint_plain_and_streamed(tiny_ckpt):
 def test_prompt_cache_snapshots_every_n_tokens_of_a_long_prompt():
     """A long raw prompt is snapshotted every `every` tokens; a longer prompt that starts
     with it resumes from the last snapshot and gives a cold run's greedy tokens."""
-    from kimi_mlx.server.engine import Engine, Job
+    from kimi_mlx.server.engine import Engine
+    from kimi_mlx.server.jobs import Job
     from kimi_mlx.server.prompt_cache import PromptCache
-    from kimi_mlx.generation.request import SamplingParams, load_for_generation
+    from kimi_mlx.generation.request import SamplingParams
+    from kimi_mlx.checkpoint.loader import load_for_generation
 
     model, _, tok, _ = load_for_generation(MICRO)
     pc = PromptCache(64 << 20, every=32)

@@ -15,7 +15,8 @@ import pytest
 from kimi_mlx.model.cache import snapshot
 from kimi_mlx.model.config import ModelArgs
 from kimi_mlx.server import batch as batch_mod
-from kimi_mlx.server.engine import Engine, Job, TokenOut
+from kimi_mlx.server.engine import Engine
+from kimi_mlx.server.jobs import Job, TokenOut
 from kimi_mlx.server.prompt_cache import PromptCache
 from kimi_mlx.testing.checkpoints import (
     argmax_margin, full_config, margins, model_tolerance, random_model, rel_err,

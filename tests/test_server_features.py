@@ -15,7 +15,7 @@ import pytest
 from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.server.app import create_app
-from kimi_mlx.server.cli import BackgroundServer, load_service, make_service
+from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
 from kimi_mlx.server.cli import main as server_main
 
 MICRO = str(default_model())

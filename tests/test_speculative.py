@@ -341,7 +341,7 @@ def other_tokenizer_ckpt(tmp_path_factory):
 
 def test_draft_with_another_tokenizer_is_refused_naming_both(tiny_ckpt, other_tokenizer_ckpt,
                                                              capsys):
-    from kimi_mlx.generation.generate import main
+    from kimi_mlx.commands.generate import main
 
     rc = main(["--model", str(tiny_ckpt), "--draft-model", str(other_tokenizer_ckpt),
                "--prompt", "hi", "--ignore-chat-template", "--max-tokens", "3"])
@@ -352,7 +352,7 @@ def test_draft_with_another_tokenizer_is_refused_naming_both(tiny_ckpt, other_to
 
 
 def test_special_tokens_are_compared_too(tiny_ckpt):
-    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.checkpoint.loader import load_for_generation
     from kimi_mlx.speculative.loop import TokenizerMismatch, check_tokenizers
 
     _, wrapper, _, _ = load_for_generation(str(tiny_ckpt))
@@ -379,7 +379,7 @@ def test_special_tokens_are_compared_too(tiny_ckpt):
 
 
 def test_generate_with_a_draft_prints_the_plain_greedy_text(tiny_ckpt, capsys):
-    from kimi_mlx.generation.generate import main
+    from kimi_mlx.commands.generate import main
 
     base = ["--model", str(tiny_ckpt), "--prompt", "the cat sat on", "--ignore-chat-template",
             "--max-tokens", "10", "--temp", "0"]
@@ -398,7 +398,7 @@ def test_chat_turns_with_a_draft_equal_plain_chat_and_reuse_the_caches(tiny_ckpt
 
     from kimi_mlx.commands.chat import Conversation, chat_turn
     from kimi_mlx.text.chat_format import encode_chat
-    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.checkpoint.loader import load_for_generation
     from kimi_mlx.speculative.loop import Speculation
 
     model, wrapper, tok, _ = load_for_generation(str(tiny_ckpt))
@@ -427,7 +427,7 @@ def test_chat_turns_with_a_draft_equal_plain_chat_and_reuse_the_caches(tiny_ckpt
 def test_shipped_micro_draft_matches_micro_and_keeps_its_greedy_output():
     """kimi_mlx/assets/micro-draft: same tokenizer as micro (checked by the loader), and
     speculative greedy text from micro equals its plain greedy text on real code."""
-    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.checkpoint.loader import load_for_generation
     from kimi_mlx.bench.spec import default_draft
     from kimi_mlx.speculative.loop import load_draft
 

@@ -123,7 +123,7 @@ def bench(url: str, model: str, prompts: List[str], max_tokens: int, label: str,
 def _serving(svc, stop_timeout: float = 10.0):
     """uvicorn on loopback for `svc`; on exit the server and then its engine stop."""
     from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.cli import BackgroundServer
+    from kimi_mlx.server.serving import BackgroundServer
 
     srv = BackgroundServer(create_app(svc)).start()
     try:
@@ -134,7 +134,7 @@ def _serving(svc, stop_timeout: float = 10.0):
 
 
 def single_process(model_dir: Path, prompts, max_tokens, concurrency, rounds) -> List[str]:
-    from kimi_mlx.server.cli import load_service, make_service
+    from kimi_mlx.server.serving import load_service, make_service
 
     svc = make_service(str(model_dir), None, "bench", 1 << 20)
     load_service(svc, str(model_dir), concurrency, 0, 64, None)
@@ -149,9 +149,9 @@ def cluster(model_dir: Path, prompts, max_tokens, concurrency, rounds) -> List[s
     from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
     from kimi_mlx.testing.cluster import LocalCluster
     from kimi_mlx.cluster.transport import GrpcTransport
-    from kimi_mlx.generation.request import load_for_generation
+    from kimi_mlx.checkpoint.loader import load_for_generation
 
-    from kimi_mlx.server.cli import make_service
+    from kimi_mlx.server.serving import make_service
 
     with tempfile.TemporaryDirectory() as tmp:
         lc = LocalCluster(Path(tmp), n=3, prefix="bench", ckpt=model_dir)

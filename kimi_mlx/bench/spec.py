@@ -164,7 +164,8 @@ def print_report(rows: List[Dict], cost: Dict, target: str, draft: str, tokens: 
 
 def main(model: Optional[str], draft: Optional[str], tokens: int, ks: List[int],
          repeats: int, n_prompts: int) -> int:
-    from kimi_mlx.generation.generate import load_for_generation, resolve_model_arg
+    from kimi_mlx.generation.generate import resolve_model_arg
+    from kimi_mlx.checkpoint.loader import load_for_generation
     from kimi_mlx.speculative.loop import load_draft
 
     spec = resolve_model_arg(model)

@@ -57,7 +57,7 @@ def resolve(
             raise FileNotFoundError(f"{spec}: cannot get the model from the hub: {why}") from None
 
     folder = fetch(META_PATTERNS)
-    from kimi_mlx.checkpoint.loader import needed_shards
+    from kimi_mlx.checkpoint.shards import needed_shards
 
     shards = needed_shards(folder, start, end)
     return fetch(META_PATTERNS + shards) if shards else folder

@@ -21,11 +21,11 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from kimi_mlx.model.config import ModelArgs, read_config
-from kimi_mlx.checkpoint.shards import INDEX_FILE, CheckpointError, TensorInfo, read_header, weight_map
+from kimi_mlx.checkpoint.shards import INDEX_FILE, CheckpointError, TensorInfo, needed_shards, read_header, weight_map
 from kimi_mlx.model.tensor_map import TensorError, in_range, kind, original_names, sanitize_weights
 
 __all__ = ["CheckpointError", "LoadReport", "TensorInfo", "check_tensors", "load", "load_model",
-           "needed_shards", "read_header", "read_tensors", "weight_map"]
+           "load_for_generation", "needed_shards", "read_header", "read_tensors", "weight_map"]
 
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
@@ -38,15 +38,6 @@ class LoadReport:
     tensors_loaded: int = 0
     bytes_loaded: int = 0
     skipped: Dict[str, int] = field(default_factory=dict)
-
-
-def needed_shards(model_dir, start: int = 0, end: Optional[int] = None) -> List[str]:
-    """Shard files a model of layers [start, end) must open (sorted)."""
-    model_dir = Path(model_dir)
-    args = ModelArgs.from_config(read_config(model_dir), str(model_dir / "config.json"))
-    end = args.num_hidden_layers if end is None else end
-    wm = weight_map(model_dir)
-    return sorted({f for n, f in wm.items() if in_range(n, args, start, end)})
 
 
 def _check_model_type(config: dict, wm: Dict[str, str], path: Path) -> None:
@@ -253,3 +244,21 @@ def load(path_or_repo, start: int = 0, end: Optional[int] = None, lazy: bool = F
     model_dir = resolve(path_or_repo, start=start, end=end)
     model, config, _ = load_model(model_dir, start, end, lazy=lazy)
     return model, KimiTokenizer.from_pretrained(model_dir), config
+
+
+def load_for_generation(spec: str):
+    """(model, mlx-lm TokenizerWrapper, our KimiTokenizer, config) for a checkpoint.
+
+    `spec` is a local folder or a Hugging Face id (`hub.resolve`: only the needed files,
+    HF_HUB_OFFLINE honoured). Raises FileNotFoundError / CheckpointError naming the path."""
+    from mlx_lm.utils import load_tokenizer
+
+    from kimi_mlx.checkpoint.hub import resolve
+    from kimi_mlx.text.tokenizer import KimiTokenizer, register_with_transformers
+
+    model_dir = resolve(spec)
+    model, config, _ = load_model(model_dir)
+    kimi_tok = KimiTokenizer.from_pretrained(model_dir)
+    register_with_transformers()
+    wrapper = load_tokenizer(model_dir, eos_token_ids=kimi_tok.eos_token_ids)
+    return model, wrapper, kimi_tok, config

@@ -12,7 +12,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -134,3 +134,18 @@ def weight_map(folder) -> Dict[str, str]:
         if not isinstance(shard, str) or "/" in shard or "\\" in shard or shard in ("", ".", ".."):
             raise CheckpointError(f"{index_path}: tensor {name!r} maps to bad shard name {shard!r}")
     return dict(wmap)
+
+
+def needed_shards(model_dir, start: int = 0, end: Optional[int] = None) -> List[str]:
+    """Shard files a model of layers [start, end) must open (sorted): the shards whose
+    tensors `tensor_map.in_range` assigns to those layers (plus embeddings, norm, head).
+
+    Raises CheckpointError / ConfigError for a bad index or config."""
+    from kimi_mlx.model.config import ModelArgs, read_config
+    from kimi_mlx.model.tensor_map import in_range
+
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_config(read_config(model_dir), str(model_dir / "config.json"))
+    end = args.num_hidden_layers if end is None else end
+    wm = weight_map(model_dir)
+    return sorted({f for n, f in wm.items() if in_range(n, args, start, end)})

@@ -13,9 +13,11 @@ from __future__ import annotations
 import sys
 from typing import List
 
-from kimi_mlx.generation.generate import (EFFORTS, InputError, add_draft_arguments, add_model_arguments, add_mtp_argument,
-                       check_draft_arguments, check_model_arguments, load_for_generation,
-                       load_speculation, resolve_model_arg, token_budget)
+from kimi_mlx.checkpoint.loader import load_for_generation
+from kimi_mlx.generation.generate import load_speculation
+from kimi_mlx.generation.request import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
+                                         add_mtp_argument, check_draft_arguments, check_model_arguments,
+                                         resolve_model_arg, token_budget)
 
 
 def add_arguments(p) -> None:
@@ -99,7 +101,7 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
         responses = stream_generate(model, wrapper, ids[n:], sampler=sampler,
                                     prompt_cache=conv.cache, max_tokens=budget)
     else:
-        from kimi_mlx.speculative.loop import stream_speculative
+        from kimi_mlx.generation.streaming import stream_speculative
 
         responses = stream_speculative(model, speculation.draft, wrapper, ids[n:],
                                        max_tokens=budget, prompt_cache=conv.cache,

@@ -12,9 +12,9 @@ import sys
 
 # (name, module, one-line help)
 COMMANDS = [
-    ("generate", "kimi_mlx.generation.generate", "one-shot generation, streamed (like mlx_lm.generate)"),
+    ("generate", "kimi_mlx.commands.generate", "one-shot generation, streamed (like mlx_lm.generate)"),
     ("chat", "kimi_mlx.commands.chat", "multi-turn chat REPL that keeps reasoning between turns"),
-    ("eval", "kimi_mlx.generation.evaluate", "perplexity and tokens/s of a checkpoint on a text file"),
+    ("eval", "kimi_mlx.commands.eval", "perplexity and tokens/s of a checkpoint on a text file"),
     ("plan", "kimi_mlx.commands.plan", "which Macs hold which layers of a checkpoint"),
     ("server", "kimi_mlx.server.cli", "OpenAI- and Anthropic-compatible HTTP API server"),
     ("cluster", "kimi_mlx.cluster.cli", "zeroconf discovery, stage service and launcher"),

@@ -1,8 +1,10 @@
-"""`kimi-mlx generate`: one-shot generation, streamed, with mlx_lm.generate's flags.
+"""The generate library: `kimi-mlx generate`'s flags, the token stream and its printer.
 
 A thin layer over mlx-lm's `stream_generate` (sampling, generation loop, statistics):
-we only add the K3.1 chat encoding (`--reasoning-effort`), our loader, and input checks.
-Ends with prompt / generation tokens-per-second and peak memory, as mlx-lm prints them.
+we only add the K3.1 chat encoding (`--reasoning-effort`), our loader, input checks and
+the speculative paths. `kimi_mlx.commands.generate` and `cluster launch` call it; the
+printer ends with prompt / generation tokens-per-second and peak memory, as mlx-lm prints
+them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Iterator, List
 from kimi_mlx.generation.request import (  # noqa: F401  (re-exported: the request path lives in request.py)
     DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_draft_arguments, add_model_arguments, add_mtp_argument,
     build_prompt, check_context, check_draft_arguments, check_model_arguments, default_model,
-    load_for_generation, resolve_model_arg, token_budget,
+    resolve_model_arg, token_budget,
 )
 
 
@@ -54,7 +56,7 @@ def load_speculation(args, wrapper, target_name: str, model=None):
 
 def stream(model, wrapper, prompt_ids: List[int], args, speculation=None) -> Iterator:
     """mlx-lm `stream_generate` with our sampler settings, or speculative decoding with
-    `speculation` (`speculative.stream_speculative`); yields GenerationResponse."""
+    `speculation` (`streaming.stream_speculative`); yields GenerationResponse."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -62,7 +64,7 @@ def stream(model, wrapper, prompt_ids: List[int], args, speculation=None) -> Ite
     if args.seed is not None:
         mx.random.seed(args.seed)
     if speculation is not None:
-        from kimi_mlx.speculative.loop import stream_speculative
+        from kimi_mlx.generation.streaming import stream_speculative
 
         yield from stream_speculative(model, speculation.draft, wrapper, prompt_ids,
                                       max_tokens=args.max_tokens, **speculation.kwargs())
@@ -71,33 +73,6 @@ def stream(model, wrapper, prompt_ids: List[int], args, speculation=None) -> Ite
     yield from stream_generate(
         model, wrapper, prompt_ids, max_tokens=args.max_tokens, sampler=sampler
     )
-
-
-def run(args) -> int:
-    try:
-        check_model_arguments(args)
-        check_draft_arguments(args)
-        spec = resolve_model_arg(args.model)
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        if prompt is None:
-            raise InputError("give a prompt with --prompt TEXT (or --prompt - for stdin)")
-        model, wrapper, tok, config = load_for_generation(spec)
-        ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
-                           args.reasoning_effort)
-        context = model.args.max_position_embeddings
-        source = "max_position_embeddings in config.json"
-        if args.max_kv_size:
-            context, source = min(context, args.max_kv_size), "--max-kv-size"
-        args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
-        speculation = load_speculation(args, wrapper, spec, model)
-    except (InputError, FileNotFoundError, ValueError) as e:
-        print(f"kimi-mlx generate: error: {e}", file=sys.stderr)
-        return 2
-
-    rc = print_generation(args, stream(model, wrapper, ids, args, speculation))
-    if speculation is not None and args.verbose:
-        print(speculation.summary())
-    return rc
 
 
 def print_generation(args, responses) -> int:
@@ -131,9 +106,3 @@ def print_generation(args, responses) -> int:
               f"{response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return 0
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="kimi-mlx generate")
-    add_arguments(p)
-    return run(p.parse_args(argv))

@@ -233,22 +233,6 @@ def check_context_strict(n_prompt: int, max_tokens: int, context: int) -> None:
         )
 
 
-def load_for_generation(spec: str):
-    """(model, mlx-lm TokenizerWrapper, our KimiTokenizer, config) for a checkpoint."""
-    from mlx_lm.utils import load_tokenizer
-
-    from kimi_mlx.checkpoint.hub import resolve
-    from kimi_mlx.checkpoint.loader import load_model
-    from kimi_mlx.text.tokenizer import KimiTokenizer, register_with_transformers
-
-    model_dir = resolve(spec)
-    model, config, _ = load_model(model_dir)
-    kimi_tok = KimiTokenizer.from_pretrained(model_dir)
-    register_with_transformers()
-    wrapper = load_tokenizer(model_dir, eos_token_ids=kimi_tok.eos_token_ids)
-    return model, wrapper, kimi_tok, config
-
-
 # ------------------------------------------------------------------ sampling
 
 

@@ -11,9 +11,9 @@ the same thing from any of them.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Iterator, Optional, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
-__all__ = ["stream_responses"]
+__all__ = ["stream_responses", "stream_speculative"]
 
 
 def stream_responses(
@@ -71,3 +71,38 @@ def stream_responses(
         generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
         peak_memory=peak_memory() / 1e9,
         finish_reason="stop" if token in tokenizer.eos_token_ids else "length")
+
+
+def stream_speculative(
+    model,
+    draft_model,
+    tokenizer,
+    prompt: List[int],
+    max_tokens: int = 256,
+    **kwargs,
+) -> Iterator:
+    """mlx-lm `stream_generate` for `speculative_generate_step`: yields mlx-lm
+    `GenerationResponse`s (from_draft marks accepted drafts), stops at an EOS token like
+    mlx-lm, and closes the generator so the caches are settled before returning.
+
+    kwargs go to `speculative_generate_step` (num_draft_tokens, sampling, prompt_cache,
+    prefill_step_size, stats), or to `draft_model.generate_step` when the draft has one.
+    """
+    import mlx.core as mx
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from kimi_mlx.speculative.loop import speculative_generate_step
+
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    # A draft that brings its own loop (`kimi_mlx.speculative.mtp.MTP.generate_step`: the target's
+    # own MTP layers) runs it, with the same arguments and triples.
+    step = getattr(draft_model, "generate_step", None) or speculative_generate_step
+    gen = step(prompt, model, draft_model, max_tokens=max_tokens, **kwargs)
+    try:
+        yield from stream_responses(gen, tokenizer, len(prompt), max_tokens,
+                                    mx.get_peak_memory, before_final=gen.close)
+    finally:
+        gen.close()

@@ -272,7 +272,7 @@ def main(argv=None) -> int:
         for name in ("tiktoken.model", "tokenizer_config.json"):  # byte-identical tokenizer
             shutil.copyfile(cfg.teacher / name, ckpt / name)
         draft, _, _ = load_model(ckpt)
-        from kimi_mlx.generation.generate import load_for_generation
+        from kimi_mlx.checkpoint.loader import load_for_generation
 
         _, tw, _, _ = load_for_generation(str(cfg.teacher))
         _, dw, _, _ = load_for_generation(str(ckpt))

@@ -166,7 +166,7 @@ def evaluate(ckpt: Path, tokens: int, ks: List[int], repeats: int, log) -> Dict:
     """Greedy acceptance and tokens/s of `--draft mtp` vs plain on held-out prompts."""
     from mlx_lm.generate import generate_step
 
-    from kimi_mlx.generation.generate import load_for_generation
+    from kimi_mlx.checkpoint.loader import load_for_generation
     from kimi_mlx.speculative.mtp import load_mtp, mtp_generate_step
     from kimi_mlx.bench.spec import _gen_time, default_prompts, run_plain
     from kimi_mlx.speculative.loop import SpecStats

@@ -21,7 +21,7 @@ from typing import Dict, List
 
 import mlx.core as mx
 
-from kimi_mlx.server.engine import Failed, Finished, Job, TokenOut, top_logprobs
+from kimi_mlx.server.jobs import Failed, Finished, Job, TokenOut, top_logprobs
 
 log = logging.getLogger("kimi_mlx.server")
 

@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Un
 from pydantic import BaseModel, ValidationError
 
 from kimi_mlx.generation.request import InputError, SamplingParams, check_context_strict
-from kimi_mlx.server.engine import Busy, Failed, Finished, Job, TokenOut
+from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, TokenOut
 from kimi_mlx.server.reply import Event, ReplyBuilder
 
 

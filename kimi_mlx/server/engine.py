@@ -12,142 +12,15 @@ with the draft's caches kept beside the target's (in the prompt cache too).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.generation.request import SamplingParams
+from kimi_mlx.server.jobs import Failed, Finished, Job, TokenOut, enqueue, run_mlx_thread, top_logprobs
 
 log = logging.getLogger("kimi_mlx.server")
-
-
-class Busy(RuntimeError):
-    """The request queue is full (the API answers 503 with Retry-After)."""
-
-
-@dataclass
-class TokenOut:
-    """One generated token; logprob / top (token id, logprob) pairs when asked for."""
-
-    token: int
-    logprob: Optional[float] = None
-    top: Optional[List[Tuple[int, float]]] = None
-
-
-@dataclass
-class Finished:
-    """End of a job. reason: "stop" (EOS), "length" (max_tokens), "cancelled"."""
-
-    reason: str
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    generation_tokens: int = 0
-    prompt_tps: float = 0.0
-    generation_tps: float = 0.0
-
-
-@dataclass
-class Failed:
-    """Generation raised; the message goes to this request only."""
-
-    message: str
-
-
-Event = Union[TokenOut, Finished, Failed]
-
-
-@dataclass
-class Job:
-    """One generation request.
-
-    ids: prompt token ids; max_tokens >= 1; logprobs: None (no logprobs) or the number
-    of top alternatives (0..20) to report per token; segment_ends: prompt positions where
-    the prompt cache may keep a snapshot (end of each message).
-    """
-
-    ids: List[int]
-    max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    logprobs: Optional[int] = None
-    segment_ends: Sequence[int] = ()
-    logits_processors: Optional[list] = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def __post_init__(self):
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
-        self._queue: Optional[asyncio.Queue] = None
-        self._sync: Optional[queue.Queue] = None
-
-    def attach(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        """Deliver events to an asyncio queue on `loop` (or, with None, a thread queue)."""
-        if loop is None:
-            self._sync = queue.Queue()
-        else:
-            self._loop, self._queue = loop, asyncio.Queue()
-
-    def emit(self, ev: Event) -> None:
-        """Called from the worker thread."""
-        if self._sync is not None:
-            self._sync.put(ev)
-        elif self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                self.cancelled.set()
-
-    async def next_event(self, timeout: Optional[float] = None) -> Event:
-        return await asyncio.wait_for(self._queue.get(), timeout)
-
-    def events(self, timeout: float = 600.0):
-        """Blocking iterator over events (for threads and tests); ends after Finished/Failed."""
-        while True:
-            ev = self._sync.get(timeout=timeout)
-            yield ev
-            if not isinstance(ev, TokenOut):
-                return
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-
-def enqueue(jobs: "queue.Queue", job, max_queue: int):
-    """Put `job` on a worker's queue; `Busy` when `max_queue` jobs already wait (the one
-    admission rule of the one-process engine and the cluster engine)."""
-    waiting = jobs.qsize()
-    if waiting >= max_queue:
-        raise Busy(f"{waiting} requests are waiting (--max-queue {max_queue})")
-    jobs.put(job)
-    return job
-
-
-def run_mlx_thread(body: Callable[[], None]) -> None:
-    """Run `body()` on the calling thread, then release that thread's MLX streams: a
-    thread that ran MLX must do so before it ends, or the process may abort at exit
-    (ml-explore/mlx#4373; see cluster/compute.py). Every engine worker runs through this."""
-    import mlx.core as mx
-
-    try:
-        body()
-    finally:
-        mx.clear_streams()
-
-
-def top_logprobs(logprobs, token: int, k: Optional[int]):
-    """(logprob of `token`, [(id, logprob)] of the k most likely, best first) from a
-    logprob vector [vocab] (mlx-lm's: logits - logsumexp)."""
-    import mlx.core as mx
-
-    chosen = logprobs[token].item()
-    if not k:
-        return chosen, []
-    idx = mx.argpartition(-logprobs, k - 1)[:k]
-    vals = logprobs[idx]
-    order = mx.argsort(-vals)
-    return chosen, list(zip(idx[order].tolist(), vals[order].tolist()))
 
 
 class Engine:

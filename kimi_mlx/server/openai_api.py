@@ -12,7 +12,7 @@ from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, logits_processors, reply_events,
                      sampling_from, stop_list, submit)
-from kimi_mlx.server.engine import Job
+from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
 from kimi_mlx.server.schemas import ChatRequest, CompletionRequest
 

@@ -6,7 +6,7 @@ k tokens one at a time, the target scores [y, d1..dk] in one forward pass (its t
 read once for k + 1 tokens), some prefix of the drafts is accepted and one more token
 comes from the target. Instead of mlx-lm's `trim` the caches are put back with
 `kimi_mlx.speculative.rollback` (exact for KDA's recurrent state). Yields mlx-lm's
-(token, logprobs, from_draft) triples, so `stream_speculative` can give
+(token, logprobs, from_draft) triples, so `generation.streaming.stream_speculative` can give
 `GenerationResponse`s that `kimi-mlx generate`'s printer shows unchanged.
 
 Cost (MLX on a CPU or a small model: per graph node, not per FLOP): at temperature 0 a
@@ -43,7 +43,7 @@ import mlx.core as mx
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
 
 __all__ = ["Sampling", "SpecStats", "Speculation", "accept_drafts", "draw_draft", "judge_verify",
-           "speculative_generate_step", "stream_speculative", "TokenizerMismatch", "check_tokenizers", "load_draft"]
+           "speculative_generate_step", "TokenizerMismatch", "check_tokenizers", "load_draft"]
 
 
 # ---------------------------------------------------------------------------- sampling
@@ -473,40 +473,6 @@ def model_vocab(model) -> Optional[int]:
     return getattr(getattr(model, "args", None), "vocab_size", None)
 
 
-def stream_speculative(
-    model,
-    draft_model,
-    tokenizer,
-    prompt: List[int],
-    max_tokens: int = 256,
-    **kwargs,
-) -> Iterator:
-    """mlx-lm `stream_generate` for `speculative_generate_step`: yields mlx-lm
-    `GenerationResponse`s (from_draft marks accepted drafts), stops at an EOS token like
-    mlx-lm, and closes the generator so the caches are settled before returning.
-
-    kwargs go to `speculative_generate_step` (num_draft_tokens, sampling, prompt_cache,
-    prefill_step_size, stats), or to `draft_model.generate_step` when the draft has one.
-    """
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    from kimi_mlx.generation.streaming import stream_responses
-
-    if max_tokens == 0:
-        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    # A draft that brings its own loop (`kimi_mlx.speculative.mtp.MTP.generate_step`: the target's
-    # own MTP layers) runs it, with the same arguments and triples.
-    step = getattr(draft_model, "generate_step", None) or speculative_generate_step
-    gen = step(prompt, model, draft_model, max_tokens=max_tokens, **kwargs)
-    try:
-        yield from stream_responses(gen, tokenizer, len(prompt), max_tokens,
-                                    mx.get_peak_memory, before_final=gen.close)
-    finally:
-        gen.close()
-
-
 # ---------------------------------------------------------------------- draft loading
 
 
@@ -582,7 +548,7 @@ def load_draft(spec: str, target_wrapper, target_name: str):
 
     path = resolve(spec)
     if _is_kimi_checkpoint(path):
-        from kimi_mlx.generation.generate import load_for_generation
+        from kimi_mlx.checkpoint.loader import load_for_generation
 
         draft, wrapper, _, _ = load_for_generation(str(path))
     else:

@@ -1,0 +1,58 @@
+"""`kimi-mlx eval`: perplexity and tokens/s of a checkpoint on a text file
+(the measurement is `kimi_mlx.generation.evaluate`)."""
+
+from __future__ import annotations
+
+import sys
+
+from kimi_mlx.generation.evaluate import DEFAULT_BATCH, DEFAULT_SEQ_LEN, perplexity, read_tokens
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
+    p.add_argument("--data", required=True, help="UTF-8 text file to measure")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
+                   help=f"tokens predicted per window (default {DEFAULT_SEQ_LEN})")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="measure only the first N predicted tokens of the file")
+    p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
+                   help=f"windows per forward pass (default {DEFAULT_BATCH})")
+
+
+def run(args) -> int:
+    from kimi_mlx.checkpoint.hub import resolve
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.generation.request import InputError, resolve_model_arg
+    from kimi_mlx.text.tokenizer import KimiTokenizer
+
+    try:
+        if args.seq_len < 1:
+            raise InputError(f"--seq-len must be >= 1, got {args.seq_len}")
+        if args.batch_size < 1:
+            raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+        model_dir = resolve(resolve_model_arg(args.model))
+        tokenizer = KimiTokenizer.from_pretrained(model_dir)
+        ids = read_tokens(tokenizer, args.data, args.max_tokens)
+        if len(ids) < 2:
+            raise InputError(f"{args.data}: fewer than 2 tokens, nothing to predict")
+        model, _, _ = load_model(model_dir, verbose=False)
+    except (InputError, FileNotFoundError, ValueError) as e:
+        print(f"kimi-mlx eval: error: {e}", file=sys.stderr)
+        return 2
+    context = model.args.max_position_embeddings
+    if args.seq_len + 1 > context:
+        print(f"note: windows of {args.seq_len + 1} tokens run past the model's context of "
+              f"{context} (max_position_embeddings): figures beyond it are out of spec",
+              file=sys.stderr)
+    result = perplexity(model, ids, args.seq_len, args.batch_size)
+    print(f"model: {model_dir}")
+    print(f"data: {args.data} ({len(ids)} tokens, windows of {args.seq_len})")
+    print(f"perplexity: {result.perplexity:.4f}")
+    print(f"tokens: {result.tokens}")
+    print(f"tokens/s: {result.tokens_per_second:.1f}")
+    return 0

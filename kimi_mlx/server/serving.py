@@ -1,0 +1,285 @@
+"""Building and running an API server: the shared server flags and their checks, the
+service (model, engine, prompt cache) and the uvicorn loop. `kimi-mlx server`
+(`server.cli`) and `kimi-mlx cluster server` (`cluster.api`) both call these.
+
+The HTTP server starts at once and answers /health with 503 while the model loads; if
+loading fails the command ends with status 1, naming the checkpoint and the error. With
+`--draft-model` every request is decoded speculatively, one request at a time.
+Binding a non-loopback address needs an API key (`--api-key` / `--api-key-file`) or an
+explicit `--no-auth`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from kimi_mlx.generation.request import InputError, check_draft_arguments, check_max_kv_size
+
+log = logging.getLogger("kimi_mlx.server")
+
+DEFAULT_PORT = 8080
+DEFAULT_CONCURRENCY = 4
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def log_level_arg(text: str) -> str:
+    """argparse type for --log-level: a logging level name, any case (uvicorn takes
+    these too; an unknown one used to surface as a KeyError from uvicorn after loading)."""
+    level = text.upper()
+    if level not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"not a logging level: {text!r} (one of {', '.join(LOG_LEVELS)})")
+    return level
+
+
+def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> None:
+    """HTTP flags shared with `kimi-mlx cluster server` (which has its own --log-level)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0 = any free port)")
+    p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer KEY or x-api-key)")
+    p.add_argument("--api-key-file", default=None, help="read the API key from this file (first line)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="allow a non-loopback --host without an API key")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send (default: the checkpoint folder's name)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait; past it the server answers 503 + Retry-After")
+    p.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="largest request body (default 8 MiB); larger ones get 413")
+    p.add_argument("--max-kv-size", type=int, default=None,
+                   help="cap on prompt + generated tokens (default: max_position_embeddings)")
+    if log_level:
+        p.add_argument("--log-level", type=log_level_arg, default="INFO",
+                      help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine can reach (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback
+                       for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+def resolve_api_key(args) -> Optional[str]:
+    """The API key from --api-key or --api-key-file; InputError for an empty or unreadable
+    file, or a non-loopback --host with no key and no --no-auth."""
+    key = args.api_key
+    if args.api_key_file:
+        if key:
+            raise InputError("give --api-key or --api-key-file, not both")
+        try:
+            key = Path(args.api_key_file).expanduser().read_text().strip().splitlines()[0].strip()
+        except (OSError, IndexError) as e:
+            raise InputError(f"--api-key-file {args.api_key_file}: no key read ({e or 'empty file'})") from None
+        if not key:
+            raise InputError(f"--api-key-file {args.api_key_file}: the first line is empty")
+    if key is not None and not key:
+        raise InputError("--api-key is empty")
+    if key is None and not is_loopback(args.host):
+        if not args.no_auth:
+            raise InputError(f"--host {args.host} is reachable from other machines: give "
+                             "--api-key / --api-key-file, or --no-auth to serve without one")
+        print(f"warning: serving on {args.host} without an API key (--no-auth): anyone who "
+              "can reach this port can use the model", file=sys.stderr)
+    return key
+
+
+def check_server_arguments(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_queue < 1:
+        raise InputError(f"--max-queue must be >= 1, got {args.max_queue}")
+    if args.max_body_bytes < 1024:
+        raise InputError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if getattr(args, "max_concurrency", 1) < 1:
+        raise InputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if getattr(args, "prompt_cache_bytes", 0) < 0:
+        raise InputError(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
+    check_max_kv_size(args.max_kv_size)
+
+
+def check_draft_server_arguments(args) -> None:
+    """--draft-model / --num-draft-tokens for `kimi-mlx server`; sets --max-concurrency's
+    default (4, or 1 with a draft). InputError for --max-concurrency > 1 with a draft:
+    speculative decoding runs one sequence at a time (mlx-lm's batch generator has no
+    verify step), and batching would silently turn it off."""
+    check_draft_arguments(args)
+    if args.max_concurrency is None:
+        args.max_concurrency = 1 if args.draft_model else DEFAULT_CONCURRENCY
+    elif args.draft_model and args.max_concurrency != 1:
+        raise InputError(f"--draft-model serves one request at a time: use it with "
+                         f"--max-concurrency 1 (or leave that flag out), not "
+                         f"{args.max_concurrency}")
+
+
+def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
+                 max_queue: int, max_kv_size: Optional[int], draft_model: Optional[str] = None,
+                 num_draft_tokens: int = 3) -> None:
+    """Load the checkpoint (and the draft, when given) into `svc` (sets tokenizers,
+    context, defaults, engine).
+
+    Raises whatever loading raises (FileNotFoundError, ValueError, ...);
+    `speculative.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
+    not the target's; ValueError for a draft with max_concurrency > 1."""
+    from kimi_mlx.checkpoint.hub import resolve
+    from kimi_mlx.generation.request import generation_defaults
+    from kimi_mlx.checkpoint.loader import load_for_generation
+    from kimi_mlx.server.engine import Engine
+    from kimi_mlx.server.prompt_cache import PromptCache
+
+    if draft_model and max_concurrency != 1:
+        raise ValueError("speculative decoding (a draft model) needs max_concurrency 1")
+    model, wrapper, tok, _ = load_for_generation(spec)
+    model_dir = Path(resolve(spec))
+    svc.defaults = generation_defaults(model_dir)
+    speculation = None
+    if draft_model:
+        from kimi_mlx.speculative.loop import Speculation, load_draft
+
+        speculation = Speculation(load_draft(draft_model, wrapper, spec), num_draft_tokens)
+    svc.wrapper, svc.tok = wrapper, tok
+    context = model.args.max_position_embeddings
+    svc.context = min(context, max_kv_size) if max_kv_size else context
+    pc = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+    svc.engine = Engine(model, tok.eos_token_ids, max_queue=max_queue,
+                        max_concurrency=max_concurrency, prompt_cache=pc,
+                        metrics=svc.metrics, speculation=speculation).start()
+
+
+def make_service(spec: str, api_key: Optional[str], served_name: Optional[str],
+                 max_body_bytes: int):
+    from kimi_mlx.server.common import Service
+    from kimi_mlx.server.metrics import Metrics
+
+    svc = Service(api_key=api_key, max_body_bytes=max_body_bytes, created=int(time.time()))
+    name = served_name or Path(spec.rstrip("/")).name or spec
+    svc.model_ids = [name] + ([spec] if spec != name else [])
+    svc.metrics = Metrics(lambda: svc.engine.queue_length if svc.engine else 0,
+                          lambda: svc.engine.active if svc.engine else 0)
+    return svc
+
+
+class BackgroundServer:
+    """uvicorn on a thread (tests, benchmarks): `start()` returns once it listens;
+    `port` is the bound port (port 0 = a free one); `stop()` shuts it down."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = listen(host, port)  # connections queue until uvicorn accepts
+        self.host, self.port = host, self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+
+def tcp_socket(host: str) -> socket.socket:
+    """A listening socket for `host` whose accepted connections get TCP_NODELAY.
+
+    asyncio sets TCP_NODELAY on an accepted connection only when the socket says
+    proto=IPPROTO_TCP (base_events._set_nodelay); `socket.socket(family)` says 0. Without
+    it, Nagle's algorithm holds each small streamed chunk until the client's delayed ACK
+    (~40 ms on Linux): every streamed reply's first token, and tokens that follow each
+    other faster than that, arrived late."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (port 0: any free one) and already listening, so a
+    client that read the printed URL is queued in the backlog, not refused, during the
+    moments before uvicorn accepts. InputError when the address cannot be bound."""
+    sock = tcp_socket(host)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.listen(2048)
+    return sock
+
+
+def serve(svc, app, host: str, port: int, log_level: str, banner: str, prog: str,
+          load: Callable[[], None], what: str, cleanup: Callable[[], None] = lambda: None) -> int:
+    """Run a server command: bind host:port, print the URL on stderr, call `load()` on a
+    thread while uvicorn already answers (/health: 503 "loading"), and serve until
+    interrupted (Ctrl-C / SIGTERM shut it down gracefully). Shared by `kimi-mlx server`
+    and `kimi-mlx cluster server`.
+
+    When `load()` raises, the server does not linger answering 503: it stops and the
+    command fails, with "`prog`: error: `what` failed: <type>: <message>" on stderr.
+
+    Returns the exit status: 0 after a normal stop, 1 when loading failed, 2 when the
+    address cannot be bound. `cleanup()` runs in every case once uvicorn has stopped."""
+    import uvicorn
+
+    try:
+        try:
+            sock = listen(host, port)
+        except InputError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 2
+        where = f"[{host}]" if ":" in host else host
+        print(f"{banner}: listening on http://{where}:{sock.getsockname()[1]} (GET /health "
+              "says when the model is loaded)", file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level.lower(),
+                                               timeout_graceful_shutdown=5))
+        failed: list = []
+
+        def loader():
+            try:
+                load()
+            except Exception as e:  # noqa: BLE001 - ends the command, naming the error
+                svc.loading_error = f"{what} failed: {type(e).__name__}: {e}"
+                log.debug("load failed", exc_info=True)
+                failed.append(svc.loading_error)
+                server.should_exit = True
+            finally:
+                import mlx.core as mx
+
+                mx.clear_streams()  # this thread ran MLX (see engine.run_mlx_thread)
+
+        threading.Thread(target=loader, name="kimi-mlx-load", daemon=True).start()
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
+            pass
+        if failed:
+            print(f"{prog}: error: {failed[0]}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        cleanup()
