@@ -8,7 +8,7 @@ import socket
 import httpx
 from fastapi import FastAPI
 
-from kimi_mlx.server import cli
+from kimi_mlx.server import serving
 
 
 def _nodelay_of_open_connections(srv):
@@ -23,7 +23,7 @@ def test_accepted_connections_have_tcp_nodelay():
     def ping():
         return {"ok": True}
 
-    srv = cli.BackgroundServer(app).start()
+    srv = serving.BackgroundServer(app).start()
     try:
         with httpx.Client(timeout=30) as c:  # keep-alive: the connection stays open
             assert c.get(srv.url + "/ping").json() == {"ok": True}
@@ -35,7 +35,7 @@ def test_accepted_connections_have_tcp_nodelay():
 
 def test_the_listening_socket_says_tcp():
     """asyncio sets TCP_NODELAY on accepted connections only for proto=IPPROTO_TCP."""
-    s = cli.tcp_socket("127.0.0.1")
+    s = serving.tcp_socket("127.0.0.1")
     try:
         assert s.proto == socket.IPPROTO_TCP and s.type == socket.SOCK_STREAM
     finally:
