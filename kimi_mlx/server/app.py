@@ -103,9 +103,21 @@ class _CountRequests:
 
 
 def create_app(svc: Service) -> FastAPI:
-    """The ASGI app serving `svc` (whose engine may still be loading: 503 until then)."""
+    """The ASGI app serving `svc` (whose engine may still be loading: 503 until then):
+    error shapes, then the info routes (/health, /metrics, /v1/models), then one route per
+    API dialect (OpenAI chat and completions, Anthropic messages)."""
     app = FastAPI(title="kimi-mlx server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.svc = svc
+    _add_error_handlers(app)
+    if svc.metrics is not None:
+        app.add_middleware(_CountRequests, metrics=svc.metrics)
+    _add_info_routes(app, svc)
+    _add_api_routes(app, svc)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in the caller's dialect (`error_response`), never as a bare 500."""
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -128,8 +140,9 @@ def create_app(svc: Service) -> FastAPI:
         return error_response(request.url.path, 500, f"internal error: {type(e).__name__}: {e}",
                               "server_error")
 
-    if svc.metrics is not None:
-        app.add_middleware(_CountRequests, metrics=svc.metrics)
+
+def _add_info_routes(app: FastAPI, svc: Service) -> None:
+    """/health (no key: load balancers ask it), /metrics and /v1/models (key checked)."""
 
     @app.get("/health")
     async def health():
@@ -158,35 +171,44 @@ def create_app(svc: Service) -> FastAPI:
         svc.check_model(model_id)
         return {"id": model_id, "object": "model", "created": svc.created, "owned_by": "kimi-mlx"}
 
-    def endpoint(schema, respond: Callable[..., Awaitable], stream: Callable[..., Awaitable],
-                 media="text/event-stream"):
-        async def handler(request: Request):
-            check_key(svc, request)
-            raw = await read_body(request, svc.max_body_bytes)
-            req = parse_body(raw, schema, svc.max_body_bytes)
-            reason = svc.not_ready_reason()
-            if reason:
-                raise APIError(503, f"not ready: {reason}", "overloaded_error",
-                               headers={"Retry-After": "5"})
-            if req.stream:
-                body = await stream(svc, req, request)
-                return StreamingResponse(body, media_type=media,
-                                         headers={"Cache-Control": "no-cache"})
-            t0 = time.perf_counter()
-            try:
-                out = await respond(svc, req, request)
-            except ClientGone:
-                log.info("client left after %.1fs; generation stopped", time.perf_counter() - t0)
-                return Response(status_code=499)
-            return JSONResponse(out)
-        return handler
 
-    app.post("/v1/chat/completions")(endpoint(ChatRequest, openai_api.chat_response,
-                                              openai_api.chat_stream))
-    app.post("/v1/completions")(endpoint(CompletionRequest, openai_api.completion_response,
-                                         openai_api.completion_stream))
-    app.post("/v1/messages")(endpoint(MessagesRequest, anthropic_api.messages_response,
-                                      anthropic_api.messages_stream))
+def generation_endpoint(svc: Service, schema, respond: Callable[..., Awaitable],
+                        stream: Callable[..., Awaitable], media: str = "text/event-stream"):
+    """One generating route: key, body size, schema, readiness are checked before
+    anything is sent; then `stream(svc, req, request)` (an async iterator of SSE bytes)
+    when the body asks for a stream, else `respond(svc, req, request)` (a JSON body).
+    A client that leaves a non-streamed request gets 499 and its generation stops."""
+    async def handler(request: Request):
+        check_key(svc, request)
+        raw = await read_body(request, svc.max_body_bytes)
+        req = parse_body(raw, schema, svc.max_body_bytes)
+        reason = svc.not_ready_reason()
+        if reason:
+            raise APIError(503, f"not ready: {reason}", "overloaded_error",
+                           headers={"Retry-After": "5"})
+        if req.stream:
+            body = await stream(svc, req, request)
+            return StreamingResponse(body, media_type=media,
+                                     headers={"Cache-Control": "no-cache"})
+        t0 = time.perf_counter()
+        try:
+            out = await respond(svc, req, request)
+        except ClientGone:
+            log.info("client left after %.1fs; generation stopped", time.perf_counter() - t0)
+            return Response(status_code=499)
+        return JSONResponse(out)
+    return handler
+
+
+def _add_api_routes(app: FastAPI, svc: Service) -> None:
+    """One route per dialect's endpoint, each an adapter module's respond/stream pair."""
+    app.post("/v1/chat/completions")(generation_endpoint(
+        svc, ChatRequest, openai_api.chat_response, openai_api.chat_stream))
+    app.post("/v1/completions")(generation_endpoint(
+        svc, CompletionRequest, openai_api.completion_response, openai_api.completion_stream))
+    app.post("/v1/messages")(generation_endpoint(
+        svc, MessagesRequest, anthropic_api.messages_response, anthropic_api.messages_stream))
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         check_key(svc, request)
@@ -195,5 +217,3 @@ def create_app(svc: Service) -> FastAPI:
         if svc.tok is None:
             raise APIError(503, "not ready: the model is loading", "overloaded_error")
         return anthropic_api.count_tokens(svc, req)
-
-    return app
