@@ -550,7 +550,8 @@ def _launch(args) -> int:
 def _tokenizers(model_dir: Path):
     from mlx_lm.utils import load_tokenizer
 
-    from kimi_mlx.text.tokenizer import KimiTokenizer, register_with_transformers
+    from kimi_mlx.text.hf_register import register_with_transformers
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     tok = KimiTokenizer.from_pretrained(model_dir)
     register_with_transformers()

@@ -1,6 +1,6 @@
 """kimi-mlx: Moonshot's Kimi K3.1 Pro on Apple Silicon with MLX."""
 
-from kimi_mlx.text.tokenizer import register_with_transformers as _register_with_transformers
+from kimi_mlx.text.hf_register import register_with_transformers as _register_with_transformers
 
 # Lets transformers.AutoTokenizer (and so mlx_lm.load) open Kimi checkpoints with our
 # TikTokenTokenizer instead of the checkpoint's tokenization_kimi.py. Deferred until

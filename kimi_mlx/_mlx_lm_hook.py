@@ -3,7 +3,7 @@
 - Model: mlx-lm resolves `model_type` with `importlib.import_module(f"mlx_lm.models.{type}")`;
   a meta-path finder answers `mlx_lm.models.kimi_k31` with `kimi_mlx.model.model`, lazily, so
   nothing (not even MLX) is imported until mlx-lm asks for it.
-- Tokenizer: `kimi_mlx.text.tokenizer.register_with_transformers()` (deferred until
+- Tokenizer: `kimi_mlx.text.hf_register.register_with_transformers()` (deferred until
   transformers' AutoTokenizer module loads) so `mlx_lm.load` gets our tiktoken tokenizer
   without running the checkpoint's tokenization_kimi.py.
 Nothing is written into mlx-lm. Failures here never break interpreter start.
@@ -38,7 +38,7 @@ def install():
 
 try:
     install()
-    from kimi_mlx.text.tokenizer import register_with_transformers
+    from kimi_mlx.text.hf_register import register_with_transformers
 
     register_with_transformers()
 except Exception:  # a broken install must not break every Python start in this env

@@ -11,10 +11,10 @@ import pytest
 import tiktoken
 
 from kimi_mlx.text import chat_format
+from kimi_mlx.text.hf_register import register_with_transformers
 from kimi_mlx.text.tokenizer import (
     KimiTokenizer,
     kimi_special_tokens,
-    register_with_transformers,
     write_tokenizer_files,
 )
 
@@ -302,7 +302,7 @@ def test_auto_tokenizer_uses_our_class(release_like_dir, tok, ref_enc):
         for kwargs in ({}, {"trust_remote_code": True}):
             hf = AutoTokenizer.from_pretrained(release_like_dir, **kwargs)
             assert type(hf).__name__ == "TikTokenTokenizer"
-            assert type(hf).__module__ == "kimi_mlx.text.tokenizer"
+            assert type(hf).__module__ == "kimi_mlx.text.hf_tokenizer"
     assert not (release_like_dir / "EXECUTED").exists()
     assert "tokenization_kimi" not in sys.modules
 
@@ -352,7 +352,7 @@ def test_mlx_lm_load(release_like_dir, tok):
     from mlx_lm.tokenizer_utils import load
 
     w = load(Path(release_like_dir))
-    assert type(w._tokenizer).__module__ == "kimi_mlx.text.tokenizer"
+    assert type(w._tokenizer).__module__ == "kimi_mlx.text.hf_tokenizer"
     assert not (release_like_dir / "EXECUTED").exists()
     text = "hello worlds <|sep|>"
     assert w.encode(text, add_special_tokens=False) == tok.encode(text)
@@ -398,5 +398,5 @@ def test_import_kimi_mlx_registers_lazily(release_like_dir):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[-2] == f"kimi_mlx.text.tokenizer TikTokenTokenizer [{HELLO}, {SP_WORLD}, 115]"
+    assert out.stdout.split("\n")[-2] == f"kimi_mlx.text.hf_tokenizer TikTokenTokenizer [{HELLO}, {SP_WORLD}, 115]"
     assert not (release_like_dir / "EXECUTED").exists()

@@ -254,7 +254,8 @@ def load_for_generation(spec: str):
     from mlx_lm.utils import load_tokenizer
 
     from kimi_mlx.checkpoint.hub import resolve
-    from kimi_mlx.text.tokenizer import KimiTokenizer, register_with_transformers
+    from kimi_mlx.text.hf_register import register_with_transformers
+    from kimi_mlx.text.tokenizer import KimiTokenizer
 
     model_dir = resolve(spec)
     model, config, _ = load_model(model_dir)
