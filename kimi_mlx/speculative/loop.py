@@ -342,6 +342,37 @@ def _prefill(model, cache, tokens: List[int], step: int) -> None:
         mx.eval([c.state for c in cache])
 
 
+def _split_caches(model, draft_model, prompt_cache):
+    """(target caches, draft caches): new ones, or mlx-lm's one list, target's first."""
+    if prompt_cache is None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        return make_prompt_cache(model), make_prompt_cache(draft_model)
+    return prompt_cache[: len(model.layers)], prompt_cache[len(model.layers) :]
+
+
+def _draft(draft_model, draft_cache, draft_in: List[int], k: int, sampling: Sampling,
+           chain, vocab: Optional[int]):
+    """Run the draft for k tokens after feeding `draft_in`; a cache snapshot (references)
+    after each. Returns (drafts uint32 [k], snapshots, draft logprobs per token (empty for
+    greedy)). At temperature 0 with a fixed-size draft cache the k steps are one compiled
+    graph (`_GreedyChain`), started here and finished while the verify graph is built."""
+    snaps, drafts, q_lps = [], [], []
+    if k and chain is not None and _GreedyChain.usable(sampling, draft_cache):
+        d_arr, snaps = chain(draft_in, draft_cache, k)
+        mx.async_eval(d_arr)  # the drafts compute while the verify graph is built
+        return d_arr, snaps, q_lps
+    feed = mx.array(draft_in)
+    for _ in range(k):
+        logits = _vocab_align(draft_model(feed[None], cache=draft_cache)[0, -1], vocab)
+        snaps.append(snapshot(draft_cache))
+        d = draw_draft(logits, sampling, q_lps)
+        drafts.append(d)
+        feed = d.reshape(1).astype(mx.uint32)
+    d_arr = mx.stack(drafts).astype(mx.uint32) if drafts else mx.array([], mx.uint32)
+    return d_arr, snaps, q_lps
+
+
 def speculative_generate_step(
     prompt,
     model,
@@ -381,14 +412,7 @@ def speculative_generate_step(
         raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
     sampling = sampling or Sampling()
     stats = stats if stats is not None else SpecStats()
-    if prompt_cache is None:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        model_cache, draft_cache = make_prompt_cache(model), make_prompt_cache(draft_model)
-    else:
-        model_cache = prompt_cache[: len(model.layers)]
-        draft_cache = prompt_cache[len(model.layers) :]
-
+    model_cache, draft_cache = _split_caches(model, draft_model, prompt_cache)
     _prefill(draft_model, draft_cache, prompt[:-1], prefill_step_size)
     _prefill(model, model_cache, prompt[:-1], prefill_step_size)
 
@@ -416,25 +440,7 @@ def speculative_generate_step(
         while max_tokens < 0 or ntoks < max_tokens:
             left = num_draft_tokens if max_tokens < 0 else max_tokens - ntoks - 1
             k = min(num_draft_tokens, left)
-            # Draft: k tokens, one forward each; a snapshot after each (references).
-            snaps, drafts, q_lps = [], [], []
-            feed = mx.array(draft_in)
-            if k and chain is not None and _GreedyChain.usable(sampling, draft_cache):
-                d_arr, snaps = chain(draft_in, draft_cache, k)
-                mx.async_eval(d_arr)  # the drafts compute while the verify graph is built
-                k_eager = 0
-            else:
-                k_eager = k
-            for _ in range(k_eager):
-                logits = _vocab_align(draft_model(feed[None], cache=draft_cache)[0, -1], vocab)
-                snaps.append(snapshot(draft_cache))
-                d = draw_draft(logits, sampling, q_lps)
-                drafts.append(d)
-                feed = d.reshape(1).astype(mx.uint32)
-            if k_eager:
-                d_arr = mx.stack(drafts).astype(mx.uint32)
-            elif not snaps:
-                d_arr = mx.array([], mx.uint32)
+            d_arr, snaps, q_lps = _draft(draft_model, draft_cache, draft_in, k, sampling, chain, vocab)
 
             # Verify: the target scores [y, d1..dk] in one pass, recording for rollback.
             verify = begin_verify(model_cache)
