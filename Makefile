@@ -50,7 +50,7 @@ test: install
 
 # K3.1 Pro's real widths on this machine: a 2-layer real-width slice (~2.4 GB, in a temp
 # folder) through prefill past index_topk and decode, the kernels in the emulator, and
-# the planner's memory / bytes-read predictions (kimi_mlx/check_real.py). Needs ~6 GB RAM.
+# the planner's memory / bytes-read predictions (kimi_mlx/testing/check_real.py). Needs ~6 GB RAM.
 check-real: install
 	$(BIN)/python -m kimi_mlx.testing.check_real
 
