@@ -9,7 +9,7 @@ Math: DeepSeek-V3.2 indexer (transformers `modeling_deepseek_v32.py` Indexer, ml
 Positive constant factors (DSv3.2's 128^-1/2 * 32^-1/2) do not change the selection and
 are left out. Scores are computed in float32.
 
-Batch rows of a continuous batch are left-padded (kimi_mlx/cache.py `BatchDSACache`): every
+Batch rows of a continuous batch are left-padded (kimi_mlx/model/cache.py `BatchDSACache`): every
 op takes an optional `starts` [B] (the first real key of each row) and never selects or
 attends to a key before it, so a padded row computes what its single run computes.
 

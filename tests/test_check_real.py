@@ -1,4 +1,4 @@
-"""The pieces of `make check-real` (kimi_mlx/check_real.py), cheaply:
+"""The pieces of `make check-real` (kimi_mlx/testing/check_real.py), cheaply:
 
 - the real-width slice config is the shipped official config with only the expert counts
   changed, and its widths are K3.1 Pro's (K31_SPEC.md s.1);

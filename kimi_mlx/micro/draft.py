@@ -183,7 +183,7 @@ kimi_mlx/assets/micro-draft --num-draft-tokens 3 ...`. It is useless on its own.
 
 Why only KDA layers: a draft step must cost little next to a target step, and on MLX the
 cost is per graph node. With fixed-size caches only, k greedy draft steps are one compiled
-graph with fused weights (`kimi_mlx/draft_step.py`), evaluated together with the verify
+graph with fused weights (`kimi_mlx/speculative/draft_step.py`), evaluated together with the verify
 pass; a DSA layer's growing cache would retrace it every token.
 
 ## Training

@@ -91,7 +91,7 @@ class KimiDeltaAttention(nn.Module):
         # A right-padded batch prefill (mlx-lm BatchGenerator) gives each row's real token
         # count in this chunk; padded steps must leave both states untouched. A speculative
         # verify step records this layer's per-token inputs for an exact rollback
-        # (kimi_mlx/rollback.py sets the record on the cache).
+        # (kimi_mlx/speculative/rollback.py sets the record on the cache).
         lengths = getattr(cache, "lengths", None)
         record = getattr(cache, "verify_record", None)
         compiled = not self.training and kernel_mode() != "sim"
@@ -196,7 +196,7 @@ class KimiDeltaAttention(nn.Module):
 # At the micro model's size (4 heads x 32 x 32) a state is 16 KB and keeping them is free;
 # at K3.1's (96 x 128 x 128 f32 = 6.3 MB) a 4-token verify would write 25 MB per layer x 69
 # layers on every step, so there the rollback replays the accepted tokens instead
-# (kimi_mlx/rollback.py says why).
+# (kimi_mlx/speculative/rollback.py says why).
 STEP_STATES_MAX_BYTES = 1 << 20
 
 

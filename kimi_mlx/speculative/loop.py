@@ -12,11 +12,11 @@ comes from the target. Instead of mlx-lm's `trim` the caches are put back with
 Cost (MLX on a CPU or a small model: per graph node, not per FLOP): at temperature 0 a
 draft whose caches are all fixed-size (a KDA-only kimi-mlx draft, like the shipped
 micro-draft) proposes its k tokens as one compiled graph (`_GreedyChain`, with the fused
-step of `kimi_mlx/draft_step.py`), left lazy so that it computes while the verify graph is
+step of `kimi_mlx/speculative/draft_step.py`), left lazy so that it computes while the verify graph is
 built (on Metal; on the CPU backend `async_eval` was measured doing most of the work
 before it returns, so there the two simply run back to back); the only
 host sync per step is the verify's argmax, and a rejection costs a pick of the kept
-per-token KDA states (`kimi_mlx/rollback.py`), not a replay.
+per-token KDA states (`kimi_mlx/speculative/rollback.py`), not a replay.
 
 Acceptance rule (sampling stays the target's):
   * temperature 0: accept draft d_i while it equals the target's argmax at its position;
@@ -198,7 +198,7 @@ class _GreedyChain:
 
         self.model, self.vocab = draft_model, vocab
         self._fns = {}
-        # A KDA-only kimi-mlx draft steps with fused weights (kimi_mlx/draft_step.py): ~4x
+        # A KDA-only kimi-mlx draft steps with fused weights (kimi_mlx/speculative/draft_step.py): ~4x
         # fewer graph nodes than the model's own forward.
         self.fused = fused_step_for(draft_model)
 

@@ -353,7 +353,7 @@ def prefill(run: Run, opts, report: Report) -> None:
     if not run.index_blocks:
         report.fail("sparse prefill path taken", "dsa.dsa_prefill_indices never called")
     # The planner keeps at least `min_headroom_bytes` free per stage for activations and
-    # prefill buffers (cluster/planner.py); a prefill chunk's buffers must fit in it. On
+    # prefill buffers (kimi_mlx/placement/planner.py); a prefill chunk's buffers must fit in it. On
     # this CPU they include float32 copies of BF16 weights, which a Mac does not make.
     headroom = StagePlanner().min_headroom_bytes
     report.check(f"prefill buffers (chunks of {opts.chunk})", f"{(peak - after) / MB:,.1f} MB",
