@@ -124,6 +124,21 @@ def test_penalties_and_logit_bias_through_the_pipeline_equal_one_process(served)
                              extra_body={"repetition_penalty": 1.2})
 
 
+def test_responses_api_through_the_pipeline(served):
+    """/v1/responses through 3 stages: plain and streamed equal the chat endpoint's greedy
+    text, previous_response_id continues, an unknown one is a 404."""
+    from test_responses import check_plain
+
+    _, url = served
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
+    first = check_plain(c)
+    second = c.responses.create(model="micro", input="More?", previous_response_id=first.id,
+                                max_output_tokens=2, temperature=0)
+    assert second.usage.input_tokens > first.usage.input_tokens and second.usage.output_tokens == 2
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="micro", input="x", previous_response_id="resp_gone")
+
+
 def test_lost_stage_is_reported_by_health(served):
     cluster, url = served
     cluster.procs[1].stop()

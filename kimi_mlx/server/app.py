@@ -18,15 +18,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kimi_mlx.server import anthropic_api, openai_api
+from kimi_mlx.server import anthropic_api, openai_api, responses_api
 from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body
 from kimi_mlx.server.metrics import CONTENT_TYPE_LATEST
-from kimi_mlx.server.schemas import ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest
+from kimi_mlx.server.schemas import (ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
+                                    ResponsesRequest)
 
 log = logging.getLogger("kimi_mlx.server")
 
 _ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-           "/v1/messages", "/v1/messages/count_tokens"}
+           "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
@@ -206,6 +207,8 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
         svc, ChatRequest, openai_api.chat_response, openai_api.chat_stream))
     app.post("/v1/completions")(generation_endpoint(
         svc, CompletionRequest, openai_api.completion_response, openai_api.completion_stream))
+    app.post("/v1/responses")(generation_endpoint(
+        svc, ResponsesRequest, responses_api.responses_response, responses_api.responses_stream))
     app.post("/v1/messages")(generation_endpoint(
         svc, MessagesRequest, anthropic_api.messages_response, anthropic_api.messages_stream))
 
