@@ -120,6 +120,8 @@ class ClusterEngine:
 
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
+            if self.metrics is not None:  # left while queued: nothing generated
+                self.metrics.finished_requests.labels("cancelled").inc()
             return
         p = job.sampling
         want_lp = job.logprobs is not None

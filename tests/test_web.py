@@ -284,3 +284,19 @@ def test_api_key_is_asked_for_and_a_wrong_one_shows_the_401(server, page):
         assert page.is_hidden("#key-dialog") or not page.locator("#key-dialog[open]").count()
     finally:
         srv.stop()
+
+
+def test_a_request_cancelled_while_queued_is_counted(server):
+    """A job whose client left before it started ends as cancelled, in /metrics too."""
+    from kimi_mlx.server.jobs import Job
+
+    srv, svc = server
+    cancelled = 'kimi_mlx_finished_requests_total{reason="cancelled"}'
+    before = _metric(srv.url, cancelled)
+    job = Job(svc.tok.encode("Hello"), 4)
+    job.attach(None)
+    job.cancel()
+    svc.engine.submit(job)
+    (ev,) = list(job.events(timeout=60))
+    assert isinstance(ev, Finished) and ev.reason == "cancelled"
+    assert _metric(srv.url, cancelled) == before + 1
