@@ -300,3 +300,36 @@ def test_a_request_cancelled_while_queued_is_counted(server):
     (ev,) = list(job.events(timeout=60))
     assert isinstance(ev, Finished) and ev.reason == "cancelled"
     assert _metric(srv.url, cancelled) == before + 1
+
+
+def test_conversations_new_rename_export_delete(server, page, tmp_path):
+    _, real = server
+    srv = _shared(real, engine=ScriptedEngine(real.tok.encode(
+        "Hm.<|close|>think<|sep|><|open|>response<|sep|>Blue.<|close|>response<|sep|><|close|>message<|sep|>",
+        allow_special=True)))
+    try:
+        page.goto(srv.url + "/")
+        ask(page, "First question", 1)
+        page.click("#new-chat")
+        ask(page, "Second question", 1)
+        assert page.locator("#conversations li").all_inner_texts() == ["Second question", "First question"]
+        page.once("dialog", lambda d: d.accept("Renamed"))
+        page.click("#rename-chat")
+        assert page.inner_text("#conversations li.current") == "Renamed"
+        with page.expect_download() as dl:
+            page.click("#export-chat")
+        path = tmp_path / "export.json"
+        dl.value.save_as(path)
+        exported = json.loads(path.read_text())
+        assert exported["title"] == "Renamed"
+        assert [(m["role"], m["content"]) for m in exported["messages"]] == [
+            ("user", "Second question"), ("assistant", "Blue.")]
+        assert exported["messages"][1]["reasoning_content"] == "Hm."
+        page.once("dialog", lambda d: d.accept())
+        page.click("#delete-chat")
+        assert page.locator("#conversations li").all_inner_texts() == ["First question"]
+        page.reload()
+        assert page.inner_text(".msg.user .content") == "First question"
+        assert page.inner_text(".msg.assistant .content") == "Blue."
+    finally:
+        srv.stop()
