@@ -118,8 +118,11 @@ def test_page_is_served_offline_with_its_licences(server):
     assert srcs and not [s for s in srcs if "//" in s]  # nothing from another host
     for s in srcs:
         assert httpx.get(f"{url}/{s}").status_code == 200, s
-    for lic in ("marked.LICENSE", "dompurify.LICENSE", "highlight.js.LICENSE"):
-        assert "Copyright" in httpx.get(f"{url}/web/vendor/{lic}").text or lic.startswith("dompurify")
+    for lic, words in (("marked.LICENSE", "MIT license"), ("dompurify.LICENSE", "Apache License"),
+                       ("dompurify.LICENSE-MPL", "Mozilla Public License"),
+                       ("highlight.js.LICENSE", "BSD 3-Clause")):
+        assert words in httpx.get(f"{url}/web/vendor/{lic}").text, lic
+    assert "marked.LICENSE" in httpx.get(f"{url}/web/vendor/README.txt").text
 
 
 def test_streamed_reply_equals_the_api_then_reload_and_second_turn(server, page, tmp_path_factory):

@@ -230,6 +230,7 @@ def _add_page(app: FastAPI) -> None:
 
 def _add_api_routes(app: FastAPI, svc: Service) -> None:
     """One route per dialect's endpoint, each an adapter module's respond/stream pair."""
+    responses_api.store_of(svc)  # made now, not raced for by the first two requests
     app.post("/v1/chat/completions")(generation_endpoint(
         svc, ChatRequest, openai_api.chat_response, openai_api.chat_stream))
     app.post("/v1/completions")(generation_endpoint(

@@ -258,6 +258,7 @@ function requestBody(conv) {
 
 /** Generate the assistant reply to the conversation's last message. */
 async function generate() {
+  if (!state.model) await refreshStatus();  // the model id comes from /health
   const conv = conversation();
   const m = {role: "assistant", content: "", reasoning_content: "", tool_calls: [], stats: {}};
   const view = messageView(m, true);
