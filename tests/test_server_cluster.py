@@ -140,17 +140,21 @@ def test_responses_api_through_the_pipeline(served):
         c.responses.create(model="micro", input="x", previous_response_id="resp_gone")
 
 
-def test_health_lists_the_stages_and_the_page_shows_them(served, browser):
-    """/health names the 3 stages and their layers; the chat page at / shows them in its
-    status strip and chats through the pipeline."""
-    from test_web import ask, settings
-
+def test_health_lists_the_stages(served):
+    """/health names the 3 stages, where they run and their layers, in order."""
     cluster, url = served
     h = httpx.get(url + "/health", timeout=10).json()
     assert [s["index"] for s in h["stages"]] == [0, 1, 2] and all(s["ok"] for s in h["stages"])
     assert [s["address"] for s in h["stages"]] == [p.address for p in cluster.procs]
     assert h["stages"][0]["layers"][0] == 0
     assert all(a["layers"][1] == b["layers"][0] for a, b in zip(h["stages"], h["stages"][1:]))
+
+
+def test_the_page_shows_the_stages_and_chats_through_them(served, browser):
+    """The chat page at / shows the stages in its status strip and chats through them."""
+    from test_web import ask, settings
+
+    _, url = served
     ctx = browser.new_context()
     try:
         page = ctx.new_page()
