@@ -151,6 +151,7 @@ def test_store_is_lru_bounded():
      "text.format"),
     ({"model": "micro", "input": "x", "background": True}, "background", "background"),
     ({"model": "micro", "input": []}, "input is empty", "input"),
+    ({"model": "micro", "input": "x", "top_logprobs": 2}, "top_logprobs", "top_logprobs"),
 ])
 def test_400s_name_the_field(server, body, needle, param):
     for stream in (False, True):
@@ -239,6 +240,12 @@ def test_function_tool_round_trip(scripted):
     assert json.loads(args) == {"city": "Paris é"} and events[-1].type == "response.completed"
     assert [o.type for o in final.output] == ["reasoning", "message", "function_call"]
     assert final.output[2].call_id == call.call_id
+    # the client's stream helper accumulates the same response
+    with c.responses.stream(model="micro", input="Weather in Paris?", tools=TOOLS,
+                            reasoning={"effort": "low"}) as s:
+        helper = s.get_final_response()
+    assert helper.output_text == "Checking." and reasoning_of(helper) == "Let me look."
+    assert json.loads(helper.output[2].arguments) == {"city": "Paris é"}
     # the result goes back: as the whole output + function_call_output, and by previous_response_id
     want = encode_chat(svc.tok, [
         {"role": "user", "content": "Weather in Paris?"},

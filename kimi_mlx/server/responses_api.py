@@ -207,6 +207,9 @@ class _Turn:
         svc.check_model(req.model)
         if req.background:
             raise APIError(400, "background=true is not supported", param="background")
+        if getattr(req, "top_logprobs", None):
+            raise APIError(400, "top_logprobs is not supported on /v1/responses (use "
+                           "/v1/chat/completions with logprobs=true)", param="top_logprobs")
         choice = req.tool_choice
         if isinstance(choice, dict):
             raise APIError(400, "tool_choice naming a function is not supported: use one of "
