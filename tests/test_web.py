@@ -192,7 +192,9 @@ def test_stop_button_cancels_the_generation_on_the_server(server, page):
         time.sleep(0.2)
     assert _metric(srv.url, cancelled) == before + 1
     assert svc.engine.active == 0
-    assert _metric(srv.url, "kimi_mlx_generation_tokens_total") - gen_before < 1000  # not 3000
+    generated = _metric(srv.url, "kimi_mlx_generation_tokens_total") - gen_before
+    print(f"\nstopped after {generated:.0f} of 3000 tokens")
+    assert generated < 1000  # not 3000
     assert not page.is_disabled("#send")
 
 
