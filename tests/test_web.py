@@ -78,6 +78,10 @@ def page(browser):
     pg = ctx.new_page()
     errors = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
+    # console errors too (a Content-Security-Policy violation is one), except the
+    # browser's own line for a refused request (the 401 test makes those on purpose)
+    pg.on("console", lambda m: m.type == "error" and "Failed to load resource" not in m.text
+          and errors.append(m.text))
     yield pg
     ctx.close()
     assert not errors, errors
