@@ -5,8 +5,11 @@ pipeline behind it.
 `active`, `health()`): each of up to `max_concurrency` worker threads runs one request as
 its own pipeline session (`head.Pipeline.generate_step`), so different stages work on
 different requests at once (pipeline fill). Past `max_queue` waiting requests the API
-answers 503 + Retry-After. A lost stage fails the requests on it, and /health reports it
-(503, naming the stage) until the server is restarted.
+answers 503 + Retry-After. A lost stage fails the requests on it (never retried on
+another placement), and /health reports it (503, naming the stage and node) within
+seconds, even when idle; the `recovery.PipelineKeeper` then reloads the stage when its
+node answers again, or re-plans over the nodes left with `--replan`, and /health says
+which it is doing until the pipeline serves again.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ class ClusterEngine:
     unsupported_penalties = ("repetition_penalty",)
 
     def __init__(self, pipeline, eos_ids: Sequence[int], max_concurrency: int = 4,
-                 max_queue: int = 64, metrics=None):
-        self.pipeline = pipeline
+                 max_queue: int = 64, metrics=None, keeper=None):
+        self._pipeline = pipeline
+        self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
         self.eos_ids = set(eos_ids)
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
@@ -45,12 +49,21 @@ class ClusterEngine:
         self._threads = [threading.Thread(target=self._worker, name=f"kimi-mlx-session-{i}",
                                           daemon=True) for i in range(max_concurrency)]
 
+    @property
+    def pipeline(self):
+        """The pipeline requests start on now (the keeper's, after a recovery)."""
+        return self.keeper.pipeline if self.keeper is not None else self._pipeline
+
     def start(self) -> "ClusterEngine":
         for t in self._threads:
             t.start()
+        if self.keeper is not None:
+            self.keeper.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.keeper is not None:
+            self.keeper.stop(timeout)
         for _ in self._threads:
             self._jobs.put(None)
         for t in self._threads:
@@ -65,14 +78,16 @@ class ClusterEngine:
         return self._active
 
     def health(self) -> Optional[str]:
-        """None while every stage serves; else which stage was lost."""
-        return self.lost
+        """None while every stage serves; else which stage was lost (and, with a keeper,
+        what it is doing about it)."""
+        return self.keeper.status() if self.keeper is not None else self.lost
 
     def submit(self, job):
         from kimi_mlx.server.jobs import Busy, enqueue
 
-        if self.lost:
-            raise Busy(f"the pipeline is down ({self.lost})")
+        down = self.health()
+        if down:
+            raise Busy(f"the pipeline is down ({down})")
         return enqueue(self._jobs, job, self.max_queue)
 
     def _worker(self) -> None:
@@ -95,7 +110,10 @@ class ClusterEngine:
                 from kimi_mlx.cluster.transport import StageFailure
 
                 if isinstance(e, StageFailure) and e.lost:
-                    self.lost = f"stage lost: {e}"
+                    if self.keeper is not None:
+                        self.keeper.check()
+                    else:
+                        self.lost = f"stage lost: {e}"
                 log.exception("pipeline generation failed")
                 job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
             finally:
@@ -175,6 +193,35 @@ def head_chooser(job):
     return choose
 
 
+def make_keeper(args, cluster, fp: str, pipeline):
+    """A `recovery.PipelineKeeper` for the server's pipeline: it reconnects through
+    `cluster.connect()` (the launcher's discovery, checks, plan and load) with the nodes
+    it excludes, and asks lost nodes for the checkpoint `fp` with `head.check_nodes`."""
+    from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
+    from kimi_mlx.cluster.head import check_nodes
+    from kimi_mlx.cluster.recovery import PipelineKeeper
+
+    def reconnect(excluded):
+        cluster.excluded = set(excluded)
+        return cluster.connect()
+
+    def probe(nodes):
+        t, channels = cluster.transport, []
+
+        def stub_for(address):
+            channels.append(t.channel_for(address))
+            return pb_grpc.StageStub(channels[-1])
+
+        try:
+            return check_nodes(nodes, stub_for, fp, check_version=not args.allow_version_mismatch,
+                               channel_for=t.channel_for)
+        finally:
+            for ch in channels:
+                ch.close()
+
+    return PipelineKeeper(pipeline, reconnect, probe, replan=args.replan)
+
+
 def add_arguments(q) -> None:
     """Flags of `kimi-mlx cluster server`: the model, `cluster launch`'s node flags (added
     by the caller) and the HTTP flags of `kimi-mlx server`."""
@@ -229,8 +276,9 @@ def run(args, cluster_factory, tokenizers) -> int:
 
     def load():
         pipeline = cluster.connect()
+        keeper = make_keeper(args, cluster, fp, pipeline)
         svc.engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
-                                   args.max_queue, svc.metrics).start()
+                                   args.max_queue, svc.metrics, keeper).start()
         log.warning("serving %s through %s", svc.model_ids[0], "the pipeline")
 
     def cleanup():

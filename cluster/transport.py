@@ -138,6 +138,12 @@ class Transport(ABC):
         """Free every session of this head on every reachable stage; node id -> sessions
         left there (-1 when unreachable)."""
 
+    def losses(self) -> Dict[int, str]:
+        """Stages lost so far, stage index -> why (empty while every stage serves); also
+        counts a stage whose heartbeats stopped. Never raises (a health watch calls it
+        when no session is running)."""
+        return {}
+
     @abstractmethod
     def peak_memory(self) -> int:
         """Largest peak memory (bytes) any stage reported."""
@@ -383,12 +389,15 @@ class GrpcTransport(Transport):
             raise self._failure(ev)
 
     def _check_alive(self) -> None:
+        if self.losses():
+            raise self._failure(None)
+
+    def losses(self) -> Dict[int, str]:
         now = time.monotonic()
         for i, t in enumerate(self._last_seen):
             if i not in self.lost and now - t > self.peer_timeout:
                 self.lost[i] = (f"no heartbeat for {now - t:.1f} s (hung, or off the network)")
-        if self.lost:
-            raise self._failure(None)
+        return dict(self.lost)
 
     def _failure(self, ev) -> StageFailure:
         """Name the failed stage(s): those lost (died / hung / unreachable) first, else

@@ -144,11 +144,19 @@ def stop_all(procs: Sequence[StageProc], timeout: float = 5.0) -> List[Optional[
 
 
 def start_stages(n: int, models: Path, secret_file: Path, workdir: Path, prefix: str = "node",
-                 timeout: float = 60.0, **kw) -> List[StageProc]:
+                 timeout: float = 60.0, ports: Optional[Sequence[int]] = None,
+                 extras: Optional[Sequence[Sequence[str]]] = None, **kw) -> List[StageProc]:
     """Start n stage processes in parallel and wait until all listen (stops them all on
-    failure)."""
-    procs = [StageProc(models, secret_file, f"{prefix}{i}", Path(workdir) / f"{prefix}{i}.log", **kw)
-             for i in range(n)]
+    failure). `ports`: one --port per stage (default: `kw`'s port, or any free one);
+    `extras`: more serve flags per stage (after `kw`'s extra)."""
+    def own(i):
+        k = dict(kw, port=ports[i]) if ports else dict(kw)
+        if extras:
+            k["extra"] = list(kw.get("extra", ())) + list(extras[i])
+        return k
+
+    procs = [StageProc(models, secret_file, f"{prefix}{i}", Path(workdir) / f"{prefix}{i}.log",
+                       **own(i)) for i in range(n)]
     try:
         for p in procs:
             p.start()
