@@ -35,7 +35,13 @@ class ClusterEngine:
     unsupported_penalties = ("repetition_penalty",)
 
     def __init__(self, pipeline, eos_ids: Sequence[int], max_concurrency: int = 4,
-                 max_queue: int = 64, metrics=None, keeper=None):
+                 max_queue: int = 64, metrics=None, keeper=None, speculation=None,
+                 model_args=None):
+        if speculation is not None and max_concurrency != 1:
+            raise ValueError(f"speculative decoding serves one request at a time, not "
+                             f"{max_concurrency}")
+        self.speculation = speculation  # kimi_mlx.speculative.loop.Speculation (draft on the head)
+        self.model_args = model_args  # the target's ModelArgs (vocab_size for the verify)
         self._pipeline = pipeline
         self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
         self.eos_ids = set(eos_ids)
@@ -136,9 +142,12 @@ class ClusterEngine:
         # with head-side sampling the last stage samples greedily, and its token is unused
         sampling = Sampling() if choose else Sampling(p.temp, p.top_p, p.min_p, p.top_k, p.seed)
         tic = time.perf_counter()
-        gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
-                                          return_logprobs=want_lp or choose is not None,
-                                          choose=choose)
+        if self.speculation is not None and not job.logits_processors:
+            gen = self._speculate(job)
+        else:
+            gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
+                                              return_logprobs=want_lp or choose is not None,
+                                              choose=choose)
         reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
         try:
             for tok, lp in gen:
@@ -164,6 +173,37 @@ class ClusterEngine:
         if self.metrics is not None:
             self.metrics.finished(done)
         job.emit(done)
+
+
+    def _speculate(self, job):
+        """(token, logprobs [vocab]) of `job` by speculative decoding through the pipeline
+        (`cluster.speculative.speculative_pipeline_step`: the draft on this head, each
+        verify step one message through the stages), with the job's sampling; greedy
+        output is the plain output token for token. A seeded request seeds MLX's global
+        PRNG, which only this one sequence uses (one request at a time)."""
+        import mlx.core as mx
+
+        from kimi_mlx.speculative.loop import Sampling
+
+        from kimi_mlx.cluster.speculative import speculative_pipeline_step
+
+        spec, p = self.speculation, job.sampling
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        st = spec.stats
+        before = (st.steps, st.drafted, st.accepted)
+        gen = speculative_pipeline_step(
+            self.pipeline, job.ids, spec.draft, self.model_args,
+            num_draft_tokens=spec.num_draft_tokens, max_tokens=job.max_tokens,
+            sampling=Sampling(p.temp, p.top_p, p.min_p, p.top_k), stats=st)
+        try:
+            for tok, lp, _from_draft in gen:
+                yield tok, lp
+        finally:
+            gen.close()
+            if self.metrics is not None:
+                self.metrics.speculated(st.steps - before[0], st.drafted - before[1],
+                                        st.accepted - before[2])
 
 
 def head_chooser(job):
@@ -230,9 +270,15 @@ def add_arguments(q) -> None:
     q.add_argument("--model", default=None,
                    help="checkpoint folder (default: the shipped micro model); the nodes "
                         "need the same files")
+    from kimi_mlx.generation.request import add_draft_arguments
+
     add_server_arguments(q, log_level=False)
-    q.add_argument("--max-concurrency", type=int, default=4,
-                   help="requests in flight through the pipeline at once (default 4)")
+    q.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight through the pipeline at once (default 4; 1, the "
+                        "default and the only choice, with --draft-model)")
+    add_draft_arguments(q, note=" (loaded on this head, which drafts; the stages verify): "
+                        "one request at a time, every request speculatively (requests with "
+                        "penalties or logit_bias decode plainly)")
 
 
 def run(args, cluster_factory, tokenizers) -> int:
@@ -245,12 +291,14 @@ def run(args, cluster_factory, tokenizers) -> int:
     from kimi_mlx.model.config import ModelArgs, read_config
     from kimi_mlx.generation.request import InputError, generation_defaults, resolve_model_arg
     from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.serving import check_server_arguments, make_service, resolve_api_key, serve
+    from kimi_mlx.server.serving import (check_draft_server_arguments, check_server_arguments,
+                                         make_service, resolve_api_key, serve)
 
     from kimi_mlx.cluster.auth import AuthError, load_secret
     from kimi_mlx.cluster.fingerprint import FingerprintError, fingerprint, is_checkpoint
 
     try:
+        check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
         check_server_arguments(args)
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
@@ -275,10 +323,17 @@ def run(args, cluster_factory, tokenizers) -> int:
     cluster = cluster_factory(args, secret, model_dir, fp, args.context)
 
     def load():
+        speculation = None
+        if args.draft_model:  # before the stages load: a wrong draft fails fast
+            from kimi_mlx.speculative.loop import Speculation, load_draft
+
+            speculation = Speculation(load_draft(args.draft_model, wrapper, spec),
+                                      args.num_draft_tokens)
         pipeline = cluster.connect()
         keeper = make_keeper(args, cluster, fp, pipeline)
         svc.engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
-                                   args.max_queue, svc.metrics, keeper).start()
+                                   args.max_queue, svc.metrics, keeper, speculation,
+                                   margs).start()
         log.warning("serving %s through %s", svc.model_ids[0], "the pipeline")
 
     def cleanup():

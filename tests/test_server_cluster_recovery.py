@@ -4,69 +4,15 @@ and the server serves again when the node comes back (or, with --replan, over th
 left); a greedy request afterwards equals one process. Loopback stages on fixed ports
 (44010-44029); every process is stopped in a `finally`."""
 
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import mlx.core as mx
-import pytest
 
-from kimi_mlx.testing.cluster import LocalCluster
+from kimi_mlx.testing.cluster import LocalCluster, ServerProc
 
 PROMPT = "The for statement is used to"
-
-
-def _server(cluster, port, *extra):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "server", "--model",
-         str(cluster.ckpt), "--nodes", ",".join(p.address for p in cluster.procs),
-         "--secret-file", str(cluster.secret_file), "--port", str(port),
-         "--activation-dtype", "float32", "--wire-dtype", "float32", "--peer-timeout", "3",
-         "--served-model-name", "micro", "--prefill-chunk", "16", *extra],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    err: list = []
-    threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True).start()
-    url = f"http://127.0.0.1:{port}"
-    _wait_health(url, 200, 120, proc, err)
-    return proc, url, err
-
-
-def _health(url):
-    try:
-        r = httpx.get(url + "/health", timeout=2)
-        return r.status_code, r.json().get("reason", "")
-    except httpx.HTTPError as e:
-        return None, str(e)
-
-
-def _wait_health(url, code, timeout, proc=None, err=(), seen=None):
-    """Poll /health until it answers `code` (fails after `timeout` s, with the server's
-    log); the reasons seen meanwhile go into `seen`."""
-    end = time.monotonic() + timeout
-    while True:
-        got, reason = _health(url)
-        if seen is not None and reason:
-            seen.append(reason)
-        if got == code:
-            return reason
-        if time.monotonic() > end or (proc is not None and proc.poll() is not None):
-            pytest.fail(f"/health did not answer {code} within {timeout} s (last: {got} "
-                        f"{reason}); server log:\n{''.join(err)[-4000:]}")
-        time.sleep(0.1)
-
-
-def _stop(proc):
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
 
 
 def _one_process(ckpt, prompt, n):
@@ -118,21 +64,22 @@ def _kill_while_streaming(url, stage):
 
 def test_lost_stage_is_reported_when_idle_and_served_again_after_restart(tmp_path):
     cluster = LocalCluster(tmp_path, n=3, prefix="rec", ports=[44010, 44011, 44012])
-    proc = None
+    server = None
     try:
-        proc, url, err = _server(cluster, 44013)
+        server = ServerProc(cluster, 44013)
+        url, err = server.url, server.log
         want = _one_process(cluster.ckpt, PROMPT, 8)
         assert _complete(url) == want
 
         # idle loss: nothing runs, /health still finds it (within 10 s) and names it
         cluster.procs[1].signal(signal.SIGKILL)
         cluster.procs[1].proc.wait(10)
-        reason = _wait_health(url, 503, 10, proc, err)
+        reason = server.wait_health(503, 10)
         assert "stage 1" in reason and "rec1" in reason, reason
         seen = []
-        _wait_health(url, 503, 0, proc, err, seen)  # still down: and it says it waits for it
+        server.wait_health(503, 0, seen)  # still down: and it says it waits for it
         time.sleep(3)
-        _wait_health(url, 503, 0, proc, err, seen)
+        server.wait_health(503, 0, seen)
         assert any("waiting for it to answer again" in s for s in seen), seen
         r = httpx.post(url + "/v1/completions", json={"model": "micro", "prompt": PROMPT,
                                                       "max_tokens": 4}, timeout=60)
@@ -140,7 +87,7 @@ def test_lost_stage_is_reported_when_idle_and_served_again_after_restart(tmp_pat
 
         # the node comes back on its port with the same checkpoint: reloaded, serving again
         cluster.procs[1].start().wait_ready(60)
-        _wait_health(url, 200, 30, proc, err)
+        server.wait_health(200, 30)
         assert _complete(url) == want
         assert any("serving again" in l and "reloading stage 1 on node rec1" in l for l in err), \
             "".join(err)[-3000:]
@@ -148,13 +95,13 @@ def test_lost_stage_is_reported_when_idle_and_served_again_after_restart(tmp_pat
         # a request in flight when a stage dies fails; it is not finished elsewhere
         text, failed = _kill_while_streaming(url, cluster.procs[2])
         assert failed, f"the stream ended without an error after {text!r}"
-        assert _wait_health(url, 503, 10, proc, err)
+        assert server.wait_health(503, 10)
         cluster.procs[2].start().wait_ready(60)
-        _wait_health(url, 200, 30, proc, err)
+        server.wait_health(200, 30)
         assert _complete(url) == want
     finally:
-        if proc is not None:
-            _stop(proc)
+        if server is not None:
+            server.stop()
         cluster.stop()
 
 
@@ -167,21 +114,22 @@ def test_replan_over_the_stages_left(tmp_path):
     bw = [["--bandwidth-gbs", "0.001"]] * 3 + [["--bandwidth-gbs", "0.0015"]]
     cluster = LocalCluster(tmp_path, n=4, prefix="rp", ports=[44020, 44021, 44022, 44023],
                            extras=bw)
-    proc = None
+    server = None
     try:
-        proc, url, err = _server(cluster, 44024, "--replan")
+        server = ServerProc(cluster, 44024, "--replan")
+        url, err = server.url, server.log
         want = _one_process(cluster.ckpt, PROMPT, 8)
         assert _complete(url) == want
         assert any("stage 3 (node rp3" in l for l in err), "".join(err)  # 4 stages planned
         cluster.procs[2].signal(signal.SIGKILL)
         cluster.procs[2].proc.wait(10)
-        reason = _wait_health(url, 503, 10, proc, err)
+        reason = server.wait_health(503, 10)
         assert "stage 2" in reason and "rp2" in reason, reason
-        _wait_health(url, 200, 30, proc, err)
+        server.wait_health(200, 30)
         assert _complete(url) == want
         assert any("re-planning without node rp2" in l for l in err), "".join(err)[-3000:]
         assert any("stage 2 (node rp3 at 127.0.0.1:44023, layers [4, 6))" in l for l in err)
     finally:
-        if proc is not None:
-            _stop(proc)
+        if server is not None:
+            server.stop()
         cluster.stop()
