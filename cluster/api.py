@@ -10,6 +10,11 @@ another placement), and /health reports it (503, naming the stage and node) with
 seconds, even when idle; the `recovery.PipelineKeeper` then reloads the stage when its
 node answers again, or re-plans over the nodes left with `--replan`, and /health says
 which it is doing until the pipeline serves again.
+
+With a `prompt_cache.HeadCacheIndex`, each request starts from the longest prompt prefix
+every stage still holds a snapshot of (asked with `CacheLookup` just before), and asks
+the stages to snapshot at the one-process server's points (message ends, every N
+tokens); `cached_tokens` reports the prefix restored (`cluster.prompt_cache`).
 """
 
 from __future__ import annotations
@@ -36,13 +41,26 @@ class ClusterEngine:
 
     def __init__(self, pipeline, eos_ids: Sequence[int], max_concurrency: int = 4,
                  max_queue: int = 64, metrics=None, keeper=None, speculation=None,
-                 model_args=None):
+                 model_args=None, prompt_cache=None):
         if speculation is not None and max_concurrency != 1:
             raise ValueError(f"speculative decoding serves one request at a time, not "
                              f"{max_concurrency}")
         self.speculation = speculation  # kimi_mlx.speculative.loop.Speculation (draft on the head)
         self.model_args = model_args  # the target's ModelArgs (vocab_size for the verify)
         self._pipeline = pipeline
+        # cluster.prompt_cache.HeadCacheIndex: snapshots on the stages (None: every request
+        # prefills its whole prompt; a draft decodes without it)
+        self.prompt_cache = prompt_cache if speculation is None else None
+        self._lookups = None
+        if self.prompt_cache is not None and metrics is not None:
+            from prometheus_client import Counter
+
+            self._lookups = Counter(
+                "kimi_mlx_cluster_prompt_cache_lookups", "requests that found remembered "
+                "prompt prefixes, by result: hit (the longest restored on every stage), "
+                "shorter (a stage had lost it: a shorter prefix all held), miss (none held "
+                "by all: full prefill), refused (lost between lookup and open: full prefill)",
+                ["result"], registry=metrics.registry)
         self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
         self.eos_ids = set(eos_ids)
         self.max_concurrency = max_concurrency
@@ -142,8 +160,12 @@ class ClusterEngine:
         # with head-side sampling the last stage samples greedily, and its token is unused
         sampling = Sampling() if choose else Sampling(p.temp, p.top_p, p.min_p, p.top_k, p.seed)
         tic = time.perf_counter()
+        start = {"cached": 0}
         if self.speculation is not None and not job.logits_processors:
             gen = self._speculate(job)
+        elif self.prompt_cache is not None:
+            gen = self._cached_generate(job, sampling, want_lp or choose is not None, choose,
+                                        start)
         else:
             gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
                                               return_logprobs=want_lp or choose is not None,
@@ -153,7 +175,7 @@ class ClusterEngine:
             for tok, lp in gen:
                 if n == 0:
                     t_gen = time.perf_counter()
-                    prompt_tps = len(job.ids) / max(t_gen - tic, 1e-9)
+                    prompt_tps = (len(job.ids) - start["cached"]) / max(t_gen - tic, 1e-9)
                 if job.cancelled.is_set():
                     reason = "cancelled"
                     break
@@ -169,11 +191,61 @@ class ClusterEngine:
         finally:
             gen.close()  # ends the session on every stage
         dt = time.perf_counter() - t_gen
-        done = Finished(reason, len(job.ids), 0, n, prompt_tps, n / dt if dt > 0 else 0.0)
+        done = Finished(reason, len(job.ids), start["cached"], n, prompt_tps,
+                        n / dt if dt > 0 else 0.0)
         if self.metrics is not None:
             self.metrics.finished(done)
         job.emit(done)
 
+
+    def _restore_point(self, ids):
+        """((key, n) of the longest remembered prefix of ids that every stage still holds,
+        or None; n, 0 without one), counted in /metrics."""
+        cands = self.prompt_cache.candidates(ids)
+        if not cands:
+            return None, 0
+        held = set(self.pipeline.transport.cache_lookup([k for _, k in cands]) or ())
+        for i, (n, key) in enumerate(cands):
+            if key in held:
+                self._count("hit" if i == 0 else "shorter")
+                return (key, n), n
+        self._count("miss")
+        return None, 0
+
+    def _count(self, result: str) -> None:
+        if self._lookups is not None:
+            self._lookups.labels(result).inc()
+
+    def _cached_generate(self, job, sampling, return_logprobs, choose, start):
+        """`Pipeline.generate_step` from the longest prefix the stages hold, taking
+        snapshots where the policy says (`HeadCacheIndex.plan`); start["cached"] = prompt
+        tokens restored. A stage that lost the snapshot since the lookup refuses the
+        session before any token: then the prompt is prefilled in full, on the same
+        pipeline."""
+        from kimi_mlx.cluster.prompt_cache import CACHE_MISS
+        from kimi_mlx.cluster.transport import StageFailure
+
+        restore, cached = self._restore_point(job.ids)
+        while True:
+            start["cached"] = cached
+            snaps = self.prompt_cache.plan(job.ids, cached, job.segment_ends)
+            gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
+                                              return_logprobs=return_logprobs, choose=choose,
+                                              restore=restore, snapshots=snaps)
+            first = True
+            try:
+                for item in gen:
+                    first = False
+                    yield item
+                return
+            except StageFailure as e:
+                if restore is None or not first or e.lost or CACHE_MISS not in str(e):
+                    raise
+                log.warning("prompt cache: %s; prefilling in full", e)
+                self._count("refused")
+                restore, cached = None, 0
+            finally:
+                gen.close()
 
     def _speculate(self, job):
         """(token, logprobs [vocab]) of `job` by speculative decoding through the pipeline
@@ -276,6 +348,13 @@ def add_arguments(q) -> None:
     q.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight through the pipeline at once (default 4; 1, the "
                         "default and the only choice, with --draft-model)")
+    q.add_argument("--no-prompt-cache", action="store_true",
+                   help="prefill every prompt in full (default: the stages keep snapshots "
+                        "of their caches, bounded by each stage's `cluster serve "
+                        "--cache-bytes`, and a request restores the longest prefix all hold)")
+    q.add_argument("--prompt-cache-every", type=int, default=1024,
+                   help="also snapshot every this many prefill tokens, besides message ends "
+                        "(default 1024; 0 = message ends only)")
     add_draft_arguments(q, note=" (loaded on this head, which drafts; the stages verify): "
                         "one request at a time, every request speculatively (requests with "
                         "penalties or logit_bias decode plainly)")
@@ -300,6 +379,8 @@ def run(args, cluster_factory, tokenizers) -> int:
     try:
         check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
         check_server_arguments(args)
+        if args.prompt_cache_every < 0:
+            raise InputError(f"--prompt-cache-every must be >= 0, got {args.prompt_cache_every}")
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):
@@ -331,9 +412,12 @@ def run(args, cluster_factory, tokenizers) -> int:
                                       args.num_draft_tokens)
         pipeline = cluster.connect()
         keeper = make_keeper(args, cluster, fp, pipeline)
+        from kimi_mlx.cluster.prompt_cache import HeadCacheIndex
+
+        index = None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every)
         svc.engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
                                    args.max_queue, svc.metrics, keeper, speculation,
-                                   margs).start()
+                                   margs, index).start()
         log.warning("serving %s through %s", svc.model_ids[0], "the pipeline")
 
     def cleanup():

@@ -16,7 +16,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -31,15 +31,19 @@ log = logging.getLogger("kimi_mlx.cluster.head")
 DEFAULT_PREFILL_CHUNK = 128
 
 
-def prefill_chunks(n_prompt: int, chunk: int) -> List[Tuple[int, int]]:
-    """(offset, length) of the prefill chunks for a prompt of `n_prompt` tokens: the
-    first n_prompt - 1 tokens in chunks of at most `chunk` (as mlx-lm's generate_step
-    with prefill_step_size=chunk); the last token is sent on its own to be sampled."""
-    out, off = [], 0
-    while n_prompt - 1 - off > 0:
-        n = min(chunk, n_prompt - 1 - off)
-        out.append((off, n))
-        off += n
+def prefill_chunks(n_prompt: int, chunk: int, start: int = 0,
+                   stops: Sequence[int] = ()) -> List[Tuple[int, int]]:
+    """(offset, length) of the prefill chunks for a prompt of `n_prompt` tokens: tokens
+    [start, n_prompt - 1) in chunks of at most `chunk` (as mlx-lm's generate_step with
+    prefill_step_size=chunk), also ending at each position of `stops` (prompt-cache
+    snapshot points); the last token is sent on its own to be sampled."""
+    out, off = [], start
+    ends = sorted(e for e in set(stops) if start < e < n_prompt - 1) + [n_prompt - 1]
+    for end in ends:
+        while end - off > 0:
+            n = min(chunk, end - off)
+            out.append((off, n))
+            off += n
     return out
 
 
@@ -65,6 +69,8 @@ class Pipeline:
                       max_tokens: int = 256, return_logprobs: bool = False,
                       pipelined: bool = True, session: Optional[str] = None,
                       choose: Optional[Callable[[object], Tuple[int, object]]] = None,
+                      restore: Optional[Tuple[str, int]] = None,
+                      snapshots: Optional[Dict[int, str]] = None,
                       ) -> Iterator[Tuple[int, Optional[object]]]:
         """Yield (token, logprobs or None), like mlx-lm's `generate_step`.
 
@@ -79,6 +85,12 @@ class Pipeline:
                 stage's logprobs float32 [vocab] for each position, returns (token,
                 logprobs) to yield; that token, not the last stage's, is fed back (the
                 server applies logits processors this way).
+            restore: (prompt-cache key, n): every stage starts from its snapshot of the
+                first n prompt tokens (the head checked they all hold it); the prefill
+                starts at n. A stage that has lost it refuses the session (a
+                `StageFailure` whose message says `prompt_cache.CACHE_MISS`).
+            snapshots: {position e: key}: every stage keeps a snapshot of the first e
+                prompt tokens (n < e < len(prompt)) under key; chunks end there.
         Raises:
             StageFailure: a stage was lost or refused (the session is freed everywhere
                 reachable before this propagates out of the caller's `abort`).
@@ -91,12 +103,22 @@ class Pipeline:
         t = self.transport
         sampling = sampling or Sampling()
         sid = session or f"s-{uuid.uuid4().hex[:16]}"
-        t.open(sid, sampling, return_logprobs)
+        start = restore[1] if restore else 0
+        if not 0 <= start < len(prompt):
+            raise ValueError(f"restored prefix of {start} tokens for a prompt of {len(prompt)}")
+        snapshots = snapshots or {}
+        t.open(sid, sampling, return_logprobs, restore=restore) if restore else \
+            t.open(sid, sampling, return_logprobs)
         ok = False
         try:
             seq = 0
-            for off, n in prefill_chunks(len(prompt), self.prefill_chunk):
-                t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined)
+            for off, n in prefill_chunks(len(prompt), self.prefill_chunk, start, list(snapshots)):
+                key = snapshots.get(off + n)
+                if key:
+                    t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined,
+                           snapshot_key=key)
+                else:
+                    t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined)
                 seq += 1
                 if not pipelined:
                     t.receive(sid, self.step_timeout)
