@@ -1,5 +1,5 @@
 """The cluster server's prompt cache (snapshots on the stages, keys on the head), with 3
-loopback stages (ports 44060-44069). Every reply is compared with the one-process
+loopback stages (ports 44060-44069, 44080-44082). Every reply is compared with the one-process
 server's greedy reply for the same messages (run here with no prompt cache at all, so
 the reference is cold); `cached_tokens` says what was restored. A stage restarted between
 turns (its snapshots gone) and snapshots evicted under a small `--cache-bytes` give
@@ -175,4 +175,61 @@ def test_eviction_under_a_small_cache_bytes(tmp_path, one_process):
     finally:
         if server is not None:
             server.stop()
+        cluster.stop()
+
+
+def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(tmp_path):
+    """The race the lookup cannot close: every stage said it held a prefix, one lost it
+    before the session opened. The stage refuses the session ("prompt cache miss") before
+    any token, and the engine prefills in full on the same pipeline: the tokens equal a
+    cold run's and mlx-lm's, cached_tokens is 0, and /metrics counts it as refused."""
+    from mlx_lm.generate import generate_step
+    import mlx.core as mx
+
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.cluster.api import ClusterEngine
+    from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
+    from kimi_mlx.cluster.prompt_cache import HeadCacheIndex, prefix_key
+    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.server.jobs import Finished, Job, TokenOut
+    from kimi_mlx.server.metrics import Metrics
+    from kimi_mlx.text.tokenizer import KimiTokenizer
+
+    cluster = LocalCluster(tmp_path, n=3, prefix="rc", ports=[44080, 44081, 44082])
+    t = GrpcTransport(cluster.secret, peer_timeout=10.0)
+    engine = None
+    try:
+        accepted, _ = check_nodes(cluster.nodes(), t.stub_for, cluster.fp)
+        t.load(cluster.fp, plan_stages(cluster.ckpt, [n for n, _ in accepted], 4096, 1)[1],
+               "float32", "float32")
+        tok = KimiTokenizer.from_pretrained(cluster.ckpt)
+        ids = tok.encode("The while statement is used for repeated execution as long as")
+        metrics, index = Metrics(), HeadCacheIndex()
+        engine = ClusterEngine(Pipeline(t, 16), tok.eos_token_ids, 1, metrics=metrics,
+                               prompt_cache=index).start()
+
+        def run():
+            job = Job(list(ids), 6)
+            job.attach(None)
+            engine.submit(job)
+            events = list(job.events(120))
+            assert isinstance(events[-1], Finished), events[-1]
+            return [e.token for e in events if isinstance(e, TokenOut)], events[-1].cached_tokens
+
+        cold, cached = run()
+        assert cached == 0
+        # the head believes every stage holds a prefix no stage ever stored
+        index.candidates = lambda _ids: [(5, prefix_key(ids[:5]))]
+        t.cache_lookup = lambda keys: list(keys)
+        again, cached = run()
+        assert (again, cached) == (cold, 0)
+        model, _, _ = load_model(cluster.ckpt, verbose=False)
+        want = [tk for tk, _ in generate_step(mx.array(ids), model, max_tokens=6)]
+        assert cold == want[:len(cold)] and len(cold) > 0
+        text = metrics.render().decode()
+        assert 'kimi_mlx_cluster_prompt_cache_lookups_total{result="refused"} 1.0' in text
+    finally:
+        if engine is not None:
+            engine.stop(2.0)
+        t.shutdown()
         cluster.stop()
