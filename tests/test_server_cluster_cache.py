@@ -116,6 +116,21 @@ def test_p1_x_p1_replies_are_identical_also_concurrently(served, one_process):
     assert got == [want_p1, want_x, want_p1, want_x]
 
 
+def test_anthropic_usage_reports_the_cache_read(served):
+    _, server = served
+    body = {"model": "micro", "max_tokens": 4, "temperature": 0,
+            "system": "You explain the Python data model.",
+            "messages": [{"role": "user", "content": "What is __len__ for?"}]}
+    usage = []
+    for _ in range(2):
+        r = httpx.post(server.url + "/v1/messages", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        usage.append(r.json()["usage"])
+    # the repeat restores the whole conversation (short of the generation prompt)
+    assert usage[1]["cache_read_input_tokens"] > usage[0]["cache_read_input_tokens"]
+    assert 0 < usage[1]["input_tokens"] < usage[0]["input_tokens"]
+
+
 def test_a_stage_restarted_between_turns_loses_the_cache_not_the_answer(served, one_process):
     cluster, server = served
     ref_url, _ = one_process

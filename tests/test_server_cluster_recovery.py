@@ -92,6 +92,17 @@ def test_lost_stage_is_reported_when_idle_and_served_again_after_restart(tmp_pat
         assert any("serving again" in l and "reloading stage 1 on node rec1" in l for l in err), \
             "".join(err)[-3000:]
 
+        # a hung stage (no heartbeats for --peer-timeout 3 s) is a loss too; when it
+        # answers again, the server serves again
+        cluster.procs[0].signal(signal.SIGSTOP)
+        try:
+            reason = server.wait_health(503, 10)
+            assert "stage 0" in reason and "rec0" in reason and "heartbeat" in reason, reason
+        finally:
+            cluster.procs[0].signal(signal.SIGCONT)
+        server.wait_health(200, 30)
+        assert _complete(url) == want
+
         # a request in flight when a stage dies fails; it is not finished elsewhere
         text, failed = _kill_while_streaming(url, cluster.procs[2])
         assert failed, f"the stream ended without an error after {text!r}"
