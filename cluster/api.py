@@ -4,7 +4,9 @@ pipeline behind it.
 `ClusterEngine` has the server engine's interface (`submit(job)`, `queue_length`,
 `active`, `health()`): each of up to `max_concurrency` worker threads runs one request as
 its own pipeline session (`head.Pipeline.generate_step`), so different stages work on
-different requests at once (pipeline fill). Past `max_queue` waiting requests the API
+different requests at once (pipeline fill). With `batch`, the sessions' decode steps
+go through the stages together, one message per step (`head.Batcher`), each stage
+running them as one batched forward pass (`runner.StageRunner.run_rows`). Past `max_queue` waiting requests the API
 answers 503 + Retry-After. A lost stage fails the requests on it (never retried on
 another placement), and /health reports it (503, naming the stage and node) within
 seconds, even when idle; the `recovery.PipelineKeeper` then reloads the stage when its
@@ -41,13 +43,27 @@ class ClusterEngine:
 
     def __init__(self, pipeline, eos_ids: Sequence[int], max_concurrency: int = 4,
                  max_queue: int = 64, metrics=None, keeper=None, speculation=None,
-                 model_args=None, prompt_cache=None):
+                 model_args=None, prompt_cache=None, batch: bool = False):
         if speculation is not None and max_concurrency != 1:
             raise ValueError(f"speculative decoding serves one request at a time, not "
                              f"{max_concurrency}")
         self.speculation = speculation  # kimi_mlx.speculative.loop.Speculation (draft on the head)
         self.model_args = model_args  # the target's ModelArgs (vocab_size for the verify)
         self._pipeline = pipeline
+        # batched decode (head.Batcher, one per pipeline): the decode steps of the requests
+        # in flight go through the stages as one message per step
+        self.batch = batch and speculation is None and max_concurrency > 1
+        self._batcher = None
+        self._batcher_of = None
+        self._steps_done = [0, 0]  # of batchers replaced since (a recovery)
+        if self.batch and metrics is not None:
+            from prometheus_client import Gauge
+
+            Gauge("kimi_mlx_cluster_batched_steps", "batched decode messages sent through "
+                  "the pipeline", registry=metrics.registry).set_function(lambda: self._batched()[0])
+            Gauge("kimi_mlx_cluster_batched_rows", "decode positions those messages carried "
+                  "(rows / steps = mean batch)", registry=metrics.registry).set_function(
+                lambda: self._batched()[1])
         # cluster.prompt_cache.HeadCacheIndex: snapshots on the stages (None: every request
         # prefills its whole prompt; a draft decodes without it)
         self.prompt_cache = prompt_cache if speculation is None else None
@@ -88,6 +104,8 @@ class ClusterEngine:
     def stop(self, timeout: float = 10.0) -> None:
         if self.keeper is not None:
             self.keeper.stop(timeout)
+        if self._batcher is not None:
+            self._batcher.close()
         for _ in self._threads:
             self._jobs.put(None)
         for t in self._threads:
@@ -167,9 +185,10 @@ class ClusterEngine:
             gen = self._cached_generate(job, sampling, want_lp or choose is not None, choose,
                                         start)
         else:
+            extra = {"batcher": self.batcher()} if self.batch else {}
             gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
                                               return_logprobs=want_lp or choose is not None,
-                                              choose=choose)
+                                              choose=choose, **extra)
         reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
         try:
             for tok, lp in gen:
@@ -197,6 +216,28 @@ class ClusterEngine:
             self.metrics.finished(done)
         job.emit(done)
 
+
+    def _batched(self):
+        b = self._batcher
+        return (self._steps_done[0] + (b.steps if b else 0),
+                self._steps_done[1] + (b.rows if b else 0))
+
+    def batcher(self):
+        """The `head.Batcher` of the current pipeline (None without batching); a new
+        pipeline (after a recovery) gets a new one."""
+        if not self.batch:
+            return None
+        from kimi_mlx.cluster.head import Batcher
+
+        with self._lock:
+            pipeline = self.pipeline
+            if self._batcher_of is not pipeline:
+                if self._batcher is not None:
+                    self._batcher.close()
+                    self._steps_done[0] += self._batcher.steps
+                    self._steps_done[1] += self._batcher.rows
+                self._batcher, self._batcher_of = Batcher(pipeline.transport), pipeline
+            return self._batcher
 
     def _restore_point(self, ids):
         """((key, n) of the longest remembered prefix of ids that every stage still holds,
@@ -231,7 +272,8 @@ class ClusterEngine:
             snaps = self.prompt_cache.plan(job.ids, cached, job.segment_ends)
             gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
                                               return_logprobs=return_logprobs, choose=choose,
-                                              restore=restore, snapshots=snaps)
+                                              restore=restore, snapshots=snaps,
+                                              batcher=self.batcher())
             first = True
             try:
                 for item in gen:
@@ -352,6 +394,9 @@ def add_arguments(q) -> None:
                    help="prefill every prompt in full (default: the stages keep snapshots "
                         "of their caches, bounded by each stage's `cluster serve "
                         "--cache-bytes`, and a request restores the longest prefix all hold)")
+    q.add_argument("--no-batch", action="store_true",
+                   help="one message per request per token (default: the decode steps of the "
+                        "requests in flight go through the stages as one batched message)")
     q.add_argument("--prompt-cache-every", type=int, default=1024,
                    help="also snapshot every this many prefill tokens, besides message ends "
                         "(default 1024; 0 = message ends only)")
@@ -417,7 +462,7 @@ def run(args, cluster_factory, tokenizers) -> int:
         index = None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every)
         svc.engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
                                    args.max_queue, svc.metrics, keeper, speculation,
-                                   margs, index).start()
+                                   margs, index, batch=not args.no_batch).start()
         log.warning("serving %s through %s", svc.model_ids[0], "the pipeline")
 
     def cleanup():

@@ -133,6 +133,7 @@ class _Live:
         self.down: Optional[_Downstream] = None
         self.freed = False
         self.last_active = time.monotonic()
+        self.batch = False  # a stream of batched decode steps (no state of its own)
 
     @property
     def id(self) -> str:
@@ -579,6 +580,8 @@ class StageService(pb_grpc.StageServicer):
         if first.session != o.session:
             raise Refused(f"message for session {first.session!r} opens session {o.session!r}")
         self._check_plan(o, runner.spec)
+        if o.batch and o.restore_key:
+            raise Refused("a batch stream restores no prompt-cache snapshot")
         sp = o.sampling
         sampling = Sampling(sp.temp, sp.top_p if sp.top_p else 1.0, sp.min_p, sp.top_k,
                             sp.seed if sp.has_seed else None)
@@ -592,13 +595,17 @@ class StageService(pb_grpc.StageServicer):
             if n != o.restore_length or not 0 < n < runner.args.max_position_embeddings:
                 raise Refused(f"restore key {o.restore_key!r} holds {n} positions, the session "
                               f"says {o.restore_length}")
-        session = self.compute.call(self._new_session, runner, o, sampling)
+        if o.batch:  # its rows' sessions hold the state
+            session = Session(o.session, o.head, sampling, False, [])
+        else:
+            session = self.compute.call(self._new_session, runner, o, sampling)
         with self.lock:
             if o.session in self.sessions:
                 raise Refused(f"session {o.session} is already open here")
             if len(self.sessions) >= self.max_sessions:
                 raise self._full()
             live = _Live(session, context, context.peer())
+            live.batch = o.batch
             self.sessions[o.session] = live
         context.add_callback(lambda: self._free(live, "stream ended"))
         if not runner.is_last:
@@ -651,6 +658,8 @@ class StageService(pb_grpc.StageServicer):
                 live.last_active = time.monotonic()
                 if isinstance(out, pb.Activation):  # the queue was full: the MLX thread never waits
                     live.down.send(out, self.idle_timeout)
+                elif isinstance(out, list):  # a batched step's tokens without a Watch
+                    yield from out
                 elif out is not None:
                     yield out  # no Watch from this head: answer on the stream itself
                 msg = self._next(request_iterator)
@@ -671,6 +680,8 @@ class StageService(pb_grpc.StageServicer):
             log.warning("%s (from %s)", text, context.peer())
             head = live.session.head if live else (first.open.head if first.HasField("open") else "")
             self._emit(head, self._event(pb.Event.ERROR, msg.session, msg.seq, message=text))
+            for r in msg.rows:  # a batched step: every row's session hears of it
+                self._emit(head, self._event(pb.Event.ERROR, r.session, r.seq, message=text))
             self._free(live, "refused" if isinstance(e, Refused) else "next stage lost", cancel=False)
             context.abort(code, text)
         except grpc.RpcError:
@@ -686,6 +697,9 @@ class StageService(pb_grpc.StageServicer):
         (a full queue: its bounded wait; no Watch: the stream's own answer), else None.
         Saves the handler thread's wake-up on the way to the next stage."""
         out = self._process(live, msg, runner)
+        if isinstance(out, list):  # a batched step's tokens, one event per row session
+            left = [ev for ev in out if not self._emit(live.session.head, ev)]
+            return left or None
         down = live.down
         if isinstance(out, pb.Activation) and down is not None and not (down.error or down.cancelled):
             try:
@@ -703,6 +717,8 @@ class StageService(pb_grpc.StageServicer):
         s = live.session
         if live.freed:  # freed while queued: its caches are gone
             return None
+        if live.batch or msg.rows:
+            return self._process_rows(live, msg, runner)
         if msg.session != s.session:
             raise Refused(f"message for session {msg.session!r} on the stream of session {s.session!r}")
         if msg.seq != 0 and msg.HasField("open"):
@@ -751,6 +767,58 @@ class StageService(pb_grpc.StageServicer):
                 to_tensor(out.logprobs, out=ev.logprobs)
             return ev
         return None
+
+
+    def _process_rows_check(self, live: _Live, msg) -> list:
+        if not live.batch:
+            raise Refused(f"rows on session {live.id}'s stream: batched steps go on a batch stream")
+        if not msg.rows:
+            raise Refused(f"a message on batch stream {live.id} without rows")
+        if msg.session != live.id or msg.seq != live.session.next_seq:
+            raise Refused(f"batch stream {live.id}: message {msg.session!r} seq {msg.seq}, "
+                          f"expected seq {live.session.next_seq}")
+        if msg.verify or msg.HasField("keep") or msg.snapshot_key or not msg.sample:
+            raise Refused("a batched step is a plain sampled decode step")
+        lives = []
+        for r in msg.rows:
+            l = self.sessions.get(r.session)
+            if l is None or l.freed or l.batch or l.session.head != live.session.head:
+                raise Refused(f"batched step: no session {r.session!r} of head "
+                              f"{live.session.head} here")
+            lives.append(l)
+        return lives
+
+    def _process_rows(self, live: _Live, msg, runner: StageRunner):
+        """A batched decode step (on the MLX thread): every row's session advances one
+        position in one forward pass (`runner.run_rows`). Returns the Activation for the
+        next stage, or (last stage) one TOKEN event per row."""
+        lives = self._process_rows_check(live, msg)
+        shape, dtype = runner.rows_input_spec(len(lives))
+        try:
+            x = from_tensor(msg.tensor, shape, dtype, "activation" if not runner.is_first else "tokens")
+        except WireError as e:
+            raise Refused(str(e)) from None
+        outs = runner.run_rows([l.session for l in lives], [r.seq for r in msg.rows],
+                               [r.offset for r in msg.rows], x)
+        live.session.next_seq += 1
+        now = time.monotonic()
+        for l in lives:
+            l.last_active = now
+        if outs[0].hidden is not None:
+            nxt = pb.Activation(session=msg.session, seq=msg.seq, length=1, sample=True)
+            nxt.rows.extend(msg.rows)
+            to_tensor(outs[0].hidden, out=nxt.tensor)
+            if msg.seq == 0:
+                nxt.open.CopyFrom(msg.open)
+            return nxt
+        peak = mx.get_peak_memory()
+        events = []
+        for r, o in zip(msg.rows, outs):
+            ev = self._event(pb.Event.TOKEN, r.session, r.seq, token=o.token, peak_memory=peak)
+            if o.logprobs is not None:
+                to_tensor(o.logprobs, out=ev.logprobs)
+            events.append(ev)
+        return events
 
 
 class StageServer:

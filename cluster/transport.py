@@ -123,6 +123,24 @@ class Transport(ABC):
         `keep`, the positions of that chunk to keep. With `snapshot_key`, every stage
         keeps a prompt-cache snapshot after the chunk."""
 
+    def open_batch(self, group: str) -> None:
+        """Open a stream of batched decode steps (`send_rows`); NotImplementedError where
+        the transport has none."""
+        raise NotImplementedError("this transport has no batched decode")
+
+    def send_rows(self, group: str, seq: int, rows: Sequence[tuple]) -> None:
+        """Queue one batched decode step on batch stream `group` (message `seq`): rows
+        (session, its seq, its position, its token); each session's token comes back to
+        its own `receive`."""
+        raise NotImplementedError("this transport has no batched decode")
+
+    def stream_closed(self, session: str) -> bool:
+        """Whether a session's (or batch stream's) stream has ended."""
+        return True
+
+    def notify_error(self, session: str, message: str) -> None:
+        """Make `session`'s next `receive` raise a StageFailure with `message`."""
+
     def cache_lookup(self, keys: Sequence[str]) -> Optional[List[str]]:
         """The keys of `keys` that every stage holds in its prompt cache (None: no
         prompt cache on this transport)."""
@@ -327,7 +345,33 @@ class GrpcTransport(Transport):
         self._watches = []
 
     # -- sessions ------------------------------------------------------------------------
-    def open(self, session, sampling, return_logprobs=False, restore=None):
+    def open_batch(self, group):
+        self.open(group, Sampling(), False, batch=True)
+
+    def send_rows(self, group, seq, rows):
+        s = self._sessions[group]
+        ids = np.asarray([[r[3]] for r in rows], dtype=np.int32)
+        msg = pb.Activation(session=group, seq=seq, length=1, sample=True)
+        msg.rows.extend(pb.Row(session=r[0], seq=r[1], offset=r[2]) for r in rows)
+        msg.tensor.data = ids.tobytes()
+        msg.tensor.shape[:] = list(ids.shape)
+        msg.tensor.dtype = "int32"
+        if not s.opened:
+            msg.open.CopyFrom(s.open_msg)
+            s.opened = True
+        s.out.put(msg)
+
+    def notify_error(self, session, message):
+        """Make `session`'s next `receive` raise a StageFailure with `message`."""
+        s = self._sessions.get(session)
+        if s is not None:
+            s.events.put(pb.Event(kind=pb.Event.ERROR, session=session, stage=0, message=message))
+
+    def stream_closed(self, session):
+        s = self._sessions.get(session)
+        return s is None or s.closed.is_set()
+
+    def open(self, session, sampling, return_logprobs=False, restore=None, batch=False):
         if self.lost:
             raise self._failure(None)
         s = _HeadSession(session)
@@ -341,6 +385,7 @@ class GrpcTransport(Transport):
                                     fingerprint=self._fingerprint)
         if restore is not None:
             s.open_msg.restore_key, s.open_msg.restore_length = restore
+        s.open_msg.batch = batch
         with self._lock:
             if session in self._sessions:
                 raise ValueError(f"session {session} is already open")

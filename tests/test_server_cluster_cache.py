@@ -116,6 +116,30 @@ def test_p1_x_p1_replies_are_identical_also_concurrently(served, one_process):
     assert got == [want_p1, want_x, want_p1, want_x]
 
 
+def _gauge(server, name):
+    for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_concurrent_requests_decode_batched_and_equal_single_runs(served, one_process):
+    """4 concurrent greedy requests through 3 stages: each equals its run alone (the
+    one-process server, one request at a time), and their decode steps went through the
+    stages in batched messages (more rows than messages)."""
+    _, server = served
+    ref_url, _ = one_process
+    convs = [[{"role": "user", "content": q}] for q in
+             ("Sort a list?", "Reverse a string?", "Read a file?", "Join paths?")]
+    want = [chat(ref_url, m, 24)[0] for m in convs]
+    steps, rows = (_gauge(server, "kimi_mlx_cluster_batched_" + k) for k in ("steps", "rows"))
+    with cf.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda m: chat(server.url, m, 24)[0], convs))
+    assert got == want and len(set(want)) > 1
+    steps2, rows2 = (_gauge(server, "kimi_mlx_cluster_batched_" + k) for k in ("steps", "rows"))
+    assert rows2 - rows >= 4 * 20 and rows2 - rows > 1.5 * (steps2 - steps)
+
+
 def test_anthropic_usage_reports_the_cache_read(served):
     _, server = served
     body = {"model": "micro", "max_tokens": 4, "temperature": 0,

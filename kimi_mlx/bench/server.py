@@ -144,7 +144,8 @@ def single_process(model_dir: Path, prompts, max_tokens, concurrency, rounds) ->
                      rounds)
 
 
-def cluster(model_dir: Path, prompts, max_tokens, concurrency, rounds) -> List[str]:
+def cluster(model_dir: Path, prompts, max_tokens, concurrency, rounds,
+            batch: bool = True) -> List[str]:
     from kimi_mlx.cluster.api import ClusterEngine
     from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
     from kimi_mlx.testing.cluster import LocalCluster
@@ -163,10 +164,12 @@ def cluster(model_dir: Path, prompts, max_tokens, concurrency, rounds) -> List[s
             _, wrapper, tok, _ = load_for_generation(str(model_dir))
             svc = make_service(str(model_dir), None, "bench", 1 << 20)
             svc.wrapper, svc.tok, svc.context = wrapper, tok, 4096
-            svc.engine = ClusterEngine(Pipeline(t, 128), tok.eos_token_ids, concurrency).start()
+            svc.engine = ClusterEngine(Pipeline(t, 128), tok.eos_token_ids, concurrency,
+                                       metrics=svc.metrics, batch=batch).start()
+            how = "decode steps batched" if batch else "one message per session per token"
             with _serving(svc, 2.0) as url:
                 return bench(url, "bench", prompts, max_tokens,
-                             f"3-stage loopback cluster ({concurrency} sessions in flight)",
+                             f"3-stage loopback cluster ({concurrency} sessions in flight, {how})",
                              rounds)
         finally:
             t.shutdown()
@@ -282,6 +285,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3,
                    help="interleaved rounds of 1/4/8 clients, medians reported (default 3)")
     p.add_argument("--skip-cluster", action="store_true", help="only the single process")
+    p.add_argument("--only-cluster", action="store_true", help="only the cluster (batched "
+                   "decode and, with --no-batch, per-session messages)")
+    p.add_argument("--no-batch", action="store_true",
+                   help="the cluster without batched decode (one message per session per token)")
     p.add_argument("--only-cache", action="store_true",
                    help="only the cluster prompt-cache time to first token")
     a = p.parse_args(argv)
@@ -291,6 +298,11 @@ def main(argv=None) -> int:
         return 0
     model_dir = Path(a.model or default_model())
     prompts = _prompts(model_dir, a.requests)
+    if a.only_cluster:
+        for line in cluster(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds,
+                            batch=not a.no_batch):
+            print(line, flush=True)
+        return 0
     for line in single_process(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds):
         print(line, flush=True)
     if not a.skip_cluster:
