@@ -6,12 +6,13 @@ pipeline behind it.
 its own pipeline session (`head.Pipeline.generate_step`), so different stages work on
 different requests at once (pipeline fill). With `batch`, the sessions' decode steps
 go through the stages together, one message per step (`head.Batcher`), each stage
-running them as one batched forward pass (`runner.StageRunner.run_rows`). Past `max_queue` waiting requests the API
-answers 503 + Retry-After. A lost stage fails the requests on it (never retried on
-another placement), and /health reports it (503, naming the stage and node) within
-seconds, even when idle; the `recovery.PipelineKeeper` then reloads the stage when its
-node answers again, or re-plans over the nodes left with `--replan`, and /health says
-which it is doing until the pipeline serves again.
+running them as one batched forward pass (`runner.StageRunner.run_rows`). Past
+`max_queue` waiting requests the API answers 503 + Retry-After. A lost stage fails the
+requests on it (never retried on another placement), and /health reports it (503,
+naming the stage and node) within seconds, even when idle; the
+`recovery.PipelineKeeper` then reloads the stage when its node answers again, or
+re-plans over the nodes left with `--replan`, and /health says which it is doing until
+the pipeline serves again.
 
 With a `prompt_cache.HeadCacheIndex`, each request starts from the longest prompt prefix
 every stage still holds a snapshot of (asked with `CacheLookup` just before), and asks
@@ -215,7 +216,6 @@ class ClusterEngine:
         if self.metrics is not None:
             self.metrics.finished(done)
         job.emit(done)
-
 
     def _batched(self):
         b = self._batcher

@@ -20,6 +20,10 @@ RPCs (stage.proto):
   ends that session with INVALID_ARGUMENT and a message naming this stage; other
   sessions and the service carry on. A session beyond `max_sessions` is refused with
   RESOURCE_EXHAUSTED naming the limit.
+- `Forward` on a *batch* stream (`SessionOpen.batch`): each message carries `rows`, one
+  decode position of each of several sessions of the same head (opened and prefilled on
+  their own streams); the stage runs them as one batched forward pass
+  (`runner.StageRunner.run_rows`) and the last stage sends each session its token.
 - `Reset`: free sessions by id or by head.
 - `CacheLookup`: which prompt-cache snapshots this stage holds (`prompt_cache`): a
   session may open from one (`SessionOpen.restore_key`; refused with "prompt cache
