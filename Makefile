@@ -71,7 +71,8 @@ bench: install
 	@echo
 	$(BIN)/python -m kimi_mlx.cluster.bench.hop
 
-# 1, 4, 8 concurrent HTTP clients vs one at a time: one process and a 3-stage cluster.
+# 1, 4, 8 concurrent HTTP clients vs one at a time: one process and a 3-stage cluster;
+# then the cluster's prompt cache: time to first token of turn 3 with a 2k-token history.
 bench-server: install
 	$(BIN)/python -m kimi_mlx.bench.server
 

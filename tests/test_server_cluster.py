@@ -175,7 +175,9 @@ def test_lost_stage_is_reported_by_health(served):
     cluster.procs[1].stop()
     r = httpx.post(url + "/v1/completions", json={"model": "micro", "prompt": "Hello there",
                                                   "max_tokens": 4}, timeout=60)
-    assert r.status_code == 500 and "stage" in r.json()["error"]["message"].lower()
+    # 500 when the request itself met the loss; 503 when the health watch (issue 20: it
+    # reports a loss within seconds, idle or not) had already seen it: both name the stage
+    assert r.status_code in (500, 503) and "stage" in r.json()["error"]["message"].lower()
     h = httpx.get(url + "/health", timeout=10)
     assert h.status_code == 503 and "api" in h.json()["reason"]
 

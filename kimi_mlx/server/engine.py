@@ -139,11 +139,9 @@ class Engine:
         of the last one. Empty without a prompt cache."""
         if self.prompt_cache is None:
             return []
-        snaps = {e for e in segment_ends if start < e < len(ids)}
-        if self.prompt_cache.every:
-            k = self.prompt_cache.every
-            snaps |= set(range((start // k + 1) * k, len(ids) - 1, k))
-        return sorted(snaps)
+        from kimi_mlx.server.prompt_cache import snapshot_points
+
+        return snapshot_points(len(ids), start, segment_ends, self.prompt_cache.every)
 
     def prefill(self, ids: List[int], cache, start: int, segment_ends: Sequence[int],
                 step: int = 2048) -> None:
