@@ -1,0 +1,155 @@
+"""Tensor-parallel ranks on loopback for tests and benches: MLX's `ring` backend between
+processes on 127.0.0.1, set up the way `mlx.launch` does (`MLX_RANK`, and `MLX_HOSTFILE`
+naming a JSON list with one ["ip:port"] list per rank).
+
+`run_ranks` starts the ranks with a hard timeout and always kills them; each rank runs
+`python -m kimi_mlx.testing.tensor_parallel` (this module's `main`): join the group, load
+the checkpoint (whole then `shard`, or only its slices with `--ranged`), generate greedily
+for each prompt through mlx-lm's `generate_step`, recording every step's logits, and
+write them with its loaded byte count to `<out>/rank<r>.npz`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+
+def read_bytes() -> int:
+    """Bytes this process has read through read(2)/pread(2) so far (`rchar` of
+    /proc/self/io, page cache hits included: what a rank asked the files for)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no rchar line")
+
+
+def greedy(model, prompt: Sequence[int], max_tokens: int, prefill_step: int = 2048):
+    """Greedy tokens and each step's logits through mlx-lm's `generate_step`.
+
+    Returns (tokens [max_tokens] int, logits [max_tokens, vocab] float32 numpy): row i
+    is the distribution token i was chosen from (the prompt's last position first).
+    """
+    from mlx_lm.generate import generate_step
+
+    rows: List[mx.array] = []
+
+    def record(tokens, logits):
+        rows.append(logits.astype(mx.float32))
+        return logits
+
+    tokens = []
+    for tok, _ in generate_step(mx.array(list(prompt)), model, max_tokens=max_tokens,
+                                sampler=lambda lp: mx.argmax(lp, axis=-1),
+                                logits_processors=[record], prefill_step_size=prefill_step):
+        tokens.append(int(tok))
+    logits = np.concatenate([np.array(r).reshape(1, -1) for r in rows[: len(tokens)]])
+    return np.array(tokens), logits
+
+
+def write_hostfile(path: Path, ports: Sequence[int], host: str = "127.0.0.1") -> Path:
+    """The ring backend's host list: one ["host:port"] entry per rank."""
+    path.write_text(json.dumps([[f"{host}:{p}"] for p in ports]))
+    return path
+
+
+def run_ranks(ports: Sequence[int], args: Sequence[str], workdir: Path,
+              timeout: float = 120.0, env: Optional[Dict[str, str]] = None) -> List[str]:
+    """Run one `main` process per port (rank = position) with `args`; wait for all.
+
+    Every process is killed at `timeout` seconds or when the first one fails (a ring
+    peer that never starts blocks the others forever). Returns each rank's combined
+    stdout/stderr. Raises RuntimeError naming the rank that failed or timed out, with
+    its output's tail.
+    """
+    hostfile = write_hostfile(workdir / "hosts.json", ports)
+    procs, logs = [], []
+    for rank in range(len(ports)):
+        e = dict(os.environ, **(env or {}), MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+        log = open(workdir / f"rank{rank}.log", "w+b")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "kimi_mlx.testing.tensor_parallel", *args],
+            stdout=log, stderr=subprocess.STDOUT, env=e))
+    deadline = time.monotonic() + timeout
+    failed = None
+    try:
+        while any(p.poll() is None for p in procs):
+            bad = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if bad:
+                failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
+                break
+            if time.monotonic() > deadline:
+                failed = f"ranks still running after {timeout:.0f} s"
+                break
+            time.sleep(0.05)
+        else:
+            bad = [r for r, p in enumerate(procs) if p.returncode != 0]
+            if bad:
+                failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+    outs = []
+    for log in logs:
+        log.seek(0)
+        outs.append(log.read().decode(errors="replace"))
+        log.close()
+    if failed:
+        tails = "\n".join(f"--- rank {r}\n{o[-3000:]}" for r, o in enumerate(outs))
+        raise RuntimeError(f"{failed}\n{tails}")
+    return outs
+
+
+def load_tensor_parallel(model_dir, group, ranged: bool = False, lm_head: bool = True):
+    """(model, bytes read) for this rank: the whole checkpoint then `shard`, or with
+    `ranged` only this rank's slices (`kimi_mlx.checkpoint.ranged.load_sharded`)."""
+    before = read_bytes()
+    if ranged:
+        from kimi_mlx.checkpoint.ranged import load_sharded
+
+        model = load_sharded(model_dir, group, lm_head=lm_head)
+    else:
+        from kimi_mlx.checkpoint.loader import load_model
+
+        model, _, _ = load_model(model_dir, verbose=False)
+        model.shard(group, lm_head=lm_head)
+        mx.eval(model.parameters())
+    return model, read_bytes() - before
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompts", required=True, help="JSON list of token id lists")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--prefill-step", type=int, default=2048)
+    p.add_argument("--ranged", action="store_true", help="read only this rank's slices")
+    p.add_argument("--out", required=True, help="folder for rank<r>.npz")
+    a = p.parse_args(argv)
+    group = mx.distributed.init(backend="ring", strict=True)
+    model, loaded = load_tensor_parallel(a.model, group, ranged=a.ranged)
+    res: Dict[str, np.ndarray] = {"loaded_bytes": np.array(loaded)}
+    t0 = time.perf_counter()
+    for i, prompt in enumerate(json.loads(a.prompts)):
+        toks, logits = greedy(model, prompt, a.max_tokens, a.prefill_step)
+        res[f"tokens{i}"], res[f"logits{i}"] = toks, logits
+    res["seconds"] = np.array(time.perf_counter() - t0)
+    np.savez(Path(a.out) / f"rank{group.rank()}.npz", **res)
+
+
+if __name__ == "__main__":
+    main()
