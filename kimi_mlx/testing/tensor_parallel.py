@@ -139,9 +139,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--prefill-step", type=int, default=2048)
     p.add_argument("--ranged", action="store_true", help="read only this rank's slices")
     p.add_argument("--out", required=True, help="folder for rank<r>.npz")
+    p.add_argument("--plant-error", action="store_true",
+                   help="(tests) the last rank reverses its first KDA layer's dt_bias slice")
     a = p.parse_args(argv)
     group = mx.distributed.init(backend="ring", strict=True)
     model, loaded = load_tensor_parallel(a.model, group, ranged=a.ranged)
+    if a.plant_error and group.rank() == group.size() - 1:
+        attn = next(l.self_attn for l in model.layers if l.is_kda)
+        attn.dt_bias = attn.dt_bias[::-1]
     res: Dict[str, np.ndarray] = {"loaded_bytes": np.array(loaded)}
     t0 = time.perf_counter()
     for i, prompt in enumerate(json.loads(a.prompts)):
