@@ -18,6 +18,7 @@ from mlx.utils import tree_flatten
 
 from kimi_mlx.checkpoint.loader import load_model
 from kimi_mlx.model.shard import HEADS, IN, OUT, ShardError, shard, split_of, split_range
+from kimi_mlx.placement.tensor_parallel import rank_load_bytes, tensors_of
 from kimi_mlx.testing.checkpoints import (argmax_margin, build_checkpoint, margins,
                                           model_tolerance, rel_err, tiny_text_config)
 from kimi_mlx.testing.tensor_parallel import greedy, run_ranks
@@ -160,6 +161,37 @@ def test_a_misaligned_slice_is_caught(tmp_path, conditioned):
     _, tol, ref = _reference(conditioned, prompts, 2)
     ranks = _two_ranks(tmp_path, conditioned, prompts, 2, plant=True)
     assert rel_err(ranks[0]["logits1"], ref[1][1]) > 3 * tol
+
+
+def _metadata_bytes(model_dir: Path) -> int:
+    """Bytes of a checkpoint's config, index and shard headers (8-byte length + JSON)."""
+    import struct
+
+    total = (model_dir / "config.json").stat().st_size
+    total += (model_dir / "model.safetensors.index.json").stat().st_size
+    for shard in model_dir.glob("*.safetensors"):
+        with open(shard, "rb") as f:
+            total += 8 + struct.unpack("<Q", f.read(8))[0]
+    return total
+
+
+def test_ranged_load_reads_each_ranks_slices_as_the_planner_predicts(tmp_path):
+    """Each rank reads only its slices (about half of the split tensors plus the
+    replicated ones), within 2% of `placement.tensor_parallel.rank_load_bytes`, and
+    generates what one process does."""
+    prompts = [_micro_text(12)]
+    _, tol, ref = _reference(MICRO, prompts, 4, choices=False)
+    ranks = _two_ranks(tmp_path, MICRO, prompts, 4, ranged=True)
+    _check_equal(ranks, ref, tol)
+    args, tensors = tensors_of(str(MICRO))
+    whole = rank_load_bytes(tensors, args, 1, 0)
+    meta = _metadata_bytes(MICRO)
+    for r, res in enumerate(ranks):
+        measured = int(res["loaded_bytes"]) - meta
+        predicted = rank_load_bytes(tensors, args, 2, r)
+        assert abs(measured - predicted) <= 0.02 * predicted, (r, measured, predicted)
+        assert predicted < 0.7 * whole
+    assert sum(rank_load_bytes(tensors, args, 2, r) for r in (0, 1)) > whole
 
 
 @pytest.mark.slow

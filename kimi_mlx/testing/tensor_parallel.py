@@ -116,15 +116,20 @@ def run_ranks(ports: Sequence[int], args: Sequence[str], workdir: Path,
 
 def load_tensor_parallel(model_dir, group, ranged: bool = False, lm_head: bool = True):
     """(model, bytes read) for this rank: the whole checkpoint then `shard`, or with
-    `ranged` only this rank's slices (`kimi_mlx.checkpoint.ranged.load_sharded`)."""
+    `ranged` only this rank's slices (`kimi_mlx.checkpoint.ranged.load_sharded`).
+
+    Bytes read: `read_bytes()` around the load, after the modules it imports are
+    imported (so it counts checkpoint files: tensors, index, headers, config)."""
+    import mlx_lm.utils  # noqa: F401  (quantize_like imports it on first use)
+    import kimi_mlx.model.model  # noqa: F401  (the loaders import it on first use)
+
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.checkpoint.ranged import load_sharded
+
     before = read_bytes()
     if ranged:
-        from kimi_mlx.checkpoint.ranged import load_sharded
-
-        model = load_sharded(model_dir, group, lm_head=lm_head)
+        model, _ = load_sharded(model_dir, group, lm_head=lm_head)
     else:
-        from kimi_mlx.checkpoint.loader import load_model
-
         model, _, _ = load_model(model_dir, verbose=False)
         model.shard(group, lm_head=lm_head)
         mx.eval(model.parameters())
