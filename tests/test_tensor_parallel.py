@@ -18,7 +18,7 @@ from mlx.utils import tree_flatten
 
 from kimi_mlx.checkpoint.loader import load_model
 from kimi_mlx.model.shard import HEADS, IN, OUT, ShardError, shard, split_of, split_range
-from kimi_mlx.placement.tensor_parallel import rank_load_bytes, tensors_of
+from kimi_mlx.placement.tensor_parallel import plan_tensor, rank_load_bytes, tensors_of
 from kimi_mlx.testing.checkpoints import (argmax_margin, build_checkpoint, margins,
                                           model_tolerance, rel_err, tiny_text_config)
 from kimi_mlx.testing.tensor_parallel import greedy, run_ranks
@@ -201,3 +201,21 @@ def test_micro_chunked_prefill_past_4k_tokens(tmp_path):
     prompts = [_micro_text(4200)]
     _, tol, ref = _reference(MICRO, prompts, 4, prefill_step=1024, choices=False)
     _check_equal(_two_ranks(tmp_path, MICRO, prompts, 4, prefill_step=1024), ref, tol)
+
+
+def test_plan_prints_pipeline_versus_tensor(capsys):
+    """`kimi-mlx plan` compares the layouts: micro over 2 Macs is collective-bound (tensor
+    only pays at RDMA latency); over 3 Macs its 4 heads cannot split."""
+    from kimi_mlx.commands.main import main
+
+    assert main(["plan", "--model", str(MICRO), "--macs", "2x8GB"]) == 0
+    out = capsys.readouterr().out
+    assert "12 all_sum + 1 all_gather" in out  # 2 per layer x 6 layers, the logits
+    args, tensors = tensors_of(str(MICRO))
+    tp = plan_tensor(tensors, args, 2, 819 * 10**9, 4096)
+    assert f"tok/s over JACCL" in out and f"{tp.tokens_per_s(50e-6):.1f}" in out
+    assert "recommended over JACCL (every pair of Macs cabled, RDMA on): tensor" in out
+    assert "recommended over TCP ring (Thunderbolt bridge): pipeline" in out
+    assert main(["plan", "--model", str(MICRO), "--macs", "3x8GB"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor: not possible (4 KDA heads do not split across 3 Macs)" in out

@@ -233,3 +233,30 @@ def plan_tensor(tensors: Tensors, args: ModelArgs, ranks: int, bandwidth: int, c
         cache += per_token * context + state * (b - a) // heads
     sums, gathers = collectives_per_token(args, ranks, lm_head)
     return TensorPlan(ranks, load, read, cache, sums, gathers, bandwidth)
+
+
+def tensor_plan_for(tensors: Tensors, args: ModelArgs, bandwidths: Sequence[int],
+                    context: int) -> TensorPlan:
+    """`plan_tensor` for one rank per Mac (the slowest Mac's bandwidth sets the pace);
+    lm_head is split when the vocabulary divides evenly.
+
+    Raises:
+        ShardError: heads that do not split across the Macs (names the count)."""
+    from kimi_mlx.model.shard import ShardError
+
+    n = len(bandwidths)
+    for what, heads in (("KDA", args.linear_attn_config["num_heads"]),
+                        ("attention", args.num_attention_heads)):
+        if heads % n:
+            raise ShardError(f"{heads} {what} heads do not split across {n} Macs")
+    return plan_tensor(tensors, args, n, min(bandwidths), context,
+                       lm_head=args.vocab_size % n == 0)
+
+
+def recommend(pipeline_tokens_per_s: float, tensor: Optional[TensorPlan], latency_s: float,
+              tensor_fits: bool) -> str:
+    """"tensor" or "pipeline": the faster predicted decode of the two that fit (a tie or
+    an unfit tensor plan keeps the pipeline, which needs no RDMA and no group)."""
+    if tensor is None or not tensor_fits:
+        return "pipeline"
+    return "tensor" if tensor.tokens_per_s(latency_s) > pipeline_tokens_per_s else "pipeline"
