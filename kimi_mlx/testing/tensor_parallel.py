@@ -57,6 +57,62 @@ def greedy(model, prompt: Sequence[int], max_tokens: int, prefill_step: int = 20
     return np.array(tokens), logits
 
 
+def decode_tokens_per_s(model, prompt: Sequence[int], steps: int) -> float:
+    """Greedy decode tokens/s after the prompt's prefill (mlx-lm's `generate_step`; the
+    prefill and the first token excluded)."""
+    from mlx_lm.generate import generate_step
+
+    t0 = None
+    n = 0
+    for tok, _ in generate_step(mx.array(list(prompt)), model, max_tokens=steps + 1,
+                                sampler=lambda lp: mx.argmax(lp, axis=-1)):
+        int(tok)
+        if t0 is None:
+            t0 = time.perf_counter()
+        else:
+            n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def count_collectives(model, prompt: Sequence[int]) -> Dict[str, int]:
+    """Collectives one decode step issues ({"all_sum": n, "all_gather": m}): the step is
+    run uncompiled with `mx.distributed`'s functions counted."""
+    cache = model.make_cache()
+    mx.eval(model(mx.array([list(prompt)]), cache))
+    counts = {"all_sum": 0, "all_gather": 0}
+    real = {k: getattr(mx.distributed, k) for k in counts}
+
+    def counted(name):
+        def f(*a, **kw):
+            counts[name] += 1
+            return real[name](*a, **kw)
+        return f
+
+    mx.disable_compile()
+    try:
+        for k in counts:
+            setattr(mx.distributed, k, counted(k))
+        mx.eval(model(mx.array([[int(prompt[-1])]]), cache))
+    finally:
+        for k, f in real.items():
+            setattr(mx.distributed, k, f)
+        mx.enable_compile()
+    return counts
+
+
+def all_sum_floor(group, width: int, repeats: int = 50) -> float:
+    """Seconds per bare all_sum of one decode token's activations [1, 1, width] float32
+    (median of `repeats`), measured on this group."""
+    x = mx.ones((1, 1, width), mx.float32)
+    mx.eval(mx.distributed.all_sum(x, group=group))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
 def write_hostfile(path: Path, ports: Sequence[int], host: str = "127.0.0.1") -> Path:
     """The ring backend's host list: one ["host:port"] entry per rank."""
     path.write_text(json.dumps([[f"{host}:{p}"] for p in ports]))
@@ -144,6 +200,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--prefill-step", type=int, default=2048)
     p.add_argument("--ranged", action="store_true", help="read only this rank's slices")
     p.add_argument("--out", required=True, help="folder for rank<r>.npz")
+    p.add_argument("--bench-decode", type=int, default=0,
+                   help="(bench) instead of generating: decode tokens/s over N steps after "
+                        "the first prompt, collectives per step, the bare all_sum floor")
     p.add_argument("--plant-error", action="store_true",
                    help="(tests) the last rank reverses its first KDA layer's dt_bias slice")
     a = p.parse_args(argv)
@@ -153,6 +212,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         attn = next(l.self_attn for l in model.layers if l.is_kda)
         attn.dt_bias = attn.dt_bias[::-1]
     res: Dict[str, np.ndarray] = {"loaded_bytes": np.array(loaded)}
+    if a.bench_decode:
+        prompt = json.loads(a.prompts)[0]
+        counts = count_collectives(model, prompt)
+        hidden = model.args.hidden_size
+        res.update(
+            tokens_per_s=np.array(decode_tokens_per_s(model, prompt, a.bench_decode)),
+            all_sums=np.array(counts["all_sum"]), all_gathers=np.array(counts["all_gather"]),
+            floor_s=np.array(all_sum_floor(group, hidden)))
+        np.savez(Path(a.out) / f"rank{group.rank()}.npz", **res)
+        return
     t0 = time.perf_counter()
     for i, prompt in enumerate(json.loads(a.prompts)):
         toks, logits = greedy(model, prompt, a.max_tokens, a.prefill_step)
