@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -192,6 +193,30 @@ def test_ranged_load_reads_each_ranks_slices_as_the_planner_predicts(tmp_path):
         assert abs(measured - predicted) <= 0.02 * predicted, (r, measured, predicted)
         assert predicted < 0.7 * whole
     assert sum(rank_load_bytes(tensors, args, 2, r) for r in (0, 1)) > whole
+
+
+def test_affine_quantized_trunk_splits_on_group_boundaries(tmp_path):
+    """micro converted to a 4-bit affine trunk (group 32; `kimi-mlx convert`): packed
+    words, scales and biases are sliced together in whole groups (the shared experts'
+    96 = 3 groups go 2 + 1), read ranged, and 2 ranks still equal one process."""
+    from kimi_mlx.commands.main import main
+
+    q4 = tmp_path / "q4"
+    assert main(["convert", "--model", str(MICRO), "--q-bits", "4", "--q-group-size", "32",
+                 "--out", str(q4)]) == 0
+    prompts = [_micro_text(12)]
+    _, tol, ref = _reference(q4, prompts, 4, choices=False)
+    ranks = _two_ranks(tmp_path, q4, prompts, 4, ranged=True)
+    _check_equal(ranks, ref, tol)
+    args, tensors = tensors_of(str(q4))
+    for r, res in enumerate(ranks):
+        measured = int(res["loaded_bytes"]) - _metadata_bytes(q4)
+        predicted = rank_load_bytes(tensors, args, 2, r)
+        assert abs(measured - predicted) <= 0.02 * predicted, (r, measured, predicted)
+    model, _, _ = load_model(q4, verbose=False)
+    shard(model, FakeGroup(1, 2))
+    down = model.layers[1].block_sparse_moe.shared_experts.down_proj
+    assert isinstance(down, nn.QuantizedLinear) and down.scales.shape[-1] == 1
 
 
 @pytest.mark.slow

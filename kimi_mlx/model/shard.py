@@ -249,30 +249,33 @@ def _shard_mlp(mlp, path: str, group, rec: Record) -> None:
 
 
 def _shard_moe(moe, path: str, group, rec: Record) -> None:
+    _split_glu(moe.switch_mlp, path + "switch_mlp.", group, rec)
+    if moe.shared_experts is not None:
+        # in place (plain or quantized Linear kept): their partial sum joins the routed
+        # one's all_sum
+        _split_glu(moe.shared_experts, path + "shared_experts.", group, rec)
+    moe.sharding_group = group
+
+
+def _split_glu(glu, path: str, group, rec: Record) -> None:
+    """Slice a gate/up/down block (SwitchGLU over the experts, or a SiTUMLP) in place on
+    its intermediate dim: gate/up rows, down columns, in whole quantization groups of
+    down (so the split may be uneven: micro's 96 = 3 MXFP4 blocks go 2 + 1)."""
     N, r = group.size(), group.rank()
-    glu = moe.switch_mlp
     inter = glu.gate_proj.weight.shape[-2]
-    unit = getattr(glu.down_proj, "group_size", 1) if hasattr(glu.down_proj, "scales") else 1
+    down = glu.down_proj
+    unit = down.group_size if "scales" in down else 1
     try:
         a, b = split_range(inter, N, r, unit)
     except ValueError as e:
-        raise ShardError(f"{path}switch_mlp: expert intermediate dim: {e}") from None
+        raise ShardError(f"{path}: intermediate dim: {e}") from None
     for proj in ("gate_proj", "up_proj"):
         m = getattr(glu, proj)
         for name in m.parameters():
             if name != "bias":
-                _slice_param(m, name, f"{path}switch_mlp.{proj}.", -2, a, b, rec)
-    down = glu.down_proj
+                _slice_param(m, name, f"{path}{proj}.", -2, a, b, rec)
     for name, p in down.parameters().items():
-        if name != "bias":  # columns of packed words / scales: same fraction of inter
+        if name != "bias":  # columns of weights / packed words / scales: same fraction
             cols = p.shape[-1]
-            _slice_param(down, name, f"{path}switch_mlp.down_proj.", -1,
+            _slice_param(down, name, f"{path}down_proj.", -1,
                          a * cols // inter, b * cols // inter, rec)
-    if moe.shared_experts is not None:
-        # in place (plain Linear kept): their partial sum joins the routed one's all_sum
-        sh = moe.shared_experts
-        for proj, split in (("gate_proj", OUT), ("up_proj", OUT), ("down_proj", IN)):
-            sharded = _linear(getattr(sh, proj), f"{path}shared_experts.{proj}.", split,
-                              group, rec)
-            getattr(sh, proj).update(sharded.parameters())
-    moe.sharding_group = group

@@ -44,6 +44,7 @@ TCP_LATENCY_S = 300e-6
 Tensors = Dict[str, Tuple[str, Tuple[int, ...]]]
 _EXPERT = re.compile(r"^(?P<moe>.*\.block_sparse_moe)\.experts\.(?P<e>\d+)\.(?P<w>w[123])\.")
 _SCALES = (".weight_scale", ".scales")
+_SHARED = re.compile(r"^(?P<base>.*\.shared_experts\.)(?:gate|up)_proj\.")
 _NUMBERS = re.compile(r"\.\d+\.")
 
 
@@ -86,15 +87,14 @@ def _sibling_scales(name: str, tensors: Tensors) -> Optional[Tuple[int, ...]]:
     return None
 
 
-def _expert_unit(moe: str, e: str, tensors: Tensors) -> int:
-    """Elements of an expert's intermediate dim kept together: its w2 quantization group
-    (32 for MXFP4), 1 for float experts."""
-    base = f"{moe}.experts.{e}."
-    inter = next(tensors[base + f"w1.{f}"][1][0] for f in ("weight_packed", "weight")
-                 if base + f"w1.{f}" in tensors)
+def _glu_unit(base: str, gate: str, down: str, tensors: Tensors) -> int:
+    """Elements of a gate/up/down block's intermediate dim kept together: its down
+    projection's quantization group (32 for MXFP4), 1 for a float one."""
+    inter = next(tensors[f"{base}{gate}.{f}"][1][0] for f in ("weight_packed", "weight")
+                 if f"{base}{gate}.{f}" in tensors)
     for f in _SCALES:
-        if base + "w2" + f in tensors:
-            return inter // tensors[base + "w2" + f][1][-1]
+        if f"{base}{down}{f}" in tensors:
+            return inter // tensors[f"{base}{down}{f}"][1][-1]
     return 1
 
 
@@ -129,10 +129,14 @@ def _classes(tensors: Tensors, args: ModelArgs, lm_head: bool) -> Dict[_Class, i
             dim, stored = args.linear_attn_config["num_heads"], shape[0]
         elif split == OUT:
             dim = shape[0]
-            if m:
-                if m["moe"] not in units:
-                    units[m["moe"]] = _expert_unit(m["moe"], m["e"], tensors)
-                unit = units[m["moe"]]
+            sh = _SHARED.match(name)
+            if m or sh:  # rows in whole groups of the down projection's input
+                base = f"{m['moe']}.experts.{m['e']}." if m else sh["base"]
+                key = m["moe"] if m else sh["base"]
+                if key not in units:
+                    units[key] = (_glu_unit(base, "w1", "w2", tensors) if m else
+                                  _glu_unit(base, "gate_proj", "down_proj", tensors))
+                unit = units[key]
         elif split == IN:
             scales = _sibling_scales(name, tensors)
             dim = scales[-1] if scales is not None else shape[-1]
