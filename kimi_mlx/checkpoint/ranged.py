@@ -29,8 +29,8 @@ from kimi_mlx.checkpoint.loader import _check_model_type, check_tensors, quantiz
 from kimi_mlx.checkpoint.shards import CheckpointError, TensorInfo, read_header, weight_map
 from kimi_mlx.model.config import ModelArgs, read_config
 from kimi_mlx.model.shard import shard
-from kimi_mlx.model.tensor_map import (EXPERT_FIELD, EXPERT_PROJ, TensorError, canonical, kind,
-                                       sanitize_weights)
+from kimi_mlx.model.tensor_map import (EXPERT_FIELD, EXPERT_PROJ, TensorError, canonical,
+                                       in_range, sanitize_weights)
 
 # safetensors dtype -> (numpy dtype read from disk, MLX dtype it becomes)
 _DTYPES = {
@@ -82,7 +82,8 @@ def read_slice(fd: int, info: TensorInfo, axis: int, start: int, stop: int,
 
 
 def load_sharded(path, group, lm_head: bool = True,
-                 activation_dtype: Optional[mx.Dtype] = None):
+                 activation_dtype: Optional[mx.Dtype] = None, start: int = 0,
+                 end: Optional[int] = None):
     """This rank's tensor-parallel model, reading only its slices of the checkpoint.
 
     Args:
@@ -90,6 +91,7 @@ def load_sharded(path, group, lm_head: bool = True,
         group: the `mx.distributed.Group` (its size and rank choose the slices).
         lm_head: split lm_head by vocabulary (see `shard`).
         activation_dtype: as `loader.load_model` (float32 on the CPU backend).
+        start, end: a layer range (a pipeline stage that is also split; default all).
     Returns:
         (the sharded model, evaluated; {"bytes": tensor bytes read, "reads": pread calls}).
     Raises:
@@ -101,9 +103,10 @@ def load_sharded(path, group, lm_head: bool = True,
     model_dir = Path(path)
     config = read_config(model_dir)
     args = ModelArgs.from_config(config, str(model_dir / "config.json"))
+    end = args.num_hidden_layers if end is None else end
     wm = weight_map(model_dir)
     _check_model_type(config, wm, model_dir)
-    wanted = {canonical(n): s for n, s in wm.items() if kind(n, args) == "text"}
+    wanted = {canonical(n): s for n, s in wm.items() if in_range(n, args, start, end)}
     headers = {s: read_header(model_dir / s) for s in sorted(set(wanted.values()))}
     infos: Dict[str, TensorInfo] = {}
     for name, s in wm.items():
@@ -115,11 +118,11 @@ def load_sharded(path, group, lm_head: bool = True,
     placeholders = {n: mx.zeros(i.shape, _DTYPES[i.dtype][1]) for n, i in infos.items()
                     if i.dtype in _DTYPES}
     try:
-        full = sanitize_weights(placeholders, args)
+        full = sanitize_weights(placeholders, args, start, end)
     except TensorError as e:
         raise CheckpointError(f"{model_dir}: {e}") from None
 
-    model = Model(args)
+    model = Model(args, start, end)
     quantize_like(model, full, args.quantization, model_dir)
     rec = shard(model, group, lm_head=lm_head)
 

@@ -126,7 +126,8 @@ def shard(model, group, lm_head: bool = True) -> Record:
     slices).
 
     Args:
-        model: the model; its parameters may be lazy.
+        model: the model (all layers, or a pipeline stage's range); its parameters may
+            be lazy.
         group: an `mx.distributed.Group` (anything with `size()` and `rank()` for a
             layout-only dry run).
         lm_head: split `lm_head` by vocabulary (logits all_gathered).
@@ -141,10 +142,7 @@ def shard(model, group, lm_head: bool = True) -> Record:
     rec: Record = {}
     if N == 1:
         return rec
-    text = model.language_model.model
-    if text.start != 0 or text.end != model.args.num_hidden_layers:
-        raise ShardError("tensor parallelism needs all layers in one model (no pipeline range)")
-    for layer in model.layers:
+    for layer in model.layers:  # a pipeline stage's layer range shards alike
         pre = f"language_model.model.layers.{layer.idx}."
         if layer.is_kda:
             _shard_kda(layer.self_attn, pre + "self_attn.", group, rec)

@@ -120,8 +120,10 @@ def write_hostfile(path: Path, ports: Sequence[int], host: str = "127.0.0.1") ->
 
 
 def run_ranks(ports: Sequence[int], args: Sequence[str], workdir: Path,
-              timeout: float = 120.0, env: Optional[Dict[str, str]] = None) -> List[str]:
-    """Run one `main` process per port (rank = position) with `args`; wait for all.
+              timeout: float = 120.0, env: Optional[Dict[str, str]] = None,
+              module: str = "kimi_mlx.testing.tensor_parallel") -> List[str]:
+    """Run `python -m module` (this one's `main` by default) once per port (rank =
+    position) with `args`; wait for all.
 
     Every process is killed at `timeout` seconds or when the first one fails (a ring
     peer that never starts blocks the others forever). Returns each rank's combined
@@ -135,7 +137,7 @@ def run_ranks(ports: Sequence[int], args: Sequence[str], workdir: Path,
         log = open(workdir / f"rank{rank}.log", "w+b")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "kimi_mlx.testing.tensor_parallel", *args],
+            [sys.executable, "-m", module, *args],
             stdout=log, stderr=subprocess.STDOUT, env=e))
     deadline = time.monotonic() + timeout
     failed = None
