@@ -219,6 +219,29 @@ def test_affine_quantized_trunk_splits_on_group_boundaries(tmp_path):
     assert isinstance(down, nn.QuantizedLinear) and down.scales.shape[-1] == 1
 
 
+def test_speculative_decoding_through_two_ranks_is_plain_greedy(tmp_path):
+    """micro with its distilled draft (replicated on both ranks), k = 3: the tokens are
+    one process's plain greedy tokens, and each token's log-probabilities are the plain
+    run's within the tolerance (the exact rollback of KDA state happens on every rank's
+    slice of the heads)."""
+    draft = MICRO.parent / "micro-draft"
+    prompts = [_micro_text(20), _micro_text(100, 20)]
+    _, tol, ref = _reference(MICRO, prompts, 10, choices=False)
+    port = next(PORTS)
+    run_ranks([port, port + 1], ["--model", str(MICRO), "--prompts", json.dumps(prompts),
+                                 "--max-tokens", "10", "--draft", str(draft), "--num-draft", "3",
+                                 "--out", str(tmp_path)], tmp_path, timeout=TIMEOUT)
+    for r in (0, 1):
+        res = dict(np.load(tmp_path / f"rank{r}.npz"))
+        for i, (toks, logits) in enumerate(ref):
+            assert res[f"tokens{i}"].tolist() == toks.tolist(), (r, i)
+            want = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
+                -1, keepdims=True)) - logits.max(-1, keepdims=True)
+            err = rel_err(res[f"logits{i}"], want)
+            assert err < tol, (r, i, err, tol)
+        assert sum(int(res[f"accepted{i}"]) for i in range(len(prompts))) > 0  # drafts used
+
+
 @pytest.mark.slow
 def test_micro_chunked_prefill_past_4k_tokens(tmp_path):
     """A 4200-token prompt prefilled in chunks of 1024 (the length where users report

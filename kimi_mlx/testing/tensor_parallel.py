@@ -57,6 +57,20 @@ def greedy(model, prompt: Sequence[int], max_tokens: int, prefill_step: int = 20
     return np.array(tokens), logits
 
 
+def speculative_greedy(model, draft, prompt: Sequence[int], max_tokens: int, k: int):
+    """Greedy speculative decoding (`kimi_mlx.speculative.loop`): (tokens [max_tokens],
+    logprobs [max_tokens, vocab] float32 numpy, drafts accepted)."""
+    from kimi_mlx.speculative.loop import speculative_generate_step
+
+    tokens, rows, accepted = [], [], 0
+    for tok, lp, from_draft in speculative_generate_step(
+            list(prompt), model, draft, num_draft_tokens=k, max_tokens=max_tokens):
+        tokens.append(int(tok))
+        rows.append(np.array(lp.astype(mx.float32)).reshape(1, -1))
+        accepted += bool(from_draft)
+    return np.array(tokens), np.concatenate(rows), accepted
+
+
 def decode_tokens_per_s(model, prompt: Sequence[int], steps: int) -> float:
     """Greedy decode tokens/s after the prompt's prefill (mlx-lm's `generate_step`; the
     prefill and the first token excluded)."""
@@ -202,6 +216,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--prefill-step", type=int, default=2048)
     p.add_argument("--ranged", action="store_true", help="read only this rank's slices")
     p.add_argument("--out", required=True, help="folder for rank<r>.npz")
+    p.add_argument("--draft", default=None,
+                   help="speculative decoding with this draft, replicated on every rank "
+                        "(each rank drafts the same tokens from the same inputs)")
+    p.add_argument("--num-draft", type=int, default=3)
     p.add_argument("--bench-decode", type=int, default=0,
                    help="(bench) instead of generating: decode tokens/s over N steps after "
                         "the first prompt, collectives per step, the bare all_sum floor")
@@ -225,8 +243,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         np.savez(Path(a.out) / f"rank{group.rank()}.npz", **res)
         return
     t0 = time.perf_counter()
+    draft = None
+    if a.draft:
+        from kimi_mlx.checkpoint.loader import load_model
+
+        draft, _, _ = load_model(a.draft, verbose=False)
     for i, prompt in enumerate(json.loads(a.prompts)):
-        toks, logits = greedy(model, prompt, a.max_tokens, a.prefill_step)
+        if draft is not None:
+            toks, logits, acc = speculative_greedy(model, draft, prompt, a.max_tokens,
+                                                   a.num_draft)
+            res[f"accepted{i}"] = np.array(acc)
+        else:
+            toks, logits = greedy(model, prompt, a.max_tokens, a.prefill_step)
         res[f"tokens{i}"], res[f"logits{i}"] = toks, logits
     res["seconds"] = np.array(time.perf_counter() - t0)
     np.savez(Path(a.out) / f"rank{group.rank()}.npz", **res)
