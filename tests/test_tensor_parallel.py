@@ -19,7 +19,8 @@ from mlx.utils import tree_flatten
 
 from kimi_mlx.checkpoint.loader import load_model
 from kimi_mlx.model.shard import HEADS, IN, OUT, ShardError, shard, split_of, split_range
-from kimi_mlx.placement.tensor_parallel import plan_tensor, rank_load_bytes, tensors_of
+from kimi_mlx.placement.tensor_parallel import (plan_tensor, rank_load_bytes, rank_read_bytes,
+                                               tensors_of)
 from kimi_mlx.testing.checkpoints import (argmax_margin, build_checkpoint, margins,
                                           model_tolerance, rel_err, tiny_text_config)
 from kimi_mlx.testing.tensor_parallel import greedy, run_ranks
@@ -66,12 +67,12 @@ def _reference(model_dir, prompts, max_tokens, prefill_step=2048, choices=True):
 
 
 def _two_ranks(tmp_path, model_dir, prompts, max_tokens, prefill_step=2048, ranged=False,
-               plant=False):
+               plant=False, extra=()):
     port = next(PORTS)
     args = ["--model", str(model_dir), "--prompts", json.dumps(prompts),
             "--max-tokens", str(max_tokens), "--prefill-step", str(prefill_step),
             "--out", str(tmp_path)] + (["--ranged"] if ranged else []) + (
-        ["--plant-error"] if plant else [])
+        ["--plant-error"] if plant else []) + list(extra)
     run_ranks([port, port + 1], args, tmp_path, timeout=TIMEOUT)
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in (0, 1)]
 
@@ -179,10 +180,12 @@ def _metadata_bytes(model_dir: Path) -> int:
 def test_ranged_load_reads_each_ranks_slices_as_the_planner_predicts(tmp_path):
     """Each rank reads only its slices (about half of the split tensors plus the
     replicated ones), within 2% of `placement.tensor_parallel.rank_load_bytes`, and
-    generates what one process does."""
-    prompts = [_micro_text(12)]
+    generates what one process does; a decode step's bytes, counted from the rank's own
+    arrays and its router's picks, are within 2% of `rank_read_bytes` (float32 caches
+    on this CPU: act_bytes 4)."""
+    prompts = [_micro_text(80)]  # past index_topk 64: the sparse decode path
     _, tol, ref = _reference(MICRO, prompts, 4, choices=False)
-    ranks = _two_ranks(tmp_path, MICRO, prompts, 4, ranged=True)
+    ranks = _two_ranks(tmp_path, MICRO, prompts, 4, ranged=True, extra=["--read-bytes"])
     _check_equal(ranks, ref, tol)
     args, tensors = tensors_of(str(MICRO))
     whole = rank_load_bytes(tensors, args, 1, 0)
@@ -192,6 +195,11 @@ def test_ranged_load_reads_each_ranks_slices_as_the_planner_predicts(tmp_path):
         predicted = rank_load_bytes(tensors, args, 2, r)
         assert abs(measured - predicted) <= 0.02 * predicted, (r, measured, predicted)
         assert predicted < 0.7 * whole
+        ctx = int(res["step_context"])
+        step = rank_read_bytes(tensors, args, 2, r, ctx, act_bytes=4)
+        got = int(res["step_read_bytes"])
+        assert abs(got - step) <= 0.02 * step, (r, got, step)
+        assert step < 0.7 * rank_read_bytes(tensors, args, 1, 0, ctx, act_bytes=4)
     assert sum(rank_load_bytes(tensors, args, 2, r) for r in (0, 1)) > whole
 
 

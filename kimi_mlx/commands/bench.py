@@ -74,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--decode", type=int, default=32, help="decode steps (default 32)")
     t.add_argument("--port", type=int, default=45900,
                    help="first of 2 loopback ports for the ring (default 45900)")
+    t.add_argument("--repeats", type=int, default=3, help="timed runs per side (default 3)")
     h = sub.add_parser("hop", help="the pipeline's own cost: ms per hop, 2-stage pipelined "
                        "prefill, beside each stage's real compute",
                        description="Null stage processes on loopback (the real service, "
@@ -119,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "tensor":
         from kimi_mlx.bench.tensor import main as tensor_main
 
-        return tensor_main(args.model, args.prompt, args.decode, args.port)
+        return tensor_main(args.model, args.prompt, args.decode, args.port, args.repeats)
     if args.what == "hop":
         from kimi_mlx.cluster.bench.hop import main as hop_main
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -71,6 +71,55 @@ def speculative_greedy(model, draft, prompt: Sequence[int], max_tokens: int, k: 
     return np.array(tokens), np.concatenate(rows), accepted
 
 
+def step_read_bytes(model, prompt: Sequence[int]) -> Tuple[int, int]:
+    """(bytes one greedy decode step after `prompt` reads on this rank, context), counted
+    from the model's own arrays, not from the planner's arithmetic: every parameter's
+    nbytes, of the routed experts only the ones the step's router picked, one embedding
+    row; each KDA cache's conv and recurrent state; each DSA cache's index keys for the
+    whole context and its latent + rope rows for min(context, index_topk)."""
+    from mlx.utils import tree_flatten
+
+    from kimi_mlx.model import ffn as ffn_mod
+    from kimi_mlx.model.cache import DSACache
+
+    cache = model.make_cache()
+    mx.eval(model(mx.array([list(prompt)]), cache))
+    picked: List[mx.array] = []
+    real = ffn_mod.route
+
+    def route(*a, **kw):
+        out = real(*a, **kw)
+        picked.append(out[0])
+        return out
+
+    ffn_mod.route = route
+    try:
+        mx.eval(model(mx.array([[int(prompt[-1])]]), cache))
+    finally:
+        ffn_mod.route = real
+    moe = [l.idx for l in model.layers if "block_sparse_moe" in l]
+    distinct = {i: len(set(np.array(p).reshape(-1).tolist())) for i, p in zip(moe, picked)}
+    total = 0.0
+    for path, p in tree_flatten(model.parameters()):
+        if ".switch_mlp." in path:
+            layer = int(path.split(".layers.")[1].split(".")[0])
+            total += p.nbytes * distinct[layer] / p.shape[0]
+        elif "embed_tokens" in path:
+            total += p.nbytes / p.shape[0]
+        else:
+            total += p.nbytes
+    ctx = 0
+    for c in cache:
+        if isinstance(c, DSACache):
+            ctx = c.offset
+            row = lambda a: a.shape[-1] * a.itemsize
+            attended = min(ctx, model.args.index_topk)
+            total += row(c.index_keys) * ctx + (row(c.keys) + row(c.values)) * attended
+        else:
+            total += c[0].nbytes + c[1].nbytes
+    return int(total), ctx
+
+
 def decode_tokens_per_s(model, prompt: Sequence[int], steps: int) -> float:
     """Greedy decode tokens/s after the prompt's prefill (mlx-lm's `generate_step`; the
     prefill and the first token excluded)."""
@@ -88,18 +137,26 @@ def decode_tokens_per_s(model, prompt: Sequence[int], steps: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def count_collectives(model, prompt: Sequence[int]) -> Dict[str, int]:
-    """Collectives one decode step issues ({"all_sum": n, "all_gather": m}): the step is
-    run uncompiled with `mx.distributed`'s functions counted."""
+def count_collectives(model, prompt: Sequence[int]) -> Dict[str, float]:
+    """Collectives one decode step issues ({"all_sum": n, "all_gather": m, "seconds": s}):
+    the step is run uncompiled with `mx.distributed`'s functions counted, each one
+    evaluated on its own (its input first) so that `seconds` is the time spent inside
+    the collectives: the transfer plus the wait for the slower rank."""
     cache = model.make_cache()
     mx.eval(model(mx.array([list(prompt)]), cache))
     counts = {"all_sum": 0, "all_gather": 0}
     real = {k: getattr(mx.distributed, k) for k in counts}
+    counts["seconds"] = 0.0
 
     def counted(name):
-        def f(*a, **kw):
+        def f(x, *a, **kw):
             counts[name] += 1
-            return real[name](*a, **kw)
+            mx.eval(x)
+            t = time.perf_counter()
+            out = real[name](x, *a, **kw)
+            mx.eval(out)
+            counts["seconds"] += time.perf_counter() - t
+            return out
         return f
 
     mx.disable_compile()
@@ -220,6 +277,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    help="speculative decoding with this draft, replicated on every rank "
                         "(each rank drafts the same tokens from the same inputs)")
     p.add_argument("--num-draft", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="(bench) timed decode runs")
+    p.add_argument("--read-bytes", action="store_true",
+                   help="also count the bytes one decode step after the first prompt reads")
     p.add_argument("--bench-decode", type=int, default=0,
                    help="(bench) instead of generating: decode tokens/s over N steps after "
                         "the first prompt, collectives per step, the bare all_sum floor")
@@ -237,9 +297,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         counts = count_collectives(model, prompt)
         hidden = model.args.hidden_size
         res.update(
-            tokens_per_s=np.array(decode_tokens_per_s(model, prompt, a.bench_decode)),
+            tokens_per_s=np.array([decode_tokens_per_s(model, prompt, a.bench_decode)
+                                   for _ in range(a.repeats)]),
             all_sums=np.array(counts["all_sum"]), all_gathers=np.array(counts["all_gather"]),
+            collective_s=np.array(counts["seconds"]),
             floor_s=np.array(all_sum_floor(group, hidden)))
+        res["step_read_bytes"], res["step_context"] = map(np.array, step_read_bytes(model, prompt))
         np.savez(Path(a.out) / f"rank{group.rank()}.npz", **res)
         return
     t0 = time.perf_counter()
@@ -257,6 +320,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             toks, logits = greedy(model, prompt, a.max_tokens, a.prefill_step)
         res[f"tokens{i}"], res[f"logits{i}"] = toks, logits
     res["seconds"] = np.array(time.perf_counter() - t0)
+    if a.read_bytes:
+        read, ctx = step_read_bytes(model, json.loads(a.prompts)[0])
+        res["step_read_bytes"], res["step_context"] = np.array(read), np.array(ctx)
     np.savez(Path(a.out) / f"rank{group.rank()}.npz", **res)
 
 
