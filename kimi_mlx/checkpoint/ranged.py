@@ -81,7 +81,7 @@ def read_slice(fd: int, info: TensorInfo, axis: int, start: int, stop: int,
     return a.view(mx_dtype) if info.dtype == "BF16" else a
 
 
-def load_sharded(path, group, lm_head: bool = True,
+def load_sharded(path, group, lm_head: Optional[bool] = None,
                  activation_dtype: Optional[mx.Dtype] = None, start: int = 0,
                  end: Optional[int] = None):
     """This rank's tensor-parallel model, reading only its slices of the checkpoint.

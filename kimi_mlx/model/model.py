@@ -204,7 +204,7 @@ class Model(nn.Module):
     def layers(self) -> List[DecoderLayer]:
         return self.text.local_layers
 
-    def shard(self, group=None, lm_head: bool = True):
+    def shard(self, group=None, lm_head: Optional[bool] = None):
         """Split this model across `group` for tensor parallelism (mlx-lm's `shard` API;
         default: `mx.distributed.init()`); see `kimi_mlx.model.shard`. Returns the record
         of the slices each parameter now holds."""

@@ -115,7 +115,7 @@ class ShardError(ValueError):
 Record = Dict[str, Tuple[int, int, int]]  # param path -> (axis, start, stop) in the full param
 
 
-def shard(model, group, lm_head: bool = True) -> Record:
+def shard(model, group, lm_head: Optional[bool] = None) -> Record:
     """Split `model` (a `kimi_mlx.model.model.Model`, all layers) in place for `group`.
 
     Linear layers become MLX's `AllToShardedLinear` / `ShardedToAllLinear` (or their
@@ -130,7 +130,8 @@ def shard(model, group, lm_head: bool = True) -> Record:
             be lazy.
         group: an `mx.distributed.Group` (anything with `size()` and `rank()` for a
             layout-only dry run).
-        lm_head: split `lm_head` by vocabulary (logits all_gathered).
+        lm_head: split `lm_head` by vocabulary (logits all_gathered); None (default):
+            when the vocabulary divides evenly across the group (the planner's rule).
     Returns:
         {param path: (axis, start, stop)}: the slice of the unsharded parameter each
         sharded parameter holds (parameters not listed are replicated).
@@ -153,6 +154,8 @@ def shard(model, group, lm_head: bool = True) -> Record:
         else:
             _shard_mlp(layer.mlp, pre + "mlp.", group, rec)
     lm = model.language_model
+    if lm_head is None:
+        lm_head = model.args.vocab_size % N == 0
     if lm_head and "lm_head" in lm:
         lm.lm_head = _linear(lm.lm_head, "language_model.lm_head.", OUT, group, rec)
         lm.logits_group = group

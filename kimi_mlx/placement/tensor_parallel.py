@@ -80,6 +80,11 @@ def tensors_of(model: str, build: Optional[BuildSpec] = None) -> Tuple[ModelArgs
     return args, apply_build(tensors, args, build) if build is not None else tensors
 
 
+def _lm_head(args: ModelArgs, ranks: int, lm_head: Optional[bool]) -> bool:
+    """Whether lm_head is split: as asked, else `shard`'s default (the vocabulary divides)."""
+    return args.vocab_size % ranks == 0 if lm_head is None else lm_head
+
+
 def _sibling_scales(name: str, tensors: Tensors) -> Optional[Tuple[int, ...]]:
     for w, s in ((".weight_packed", ".weight_scale"), (".weight", ".scales")):
         if name.endswith(w) and name[: -len(w)] + s in tensors:
@@ -159,15 +164,16 @@ def _share(c: _Class, ranks: int, rank: int) -> Fraction:
 
 
 def rank_load_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int,
-                    lm_head: bool = True, classes: Optional[Dict[_Class, int]] = None) -> int:
+                    lm_head: Optional[bool] = None,
+                    classes: Optional[Dict[_Class, int]] = None) -> int:
     """Tensor bytes rank `rank` of `ranks` loads (what `checkpoint.ranged` reads).
     classes: `_classes(tensors, args, lm_head)` if already computed."""
-    classes = classes or _classes(tensors, args, lm_head)
+    classes = classes or _classes(tensors, args, _lm_head(args, ranks, lm_head))
     return int(sum(_share(c, ranks, rank) * c.nbytes * n for c, n in classes.items()))
 
 
 def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, context: int,
-                    lm_head: bool = True, act_bytes: int = 2,
+                    lm_head: Optional[bool] = None, act_bytes: int = 2,
                     classes: Optional[Dict[_Class, int]] = None) -> int:
     """Bytes rank `rank` reads for one decode step of one sequence at `context` tokens:
     its share of every weight, of the routed experts only the picked ones
@@ -175,7 +181,7 @@ def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, co
     caches whole (the latent and the index keys are replicated)."""
     total = Fraction(0)
     picked = Fraction(args.num_experts_per_token, max(1, args.num_experts))
-    for c, n in (classes or _classes(tensors, args, lm_head)).items():
+    for c, n in (classes or _classes(tensors, args, _lm_head(args, ranks, lm_head))).items():
         b = _share(c, ranks, rank) * c.nbytes * n
         if c.expert:
             b *= picked
@@ -191,12 +197,13 @@ def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, co
     return int(total)
 
 
-def collectives_per_token(args: ModelArgs, ranks: int, lm_head: bool = True) -> Tuple[int, int]:
+def collectives_per_token(args: ModelArgs, ranks: int,
+                         lm_head: Optional[bool] = None) -> Tuple[int, int]:
     """(all_sums, all_gathers) per decode step: attention + FFN per layer; the logits.
     None in one process."""
     if ranks == 1:
         return 0, 0
-    return 2 * args.num_hidden_layers, int(lm_head)
+    return 2 * args.num_hidden_layers, int(_lm_head(args, ranks, lm_head))
 
 
 @dataclass(frozen=True)
@@ -223,8 +230,9 @@ class TensorPlan:
 
 
 def plan_tensor(tensors: Tensors, args: ModelArgs, ranks: int, bandwidth: int, context: int,
-                lm_head: bool = True) -> TensorPlan:
+                lm_head: Optional[bool] = None) -> TensorPlan:
     """`TensorPlan` for `ranks` Macs of `bandwidth` bytes/s at `context` tokens."""
+    lm_head = _lm_head(args, ranks, lm_head)
     classes = _classes(tensors, args, lm_head)
     load = tuple(rank_load_bytes(tensors, args, ranks, r, lm_head, classes) for r in range(ranks))
     read = max(rank_read_bytes(tensors, args, ranks, r, context, lm_head, classes=classes)
@@ -253,8 +261,7 @@ def tensor_plan_for(tensors: Tensors, args: ModelArgs, bandwidths: Sequence[int]
                         ("attention", args.num_attention_heads)):
         if heads % n:
             raise ShardError(f"{heads} {what} heads do not split across {n} Macs")
-    return plan_tensor(tensors, args, n, min(bandwidths), context,
-                       lm_head=args.vocab_size % n == 0)
+    return plan_tensor(tensors, args, n, min(bandwidths), context)
 
 
 def recommend(pipeline_tokens_per_s: float, tensor: Optional[TensorPlan], latency_s: float,

@@ -243,7 +243,7 @@ def run_ranks(ports: Sequence[int], args: Sequence[str], workdir: Path,
     return outs
 
 
-def load_tensor_parallel(model_dir, group, ranged: bool = False, lm_head: bool = True):
+def load_tensor_parallel(model_dir, group, ranged: bool = False, lm_head: Optional[bool] = None):
     """(model, bytes read) for this rank: the whole checkpoint then `shard`, or with
     `ranged` only this rank's slices (`kimi_mlx.checkpoint.ranged.load_sharded`).
 
