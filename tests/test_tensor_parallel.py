@@ -135,17 +135,6 @@ def _micro_text(n: int, offset: int = 0):
     return (ids * (1 + (offset + n) // len(ids)))[offset : offset + n]
 
 
-def test_micro_two_ranks_match_one_process(tmp_path):
-    """micro (index_topk 64), held-out text: a prompt shorter and one longer than
-    index_topk. micro is trained: its router has near ties below the tolerance on every
-    text we tried (margins 4e-6 to 3e-4 against 3.2e-4), so its expert and indexer
-    margins are not asserted here (the conditioned model's test does); a flipped choice
-    would still show as tokens or logits out of tolerance."""
-    prompts = [_micro_text(20), _micro_text(100, 20)]
-    _, tol, ref = _reference(MICRO, prompts, 8, choices=False)
-    _check_equal(_two_ranks(tmp_path, MICRO, prompts, 8), ref, tol)
-
-
 def test_conditioned_random_two_ranks_match_one_process(tmp_path, conditioned):
     """Conditioned random model (index_topk 8): prompts of 5 and 30 tokens."""
     rng = np.random.default_rng(5)
@@ -177,15 +166,20 @@ def _metadata_bytes(model_dir: Path) -> int:
     return total
 
 
-def test_ranged_load_reads_each_ranks_slices_as_the_planner_predicts(tmp_path):
-    """Each rank reads only its slices (about half of the split tensors plus the
-    replicated ones), within 2% of `placement.tensor_parallel.rank_load_bytes`, and
-    generates what one process does; a decode step's bytes, counted from the rank's own
-    arrays and its router's picks, are within 2% of `rank_read_bytes` (float32 caches
-    on this CPU: act_bytes 4)."""
-    prompts = [_micro_text(80)]  # past index_topk 64: the sparse decode path
-    _, tol, ref = _reference(MICRO, prompts, 4, choices=False)
-    ranks = _two_ranks(tmp_path, MICRO, prompts, 4, ranged=True, extra=["--read-bytes"])
+def test_micro_two_ranks_read_their_slices_and_match_one_process(tmp_path):
+    """micro (index_topk 64), held-out text, each rank loading only its slices:
+    - a prompt longer and one shorter than index_topk give one process's greedy tokens,
+      logits within the tolerance. micro is trained: its router has near ties below the
+      tolerance on every text we tried (margins 4e-6 to 3e-4 against 3.2e-4), so its
+      expert and indexer margins are not asserted here (the conditioned model's test
+      does); a flipped choice would still show as tokens or logits out of tolerance.
+    - each rank reads about half of the split tensors plus the replicated ones, within
+      2% of `placement.tensor_parallel.rank_load_bytes`;
+    - a decode step's bytes, counted from the rank's own arrays and its router's picks,
+      are within 2% of `rank_read_bytes` (float32 caches on this CPU: act_bytes 4)."""
+    prompts = [_micro_text(100, 20), _micro_text(20)]  # the first: read bytes past topk
+    _, tol, ref = _reference(MICRO, prompts, 8, choices=False)
+    ranks = _two_ranks(tmp_path, MICRO, prompts, 8, ranged=True, extra=["--read-bytes"])
     _check_equal(ranks, ref, tol)
     args, tensors = tensors_of(str(MICRO))
     whole = rank_load_bytes(tensors, args, 1, 0)
