@@ -28,7 +28,10 @@ whole quantization groups: its packed words and its scales are sliced together, 
 dequantized. Per MoE block the routed partial sum (latent width) and the shared experts'
 partial sum are concatenated into one `all_sum` before `routed_expert_norm` (the norm
 needs the full sum); per attention block `o_proj`'s all_sum is the one collective. So a
-token costs 2 all_sums per layer plus the logits' all_gather.
+token costs 2 all_sums per layer plus the logits' all_gather. Every rank receives the same
+all_sum result, so the replicated parts (router, indexer, norms, AttnRes mixes, the
+sampler) see the same inputs on every rank and make the same choices without another
+collective (checked on 2 ranks: both ranks' tokens and logits equal).
 
 Indexer: replicated. Its weights are ~14.9 MB per DSA layer at K3.1 size (wq_b 12.6 MB,
 wk 1.8 MB, weights_proj 0.46 MB; 357 MB per token over 24 layers), its key cache (256
