@@ -79,6 +79,8 @@ def _two_ranks(tmp_path, model_dir, prompts, max_tokens, prefill_step=2048, rang
 
 def _check_equal(ranks, ref, tol):
     for i, (toks, logits) in enumerate(ref):
+        # every rank gets the same all_sum / all_gather results: same logits, bit for bit
+        assert np.array_equal(ranks[0][f"logits{i}"], ranks[1][f"logits{i}"]), i
         for r, res in enumerate(ranks):
             assert res[f"tokens{i}"].tolist() == toks.tolist(), f"rank {r}, prompt {i}"
             err = rel_err(res[f"logits{i}"], logits)

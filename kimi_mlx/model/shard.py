@@ -31,7 +31,7 @@ needs the full sum); per attention block `o_proj`'s all_sum is the one collectiv
 token costs 2 all_sums per layer plus the logits' all_gather. Every rank receives the same
 all_sum result, so the replicated parts (router, indexer, norms, AttnRes mixes, the
 sampler) see the same inputs on every rank and make the same choices without another
-collective (checked on 2 ranks: both ranks' tokens and logits equal).
+collective (tests/test_tensor_parallel.py checks both ranks' logits equal bit for bit).
 
 Indexer: replicated. Its weights are ~14.9 MB per DSA layer at K3.1 size (wq_b 12.6 MB,
 wk 1.8 MB, weights_proj 0.46 MB; 357 MB per token over 24 layers), its key cache (256
