@@ -118,15 +118,19 @@ class _Class:
 
 def _classes(tensors: Tensors, args: ModelArgs, lm_head: bool) -> Dict[_Class, int]:
     """The tensors grouped by how they split ({class: count}; K3.1's 500k expert tensors
-    fall into a handful of classes)."""
-    out: Dict[_Class, int] = {}
-    units: Dict[str, int] = {}
-    splits: Dict[str, Optional[str]] = {}
+    fall into a handful of classes). Tensors alike but for their layer and expert numbers
+    are classified once, by a representative."""
+    alike: Dict[Tuple[str, str, Tuple[int, ...]], list] = {}
     for name, (dtype, shape) in tensors.items():
-        generic = _NUMBERS.sub(".0.", name)  # the split depends on neither number
-        if generic not in splits:
-            splits[generic] = split_of(generic, lm_head)
-        split = splits[generic]
+        key = (_NUMBERS.sub(".0.", name), dtype, tuple(shape))
+        entry = alike.get(key)
+        if entry is None:
+            alike[key] = [name, 1]
+        else:
+            entry[1] += 1
+    out: Dict[_Class, int] = {}
+    for (generic, dtype, shape), (name, count) in alike.items():
+        split = split_of(generic, lm_head)
         nbytes = _prod(shape) * DTYPE_BYTES[dtype]
         m = _EXPERT.match(name)
         dim, unit, stored = 0, 1, 0
@@ -135,19 +139,16 @@ def _classes(tensors: Tensors, args: ModelArgs, lm_head: bool) -> Dict[_Class, i
         elif split == OUT:
             dim = shape[0]
             sh = _SHARED.match(name)
-            if m or sh:  # rows in whole groups of the down projection's input
-                base = f"{m['moe']}.experts.{m['e']}." if m else sh["base"]
-                key = m["moe"] if m else sh["base"]
-                if key not in units:
-                    units[key] = (_glu_unit(base, "w1", "w2", tensors) if m else
-                                  _glu_unit(base, "gate_proj", "down_proj", tensors))
-                unit = units[key]
+            if m:  # rows in whole groups of the down projection's input
+                unit = _glu_unit(f"{m['moe']}.experts.{m['e']}.", "w1", "w2", tensors)
+            elif sh:
+                unit = _glu_unit(sh["base"], "gate_proj", "down_proj", tensors)
         elif split == IN:
             scales = _sibling_scales(name, tensors)
             dim = scales[-1] if scales is not None else shape[-1]
         c = _Class(split, nbytes, dim, unit, bool(m),
                    shape[0] if "embed_tokens" in name else 0, stored)
-        out[c] = out.get(c, 0) + 1
+        out[c] = out.get(c, 0) + count
     return out
 
 
