@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install demo test check-real bench bench-prune bench-server bench-spec micro micro-draft micro-mtp proto clean
+.PHONY: install demo test check-real check-real-tensor bench bench-prune bench-server bench-spec micro micro-draft micro-mtp proto clean
 
 install: $(STAMP)
 
@@ -61,6 +61,11 @@ test: install
 # the planner's memory / bytes-read predictions (kimi_mlx/testing/check_real.py). Needs ~6 GB RAM.
 check-real: install
 	$(BIN)/python -m kimi_mlx.testing.check_real
+
+# The same slice split across 2 tensor-parallel ranks (MLX ring on 127.0.0.1) against one
+# process, and each rank's bytes read against the planner (kimi_mlx/testing/tp_real.py).
+check-real-tensor: install
+	$(BIN)/python -m kimi_mlx.testing.tp_real
 
 bench: install
 	$(BIN)/python -m kimi_mlx.bench.model

@@ -65,6 +65,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="prompts for the pipeline rows (default 2)")
     s.add_argument("--stage-repeats", type=int, default=1,
                    help="interleaved rounds for the pipeline rows (default 1)")
+    t = sub.add_parser("tensor", help="2-rank tensor parallelism (ring, loopback) vs one process",
+                       description="Per decode step: collectives and their time against the "
+                       "bare all_sum floor, bytes loaded / read per rank, tokens/s 2 ranks vs "
+                       "one process (kimi_mlx.bench.tensor).")
+    t.add_argument("--model", default=None, help="checkpoint (default: the shipped micro model)")
+    t.add_argument("--prompt", type=int, default=64, help="prompt tokens (default 64)")
+    t.add_argument("--decode", type=int, default=32, help="decode steps (default 32)")
+    t.add_argument("--port", type=int, default=45900,
+                   help="first of 2 loopback ports for the ring (default 45900)")
+    t.add_argument("--repeats", type=int, default=3, help="timed runs per side (default 3)")
     h = sub.add_parser("hop", help="the pipeline's own cost: ms per hop, 2-stage pipelined "
                        "prefill, beside each stage's real compute",
                        description="Null stage processes on loopback (the real service, "
@@ -107,6 +117,10 @@ def run(args: argparse.Namespace) -> int:
         print()
         return pipeline_main(args.model, args.draft_model, args.tokens, ks,
                              args.stage_repeats, args.stage_prompts, args.stages)
+    if args.what == "tensor":
+        from kimi_mlx.bench.tensor import main as tensor_main
+
+        return tensor_main(args.model, args.prompt, args.decode, args.port, args.repeats)
     if args.what == "hop":
         from kimi_mlx.cluster.bench.hop import main as hop_main
 
@@ -127,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         rows = kernel_rows(prefill, args.context, args.repeats, on_mac)
         print_kernels(ratio, rows, on_mac)
         return 0
-    print("usage: kimi-mlx bench {kernels,model,spec,hop,server} [options]  (see kimi-mlx bench -h)")
+    print("usage: kimi-mlx bench {kernels,model,spec,tensor,hop,server} [options]  (see kimi-mlx bench -h)")
     return 2
 
 

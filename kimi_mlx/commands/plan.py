@@ -13,6 +13,8 @@ from typing import List
 from kimi_mlx.model.config import QUANT_DEFAULT_GROUP, QUANT_EXPERT_BITS, QUANT_GROUP_SIZES, QUANT_TRUNK_BITS
 
 from kimi_mlx.placement.layer_bytes import DEFAULT_MODEL_ID, BuildSpec, ModelBytes, model_bytes
+from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S, recommend,
+                                               tensor_plan_for, tensors_of)
 from kimi_mlx.placement.planner import (
     DEFAULT_CHIP, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
     StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs,
@@ -42,6 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default 0.1, at least 2 GiB")
     p.add_argument("--hop-latency-ms", type=float, default=DEFAULT_HOP_LATENCY_S * 1e3,
                    help="network latency per pipeline hop (default 0.5)")
+    p.add_argument("--jaccl-latency-us", type=float, default=JACCL_LATENCY_S * 1e6,
+                   help="latency per collective over JACCL (RDMA over Thunderbolt 5) for the "
+                        f"tensor-parallel estimate (default {JACCL_LATENCY_S * 1e6:g})")
+    p.add_argument("--tcp-latency-us", type=float, default=TCP_LATENCY_S * 1e6,
+                   help="latency per collective over the TCP ring for the tensor-parallel "
+                        f"estimate (default {TCP_LATENCY_S * 1e6:g})")
     p.add_argument("--keep", type=float, default=None,
                    help="plan a pruned build keeping round(KEEP x experts) routed experts per layer")
     p.add_argument("--q-bits", type=int, choices=QUANT_TRUNK_BITS, default=None,
@@ -201,5 +209,51 @@ def run(args) -> int:
     print()
     for line in _summary(plan, model, planner, args.wired_limit_mb is not None):
         print(line)
+    if len(nodes) > 1:
+        print()
+        for line in _versus_tensor(args, plan, planner, nodes, build):
+            print(line)
     print("fits")
     return 0
+
+
+def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> List[str]:
+    """Pipeline vs tensor parallelism over the same Macs (kimi_mlx/placement/tensor_parallel.py)."""
+    from kimi_mlx.model.shard import ShardError
+
+    jaccl, tcp = args.jaccl_latency_us * 1e-6, args.tcp_latency_us * 1e-6
+    lines = [f"pipeline vs tensor parallel over {len(nodes)} Macs at {plan.context} tokens "
+             f"(per collective: JACCL {args.jaccl_latency_us:g} us, TCP ring "
+             f"{args.tcp_latency_us:g} us; Apple TN3205 via adwaitx.com, see "
+             "kimi_mlx/placement/tensor_parallel.py):"]
+    try:
+        targs, tensors = tensors_of(args.model, build)
+        tp = tensor_plan_for(tensors, targs, [n.bandwidth_bytes_per_s for n in nodes], plan.context)
+    except ShardError as e:
+        lines.append(f"  tensor: not possible ({e})")
+        tp = None
+    used = plan.used_stages
+    rows = [("", "pipeline", "tensor")]
+    per_mac = max(s.weight_bytes + s.cache_bytes for s in used)
+    fits = False
+    if tp is not None:
+        tp_mem = max(tp.load_bytes) + tp.cache_bytes
+        fits = all(tp_mem + planner._headroom(n) <= n.usable_bytes for n in nodes)
+        rows += [
+            ("bytes per Mac (GB, weights + cache)", f"{_gb(per_mac)} (largest stage)",
+             f"{_gb(tp_mem)}" + ("" if fits else " (does NOT fit)")),
+            ("read per token per Mac (GB)", f"{_gb(max(s.read_bytes for s in used))} "
+             f"(stages in turn: {_gb(plan.read_bytes_per_step)} in all)",
+             _gb(tp.read_bytes_per_token)),
+            ("collectives per token", f"{plan.hops} hops",
+             f"{tp.all_sums} all_sum + {tp.all_gathers} all_gather"),
+            ("tok/s over JACCL", f"{plan.tokens_per_s:.1f}", f"{tp.tokens_per_s(jaccl):.1f}"),
+            ("tok/s over TCP", f"{plan.tokens_per_s:.1f}", f"{tp.tokens_per_s(tcp):.1f}"),
+        ]
+        w0 = max(len(r[0]) for r in rows)
+        w1 = max(len(r[1]) for r in rows)
+        lines += [f"  {a.ljust(w0)}  {b.ljust(w1)}  {c}".rstrip() for a, b, c in rows]
+    for link, lat in (("JACCL (every pair of Macs cabled, RDMA on)", jaccl),
+                      ("TCP ring (Thunderbolt bridge)", tcp)):
+        lines.append(f"recommended over {link}: {recommend(plan.tokens_per_s, tp, lat, fits)}")
+    return lines

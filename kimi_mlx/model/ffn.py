@@ -134,6 +134,9 @@ class LatentMoE(nn.Module):
             if args.num_shared_experts
             else None
         )
+        # Set by `shard.shard`: the group whose ranks each hold a slice of every expert's
+        # (and the shared experts') intermediate dim; None in one process.
+        self.sharding_group = None
 
     def route(self, x: mx.array) -> Tuple[mx.array, mx.array]:
         """(indices, weights) for x [..., hidden]; see `route`."""
@@ -150,10 +153,26 @@ class LatentMoE(nn.Module):
         z = self.routed_expert_down_proj(x) if self.latent else x
         y = self.switch_mlp(z, inds)  # [B, L, k, latent]
         y = (y * w[..., None].astype(y.dtype)).sum(axis=-2)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        if self.sharding_group is not None:
+            y, shared = sum_partials(y, shared, self.sharding_group)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)
         if self.latent:
             y = self.routed_expert_up_proj(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        if shared is not None:
+            y = y + shared
         return y
+
+
+def sum_partials(y: mx.array, shared: Optional[mx.array], group) -> Tuple[mx.array, Optional[mx.array]]:
+    """One all_sum over `group` of a tensor-parallel MoE block's two partial sums: the
+    routed experts' (latent width, before `routed_expert_norm`, which needs the full sum)
+    and the shared experts' (hidden width), concatenated as mlx-lm's kimi_k3 does.
+    y [..., latent], shared [..., hidden] or None -> the summed pair."""
+    if shared is None:
+        return mx.distributed.all_sum(y, group=group), None
+    split = y.shape[-1]
+    total = mx.distributed.all_sum(mx.concatenate([y, shared.astype(y.dtype)], axis=-1),
+                                   group=group)
+    return total[..., :split], total[..., split:].astype(shared.dtype)

@@ -148,11 +148,19 @@ class LanguageModel(nn.Module):
         self.model = TextModel(args, start, end)
         if self.model.is_last and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # Set by `shard.shard` when lm_head is split by vocabulary across a group.
+        self.logits_group = None
 
     def logits(self, h: mx.array) -> mx.array:
         """Final hidden [B, L, D] (after `finish`) -> logits [B, L, vocab]."""
         if self.args.tie_word_embeddings:
             return self.model.embed_tokens.as_linear(h)
+        if self.logits_group is not None:  # each rank holds vocab / N rows of lm_head
+            part = self.lm_head(h)  # [B, L, V/N]
+            N = self.logits_group.size()
+            every = mx.distributed.all_gather(part, group=self.logits_group)  # [N*B, L, V/N]
+            every = every.reshape(N, *part.shape)
+            return mx.moveaxis(every, 0, -2).reshape(*part.shape[:-1], N * part.shape[-1])
         return self.lm_head(h)
 
     def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
@@ -195,6 +203,14 @@ class Model(nn.Module):
     @property
     def layers(self) -> List[DecoderLayer]:
         return self.text.local_layers
+
+    def shard(self, group=None, lm_head: Optional[bool] = None):
+        """Split this model across `group` for tensor parallelism (mlx-lm's `shard` API;
+        default: `mx.distributed.init()`); see `kimi_mlx.model.shard`. Returns the record
+        of the slices each parameter now holds."""
+        from kimi_mlx.model.shard import shard
+
+        return shard(self, group or mx.distributed.init(), lm_head=lm_head)
 
     def make_cache(self) -> List[Any]:
         """One cache per local layer: ArraysCache(2) for KDA, DSACache for Gated DSA."""
