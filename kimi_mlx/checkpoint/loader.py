@@ -75,7 +75,7 @@ def load_model(
         CheckpointError / TensorError: missing or truncated shard, missing, extra or
             misshapen tensor (named, with its shard and the expected shape/dtype).
     """
-    from kimi_mlx.model.model import Model
+    from kimi_mlx.model.model import Model, default_activation_dtype
 
     model_dir = Path(path)
     config = read_config(model_dir)
@@ -100,8 +100,8 @@ def load_model(
         print(f"[kimi-mlx] skipping {' and '.join(parts)} (text model only)", file=sys.stderr)
 
     model = fill_module(Model(args, start, end), weights, args, start, end, where, model_dir)
-    if activation_dtype is None and mx.default_device() == mx.cpu:
-        activation_dtype = mx.float32
+    if activation_dtype is None:
+        activation_dtype = default_activation_dtype()
     model.activation_dtype = activation_dtype
     if not lazy:
         mx.eval(model.parameters())

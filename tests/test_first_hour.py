@@ -1,0 +1,86 @@
+"""A new user's first hour (issue 19): full BLAS speed however `kimi-mlx` is started, its
+version line, progress while loading, and the help and message texts, by exact wording."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimi_mlx.commands.blas import MARKER, OPT_OUT, openblas_path, preload_env
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).parent / "kimi-mlx"
+
+
+def bare_env(**extra) -> dict:
+    """This environment as a new shell would have it: no preload, no re-exec marker."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", MARKER, OPT_OUT)}
+    env.update(extra)
+    return env
+
+
+needs_openblas = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or openblas_path() is None,
+    reason="Linux with Debian's libopenblas0-pthread only")
+
+MAPS_SCRIPT = (
+    "import os, sys\n"
+    "from kimi_mlx.commands.blas import ensure_fast_blas\n"
+    "ensure_fast_blas()\n"
+    "maps = open('/proc/self/maps').read()\n"
+    "print(int('openblas' in maps), os.environ.get('LD_PRELOAD', ''), sys.argv[1:])\n"
+)
+
+
+@needs_openblas
+def test_started_without_preload_the_process_maps_openblas():
+    """A process started with no LD_PRELOAD re-executes itself once with OpenBLAS
+    preloaded (the kernel's own map of the process shows it), keeping its arguments."""
+    res = subprocess.run([sys.executable, "-c", MAPS_SCRIPT, "a b", "c"], env=bare_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"1 {openblas_path()} ['a b', 'c']"
+
+
+@needs_openblas
+def test_opt_out_and_marker_leave_the_process_as_started():
+    for extra in ({OPT_OUT: "1"}, {MARKER: "1"}):
+        res = subprocess.run([sys.executable, "-c", MAPS_SCRIPT], env=bare_env(**extra),
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.strip() == "0  []", extra
+
+
+@needs_openblas
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_kimi_mlx_version_reports_openblas_however_started(how):
+    """The installed console script and `python -m kimi_mlx`, started from another folder
+    without the Makefile's preload, run on OpenBLAS; with the opt-out they say why not."""
+    if how == "script" and not SCRIPT.exists():
+        pytest.skip(f"{SCRIPT} is not installed")
+    argv = [str(SCRIPT)] if how == "script" else [sys.executable, "-m", "kimi_mlx"]
+    res = subprocess.run(argv + ["--version"], env=bare_env(), cwd="/", capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("kimi-mlx ")
+    assert f"BLAS: OpenBLAS ({Path(openblas_path()).parent}/" in res.stdout
+    res = subprocess.run(argv + ["--version"], env=bare_env(**{OPT_OUT: "1"}), cwd="/",
+                         capture_output=True, text=True, timeout=120)
+    assert res.stdout.rstrip().endswith(
+        f"BLAS: reference BLAS (slow: OpenBLAS is installed, {OPT_OUT} is set))")
+
+
+def test_preload_env_rules():
+    lib = openblas_path()
+    assert preload_env({"LD_PRELOAD": ""}, platform="darwin") is None
+    if lib is None:
+        assert preload_env({}, platform="linux") is None
+        return
+    env = preload_env({"LD_PRELOAD": "/opt/libjemalloc.so", "HOME": "/h"}, platform="linux")
+    assert env == {"LD_PRELOAD": f"/opt/libjemalloc.so:{lib}", "HOME": "/h", MARKER: "1"}
+    assert preload_env({"LD_PRELOAD": "/x/libopenblas.so.0"}, platform="linux") is None
+    assert preload_env({OPT_OUT: "0"}, platform="linux")["LD_PRELOAD"] == lib
