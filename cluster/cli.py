@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sessions held at once, of all heads together (default 16); one "
                         "more is refused with RESOURCE_EXHAUSTED naming the limit")
     q.add_argument("--max-message-mb", type=int, default=256, help="largest message (default 256)")
+    q.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bar while a stage loads (shown only on a terminal)")
     _common(q)
 
     q = sub.add_parser("ls", help="list the nodes advertising on the network", description="List the nodes advertising on the network.")
@@ -223,6 +225,10 @@ def _serve(args) -> int:
         idle_timeout=args.idle_timeout, max_sessions=args.max_sessions,
         max_message=args.max_message_mb << 20, usable_memory=usable,
         bandwidth=int(args.bandwidth_gbs * 1e9) if args.bandwidth_gbs else None)
+    if not args.quiet:
+        from kimi_mlx.checkpoint.loader import byte_bar
+
+        service.load_bar = byte_bar
     try:
         server = StageServer(service, listen, port, secret, tls_secret_path=tls).start()
     except (OSError, RuntimeError, AuthError) as e:
@@ -310,9 +316,9 @@ def _ls(args) -> int:
 # -- launch ------------------------------------------------------------------------------
 
 class _Bars:
-    """One tqdm progress bar per stage (stderr)."""
+    """One tqdm progress bar per stage (stderr; on a terminal and without --quiet)."""
 
-    def __init__(self, assignments):
+    def __init__(self, assignments, quiet: bool = False):
         from tqdm import tqdm
 
         self.lock = threading.Lock()
@@ -320,7 +326,7 @@ class _Bars:
         self.tty = sys.stderr.isatty()  # no bars in logs: one line per stage when ready
         self.bars = [tqdm(total=1, desc=f"{a.node.node_id} [{a.start},{a.end})", position=i,
                           unit="B", unit_scale=True, file=sys.stderr, leave=True,
-                          dynamic_ncols=True, disable=not self.tty)
+                          dynamic_ncols=True, disable=quiet or not self.tty)
                      for i, a in enumerate(assignments)]
 
     def update(self, i: int, p) -> None:
@@ -416,7 +422,7 @@ class _Cluster:
                   f"{s.node.usable_memory / 1e9:.1f} GB usable", file=sys.stderr)
         for n in plan.unused_nodes:
             print(f"[cluster]   node {n.name}: not needed", file=sys.stderr)
-        bars = _Bars(assignments)
+        bars = _Bars(assignments, quiet=getattr(a, "quiet", False))
         try:
             transport.load(self.fp, assignments, compute, wire, progress=bars.update,
                            force=a.force_load)

@@ -203,7 +203,9 @@ class StageService(pb_grpc.StageServicer):
 
     `stage_loader` (class attribute, default None = `runner.load_stage`): what `Load`
     calls, `(path, spec, progress) -> (runner, report, tensor bytes)`; the hop bench's
-    null stages (`cluster.hop_bench`) set it in a subclass.
+    null stages (`cluster.hop_bench`) set it in a subclass. `load_bar` (None, or
+    `(description) -> progress callback`, e.g. `checkpoint.loader.byte_bar`): a bar on the
+    node's own terminal while a stage loads (`cluster serve` sets it unless --quiet).
 
     Args:
         node_id: this node's name. models_dir: where checkpoints may be loaded from.
@@ -216,6 +218,7 @@ class StageService(pb_grpc.StageServicer):
     """
 
     stage_loader = None
+    load_bar = None
 
     def __init__(self, node_id: str, models_dir: Optional[Path], secret: bytes,
                  tls_secret_path: Optional[Path] = None, idle_timeout: float = 120.0,
@@ -449,7 +452,14 @@ class StageService(pb_grpc.StageServicer):
                 gc.collect()  # the previous layers' memory goes back before the new load
                 mx.clear_cache()
                 loader = self.stage_loader or load_stage
-                res = loader(path, spec, lambda d, t: events.put(("progress", d, t)))
+                bar = self.load_bar(f"loading {path.name} [{spec.start},{spec.end})") if self.load_bar else None
+
+                def report(d, t):
+                    events.put(("progress", d, t))
+                    if bar:
+                        bar(d, t)
+
+                res = loader(path, spec, report)
                 events.put(("done", res, rchar()))
             except Exception as e:  # CheckpointError, ConfigError, MLX errors
                 events.put(("error", f"{type(e).__name__}: {e}", None))

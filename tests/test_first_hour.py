@@ -84,3 +84,62 @@ def test_preload_env_rules():
     assert env == {"LD_PRELOAD": f"/opt/libjemalloc.so:{lib}", "HOME": "/h", MARKER: "1"}
     assert preload_env({"LD_PRELOAD": "/x/libopenblas.so.0"}, platform="linux") is None
     assert preload_env({OPT_OUT: "0"}, platform="linux")["LD_PRELOAD"] == lib
+
+
+def run_on(argv, terminal: bool, timeout: float = 180) -> str:
+    """Run `python -m kimi_mlx ARGV` with stdout and stderr on a pseudo-terminal (what a
+    user sees) or on a pipe; returns what was written to them together."""
+    cmd = [sys.executable, "-m", "kimi_mlx"] + argv
+    if not terminal:
+        res = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, timeout=timeout)
+        assert res.returncode == 0, res.stdout.decode()[-2000:]
+        return res.stdout.decode()
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    # 24 rows x 80 columns, as a terminal window has (tqdm draws nothing 0 columns wide)
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks = []
+    try:
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed its end
+                break
+            if not data:
+                break
+            chunks.append(data)
+        assert proc.wait(timeout=timeout) == 0, b"".join(chunks).decode()[-2000:]
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+    return b"".join(chunks).decode()
+
+
+@pytest.mark.parametrize("command", ["generate", "eval"])
+def test_loading_progress_on_a_terminal_only(tiny_ckpt, tmp_path, command):
+    """A bar of bytes read (`loading <folder>`, tqdm) shows on a terminal, never in a pipe
+    or with --quiet; the command's own output is the same either way."""
+    if command == "generate":
+        argv = ["generate", "--model", str(tiny_ckpt), "--prompt", "def f(x):",
+                "--ignore-chat-template", "--max-tokens", "3", "--temp", "0"]
+    else:
+        data = tmp_path / "data.txt"
+        data.write_text("def add(a, b):\n    return a + b\n" * 8)
+        argv = ["eval", "--model", str(tiny_ckpt), "--data", str(data), "--seq-len", "16"]
+    shown = run_on(argv, terminal=True)
+    assert f"loading {tiny_ckpt.name}: " in shown and "B/s]" in shown
+    if command == "eval":
+        assert "measuring: " in shown and "tok/s]" in shown
+    quiet = [run_on(argv + ["--quiet"], terminal=True)] if command == "generate" else []
+    for out in [run_on(argv, terminal=False)] + quiet:
+        assert f"loading {tiny_ckpt.name}" not in out and "measuring: " not in out
+        assert "\r" not in out.replace("\r\n", "\n")
+        assert ("Generation: 3 tokens" if command == "generate" else "perplexity: ") in out

@@ -16,7 +16,8 @@ from typing import List
 from kimi_mlx.checkpoint.loader import load_for_generation
 from kimi_mlx.generation.generate import load_speculation
 from kimi_mlx.generation.request import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
-                                         add_mtp_argument, check_draft_arguments, check_model_arguments,
+                                         add_mtp_argument, add_quiet_argument, check_draft_arguments,
+                                         check_model_arguments,
                                          resolve_model_arg, token_budget)
 
 
@@ -26,6 +27,7 @@ def add_arguments(p) -> None:
     p.add_argument("--system-prompt", default=None, help="system message")
     add_draft_arguments(p)
     add_mtp_argument(p)
+    add_quiet_argument(p)
 
 
 COMMANDS = "/help, /reset, /effort low|high|max, /exit (or Ctrl-D); Ctrl-C stops a reply"
@@ -142,7 +144,7 @@ def run(args) -> int:
         check_model_arguments(args)
         check_draft_arguments(args)
         spec = resolve_model_arg(args.model)
-        model, wrapper, tok, _ = load_for_generation(spec)
+        model, wrapper, tok, _ = load_for_generation(spec, progress=not args.quiet)
         speculation = load_speculation(args, wrapper, spec, model)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx chat: error: {e}", file=sys.stderr)

@@ -25,7 +25,7 @@ def run(args) -> int:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         if prompt is None:
             raise InputError("give a prompt with --prompt TEXT (or --prompt - for stdin)")
-        model, wrapper, tok, config = load_for_generation(spec)
+        model, wrapper, tok, config = load_for_generation(spec, progress=not args.quiet)
         ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
                            args.reasoning_effort)
         context = model.args.max_position_embeddings

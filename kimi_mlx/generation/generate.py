@@ -15,6 +15,7 @@ from typing import Iterator, List
 
 from kimi_mlx.generation.request import (  # noqa: F401  (re-exported: the request path lives in request.py)
     DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_draft_arguments, add_model_arguments, add_mtp_argument,
+    add_quiet_argument,
     build_prompt, check_context, check_draft_arguments, check_model_arguments, default_model,
     resolve_model_arg, token_budget,
 )
@@ -30,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=True, help="print timing and memory at the end (default: True)")
     add_draft_arguments(p)
     add_mtp_argument(p)
+    add_quiet_argument(p)
 
 
 def load_speculation(args, wrapper, target_name: str, model=None):

@@ -33,6 +33,12 @@ def default_model() -> Optional[Path]:
     return path if (path / "config.json").exists() else None
 
 
+def add_quiet_argument(p: argparse.ArgumentParser) -> None:
+    """`--quiet`: no progress bar while the checkpoint loads (there is none in a pipe)."""
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bar while loading (shown only on a terminal)")
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared with chat / cluster launch / server: --model and sampling."""
     p.add_argument("--model", default=None,

@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from kimi_mlx.generation.request import InputError, add_draft_arguments, resolve_model_arg
+from kimi_mlx.generation.request import InputError, add_draft_arguments, add_quiet_argument, resolve_model_arg
 from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
                                      serve)
@@ -31,6 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_draft_arguments(p, note=": the server then runs one request at a time "
                         "(--max-concurrency 1), every request speculatively (requests with "
                         "penalties or logit_bias decode plainly)")
+    add_quiet_argument(p)
 
 
 def run(args) -> int:
@@ -51,7 +52,7 @@ def run(args) -> int:
     def load():
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
                      args.max_queue, args.max_kv_size, draft_model=args.draft_model,
-                     num_draft_tokens=args.num_draft_tokens)
+                     num_draft_tokens=args.num_draft_tokens, progress=not args.quiet)
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
 
     def cleanup():
