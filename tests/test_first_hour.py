@@ -143,3 +143,43 @@ def test_loading_progress_on_a_terminal_only(tiny_ckpt, tmp_path, command):
         assert f"loading {tiny_ckpt.name}" not in out and "measuring: " not in out
         assert "\r" not in out.replace("\r\n", "\n")
         assert ("Generation: 3 tokens" if command == "generate" else "perplexity: ") in out
+
+
+MICRO_NOTE = (
+    "note: this is the shipped micro model (kimi_mlx/assets/micro, 5.1M parameters of the "
+    "Kimi K3.1 architecture), trained on Python standard-library code and documentation "
+    "prose and not chat-tuned: chat prompts get noise. It continues raw text, e.g. "
+    "--ignore-chat-template --prompt 'PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2' or "
+    "'class Queue:'. Give --model PATH_OR_HF_ID for a real model; "
+    "kimi_mlx/assets/micro/MODEL_CARD.md says more about this one.\n")
+
+
+def test_the_default_model_introduces_itself_to_chat_prompts(capsys):
+    """A chat prompt to the shipped micro model (no --model) gets one note saying what the
+    model is and which prompts suit it; a raw prompt, which it was trained for, does not."""
+    from kimi_mlx.commands.main import main
+
+    assert main(["generate", "--prompt", "Write a haiku about RAM", "--max-tokens", "2", "-q"]) == 0
+    assert capsys.readouterr().err == MICRO_NOTE
+    assert main(["generate", "--prompt", "class Queue:", "--ignore-chat-template",
+                 "--max-tokens", "2", "-q"]) == 0
+    assert capsys.readouterr().err == ""
+    card = (REPO / "kimi_mlx" / "assets" / "micro" / "MODEL_CARD.md").read_text()
+    assert "A 5.1M-parameter model of the Kimi K3.1 architecture" in card
+
+
+def test_the_recited_license_is_what_the_readme_promises(capsys):
+    """The README's first example: micro learned the stdlib's LICENSE.txt by heart (its
+    model card), so the raw prompt continues with the licence's own words."""
+    from kimi_mlx.commands.main import main
+
+    license_file = Path(os.__file__).parent / "LICENSE.txt"
+    if not license_file.exists():
+        pytest.skip(f"{license_file} is not installed")
+    heading = "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2"
+    assert main(["generate", "--ignore-chat-template", "--prompt", heading,
+                 "--max-tokens", "40", "--temp", "0", "-q"]) == 0
+    text = capsys.readouterr().out.split("=" * 10 + "\n")[1][:-1]  # print() added a newline
+    assert "This LICENSE AGREEMENT is between" in text
+    after = license_file.read_text().split(heading, 1)[1]
+    assert after.startswith(text)

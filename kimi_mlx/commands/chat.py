@@ -18,7 +18,7 @@ from kimi_mlx.generation.generate import load_speculation
 from kimi_mlx.generation.request import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
                                          add_mtp_argument, add_quiet_argument, check_draft_arguments,
                                          check_model_arguments,
-                                         resolve_model_arg, token_budget)
+                                         micro_note, resolve_model_arg, token_budget)
 
 
 def add_arguments(p) -> None:
@@ -161,6 +161,9 @@ def run(args) -> int:
         print(f"\033[2m{text}\033[0m" if channel == "reasoning" and dim else text, end="",
               flush=True)
 
+    note = micro_note(spec)
+    if note:
+        print(note, file=sys.stderr)
     print(f"kimi-mlx chat: {COMMANDS}", file=sys.stderr)
     while True:
         try:

@@ -33,6 +33,29 @@ def default_model() -> Optional[Path]:
     return path if (path / "config.json").exists() else None
 
 
+MICRO_NOTE = (
+    "note: this is the shipped micro model (kimi_mlx/assets/micro, 5.1M parameters of the "
+    "Kimi K3.1 architecture), trained on Python standard-library code and documentation "
+    "prose and not chat-tuned: chat prompts get noise. It continues raw text, e.g. "
+    "--ignore-chat-template --prompt 'PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2' or "
+    "'class Queue:'. Give --model PATH_OR_HF_ID for a real model; "
+    "kimi_mlx/assets/micro/MODEL_CARD.md says more about this one."
+)
+
+
+def micro_note(spec: str, raw: bool = False) -> Optional[str]:
+    """`MICRO_NOTE` when `spec` is the shipped micro checkpoint and the prompt goes through
+    the chat encoding (`raw` False), which it was never trained on; otherwise None."""
+    path = default_model()
+    if raw or path is None:
+        return None
+    try:
+        same = Path(spec).expanduser().resolve() == path
+    except OSError:
+        return None
+    return MICRO_NOTE if same else None
+
+
 def add_quiet_argument(p: argparse.ArgumentParser) -> None:
     """`--quiet`: no progress bar while the checkpoint loads (there is none in a pipe)."""
     p.add_argument("--quiet", "-q", action="store_true",

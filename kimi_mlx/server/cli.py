@@ -8,7 +8,8 @@ import logging
 import os
 import sys
 
-from kimi_mlx.generation.request import InputError, add_draft_arguments, add_quiet_argument, resolve_model_arg
+from kimi_mlx.generation.request import (InputError, add_draft_arguments, add_quiet_argument, micro_note,
+                                         resolve_model_arg)
 from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
                                      serve)
@@ -54,6 +55,8 @@ def run(args) -> int:
                      args.max_queue, args.max_kv_size, draft_model=args.draft_model,
                      num_draft_tokens=args.num_draft_tokens, progress=not args.quiet)
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
+        if micro_note(spec):
+            log.info(micro_note(spec))
 
     def cleanup():
         if svc.engine is not None:
