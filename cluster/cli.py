@@ -160,6 +160,16 @@ def _err(cmd: str, e) -> None:
     print(f"kimi-mlx cluster {cmd}: error: {e}", file=sys.stderr)
 
 
+def failure_text(e, replan: bool) -> str:
+    """A StageFailure as one line: the stage and node (named once, by the transport) and
+    what to do next: restart the lost node's `cluster serve`, or --replan when not given."""
+    nodes = ", ".join(dict.fromkeys(e.node_ids)) or "the node"
+    if not e.lost:
+        return f"{e}; the node's `kimi-mlx cluster serve` log says more"
+    step = f"restart `kimi-mlx cluster serve` on {nodes}"
+    return f"{e}; {step}" + ("" if replan else ", or pass --replan to carry on over the nodes left")
+
+
 # -- init --------------------------------------------------------------------------------
 
 def _init(args) -> int:
@@ -487,7 +497,8 @@ def _launch(args) -> int:
     try:
         pipeline = cluster.connect()
     except (PlanError, StageFailure, RuntimeError, ValueError) as e:
-        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError) else e)
+        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError)
+             else failure_text(e, args.replan) if isinstance(e, StageFailure) else e)
         return 1
     failure: List[BaseException] = []
 
@@ -517,7 +528,9 @@ def _launch(args) -> int:
                 return
             except StageFailure as e:
                 left = cluster.transport.abort()
-                print(f"\n[cluster] {e}", file=sys.stderr)
+                print(file=sys.stderr)  # ends the streamed text's line
+                if args.replan:  # otherwise the final error says it, once
+                    print(f"[cluster] {e}", file=sys.stderr)
                 print("[cluster] freed the session on: " + ", ".join(
                     f"{n} ({'unreachable' if k < 0 else f'{k} sessions left'})"
                     for n, k in sorted(left.items())), file=sys.stderr)
@@ -548,7 +561,8 @@ def _launch(args) -> int:
         print(speculation.summary())
     if failure:
         e = failure[0]
-        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError) else e)
+        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError)
+             else failure_text(e, args.replan) if isinstance(e, StageFailure) else e)
         return 1
     return code
 
