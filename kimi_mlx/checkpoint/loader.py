@@ -140,10 +140,11 @@ def eval_parameters(model: nn.Module, progress: Optional[Progress] = None) -> in
 
 
 def byte_bar(desc: str, enabled: bool = True) -> Optional[Progress]:
-    """A `progress` callback drawing a tqdm bar of bytes on stderr, on a terminal only
-    (tqdm's `disable=None`: nothing in a pipe or a log); None when not `enabled`
-    (`--quiet`). The bar clears itself when the load completes."""
-    if not enabled:
+    """A `progress` callback drawing a tqdm bar of bytes on stderr, on a terminal only;
+    None when not `enabled` (`--quiet`) or when stderr is a pipe or a log file (then not
+    even tqdm is touched: a cluster stage counts the bytes its load reads). The bar
+    clears itself when the load completes."""
+    if not enabled or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
 
@@ -153,7 +154,7 @@ def byte_bar(desc: str, enabled: bool = True) -> Optional[Progress]:
         nonlocal bar
         if bar is None:
             bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
-                       leave=False, dynamic_ncols=True, disable=None)
+                       leave=False, dynamic_ncols=True)
         bar.n = done
         bar.refresh()
         if done >= total:
