@@ -236,6 +236,8 @@ def _serve(args) -> int:
         max_message=args.max_message_mb << 20, usable_memory=usable,
         bandwidth=int(args.bandwidth_gbs * 1e9) if args.bandwidth_gbs else None)
     if not args.quiet:
+        import tqdm  # noqa: F401  (now: a load should read checkpoint bytes only)
+
         from kimi_mlx.checkpoint.loader import byte_bar
 
         service.load_bar = byte_bar
@@ -259,10 +261,12 @@ def _serve(args) -> int:
         import faulthandler
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    from kimi_mlx.cluster.fingerprint import named
+
     fps = sorted(service.catalog)
     print(f"kimi-mlx cluster serve: node {node_id} listening on "
           f"{', '.join(f'{a}:{server.port}' for a in addresses)} "
-          f"({len(fps)} checkpoint(s): {', '.join(fps) or 'none'}; "
+          f"({len(fps)} checkpoint(s): {', '.join(named(f, service.catalog) for f in fps) or 'none'}; "
           f"{'advertised' if not args.no_advertise else 'not advertised'})", flush=True)
     stop.wait()
     server.stop(1.0)
@@ -287,14 +291,14 @@ def _ls(args) -> int:
     except OSError as e:  # e.g. an IPv4 address that is on no interface of this host
         _err("ls", f"cannot browse on {args.interface or 'all interfaces'}: {e.strerror or e}")
         return 2
-    status = {}
+    status, checkpoints = {}, {}
     try:
         secret = load_secret(args.secret_file)
     except AuthError as e:
         secret = None
         print(f"note: not checking nodes ({e})", file=sys.stderr)
     if secret is not None and nodes:
-        from kimi_mlx.cluster.head import check_nodes
+        from kimi_mlx.cluster.head import check_nodes, held_checkpoints
 
         t = GrpcTransport(secret, args.secret_file if args.tls else None)
         ok, bad = check_nodes(nodes, t.stub_for, fp=None, check_version=True,
@@ -302,6 +306,7 @@ def _ls(args) -> int:
         for info, reply in ok:
             held = f", layers [{reply.start}, {reply.end})" if reply.state == "ready" else ""
             status[info.node_id] = f"ok ({reply.state}{held}, {reply.sessions} sessions)"
+            checkpoints[info.node_id] = held_checkpoints(reply)
         for r in bad:
             status[r.node_id] = r.reason.replace("not answering: ", "advertised but not answering: ")
     if args.json:
@@ -316,7 +321,8 @@ def _ls(args) -> int:
     rows = [(n.node_id, n.address, str(n.protocol), n.version, n.chip or "-",
              f"{n.total_memory / 1e9:.0f}", f"{n.usable_memory / 1e9:.0f}",
              f"{n.bandwidth / 1e9:.0f}" if n.bandwidth else "-",
-             ",".join(n.fingerprints) or "-", status.get(n.node_id, "unchecked")) for n in nodes]
+             checkpoints.get(n.node_id, ",".join(n.fingerprints) or "-"),
+             status.get(n.node_id, "unchecked")) for n in nodes]
     widths = [max(len(r[j]) for r in rows + [head]) for j in range(len(head))]
     for r in [head] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -398,6 +404,7 @@ class _Cluster:
         tls = a.secret_file if a.tls else None
         transport = GrpcTransport(self.secret, tls, peer_timeout=a.peer_timeout)
         accepted, rejected = check_nodes(self.candidates(), transport.stub_for, self.fp,
+                                         name=self.model_dir.name,
                                          check_version=not a.allow_version_mismatch,
                                          channel_for=transport.channel_for)
         named = a.nodes != "auto"
