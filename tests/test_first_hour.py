@@ -183,3 +183,77 @@ def test_the_recited_license_is_what_the_readme_promises(capsys):
     assert "This LICENSE AGREEMENT is between" in text
     after = license_file.read_text().split(heading, 1)[1]
     assert after.startswith(text)
+
+
+def test_version_line_names_the_installed_versions(capsys):
+    import re
+    from importlib.metadata import version
+
+    import mlx.core as mx
+
+    from kimi_mlx.commands.main import main
+
+    assert main(["--version"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"kimi-mlx {version('kimi-mlx')} (mlx {mx.__version__}, "
+                          f"mlx-lm {version('mlx-lm')}, "), out
+    assert re.fullmatch(r"kimi-mlx .* (cpu|gpu), BLAS: .+\)\n", out), out
+
+
+def test_a_boolean_flag_refuses_what_is_not_a_boolean(capsys):
+    from kimi_mlx.commands.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--prompt", "x", "--verbose", "maybe"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "kimi-mlx generate: error: argument --verbose: expected true or false, got 'maybe'\n")
+
+
+class _Terminal:
+    """stdout as a terminal would be, recording what is written."""
+
+    def __init__(self):
+        self.parts = []
+
+    def write(self, s):
+        self.parts.append(s)
+        return len(s)
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return True
+
+
+@pytest.mark.parametrize("no_color", [None, "1"])
+def test_reasoning_is_dimmed_on_a_terminal_unless_no_color(tiny_ckpt, monkeypatch, no_color):
+    """The chat encoding starts the reply in the reasoning channel, which a terminal shows
+    dimmed (ESC[2m); NO_COLOR (https://no-color.org) turns every escape code off."""
+    from kimi_mlx.commands.main import main
+
+    if no_color is None:
+        monkeypatch.delenv("NO_COLOR", raising=False)
+    else:
+        monkeypatch.setenv("NO_COLOR", no_color)
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stdout", term)
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt", "hello", "--max-tokens", "4",
+                 "--temp", "0", "-q"]) == 0
+    out = "".join(term.parts)
+    assert ("\033[2m" in out) == (no_color is None), repr(out)
+    assert "\033" in out if no_color is None else "\033" not in out
+
+
+def test_max_tokens_minus_one_says_where_generation_stops(tiny_ckpt, capsys):
+    from kimi_mlx.commands.main import main
+
+    assert main(["generate", "--model", str(tiny_ckpt), "--prompt", "x" * 10,
+                 "--ignore-chat-template", "--max-kv-size", "16", "--max-tokens", "-1",
+                 "--temp", "0", "-q"]) == 0
+    cap = capsys.readouterr()
+    assert cap.err.splitlines()[-1] == (
+        "note: generating at most 6 tokens: the prompt (10) and the generation must fit in 16 "
+        "tokens (--max-kv-size)")
+    assert "Generation: 6 tokens" in cap.out

@@ -14,7 +14,7 @@ import sys
 from typing import List
 
 from kimi_mlx.checkpoint.loader import load_for_generation
-from kimi_mlx.generation.generate import load_speculation
+from kimi_mlx.generation.generate import load_speculation, use_color
 from kimi_mlx.generation.request import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
                                          add_mtp_argument, add_quiet_argument, check_draft_arguments,
                                          check_model_arguments,
@@ -155,7 +155,7 @@ def run(args) -> int:
     conv = Conversation(args.system_prompt)
     effort = args.reasoning_effort
     context = min(model.args.max_position_embeddings, args.max_kv_size or 1 << 62)
-    dim = sys.stdout.isatty()
+    dim = use_color()
 
     def show(channel, text):
         print(f"\033[2m{text}\033[0m" if channel == "reasoning" and dim else text, end="",

@@ -56,6 +56,18 @@ def micro_note(spec: str, raw: bool = False) -> Optional[str]:
     return MICRO_NOTE if same else None
 
 
+def parse_bool(text: str) -> bool:
+    """A boolean flag's value: true/false, t/f, yes/no, y/n, 1/0 (any case); anything
+    else is an argparse error naming the value (mlx-lm's `str2bool` reads 'maybe' as
+    True, and a lenient reader as False: neither is what was meant)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "t", "yes", "y"):
+        return True
+    if value in ("0", "false", "f", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def add_quiet_argument(p: argparse.ArgumentParser) -> None:
     """`--quiet`: no progress bar while the checkpoint loads (there is none in a pipe)."""
     p.add_argument("--quiet", "-q", action="store_true",
@@ -238,14 +250,15 @@ def token_budget(n_prompt: int, max_tokens: int, context: int) -> int:
 def check_context(n_prompt: int, max_tokens: int, context: int, source: str) -> int:
     """Number of tokens that may still be generated (max_tokens -1 = up to the context);
     InputError when the prompt does not fit. When the context cuts a --max-tokens request
-    short, says so on stderr (generation would otherwise just stop early)."""
+    short, or decides it (-1), says so on stderr (generation would otherwise just stop
+    early)."""
     if n_prompt >= context:
         raise InputError(
             f"the prompt is {n_prompt} tokens, longer than the context of {context} tokens "
             f"({source})"
         )
     budget = token_budget(n_prompt, max_tokens, context)
-    if 0 <= budget < max_tokens:
+    if 0 <= budget and (max_tokens < 0 or budget < max_tokens):
         print(f"note: generating at most {budget} tokens: the prompt ({n_prompt}) and the "
               f"generation must fit in {context} tokens ({source})", file=sys.stderr)
     return budget
