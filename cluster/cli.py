@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kimi_mlx.generation.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(q)
-    _node_arguments(q)
+    _node_arguments(q, context_default="the prompt + --max-tokens")
     q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
     _common(q)
 
@@ -83,20 +83,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kimi_mlx.cluster.api import add_arguments as add_api_arguments
 
     add_api_arguments(q)
-    _node_arguments(q)
+    _node_arguments(q, context_default="the model's context, or --max-kv-size")
     _common(q)
 
 
-def _node_arguments(q) -> None:
-    """Discovery, planning and loading flags shared by `launch` and `server`."""
+def _node_arguments(q, context_default: str) -> None:
+    """Discovery, planning and loading flags shared by `launch` and `server`
+    (`context_default`: what --context is when not given, in that command)."""
     q.add_argument("--nodes", default="auto",
-                   help="'auto' (zeroconf) or host[:port],host[:port] in pipeline order")
+                   help="host[:port],host[:port],... in pipeline order, or 'auto': the nodes "
+                        "zeroconf finds, ordered by name (default: auto)")
     q.add_argument("--interface", default=None, help="interface to discover on")
     q.add_argument("--discover-timeout", type=float, default=3.0,
                    help="seconds to browse for nodes with --nodes auto (default 3; nodes "
                         "answer within ~0.15 s; at least 0.3)")
     q.add_argument("--context", type=int, default=None,
-                   help="tokens per sequence to plan caches for (default: prompt + max tokens)")
+                   help=f"tokens per sequence to plan caches for (default: {context_default})")
     q.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per message")
     q.add_argument("--activation-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],

@@ -257,3 +257,70 @@ def test_max_tokens_minus_one_says_where_generation_stops(tiny_ckpt, capsys):
         "note: generating at most 6 tokens: the prompt (10) and the generation must fit in 16 "
         "tokens (--max-kv-size)")
     assert "Generation: 6 tokens" in cap.out
+
+
+def _option_help(parser, *path_and_flag):
+    """The help string of option `flag` in the sub-command at `path` of `parser`."""
+    *path, flag = path_and_flag
+    for name in path:
+        sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+        parser = sub.choices[name]
+    return next(a.help for a in parser._actions if flag in a.option_strings)
+
+
+def test_help_texts_say_what_each_command_does():
+    from kimi_mlx.commands.main import build_parser
+
+    p = build_parser()
+    assert _option_help(p, "server", "--num-draft-tokens") == (
+        "tokens the draft proposes per verify step (default 3; needs --draft-model)")
+    assert _option_help(p, "generate", "--num-draft-tokens") == (
+        "tokens the draft proposes per verify step (default 3; needs --draft-model or --draft)")
+    assert _option_help(p, "server", "--max-concurrency") == (
+        "sequences generated at once by continuous batching (default 4, or 1 with "
+        "--draft-model, the only value allowed there; 1 = one request at a time)")
+    assert _option_help(p, "cluster", "server", "--context") == (
+        "tokens per sequence to plan caches for (default: the model's context, or --max-kv-size)")
+    assert _option_help(p, "cluster", "launch", "--context") == (
+        "tokens per sequence to plan caches for (default: the prompt + --max-tokens)")
+    assert _option_help(p, "cluster", "launch", "--nodes") == (
+        "host[:port],host[:port],... in pipeline order, or 'auto': the nodes zeroconf finds, "
+        "ordered by name (default: auto)")
+    assert _option_help(p, "prune", "--context") == (
+        "with --dry-run: tokens of context to plan for (default 131072, or the model's "
+        "max_position_embeddings when smaller)")
+    for command in ("generate", "chat", "server", "eval"):
+        assert _option_help(p, command, "--quiet").startswith("no progress bar"), command
+    assert _option_help(p, "cluster", "serve", "--quiet") == (
+        "no progress bar while a stage loads (shown only on a terminal)")
+
+
+def test_prune_dry_run_on_micro_plans_for_its_context_in_plain_sentences(capsys):
+    from kimi_mlx.commands.main import main
+
+    micro = str(REPO / "kimi_mlx" / "assets" / "micro")
+    assert main(["prune", "--model", micro, "--keep", "0.5", "--q-bits", "4", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == (
+        "Trunk (attention, dense and shared-expert MLPs, latent projections, embedding, "
+        "lm_head): MLX affine 4-bit, group size 64 (as mlx_lm.convert). Norms, router, "
+        "correction bias, KDA conv / A_log / dt_bias, AttnRes and kv_b_proj keep their stored "
+        "dtype. Routed experts: MXFP4, byte-for-byte the source's.")
+    # micro's config says max_position_embeddings 4096
+    import json
+
+    limit = json.loads((Path(micro) / "config.json").read_text())["text_config"]["max_position_embeddings"]
+    assert f"fits (planner: weights + cache for {limit} tokens, 1 sequence):" in out
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "plan", "convert"])
+def test_a_config_file_given_as_model_is_not_a_folder(command, capsys, tmp_path):
+    from kimi_mlx.commands.main import main
+
+    micro = REPO / "kimi_mlx" / "assets" / "micro"
+    argv = {"generate": ["--prompt", "hi"], "eval": ["--data", str(REPO / "README.md")],
+            "plan": [], "convert": ["--q-bits", "4", "--out", str(tmp_path / "out")]}[command]
+    assert main([command, "--model", str(micro / "config.json")] + argv) != 0
+    err = capsys.readouterr().err
+    assert err.rstrip("\n").endswith(
+        f"{micro / 'config.json'}: not a folder; --model takes the checkpoint folder ({micro})"), err

@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
     p.epilog = f"In the chat: {COMMANDS}."
     add_model_arguments(p)
     p.add_argument("--system-prompt", default=None, help="system message")
-    add_draft_arguments(p)
+    add_draft_arguments(p, mtp=True)
     add_mtp_argument(p)
     add_quiet_argument(p)
 

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="feed the prompt as raw text, without the chat encoding")
     p.add_argument("--verbose", type=parse_bool, default=True, metavar="{true,false}",
                    help="print timing and memory at the end (default: true)")
-    add_draft_arguments(p)
+    add_draft_arguments(p, mtp=True)
     add_mtp_argument(p)
     add_quiet_argument(p)
 

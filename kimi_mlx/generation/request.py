@@ -115,16 +115,18 @@ def check_max_kv_size(value: Optional[int]) -> None:
                          f"and one generated token), got {value}")
 
 
-def add_draft_arguments(p: argparse.ArgumentParser, note: str = "") -> None:
+def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = False) -> None:
     """--draft-model / --num-draft-tokens (mlx-lm's names): speculative decoding.
-    `note` is appended to --draft-model's help (e.g. the server's concurrency rule)."""
+    `note` is appended to --draft-model's help (e.g. the server's concurrency rule);
+    `mtp`: the command also has --draft mtp (`add_mtp_argument`), which the help names."""
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint or "
                         "any mlx-lm model with the same tokenizer (output stays the model's)"
                         + note)
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help=f"tokens the draft proposes per verify step (default "
-                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model or --draft)")
+                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model"
+                        + (" or --draft)" if mtp else ")"))
 
 
 def add_mtp_argument(p: argparse.ArgumentParser) -> None:

@@ -25,8 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_arguments(p)
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"sequences generated at once by continuous batching (default "
-                        f"{DEFAULT_CONCURRENCY}; 1 = one request at a time, the default and "
-                        "the only choice with --draft-model)")
+                        f"{DEFAULT_CONCURRENCY}, or 1 with --draft-model, the only value "
+                        "allowed there; 1 = one request at a time)")
     p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
                    help="bytes of cache snapshots kept across requests (default 1 GiB; 0 = off)")
     add_draft_arguments(p, note=": the server then runs one request at a time "
