@@ -324,3 +324,16 @@ def test_a_config_file_given_as_model_is_not_a_folder(command, capsys, tmp_path)
     err = capsys.readouterr().err
     assert err.rstrip("\n").endswith(
         f"{micro / 'config.json'}: not a folder; --model takes the checkpoint folder ({micro})"), err
+
+
+def test_readme_starts_with_two_commands_and_its_examples_name_shipped_files():
+    import re
+
+    readme = (REPO / "README.md").read_text()
+    first_block = readme.split("```\n")[1]
+    assert [l.split("#")[0].strip() for l in first_block.splitlines()] == ["make demo", "make test"]
+    assert ". .venv/bin/activate" in readme and ".venv/bin/kimi-mlx" in readme
+    paths = set(re.findall(r"kimi_mlx/assets/[\w./-]+\w", readme))
+    assert {"kimi_mlx/assets/micro/calib/code.txt", "kimi_mlx/assets/micro/heldout/code.txt",
+            "kimi_mlx/assets/micro/heldout/prose.txt"} <= paths
+    assert [p for p in sorted(paths) if not (REPO / p).exists()] == []
