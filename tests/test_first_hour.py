@@ -337,3 +337,17 @@ def test_readme_starts_with_two_commands_and_its_examples_name_shipped_files():
     assert {"kimi_mlx/assets/micro/calib/code.txt", "kimi_mlx/assets/micro/heldout/code.txt",
             "kimi_mlx/assets/micro/heldout/prose.txt"} <= paths
     assert [p for p in sorted(paths) if not (REPO / p).exists()] == []
+
+
+def test_every_asset_folder_setuptools_would_warn_about_is_listed():
+    """setuptools warns (~40 lines in `make demo`) about each folder of package data that
+    could be a package (an identifier name) but is absent from pyproject's `packages`."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    listed = set(project["tool"]["setuptools"]["packages"])
+    assets = REPO / "kimi_mlx" / "assets"
+    folders = [assets] + [p for p in assets.rglob("*") if p.is_dir()]
+    importable = {".".join(p.relative_to(REPO).parts) for p in folders
+                  if all(part.isidentifier() for part in p.relative_to(REPO).parts)}
+    assert importable and importable - listed == set()
