@@ -68,6 +68,15 @@ class ClusterEngine:
         """None while every stage serves; else which stage was lost."""
         return self.lost
 
+    def stages(self) -> list:
+        """The pipeline's stages for /health: [{"index", "node", "address", "layers":
+        [start, end], "ok", "reason"}]; a lost stage has ok False and why."""
+        t = self.pipeline.transport
+        lost = getattr(t, "lost", {}) or {}
+        return [{"index": i, "node": a.node.node_id, "address": a.node.address,
+                 "layers": [a.start, a.end], "ok": i not in lost, "reason": lost.get(i)}
+                for i, a in enumerate(getattr(t, "stages", []))]
+
     def submit(self, job):
         from kimi_mlx.server.jobs import Busy, enqueue
 
@@ -111,6 +120,8 @@ class ClusterEngine:
 
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
+            if self.metrics is not None:  # left while queued: nothing generated
+                self.metrics.finished_requests.labels("cancelled").inc()
             return
         p = job.sampling
         want_lp = job.logprobs is not None

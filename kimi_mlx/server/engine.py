@@ -169,6 +169,8 @@ class Engine:
 
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
+            if self.metrics is not None:  # left while queued: nothing generated
+                self.metrics.finished_requests.labels("cancelled").inc()
             return
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)
