@@ -8,12 +8,22 @@ Everything else about the package lives in pyproject.toml.
 
 import os
 import shutil
+import warnings
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "kimi_mlx_mlx_lm.pth"
+
+try:  # `make demo` / `make test` install editable: setuptools then prints an 11-line
+    # "Editable installation" notice (folders named like the package may shadow it), which
+    # pip shows even with -q. Here the folder named like the package *is* the package.
+    from setuptools.warnings import InformationOnly
+
+    warnings.filterwarnings("ignore", message="Editable installation", category=InformationOnly)
+except ImportError:  # older setuptools: no such notice either
+    pass
 
 
 class build_py_with_pth(build_py):

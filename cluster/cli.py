@@ -63,6 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of prompt-cache snapshots of this stage's layers kept for the "
                         "head, e.g. 8GB (default: a quarter of the usable memory left after "
                         "loading; 0 = none)")
+    q.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bar while a stage loads (shown only on a terminal)")
     _common(q)
 
     q = sub.add_parser("ls", help="list the nodes advertising on the network", description="List the nodes advertising on the network.")
@@ -76,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kimi_mlx.generation.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(q)
-    _node_arguments(q)
+    _node_arguments(q, context_default="the prompt + --max-tokens")
     q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
     _common(q)
 
@@ -85,20 +87,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kimi_mlx.cluster.api import add_arguments as add_api_arguments
 
     add_api_arguments(q)
-    _node_arguments(q)
+    _node_arguments(q, context_default="the model's context, or --max-kv-size")
     _common(q)
 
 
-def _node_arguments(q) -> None:
-    """Discovery, planning and loading flags shared by `launch` and `server`."""
+def _node_arguments(q, context_default: str) -> None:
+    """Discovery, planning and loading flags shared by `launch` and `server`
+    (`context_default`: what --context is when not given, in that command)."""
     q.add_argument("--nodes", default="auto",
-                   help="'auto' (zeroconf) or host[:port],host[:port] in pipeline order")
+                   help="host[:port],host[:port],... in pipeline order, or 'auto': the nodes "
+                        "zeroconf finds, ordered by name (default: auto)")
     q.add_argument("--interface", default=None, help="interface to discover on")
     q.add_argument("--discover-timeout", type=float, default=3.0,
                    help="seconds to browse for nodes with --nodes auto (default 3; nodes "
                         "answer within ~0.15 s; at least 0.3)")
     q.add_argument("--context", type=int, default=None,
-                   help="tokens per sequence to plan caches for (default: prompt + max tokens)")
+                   help=f"tokens per sequence to plan caches for (default: {context_default})")
     q.add_argument("--prefill-chunk", type=int, default=128, help="prompt tokens per message")
     q.add_argument("--activation-dtype", default="auto",
                    choices=["auto", "float32", "bfloat16", "float16"],
@@ -160,6 +164,16 @@ def _check_browse_time(flag: str, seconds: float) -> None:
 
 def _err(cmd: str, e) -> None:
     print(f"kimi-mlx cluster {cmd}: error: {e}", file=sys.stderr)
+
+
+def failure_text(e, replan: bool) -> str:
+    """A StageFailure as one line: the stage and node (named once, by the transport) and
+    what to do next: restart the lost node's `cluster serve`, or --replan when not given."""
+    nodes = ", ".join(dict.fromkeys(e.node_ids)) or "the node"
+    if not e.lost:
+        return f"{e}; the node's `kimi-mlx cluster serve` log says more"
+    step = f"restart `kimi-mlx cluster serve` on {nodes}"
+    return f"{e}; {step}" + ("" if replan else ", or pass --replan to carry on over the nodes left")
 
 
 # -- init --------------------------------------------------------------------------------
@@ -230,6 +244,12 @@ def _serve(args) -> int:
         max_message=args.max_message_mb << 20, usable_memory=usable,
         bandwidth=int(args.bandwidth_gbs * 1e9) if args.bandwidth_gbs else None,
         cache_bytes=cache_bytes)
+    if not args.quiet:
+        import tqdm  # noqa: F401  (now: a load should read checkpoint bytes only)
+
+        from kimi_mlx.checkpoint.loader import byte_bar
+
+        service.load_bar = byte_bar
     try:
         server = StageServer(service, listen, port, secret, tls_secret_path=tls).start()
     except (OSError, RuntimeError, AuthError) as e:
@@ -250,10 +270,12 @@ def _serve(args) -> int:
         import faulthandler
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+    from kimi_mlx.cluster.fingerprint import named
+
     fps = sorted(service.catalog)
     print(f"kimi-mlx cluster serve: node {node_id} listening on "
           f"{', '.join(f'{a}:{server.port}' for a in addresses)} "
-          f"({len(fps)} checkpoint(s): {', '.join(fps) or 'none'}; "
+          f"({len(fps)} checkpoint(s): {', '.join(named(f, service.catalog) for f in fps) or 'none'}; "
           f"{'advertised' if not args.no_advertise else 'not advertised'})", flush=True)
     stop.wait()
     server.stop(1.0)
@@ -278,14 +300,14 @@ def _ls(args) -> int:
     except OSError as e:  # e.g. an IPv4 address that is on no interface of this host
         _err("ls", f"cannot browse on {args.interface or 'all interfaces'}: {e.strerror or e}")
         return 2
-    status = {}
+    status, checkpoints = {}, {}
     try:
         secret = load_secret(args.secret_file)
     except AuthError as e:
         secret = None
         print(f"note: not checking nodes ({e})", file=sys.stderr)
     if secret is not None and nodes:
-        from kimi_mlx.cluster.head import check_nodes
+        from kimi_mlx.cluster.head import check_nodes, held_checkpoints
 
         t = GrpcTransport(secret, args.secret_file if args.tls else None)
         ok, bad = check_nodes(nodes, t.stub_for, fp=None, check_version=True,
@@ -293,6 +315,7 @@ def _ls(args) -> int:
         for info, reply in ok:
             held = f", layers [{reply.start}, {reply.end})" if reply.state == "ready" else ""
             status[info.node_id] = f"ok ({reply.state}{held}, {reply.sessions} sessions)"
+            checkpoints[info.node_id] = held_checkpoints(reply)
         for r in bad:
             status[r.node_id] = r.reason.replace("not answering: ", "advertised but not answering: ")
     if args.json:
@@ -307,7 +330,8 @@ def _ls(args) -> int:
     rows = [(n.node_id, n.address, str(n.protocol), n.version, n.chip or "-",
              f"{n.total_memory / 1e9:.0f}", f"{n.usable_memory / 1e9:.0f}",
              f"{n.bandwidth / 1e9:.0f}" if n.bandwidth else "-",
-             ",".join(n.fingerprints) or "-", status.get(n.node_id, "unchecked")) for n in nodes]
+             checkpoints.get(n.node_id, ",".join(n.fingerprints) or "-"),
+             status.get(n.node_id, "unchecked")) for n in nodes]
     widths = [max(len(r[j]) for r in rows + [head]) for j in range(len(head))]
     for r in [head] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
@@ -317,9 +341,9 @@ def _ls(args) -> int:
 # -- launch ------------------------------------------------------------------------------
 
 class _Bars:
-    """One tqdm progress bar per stage (stderr)."""
+    """One tqdm progress bar per stage (stderr; on a terminal and without --quiet)."""
 
-    def __init__(self, assignments):
+    def __init__(self, assignments, quiet: bool = False):
         from tqdm import tqdm
 
         self.lock = threading.Lock()
@@ -327,7 +351,7 @@ class _Bars:
         self.tty = sys.stderr.isatty()  # no bars in logs: one line per stage when ready
         self.bars = [tqdm(total=1, desc=f"{a.node.node_id} [{a.start},{a.end})", position=i,
                           unit="B", unit_scale=True, file=sys.stderr, leave=True,
-                          dynamic_ncols=True, disable=not self.tty)
+                          dynamic_ncols=True, disable=quiet or not self.tty)
                      for i, a in enumerate(assignments)]
 
     def update(self, i: int, p) -> None:
@@ -389,6 +413,7 @@ class _Cluster:
         tls = a.secret_file if a.tls else None
         transport = GrpcTransport(self.secret, tls, peer_timeout=a.peer_timeout)
         accepted, rejected = check_nodes(self.candidates(), transport.stub_for, self.fp,
+                                         name=self.model_dir.name,
                                          check_version=not a.allow_version_mismatch,
                                          channel_for=transport.channel_for)
         named = a.nodes != "auto"
@@ -423,7 +448,7 @@ class _Cluster:
                   f"{s.node.usable_memory / 1e9:.1f} GB usable", file=sys.stderr)
         for n in plan.unused_nodes:
             print(f"[cluster]   node {n.name}: not needed", file=sys.stderr)
-        bars = _Bars(assignments)
+        bars = _Bars(assignments, quiet=getattr(a, "quiet", False))
         try:
             transport.load(self.fp, assignments, compute, wire, progress=bars.update,
                            force=a.force_load)
@@ -488,7 +513,8 @@ def _launch(args) -> int:
     try:
         pipeline = cluster.connect()
     except (PlanError, StageFailure, RuntimeError, ValueError) as e:
-        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError) else e)
+        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError)
+             else failure_text(e, args.replan) if isinstance(e, StageFailure) else e)
         return 1
     failure: List[BaseException] = []
 
@@ -518,7 +544,9 @@ def _launch(args) -> int:
                 return
             except StageFailure as e:
                 left = cluster.transport.abort()
-                print(f"\n[cluster] {e}", file=sys.stderr)
+                print(file=sys.stderr)  # ends the streamed text's line
+                if args.replan:  # otherwise the final error says it, once
+                    print(f"[cluster] {e}", file=sys.stderr)
                 print("[cluster] freed the session on: " + ", ".join(
                     f"{n} ({'unreachable' if k < 0 else f'{k} sessions left'})"
                     for n, k in sorted(left.items())), file=sys.stderr)
@@ -549,7 +577,8 @@ def _launch(args) -> int:
         print(speculation.summary())
     if failure:
         e = failure[0]
-        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError) else e)
+        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError)
+             else failure_text(e, args.replan) if isinstance(e, StageFailure) else e)
         return 1
     return code
 

@@ -134,3 +134,26 @@ def scan(models_dir: Optional[Path], include_shipped: bool = True, depth: int = 
             except FingerprintError as e:
                 log.warning("skipping %s: %s", folder, e)
     return found
+
+
+def folder_state(models_dir: Optional[Path], depth: int = 4) -> tuple:
+    """What `scan(models_dir)` would find, cheaply (directory listings and stat calls, no
+    reads): each checkpoint folder under `models_dir` with the name, size and mtime of
+    every file in it. A checkpoint copied in, finished, changed or removed changes it, so
+    a node rescans (fingerprints) only then (`StageService.refresh_catalog`)."""
+    if models_dir is None or not Path(models_dir).expanduser().is_dir():
+        return ()
+    state = []
+    for folder in _candidates(Path(models_dir).expanduser(), depth):
+        try:
+            files = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                                 for e in os.scandir(folder) if e.is_file()))
+        except OSError:
+            files = ()
+        state.append((str(folder), files))
+    return tuple(state)
+
+
+def named(fp: str, catalog: Dict[str, Path]) -> str:
+    """'folder (fingerprint)' for messages; the bare fingerprint when the folder is not known."""
+    return f"{catalog[fp].name} ({fp})" if fp in catalog else fp

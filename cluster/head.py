@@ -311,10 +311,11 @@ _KINDS = {grpc.StatusCode.UNAVAILABLE: "unreachable", grpc.StatusCode.DEADLINE_E
 def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], fp: Optional[str],
                 timeout: float = 2.0, check_version: bool = True,
                 channel_for: Optional[Callable[[str], grpc.Channel]] = None,
+                name: str = "",
                 ) -> Tuple[List[Tuple[NodeInfo, pb.HealthReply]], List[Rejected]]:
     """Confirm each candidate with an authenticated Health call (in parallel) and keep
     those with our protocol, package version and the checkpoint's fingerprint (not
-    checked when `fp` is None).
+    checked when `fp` is None; `name`, the checkpoint's folder name, for messages).
 
     Returns (accepted [(NodeInfo from Health, reply)], rejected with reasons and kinds).
     A candidate that does not answer (a stale advertisement, a node that is down) is
@@ -363,8 +364,10 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
             reason, kind = (f"runs kimi-mlx {reply.version}, this head {ours}: install the same "
                             "version everywhere (or pass --allow-version-mismatch)", "version")
         elif fp is not None and fp not in reply.fingerprints:
-            reason, kind = (f"does not have the checkpoint (fingerprint {fp}) in its models "
-                            f"folder; it has: {', '.join(reply.fingerprints) or 'none'}", "checkpoint")
+            ours_named = f"{name} (fingerprint {fp})" if name else f"(fingerprint {fp})"
+            reason, kind = (f"does not have the checkpoint {ours_named} in its models folder; "
+                            f"it has: {held_checkpoints(reply)}; copy it there (no restart "
+                            "needed: the node rescans its folder)", "checkpoint")
         elif info.node_id in seen:
             reason, kind = (f"a second node calls itself {info.node_id}: give each a unique "
                             "--node-id", "duplicate")
@@ -380,6 +383,16 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
         seen.add(info.node_id)
         accepted.append((info, reply))
     return accepted, rejected
+
+
+def held_checkpoints(reply: pb.HealthReply) -> str:
+    """The checkpoints a node's Health reply lists, as 'folder (fingerprint), ...' ('none'
+    when empty; bare fingerprints from a node that does not send names)."""
+    names = list(reply.checkpoint_names)
+    if len(names) != len(reply.fingerprints):
+        names = [""] * len(reply.fingerprints)
+    return ", ".join(f"{n} ({fp})" if n else fp
+                     for n, fp in zip(names, reply.fingerprints)) or "none"
 
 
 def checkpoint_dtype(model_dir: Path) -> str:

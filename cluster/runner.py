@@ -368,26 +368,11 @@ def load_stage(path, spec: StageSpec, progress=None):
     Raises:
         CheckpointError / ConfigError: as `kimi_mlx.checkpoint.loader.load_model`.
     """
-    from mlx.utils import tree_flatten
-
-    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.checkpoint.loader import eval_parameters, load_model
 
     model, _, report = load_model(path, spec.start, spec.end, lazy=True, verbose=False,
                                   activation_dtype=mx_dtype(spec.compute_dtype))
-    text = model.text
-    parts = ([text.embed_tokens] if text.is_first else []) + list(text.local_layers)
-    total = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    done = 0
-    if progress:
-        progress(0, total)
-    for p in parts:
-        mx.eval(p.parameters())
-        done += sum(v.nbytes for _, v in tree_flatten(p.parameters()))
-        if progress:
-            progress(done, total)
-    mx.eval(model.parameters())  # the rest: norm, output mix, lm_head on the last stage
-    if progress and done < total:
-        progress(total, total)
+    total = eval_parameters(model, progress)
     return StageRunner(model, spec), report, total
 
 

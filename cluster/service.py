@@ -62,7 +62,7 @@ from kimi_mlx.cluster import stage_pb2 as pb
 from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
 from kimi_mlx.cluster.compute import ComputeStopped, ComputeThread
-from kimi_mlx.cluster.fingerprint import fingerprint, scan
+from kimi_mlx.cluster.fingerprint import fingerprint, folder_state, named, scan
 from kimi_mlx.cluster.prompt_cache import CACHE_MISS, StageCache, key_length
 from kimi_mlx.cluster.runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
 from kimi_mlx.cluster.wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
@@ -213,7 +213,9 @@ class StageService(pb_grpc.StageServicer):
 
     `stage_loader` (class attribute, default None = `runner.load_stage`): what `Load`
     calls, `(path, spec, progress) -> (runner, report, tensor bytes)`; the hop bench's
-    null stages (`cluster.hop_bench`) set it in a subclass.
+    null stages (`cluster.hop_bench`) set it in a subclass. `load_bar` (None, or
+    `(description) -> progress callback`, e.g. `checkpoint.loader.byte_bar`): a bar on the
+    node's own terminal while a stage loads (`cluster serve` sets it unless --quiet).
 
     Args:
         node_id: this node's name. models_dir: where checkpoints may be loaded from.
@@ -228,6 +230,7 @@ class StageService(pb_grpc.StageServicer):
     """
 
     stage_loader = None
+    load_bar = None
 
     def __init__(self, node_id: str, models_dir: Optional[Path], secret: bytes,
                  tls_secret_path: Optional[Path] = None, idle_timeout: float = 120.0,
@@ -256,6 +259,7 @@ class StageService(pb_grpc.StageServicer):
         import kimi_mlx.model.model  # noqa: F401
         import mlx_lm.sample_utils  # noqa: F401
 
+        self._folder_state = folder_state(self.models_dir)
         self.catalog: Dict[str, Path] = scan(self.models_dir)
         self.runner: Optional[StageRunner] = None
         self.spec: Optional[StageSpec] = None
@@ -356,15 +360,27 @@ class StageService(pb_grpc.StageServicer):
         self.compute.stop(timeout)
 
     # -- RPCs ----------------------------------------------------------------------------
+    def refresh_catalog(self) -> Dict[str, Path]:
+        """Rescan the models folder when anything in it changed since the last scan
+        (`folder_state`): checkpoints copied in after start are offered without a restart."""
+        state = folder_state(self.models_dir)
+        if state != self._folder_state:
+            self._folder_state = state
+            self.catalog = scan(self.models_dir)
+        return self.catalog
+
     def Health(self, request, context):
-        """HealthReply: versions, memory, fingerprints, what is loaded, live sessions."""
+        """HealthReply: versions, memory, the checkpoints in the models folder (rescanned
+        when it changed), what is loaded, live sessions."""
         ours, mlx_version = package_versions()
         s = self.spec
+        catalog = self.refresh_catalog()
         return pb.HealthReply(
             node_id=self.node_id, protocol=PROTOCOL_VERSION, version=ours,
             mlx_version=mlx_version, total_memory=self.total_memory,
             usable_memory=self.usable_memory, chip=self.chip, bandwidth=self.bandwidth,
-            fingerprints=sorted(self.catalog), state=self.state,
+            fingerprints=sorted(catalog), checkpoint_names=[catalog[fp].name for fp in sorted(catalog)],
+            state=self.state,
             fingerprint=s.fingerprint if s else "", start=s.start if s else 0,
             end=s.end if s else 0, sessions=len(self.sessions),
             peak_memory=mx.get_peak_memory(), default_dtype=default_compute_dtype(),
@@ -378,9 +394,10 @@ class StageService(pb_grpc.StageServicer):
             self.catalog = scan(self.models_dir)
             path = self.catalog.get(fp)
         if path is None:
+            have = ", ".join(named(f, self.catalog) for f in sorted(self.catalog))
             raise Refused(f"{self.who}: no checkpoint with fingerprint {fp} in "
-                          f"{self.models_dir or '(no --models folder)'} "
-                          f"(have: {', '.join(sorted(self.catalog)) or 'none'})")
+                          f"{self.models_dir or '(no --models folder)'} (it has: {have or 'none'}); "
+                          "copy it there: it is picked up without a restart")
         return path
 
     def _check_load(self, r) -> StageSpec:
@@ -465,7 +482,14 @@ class StageService(pb_grpc.StageServicer):
                 gc.collect()  # the previous layers' memory goes back before the new load
                 mx.clear_cache()
                 loader = self.stage_loader or load_stage
-                res = loader(path, spec, lambda d, t: events.put(("progress", d, t)))
+                bar = self.load_bar(f"loading {path.name} [{spec.start},{spec.end})") if self.load_bar else None
+
+                def report(d, t):
+                    events.put(("progress", d, t))
+                    if bar:
+                        bar(d, t)
+
+                res = loader(path, spec, report)
                 events.put(("done", res, rchar()))
             except Exception as e:  # CheckpointError, ConfigError, MLX errors
                 events.put(("error", f"{type(e).__name__}: {e}", None))

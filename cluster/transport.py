@@ -324,14 +324,16 @@ class GrpcTransport(Transport):
                     s = self._sessions.get(ev.session)
                     if s is not None:
                         s.events.put(ev)
-                    elif ev.kind == pb.Event.ERROR:
-                        log.warning("%s: %s", self.describe(i), ev.message)
+                    elif ev.kind == pb.Event.ERROR:  # about a session already ended here
+                        log.info("%s", ev.message if ev.message.startswith(f"stage {i} (")
+                                 else f"{self.describe(i)}: {ev.message}")
             reason = "lease ended by the stage (service stopped?)"
         except grpc.RpcError as e:
             reason = _rpc_reason(e)
         if not self._closing and generation == self._generation:  # not a replaced lease
             self.lost.setdefault(i, reason)
-            log.warning("%s lost: %s", self.describe(i), reason)
+            # INFO: the caller reports the loss (StageFailure) once, with what to do next
+            log.info("%s lost: %s", self.describe(i), reason)
             self._wake_all()
 
     def _wake_all(self) -> None:

@@ -1,7 +1,8 @@
 """Make mlx-lm open our checkpoints (run at interpreter start via a .pth file).
 
 - Model: mlx-lm resolves `model_type` with `importlib.import_module(f"mlx_lm.models.{type}")`;
-  a meta-path finder answers `mlx_lm.models.kimi_k31` with `kimi_mlx.model.model`, lazily, so
+  a meta-path finder answers `mlx_lm.models.kimi_k31` with `kimi_mlx.model.mlx_lm_entry`
+  (our model module, with the loader's activation dtype policy), lazily, so
   nothing (not even MLX) is imported until mlx-lm asks for it.
 - Tokenizer: `kimi_mlx.text.hf_register.register_with_transformers()` (deferred until
   transformers' AutoTokenizer module loads) so `mlx_lm.load` gets our tiktoken tokenizer
@@ -13,7 +14,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-_ALIASES = {"mlx_lm.models.kimi_k31": "kimi_mlx.model.model"}
+_ALIASES = {"mlx_lm.models.kimi_k31": "kimi_mlx.model.mlx_lm_entry"}
 
 
 class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -23,7 +24,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None
 
     def create_module(self, spec):
-        # The alias *is* our module object: mlx-lm gets kimi_mlx.model.model itself.
+        # The alias *is* our module object: mlx-lm gets kimi_mlx.model.mlx_lm_entry itself.
         return importlib.import_module(_ALIASES[spec.name])
 
     def exec_module(self, module):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Optional
 
 from kimi_mlx.prune.calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
 from kimi_mlx.prune.observe import DEFAULT_CHUNK
@@ -62,8 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--macs", action="append", default=None,
                    help="with --dry-run: Mac set(s) to check, planner syntax (e.g. 1x256GB "
                         "or 2x192GB); repeatable (default: single Macs 64GB..512GB)")
-    p.add_argument("--context", type=int, default=131072,
-                   help="with --dry-run: tokens of context to plan for (default 131072)")
+    p.add_argument("--context", type=int, default=None,
+                   help="with --dry-run: tokens of context to plan for (default 131072, or "
+                        "the model's max_position_embeddings when smaller)")
 
 
 def add_quant_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,10 +169,11 @@ def _short(quant: QuantSpec):
         yield f"experts {quant.expert_bits}-bit group {quant.expert_group_size}"
 
 
-def dry_run(model: str, keep, experts, macs, context: int,
+def dry_run(model: str, keep, experts, macs, context: Optional[int],
             quant: QuantSpec = QuantSpec()) -> int:
     """Print per-layer bytes before/after pruning and, for each Mac set, whether the
-    planner fits the result (weights + cache at `context` tokens). Writes nothing.
+    planner fits the result (weights + cache at `context` tokens; None: as `kimi-mlx
+    plan` chooses, `planner.planned_context`). Writes nothing.
 
     `model` may also be a hub id: sizes then come from the local cache or the shipped
     config, as for `kimi-mlx plan` (nothing is downloaded).
@@ -179,7 +182,7 @@ def dry_run(model: str, keep, experts, macs, context: int,
     """
     # The one accepted cluster import in prune/: the planner owns "what fits where".
     from kimi_mlx.placement.layer_bytes import BuildSpec, model_bytes
-    from kimi_mlx.placement.planner import PlanError, StagePlanner, parse_macs
+    from kimi_mlx.placement.planner import PlanError, StagePlanner, parse_macs, planned_context
 
     try:
         before = model_bytes(model)
@@ -195,11 +198,13 @@ def dry_run(model: str, keep, experts, macs, context: int,
         after = model_bytes(model, build)
     except ValueError as e:
         raise PruneError(f"{model}: {e}") from None
+    limit = before.max_position_embeddings
+    context = planned_context(context, limit)
     gb = lambda n: f"{n / 1e9:,.3f}"
     print(f"model: {model} ({before.source})")
     print(f"keep {n_keep} of {before.num_experts} routed experts per MoE layer; "
           f"{before.experts_per_token} per token")
-    print("; ".join(quant.describe()))
+    print(" ".join(quant.describe(markdown=False)))
     print()
     rows = [("layer", "kind", "experts", "before GB", "after GB")]
     for b, a in zip(before.layers, after.layers):

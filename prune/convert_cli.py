@@ -39,5 +39,5 @@ def run(args) -> int:
         print(f"kimi-mlx convert: error: {e}", file=sys.stderr)
         return 2
     print(f"converted {args.model} -> {args.out}: {plan.bytes_out / 1e9:.3f} GB of tensors "
-          f"(source {plan.bytes_in / 1e9:.3f} GB); " + " ".join(quant.describe()[:1]))
+          f"(source {plan.bytes_in / 1e9:.3f} GB); " + " ".join(quant.describe(markdown=False)[:1]))
     return 0

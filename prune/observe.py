@@ -411,8 +411,8 @@ def observe(
                 stats[i] = LayerStats(i, args.num_experts, layer.block_sparse_moe.top_k)
                 recorder = ExpertRecorder(layer.block_sparse_moe, stats[i]).install()
             bar = tqdm(total=tokens, unit="tok", unit_scale=True, leave=True, file=sys.stderr,
-                       desc=f"layer {i + 1:>3}/{n_layers}", disable=not progress,
-                       dynamic_ncols=True)
+                       desc=f"layer {i + 1:>3}/{n_layers}", dynamic_ncols=True,
+                       disable=None if progress else True)  # None: on a terminal only
             try:
                 for s in range(len(calib.sequences)):
                     _run_sequence(layer, model.make_cache, store, s, chunk, recorder, bar)

@@ -65,7 +65,7 @@ def write_with_progress(plan: CheckpointPlan, dest: Path, progress: bool = True)
     from tqdm import tqdm
 
     with tqdm(total=plan.bytes_out, unit="B", unit_scale=True, desc="writing", file=sys.stderr,
-              disable=not progress, dynamic_ncols=True) as bar:
+              disable=None if progress else True, dynamic_ncols=True) as bar:
         write_checkpoint(plan, dest, bar.update)
 
 

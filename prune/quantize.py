@@ -86,8 +86,9 @@ class QuantSpec:
             return {"group_size": self.group_size, "bits": self.bits, "mode": "affine"}
         return {"group_size": self.expert_group_size, "bits": self.expert_bits, "mode": "affine"}
 
-    def describe(self) -> List[str]:
-        """Lines for the model card."""
+    def describe(self, markdown: bool = True) -> List[str]:
+        """One sentence per line for the model card; `markdown` False: for a terminal
+        (no backticks)."""
         lines = []
         if self.bits is not None:
             lines.append(f"Trunk (attention, dense and shared-expert MLPs, latent projections, "
@@ -102,7 +103,7 @@ class QuantSpec:
                          f"group size {self.expert_group_size}.")
         else:
             lines.append("Routed experts: MXFP4, byte-for-byte the source's.")
-        return lines
+        return lines if markdown else [line.replace("`", "") for line in lines]
 
 
 def to_bytes(a: mx.array) -> bytes:

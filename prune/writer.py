@@ -175,7 +175,9 @@ def source_args(src: Path) -> Tuple[dict, ModelArgs, Dict[str, str]]:
     """
     src = Path(src)
     if not src.is_dir():
-        raise PruneError(f"{src}: no such checkpoint folder")
+        from kimi_mlx.checkpoint.hub import missing_folder
+
+        raise PruneError(missing_folder(src, "checkpoint folder"))
     try:
         config = read_config(src)
         args = ModelArgs.from_config(config, str(src / "config.json"))

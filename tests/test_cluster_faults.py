@@ -133,6 +133,14 @@ def test_killed_stage_is_named_within_10s_and_sessions_are_freed(faults):
     assert rc == 1, (rc, run.stderr)
     assert elapsed < 10, elapsed
     assert "stage 1 (node fault1" in run.stderr and "lost" in run.stderr, run.stderr
+    # One line per failure: the stage and node named once, no logging WARNING echo, and
+    # the next step (issue 19)
+    assert run.stderr.count(" lost: ") == 1, run.stderr
+    assert "WARNING" not in run.stderr and "): stage " not in run.stderr, run.stderr
+    last = run.stderr.rstrip("\n").splitlines()[-1]
+    assert last.startswith("kimi-mlx cluster launch: error: stage 1 (node fault1 at "), last
+    assert last.endswith("; restart `kimi-mlx cluster serve` on fault1, or pass --replan to "
+                         "carry on over the nodes left"), last
     assert "freed the session on" in run.stderr
     assert faults.wait_sessions([0, 2], timeout=1.0) == [0, 0]
 

@@ -24,6 +24,16 @@ def looks_local(spec: str) -> bool:
     return spec.startswith(("/", "./", "../", "~")) or spec.count("/") != 1
 
 
+def missing_folder(spec, what: str = "model folder") -> str:
+    """The message for a --model that is not a checkpoint folder: a file (most often the
+    folder's config.json, given instead of the folder) or nothing at all ('no such
+    `what`')."""
+    path = Path(str(spec)).expanduser()
+    if path.exists() and not path.is_dir():
+        return f"{spec}: not a folder; --model takes the checkpoint folder ({path.parent})"
+    return f"{spec}: no such {what}"
+
+
 def resolve(
     spec, start: int = 0, end: Optional[int] = None, revision: Optional[str] = None
 ) -> Path:
@@ -34,11 +44,11 @@ def resolve(
             in the local cache while offline (message says HF_HUB_OFFLINE).
     """
     path = Path(str(spec)).expanduser()
-    if path.exists():
+    if path.is_dir():
         return path
     spec = str(spec)
-    if looks_local(spec):
-        raise FileNotFoundError(f"{spec}: no such model folder")
+    if looks_local(spec) or path.exists():
+        raise FileNotFoundError(missing_folder(spec))
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -24,8 +24,11 @@ from kimi_mlx.model.config import ModelArgs, read_config
 from kimi_mlx.checkpoint.shards import INDEX_FILE, CheckpointError, TensorInfo, needed_shards, read_header, weight_map
 from kimi_mlx.model.tensor_map import TensorError, in_range, kind, original_names, sanitize_weights
 
-__all__ = ["CheckpointError", "LoadReport", "TensorInfo", "check_tensors", "load", "load_model",
-           "load_for_generation", "needed_shards", "read_header", "read_tensors", "weight_map"]
+__all__ = ["CheckpointError", "LoadReport", "TensorInfo", "byte_bar", "check_tensors",
+           "eval_parameters", "load", "load_model", "load_for_generation", "needed_shards",
+           "read_header", "read_tensors", "weight_map"]
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
 MXFP4 = {"group_size": 32, "bits": 4, "mode": "mxfp4"}
 
@@ -57,6 +60,7 @@ def load_model(
     lazy: bool = False,
     verbose: bool = True,
     activation_dtype: Optional[mx.Dtype] = None,
+    progress: Optional[Progress] = None,
 ) -> Tuple[nn.Module, dict, LoadReport]:
     """Load layers [start, end) (default: all) of a checkpoint folder.
 
@@ -68,6 +72,8 @@ def load_model(
         verbose: print the one-line notice about skipped vision / MTP tensors.
         activation_dtype: dtype of the residual stream; default float32 on the CPU
             backend (bf16 matmuls are slow there), the embedding's dtype on a GPU.
+        progress: called as (bytes done, bytes total) while the tensors are read
+            (`eval_parameters`; `byte_bar` draws it); not called when `lazy`.
     Returns:
         (model, config dict, LoadReport).
     Raises:
@@ -75,7 +81,7 @@ def load_model(
         CheckpointError / TensorError: missing or truncated shard, missing, extra or
             misshapen tensor (named, with its shard and the expected shape/dtype).
     """
-    from kimi_mlx.model.model import Model
+    from kimi_mlx.model.model import Model, default_activation_dtype
 
     model_dir = Path(path)
     config = read_config(model_dir)
@@ -100,12 +106,61 @@ def load_model(
         print(f"[kimi-mlx] skipping {' and '.join(parts)} (text model only)", file=sys.stderr)
 
     model = fill_module(Model(args, start, end), weights, args, start, end, where, model_dir)
-    if activation_dtype is None and mx.default_device() == mx.cpu:
-        activation_dtype = mx.float32
+    if activation_dtype is None:
+        activation_dtype = default_activation_dtype()
     model.activation_dtype = activation_dtype
     if not lazy:
-        mx.eval(model.parameters())
+        eval_parameters(model, progress)
     return model, config, report
+
+
+def eval_parameters(model: nn.Module, progress: Optional[Progress] = None) -> int:
+    """Read a lazily loaded model's tensors: the embedding, then layer by layer, then the
+    rest (norm, output mix, lm_head), calling `progress(bytes done, bytes total)` before
+    and after each part. Returns the bytes evaluated."""
+    from mlx.utils import tree_flatten
+
+    def nbytes(m) -> int:
+        return sum(v.nbytes for _, v in tree_flatten(m.parameters()))
+
+    text = model.text
+    parts = ([text.embed_tokens] if text.is_first else []) + list(text.local_layers)
+    total, done = nbytes(model), 0
+    if progress:
+        progress(0, total)
+    for part in parts:
+        mx.eval(part.parameters())
+        done += nbytes(part)
+        if progress:
+            progress(done, total)
+    mx.eval(model.parameters())
+    if progress and done < total:
+        progress(total, total)
+    return total
+
+
+def byte_bar(desc: str, enabled: bool = True) -> Optional[Progress]:
+    """A `progress` callback drawing a tqdm bar of bytes on stderr, on a terminal only;
+    None when not `enabled` (`--quiet`) or when stderr is a pipe or a log file (then not
+    even tqdm is touched: a cluster stage counts the bytes its load reads). The bar
+    clears itself when the load completes."""
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
+                       leave=False, dynamic_ncols=True)
+        bar.n = done
+        bar.refresh()
+        if done >= total:
+            bar.close()
+
+    return update
 
 
 def fill_module(module: nn.Module, weights: Dict[str, mx.array], args: ModelArgs, start: int,
@@ -246,11 +301,12 @@ def load(path_or_repo, start: int = 0, end: Optional[int] = None, lazy: bool = F
     return model, KimiTokenizer.from_pretrained(model_dir), config
 
 
-def load_for_generation(spec: str):
+def load_for_generation(spec: str, progress: bool = False):
     """(model, mlx-lm TokenizerWrapper, our KimiTokenizer, config) for a checkpoint.
 
     `spec` is a local folder or a Hugging Face id (`hub.resolve`: only the needed files,
-    HF_HUB_OFFLINE honoured). Raises FileNotFoundError / CheckpointError naming the path."""
+    HF_HUB_OFFLINE honoured); `progress`: a bar while the tensors are read, on a terminal
+    only (`byte_bar`). Raises FileNotFoundError / CheckpointError naming the path."""
     from mlx_lm.utils import load_tokenizer
 
     from kimi_mlx.checkpoint.hub import resolve
@@ -258,7 +314,7 @@ def load_for_generation(spec: str):
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
     model_dir = resolve(spec)
-    model, config, _ = load_model(model_dir)
+    model, config, _ = load_model(model_dir, progress=byte_bar(f"loading {model_dir.name}", progress))
     kimi_tok = KimiTokenizer.from_pretrained(model_dir)
     register_with_transformers()
     wrapper = load_tokenizer(model_dir, eos_token_ids=kimi_tok.eos_token_ids)

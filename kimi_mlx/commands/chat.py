@@ -14,18 +14,20 @@ import sys
 from typing import List
 
 from kimi_mlx.checkpoint.loader import load_for_generation
-from kimi_mlx.generation.generate import load_speculation
+from kimi_mlx.generation.generate import load_speculation, use_color
 from kimi_mlx.generation.request import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
-                                         add_mtp_argument, check_draft_arguments, check_model_arguments,
-                                         resolve_model_arg, token_budget)
+                                         add_mtp_argument, add_quiet_argument, check_draft_arguments,
+                                         check_model_arguments,
+                                         micro_note, resolve_model_arg, token_budget)
 
 
 def add_arguments(p) -> None:
     p.epilog = f"In the chat: {COMMANDS}."
     add_model_arguments(p)
     p.add_argument("--system-prompt", default=None, help="system message")
-    add_draft_arguments(p)
+    add_draft_arguments(p, mtp=True)
     add_mtp_argument(p)
+    add_quiet_argument(p)
 
 
 COMMANDS = "/help, /reset, /effort low|high|max, /exit (or Ctrl-D); Ctrl-C stops a reply"
@@ -142,7 +144,7 @@ def run(args) -> int:
         check_model_arguments(args)
         check_draft_arguments(args)
         spec = resolve_model_arg(args.model)
-        model, wrapper, tok, _ = load_for_generation(spec)
+        model, wrapper, tok, _ = load_for_generation(spec, progress=not args.quiet)
         speculation = load_speculation(args, wrapper, spec, model)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx chat: error: {e}", file=sys.stderr)
@@ -153,12 +155,15 @@ def run(args) -> int:
     conv = Conversation(args.system_prompt)
     effort = args.reasoning_effort
     context = min(model.args.max_position_embeddings, args.max_kv_size or 1 << 62)
-    dim = sys.stdout.isatty()
+    dim = use_color()
 
     def show(channel, text):
         print(f"\033[2m{text}\033[0m" if channel == "reasoning" and dim else text, end="",
               flush=True)
 
+    note = micro_note(spec)
+    if note:
+        print(note, file=sys.stderr)
     print(f"kimi-mlx chat: {COMMANDS}", file=sys.stderr)
     while True:
         try:

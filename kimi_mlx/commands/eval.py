@@ -20,11 +20,13 @@ def add_arguments(p) -> None:
                    help="measure only the first N predicted tokens of the file")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
                    help=f"windows per forward pass (default {DEFAULT_BATCH})")
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bars while loading and measuring (shown only on a terminal)")
 
 
 def run(args) -> int:
     from kimi_mlx.checkpoint.hub import resolve
-    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.checkpoint.loader import byte_bar, load_model
     from kimi_mlx.generation.request import InputError, resolve_model_arg
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
@@ -40,7 +42,8 @@ def run(args) -> int:
         ids = read_tokens(tokenizer, args.data, args.max_tokens)
         if len(ids) < 2:
             raise InputError(f"{args.data}: fewer than 2 tokens, nothing to predict")
-        model, _, _ = load_model(model_dir, verbose=False)
+        model, _, _ = load_model(model_dir, verbose=False,
+                                 progress=byte_bar(f"loading {model_dir.name}", not args.quiet))
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx eval: error: {e}", file=sys.stderr)
         return 2
@@ -49,9 +52,9 @@ def run(args) -> int:
         print(f"note: windows of {args.seq_len + 1} tokens run past the model's context of "
               f"{context} (max_position_embeddings): figures beyond it are out of spec",
               file=sys.stderr)
-    result = perplexity(model, ids, args.seq_len, args.batch_size)
     print(f"model: {model_dir}")
-    print(f"data: {args.data} ({len(ids)} tokens, windows of {args.seq_len})")
+    print(f"data: {args.data} ({len(ids)} tokens, windows of {args.seq_len})", flush=True)
+    result = perplexity(model, ids, args.seq_len, args.batch_size, progress=not args.quiet)
     print(f"perplexity: {result.perplexity:.4f}")
     print(f"tokens: {result.tokens}")
     print(f"tokens/s: {result.tokens_per_second:.1f}")

@@ -30,6 +30,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="Run Moonshot's Kimi K3.1 Pro on Apple Silicon with MLX: one Mac, "
         "a cluster of Macs, or a REAP-pruned build.",
     )
+    parser.add_argument("--version", "-V", action="store_true",
+                        help="print the versions of kimi-mlx, MLX and mlx-lm and the BLAS in use")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name, help_text in COMMANDS:
         if only is not None and name != only:
@@ -47,8 +49,33 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def version_text() -> str:
+    """`kimi-mlx --version`: ours, MLX's and mlx-lm's versions, and the BLAS in use."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import mlx.core as mx
+
+    from kimi_mlx.commands.blas import blas_in_use
+
+    def v(dist):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"kimi-mlx {v('kimi-mlx')} (mlx {mx.__version__}, mlx-lm {v('mlx-lm')}, "
+            f"{mx.default_device().type.name}, BLAS: {blas_in_use()})")
+
+
 def main(argv=None) -> int:
+    if argv is None:  # started as a program (not called from Python): full BLAS speed
+        from kimi_mlx.commands.blas import ensure_fast_blas
+
+        ensure_fast_blas()
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["--version"], ["-V"]):
+        print(version_text())
+        return 0
     command = argv[0] if argv and not argv[0].startswith("-") else None
     parser = build_parser(only=command)
     args, extra = parser.parse_known_args(argv)

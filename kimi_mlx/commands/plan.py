@@ -16,12 +16,11 @@ from kimi_mlx.placement.layer_bytes import DEFAULT_MODEL_ID, BuildSpec, ModelByt
 from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S, recommend,
                                                tensor_plan_for, tensors_of)
 from kimi_mlx.placement.planner import (
-    DEFAULT_CHIP, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
-    StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs,
+    DEFAULT_CHIP, DEFAULT_CONTEXT, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
+    StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs, planned_context,
 )
 
 
-DEFAULT_CONTEXT = 131072  # tokens planned for when --context is not given
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -187,8 +186,7 @@ def run(args) -> int:
         print(f"build: {build.describe()}; {_gb(model.file_bytes)} GB of safetensors files "
               f"({model.file_bytes:,} bytes)")
     limit = model.max_position_embeddings
-    if args.context is None:  # a 4k-context micro model is not planned for 128k tokens
-        args.context = min(DEFAULT_CONTEXT, limit) if limit else DEFAULT_CONTEXT
+    args.context = planned_context(args.context, limit)
     if limit and args.context > limit:
         print(f"note: --context {args.context} is past the model's max_position_embeddings "
               f"({limit}); it is planned for, but the model is not made for it", file=sys.stderr)

@@ -17,6 +17,7 @@ time (model loading and tokenisation excluded).
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,8 @@ def windows(ids: Sequence[int], seq_len: int) -> List[List[int]]:
 
 
 def perplexity(
-    model, ids: Sequence[int], seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = DEFAULT_BATCH
+    model, ids: Sequence[int], seq_len: int = DEFAULT_SEQ_LEN, batch_size: int = DEFAULT_BATCH,
+    progress: bool = False,
 ) -> EvalResult:
     """Perplexity of `model` on token ids, over `windows(ids, seq_len)`.
 
@@ -77,6 +79,7 @@ def perplexity(
         ids: token ids (at least 2).
         seq_len: window length in predicted tokens.
         batch_size: windows per forward pass (full-length windows only).
+        progress: a tqdm bar of predicted tokens on stderr, on a terminal only.
     Returns:
         EvalResult with the summed NLL in nats and the number of predicted tokens.
     Raises:
@@ -90,7 +93,11 @@ def perplexity(
     full = [w for w in wins if len(w) == seq_len + 1]
     batches = [full[i : i + batch_size] for i in range(0, len(full), batch_size)]
     batches += [[w] for w in wins if len(w) != seq_len + 1]
+    from tqdm import tqdm
+
     nll, count, seconds = 0.0, 0, 0.0
+    bar = tqdm(total=sum(len(w) - 1 for w in wins), desc="measuring", unit="tok",
+               file=sys.stderr, leave=False, dynamic_ncols=True, disable=None if progress else True)
     for batch in batches:
         x = mx.array(batch, dtype=mx.int32)
         t0 = time.perf_counter()
@@ -102,6 +109,8 @@ def perplexity(
         seconds += time.perf_counter() - t0
         nll += total.item()
         count += x.shape[0] * (x.shape[1] - 1)
+        bar.update(x.shape[0] * (x.shape[1] - 1))
+    bar.close()
     return EvalResult(nll, count, seconds)
 
 

@@ -10,11 +10,13 @@ them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Iterator, List
 
 from kimi_mlx.generation.request import (  # noqa: F401  (re-exported: the request path lives in request.py)
     DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_draft_arguments, add_model_arguments, add_mtp_argument,
+    add_quiet_argument, parse_bool,
     build_prompt, check_context, check_draft_arguments, check_model_arguments, default_model,
     resolve_model_arg, token_budget,
 )
@@ -26,10 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system-prompt", default=None, help="system message")
     p.add_argument("--ignore-chat-template", action="store_true",
                    help="feed the prompt as raw text, without the chat encoding")
-    p.add_argument("--verbose", type=lambda s: s.lower() in ("1", "true", "yes"),
-                   default=True, help="print timing and memory at the end (default: True)")
-    add_draft_arguments(p)
+    p.add_argument("--verbose", type=parse_bool, default=True, metavar="{true,false}",
+                   help="print timing and memory at the end (default: true)")
+    add_draft_arguments(p, mtp=True)
     add_mtp_argument(p)
+    add_quiet_argument(p)
 
 
 def load_speculation(args, wrapper, target_name: str, model=None):
@@ -75,6 +78,13 @@ def stream(model, wrapper, prompt_ids: List[int], args, speculation=None) -> Ite
     )
 
 
+def use_color(stream=None) -> bool:
+    """Escape codes (dimmed reasoning) only on a terminal and without NO_COLOR set to a
+    non-empty value (https://no-color.org)."""
+    stream = sys.stdout if stream is None else stream
+    return stream.isatty() and not os.environ.get("NO_COLOR")
+
+
 def print_generation(args, responses) -> int:
     """Stream mlx-lm GenerationResponses to stdout as `kimi-mlx generate` does (reasoning
     dimmed on a terminal unless --ignore-chat-template), then mlx_lm.generate's timing
@@ -82,7 +92,7 @@ def print_generation(args, responses) -> int:
     from kimi_mlx.text.chat_format import ReplyStream
 
     pretty = ReplyStream() if not args.ignore_chat_template else None
-    dim = sys.stdout.isatty()
+    dim = use_color()
     if args.verbose:
         print("=" * 10)
     response = None

@@ -33,6 +33,47 @@ def default_model() -> Optional[Path]:
     return path if (path / "config.json").exists() else None
 
 
+MICRO_NOTE = (
+    "note: this is the shipped micro model (kimi_mlx/assets/micro, 5.1M parameters of the "
+    "Kimi K3.1 architecture), trained on Python standard-library code and documentation "
+    "prose and not chat-tuned: chat prompts get noise. It continues raw text, e.g. "
+    "--ignore-chat-template --prompt 'PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2' or "
+    "'class Queue:'. Give --model PATH_OR_HF_ID for a real model; "
+    "kimi_mlx/assets/micro/MODEL_CARD.md says more about this one."
+)
+
+
+def micro_note(spec: str, raw: bool = False) -> Optional[str]:
+    """`MICRO_NOTE` when `spec` is the shipped micro checkpoint and the prompt goes through
+    the chat encoding (`raw` False), which it was never trained on; otherwise None."""
+    path = default_model()
+    if raw or path is None:
+        return None
+    try:
+        same = Path(spec).expanduser().resolve() == path
+    except OSError:
+        return None
+    return MICRO_NOTE if same else None
+
+
+def parse_bool(text: str) -> bool:
+    """A boolean flag's value: true/false, t/f, yes/no, y/n, 1/0 (any case); anything
+    else is an argparse error naming the value (mlx-lm's `str2bool` reads 'maybe' as
+    True, and a lenient reader as False: neither is what was meant)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "t", "yes", "y"):
+        return True
+    if value in ("0", "false", "f", "no", "n"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_quiet_argument(p: argparse.ArgumentParser) -> None:
+    """`--quiet`: no progress bar while the checkpoint loads (there is none in a pipe)."""
+    p.add_argument("--quiet", "-q", action="store_true",
+                   help="no progress bar while loading (shown only on a terminal)")
+
+
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared with chat / cluster launch / server: --model and sampling."""
     p.add_argument("--model", default=None,
@@ -74,16 +115,18 @@ def check_max_kv_size(value: Optional[int]) -> None:
                          f"and one generated token), got {value}")
 
 
-def add_draft_arguments(p: argparse.ArgumentParser, note: str = "") -> None:
+def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = False) -> None:
     """--draft-model / --num-draft-tokens (mlx-lm's names): speculative decoding.
-    `note` is appended to --draft-model's help (e.g. the server's concurrency rule)."""
+    `note` is appended to --draft-model's help (e.g. the server's concurrency rule);
+    `mtp`: the command also has --draft mtp (`add_mtp_argument`), which the help names."""
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint or "
                         "any mlx-lm model with the same tokenizer (output stays the model's)"
                         + note)
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help=f"tokens the draft proposes per verify step (default "
-                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model or --draft)")
+                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model"
+                        + (" or --draft)" if mtp else ")"))
 
 
 def add_mtp_argument(p: argparse.ArgumentParser) -> None:
@@ -209,14 +252,15 @@ def token_budget(n_prompt: int, max_tokens: int, context: int) -> int:
 def check_context(n_prompt: int, max_tokens: int, context: int, source: str) -> int:
     """Number of tokens that may still be generated (max_tokens -1 = up to the context);
     InputError when the prompt does not fit. When the context cuts a --max-tokens request
-    short, says so on stderr (generation would otherwise just stop early)."""
+    short, or decides it (-1), says so on stderr (generation would otherwise just stop
+    early)."""
     if n_prompt >= context:
         raise InputError(
             f"the prompt is {n_prompt} tokens, longer than the context of {context} tokens "
             f"({source})"
         )
     budget = token_budget(n_prompt, max_tokens, context)
-    if 0 <= budget < max_tokens:
+    if 0 <= budget and (max_tokens < 0 or budget < max_tokens):
         print(f"note: generating at most {budget} tokens: the prompt ({n_prompt}) and the "
               f"generation must fit in {context} tokens ({source})", file=sys.stderr)
     return budget

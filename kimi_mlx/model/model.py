@@ -26,7 +26,15 @@ from kimi_mlx.model.ffn import LatentMoE, SiTUMLP
 from kimi_mlx.model.kda import KimiDeltaAttention
 from kimi_mlx.model.tensor_map import sanitize_weights
 
-__all__ = ["Model", "ModelArgs", "DecoderLayer", "TextModel"]
+__all__ = ["Model", "ModelArgs", "DecoderLayer", "TextModel", "default_activation_dtype"]
+
+
+def default_activation_dtype() -> Optional[mx.Dtype]:
+    """The residual stream's dtype where nobody chose one: float32 on MLX's CPU backend
+    (its bf16 and quantized-bf16 matmuls are several times slower than float32 ones),
+    None (the embedding's dtype, BF16 in the release) on a GPU. The one policy for our
+    loader and for `mlx_lm.load` (`kimi_mlx.model.mlx_lm_entry`)."""
+    return mx.float32 if mx.default_device() == mx.cpu else None
 
 
 class DecoderLayer(nn.Module):

@@ -33,7 +33,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 import kimi_mlx
 from kimi_mlx.model.config import ModelArgs, read_config
-from kimi_mlx.checkpoint.hub import looks_local
+from kimi_mlx.checkpoint.hub import looks_local, missing_folder
 from kimi_mlx.checkpoint.shards import DTYPE_BYTES, INDEX_FILE, CheckpointError, read_header
 from kimi_mlx.checkpoint.shards import weight_map as _weight_map
 from kimi_mlx.model.tensor_map import expert_outputs, quantizable, trunk_outputs
@@ -669,7 +669,7 @@ def model_bytes(model: str, build: Optional[BuildSpec] = None) -> ModelBytes:
     if path.is_dir():
         return model_bytes_from_checkpoint(path, build)
     if looks_local(model) or path.exists():
-        raise FileNotFoundError(f"{model}: no such checkpoint folder")
+        raise FileNotFoundError(missing_folder(model, "checkpoint folder"))
     index = _hf_cached_file(model, INDEX_FILE)
     if index is not None:
         try:

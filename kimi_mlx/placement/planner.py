@@ -32,6 +32,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from kimi_mlx.placement.layer_bytes import ModelBytes
 
 GB = 10**9
+DEFAULT_CONTEXT = 131072  # tokens planned for when no context is given
+
+
+def planned_context(requested: Optional[int], limit: Optional[int]) -> int:
+    """Tokens per sequence to plan for: `requested`, or DEFAULT_CONTEXT capped at the
+    model's max_position_embeddings `limit` (a 4k-context model is not planned for 128k
+    tokens). `kimi-mlx plan` and `prune --dry-run` both use it."""
+    if requested is not None:
+        return requested
+    return min(DEFAULT_CONTEXT, limit) if limit else DEFAULT_CONTEXT
 GiB = 2**30
 
 # Peak unified-memory bandwidth in bytes/s (Apple specifications; the Max chips are the

@@ -128,9 +128,9 @@ def check_draft_server_arguments(args) -> None:
 
 def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
                  max_queue: int, max_kv_size: Optional[int], draft_model: Optional[str] = None,
-                 num_draft_tokens: int = 3) -> None:
+                 num_draft_tokens: int = 3, progress: bool = False) -> None:
     """Load the checkpoint (and the draft, when given) into `svc` (sets tokenizers,
-    context, defaults, engine).
+    context, defaults, engine); `progress`: a loading bar on a terminal.
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
@@ -143,7 +143,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
     if draft_model and max_concurrency != 1:
         raise ValueError("speculative decoding (a draft model) needs max_concurrency 1")
-    model, wrapper, tok, _ = load_for_generation(spec)
+    model, wrapper, tok, _ = load_for_generation(spec, progress=progress)
     model_dir = Path(resolve(spec))
     svc.defaults = generation_defaults(model_dir)
     speculation = None
