@@ -474,7 +474,7 @@ def run(args, cluster_factory, tokenizers) -> int:
         svc.engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
                                    args.max_queue, svc.metrics, keeper, speculation,
                                    margs, index, batch=not args.no_batch).start()
-        log.warning("serving %s through %s", svc.model_ids[0], "the pipeline")
+        log.info("serving %s through the pipeline", svc.model_ids[0])
 
     def cleanup():
         if svc.engine is not None:
