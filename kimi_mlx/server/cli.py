@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from kimi_mlx.generation.request import InputError, add_draft_arguments, resolve_model_arg
+from kimi_mlx.generation.request import InputError, add_draft_arguments, add_mtp_argument, resolve_model_arg
 from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
                                      serve)
@@ -25,12 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"sequences generated at once by continuous batching (default "
                         f"{DEFAULT_CONCURRENCY}; 1 = one request at a time, the default and "
-                        "the only choice with --draft-model)")
+                        "the only choice with --draft-model or --draft)")
     p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
                    help="bytes of cache snapshots kept across requests (default 1 GiB; 0 = off)")
     add_draft_arguments(p, note=": the server then runs one request at a time "
                         "(--max-concurrency 1), every request speculatively (requests with "
                         "penalties or logit_bias decode plainly)")
+    add_mtp_argument(p, kinds=("ngram",))  # --draft ngram: the same one-at-a-time rule
 
 
 def run(args) -> int:
@@ -51,7 +52,8 @@ def run(args) -> int:
     def load():
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
                      args.max_queue, args.max_kv_size, draft_model=args.draft_model,
-                     num_draft_tokens=args.num_draft_tokens)
+                     num_draft_tokens=args.num_draft_tokens,
+                     ngram=(args.ngram_max, args.ngram_min) if args.draft == "ngram" else None)
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
 
     def cleanup():

@@ -154,6 +154,13 @@ class NgramDraft:
         """[ArraysCache(1)]: the token ids the target holds (int32 [n], None when empty)."""
         return [ArraysCache(size=1)]
 
+    def __call__(self, inputs: mx.array, cache: List[Any]) -> None:
+        """Record token ids [1, T] fed to the target beside it (a front end that prefills
+        the draft with the target, as the server's engine does): appended to `cache`, the
+        list `make_cache` gave."""
+        held, new = cache[0], inputs.reshape(-1).astype(mx.int32)
+        held.cache = [new if held[0] is None else mx.concatenate([held[0], new])]
+
     def index(self, tokens: Sequence[int]) -> NgramIndex:
         return NgramIndex(tokens, self.n_max, self.n_min)
 
