@@ -140,21 +140,24 @@ def test_caches_after_generation_hold_all_but_the_last_token(target):
     assert caches[nt][0].tolist() == prompt + out[:-1]
 
 
-def test_closing_the_generator_mid_step_settles_the_caches(micro):
-    """Stopped on an accepted draft (the rest of its step dropped), the caches continue
-    as plain decoding would: the next call from them gives the plain greedy tokens."""
+@pytest.mark.parametrize("stop_on_draft", [True, False])
+def test_closing_the_generator_settles_the_caches(micro, stop_on_draft):
+    """Stopped on an accepted draft (the rest of its step dropped) or on a plain token
+    (the plain step already started after it undone), the caches continue as plain
+    decoding would: the next call from them gives the plain greedy tokens."""
     model, prompt = micro
     d = NgramDraft()
     caches = model.make_cache() + d.make_cache()
+    stats = SpecStats()
     gen = ngram_generate_step(prompt, model, d, num_draft_tokens=4, max_tokens=48,
-                              prompt_cache=caches)
+                              prompt_cache=caches, stats=stats)
     out = []
     for t, _, from_draft in gen:
         out.append(t)
-        if from_draft and len(out) > 8:
+        if from_draft == stop_on_draft and len(out) > 8:
             break
     gen.close()
-    assert from_draft
+    assert from_draft == stop_on_draft
     assert caches[-1][0].tolist() == prompt + out[:-1]
     more = [t for t, _, _ in ngram_generate_step(out[-1:], model, d, num_draft_tokens=4,
                                                  max_tokens=12, prompt_cache=caches)]

@@ -25,8 +25,11 @@ continuation without self-reference; a majority vote over all occurrences did 1.
 Loop (`ngram_generate_step`, mlx-lm's (token, logprobs, from_draft) triples, like
 `kimi_mlx.speculative.loop.speculative_generate_step`):
   * no match: a plain decode step, exactly what mlx-lm's `generate_step` runs (one token
-    through the model, no verify record, no snapshot, no rollback); counted in
-    `SpecStats.plain`;
+    through the model, no verify record, no rollback); counted in `SpecStats.plain`. As
+    in mlx-lm, while nothing matches the next plain step is started before the current
+    token is read (the graph is built while the last one computes); the caches'
+    references before it (a list of array references, no copy) undo it if generation
+    stops before its input token is yielded;
   * a match of m <= k tokens: the target scores [y, d1..dm] in one pass with the KDA
     verify record (`rollback.begin_verify`), `loop.judge_verify` accepts a prefix, and
     the caches are rolled back exactly (`rollback.rollback`), as for a draft model.
@@ -52,7 +55,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from kimi_mlx.speculative.loop import Sampling, SpecStats, judge_verify
-from kimi_mlx.speculative.rollback import begin_verify, end_verify, rollback
+from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
 
 __all__ = ["NgramDraft", "NgramIndex", "ngram_generate_step", "DEFAULT_NGRAM_MAX",
            "DEFAULT_NGRAM_MIN"]
@@ -248,18 +251,35 @@ def ngram_generate_step(
         rollback(cache, verify, m)
         end_verify(cache)
 
+    def plain_step(tok):
+        """Feed `tok` (int, or a lazy scalar) to the target: (its next token and logprobs
+        [V], both lazy and started; the caches' references before the feed)."""
+        before = snapshot(cache)
+        x = tok.reshape(1, 1) if isinstance(tok, mx.array) else mx.array([[tok]], mx.uint32)
+        logits = model(x, cache=cache)[0, -1]
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        if sampling.greedy:
+            nxt = mx.argmax(logprobs)  # as mlx-lm's sampler: ties break alike
+        else:
+            nxt = mx.random.categorical(sampling.log_probs(logits))
+        mx.async_eval(nxt, logprobs)
+        return nxt, logprobs, before
+
+    inflight = None  # a plain step started and not yet yielded (it has fed y)
     try:
         while max_tokens < 0 or ntoks < max_tokens:
-            left = num_draft_tokens if max_tokens < 0 else max_tokens - ntoks - 1
-            drafts = index.propose(min(num_draft_tokens, left))
-            if not drafts:
-                # A plain decode step: mlx-lm's `generate_step` work and nothing more.
-                logits = model(mx.array([[y]], mx.uint32), cache=cache)[0, -1]
-                logprobs = logits - mx.logsumexp(logits, keepdims=True)
-                if sampling.greedy:
-                    tok = mx.argmax(logprobs)  # as mlx-lm's sampler: ties break alike
-                else:
-                    tok = mx.random.categorical(sampling.log_probs(logits))
+            if inflight is None:
+                left = num_draft_tokens if max_tokens < 0 else max_tokens - ntoks - 1
+                drafts = index.propose(min(num_draft_tokens, left))
+                if not drafts:
+                    inflight = plain_step(y)
+            if inflight is not None:
+                # A plain decode step: mlx-lm's `generate_step` work and nothing more. As
+                # there, while nothing matches the next step is started before this one's
+                # token is read (undone at the end if its token is never yielded).
+                tok, logprobs, _ = inflight
+                last = max_tokens >= 0 and ntoks + 1 >= max_tokens
+                inflight = plain_step(tok) if not last and not index.occurrences() else None
                 y = tok.item()
                 stats.plain += 1
                 ntoks += 1
@@ -289,6 +309,8 @@ def ngram_generate_step(
             index.extend(emitted)
             y = emitted[-1]
     finally:
+        if inflight is not None:  # started ahead, its input (the last token) never yielded
+            restore(cache, inflight[2])
         if pending is not None:
             verify, emitted = pending
             settle(verify, len(emitted))
