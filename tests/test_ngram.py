@@ -335,3 +335,27 @@ def test_request_defaults_are_the_modules():
     from kimi_mlx.generation.request import NGRAM_MAX, NGRAM_MIN
 
     assert (NGRAM_MAX, NGRAM_MIN) == (ngram.DEFAULT_NGRAM_MAX, ngram.DEFAULT_NGRAM_MIN)
+
+
+def test_bench_rows_for_the_ngram_draft(target):
+    from kimi_mlx.bench.spec import bench
+
+    rows = bench(target, NgramDraft(), [repeating(12, 4)], tokens=8, ks=[2, 4], repeats=1)
+    assert [r["k"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["plain_tps"] > 0 and r["spec_tps"] > 0 and 0 <= r["mean_accepted"] <= r["k"]
+        assert r["plain_steps"] + r["verify_steps"] > 0
+
+
+def test_copy_prompts_hold_a_block_then_its_first_half():
+    from pathlib import Path
+
+    from kimi_mlx.bench.spec import copy_prompts
+    from kimi_mlx.checkpoint.loader import load_for_generation
+
+    path = Path(ngram.__file__).resolve().parents[1] / "assets" / "micro"
+    _, _, tok, _ = load_for_generation(str(path))
+    for p in copy_prompts(path, tok, 2, lines=10):
+        text = tok.decode(p)
+        lines = text.splitlines(keepends=True)
+        assert "".join(lines[11:]) == "".join(lines[:5])  # 10 lines, a blank one, 5 again
