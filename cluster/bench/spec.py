@@ -78,6 +78,7 @@ def bench_rows(pipe, draft, model_args, prompts: List[List[int]], tokens: int,
         tps = _median_tps({"plain": plain, "spec": spec(k, stats)}, prompts, repeats)
         rows.append(dict(k=k, mean_accepted=stats.mean_accepted, plain_steps=stats.plain,
                          verify_steps=stats.steps, plain_tps=tps["plain"],
+                         tokens_per_pass=stats.emitted / max(stats.steps + stats.plain, 1),
                          spec_tps=tps["spec"], speedup=tps["spec"] / tps["plain"]))
     return rows
 

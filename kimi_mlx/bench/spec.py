@@ -144,6 +144,7 @@ def bench(model, draft, prompts: List[List[int]], tokens: int, ks: List[int],
             ratios.append(spec_tps[-1] / plain_tps[-1])
         row = dict(k=k, mean_accepted=stats.mean_accepted, plain_steps=stats.plain,
                    verify_steps=stats.steps,
+                   tokens_per_pass=stats.emitted / max(stats.steps + stats.plain, 1),
                    plain_tps=statistics.median(plain_tps), spec_tps=statistics.median(spec_tps),
                    speedup=statistics.median(ratios))
         rows.append(row)
@@ -183,12 +184,13 @@ def rollback_cost(max_m: int = 6, repeats: int = 5) -> Dict:
 def print_table(title: str, rows: List[Dict], target: str = "1.3x") -> None:
     """One draft's rows on one workload: k, accepted per verify step, tokens/s, ratio."""
     print(title)
-    print(f"{'k':>3} {'accepted/step':>14} {'plain steps':>12} {'plain tok/s':>12} "
-          f"{'spec tok/s':>11} {'ratio':>7}")
+    print(f"{'k':>3} {'accepted/step':>14} {'plain steps':>12} {'tokens/pass':>12} "
+          f"{'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7}")
     for r in rows:
         share = r.get("plain_steps", 0) / max(r.get("plain_steps", 0) + r.get("verify_steps", 0), 1)
         print(f"{r['k']:>3} {r['mean_accepted']:>14.2f} {100 * share:>11.0f}% "
-              f"{r['plain_tps']:>12.1f} {r['spec_tps']:>11.1f} {r['speedup']:>6.2f}x")
+              f"{r.get('tokens_per_pass', 0):>12.2f} {r['plain_tps']:>12.1f} "
+              f"{r['spec_tps']:>11.1f} {r['speedup']:>6.2f}x")
     best = max(rows, key=lambda r: r["speedup"])
     print(f"best: k={best['k']} at {best['speedup']:.2f}x plain (target >= {target})")
 
