@@ -243,7 +243,6 @@ def ngram_generate_step(
     seen = held[0].tolist() if held[0] is not None else []
     _prefill(model, cache, prompt[:-1], prefill_step_size)
     index = draft.index(seen + prompt)  # the context, y (not yet fed) included
-    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
 
     y = prompt[-1]
     ntoks = 0
@@ -293,7 +292,7 @@ def ngram_generate_step(
             verify = begin_verify(cache)
             x = mx.array([y] + drafts, mx.uint32)
             logits = model(x[None], cache=cache)[0].astype(mx.float32)  # [m+1, V]
-            q_lps = [] if sampling.greedy else _one_hot_log(drafts, vocab or logits.shape[-1])
+            q_lps = [] if sampling.greedy else _one_hot_log(drafts, logits.shape[-1])
             n, token, d_list, logprobs = judge_verify(
                 logits, mx.array(drafts, mx.uint32), q_lps, sampling, stats)
             emitted: List[int] = []
