@@ -395,12 +395,12 @@ def add_arguments(q) -> None:
     q.add_argument("--model", default=None,
                    help="checkpoint folder (default: the shipped micro model); the nodes "
                         "need the same files")
-    from kimi_mlx.generation.request import add_draft_arguments
+    from kimi_mlx.generation.request import add_draft_arguments, add_mtp_argument
 
     add_server_arguments(q, log_level=False)
     q.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight through the pipeline at once (default 4; 1, the "
-                        "default and the only choice, with --draft-model)")
+                   help="requests in flight through the pipeline at once (default 4, or 1 "
+                        "with --draft-model or --draft, the only value allowed there)")
     q.add_argument("--no-prompt-cache", action="store_true",
                    help="prefill every prompt in full (default: the stages keep snapshots "
                         "of their caches, bounded by each stage's `cluster serve "
@@ -413,7 +413,8 @@ def add_arguments(q) -> None:
                         "(default 1024; 0 = message ends only)")
     add_draft_arguments(q, note=" (loaded on this head, which drafts; the stages verify): "
                         "one request at a time, every request speculatively (requests with "
-                        "penalties or logit_bias decode plainly)")
+                        "penalties or logit_bias decode plainly)", mtp=True)
+    add_mtp_argument(q, kinds=("ngram",))  # --draft ngram: prompt lookup on the head
 
 
 def run(args, cluster_factory, tokenizers) -> int:
@@ -465,6 +466,12 @@ def run(args, cluster_factory, tokenizers) -> int:
             from kimi_mlx.speculative.loop import Speculation, load_draft
 
             speculation = Speculation(load_draft(args.draft_model, wrapper, spec),
+                                      args.num_draft_tokens)
+        elif args.draft == "ngram":
+            from kimi_mlx.speculative.loop import Speculation
+            from kimi_mlx.speculative.ngram import NgramDraft
+
+            speculation = Speculation(NgramDraft(args.ngram_max, args.ngram_min),
                                       args.num_draft_tokens)
         pipeline = cluster.connect()
         keeper = make_keeper(args, cluster, fp, pipeline)

@@ -7,7 +7,7 @@
   machine has the secret).
 - `launch`: on the head: discover, check versions and fingerprints, plan, load every
   stage with a progress bar per node, then generate with `kimi-mlx generate`'s flags and
-  output (`--draft-model`: speculative decoding, the draft on the head, verify steps
+  output (`--draft-model` / `--draft ngram`: speculative decoding, the draft on the head, verify steps
   through the stages: `cluster.speculative`). Exit status: 0 done, 1 a stage was lost / refused or the model does not fit,
   2 bad input.
 """
@@ -477,9 +477,10 @@ def _launch(args) -> int:
     try:
         check_model_arguments(args)
         check_draft_arguments(args)
-        if getattr(args, "draft", None):
+        if getattr(args, "draft", None) == "mtp":
             raise InputError("--draft mtp: the MTP draft runs in one process only (kimi-mlx "
-                             "generate or chat); through the pipeline use --draft-model")
+                             "generate or chat); through the pipeline use --draft-model or "
+                             "--draft ngram")
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):

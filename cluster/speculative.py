@@ -152,7 +152,8 @@ def speculative_pipeline_step(
     Args:
         pipeline: a `Pipeline` over loaded stages (its prefill_chunk and step_timeout).
         prompt: token ids (at least one).
-        draft_model: the draft, run here on the head (same tokenizer as the target).
+        draft_model: the draft, run here on the head (same tokenizer as the target), or
+            an `NgramDraft` (prompt lookup on the head, `kimi_mlx.speculative.ngram`).
         model_args: the target checkpoint's `ModelArgs` (its vocab_size).
         num_draft_tokens: k (>= 1). max_tokens: tokens to yield (-1: no limit).
         sampling: `kimi_mlx.speculative.loop.Sampling` (default greedy).
@@ -178,9 +179,12 @@ def speculative_pipeline_step(
     target = PipelineTarget(t, sid, model_args, len(prompt) - 1, pipeline.prefill_chunk,
                             pipeline.step_timeout)
     caches = target.make_cache() + make_prompt_cache(draft_model)
+    # A draft with its own loop (`--draft ngram`: `NgramDraft.generate_step`) runs it over
+    # the same stand-in target; its plain steps (no match) are 1-token verify messages.
+    step = getattr(draft_model, "generate_step", None) or speculative_generate_step
     ok = False
     try:
-        yield from speculative_generate_step(
+        yield from step(
             list(prompt), target, draft_model, num_draft_tokens=num_draft_tokens,
             max_tokens=max_tokens, sampling=sampling, prompt_cache=caches,
             prefill_step_size=pipeline.prefill_chunk, stats=stats)

@@ -273,12 +273,12 @@ def test_help_texts_say_what_each_command_does():
 
     p = build_parser()
     assert _option_help(p, "server", "--num-draft-tokens") == (
-        "tokens the draft proposes per verify step (default 3; needs --draft-model)")
+        "tokens the draft proposes per verify step (default 3; needs --draft-model or --draft)")
     assert _option_help(p, "generate", "--num-draft-tokens") == (
         "tokens the draft proposes per verify step (default 3; needs --draft-model or --draft)")
     assert _option_help(p, "server", "--max-concurrency") == (
         "sequences generated at once by continuous batching (default 4, or 1 with "
-        "--draft-model, the only value allowed there; 1 = one request at a time)")
+        "--draft-model or --draft, the only value allowed there; 1 = one request at a time)")
     assert _option_help(p, "cluster", "server", "--context") == (
         "tokens per sequence to plan caches for (default: the model's context, or --max-kv-size)")
     assert _option_help(p, "cluster", "launch", "--context") == (

@@ -60,3 +60,27 @@ def test_a_draft_serves_one_request_at_a_time(capsys):
     assert "--max-concurrency 1" in capsys.readouterr().err
     assert main(base + ["--num-draft-tokens", "2"]) == 2
     assert "--num-draft-tokens needs --draft-model" in capsys.readouterr().err
+
+
+def test_greedy_with_ngram_drafts_through_three_stages_equals_plain(tmp_path):
+    """`--draft ngram` (prompt lookup on the head): the same replies as plain decoding,
+    with verify steps counted (a repeating prompt gives the lookup something to match)."""
+    cluster = LocalCluster(tmp_path, n=3, prefix="ng", ports=[44055, 44056, 44057])
+    server = None
+    prompts = PROMPTS + ["for i in range(10):\n    x = i\nfor i in range(10):\n    x = i\nfor i in"]
+    try:
+        server = ServerProc(cluster, 44058, "--draft", "ngram", "--num-draft-tokens", "4")
+        want = _one_process(cluster.ckpt, prompts, 24)
+        got = []
+        for p in prompts:
+            r = httpx.post(server.url + "/v1/completions", timeout=120,
+                           json={"model": "micro", "prompt": p, "max_tokens": 24, "temperature": 0})
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["text"])
+        assert got == want
+        m = httpx.get(server.url + "/metrics", timeout=10).text
+        assert _metric(m, "kimi_mlx_speculative_verify_steps_total") > 0
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.stop()

@@ -19,7 +19,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 STAGE_ENV = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
@@ -67,12 +67,18 @@ def bench_rows(pipe, draft, model_args, prompts: List[List[int]], tokens: int,
         return lambda p: speculative_pipeline_step(
             pipe, p, draft, model_args, num_draft_tokens=k, max_tokens=tokens, stats=stats)
 
+    from kimi_mlx.bench.spec import loop_prompt
+
     _median_tps({"plain": plain, "spec": spec(max(ks), SpecStats())}, prompts[:1], 1)
+    for k in ks:  # every k's verify shape, also for a draft that may propose nothing
+        _median_tps({"spec": spec(k, SpecStats())}, [loop_prompt(prompts[0])], 1)
     rows = []
     for k in ks:
         stats = SpecStats()
         tps = _median_tps({"plain": plain, "spec": spec(k, stats)}, prompts, repeats)
-        rows.append(dict(k=k, mean_accepted=stats.mean_accepted, plain_tps=tps["plain"],
+        rows.append(dict(k=k, mean_accepted=stats.mean_accepted, plain_steps=stats.plain,
+                         verify_steps=stats.steps, plain_tps=tps["plain"],
+                         tokens_per_pass=stats.emitted / max(stats.steps + stats.plain, 1),
                          spec_tps=tps["spec"], speedup=tps["spec"] / tps["plain"]))
     return rows
 
@@ -81,6 +87,19 @@ def bench_pipeline(ckpt: Path, draft, model_args, prompts: List[List[int]], toke
                    ks: List[int], repeats: int, stages: int = 3) -> List[Dict]:
     """`bench_rows` through `stages` loopback stage processes serving `ckpt` (float32
     activations and wire), started and stopped here.
+
+    Raises:
+        RuntimeError: a stage did not start or was not usable; StageFailure: lost.
+    """
+    return bench_pipeline_jobs(ckpt, model_args, [("", draft, prompts, ks, tokens)], tokens,
+                               repeats, stages)[0]
+
+
+def bench_pipeline_jobs(ckpt: Path, model_args, jobs: List[Tuple], tokens: int, repeats: int,
+                        stages: int = 3) -> List[List[Dict]]:
+    """`bench_rows` for each job (label, draft, prompts, ks[, tokens: default `tokens`])
+    through the same `stages` loopback stage processes serving `ckpt`, started and
+    stopped here; rows per job.
 
     Raises:
         RuntimeError: a stage did not start or was not usable; StageFailure: lost.
@@ -96,48 +115,56 @@ def bench_pipeline(ckpt: Path, draft, model_args, prompts: List[List[int]], toke
             accepted, rejected = check_nodes(cluster.nodes(), t.stub_for, cluster.fp)
             if rejected:
                 raise RuntimeError("; ".join(f"{r.node_id}: {r.reason}" for r in rejected))
-            need = max(len(p) for p in prompts) + tokens + max(ks) + 1
+            jobs = [tuple(j) + (tokens,) * (5 - len(j)) for j in jobs]
+            need = max(len(p) + n + max(ks) + 1 for _, _, ps, ks, n in jobs for p in ps)
             _, assignments = plan_stages(ckpt, [n for n, _ in accepted], need)
             t.load(cluster.fp, assignments, "float32", "float32")
-            return bench_rows(Pipeline(t), draft, model_args, prompts, tokens, ks, repeats)
+            return [bench_rows(Pipeline(t), draft, model_args, prompts, n, ks, repeats)
+                    for _, draft, prompts, ks, n in jobs]
         finally:
             t.shutdown()
             cluster.stop()
 
 
-def print_rows(rows: List[Dict], stages: int, tokens: int, n_prompts: int) -> None:
+def print_rows(rows: List[Dict], stages: int, tokens: int, n_prompts: int,
+               draft: str = "", workload: str = "") -> None:
     """The pipeline table, in the one-process table's columns."""
-    print(f"speculative decoding, {stages} stage processes on loopback (draft on the head)")
-    print(f"greedy, {n_prompts} prompts x {tokens} tokens, medians of interleaved repeats")
-    print(f"{'k':>3} {'accepted/step':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7}")
-    for r in rows:
-        print(f"{r['k']:>3} {r['mean_accepted']:>14.2f} {r['plain_tps']:>12.1f} "
-              f"{r['spec_tps']:>11.1f} {r['speedup']:>6.2f}x")
-    best = max(rows, key=lambda r: r["speedup"])
-    print(f"best: k={best['k']} at {best['speedup']:.2f}x plain through {stages} stages "
-          "(target >= 1.5x)")
+    from kimi_mlx.bench.spec import print_table
+
+    what = f", draft {draft}, {workload} prompts" if draft else ""
+    print_table(f"speculative decoding, {stages} stage processes on loopback (draft on the "
+                f"head){what}\ngreedy, {n_prompts} prompts x {tokens} tokens, medians of "
+                "interleaved repeats", rows, target=f"1.5x through {stages} stages")
 
 
 def main(model, draft_spec, tokens: int, ks: List[int], repeats: int, n_prompts: int,
-         stages: int = 3) -> int:
-    """Load the target's tokenizer/config and the draft here, run `bench_pipeline`, print.
-    Returns the exit status (2: no draft)."""
+         stages: int = 3, drafts: List[str] = ("model",), workloads: List[str] = ("ordinary",),
+         ngram_ks: Optional[List[int]] = None, ngram: Optional[Tuple[int, int]] = None,
+         copy_tokens: Optional[int] = None) -> int:
+    """Load the target's tokenizer/config and the drafts here, run every draft x workload
+    through one set of stages (`bench_pipeline_jobs`), print. Returns the exit status
+    (2: a draft is missing)."""
     from kimi_mlx.model.config import ModelArgs, read_config
     from kimi_mlx.generation.generate import resolve_model_arg
-    from kimi_mlx.bench.spec import default_draft, default_prompts
-    from kimi_mlx.speculative.loop import load_draft
+    from kimi_mlx.bench.spec import load_drafts, workload_prompts
 
     spec = resolve_model_arg(model)
-    draft_spec = draft_spec or default_draft()
-    if draft_spec is None:
-        print("kimi-mlx bench spec: no --draft-model and no shipped micro-draft")
-        return 2
     from kimi_mlx.cluster.cli import _tokenizers
 
     wrapper, tok = _tokenizers(Path(spec))  # the head holds no target weights
-    d = load_draft(str(draft_spec), wrapper, spec)
-    prompts = default_prompts(Path(spec), tok, n_prompts)
+    try:
+        loaded = load_drafts(list(drafts), draft_spec, wrapper, spec, ngram)
+        prompts = {w: workload_prompts(Path(spec), tok, w, n_prompts) for w in workloads}
+    except ValueError as e:
+        print(f"kimi-mlx bench spec: {e}")
+        return 2
     args = ModelArgs.from_config(read_config(Path(spec)))
-    rows = bench_pipeline(Path(spec), d, args, prompts, tokens, ks, repeats, stages)
-    print_rows(rows, stages, tokens, len(prompts))
+    jobs = [(f"{name}|{w}", d, ps, (ngram_ks or ks) if name.startswith("ngram") else ks,
+             (copy_tokens or tokens) if w == "copy" else tokens)
+            for name, d in loaded.items() for w, ps in prompts.items()]
+    for (label, _, ps, _, n), rows in zip(jobs, bench_pipeline_jobs(Path(spec), args, jobs,
+                                                                    tokens, repeats, stages)):
+        name, w = label.split("|")
+        print_rows(rows, stages, n, len(ps), name, w)
+        print()
     return 0

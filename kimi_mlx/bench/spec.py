@@ -1,6 +1,10 @@
 """`kimi-mlx bench spec`: speculative decoding against plain decoding, in one process.
 
-For each k (drafts per verify step) it reports the mean accepted drafts per verify step
+Drafts: the draft model (`--draft-model`, default the shipped micro-draft) and prompt
+lookup (`--draft ngram`, `kimi_mlx.speculative.ngram`). Workloads: the ordinary prompts
+(`default_prompts`: held-out code and prose) and a copy-heavy one (`copy_prompts`: a block
+of source code followed by its first half again, to be continued).
+For each draft, workload and k (drafts per verify step) it reports the mean accepted drafts per verify step
 and the generation tokens/s of greedy speculative decoding next to plain greedy decoding
 (mlx-lm's `generate_step`) of the same prompts, with the ratio. Plain and speculative runs
 alternate, repeated, and each figure is the median over repeats: on a shared machine a
@@ -21,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -53,6 +57,37 @@ def default_prompts(model_dir: Path, tokenizer, n: int = 4, length: int = 32) ->
     return prompts
 
 
+def copy_prompts(model_dir: Path, tokenizer, n: int = 2, lines: int = 24) -> List[List[int]]:
+    """n copy-heavy prompts: a block of `lines` lines of source code from the checkpoint's
+    held-out code (for micro: Python standard library files, its training domain), a
+    blank line, then the block's first half again, so the continuation is the rest of
+    that second copy. Falls back to `default_prompts`' sentence without held-out code."""
+    f = Path(model_dir) / "heldout" / "code.txt"
+    text = f.read_text(encoding="utf-8") if f.exists() else "The quick brown fox jumps.\n" * 400
+    all_lines = text.splitlines(keepends=True)
+    prompts = []
+    for i in range(n):
+        start = (i * 997) % max(1, len(all_lines) - lines)
+        block = all_lines[start : start + lines]
+        prompts.append(tokenizer.encode("".join(block) + "\n" + "".join(block[: lines // 2])))
+    return prompts
+
+
+def workload_prompts(model_dir: Path, tokenizer, workload: str, n: int) -> List[List[int]]:
+    """`default_prompts` for "ordinary", `copy_prompts` for "copy" (ValueError otherwise)."""
+    if workload == "ordinary":
+        return default_prompts(model_dir, tokenizer, n)
+    if workload == "copy":
+        return copy_prompts(model_dir, tokenizer, n)
+    raise ValueError(f"unknown workload {workload!r} (ordinary or copy)")
+
+
+def loop_prompt(prompt: List[int]) -> List[int]:
+    """The prompt's first 6 tokens, 4 times over (a warm-up prompt the n-gram draft
+    matches from its first step)."""
+    return prompt[:6] * 4
+
+
 def _gen_time(fn) -> float:
     """Seconds from the first yielded token to the end (prefill excluded)."""
     it = fn()
@@ -71,9 +106,12 @@ def run_plain(model, prompt: List[int], tokens: int):
 
 
 def run_spec(model, draft, prompt: List[int], tokens: int, k: int, stats):
+    """Speculative generation with a draft model, or with a draft that brings its own loop
+    (`NgramDraft.generate_step`)."""
     from kimi_mlx.speculative.loop import speculative_generate_step
 
-    return _gen_time(lambda: speculative_generate_step(
+    step = getattr(draft, "generate_step", None) or speculative_generate_step
+    return _gen_time(lambda: step(
         prompt, model, draft, num_draft_tokens=k, max_tokens=tokens, stats=stats))
 
 
@@ -88,6 +126,9 @@ def bench(model, draft, prompts: List[List[int]], tokens: int, ks: List[int],
     run_plain(model, prompts[0], 4)
     for k in ks:
         run_spec(model, draft, prompts[0], 2 * k + 2, k, SpecStats())
+        # and a prompt that repeats itself: an n-gram draft then proposes k tokens, so
+        # the k + 1-token verify graphs are compiled here too, not inside a timed run
+        run_spec(model, draft, loop_prompt(prompts[0]), 2 * k + 2, k, SpecStats())
     rows = []
     for k in ks:
         plain_tps, spec_tps, ratios, stats = [], [], [], SpecStats()
@@ -101,7 +142,9 @@ def bench(model, draft, prompts: List[List[int]], tokens: int, ks: List[int],
             plain_tps.append(np_ / tp)
             spec_tps.append(ns / ts)
             ratios.append(spec_tps[-1] / plain_tps[-1])
-        row = dict(k=k, mean_accepted=stats.mean_accepted,
+        row = dict(k=k, mean_accepted=stats.mean_accepted, plain_steps=stats.plain,
+                   verify_steps=stats.steps,
+                   tokens_per_pass=stats.emitted / max(stats.steps + stats.plain, 1),
                    plain_tps=statistics.median(plain_tps), spec_tps=statistics.median(spec_tps),
                    speedup=statistics.median(ratios))
         rows.append(row)
@@ -138,18 +181,31 @@ def rollback_cost(max_m: int = 6, repeats: int = 5) -> Dict:
     return out
 
 
-def print_report(rows: List[Dict], cost: Dict, target: str, draft: str, tokens: int,
-                 n_prompts: int) -> None:
-    print(f"speculative decoding, one process: target {target}, draft {draft}")
-    print(f"greedy, {n_prompts} prompts x {tokens} tokens, medians of interleaved repeats "
-          "(ratio: median of the per-repeat ratios)")
-    print(f"{'k':>3} {'accepted/step':>14} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7}")
+def print_table(title: str, rows: List[Dict], target: str = "1.3x") -> None:
+    """One draft's rows on one workload: k, accepted per verify step, tokens/s, ratio."""
+    print(title)
+    print(f"{'k':>3} {'accepted/step':>14} {'plain steps':>12} {'tokens/pass':>12} "
+          f"{'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>7}")
     for r in rows:
-        print(f"{r['k']:>3} {r['mean_accepted']:>14.2f} {r['plain_tps']:>12.1f} "
+        share = r.get("plain_steps", 0) / max(r.get("plain_steps", 0) + r.get("verify_steps", 0), 1)
+        print(f"{r['k']:>3} {r['mean_accepted']:>14.2f} {100 * share:>11.0f}% "
+              f"{r.get('tokens_per_pass', 0):>12.2f} {r['plain_tps']:>12.1f} "
               f"{r['spec_tps']:>11.1f} {r['speedup']:>6.2f}x")
     best = max(rows, key=lambda r: r["speedup"])
-    print(f"best: k={best['k']} at {best['speedup']:.2f}x plain (target >= 1.3x)")
+    print(f"best: k={best['k']} at {best['speedup']:.2f}x plain (target >= {target})")
+
+
+def print_report(rows: List[Dict], cost: Dict, target: str, draft: str, tokens: int,
+                 n_prompts: int) -> None:
+    print_table(f"speculative decoding, one process: target {target}, draft {draft}\n"
+                f"greedy, {n_prompts} prompts x {tokens} tokens, medians of interleaved "
+                "repeats (ratio: median of the per-repeat ratios)", rows)
     print()
+    print_report_cost(cost)
+
+
+def print_report_cost(cost: Dict) -> None:
+    """What the rollback costs at K3.1's size (see `rollback_cost`)."""
     print(f"rollback at K3.1 size (one KDA layer, 96 x 128 x 128 f32 = "
           f"{cost['state_mb']:.1f} MB state; x{REAL_KDA_LAYERS} layers):")
     print(f"{'m':>3} {'replay ms/layer':>16} {'x69 ms':>8} {'per-step states MB/layer':>25} "
@@ -162,21 +218,60 @@ def print_report(rows: List[Dict], cost: Dict, target: str, draft: str, tokens: 
           "would be written on every verify step (and need the token-by-token form).")
 
 
+DRAFTS, WORKLOADS = ("model", "ngram"), ("ordinary", "copy")
+NGRAM_KS = [2, 3, 4, 5, 6, 7, 8]
+
+
+def load_drafts(drafts: List[str], draft: Optional[str], wrapper, spec: str,
+                ngram: Optional[Tuple[int, int]] = None) -> Dict[str, object]:
+    """{"model PATH": the draft model (the shipped micro-draft by default), "ngram N..M":
+    an `NgramDraft` of sizes `ngram` (n_max, n_min; default the module's)}, for the names
+    asked. ValueError for another name or no draft model."""
+    from kimi_mlx.speculative.loop import load_draft
+    from kimi_mlx.speculative.ngram import NgramDraft
+
+    out = {}
+    for name in drafts:
+        if name == "model":
+            path = draft or default_draft()
+            if path is None:
+                raise ValueError("no --draft-model and no shipped micro-draft")
+            out[f"model {path}"] = load_draft(str(path), wrapper, spec)
+        elif name == "ngram":
+            d = NgramDraft(*ngram) if ngram else NgramDraft()
+            out[f"ngram {d.n_min}..{d.n_max}"] = d
+        else:
+            raise ValueError(f"unknown draft {name!r} (model or ngram)")
+    return out
+
+
 def main(model: Optional[str], draft: Optional[str], tokens: int, ks: List[int],
-         repeats: int, n_prompts: int) -> int:
+         repeats: int, n_prompts: int, drafts: List[str] = ("model",),
+         workloads: List[str] = ("ordinary",), ngram_ks: Optional[List[int]] = None,
+         ngram: Optional[Tuple[int, int]] = None, copy_tokens: Optional[int] = None) -> int:
+    """Rows for every draft x workload (the n-gram draft over `ngram_ks`, default `ks`;
+    the copy workload generating `copy_tokens`, default `tokens`), printed, then the
+    rollback cost. Returns the exit status (2: a draft is missing)."""
     from kimi_mlx.generation.generate import resolve_model_arg
     from kimi_mlx.checkpoint.loader import load_for_generation
-    from kimi_mlx.speculative.loop import load_draft
 
     spec = resolve_model_arg(model)
-    draft_spec = draft or default_draft()
-    if draft_spec is None:
-        print("kimi-mlx bench spec: no --draft-model and no shipped micro-draft")
-        return 2
     target, wrapper, tok, _ = load_for_generation(spec)
-    d = load_draft(str(draft_spec), wrapper, spec)
-    prompts = default_prompts(Path(spec), tok, n_prompts)
-    rows = bench(target, d, prompts, tokens, ks, repeats)
+    try:
+        loaded = load_drafts(list(drafts), draft, wrapper, spec, ngram)
+        prompts = {w: workload_prompts(Path(spec), tok, w, n_prompts) for w in workloads}
+    except ValueError as e:
+        print(f"kimi-mlx bench spec: {e}")
+        return 2
+    for name, d in loaded.items():
+        for w, ps in prompts.items():
+            dks = (ngram_ks or ks) if name.startswith("ngram") else ks
+            n = (copy_tokens or tokens) if w == "copy" else tokens
+            rows = bench(target, d, ps, n, dks, repeats)
+            print_table(f"speculative decoding, one process: target {spec}, draft {name}, "
+                        f"{w} prompts ({len(ps)} x {n} tokens, greedy; medians of "
+                        "interleaved repeats, ratio: median of per-repeat ratios)", rows)
+            print()
     cost = rollback_cost(max(ks))
-    print_report(rows, cost, spec, str(draft_spec), tokens, len(prompts))
+    print_report_cost(cost)
     return 0

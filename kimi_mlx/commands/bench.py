@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--prompt", type=int, default=512, help="prompt tokens (default 512)")
     m.add_argument("--decode", type=int, default=32, help="decode steps (default 32)")
     m.add_argument("--repeats", type=int, default=3, help="interleaved rounds (default 3)")
-    s = sub.add_parser("spec", help="speculative vs plain decoding tokens/s for k = 1..6",
+    s = sub.add_parser("spec", help="speculative (draft model, n-gram) vs plain decoding tokens/s",
                        description="Speculative decoding (greedy) against plain decoding in "
                        "one process: mean accepted drafts per verify step and tokens/s for "
                        "each k, plus the KDA rollback cost at K3.1's size "
@@ -53,8 +53,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None, help="target (default: the shipped micro model)")
     s.add_argument("--draft-model", default=None,
                    help="draft (default: the shipped micro-draft)")
+    s.add_argument("--drafts", default="model,ngram",
+                   help="drafts to measure: model (--draft-model), ngram (prompt lookup, "
+                        "--draft ngram); default model,ngram")
+    s.add_argument("--workloads", default="ordinary,copy",
+                   help="ordinary (held-out code and prose), copy (a block of source code "
+                        "followed by its first half again, to be continued); default both")
     s.add_argument("--tokens", type=int, default=48, help="tokens per generation (default 48)")
     s.add_argument("--ks", default="1,2,3,4,5,6", help="draft counts (default 1,2,3,4,5,6)")
+    s.add_argument("--ngram-ks", default="2,3,4,5,6,7,8",
+                   help="draft counts for the n-gram draft (default 2,3,4,5,6,7,8)")
+    s.add_argument("--ngram-max", type=int, default=None,
+                   help="the n-gram draft's longest n-gram (default: --draft ngram's)")
+    s.add_argument("--ngram-min", type=int, default=None,
+                   help="the n-gram draft's shortest n-gram (default: --draft ngram's)")
+    s.add_argument("--copy-tokens", type=int, default=128,
+                   help="tokens per generation on the copy workload (default 128: about the "
+                        "rest of the second copy)")
     s.add_argument("--prompts", type=int, default=4, help="prompts (default 4)")
     s.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5)")
     s.add_argument("--stages", type=int, default=3,
@@ -108,15 +123,23 @@ def run(args: argparse.Namespace) -> int:
         from kimi_mlx.bench.spec import main as spec_main
 
         ks = [int(k) for k in args.ks.split(",")]
+        more = dict(drafts=args.drafts.split(","), workloads=args.workloads.split(","),
+                    ngram_ks=[int(k) for k in args.ngram_ks.split(",")],
+                    copy_tokens=args.copy_tokens)
+        if args.ngram_max is not None or args.ngram_min is not None:
+            from kimi_mlx.speculative.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
+
+            more["ngram"] = (args.ngram_max or DEFAULT_NGRAM_MAX,
+                             args.ngram_min or DEFAULT_NGRAM_MIN)
         rc = spec_main(args.model, args.draft_model, args.tokens, ks, args.repeats,
-                       args.prompts)
+                       args.prompts, **more)
         if rc or args.stages < 1:
             return rc
         from kimi_mlx.cluster.bench.spec import main as pipeline_main
 
         print()
         return pipeline_main(args.model, args.draft_model, args.tokens, ks,
-                             args.stage_repeats, args.stage_prompts, args.stages)
+                             args.stage_repeats, args.stage_prompts, args.stages, **more)
     if args.what == "tensor":
         from kimi_mlx.bench.tensor import main as tensor_main
 

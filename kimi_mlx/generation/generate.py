@@ -36,15 +36,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_speculation(args, wrapper, target_name: str, model=None):
-    """The `speculative.Speculation` for --draft-model or --draft mtp (None without
-    either): a draft model loaded and its tokenizer checked against the target's
-    (`speculative.load_draft`), or the target checkpoint's MTP layers (`mtp.load_mtp`,
-    bound to `model`; CheckpointError, a ValueError, when it has none)."""
+    """The `speculative.Speculation` for --draft-model, --draft mtp or --draft ngram (None
+    without any): a draft model loaded and its tokenizer checked against the target's
+    (`speculative.load_draft`), the target checkpoint's MTP layers (`mtp.load_mtp`,
+    bound to `model`; CheckpointError, a ValueError, when it has none), or n-gram
+    lookup (`ngram.NgramDraft` with --ngram-max / --ngram-min)."""
     if not getattr(args, "draft_model", None) and not getattr(args, "draft", None):
         return None
     from kimi_mlx.speculative.loop import Sampling, Speculation, load_draft
 
-    if getattr(args, "draft", None) == "mtp":
+    if getattr(args, "draft", None) == "ngram":
+        from kimi_mlx.speculative.ngram import NgramDraft
+
+        draft = NgramDraft(args.ngram_max, args.ngram_min)
+    elif getattr(args, "draft", None) == "mtp":
         from kimi_mlx.checkpoint.hub import resolve
         from kimi_mlx.speculative.mtp import load_mtp
 

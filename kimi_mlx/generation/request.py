@@ -18,6 +18,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 DEFAULT_MAX_TOKENS = 256
 EFFORTS = ("low", "high", "max")
 DEFAULT_NUM_DRAFT_TOKENS = 3
+NGRAM_MAX, NGRAM_MIN = 4, 1  # --draft ngram's sizes: speculative.ngram.DEFAULT_NGRAM_MAX / _MIN
 # The smallest usable cap on prompt + generated tokens: a prompt holds at least one token
 # and a request generates at least one, so a cap of 1 could never serve anything
 MIN_KV_SIZE = 2
@@ -129,12 +130,25 @@ def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = 
                         + (" or --draft)" if mtp else ")"))
 
 
-def add_mtp_argument(p: argparse.ArgumentParser) -> None:
-    """--draft mtp: the checkpoint's own MTP layers as the draft (generate, chat)."""
-    p.add_argument("--draft", choices=("mtp",), default=None,
-                   help="mtp: speculative decoding with the checkpoint's own multi-token-"
-                        "prediction layers as the draft (config num_nextn_predict_layers > 0; "
-                        "instead of --draft-model; output stays the model's)")
+def add_mtp_argument(p: argparse.ArgumentParser, kinds=("mtp", "ngram")) -> None:
+    """--draft KIND: a draft without a separate draft model, and the n-gram sizes.
+
+    mtp: the checkpoint's own MTP layers (generate, chat); ngram: prompt-lookup drafts
+    from the context (`kimi_mlx.speculative.ngram`; generate, chat, server, cluster
+    launch). `kinds` lists those the command offers."""
+    helps = {"mtp": "mtp: the checkpoint's own multi-token-prediction layers as the draft "
+                    "(config num_nextn_predict_layers > 0)",
+             "ngram": "ngram: prompt lookup, the tokens that followed the longest earlier "
+                      "match of the context's last --ngram-max..--ngram-min tokens (no "
+                      "draft model; a step without a match is a plain step)"}
+    p.add_argument("--draft", choices=tuple(kinds), default=None,
+                   help="speculative decoding without --draft-model; "
+                        + "; ".join(helps[k] for k in kinds) + ". Output stays the model's")
+    if "ngram" in kinds:
+        p.add_argument("--ngram-max", type=int, default=None,
+                       help=f"--draft ngram: longest n-gram matched (default {NGRAM_MAX})")
+        p.add_argument("--ngram-min", type=int, default=None,
+                       help=f"--draft ngram: shortest n-gram matched (default {NGRAM_MIN})")
 
 
 def check_draft_arguments(args) -> None:
@@ -145,17 +159,36 @@ def check_draft_arguments(args) -> None:
             silently ignored), --draft with --draft-model, or --num-draft-tokens < 1."""
     k = getattr(args, "num_draft_tokens", None)
     draft_model, draft = getattr(args, "draft_model", None), getattr(args, "draft", None)
+    check_ngram_arguments(args)
     if draft_model and draft:
         raise InputError(f"give --draft {draft} or --draft-model, not both")
     if not draft_model and not draft:
         if k is not None:
-            raise InputError("--num-draft-tokens needs --draft-model or --draft mtp (without "
+            raise InputError("--num-draft-tokens needs --draft-model or --draft (without "
                              "a draft there is no speculative decoding to configure)")
         return
     if k is None:
         args.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
     elif k < 1:
         raise InputError(f"--num-draft-tokens must be >= 1, got {k}")
+
+
+def check_ngram_arguments(args) -> None:
+    """Checks --ngram-max / --ngram-min and fills in their defaults under --draft ngram.
+
+    Raises:
+        InputError: either without --draft ngram, or sizes outside
+            1 <= --ngram-min <= --ngram-max."""
+    hi, lo = getattr(args, "ngram_max", None), getattr(args, "ngram_min", None)
+    if getattr(args, "draft", None) != "ngram":
+        if hi is not None or lo is not None:
+            raise InputError("--ngram-max / --ngram-min need --draft ngram")
+        return
+    args.ngram_max = NGRAM_MAX if hi is None else hi
+    args.ngram_min = NGRAM_MIN if lo is None else lo
+    if not 1 <= args.ngram_min <= args.ngram_max:
+        raise InputError(f"n-gram sizes need 1 <= --ngram-min <= --ngram-max, got "
+                         f"--ngram-min {args.ngram_min} and --ngram-max {args.ngram_max}")
 
 
 def check_sampling(temp: float, top_p: float, min_p: float, top_k: int, prefix: str = "") -> None:

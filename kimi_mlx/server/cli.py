@@ -8,8 +8,8 @@ import logging
 import os
 import sys
 
-from kimi_mlx.generation.request import (InputError, add_draft_arguments, add_quiet_argument, micro_note,
-                                         resolve_model_arg)
+from kimi_mlx.generation.request import (InputError, add_draft_arguments, add_mtp_argument,
+                                         add_quiet_argument, micro_note, resolve_model_arg)
 from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
                                      serve)
@@ -25,13 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_arguments(p)
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"sequences generated at once by continuous batching (default "
-                        f"{DEFAULT_CONCURRENCY}, or 1 with --draft-model, the only value "
-                        "allowed there; 1 = one request at a time)")
+                        f"{DEFAULT_CONCURRENCY}, or 1 with --draft-model or --draft, the only "
+                        "value allowed there; 1 = one request at a time)")
     p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
                    help="bytes of cache snapshots kept across requests (default 1 GiB; 0 = off)")
     add_draft_arguments(p, note=": the server then runs one request at a time "
                         "(--max-concurrency 1), every request speculatively (requests with "
-                        "penalties or logit_bias decode plainly)")
+                        "penalties or logit_bias decode plainly)", mtp=True)
+    add_mtp_argument(p, kinds=("ngram",))  # --draft ngram: the same one-at-a-time rule
     add_quiet_argument(p)
 
 
@@ -53,7 +54,8 @@ def run(args) -> int:
     def load():
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
                      args.max_queue, args.max_kv_size, draft_model=args.draft_model,
-                     num_draft_tokens=args.num_draft_tokens, progress=not args.quiet)
+                     num_draft_tokens=args.num_draft_tokens, progress=not args.quiet,
+                     ngram=(args.ngram_max, args.ngram_min) if args.draft == "ngram" else None)
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
         if micro_note(spec):
             log.info(micro_note(spec))

@@ -32,8 +32,8 @@ class Engine:
         max_queue: jobs waiting beyond this raise `Busy`.
         max_concurrency: sequences generated at once (continuous batching when > 1).
         prompt_cache: optional `PromptCache` (snapshots across requests).
-        speculation: optional `speculative.Speculation` (draft model, drafts per verify
-            step): every request decodes speculatively, except those with logits
+        speculation: optional `speculative.Speculation` (draft model or `--draft ngram`'s
+            `NgramDraft`, drafts per verify step): every request decodes speculatively, except those with logits
             processors (penalties, logit_bias), which the verify step does not apply.
             Needs max_concurrency 1. A job's cache is then the target's caches followed
             by the draft's (mlx-lm's convention), prefilled and snapshotted together;
@@ -214,11 +214,13 @@ class Engine:
         from kimi_mlx.speculative.loop import Sampling, speculative_generate_step
 
         spec, p = self.speculation, job.sampling
+        # a draft with its own loop (`--draft ngram`: `NgramDraft.generate_step`) runs it
+        step = getattr(spec.draft, "generate_step", None) or speculative_generate_step
         if p.seed is not None:
             mx.random.seed(p.seed)
         st = spec.stats
         before = (st.steps, st.drafted, st.accepted)
-        gen = speculative_generate_step(
+        gen = step(
             job.ids[-1:], self.model, spec.draft, num_draft_tokens=spec.num_draft_tokens,
             max_tokens=job.max_tokens, sampling=Sampling(p.temp, p.top_p, p.min_p, p.top_k),
             prompt_cache=cache, stats=spec.stats)

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from kimi_mlx.generation.request import InputError, check_draft_arguments, check_max_kv_size
 
@@ -118,19 +118,23 @@ def check_draft_server_arguments(args) -> None:
     speculative decoding runs one sequence at a time (mlx-lm's batch generator has no
     verify step), and batching would silently turn it off."""
     check_draft_arguments(args)
+    draft = "--draft-model" if args.draft_model else (
+        f"--draft {args.draft}" if getattr(args, "draft", None) else None)
     if args.max_concurrency is None:
-        args.max_concurrency = 1 if args.draft_model else DEFAULT_CONCURRENCY
-    elif args.draft_model and args.max_concurrency != 1:
-        raise InputError(f"--draft-model serves one request at a time: use it with "
+        args.max_concurrency = 1 if draft else DEFAULT_CONCURRENCY
+    elif draft and args.max_concurrency != 1:
+        raise InputError(f"{draft} serves one request at a time: use it with "
                          f"--max-concurrency 1 (or leave that flag out), not "
                          f"{args.max_concurrency}")
 
 
 def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
                  max_queue: int, max_kv_size: Optional[int], draft_model: Optional[str] = None,
-                 num_draft_tokens: int = 3, progress: bool = False) -> None:
+                 num_draft_tokens: int = 3, progress: bool = False,
+                 ngram: Optional[Tuple[int, int]] = None) -> None:
     """Load the checkpoint (and the draft, when given) into `svc` (sets tokenizers,
-    context, defaults, engine); `progress`: a loading bar on a terminal.
+    context, defaults, engine); `progress`: a loading bar on a terminal; `ngram`
+    (n_max, n_min) serves with `--draft ngram`.
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
@@ -141,8 +145,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     from kimi_mlx.server.engine import Engine
     from kimi_mlx.server.prompt_cache import PromptCache
 
-    if draft_model and max_concurrency != 1:
-        raise ValueError("speculative decoding (a draft model) needs max_concurrency 1")
+    if (draft_model or ngram) and max_concurrency != 1:
+        raise ValueError("speculative decoding (a draft) needs max_concurrency 1")
     model, wrapper, tok, _ = load_for_generation(spec, progress=progress)
     model_dir = Path(resolve(spec))
     svc.defaults = generation_defaults(model_dir)
@@ -151,6 +155,11 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
         from kimi_mlx.speculative.loop import Speculation, load_draft
 
         speculation = Speculation(load_draft(draft_model, wrapper, spec), num_draft_tokens)
+    elif ngram:
+        from kimi_mlx.speculative.loop import Speculation
+        from kimi_mlx.speculative.ngram import NgramDraft
+
+        speculation = Speculation(NgramDraft(*ngram), num_draft_tokens)
     svc.wrapper, svc.tok = wrapper, tok
     context = model.args.max_position_embeddings
     svc.context = min(context, max_kv_size) if max_kv_size else context

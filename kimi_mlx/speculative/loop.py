@@ -126,6 +126,7 @@ class SpecStats:
     """Acceptance figures of a speculative run (updated as it goes)."""
 
     steps: int = 0  # verify steps
+    plain: int = 0  # plain decode steps (an n-gram draft without a match: no verify)
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens yielded
@@ -161,7 +162,8 @@ class Speculation:
         return (f"Speculative: {s.steps} verify steps of up to {self.num_draft_tokens} "
                 f"drafts, {s.mean_accepted:.2f} accepted per step "
                 f"({100 * s.acceptance_rate:.0f}% of drafted), "
-                f"{s.emitted / max(s.steps, 1):.2f} tokens per target pass")
+                f"{s.emitted / max(s.steps + s.plain, 1):.2f} tokens per target pass"
+                + (f"; {s.plain} plain steps without a draft" if s.plain else ""))
 
 
 def _vocab_align(logits: mx.array, vocab: Optional[int]) -> mx.array:
