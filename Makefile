@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install demo test check-real bench bench-prune bench-server bench-spec micro micro-draft micro-mtp proto clean
+.PHONY: install demo test check-real bench bench-prune bench-server bench-spec micro micro-moe micro-draft micro-mtp proto clean
 
 install: $(STAMP)
 
@@ -80,6 +80,12 @@ bench-prune: install
 
 micro: install
 	$(BIN)/python -m kimi_mlx.micro.train
+
+# The pruning test bed (kimi_mlx/assets/micro-moe): micro's architecture and trainer on three
+# domains (code, prose, structured data) without router load balancing, so that its
+# experts specialise (~20 min on 2 busy cores).
+micro-moe: install
+	$(BIN)/python -m kimi_mlx.micro.moe
 
 # The draft for speculative decoding with the micro model, distilled from it (~10 min).
 micro-draft: install
