@@ -264,18 +264,21 @@ def method_names() -> List[str]:
     return [n for n, _, _ in CANDIDATES] + [n for n, *_ in BEYOND]
 
 
-def mean_ranks(res: Dict) -> Dict[str, float]:
-    """Mean rank (1 = lowest perplexity) of each method over every (calibration, keep,
-    domain) cell; random (its mean over seeds) is ranked alongside as the floor."""
+def mean_ranks(keeps: Dict, domains: Sequence[str]) -> Dict[str, float]:
+    """Mean rank (1 = lowest perplexity) of each method over every (cell, domain): `keeps`
+    is {cell name: {"rows": {method: {domain: ppl} or {"ppl": {domain: ppl}}}}}; random
+    (its mean over the `random-<seed>` rows) is ranked alongside as the floor."""
+    ppl = lambda row, d: row["ppl"][d] if "ppl" in row else row[d]
     ranks: Dict[str, List[int]] = {}
-    for cal in res["calibrations"].values():
-        for cell in cal["keeps"].values():
-            rows = cell["rows"]
-            for d in res["domains"]:
-                vals = {name: rows[name]["ppl"][d] for name in method_names()}
-                vals["random (mean)"] = _random_stats(rows, lambda r: r["ppl"][d])[0]
-                for r, name in enumerate(sorted(vals, key=vals.get), 1):
-                    ranks.setdefault(name, []).append(r)
+    for cell in keeps.values():
+        rows = cell["rows"]
+        seeds = [k for k in rows if k.startswith("random-")]
+        for d in domains:
+            vals = {name: ppl(rows[name], d) for name in method_names() if name in rows}
+            if seeds:
+                vals["random (mean)"] = float(np.mean([ppl(rows[s], d) for s in seeds]))
+            for r, name in enumerate(sorted(vals, key=vals.get), 1):
+                ranks.setdefault(name, []).append(r)
     return {k: float(np.mean(v)) for k, v in sorted(ranks.items(), key=lambda kv: np.mean(kv[1]))}
 
 
@@ -317,7 +320,8 @@ def prune_tables(res: Dict, args) -> str:
             for n in spread:
                 lines.append(f"\n{n}: experts per layer " + ", ".join(
                     f"{l}: {c}" for l, c in rows[n]["counts"].items()))
-    ranks = mean_ranks(res)
+    ranks = mean_ranks({f"{c}/{k}": cell for c, cal in res["calibrations"].items()
+                        for k, cell in cal["keeps"].items()}, domains)
     lines += ["", "Mean rank over every (calibration, keep, domain) cell (1 = best): "
               + ", ".join(f"{k} {v:.2f}" for k, v in ranks.items())]
     default = next(n for n, m, g in CANDIDATES if m == DEFAULT_METHOD and g == DEFAULT_GATE)
