@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install demo test check-real bench bench-prune bench-server bench-spec micro micro-moe micro-draft micro-mtp proto clean
+.PHONY: install demo test check-real bench bench-prune bench-quant bench-server bench-spec micro micro-moe micro-draft micro-mtp proto clean
 
 install: $(STAMP)
 
@@ -75,8 +75,12 @@ bench: install
 bench-server: install
 	$(BIN)/python -m kimi_mlx.bench.server
 
+# Pruning methods on the micro-moe test bed (~15 min on 2 busy cores); quantization of micro.
 bench-prune: install
 	$(BIN)/python -m kimi_mlx.prune.bench.pruning
+
+bench-quant: install
+	$(BIN)/python -m kimi_mlx.prune.bench.pruning --no-prune --quant
 
 micro: install
 	$(BIN)/python -m kimi_mlx.micro.train

@@ -1,25 +1,27 @@
-"""`make bench-prune`: held-out perplexity after pruning per saliency method, and after
-quantization, in one run.
+"""`make bench-prune`: held-out perplexity after pruning, per saliency method, per domain,
+on a model whose experts specialise; and (`--quant`, `make bench-quant`) quantization.
 
-Default run: the shipped micro checkpoint (`kimi_mlx/assets/micro`), calibrated once on
-its code-domain calibration text (streamed, `observe`), pruned to 50% and 25% of the
-routed experts with each method (REAP with the softmax gate and with the model's gate,
-REAP summed, frequency, EAN, and random over `--random-seeds` seeds), each written as a
-real checkpoint (the same writer as `kimi-mlx prune`), loaded back and scored on held-out
-code and held-out prose. The methods are ranked by perplexity in each (domain, keep)
-cell; the best mean rank is the pruner's default. The "routing kept" column is the share
-of the calibration tokens' expert assignments that went to kept experts.
+Default run: the micro-moe test bed (`kimi_mlx/assets/micro-moe`, three domains: code,
+prose, structured data; see its card). Calibrated twice, streamed (`observe`): on one
+domain (`--domain`, code) and on a mix of every domain with the same token budget. Each
+calibration prunes to 50% and 25% of the routed experts with every method (REAP with the
+softmax gate and with the model's gate, REAP summed, frequency, EAN; the methods beyond
+uniform REAP in `BEYOND`: the `spread` budget with reap-sum and with reap, and reap-sum
+with super-expert protection; random over `--random-seeds` seeds, which needs no
+calibration and is shared by both), each written as a real checkpoint (the writer of
+`kimi-mlx prune`), loaded back and scored on the held-out text of every domain. "Routing
+kept" is the share of a domain's held-out routing mass (unpruned model) that went to the
+kept experts. The tables end with the checks the pruner's default must pass (beat
+random's seed range on the calibration domain at both keeps, and on the mean over
+domains with the mixed calibration) and the beyond-REAP methods against uniform reap-sum
+at the smallest keep.
 
-Then quantization of the unpruned model (`kimi-mlx convert`): BF16 trunk vs q8 / q6 / q4
-(group 64), and MXFP4 experts vs 3-bit / 2-bit: held-out perplexity and file size; and
-decode tokens/s, peak memory and bytes read per token of a q4 vs BF16 trunk on the `make
-bench` model config (`kimi_mlx.bench.model.bench_text_config`), measured in the same process.
+`--quant` adds quantization of the unpruned `--quant-model` (micro; `kimi-mlx convert`):
+BF16 trunk vs q8 / q6 / q4 (group 64), and MXFP4 experts vs 3-bit / 2-bit: held-out
+perplexity and file size; and decode tokens/s, peak memory and bytes read per token of a
+q4 vs BF16 trunk on the `make bench` model config, measured in the same process.
 
-    python -m kimi_mlx.prune.bench.pruning [--model DIR] [--keep 0.5 --keep 0.25] [--no-quant]
-
-Data files are looked up in the model folder (`calib*/...code...`, `heldout*/...code...`);
-when the folder has none they are rebuilt from `kimi_mlx.micro.corpus` (the micro model's
-own corpus: calibration = its training split, scoring = its held-out split).
+    python -m kimi_mlx.prune.bench.pruning [--model DIR] [--keep 0.5 --keep 0.25] [--quant]
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=None,
                    help="calibration and scoring window (default: the model's training length "
                         "from eval.json, else 256)")
-    p.add_argument("--eval-tokens", type=int, default=4096, help="held-out tokens scored per domain")
+    p.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens scored per domain")
     p.add_argument("--random-seeds", type=int, default=3)
     p.add_argument("--no-prune", action="store_true", help="skip the pruning tables")
     p.add_argument("--quant", action="store_true",
