@@ -75,7 +75,7 @@ bench: install
 bench-server: install
 	$(BIN)/python -m kimi_mlx.bench.server
 
-# Pruning methods on the micro-moe test bed (~15 min on 2 busy cores); quantization of micro.
+# Pruning methods on the micro-moe test bed (~8 min on 2 busy cores); bench-quant: quantization of micro.
 bench-prune: install
 	$(BIN)/python -m kimi_mlx.prune.bench.pruning
 
@@ -87,7 +87,7 @@ micro: install
 
 # The pruning test bed (kimi_mlx/assets/micro-moe): micro's architecture and trainer on three
 # domains (code, prose, structured data) without router load balancing, so that its
-# experts specialise (~20 min on 2 busy cores).
+# experts specialise (~17 min on 2 busy cores).
 micro-moe: install
 	$(BIN)/python -m kimi_mlx.micro.moe
 
