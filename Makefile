@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install demo test check-real check-real-tensor bench bench-prune bench-server bench-spec micro micro-draft micro-mtp proto clean
+.PHONY: install demo test check-real check-real-tensor bench bench-prune bench-quant bench-server bench-spec micro micro-moe micro-draft micro-mtp proto clean
 
 install: $(STAMP)
 
@@ -81,11 +81,21 @@ bench: install
 bench-server: install
 	$(BIN)/python -m kimi_mlx.bench.server
 
+# Pruning methods on the micro-moe test bed (~8 min on 2 busy cores); bench-quant: quantization of micro.
 bench-prune: install
 	$(BIN)/python -m kimi_mlx.prune.bench.pruning
 
+bench-quant: install
+	$(BIN)/python -m kimi_mlx.prune.bench.pruning --no-prune --quant
+
 micro: install
 	$(BIN)/python -m kimi_mlx.micro.train
+
+# The pruning test bed (kimi_mlx/assets/micro-moe): micro's architecture and trainer on three
+# domains (code, prose, structured data) without router load balancing, so that its
+# experts specialise (~17 min on 2 busy cores).
+micro-moe: install
+	$(BIN)/python -m kimi_mlx.micro.moe
 
 # The draft for speculative decoding with the micro model, distilled from it (~10 min).
 micro-draft: install

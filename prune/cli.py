@@ -17,7 +17,8 @@ from kimi_mlx.prune.calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
 from kimi_mlx.prune.observe import DEFAULT_CHUNK
 from kimi_mlx.prune.observe import GATES
 from kimi_mlx.prune.quantize import DEFAULT_GROUP, EXPERT_BITS, GROUP_SIZES, TRUNK_BITS, QuantError, QuantSpec
-from kimi_mlx.prune.saliency import DEFAULT_GATE, DEFAULT_METHOD, METHODS, KeepError, experts_to_keep
+from kimi_mlx.prune.saliency import (BUDGETS, DEFAULT_BUDGET, DEFAULT_GATE, DEFAULT_METHOD, METHODS,
+                                     KeepError, experts_to_keep)
 from kimi_mlx.prune.writer import AtomicOutput, PruneError, source_args
 
 DRY_RUN_MACS = ("1x64GB", "1x96GB", "1x128GB", "1x192GB", "1x256GB", "1x512GB")
@@ -43,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="router weight of reap / reap-sum: softmax (REAP's reference: softmax of "
                         "the router logits over the model's selected experts) or model (the "
                         f"model's renormalised sigmoid gate); default {DEFAULT_GATE}")
+    p.add_argument("--budget", choices=BUDGETS, default=DEFAULT_BUDGET,
+                   help="experts per layer: uniform (n in every MoE layer, REAP) or spread (the "
+                        "same total shared out by where each layer's saliency is spread; the "
+                        "build records `num_experts_per_layer`); default " + DEFAULT_BUDGET)
     p.add_argument("--protect-super-experts", action="store_true",
                    help="always keep experts with extreme activation outliers (REAP's rule)")
     p.add_argument("--seed", type=int, default=0, help="seed for --method random and sampling")
@@ -127,8 +132,11 @@ def run(args) -> int:
     try:
         quant = quant_spec(args)
         if args.dry_run:
+            budgets = None
+            if args.budget != "uniform":
+                budgets = dry_run_budgets(args)
             return dry_run(args.model, args.keep, args.experts, args.macs or list(DRY_RUN_MACS),
-                           args.context, quant)
+                           args.context, quant, budgets)
         src = _source(args.model)
         _, margs, _ = source_args(src)
         n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token,
@@ -148,13 +156,18 @@ def run(args) -> int:
                                 args.seed, vocab_size=margs.vocab_size)
         res = prune(src, args.out, calib, args.method, n_keep,
                     protect=args.protect_super_experts, seed=args.seed, gate=args.gate,
-                    force=args.force, quant=quant,
+                    force=args.force, quant=quant, budget=args.budget,
                     chunk=args.chunk, activation_budget=budget, progress=not args.quiet)
     except (PruneError, CalibError, KeepError) as e:
         print(f"kimi-mlx prune: error: {e}", file=sys.stderr)
         return 2
     protected = sum(len(v) for v in res.selection.protected.values())
-    print(f"pruned {args.model} -> {res.out}: {n_keep} of {margs.num_experts} experts kept in "
+    kept_txt = (f"{n_keep} of {margs.num_experts} experts kept in "
+                if res.selection.uniform else
+                "experts kept per layer " + ", ".join(
+                    f"{l}: {n}" for l, n in res.selection.counts.items())
+                + f" (of {margs.num_experts}; spread budget) in ")
+    print(f"pruned {args.model} -> {res.out}: {kept_txt}"
           f"{len(res.selection.kept)} MoE layers ({args.method}"
           + (f", {args.gate} gate" if args.method in ("reap", "reap-sum") else "")
           + (f", {protected} super experts protected" if args.protect_super_experts else "")
@@ -169,8 +182,34 @@ def _short(quant: QuantSpec):
         yield f"experts {quant.expert_bits}-bit group {quant.expert_group_size}"
 
 
+def dry_run_budgets(args):
+    """{layer: experts kept} of a `--budget spread` prune: calibrates (streamed, as the
+    prune itself would) and selects, writing nothing.
+
+    Raises:
+        PruneError: no --calib (the budgets come from the calibration's saliency).
+    """
+    if not args.calib:
+        raise PruneError(f"--dry-run --budget {args.budget}: the per-layer budgets come from "
+                         "the calibration's saliency; give --calib")
+    from kimi_mlx.prune.observe import observe
+    from kimi_mlx.prune.pipeline import calibration
+    from kimi_mlx.prune.saliency import select
+
+    src = _source(args.model)
+    _, margs, _ = source_args(src)
+    n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token,
+                             keep=args.keep, experts=args.experts)
+    calib = calibration(src, args.calib, args.seq_len, args.calib_tokens, args.seed,
+                        vocab_size=margs.vocab_size)
+    result = observe(src, calib, chunk=args.chunk, progress=not args.quiet)
+    sel = select(result.stats, args.method, n_keep, seed=args.seed, gate=args.gate,
+                 budget=args.budget, protect_super_experts=args.protect_super_experts)
+    return sel.counts
+
+
 def dry_run(model: str, keep, experts, macs, context: Optional[int],
-            quant: QuantSpec = QuantSpec()) -> int:
+            quant: QuantSpec = QuantSpec(), budgets=None) -> int:
     """Print per-layer bytes before/after pruning and, for each Mac set, whether the
     planner fits the result (weights + cache at `context` tokens; None: as `kimi-mlx
     plan` chooses, `planner.planned_context`). Writes nothing.
@@ -202,8 +241,16 @@ def dry_run(model: str, keep, experts, macs, context: Optional[int],
     context = planned_context(context, limit)
     gb = lambda n: f"{n / 1e9:,.3f}"
     print(f"model: {model} ({before.source})")
-    print(f"keep {n_keep} of {before.num_experts} routed experts per MoE layer; "
-          f"{before.experts_per_token} per token")
+    if budgets and len(set(budgets.values())) > 1:
+        print(f"keep {sum(budgets.values())} of {before.num_experts * len(budgets)} routed "
+              f"experts ({n_keep} per MoE layer on average), per-layer budgets (spread): "
+              + ", ".join(f"{l}: {n}" for l, n in sorted(budgets.items()))
+              + f"; {before.experts_per_token} per token")
+        print("(every MoE layer's experts are the same size, so the sizes below, planned with "
+              f"{n_keep} per layer, are the build's)")
+    else:
+        print(f"keep {n_keep} of {before.num_experts} routed experts per MoE layer; "
+              f"{before.experts_per_token} per token")
     print(" ".join(quant.describe(markdown=False)))
     print()
     rows = [("layer", "kind", "experts", "before GB", "after GB")]

@@ -81,7 +81,7 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
     """
     src = Path(src)
     _, args, _ = source_args(src)
-    plan = plan_checkpoint(src, sel.kept, sel.n_keep, quant)
+    plan = plan_checkpoint(src, sel.kept, sel.n_keep if sel.uniform else None, quant)
     log(f"writing {len(plan.shards)} shard(s), {plan.bytes_out / 1e9:.3f} GB "
         f"(source {plan.bytes_in / 1e9:.3f} GB) to {out.out}")
     write_with_progress(plan, out.tmp, progress)
@@ -109,7 +109,8 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
         bytes_in=plan.bytes_in, bytes_out=plan.bytes_out,
         protected=sum(len(v) for v in sel.protected.values()), protect=protect,
         seed=sel.seed, notes=plan.notes, copied=[p.name for p in plan.copies], extra=extra_card,
-        gate=sel.gate, quantized=_quant_lines(plan))
+        gate=sel.gate, quantized=_quant_lines(plan),
+        per_layer=None if sel.uniform else sel.counts)
     write_report(out.tmp, result.stats, sel, info, card)
     return out.commit()
 
@@ -182,7 +183,8 @@ class PruneResult:
 def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool = False,
           seed: int = 0, gate: str = "softmax", force: bool = False, chunk: int = 1024,
           activation_budget: Optional[int] = None, progress: bool = True,
-          quant: Optional[QuantSpec] = None, log: Log = _stderr) -> PruneResult:
+          quant: Optional[QuantSpec] = None, budget: str = "uniform",
+          log: Log = _stderr) -> PruneResult:
     """Calibrate layer by layer, rank experts, write `out` atomically.
 
     The temporary output folder is made first (so a read-only or full disk fails before
@@ -211,7 +213,7 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
                                     for i in range(args.num_hidden_layers) if args.is_moe(i)},
                                    tokens=0, seconds=0.0)
         sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed,
-                     gate=gate)
+                     gate=gate, budget=budget)
         path = save(ao, src, result, calib, sel, protect=protect, log=log, quant=quant,
                     progress=progress)
     return PruneResult(path, sel, result, calib)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 from pathlib import Path
-from typing import Any, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 import numpy as np
 
@@ -59,6 +59,9 @@ def _title(sel: Selection, num_experts: int) -> str:
     how = f"{sel.method}" + (f", {sel.gate} gate" if sel.method in GATED else "")
     if sel.method == "random":
         how += f", seed {sel.seed}"
+    if not sel.uniform:
+        return (f"Expert saliency ({how}, spread budget): keep {sum(sel.counts.values())} of "
+                f"{num_experts * len(sel.kept)} ({', '.join(map(str, sel.counts.values()))} per layer)")
     return f"Expert saliency ({how}): keep {sel.n_keep} of {num_experts} per layer"
 
 
@@ -138,7 +141,8 @@ def saliency_report(stats: Mapping[int, LayerStats], sel: Selection, info: Mappi
     return {
         "method": sel.method,
         "gate": sel.gate if sel.method in GATED else None,
-        "experts_kept_per_layer": sel.n_keep,
+        "experts_kept_per_layer": sel.n_keep if sel.uniform else {str(l): n for l, n in sel.counts.items()},
+        "budget": sel.budget,
         "seed": sel.seed,
         **dict(info),
         "super_experts": {str(l): ids for l, ids in sel.protected.items()},
@@ -171,10 +175,12 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
                bytes_in: int, bytes_out: int, protected: int, protect: bool, seed: int,
                notes: List[str], copied: Optional[List[str]] = None,
                extra: Optional[str] = None, gate: str = "softmax",
-               quantized: Optional[List[str]] = None) -> str:
+               quantized: Optional[List[str]] = None,
+               per_layer: Optional[Dict[int, int]] = None) -> str:
     """README.md for the pruned checkpoint: what, on what data, how big, how to use.
 
     `quantized`: lines describing trunk / expert quantization (None: none was done).
+    `per_layer`: {layer: experts kept} of a `spread` budget (None: n_keep in every layer).
     """
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     files = "\n".join(f"  - `{f}`" for f in calib_files[:20])
@@ -197,8 +203,13 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
         "",
         "## What was pruned",
         "",
-        f"- Routed experts: **{n_keep} of {num_experts} kept in each of the {moe_layers} MoE "
-        f"layers** ({100 * n_keep / num_experts:.1f}%), chosen by {method_txt}.",
+        (f"- Routed experts: **{n_keep} of {num_experts} kept in each of the {moe_layers} MoE "
+         f"layers** ({100 * n_keep / num_experts:.1f}%), chosen by {method_txt}."
+         if not per_layer else
+         f"- Routed experts: **{sum(per_layer.values())} of {num_experts * moe_layers} kept**, "
+         "shared out over the MoE layers by where saliency is spread (`--budget spread`): "
+         + ", ".join(f"layer {l}: {n}" for l, n in sorted(per_layer.items()))
+         + f"; chosen by {method_txt}. config.json records them in `num_experts_per_layer`."),
         f"- Experts per token unchanged: {min(top_k, n_keep)}. Shared experts, attention, "
         "embeddings and the head are "
         + ("quantized as below." if quantized else "untouched."),

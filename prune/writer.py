@@ -9,7 +9,10 @@ through a dtype or a framework), so:
   entries of the kept experts are sliced out (row byte ranges, no cast);
 * every other tensor is byte-identical, in the same shard file as in the source.
 
-The config gets the new `num_experts` (and its aliases, top level included),
+The config gets the new `num_experts` (and its aliases, top level included; with
+per-layer counts their maximum, and `num_experts_per_layer` {"<layer>": n} in the text
+config, which `kimi_mlx.model.config.ModelArgs` reads, so such a build loads in
+`generate`, the cluster and `mlx_lm.load` alike),
 `num_experts_per_token` capped at it, and a single expert group (grouped routing cannot
 survive uneven per-group pruning); `quantization_config` is untouched. MTP layers
 (`layers.N`, N >= num_hidden_layers), which no calibration reaches, are dropped when they
@@ -186,6 +189,10 @@ def source_args(src: Path) -> Tuple[dict, ModelArgs, Dict[str, str]]:
         raise PruneError(f"{src}: not a Kimi K3.1 checkpoint in the official layout: {e}") from None
     if args.num_experts < 1 or not any(args.is_moe(i) for i in range(args.num_hidden_layers)):
         raise PruneError(f"{src}: the model has no routed-expert (MoE) layers to prune")
+    if args.num_experts_per_layer:
+        raise PruneError(f"{src}: its layers already hold different numbers of experts "
+                         "(num_experts_per_layer, a `--budget spread` build); prune or convert "
+                         "the original checkpoint instead")
     if not any(EXPERT_RE.match(n) for n in wm):
         stacked = any(".switch_mlp." in n for n in wm)
         raise PruneError(
@@ -195,10 +202,17 @@ def source_args(src: Path) -> Tuple[dict, ModelArgs, Dict[str, str]]:
     return config, args, wm
 
 
-def pruned_config(config: dict, n_keep: int) -> Tuple[dict, List[str]]:
-    """The config with `n_keep` routed experts; returns (new config, notes)."""
+def pruned_config(config: dict, n_keep: int,
+                  per_layer: Optional[Mapping[int, int]] = None) -> Tuple[dict, List[str]]:
+    """The config with `n_keep` routed experts (per_layer: {layer: count} when layers
+    differ; n_keep is then their maximum); returns (new config, notes)."""
     new = copy.deepcopy(config)
     notes = []
+    text = new.get("text_config") if isinstance(new.get("text_config"), dict) else new
+    if per_layer and len(set(per_layer.values())) > 1:
+        text["num_experts_per_layer"] = {str(l): int(n) for l, n in sorted(per_layer.items())}
+    else:
+        text.pop("num_experts_per_layer", None)
     for d in (new, new.get("text_config")):
         if not isinstance(d, dict):
             continue
@@ -242,8 +256,9 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
 
     Args:
         src: source checkpoint folder (official layout).
-        kept: {MoE layer: sorted old expert ids to keep}, every MoE layer, n_keep each.
-        n_keep: experts per layer after pruning.
+        kept: {MoE layer: sorted old expert ids to keep}, every MoE layer, n_keep each
+            (or, with n_keep None, each layer its own count: `num_experts_per_layer`).
+        n_keep: experts per layer after pruning; None for per-layer counts.
         quant: trunk / expert quantization (None or inactive: bytes copied).
     Raises:
         PruneError: a source problem (see `source_args`), a MoE layer without an entry
@@ -257,13 +272,24 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
     if quant is not None:
         _check_quantizable(src, wm, quant)
     E = args.num_experts
+    per_layer = {layer: len(ids) for layer, ids in kept.items()}
+    uniform = n_keep is not None
+    if n_keep is None:
+        if not per_layer:
+            raise PruneError("no MoE layer selection given")
+        if min(per_layer.values()) < args.num_experts_per_token:
+            raise PruneError(f"per-layer expert counts {per_layer}: every layer needs at least "
+                             f"num_experts_per_token = {args.num_experts_per_token}")
+        n_keep = max(per_layer.values())
     for layer, ids in kept.items():
-        if len(ids) != n_keep or list(ids) != sorted(set(ids)) or not all(0 <= j < E for j in ids):
-            raise PruneError(f"layer {layer}: kept experts must be {n_keep} sorted distinct ids "
+        want = n_keep if uniform else per_layer[layer]
+        if (len(ids) != want or list(ids) != sorted(set(ids))
+                or not all(0 <= j < E for j in ids)):
+            raise PruneError(f"layer {layer}: kept experts must be {want} sorted distinct ids "
                              f"in [0, {E})")
     renumber = {layer: {old: new for new, old in enumerate(ids)} for layer, ids in kept.items()}
     mtp_has_experts = any(kind(n, args) == "mtp" and ".experts." in n for n in wm)
-    new_config, notes = pruned_config(config, n_keep)
+    new_config, notes = pruned_config(config, n_keep, per_layer)
     if quant is not None:
         new_config["quantization"] = quant.config_block()
         new_config["quantization_config"] = quant.config_block()

@@ -86,6 +86,10 @@ def _describe_model(name: str, model: ModelBytes) -> List[str]:
     skipped = ", ".join(f"{k} {_gb(v)} GB" for k, v in sorted(model.not_loaded.items()) if v)
     if skipped:
         lines.append(f"       not loaded: {skipped}")
+    experts = {l.index: l.num_experts for l in model.layers if l.num_experts}
+    if len(set(experts.values())) > 1:
+        lines.append("       routed experts per layer (not uniform): "
+                     + ", ".join(f"{i}: {n}" for i, n in experts.items()))
     lines += [f"note: {n}" for n in model.notes]
     return lines
 

@@ -333,6 +333,7 @@ class Sampler:
     def __init__(self, streams: Dict[str, np.ndarray], batch: int, seq_len: int, seed: int,
                  memorize: Optional[np.ndarray] = None, memorize_rate: float = 0.0):
         self.streams = streams
+        self.domains = tuple(streams)  # rows cycle over the domains in this order
         self.batch, self.seq_len = batch, seq_len
         self.memorize, self.memorize_rate = memorize, memorize_rate
         self.rng = np.random.default_rng(seed + 1)
@@ -340,7 +341,7 @@ class Sampler:
     def __call__(self) -> Tuple[mx.array, mx.array]:
         rows = []
         for j in range(self.batch):
-            domain = DOMAINS[j % len(DOMAINS)]
+            domain = self.domains[j % len(self.domains)]
             s = self.streams[domain]
             if domain == "prose" and self.memorize is not None:
                 if self.rng.random() < self.memorize_rate:
@@ -424,13 +425,14 @@ def train_tokenizer(corpus: Corpus, vocab_ranks: int = VOCAB_RANKS) -> Dict[byte
     """Byte-level BPE ranks learned from the training split of both domains."""
     from kimi_mlx.text.bpe import train_bpe
 
-    docs = [d.text for domain in DOMAINS for d in corpus.train[domain]]
+    docs = [d.text for domain in corpus.domains for d in corpus.train[domain]]
     return train_bpe(docs, vocab_ranks)
 
 
 def token_streams(tokenizer, corpus: Corpus, split: str = "train") -> Dict[str, np.ndarray]:
     """{domain: int32 ids of the split's joined text} (`Corpus.text`)."""
-    return {d: np.array(tokenizer.encode(corpus.text(split, d)), dtype=np.int32) for d in DOMAINS}
+    return {d: np.array(tokenizer.encode(corpus.text(split, d)), dtype=np.int32)
+            for d in corpus.domains}
 
 
 MEMORIZE_SOURCE = "LICENSE.txt"
@@ -466,7 +468,7 @@ def write_text_assets(out: Path, corpus: Corpus, heldout_bytes: int, calib_bytes
     sizes: Dict[str, Dict[str, int]] = {"heldout": {}, "calib": {}}
     for sub, split, budget in (("heldout", "heldout", heldout_bytes), ("calib", "train", calib_bytes)):
         (out / sub).mkdir(parents=True, exist_ok=True)
-        for d in DOMAINS:
+        for d in corpus.domains:
             text = _take_docs(getattr(corpus, split)[d], budget)
             (out / sub / f"{d}.txt").write_text(text, encoding="utf-8")
             sizes[sub][d] = len(text.encode("utf-8"))
@@ -500,10 +502,11 @@ def set_index_topk(model: Model, topk: int) -> None:
 
 
 def measure(model: Model, ids: Dict[str, List[int]], seq_len: int) -> Dict[str, float]:
-    """{domain: held-out perplexity} with `kimi_mlx.generation.evaluate.perplexity`."""
+    """{domain: held-out perplexity} for every domain in `ids`
+    (`kimi_mlx.generation.evaluate.perplexity`)."""
     from kimi_mlx.generation.evaluate import perplexity
 
-    return {d: perplexity(model, ids[d], seq_len).perplexity for d in DOMAINS}
+    return {d: perplexity(model, ids[d], seq_len).perplexity for d in ids}
 
 
 TEST_TOKENS = 4096  # held-out tokens per domain that tests/test_micro.py measures
@@ -755,8 +758,12 @@ def model_card(info: Dict) -> str:
 # ------------------------------------------------------------------------------- main
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.train", description=__doc__.splitlines()[0])
+def parse_args(argv=None, defaults: Optional[Dict[str, Any]] = None,
+               prog: str = "python -m kimi_mlx.micro.train",
+               description: str = __doc__.splitlines()[0]) -> argparse.Namespace:
+    """Training options; `defaults` overrides the micro model's defaults (`make micro-moe`
+    uses the same trainer with its own: `kimi_mlx.micro.moe`)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--out", type=Path, default=ASSET_DIR, help="checkpoint folder to (re)write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=700)
@@ -779,7 +786,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-tokens", type=int, default=None,
                    help="measure only the first N held-out tokens per domain (default: all)")
     p.add_argument("--max-mb", type=float, default=25.0, help="refuse a bigger checkpoint folder")
+    p.add_argument("--tokenizer-from", type=Path, default=None,
+                   help="reuse this checkpoint's tokenizer instead of training BPE ranks")
+    p.add_argument("--domains", default=",".join(DOMAINS),
+                   help="corpus domains, comma-separated (kimi_mlx.micro.corpus.ALL_DOMAINS)")
+    if defaults:
+        p.set_defaults(**defaults)
     args = p.parse_args(argv)
+    args.domains = tuple(d.strip() for d in args.domains.split(",") if d.strip())
     if args.dense_steps is None:
         args.dense_steps = int(0.15 * args.steps)
     if args.qat_steps is None:
@@ -787,17 +801,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, cfg: Optional[argparse.Namespace] = None, evaluate=None, card=None,
+         tag: str = "micro") -> int:
+    """Train, evaluate and publish. `cfg` (from `parse_args`) replaces argv; `evaluate`
+    (default `evaluate_all`) and `card` (default `model_card`) let `make micro-moe` reuse
+    the whole run with its own figures and card."""
     from kimi_mlx.testing.checkpoints import build_checkpoint
     from kimi_mlx.text.tokenizer import KimiTokenizer, kimi_special_tokens
 
-    cfg = parse_args(argv)
+    cfg = cfg if cfg is not None else parse_args(argv)
+    evaluate = evaluate or evaluate_all
+    card = card or model_card
     t_start = time.perf_counter()
-    log = lambda *a: print("[micro]", *a, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda *a: print(f"[{tag}]", *a, file=sys.stderr, flush=True)  # noqa: E731
 
-    corpus = build_corpus()
+    corpus = build_corpus(domains=cfg.domains)
     log(f"corpus: Python {corpus.python_version}, fingerprint {corpus.fingerprint[:16]}")
-    ranks = train_tokenizer(corpus, cfg.vocab)
+    if cfg.tokenizer_from is not None:  # reuse another checkpoint's BPE ranks
+        ranks = dict(KimiTokenizer.from_pretrained(cfg.tokenizer_from).mergeable_ranks)
+    else:
+        ranks = train_tokenizer(corpus, cfg.vocab)
     specials = kimi_special_tokens(len(ranks))
     tok = KimiTokenizer(ranks, specials)
     streams = token_streams(tok, corpus, "train")
@@ -826,14 +849,15 @@ def main(argv=None) -> int:
                                 extras=False, dtype=mx.bfloat16)
         text_sizes = write_text_assets(ckpt, corpus, cfg.heldout_bytes, cfg.calib_bytes)
         ckpt_bytes = dir_bytes(ckpt)
-        results = evaluate_all(model, ckpt, args, cfg.seq_len, log, cfg.eval_tokens)
+        results = evaluate(model, ckpt, args, cfg.seq_len, log, cfg.eval_tokens)
         final_ce = float(np.mean([h["ce"] for h in history[-5:]]))
         info = {
             "text_config": json.loads((ckpt / "config.json").read_text())["text_config"],
             "parameters": n_params,
             "checkpoint_bytes": ckpt_bytes,
             "machine": f"{platform.machine()} {os.cpu_count()} cores, MLX {mx.__version__} CPU",
-            "tokenizer": {"ranks": len(ranks), "special": len(specials)},
+            "tokenizer": {"ranks": len(ranks), "special": len(specials),
+                          "from": str(cfg.tokenizer_from) if cfg.tokenizer_from else None},
             "corpus": {"python_version": corpus.python_version, "fingerprint": corpus.fingerprint,
                        "stats": corpus.stats(), "train_tokens": {d: int(len(s)) for d, s in streams.items()},
                        "shipped_text_bytes": text_sizes},
@@ -841,6 +865,7 @@ def main(argv=None) -> int:
                          "tokens": cfg.steps * cfg.batch * cfg.seq_len, "lr": cfg.lr,
                          "warmup": cfg.warmup, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
                          "bias_step": cfg.bias_step, "dense_steps": cfg.dense_steps,
+                         "domains": list(cfg.domains), "router_std": cfg.router_std,
                          "qat_steps": cfg.qat_steps, "seed": cfg.seed, "wall_seconds": wall,
                          "memorize": {"source": MEMORIZE_SOURCE + " (training-split blocks)",
                                       "tokens": int(len(memo)), "rate": cfg.memorize_rate,
@@ -850,7 +875,7 @@ def main(argv=None) -> int:
             "eval": results,
         }
         info["total_seconds"] = time.perf_counter() - t_start
-        total = publish_checkpoint(ckpt, cfg.out, info, model_card(info), cfg.max_mb)
+        total = publish_checkpoint(ckpt, cfg.out, info, card(info), cfg.max_mb)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"wrote {cfg.out} ({total / 1e6:.2f} MB) in {(time.perf_counter() - t_start) / 60:.1f} min")

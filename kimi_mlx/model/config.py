@@ -92,6 +92,9 @@ class ModelArgs(BaseModelArgs):
     mla_use_nope: bool = True
     mla_use_output_gate: bool = True
     num_experts: int = 896
+    # Per-layer routed-expert counts of a non-uniformly pruned build ({"<0-based layer>": n},
+    # written by `kimi-mlx prune --budget spread`); `num_experts` is then their maximum.
+    num_experts_per_layer: Optional[Dict[str, int]] = None
     num_experts_per_token: int = 16
     num_shared_experts: int = 2
     moe_intermediate_size: int = 3072
@@ -130,6 +133,31 @@ class ModelArgs(BaseModelArgs):
             self.dsa_layers = list(self.linear_attn_config.get("full_attn_layers", []))
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.num_experts_per_layer is not None:
+            per = self.num_experts_per_layer
+            if not isinstance(per, dict) or not all(
+                    str(k).isdigit() and isinstance(v, int) and v >= self.num_experts_per_token
+                    for k, v in per.items()):
+                raise ConfigError(
+                    "num_experts_per_layer: expected {\"<0-based layer>\": experts} with every "
+                    f"count >= num_experts_per_token ({self.num_experts_per_token}), got {per!r}")
+            self.num_experts_per_layer = {str(int(k)): int(v) for k, v in per.items()}
+            moe = [str(i) for i in range(self.num_hidden_layers) if self.is_moe(i)]
+            if sorted(self.num_experts_per_layer, key=int) != moe:
+                raise ConfigError(f"num_experts_per_layer: expected one count for each MoE "
+                                  f"layer {moe}, got layers {sorted(per, key=int)}")
+            if max(self.num_experts_per_layer.values()) != self.num_experts:
+                raise ConfigError(f"num_experts ({self.num_experts}) must be the largest of "
+                                  f"num_experts_per_layer ({self.num_experts_per_layer})")
+
+    def experts_in(self, i: int) -> int:
+        """Routed experts of 0-based layer `i` (0 for a dense layer): `num_experts`, or
+        the layer's own count in a non-uniformly pruned build (`num_experts_per_layer`)."""
+        if not self.is_moe(i):
+            return 0
+        if self.num_experts_per_layer:
+            return self.num_experts_per_layer[str(i)]
+        return self.num_experts
 
     # -- layer schedule ---------------------------------------------------------------
     @property

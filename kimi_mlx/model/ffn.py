@@ -109,13 +109,16 @@ class LatentMoE(nn.Module):
     SwitchGLU (gather-qmm once quantized to mxfp4). x: [B, L, hidden] -> same.
     """
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: Optional[int] = None):
+        """`layer` (0-based) picks its own expert count in a non-uniformly pruned build
+        (`ModelArgs.experts_in`); None means `num_experts`."""
         super().__init__()
+        num_experts = args.num_experts if layer is None else args.experts_in(layer)
         self.top_k = args.num_experts_per_token
         self.scaling = args.routed_scaling_factor
         self.renormalize = args.moe_renormalize
         d, latent = args.hidden_size, args.routed_expert_hidden_size or args.hidden_size
-        self.gate = Router(d, args.num_experts)
+        self.gate = Router(d, num_experts)
         self.latent = args.routed_expert_hidden_size is not None
         if self.latent:
             self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
@@ -126,7 +129,7 @@ class LatentMoE(nn.Module):
         self.switch_mlp = SwitchGLU(
             latent,
             args.moe_intermediate_size,
-            args.num_experts,
+            num_experts,
             activation=SiTU(args.activation_situ_beta, args.activation_situ_linear_beta),
         )
         self.shared_experts = (

@@ -46,7 +46,7 @@ class DecoderLayer(nn.Module):
         self.is_kda = args.is_kda(idx)
         self.self_attn = KimiDeltaAttention(args, idx) if self.is_kda else GatedDSA(args)
         if args.is_moe(idx):
-            self.block_sparse_moe = LatentMoE(args)
+            self.block_sparse_moe = LatentMoE(args, idx)
         else:
             self.mlp = SiTUMLP(args, args.intermediate_size)
         d, eps = args.hidden_size, args.rms_norm_eps

@@ -174,14 +174,16 @@ def sanitize_weights(
             w = _a_log(name, w, heads)
         out[name] = w
     for (moe, wname, field), by_expert in experts.items():
-        missing = sorted(set(range(args.num_experts)) - set(by_expert))
-        extra = sorted(set(by_expert) - set(range(args.num_experts)))
+        n_exp = _layer_experts(moe, args)
+        missing = sorted(set(range(n_exp)) - set(by_expert))
+        extra = sorted(set(by_expert) - set(range(n_exp)))
         if missing or extra:
+            what = "num_experts_per_layer" if args.num_experts_per_layer else "num_experts"
             raise TensorError(
-                f"{moe}.experts.*.{wname}.{field}: expected experts 0..{args.num_experts - 1}"
-                f" (num_experts), missing {missing[:8]}, unexpected {extra[:8]}"
+                f"{moe}.experts.*.{wname}.{field}: expected experts 0..{n_exp - 1}"
+                f" ({what}), missing {missing[:8]}, unexpected {extra[:8]}"
             )
-        stacked = mx.stack([by_expert[e] for e in range(args.num_experts)])
+        stacked = mx.stack([by_expert[e] for e in range(n_exp)])
         if field == "weight_packed":
             if stacked.dtype != mx.uint8 or stacked.shape[-1] % 4:
                 raise TensorError(
@@ -192,6 +194,12 @@ def sanitize_weights(
         fields = EXPERT_FIELD if field in EXPERT_FIELD else EXPERT_AFFINE_FIELD
         out[f"{moe}.switch_mlp.{EXPERT_PROJ[wname]}.{fields[field]}"] = stacked
     return out
+
+
+def _layer_experts(moe: str, args: ModelArgs) -> int:
+    """Expert count of the layer a `model.layers.<i>.block_sparse_moe` prefix names."""
+    m = re.search(r"layers\.(\d+)\.", moe)
+    return args.experts_in(int(m.group(1))) if m else args.num_experts
 
 
 def _a_log(name: str, w: mx.array, heads: int) -> mx.array:

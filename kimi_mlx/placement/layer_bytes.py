@@ -402,7 +402,7 @@ def expected_tensors(args: ModelArgs, vision: Optional[Mapping[str, Any]] = None
                 t[f"{a}indexer.k_norm.bias"] = ("BF16", (idim,))
         if args.is_moe(i):
             b = f"{p}block_sparse_moe."
-            e = args.num_experts
+            e = args.experts_in(i)
             t[f"{b}gate.weight"] = ("BF16", (e, h))
             t[f"{b}gate.e_score_correction_bias"] = ("F32", (e,))
             if latent != h:

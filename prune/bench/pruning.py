@@ -1,31 +1,34 @@
-"""`make bench-prune`: held-out perplexity after pruning per saliency method, and after
-quantization, in one run.
+"""`make bench-prune`: held-out perplexity after pruning, per saliency method, per domain,
+on a model whose experts specialise; and (`--quant`, `make bench-quant`) quantization.
 
-Default run: the shipped micro checkpoint (`kimi_mlx/assets/micro`), calibrated once on
-its code-domain calibration text (streamed, `observe`), pruned to 50% and 25% of the
-routed experts with each method (REAP with the softmax gate and with the model's gate,
-REAP summed, frequency, EAN, and random over `--random-seeds` seeds), each written as a
-real checkpoint (the same writer as `kimi-mlx prune`), loaded back and scored on held-out
-code and held-out prose. The methods are ranked by perplexity in each (domain, keep)
-cell; the best mean rank is the pruner's default. The "routing kept" column is the share
-of the calibration tokens' expert assignments that went to kept experts.
+Default run: the micro-moe test bed (`kimi_mlx/assets/micro-moe`, three domains: code,
+prose, structured data; see its card). Calibrated twice, streamed (`observe`): on one
+domain (`--domain`, code) and on a mix of every domain with the same token budget. Each
+calibration prunes to 50% and 25% of the routed experts with every method (REAP with the
+softmax gate and with the model's gate, REAP summed, frequency, EAN; the methods beyond
+uniform REAP in `BEYOND`: the `spread` budget with reap-sum and with reap, and reap-sum
+with super-expert protection; random over `--random-seeds` seeds, which needs no
+calibration and is shared by both), each written as a real checkpoint (the writer of
+`kimi-mlx prune`), loaded back and scored on the held-out text of every domain. "Routing
+kept" is the share of a domain's held-out routing mass (unpruned model) that went to the
+kept experts. The tables end with the checks the pruner's default must pass (beat
+random's seed range on the calibration domain at both keeps, and on the mean over
+domains with the mixed calibration) and the beyond-REAP methods against uniform reap-sum
+at the smallest keep.
 
-Then quantization of the unpruned model (`kimi-mlx convert`): BF16 trunk vs q8 / q6 / q4
-(group 64), and MXFP4 experts vs 3-bit / 2-bit: held-out perplexity and file size; and
-decode tokens/s, peak memory and bytes read per token of a q4 vs BF16 trunk on the `make
-bench` model config (`kimi_mlx.bench.model.bench_text_config`), measured in the same process.
+`--quant` adds quantization of the unpruned `--quant-model` (micro; `kimi-mlx convert`):
+BF16 trunk vs q8 / q6 / q4 (group 64), and MXFP4 experts vs 3-bit / 2-bit: held-out
+perplexity and file size; and decode tokens/s, peak memory and bytes read per token of a
+q4 vs BF16 trunk on the `make bench` model config, measured in the same process.
 
-    python -m kimi_mlx.prune.bench.pruning [--model DIR] [--keep 0.5 --keep 0.25] [--no-quant]
-
-Data files are looked up in the model folder (`calib*/...code...`, `heldout*/...code...`);
-when the folder has none they are rebuilt from `kimi_mlx.micro.corpus` (the micro model's
-own corpus: calibration = its training split, scoring = its held-out split).
+    python -m kimi_mlx.prune.bench.pruning [--model DIR] [--keep 0.5 --keep 0.25] [--quant]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -46,6 +49,7 @@ from kimi_mlx.prune.writer import AtomicOutput, source_args
 
 # Assets live in the kimi_mlx package (prune/ is mapped to kimi_mlx.prune).
 MICRO = Path(kimi_mlx.__file__).resolve().parent / "assets" / "micro"
+MICRO_MOE = MICRO.parent / "micro-moe"
 DATA_SUFFIXES = (".txt", ".jsonl", ".json", ".py", ".md")
 # (row name, method, gate) of the candidates for the default; random is the floor.
 CANDIDATES = [("reap (softmax gate)", "reap", "softmax"), ("reap (model gate)", "reap", "model"),
@@ -97,83 +101,77 @@ def perplexity(model_dir: Path, ids: Sequence[int], seq_len: int) -> float:
     return ppl
 
 
+# (row name, method, gate, budget, protect) of the methods beyond uniform REAP, run beside
+# CANDIDATES with the same total expert count.
+BEYOND = [("reap-sum, spread budget", "reap-sum", "softmax", "spread", False),
+          ("reap, spread budget", "reap", "softmax", "spread", False),
+          ("reap-sum, super experts protected", "reap-sum", "softmax", "uniform", True)]
+
+
+def model_domains(model_dir: Path) -> List[str]:
+    """Domains with a held-out file in the model folder (`heldout/<domain>.txt`), in a
+    fixed order (code, prose, data first)."""
+    found = sorted(p.stem for p in (Path(model_dir) / "heldout").glob("*.txt"))
+    order = ["code", "prose", "data"]
+    return [d for d in order if d in found] + [d for d in found if d not in order]
+
+
+def routing_kept(share: Dict[str, np.ndarray], kept: Dict[int, List[int]]) -> Dict[str, float]:
+    """{domain: share of the domain's held-out routing mass (unpruned model,
+    `expert_usage`, [moe layers, E]) that the kept experts carry, mean over layers}."""
+    layers = sorted(kept)
+    return {d: float(np.mean([s[r, kept[l]].sum() for r, l in enumerate(layers)]))
+            for d, s in share.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.prune.bench.pruning", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=str(MICRO), help="source checkpoint (default: shipped micro)")
+    p.add_argument("--model", default=str(MICRO_MOE),
+                   help="source checkpoint (default: the micro-moe test bed)")
     p.add_argument("--keep", type=float, action="append", default=None,
                    help="fraction of experts kept, repeatable (default 0.5 and 0.25)")
-    p.add_argument("--domain", default="code", help="calibration / scoring domain (default code)")
-    p.add_argument("--other-domain", default="prose", help="second held-out domain ('' = none)")
-    p.add_argument("--calib", default=None, help="calibration file (default: found or rebuilt)")
-    p.add_argument("--heldout", default=None, help="held-out file of --domain (default: found)")
-    p.add_argument("--heldout-other", default=None, help="held-out file of --other-domain")
+    p.add_argument("--domain", default="code", help="calibration domain (default code)")
+    p.add_argument("--domains", default=None,
+                   help="held-out domains, comma-separated (default: every heldout/<domain>.txt "
+                        "in the model folder)")
+    p.add_argument("--no-mix", action="store_true",
+                   help="skip the second calibration on a mix of every domain")
     p.add_argument("--calib-tokens", type=int, default=65536)
-    p.add_argument("--seq-len", type=int, default=256, help="calibration and scoring window")
-    p.add_argument("--eval-tokens", type=int, default=8192, help="held-out tokens scored per domain")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="calibration and scoring window (default: the model's training length "
+                        "from eval.json, else 256)")
+    p.add_argument("--eval-tokens", type=int, default=2048, help="held-out tokens scored per domain")
     p.add_argument("--random-seeds", type=int, default=3)
-    p.add_argument("--no-quant", action="store_true", help="skip the quantization tables")
+    p.add_argument("--no-prune", action="store_true", help="skip the pruning tables")
+    p.add_argument("--quant", action="store_true",
+                   help="also the quantization tables (on --quant-model, default micro)")
+    p.add_argument("--quant-model", default=str(MICRO))
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     keeps = args.keep or [0.5, 0.25]
-
-    src = Path(args.model)
-    if not (src / "config.json").exists():
-        print(f"error: {src}: no checkpoint (the micro model ships in kimi_mlx/assets/micro; "
-              "build it with `make micro`)", file=sys.stderr)
-        return 2
-    _, margs, _ = source_args(src)
     log = lambda s: print(s, file=sys.stderr, flush=True)
-    out: Dict = {"keeps": {}, "quant": None, "decode": None}
-    with tempfile.TemporaryDirectory(prefix="bench-prune-") as tmp:
-        tmp = Path(tmp)
-        calib_path = Path(args.calib) if args.calib else (
-            find_data(src, "calib", args.domain) or corpus_file("train", args.domain, tmp))
-        domains = [d for d in (args.domain, args.other_domain) if d]
-        heldout = {args.domain: args.heldout, args.other_domain: args.heldout_other}
-        heldout = {d: Path(heldout[d]) if heldout.get(d) else (
-            find_data(src, "heldout", d) or corpus_file("heldout", d, tmp)) for d in domains}
-        from kimi_mlx.generation.evaluate import read_tokens
+    out: Dict = {"calibrations": {}, "quant": None, "decode": None}
+    if not args.no_prune:
+        src = Path(args.model)
+        if not (src / "config.json").exists():
+            print(f"error: {src}: no checkpoint (the test bed ships in kimi_mlx/assets/micro-moe; "
+                  "build it with `make micro-moe`)", file=sys.stderr)
+            return 2
+        out.update(prune_bench(src, args, keeps, log))
+        print(prune_tables(out, args))
+    if args.quant:
+        with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
+            qsrc = Path(args.quant_model)
+            tok = _tokenizer(qsrc)()
+            from kimi_mlx.generation.evaluate import read_tokens
 
-        tok = _tokenizer(src)()
-        eval_ids = {d: read_tokens(tok, f, args.eval_tokens) for d, f in heldout.items()}
-        calib = load_calibration([calib_path], _tokenizer(src), seq_len=args.seq_len,
-                                 max_tokens=args.calib_tokens)
-        log(f"model {src}: {margs.num_experts} experts top-{margs.num_experts_per_token}")
-        log(f"calibration ({args.domain}): {calib.describe()}")
-        for d, f in heldout.items():
-            log(f"held-out {d}: {len(eval_ids[d]):,} tokens from {f}")
-        t0 = time.perf_counter()
-        result = observe(src, calib, chunk=args.seq_len, progress=False)
-        log(f"streamed calibration: {time.perf_counter() - t0:.1f} s")
-        score = lambda path: {d: perplexity(path, eval_ids[d], args.seq_len) for d in domains}
-        unpruned = score(src)
-        log(f"unpruned: {unpruned}")
-        for keep in keeps:
-            n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token, keep=keep)
-            rows: Dict[str, Dict[str, float]] = {}
-            runs = [(name, m, g, 0) for name, m, g in CANDIDATES]
-            runs += [(f"random-{s}", "random", "softmax", s) for s in range(args.random_seeds)]
-            for name, method, gate, seed in runs:
-                sel = select(result.stats, method, n_keep, seed=seed, gate=gate)
-                folder = f"k{n_keep}-{name.replace(' ', '_').replace('(', '').replace(')', '')}"
-                with AtomicOutput(tmp / folder) as ao:
-                    path = save(ao, src, result, calib, sel, log=lambda s: None)
-                rows[name] = score(path)
-                rows[name]["traffic"] = traffic_kept(result.stats, sel.kept)
-                log(f"keep {n_keep}: {name}: {rows[name]}")
-            out["keeps"][str(keep)] = {"n_keep": n_keep, "rows": rows}
-        out["unpruned"] = unpruned
-        out["ranks"] = mean_ranks(out["keeps"], domains)
-        if not args.no_quant:
-            out["quant"] = quant_rows(src, tmp, score, log)
-            out["decode"] = decode_compare(tmp, log)
-
-    print(prune_table(out, domains, args, margs.num_experts, calib))
-    print()
-    print(gate_diagnostic(result.stats, margs.num_experts_per_token))
-    if out["quant"]:
+            qdomains = model_domains(qsrc)
+            ids = {d: read_tokens(tok, qsrc / "heldout" / f"{d}.txt", 8192) for d in qdomains}
+            score = lambda path: {d: perplexity(path, ids[d], 256) for d in qdomains}
+            out["quant"] = quant_rows(qsrc, Path(tmp), score, log)
+            out["decode"] = decode_compare(Path(tmp), log)
         print()
-        print(quant_table(out["quant"], domains))
+        print(quant_table(out["quant"], qdomains))
         print()
         print(decode_table(out["decode"]))
     if args.json:
@@ -181,20 +179,183 @@ def main(argv=None) -> int:
     return 0
 
 
+def prune_bench(src: Path, args, keeps: Sequence[float], log) -> Dict:
+    """Calibrate on `args.domain` and on a mix, prune with every method at every keep,
+    score every build on every domain's held-out text (see the module docstring)."""
+    from kimi_mlx.generation.evaluate import expert_usage, read_tokens
+    from kimi_mlx.checkpoint.loader import load_model
+
+    _, margs, _ = source_args(src)
+    seq_len = args.seq_len
+    if seq_len is None:
+        try:
+            seq_len = int(json.loads((src / "eval.json").read_text())["training"]["seq_len"])
+        except (OSError, KeyError, ValueError):
+            seq_len = 256
+    domains = ([d.strip() for d in args.domains.split(",")] if args.domains
+               else model_domains(src))
+    tok = _tokenizer(src)()
+    eval_ids = {}
+    for d in domains:
+        f = find_data(src, "heldout", d)
+        if f is None:
+            raise SystemExit(f"error: {src}: no held-out file for domain {d!r}")
+        eval_ids[d] = read_tokens(tok, f, args.eval_tokens)
+    model, _, _ = load_model(src, verbose=False)
+    share = {d: expert_usage(model, eval_ids[d], seq_len) for d in domains}
+    del model
+    score = lambda path: {d: perplexity(path, eval_ids[d], seq_len) for d in domains}
+    res: Dict = {"seq_len": seq_len, "domains": domains, "eval_tokens": args.eval_tokens,
+                 "num_experts": margs.num_experts, "calibrations": {}}
+    res["unpruned"] = score(src)
+    log(f"model {src}: {margs.num_experts} experts top-{margs.num_experts_per_token}; "
+        f"unpruned {res['unpruned']}")
+    calib_files = {d: find_data(src, "calib", d) for d in domains}
+    one = load_calibration([calib_files[args.domain]], _tokenizer(src), seq_len=seq_len,
+                           max_tokens=args.calib_tokens)
+    calibs = [(args.domain, one)]
+    if not args.no_mix:
+        mix = load_calibration([calib_files[d] for d in domains], _tokenizer(src), seq_len=seq_len,
+                               max_tokens=one.num_tokens)
+        calibs.append(("mix", mix))
+    t_start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-prune-") as tmp:
+        tmp = Path(tmp)
+        random_rows: Dict[str, Dict] = {}
+        for cname, calib in calibs:
+            result = observe(src, calib, chunk=seq_len, progress=False)
+            log(f"calibration {cname}: {calib.describe()} in {result.seconds:.1f} s")
+            cell: Dict = {"describe": calib.describe(), "tokens": calib.num_tokens, "keeps": {}}
+            for keep in keeps:
+                n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token, keep=keep)
+                rows: Dict[str, Dict] = {}
+                runs = [(name, m, g, "uniform", False, 0) for name, m, g in CANDIDATES]
+                runs += [(name, m, g, b, pr, 0) for name, m, g, b, pr in BEYOND]
+                seeds = [(f"random-{s}", "random", "softmax", "uniform", False, s)
+                         for s in range(args.random_seeds)]
+                for name, method, gate, budget, protect, seed in runs + seeds:
+                    key = f"{keep}/{name}"
+                    if method == "random" and key in random_rows:  # needs no calibration
+                        rows[name] = random_rows[key]
+                        continue
+                    sel = select(result.stats, method, n_keep, seed=seed, gate=gate,
+                                 budget=budget, protect_super_experts=protect)
+                    folder = f"{cname}-k{n_keep}-" + "".join(c if c.isalnum() else "_" for c in name)
+                    with AtomicOutput(tmp / folder) as ao:
+                        path = save(ao, src, result, calib, sel, log=lambda s: None)
+                    rows[name] = {"ppl": score(path), "routing_kept": routing_kept(share, sel.kept),
+                                  "traffic": traffic_kept(result.stats, sel.kept),
+                                  "counts": sel.counts}
+                    shutil.rmtree(path, ignore_errors=True)
+                    if method == "random":
+                        random_rows[key] = rows[name]
+                    log(f"[{time.perf_counter() - t_start:.0f} s] {cname} keep {n_keep}: {name}: "
+                        + ", ".join(f"{d} {v:.2f}" for d, v in rows[name]["ppl"].items())
+                        + ("" if sel.uniform else f" budgets {list(sel.counts.values())}"))
+                cell["keeps"][str(keep)] = {"n_keep": n_keep, "rows": rows}
+            res["calibrations"][cname] = cell
+    return res
+
+
+def _random_stats(rows: Dict, key) -> Tuple[float, float, float]:
+    vals = [key(rows[k]) for k in rows if k.startswith("random-")]
+    return float(np.mean(vals)), float(min(vals)), float(max(vals))
+
+
+def method_names() -> List[str]:
+    return [n for n, _, _ in CANDIDATES] + [n for n, *_ in BEYOND]
+
+
 def mean_ranks(keeps: Dict, domains: Sequence[str]) -> Dict[str, float]:
-    """Mean rank (1 = lowest perplexity) of each candidate method over every (keep,
-    domain) cell; random (its mean over seeds) is ranked alongside as the floor."""
+    """Mean rank (1 = lowest perplexity) of each method over every (cell, domain): `keeps`
+    is {cell name: {"rows": {method: {domain: ppl} or {"ppl": {domain: ppl}}}}}; random
+    (its mean over the `random-<seed>` rows) is ranked alongside as the floor."""
+    ppl = lambda row, d: row["ppl"][d] if "ppl" in row else row[d]
     ranks: Dict[str, List[int]] = {}
     for cell in keeps.values():
         rows = cell["rows"]
         seeds = [k for k in rows if k.startswith("random-")]
         for d in domains:
-            vals = {name: rows[name][d] for name, _, _ in CANDIDATES}
+            vals = {name: ppl(rows[name], d) for name in method_names() if name in rows}
             if seeds:
-                vals["random (mean)"] = float(np.mean([rows[s][d] for s in seeds]))
+                vals["random (mean)"] = float(np.mean([ppl(rows[s], d) for s in seeds]))
             for r, name in enumerate(sorted(vals, key=vals.get), 1):
                 ranks.setdefault(name, []).append(r)
     return {k: float(np.mean(v)) for k, v in sorted(ranks.items(), key=lambda kv: np.mean(kv[1]))}
+
+
+def prune_tables(res: Dict, args) -> str:
+    """Markdown: one table per (calibration, keep) with every method's held-out perplexity
+    per domain, their geometric mean, and the routing kept per domain; then the checks."""
+    from kimi_mlx.prune.saliency import DEFAULT_BUDGET, DEFAULT_GATE, DEFAULT_METHOD
+
+    domains = res["domains"]
+    gmean = lambda ppl: float(np.exp(np.mean([np.log(ppl[d]) for d in domains])))
+    lines = [f"Held-out perplexity after pruning ({res['num_experts']} experts per layer; windows "
+             f"of {res['seq_len']}; {res['eval_tokens']:,} held-out tokens per domain; routing "
+             "kept = share of the domain's held-out routing mass, unpruned model, on kept experts)"]
+    for cname, cal in res["calibrations"].items():
+        for keep, cell in cal["keeps"].items():
+            rows = cell["rows"]
+            lines += ["", f"Calibration {cname} ({cal['describe']}), keep {cell['n_keep']}/"
+                      f"{res['num_experts']} per layer on average:", "",
+                      "| method | " + " | ".join(f"{d} ppl" for d in domains) + " | mean ppl | "
+                      + " | ".join(f"{d} routing kept" for d in domains) + " |",
+                      "|---|" + "---:|" * (2 * len(domains) + 1)]
+            lines.append("| unpruned | " + " | ".join(f"{res['unpruned'][d]:.2f}" for d in domains)
+                         + f" | {gmean(res['unpruned']):.2f} | " + " | ".join("100%" for _ in domains) + " |")
+            for name in method_names():
+                r = rows[name]
+                lines.append(f"| {name} | " + " | ".join(f"{r['ppl'][d]:.2f}" for d in domains)
+                             + f" | {gmean(r['ppl']):.2f} | "
+                             + " | ".join(f"{100 * r['routing_kept'][d]:.1f}%" for d in domains) + " |")
+            cells = []
+            for d in domains:
+                m, lo, hi = _random_stats(rows, lambda r: r["ppl"][d])
+                cells.append(f"{m:.2f} ({lo:.2f}-{hi:.2f})")
+            m, lo, hi = _random_stats(rows, lambda r: gmean(r["ppl"]))
+            cells.append(f"{m:.2f} ({lo:.2f}-{hi:.2f})")
+            cells += [f"{100 * _random_stats(rows, lambda r: r['routing_kept'][d])[0]:.1f}%" for d in domains]
+            lines.append(f"| random (mean, range of {args.random_seeds} seeds) | " + " | ".join(cells) + " |")
+            spread = [n for n in method_names() if rows[n]["counts"]
+                      and len(set(rows[n]["counts"].values())) > 1]
+            for n in spread:
+                lines.append(f"\n{n}: experts per layer " + ", ".join(
+                    f"{l}: {c}" for l, c in rows[n]["counts"].items()))
+    ranks = mean_ranks({f"{c}/{k}": cell for c, cal in res["calibrations"].items()
+                        for k, cell in cal["keeps"].items()}, domains)
+    lines += ["", "Mean rank over every (calibration, keep, domain) cell (1 = best): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in ranks.items())]
+    default = next(n for n, m, g in CANDIDATES if m == DEFAULT_METHOD and g == DEFAULT_GATE)
+    if DEFAULT_BUDGET != "uniform":
+        default = next(n for n, m, g, b, _ in BEYOND if m == DEFAULT_METHOD and b == DEFAULT_BUDGET)
+    lines += ["", f"Checks for the default ({default}):"]
+    cal = res["calibrations"].get(args.domain)
+    for keep, cell in (cal or {"keeps": {}})["keeps"].items():
+        rows = cell["rows"]
+        v = rows[default]["ppl"][args.domain]
+        _, lo, _ = _random_stats(rows, lambda r: r["ppl"][args.domain])
+        lines.append(f"- calibration {args.domain}, keep {cell['n_keep']}: {args.domain} ppl {v:.2f} vs "
+                     f"random's best seed {lo:.2f}: " + ("beats" if v < lo else "does NOT beat")
+                     + " random's range")
+    for keep, cell in res["calibrations"].get("mix", {"keeps": {}})["keeps"].items():
+        rows = cell["rows"]
+        v = gmean(rows[default]["ppl"])
+        _, lo, _ = _random_stats(rows, lambda r: gmean(r["ppl"]))
+        lines.append(f"- calibration mix, keep {cell['n_keep']}: mean ppl over domains {v:.2f} vs "
+                     f"random's best seed {lo:.2f}: " + ("beats" if v < lo else "does NOT beat")
+                     + " random's range")
+    lines += ["", "Beyond uniform REAP at the smallest keep (vs reap-sum, uniform): per-domain ppl"]
+    for cname, cal in res["calibrations"].items():
+        cell = cal["keeps"][str(min(float(k) for k in cal["keeps"]))]
+        base = cell["rows"][default if DEFAULT_BUDGET == "uniform" else "reap-sum (softmax gate)"]
+        for name, *_ in BEYOND:
+            r = cell["rows"][name]
+            wins = [d for d in domains if r["ppl"][d] < base["ppl"][d]]
+            lines.append(f"- calibration {cname}, {name}: " + ", ".join(
+                f"{d} {r['ppl'][d]:.2f} vs {base['ppl'][d]:.2f}" for d in domains)
+                + f"; better on {len(wins)} of {len(domains)} domains")
+    return "\n".join(lines)
 
 
 def quant_rows(src: Path, tmp: Path, score, log) -> List[Dict]:
@@ -275,36 +436,6 @@ def gate_diagnostic(stats, top_k: int) -> str:
     return (f"router: mean renormalised gate weight per expert {lo:.3f}-{hi:.3f} over the MoE "
             f"layers (1/top_k = {1 / top_k:.3f}); rank correlation of REAP with frequency "
             f"{np.mean(corr):+.2f} (mean over layers)")
-
-
-def prune_table(out: Dict, domains, args, num_experts: int, calib: CalibSet) -> str:
-    lines = [f"Held-out perplexity after pruning (calibration: {args.domain}, "
-             f"{calib.num_tokens:,} tokens; windows of {args.seq_len}; "
-             f"{args.eval_tokens:,} held-out tokens per domain)", ""]
-    head = "| model | " + " | ".join(
-        f"keep {c['n_keep']}/{num_experts}: {d} ppl" for c in out["keeps"].values() for d in domains)
-    head += " | " + " | ".join(f"keep {c['n_keep']}: {args.domain} routing kept"
-                               for c in out["keeps"].values()) + " |"
-    cells = len(domains) * len(out["keeps"]) + len(out["keeps"])
-    lines += [head, "|---|" + "---:|" * cells]
-    lines.append("| unpruned | " + " | ".join(f"{out['unpruned'][d]:.2f}" for _ in out["keeps"]
-                                               for d in domains)
-                 + " | " + " | ".join("100%" for _ in out["keeps"]) + " |")
-    for name, _, _ in CANDIDATES:
-        vals = [f"{c['rows'][name][d]:.2f}" for c in out["keeps"].values() for d in domains]
-        kept = [f"{100 * c['rows'][name]['traffic']:.1f}%" for c in out["keeps"].values()]
-        lines.append(f"| {name} | " + " | ".join(vals + kept) + " |")
-    vals, kept = [], []
-    for c in out["keeps"].values():
-        seeds = [k for k in c["rows"] if k.startswith("random-")]
-        for d in domains:
-            v = [c["rows"][s][d] for s in seeds]
-            vals.append(f"{np.mean(v):.2f} ({min(v):.2f}-{max(v):.2f})" if v else "-")
-        kept.append(f"{100 * np.mean([c['rows'][s]['traffic'] for s in seeds]):.1f}%" if seeds else "-")
-    lines.append(f"| random (mean, range of {args.random_seeds} seeds) | " + " | ".join(vals + kept) + " |")
-    lines += ["", "Mean rank over both domains and keeps (1 = best): "
-              + ", ".join(f"{k} {v:.2f}" for k, v in out["ranks"].items())]
-    return "\n".join(lines)
 
 
 def quant_table(rows: List[Dict], domains) -> str:
