@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 from kimi_mlx.cluster.auth import DEFAULT_SECRET
 
@@ -461,125 +461,190 @@ class _Cluster:
         return Pipeline(transport, a.prefill_chunk)
 
 
-def _launch(args) -> int:
-    _logging(args.log_level, "WARNING")
-    from kimi_mlx.model.config import ModelArgs, read_config
-    from kimi_mlx.generation.generate import check_draft_arguments, load_speculation, print_generation
-    from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_model_arguments,
-                                  resolve_model_arg)
+class _LaunchInputs(NamedTuple):
+    """What `cluster launch` checked before any node is contacted."""
 
-    from kimi_mlx.cluster.auth import AuthError, load_secret
-    from kimi_mlx.cluster.fingerprint import FingerprintError, fingerprint, is_checkpoint
+    spec: str
+    model_dir: Path
+    secret: bytes
+    margs: Any  # ModelArgs
+    wrapper: Any  # mlx-lm TokenizerWrapper
+    ids: List[int]
+    context: int
+    fingerprint: str
+    speculation: Any  # Speculation or None
+
+
+def _launch_inputs(args) -> _LaunchInputs:
+    """Check the flags, the checkpoint and the prompt; load the secret, the tokenizer and
+    the draft (which runs on this head). Raises InputError, FileNotFoundError, ValueError,
+    AuthError or FingerprintError, each naming the flag or file."""
+    from kimi_mlx.model.config import ModelArgs, read_config
+    from kimi_mlx.generation.generate import check_draft_arguments, load_speculation
+    from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_model_arguments,
+                                             resolve_model_arg)
+
+    from kimi_mlx.cluster.auth import load_secret
+    from kimi_mlx.cluster.fingerprint import fingerprint, is_checkpoint
+
+    check_model_arguments(args)
+    check_draft_arguments(args)
+    if getattr(args, "draft", None) == "mtp":
+        raise InputError("--draft mtp: the MTP draft runs in one process only (kimi-mlx "
+                         "generate or chat); through the pipeline use --draft-model or "
+                         "--draft ngram")
+    spec = resolve_model_arg(args.model)
+    model_dir = Path(spec).expanduser()
+    if not is_checkpoint(model_dir):
+        raise InputError(f"{spec}: cluster launch needs the checkpoint folder on this "
+                         "machine too (the same files as in each node's models folder)")
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if prompt is None:
+        raise InputError("give a prompt with --prompt TEXT (or --prompt - for stdin)")
+    if args.prefill_chunk < 1:
+        raise InputError("--prefill-chunk must be >= 1")
+    if args.nodes == "auto":
+        _check_browse_time("--discover-timeout", args.discover_timeout)
+    secret = load_secret(args.secret_file)
+    margs = ModelArgs.from_config(read_config(model_dir))
+    wrapper, tok = _tokenizers(model_dir)
+    ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
+                       args.reasoning_effort)
+    context, source = margs.max_position_embeddings, "max_position_embeddings in config.json"
+    if args.max_kv_size:
+        context, source = min(context, args.max_kv_size), "--max-kv-size"
+    args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
+    fp = fingerprint(model_dir)
+    speculation = load_speculation(args, wrapper, spec)
+    return _LaunchInputs(spec, model_dir, secret, margs, wrapper, ids, context, fp, speculation)
+
+
+def _launch_failure(e: BaseException, replan: bool):
+    """The one error line for a failed launch: a plan's reasons one per line, a lost stage
+    with what to do next (`failure_text`), anything else as it says."""
     from kimi_mlx.placement.planner import PlanError
-    from kimi_mlx.cluster.runner import Sampling
     from kimi_mlx.cluster.transport import StageFailure
 
-    try:
-        check_model_arguments(args)
-        check_draft_arguments(args)
-        if getattr(args, "draft", None) == "mtp":
-            raise InputError("--draft mtp: the MTP draft runs in one process only (kimi-mlx "
-                             "generate or chat); through the pipeline use --draft-model or "
-                             "--draft ngram")
-        spec = resolve_model_arg(args.model)
-        model_dir = Path(spec).expanduser()
-        if not is_checkpoint(model_dir):
-            raise InputError(f"{spec}: cluster launch needs the checkpoint folder on this "
-                             "machine too (the same files as in each node's models folder)")
-        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        if prompt is None:
-            raise InputError("give a prompt with --prompt TEXT (or --prompt - for stdin)")
-        if args.prefill_chunk < 1:
-            raise InputError("--prefill-chunk must be >= 1")
-        if args.nodes == "auto":
-            _check_browse_time("--discover-timeout", args.discover_timeout)
-        secret = load_secret(args.secret_file)
-        margs = ModelArgs.from_config(read_config(model_dir))
-        wrapper, tok = _tokenizers(model_dir)
-        ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
-                           args.reasoning_effort)
-        context, source = margs.max_position_embeddings, "max_position_embeddings in config.json"
-        if args.max_kv_size:
-            context, source = min(context, args.max_kv_size), "--max-kv-size"
-        args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
-        fp = fingerprint(model_dir)
-        speculation = load_speculation(args, wrapper, spec)  # the draft runs on this head
-    except (InputError, FileNotFoundError, ValueError, AuthError, FingerprintError) as e:
-        _err("launch", e)
-        return 2
+    if isinstance(e, PlanError):
+        return str(e).replace("; ", "\n  ")
+    return failure_text(e, replan) if isinstance(e, StageFailure) else e
 
-    sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k, args.seed)
-    plan_context = args.context or min(context, len(ids) + args.max_tokens)
-    cluster = _Cluster(args, secret, model_dir, fp, plan_context)
-    try:
-        pipeline = cluster.connect()
-    except (PlanError, StageFailure, RuntimeError, ValueError) as e:
-        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError)
-             else failure_text(e, args.replan) if isinstance(e, StageFailure) else e)
-        return 1
-    failure: List[BaseException] = []
 
-    def step(prompt_ids: List[int], max_tokens: int):
+class _LaunchRun:
+    """The tokens of one `cluster launch` generation through the pipeline: plain or
+    speculative steps, and with --replan a new placement (from the tokens generated so
+    far) when a stage is lost. `failure` holds the error that ended it early."""
+
+    def __init__(self, args, cluster: "_Cluster", pipeline, inputs: _LaunchInputs):
+        from kimi_mlx.cluster.runner import Sampling
+
+        self.args, self.cluster, self.pipeline, self.inputs = args, cluster, pipeline, inputs
+        self.sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k, args.seed)
+        self.failure: Optional[BaseException] = None
+
+    def step(self, prompt_ids: List[int], max_tokens: int):
         """(token, logprobs, from_draft) from the pipeline, plain or speculative."""
+        speculation = self.inputs.speculation
         if speculation is None:
             return ((t, lp, False) for t, lp in
-                    pipeline.generate_step(prompt_ids, sampling, max_tokens))
+                    self.pipeline.generate_step(prompt_ids, self.sampling, max_tokens))
         from kimi_mlx.cluster.speculative import speculative_pipeline_step
 
-        if args.seed is not None:  # the head draws every random number (draft, acceptance)
+        if self.args.seed is not None:  # the head draws every random number (draft, acceptance)
             import mlx.core as mx
 
-            mx.random.seed(args.seed)
-        return speculative_pipeline_step(pipeline, prompt_ids, speculation.draft, margs,
-                                         **speculation.kwargs(), max_tokens=max_tokens)
+            mx.random.seed(self.args.seed)
+        return speculative_pipeline_step(self.pipeline, prompt_ids, speculation.draft,
+                                         self.inputs.margs, **speculation.kwargs(),
+                                         max_tokens=max_tokens)
 
-    def tokens():
-        nonlocal pipeline
+    def tokens(self):
+        """Yields (token, logprobs, from_draft) until done, or until a stage is lost
+        (without --replan, or when no placement is left: `failure` says why)."""
+        from kimi_mlx.cluster.transport import StageFailure
+
+        args, ids = self.args, self.inputs.ids
         generated: List[int] = []
         while True:
             try:
-                for tok_id, lp, from_draft in step(ids + generated,
-                                                   args.max_tokens - len(generated)):
+                for tok_id, lp, from_draft in self.step(ids + generated,
+                                                        args.max_tokens - len(generated)):
                     generated.append(tok_id)
                     yield tok_id, lp, from_draft
                 return
             except StageFailure as e:
-                left = cluster.transport.abort()
-                print(file=sys.stderr)  # ends the streamed text's line
-                if args.replan:  # otherwise the final error says it, once
-                    print(f"[cluster] {e}", file=sys.stderr)
-                print("[cluster] freed the session on: " + ", ".join(
-                    f"{n} ({'unreachable' if k < 0 else f'{k} sessions left'})"
-                    for n, k in sorted(left.items())), file=sys.stderr)
-                if not args.replan:
-                    failure.append(e)
-                    return
-                cluster.excluded |= set(e.node_ids)
-                cluster.transport.shutdown()
-                print(f"[cluster] replanning without {', '.join(sorted(cluster.excluded))}",
-                      file=sys.stderr)
-                try:
-                    pipeline = cluster.connect()
-                except (PlanError, StageFailure, RuntimeError, ValueError) as e2:
-                    failure.append(e2)
+                if not self._replan(e):
                     return
 
+    def _replan(self, e) -> bool:
+        """After a lost stage: free the sessions, and with --replan place the model again
+        over the nodes left. False when the generation ends here."""
+        from kimi_mlx.placement.planner import PlanError
+        from kimi_mlx.cluster.transport import StageFailure
+
+        cluster = self.cluster
+        left = cluster.transport.abort()
+        print(file=sys.stderr)  # ends the streamed text's line
+        if self.args.replan:  # otherwise the final error says it, once
+            print(f"[cluster] {e}", file=sys.stderr)
+        print("[cluster] freed the session on: " + ", ".join(
+            f"{n} ({'unreachable' if k < 0 else f'{k} sessions left'})"
+            for n, k in sorted(left.items())), file=sys.stderr)
+        if not self.args.replan:
+            self.failure = e
+            return False
+        cluster.excluded |= set(e.node_ids)
+        cluster.transport.shutdown()
+        print(f"[cluster] replanning without {', '.join(sorted(cluster.excluded))}",
+              file=sys.stderr)
+        try:
+            self.pipeline = cluster.connect()
+        except (PlanError, StageFailure, RuntimeError, ValueError) as e2:
+            self.failure = e2
+            return False
+        return True
+
+
+def _launch(args) -> int:
+    """`kimi-mlx cluster launch`: check the inputs, place and load the stages, stream the
+    generation as `generate` prints it. 2 for bad input, 1 when the cluster fails."""
+    _logging(args.log_level, "WARNING")
+    from kimi_mlx.generation.generate import print_generation
+    from kimi_mlx.generation.request import InputError
+
+    from kimi_mlx.cluster.auth import AuthError
+    from kimi_mlx.cluster.fingerprint import FingerprintError
     from kimi_mlx.cluster.head import stream_generate
+    from kimi_mlx.placement.planner import PlanError
+    from kimi_mlx.cluster.transport import StageFailure
 
+    try:
+        inputs = _launch_inputs(args)
+    except (InputError, FileNotFoundError, ValueError, AuthError, FingerprintError) as e:
+        _err("launch", e)
+        return 2
+
+    plan_context = args.context or min(inputs.context, len(inputs.ids) + args.max_tokens)
+    cluster = _Cluster(args, inputs.secret, inputs.model_dir, inputs.fingerprint, plan_context)
+    try:
+        pipeline = cluster.connect()
+    except (PlanError, StageFailure, RuntimeError, ValueError) as e:
+        _err("launch", _launch_failure(e, args.replan))
+        return 1
+
+    run = _LaunchRun(args, cluster, pipeline, inputs)
     code = 0
     try:
         code = print_generation(args, stream_generate(
-            tokens(), wrapper, len(ids), args.max_tokens,
+            run.tokens(), inputs.wrapper, len(inputs.ids), args.max_tokens,
             lambda: cluster.transport.peak_memory()))
     finally:
         if cluster.transport is not None:
             cluster.transport.shutdown()
-    if speculation is not None and args.verbose:
-        print(speculation.summary())
-    if failure:
-        e = failure[0]
-        _err("launch", str(e).replace("; ", "\n  ") if isinstance(e, PlanError)
-             else failure_text(e, args.replan) if isinstance(e, StageFailure) else e)
+    if inputs.speculation is not None and args.verbose:
+        print(inputs.speculation.summary())
+    if run.failure is not None:
+        _err("launch", _launch_failure(run.failure, args.replan))
         return 1
     return code
 
