@@ -120,6 +120,8 @@ def open_image(source: Union[str, Path, bytes], max_pixels: int = MAX_PIXELS, na
             except UnidentifiedImageError:
                 raise ImageError(f"{name}: not an image Pillow can read (expected PNG, JPEG, "
                                  "WebP or GIF)") from None
+            except (OSError, ValueError, SyntaxError, EOFError) as e:
+                raise ImageError(f"{name}: corrupt or truncated image ({e})") from None
             if img.format not in FORMATS:
                 raise ImageError(f"{name}: unsupported image format {img.format} (expected PNG, "
                                  "JPEG, WebP or GIF)")
