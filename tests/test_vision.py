@@ -160,3 +160,15 @@ def test_load_vision_errors(tmp_path, tiny_ckpt):
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=r"vision tensor vision_tower\.\S+ is .*expected"):
         load_vision(path)
+
+
+def test_query_blocks_give_the_same_attention(pair, monkeypatch):
+    """Attention in query blocks (how large images stay in memory) equals one block."""
+    from kimi_mlx.vision import tower
+
+    _, ours, _ = pair
+    grids = [(22, 36)]
+    whole = ours(_patches(grids, 9), grids)
+    monkeypatch.setattr(tower, "SCORE_BUDGET", 2 * 22 * 36 * 50)  # blocks of 50 queries
+    blocked = ours(_patches(grids, 9), grids)
+    assert rel_err(blocked, whole) <= _tol(ours.args, grids)

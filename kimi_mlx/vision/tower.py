@@ -47,6 +47,7 @@ __all__ = ["VisionModel", "VisionTower", "Projector", "interpolation_matrix", "r
            "image_token_count"]
 
 Grid = Tuple[int, int]  # (h, w) in patches
+SCORE_BUDGET = 2**27  # attention scores per query block (512 MB in float32)
 
 
 def image_token_count(grid: Grid, args: VisionArgs) -> int:
@@ -199,7 +200,15 @@ class Block(nn.Module):
         for start, n in spans:  # block-diagonal: an image attends to itself only
             sl = slice(start, start + n)
             qi, ki, vi = (t[sl].transpose(1, 0, 2)[None] for t in (q, k, v))
-            o = mx.fast.scaled_dot_product_attention(qi, ki, vi, scale=self.head_dim**-0.5)
+            # Queries in blocks so that a score matrix, where the backend materialises
+            # one (the CPU), stays near SCORE_BUDGET elements: a 16641-token image has
+            # 66564 patches, 12 x 66564^2 scores (212 GB in float32) if done at once.
+            step = max(1, SCORE_BUDGET // (self.heads * n))
+            o = mx.concatenate([
+                mx.fast.scaled_dot_product_attention(qi[:, :, j:j + step], ki, vi,
+                                                     scale=self.head_dim**-0.5)
+                for j in range(0, n, step)], axis=2) if step < n else \
+                mx.fast.scaled_dot_product_attention(qi, ki, vi, scale=self.head_dim**-0.5)
             outs.append(o[0].transpose(1, 0, 2).reshape(n, -1))
         x = x + self.wo(mx.concatenate(outs) if len(outs) > 1 else outs[0])
         return x + self.mlp(self.norm1(x))
