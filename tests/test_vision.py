@@ -172,3 +172,20 @@ def test_query_blocks_give_the_same_attention(pair, monkeypatch):
     monkeypatch.setattr(tower, "SCORE_BUDGET", 2 * 22 * 36 * 50)  # blocks of 50 queries
     blocked = ours(_patches(grids, 9), grids)
     assert rel_err(blocked, whole) <= _tol(ours.args, grids)
+
+
+def test_k31_config_gives_the_spec_parameter_counts():
+    """The shipped K3.1 config (published K3 vision_config keys): tower 401,214,464 and
+    projector 46,144,512 parameters (K31_SPEC.md section 7), and the planner's bytes."""
+    from pathlib import Path
+
+    from kimi_mlx.placement.layer_bytes import model_bytes_from_config
+
+    path = Path(__file__).parents[1] / "kimi_mlx/assets/official/Kimi-K3.1-Pro/config.json"
+    config = json.loads(path.read_text())
+    model = VisionModel(VisionArgs.from_config(config))  # parameters stay unevaluated
+    count = lambda m: sum(v.size for _, v in tree_flatten(m.parameters()))
+    assert count(model.vision_tower) == 401_214_464
+    assert count(model.mm_projector) == 46_144_512
+    assert model.args.merged_size == 4096 and model.args.head_dim == 128
+    assert model_bytes_from_config(config).not_loaded["vision"] == 2 * (401_214_464 + 46_144_512)

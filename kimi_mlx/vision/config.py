@@ -43,6 +43,8 @@ class VisionArgs:
     vt_intermediate_size: int = 4096
     qkv_hidden_size: Optional[int] = 1536
     activation_func: str = "gelu_pytorch_tanh"
+    norm_type: str = "rmsnorm"
+    mlp_type: str = "mlp2"
     attn_bias: bool = False
     linear_bias: bool = False
     patch_embed_proj_bias: bool = False
@@ -105,8 +107,12 @@ class VisionArgs:
             raise VisionConfigError(
                 f"{where}: vision_config.{key} = {getattr(self, key)!r}, expected {expected}")
 
-        if self.model_type != "moonvit3d":
-            bad("model_type", "'moonvit3d'")
+        # model_type is not checked: the published K3 config.json leaves it out (its
+        # transformers dump says ""), mlx-vlm names it moonvit3d; the keys below decide.
+        if self.norm_type != "rmsnorm":
+            bad("norm_type", "'rmsnorm'")
+        if self.mlp_type != "mlp2":
+            bad("mlp_type", "'mlp2'")
         if self.pos_emb_interpolation_mode not in INTERPOLATION_MODES:
             bad("pos_emb_interpolation_mode", " or ".join(map(repr, INTERPOLATION_MODES)))
         if self.pos_emb_type != "divided_fixed":
