@@ -101,3 +101,58 @@ def test_generate_image_errors(vckpt, tiny_ckpt, tmp_path, capsys):
     code, _, err = _run(["generate", "--model", str(vckpt), "--prompt", "hi", "--image", str(good),
                          "--max-kv-size", "100"], capsys)
     assert code == 2 and "image(s) take 1 of the prompt's tokens" in err
+
+
+def test_chat_image_turn_then_text_turn_reuses_the_cache(vckpt, tmp_path):
+    """Turn 1 carries an image, turn 2 only text: with the cache reused (turn 2 feeds only
+    its new tokens) the replies equal those of a fresh prefill of the whole conversation.
+    Replies are greedy over the letters a-z only, so that they re-encode to the same ids
+    (a random model's bytes are rarely valid UTF-8) and the cache can be reused."""
+    from kimi_mlx.checkpoint.loader import load_for_generation
+    from kimi_mlx.commands.chat import Conversation, chat_turn
+
+    model, wrapper, tok, _ = load_for_generation(str(vckpt))
+    vision = Vision(vckpt)
+    image = vision.load_image(_write(tmp_path / "c.png", 56, 56, 3))
+
+    def greedy(logprobs):  # byte-level vocabulary: ids 97..122 are a..z
+        return mx.argmax(logprobs[:, 97:123], axis=-1) + 97
+
+    def two_turns(reuse):
+        conv = Conversation()
+        chat_turn(model, wrapper, tok, conv, "What is this?", "low", greedy, 4, 4096,
+                  reuse_cache=reuse, images=[image], vision=vision)
+        chat_turn(model, wrapper, tok, conv, "And the colours?", "low", greedy, 4, 4096,
+                  reuse_cache=reuse, vision=vision)
+        return conv
+
+    reused, fresh = two_turns(True), two_turns(False)
+    assert reused.reused_tokens > 0 and fresh.reused_tokens == 0
+    assert reused.processed == fresh.processed
+    assert reused.messages[1] == fresh.messages[1]
+    assert reused.messages[3] == fresh.messages[3]
+
+
+def test_chat_image_command(vckpt, tmp_path, monkeypatch, capsys):
+    """`/image PATH` attaches to the next message only; errors name the file; a
+    checkpoint without vision weights says so."""
+    import io as _io
+
+    from kimi_mlx.commands import chat as chat_cli
+
+    seen = []
+    monkeypatch.setattr(chat_cli, "chat_turn", lambda *a, **k: seen.append(
+        (a[4], [(im.width, im.height) for im in k["images"]], k["vision"] is not None)))
+    pic = _write(tmp_path / "p.png", 100, 50, 0)
+    lines = [f"/image {pic}", f"/image {tmp_path / 'nope.png'}", "look", "again", "/exit"]
+    monkeypatch.setattr("sys.stdin", _io.StringIO("".join(l + "\n" for l in lines)))
+    assert main(["chat", "--model", str(vckpt)]) == 0
+    err = capsys.readouterr().err
+    assert f"[image {pic}: 100x50, {token_count(100, 50)} tokens" in err
+    assert "nope.png: cannot read the image file" in err
+    assert seen == [("look", [(100, 50)], True), ("again", [], True)]
+
+    text_only = build_checkpoint(tmp_path / "t", extras=False)
+    monkeypatch.setattr("sys.stdin", _io.StringIO(f"/image {pic}\n/exit\n"))
+    assert main(["chat", "--model", str(text_only)]) == 0
+    assert "has no vision weights" in capsys.readouterr().err
