@@ -151,6 +151,16 @@ def _answer_loss(vlm, patches, grids, ids, tgt, mask, pad):
     return (ce * mask).sum() / mask.sum()
 
 
+def init_tower(vis, seed: int) -> None:
+    """A fresh tower's patch projection N(0, (3 p p)^-1/2) and position grid N(0, 0.02)
+    (the module's zeros would start every patch and position alike)."""
+    rng = np.random.default_rng(seed)
+    pe = vis.vision_tower.patch_embed
+    w = pe.proj.weight
+    pe.proj.weight = mx.array(rng.normal(0, (w.size // w.shape[0]) ** -0.5, w.shape).astype(np.float32))
+    pe.pos_emb.weight = mx.array(rng.normal(0, 0.02, pe.pos_emb.weight.shape).astype(np.float32))
+
+
 def pretrain_tower(vis, steps: int, batch: int, lr: float, seed: int, log) -> None:
     """Phase 1: colour and shape heads on the mean projector row (the heads are dropped)."""
     from kimi_mlx.vision.preprocess import preprocess
@@ -180,7 +190,7 @@ def pretrain_tower(vis, steps: int, batch: int, lr: float, seed: int, log) -> No
         val, g = vg(both, patches, [im.grid for im in ims], mx.array(yc), mx.array(ys))
         opt.update(both, g)
         mx.eval(both.parameters(), opt.state, val)
-        if step % 25 == 0 or step == steps - 1:
+        if step % 100 == 0 or step == steps - 1:
             log(f"tower step {step}: colour+shape loss {val.item():.3f}")
 
 
@@ -347,9 +357,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.vision_train")
     p.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "assets" / "micro"))
     p.add_argument("--out", default="build/micro-vision")
-    p.add_argument("--tower-steps", type=int, default=300)
-    p.add_argument("--tower-batch", type=int, default=64)
-    p.add_argument("--tower-lr", type=float, default=3e-3)
+    p.add_argument("--tower-steps", type=int, default=1200)
+    p.add_argument("--tower-batch", type=int, default=32)
+    p.add_argument("--tower-lr", type=float, default=1e-3)
     p.add_argument("--joint-steps", type=int, default=120)
     p.add_argument("--joint-batch", type=int, default=8)
     p.add_argument("--lr-vis", type=float, default=1e-3)
@@ -381,6 +391,7 @@ def main(argv=None) -> int:
     pad = tok.special_tokens["<|media_pad|>"]
     vcfg = dict(VISION_CONFIG, text_hidden_size=config["text_config"]["hidden_size"])
     vis = VisionModel(VisionArgs.from_config({"vision_config": vcfg, "text_config": config["text_config"]}))
+    init_tower(vis, cfg.seed)
     pretrain_tower(vis, cfg.tower_steps, cfg.tower_batch, cfg.tower_lr, cfg.seed, log)
     real = dsa_mod.dsa_prefill_indices  # selection as at inference, without a gradient
     dsa_mod.dsa_prefill_indices = lambda *a, **k: mx.stop_gradient(real(*a, **k))
