@@ -67,13 +67,14 @@ def test_pixels_no_resize_with_padding():
 
 def test_pixels_after_bicubic_resize():
     rng = np.random.default_rng(1)
-    img = rng.integers(0, 256, (600, 8000, 3), dtype=np.uint8)
+    img = rng.integers(0, 256, (100, 8000, 3), dtype=np.uint8)
     out = load_and_preprocess(_png(img))
-    assert out.grid == (40, 512) and out.num_tokens == 5120  # resized, never 8000 px wide
-    want = np.asarray(Image.fromarray(img).resize((7168, 537), Image.Resampling.BICUBIC))
+    # scale 7168 / 8000 = 0.896: 7168 x int(89.6) = 89, padded to 112: 8 x 512 patches
+    assert out.grid == (8, 512) and out.num_tokens == 1024  # resized, never 8000 px wide
+    want = np.asarray(Image.fromarray(img).resize((7168, 89), Image.Resampling.BICUBIC))
     full = _unpatch(out.patches, out.grid)
-    np.testing.assert_array_equal(full[:537], _norm(want).astype(np.float32))
-    assert (full[537:] == -1.0).all()
+    np.testing.assert_array_equal(full[:89], _norm(want).astype(np.float32))
+    assert (full[89:] == -1.0).all()
 
 
 def test_alpha_is_composited_on_the_chessboard():
