@@ -78,6 +78,7 @@ def pair():
     ([(32, 32)], None),              # 448 x 448: bilinear resize 64 -> 32
     ([(22, 36)], (8, 4)),            # 500 x 300 padded to 504 x 308
     ([(32, 32), (22, 36)], (8, 4)),  # two images in one request
+    ([(70, 20)], None),              # 980 x 280: rows upsampled past the 64 grid
 ])
 def test_tower_matches_mlx_vlm(pair, grids, pad):
     config, ours, ref = pair
