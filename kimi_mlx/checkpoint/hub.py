@@ -35,9 +35,11 @@ def missing_folder(spec, what: str = "model folder") -> str:
 
 
 def resolve(
-    spec, start: int = 0, end: Optional[int] = None, revision: Optional[str] = None
+    spec, start: int = 0, end: Optional[int] = None, revision: Optional[str] = None,
+    vision: bool = False,
 ) -> Path:
-    """Local folder for `spec`, downloading what layers [start, end) need if it is a hub id.
+    """Local folder for `spec`, downloading what layers [start, end) need if it is a hub id
+    (with `vision`, also the shards of the vision tower and projector).
 
     Raises:
         FileNotFoundError: a path-like spec that does not exist, or a hub id that is not
@@ -70,4 +72,9 @@ def resolve(
     from kimi_mlx.checkpoint.shards import needed_shards
 
     shards = needed_shards(folder, start, end)
+    if vision:
+        from kimi_mlx.checkpoint.shards import weight_map
+
+        shards = sorted(set(shards) | {f for n, f in weight_map(folder).items()
+                                       if n.startswith(("vision_tower.", "mm_projector."))})
     return fetch(META_PATTERNS + shards) if shards else folder

@@ -319,3 +319,75 @@ def load_for_generation(spec: str, progress: bool = False):
     register_with_transformers()
     wrapper = load_tokenizer(model_dir, eos_token_ids=kimi_tok.eos_token_ids)
     return model, wrapper, kimi_tok, config
+
+
+def has_vision(model_dir) -> bool:
+    """Whether the checkpoint at `model_dir` has a `vision_config` and vision tensors
+    (`vision_tower.*` / `mm_projector.*` in its index)."""
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    if not isinstance(config.get("vision_config"), dict):
+        return False
+    return any(n.startswith(VISION_PREFIXES) for n in weight_map(model_dir))
+
+
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+
+
+def load_vision(model_dir, dtype: Optional[mx.Dtype] = None, lazy: bool = False):
+    """Load the vision tower and projector (`vision_tower.*`, `mm_projector.*`) of a
+    checkpoint: only the shards that hold them, each tensor checked for shape and dtype
+    class, strict. Called only when a request has images (the text loader skips them).
+
+    Args:
+        model_dir: local checkpoint folder.
+        dtype: compute dtype of the weights; default float32 on the CPU backend (bf16
+            matmuls are slow there), the stored dtype (BF16 in the release) on a GPU.
+        lazy: leave the weights unevaluated.
+    Returns:
+        `kimi_mlx.vision.tower.VisionModel`.
+    Raises:
+        CheckpointError: no vision_config or no vision tensors ("this checkpoint has no
+            vision weights", naming the folder), or a missing / extra / misshapen tensor
+            (named, with its shard).
+    """
+    from kimi_mlx.vision.config import VisionArgs, VisionConfigError
+    from kimi_mlx.vision.tower import VisionModel
+
+    model_dir = Path(model_dir)
+    config = read_config(model_dir)
+    wm = weight_map(model_dir)
+    wanted = {n: s for n, s in wm.items() if n.startswith(VISION_PREFIXES)}
+    if not isinstance(config.get("vision_config"), dict) or not wanted:
+        what = "no vision_config in config.json" if not isinstance(
+            config.get("vision_config"), dict) else f"no vision_tower.* / mm_projector.* tensors in {INDEX_FILE}"
+        raise CheckpointError(f"{model_dir}: this checkpoint has no vision weights ({what}); "
+                              "it cannot take images")
+    try:
+        vargs = VisionArgs.from_config(config, str(model_dir / "config.json"))
+    except VisionConfigError as e:
+        raise CheckpointError(str(e)) from None
+    weights, where = read_tensors(model_dir, wanted)
+    model = VisionModel(vargs)
+    expected = dict(tree_flatten(model.parameters()))
+    for name, ref in expected.items():
+        if name not in weights:
+            raise CheckpointError(f"{model_dir}: vision tensor {name} is missing (expected shape "
+                                  f"{list(ref.shape)}; not in {INDEX_FILE})")
+        got = weights[name]
+        if tuple(got.shape) != tuple(ref.shape) or not mx.issubdtype(got.dtype, mx.floating):
+            raise CheckpointError(
+                f"{model_dir / where[name]}: vision tensor {name} is {got.dtype} "
+                f"{list(got.shape)}, expected a float type of shape {list(ref.shape)}")
+    extra = sorted(set(weights) - set(expected))
+    if extra:
+        raise CheckpointError(f"{model_dir / where[extra[0]]}: unexpected vision tensor {extra[0]} "
+                              f"({len(extra)} unexpected for this vision_config)")
+    if dtype is None and mx.default_device() == mx.cpu:
+        dtype = mx.float32
+    items = [(n, w.astype(dtype) if dtype is not None else w) for n, w in weights.items()]
+    model.load_weights(items, strict=True)
+    model.eval()
+    if not lazy:
+        mx.eval(model.parameters())
+    return model

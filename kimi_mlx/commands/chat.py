@@ -6,6 +6,8 @@ start with the tokens already processed; otherwise the conversation is prefilled
 (KDA state cannot be rewound). Which ids the cache holds after a reply is
 `turn_cache.tokens_in_cache`'s rule. Commands: /help, /reset, /effort low|high|max, /exit
 (or Ctrl-D); Ctrl-C stops a reply and discards that turn, the cache rolled back to before it.
+`/image PATH` attaches an image to the next message (checkpoints with vision weights; the
+vision tower loads on the first image).
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ def add_arguments(p) -> None:
     add_quiet_argument(p)
 
 
-COMMANDS = "/help, /reset, /effort low|high|max, /exit (or Ctrl-D); Ctrl-C stops a reply"
+COMMANDS = "/help, /reset, /effort low|high|max, /image PATH, /exit (or Ctrl-D); Ctrl-C stops a reply"
 HELP = """commands:
   /help                  this list
   /reset                 forget the conversation (keeps --system-prompt)
   /effort low|high|max   thinking effort for the next replies
+  /image PATH            attach an image (PNG, JPEG, WebP, GIF) to your next message
   /exit, /quit, Ctrl-D   leave
   Ctrl-C                 stop a reply (the turn is discarded); at the prompt, a fresh line
 start a message with a space to send a leading '/'"""
@@ -59,7 +62,7 @@ class Conversation:
 
 def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, sampler,
               max_tokens: int, context: int, reuse_cache: bool = True, on_text=None,
-              speculation=None) -> dict:
+              speculation=None, images=(), vision=None) -> dict:
     """One user turn: encode the whole conversation (with earlier reasoning), generate,
     store the reply with its `reasoning_content`; returns parse_reply's dict.
     With `speculation` (`speculative.Speculation`) the reply is decoded speculatively and
@@ -71,6 +74,10 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     back as it was before the turn (messages, cache rolled back, processed) and is
     re-raised.
 
+    `images` (preprocessed, `vision.preprocess.ProcessedImage`) go before `text` in the
+    user message; `vision` (`generation.images.Vision`) runs the tower for the images
+    whose pads are in the part of the prompt not already in the cache.
+
     Raises InputError when the conversation no longer fits in `context` tokens.
     """
     from mlx_lm.generate import stream_generate
@@ -79,7 +86,12 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     from kimi_mlx.generation.turn_cache import checkpoint, rollback, tokens_in_cache
 
     n_messages = len(conv.messages)
-    conv.messages.append({"role": "user", "content": text})
+    content = text
+    if images:
+        if speculation is not None:
+            raise InputError("images do not work with speculative decoding yet")
+        content = [{"type": "image", "media": im} for im in images] + [{"type": "text", "text": text}]
+    conv.messages.append({"role": "user", "content": content})
     ids = encode_chat(tok, conv.messages, reasoning_effort=effort)
     if len(ids) >= context:
         del conv.messages[n_messages:]
@@ -93,6 +105,15 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
             from mlx_lm.models.cache import make_prompt_cache
 
             conv.cache += make_prompt_cache(speculation.draft)
+    try:
+        embeddings = _new_embeddings(model, tok, vision, conv.messages, ids, n)
+        if embeddings is False:  # an image straddles the cached prefix: prefill afresh
+            conv.cache, n = model.make_cache(), 0
+            embeddings = _new_embeddings(model, tok, vision, conv.messages, ids, 0)
+    except BaseException:  # e.g. a tower that fails to load: the turn never happened
+        conv.cache, conv.processed, conv.reused_tokens = before
+        del conv.messages[n_messages:]
+        raise
     mark = checkpoint(conv.cache) if n else None
     conv.reused_tokens = n
     stream = ReplyStream()
@@ -100,8 +121,9 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     finish = None
     budget = token_budget(len(ids), max_tokens, context)
     if speculation is None:
+        extra = {} if embeddings is None else {"input_embeddings": embeddings}
         responses = stream_generate(model, wrapper, ids[n:], sampler=sampler,
-                                    prompt_cache=conv.cache, max_tokens=budget)
+                                    prompt_cache=conv.cache, max_tokens=budget, **extra)
     else:
         from kimi_mlx.generation.streaming import stream_speculative
 
@@ -136,6 +158,33 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     return reply
 
 
+def _new_embeddings(model, tok, vision, messages, ids, n):
+    """Input embeddings of ids[n:] with their images' rows, None when no image is in the
+    conversation, False when an image's pads straddle position n."""
+    from kimi_mlx.generation.images import media_pad_id
+    from kimi_mlx.text.chat_format import media_in_order
+
+    media = media_in_order(messages)
+    if not media:
+        return None
+    import mlx.core as mx
+
+    pad = media_pad_id(tok)
+    skip = ids[:n].count(pad)
+    new, seen = [], 0
+    for im in media:
+        if seen >= skip:
+            new.append(im)
+        elif seen + im.num_tokens > skip:
+            return False
+        seen += im.num_tokens
+    if not new:
+        return model.text.embed(mx.array(ids[n:]))
+    if vision is None:
+        raise InputError("this conversation has images but no vision tower was given")
+    return model.embed_with_media(mx.array(ids[n:]), vision.features(new), pad)
+
+
 def run(args) -> int:
     import mlx.core as mx
     from mlx_lm.sample_utils import make_sampler
@@ -164,6 +213,7 @@ def run(args) -> int:
     note = micro_note(spec)
     if note:
         print(note, file=sys.stderr)
+    vision, pending = None, []
     print(f"kimi-mlx chat: {COMMANDS}", file=sys.stderr)
     while True:
         try:
@@ -186,19 +236,44 @@ def run(args) -> int:
                 print(HELP, file=sys.stderr)
             elif name == "/reset":
                 conv.reset()
+                pending.clear()
                 print("[conversation reset]", file=sys.stderr)
             elif name == "/effort" and value in EFFORTS:
                 effort = value
                 print(f"[thinking effort: {effort}]", file=sys.stderr)
             elif name == "/effort":
                 print(f"/effort takes one of {', '.join(EFFORTS)} (now {effort})", file=sys.stderr)
+            elif name == "/image":
+                try:
+                    if speculation is not None:
+                        raise InputError("images do not work with speculative decoding yet")
+                    if not value:
+                        raise InputError("/image takes a file path")
+                    if vision is None:
+                        from kimi_mlx.checkpoint.hub import resolve
+                        from kimi_mlx.generation.images import Vision
+
+                        found = Vision(resolve(spec, vision=True))
+                        if not found.available:
+                            raise InputError(f"{found.model_dir}: this checkpoint has no vision "
+                                             "weights, so it cannot take images")
+                        vision = found
+                    im = vision.load_image(value)
+                except (InputError, FileNotFoundError) as e:
+                    print(e, file=sys.stderr)
+                    continue
+                pending.append(im)
+                print(f"[image {value}: {im.width}x{im.height}, {im.num_tokens} tokens; sent with "
+                      "your next message]", file=sys.stderr)
             else:
                 print(f"unknown command {name} ({COMMANDS}; start a message with a space to "
                       "send a leading '/')", file=sys.stderr)
             continue
         try:
             chat_turn(model, wrapper, tok, conv, line, effort, sampler, args.max_tokens,
-                      context, on_text=show, speculation=speculation)
+                      context, on_text=show, speculation=speculation, images=pending,
+                      vision=vision)
+            pending = []
         except InputError as e:
             print(e, file=sys.stderr)
         except KeyboardInterrupt:  # Ctrl-C while replying: chat_turn undid this turn

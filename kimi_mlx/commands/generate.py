@@ -9,12 +9,22 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kimi_mlx.checkpoint.hub import resolve
 from kimi_mlx.checkpoint.loader import load_for_generation
-from kimi_mlx.generation.generate import add_arguments, load_speculation, print_generation, stream
+from kimi_mlx.generation.images import Vision, media_pad_id, prompt_embeddings
+from kimi_mlx.generation.generate import add_arguments as add_generate_arguments
+from kimi_mlx.generation.generate import load_speculation, print_generation, stream
 from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_draft_arguments,
                                          check_model_arguments, micro_note, resolve_model_arg)
 
 __all__ = ["add_arguments", "run", "main"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_generate_arguments(p)
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for the prompt (PNG, JPEG, WebP or GIF; repeatable, in order, "
+                        "before the prompt text); needs a checkpoint with vision weights")
 
 
 def run(args) -> int:
@@ -25,15 +35,34 @@ def run(args) -> int:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         if prompt is None:
             raise InputError("give a prompt with --prompt TEXT (or --prompt - for stdin)")
+        images, vision = [], None
+        if args.image:
+            if args.draft_model or args.draft:
+                raise InputError("--image does not work with speculative decoding yet: drop "
+                                 "--draft-model / --draft")
+            if args.ignore_chat_template:
+                raise InputError("--image needs the chat encoding: drop --ignore-chat-template")
+            vision = Vision(resolve(spec, vision=True))
+            if not vision.available:
+                raise InputError(f"{vision.model_dir}: this checkpoint has no vision weights "
+                                 "(no vision_config or no vision_tower.* / mm_projector.* "
+                                 "tensors), so it cannot take --image")
+            images = [vision.load_image(path) for path in args.image]
         model, wrapper, tok, config = load_for_generation(spec, progress=not args.quiet)
         ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
-                           args.reasoning_effort)
+                           args.reasoning_effort, images)
         context = model.args.max_position_embeddings
         source = "max_position_embeddings in config.json"
         if args.max_kv_size:
             context, source = min(context, args.max_kv_size), "--max-kv-size"
+        if images:
+            n_img = sum(im.num_tokens for im in images)
+            source += f"; {len(images)} image(s) take {n_img} of the prompt's tokens"
         args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
         note = micro_note(spec, args.ignore_chat_template)
+        embeddings = None
+        if images:
+            embeddings = prompt_embeddings(model, vision, ids, images, media_pad_id(tok, config))
         speculation = load_speculation(args, wrapper, spec, model)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx generate: error: {e}", file=sys.stderr)
@@ -41,7 +70,7 @@ def run(args) -> int:
     if note:
         print(note, file=sys.stderr)
 
-    rc = print_generation(args, stream(model, wrapper, ids, args, speculation))
+    rc = print_generation(args, stream(model, wrapper, ids, args, speculation, embeddings))
     if speculation is not None and args.verbose:
         print(speculation.summary())
     return rc

@@ -62,9 +62,12 @@ def load_speculation(args, wrapper, target_name: str, model=None):
                        Sampling(args.temp, args.top_p, args.min_p, args.top_k))
 
 
-def stream(model, wrapper, prompt_ids: List[int], args, speculation=None) -> Iterator:
+def stream(model, wrapper, prompt_ids: List[int], args, speculation=None,
+           input_embeddings=None) -> Iterator:
     """mlx-lm `stream_generate` with our sampler settings, or speculative decoding with
-    `speculation` (`streaming.stream_speculative`); yields GenerationResponse."""
+    `speculation` (`streaming.stream_speculative`); yields GenerationResponse.
+    `input_embeddings` [L, hidden]: the prompt's embeddings (images in it), passed to
+    mlx-lm's generate_step; not with speculation (InputError)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -74,12 +77,17 @@ def stream(model, wrapper, prompt_ids: List[int], args, speculation=None) -> Ite
     if speculation is not None:
         from kimi_mlx.generation.streaming import stream_speculative
 
+        if input_embeddings is not None:
+            raise InputError("images do not work with speculative decoding yet: drop "
+                             "--draft-model / --draft or the images")
+
         yield from stream_speculative(model, speculation.draft, wrapper, prompt_ids,
                                       max_tokens=args.max_tokens, **speculation.kwargs())
         return
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    extra = {} if input_embeddings is None else {"input_embeddings": input_embeddings}
     yield from stream_generate(
-        model, wrapper, prompt_ids, max_tokens=args.max_tokens, sampler=sampler
+        model, wrapper, prompt_ids, max_tokens=args.max_tokens, sampler=sampler, **extra
     )
 
 

@@ -219,15 +219,24 @@ def resolve_model_arg(spec: Optional[str]) -> str:
     return str(path)
 
 
-def build_prompt(tokenizer, prompt: str, system: Optional[str], raw: bool, effort: str) -> List[int]:
-    """Token ids for the prompt: K3.1 chat encoding unless `raw`."""
+def build_prompt(tokenizer, prompt: str, system: Optional[str], raw: bool, effort: str,
+                 images: Sequence[Any] = ()) -> List[int]:
+    """Token ids for the prompt: K3.1 chat encoding unless `raw`. `images`: preprocessed
+    images (`vision.preprocess.ProcessedImage`) put before the prompt text in the user
+    message, each as its media block with its pads expanded. InputError for an empty
+    prompt, or images with `raw` (a raw prompt has no place for them)."""
     if not prompt:
         raise InputError("the prompt is empty")
     if raw:
+        if images:
+            raise InputError("images need the chat encoding: drop --ignore-chat-template")
         text = prompt if system is None else f"{system}\n{prompt}"
         return tokenizer.encode(text)
+    content: Any = prompt
+    if images:
+        content = [{"type": "image", "media": im} for im in images] + [{"type": "text", "text": prompt}]
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": prompt}
+        {"role": "user", "content": content}
     ]
     return build_chat_prompt(tokenizer, messages, effort)
 

@@ -141,10 +141,41 @@ class TextModel(nn.Module):
             h = attn_res_mix(banks, h, w)
         return self.norm(h)
 
-    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
-        h = self.embed(inputs)
+    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None,
+                 input_embeddings: Optional[mx.array] = None) -> mx.array:
+        if input_embeddings is None:
+            h = self.embed(inputs)
+        else:
+            h = input_embeddings if self.activation_dtype is None else input_embeddings.astype(self.activation_dtype)
         h, banks = self.run_layers(h, Banks(self.args.rms_norm_eps), cache)
         return self.finish(h, banks)
+
+    def embed_with_media(self, inputs: mx.array, media: mx.array, pad_id: int) -> mx.array:
+        """Token embeddings with the `<|media_pad|>` positions replaced by image rows.
+
+        Args:
+            inputs: token ids [L] or [B, L] (int).
+            media: projector output [N, hidden], the images' rows in prompt order
+                (`kimi_mlx.vision`); N must equal the number of `pad_id` in `inputs`.
+            pad_id: the `<|media_pad|>` id (from the tokenizer).
+        Returns:
+            [L, hidden] or [B, L, hidden] in the activation dtype: the k-th pad position
+            (row-major) gets row k of `media`, every other position its token embedding.
+        Raises:
+            ValueError: pad count != N (names both: an expansion that went wrong), or a
+                media width other than hidden_size.
+        """
+        h = self.embed(inputs)
+        mask = inputs == pad_id
+        n_pad = int(mask.sum().item())
+        if media.ndim != 2 or media.shape[0] != n_pad or media.shape[1] != h.shape[-1]:
+            raise ValueError(
+                f"the prompt has {n_pad} <|media_pad|> tokens (id {pad_id}) but the images "
+                f"gave {tuple(media.shape)} rows; expected [{n_pad}, {h.shape[-1]}]")
+        if n_pad == 0:
+            return h
+        row = mx.maximum(mx.cumsum(mask.reshape(-1).astype(mx.int32)) - 1, 0).reshape(mask.shape)
+        return mx.where(mask[..., None], media.astype(h.dtype)[row], h)
 
 
 class LanguageModel(nn.Module):
@@ -171,8 +202,9 @@ class LanguageModel(nn.Module):
             return mx.moveaxis(every, 0, -2).reshape(*part.shape[:-1], N * part.shape[-1])
         return self.lm_head(h)
 
-    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
-        return self.logits(self.model(inputs, cache))
+    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None,
+                 input_embeddings: Optional[mx.array] = None) -> mx.array:
+        return self.logits(self.model(inputs, cache, input_embeddings))
 
 
 class Model(nn.Module):
@@ -180,6 +212,8 @@ class Model(nn.Module):
 
     `Model(args)(tokens [B, L] int32, cache)` -> logits [B, L, vocab]. Pipeline stages use
     `language_model.model.run_layers` / `finish` and `language_model.logits` directly.
+    `input_embeddings` [B, L, hidden] (mlx-lm's keyword, which its `generate_step` passes
+    for prompts with images) replaces the token embedding; see `embed_with_media`.
     """
 
     def __init__(self, args: ModelArgs, start: int = 0, end: Optional[int] = None):
@@ -188,8 +222,13 @@ class Model(nn.Module):
         self.model_type = args.model_type
         self.language_model = LanguageModel(args, start, end)
 
-    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None) -> mx.array:
-        return self.language_model(inputs, cache)
+    def __call__(self, inputs: mx.array, cache: Optional[List[Any]] = None,
+                 input_embeddings: Optional[mx.array] = None) -> mx.array:
+        return self.language_model(inputs, cache, input_embeddings)
+
+    def embed_with_media(self, inputs: mx.array, media: mx.array, pad_id: int) -> mx.array:
+        """`TextModel.embed_with_media` (first stage only)."""
+        return self.text.embed_with_media(inputs, media, pad_id)
 
     @property
     def activation_dtype(self):

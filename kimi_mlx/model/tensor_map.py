@@ -13,7 +13,7 @@ table is short:
 | `X.weight` (U32 [out, in*bits/32]) + `X.scales` + `X.biases` (BF16 [out, in/group]) for X a trunk linear / embedding matching `QUANTIZABLE_RE` (`kimi-mlx convert`, `prune --q-bits`) | `X.weight` / `X.scales` / `X.biases` of an MLX affine `QuantizedLinear` / `QuantizedEmbedding` |
 | `...self_attn.A_log` [128] (96 per-head values, zero padded)         | `...self_attn.A_log` [num_heads]                   |
 | `model.*`, `lm_head.*` (text-only files without the prefix)          | `language_model.model.*`, `language_model.lm_head.*` |
-| `vision_tower.*`, `mm_projector.*`, layers >= num_hidden_layers (MTP) | skipped (the loader prints one notice)             |
+| `vision_tower.*`, `mm_projector.*`, layers >= num_hidden_layers (MTP) | skipped by the text loader (one notice); the vision tensors load, under their own names, with `checkpoint.loader.load_vision` only when a request has images |
 
 MXFP4 bytes are bit-identical to MLX `mode="mxfp4"` (K31_SPEC.md section 6), so packed
 experts are reinterpreted, never dequantised. Quantized layers' modes, bits and group

@@ -436,7 +436,9 @@ def _vision_tensors(v: Mapping[str, Any]) -> Dict[str, Tuple[str, Tuple[int, ...
     n = v.get("vt_num_hidden_layers", v.get("num_hidden_layers", 0))
     patch = v.get("patch_size", 14)
     kh, kw = v.get("merge_kernel_size", [2, 2])
-    merged = v.get("mm_hidden_size") or hid * kh * kw
+    # the projector reads kh * kw merged tokens of mm_hidden_size (= vt_hidden_size, 1024
+    # in the published config): 4096 wide
+    merged = (v.get("mm_hidden_size") or hid) * kh * kw
     text = v.get("text_hidden_size", 7168)
     t: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
     enc = "vision_tower.encoder."

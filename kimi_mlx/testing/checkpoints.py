@@ -91,8 +91,52 @@ def tiny_text_config(**overrides) -> Dict[str, Any]:
     return cfg
 
 
-def full_config(text: Dict[str, Any]) -> Dict[str, Any]:
-    """Wrap a text config the way the release does (top level + text_config + quantization)."""
+def tiny_vision_config(**overrides) -> Dict[str, Any]:
+    """A toy MoonViT3d `vision_config` in the release's key names: 2 blocks, hidden 32,
+    2 heads x 16, MLP 64, the real 64 x 64 position grid, patch 14, merge 2 x 2."""
+    cfg = {
+        "model_type": "moonvit3d", "patch_size": 14, "init_pos_emb_height": 64,
+        "init_pos_emb_width": 64, "init_pos_emb_time": 4, "pos_emb_type": "divided_fixed",
+        "pos_emb_interpolation_mode": "bilinear", "vt_num_attention_heads": 2,
+        "vt_num_hidden_layers": 2, "vt_hidden_size": 32, "vt_intermediate_size": 64,
+        "qkv_hidden_size": 32, "norm_type": "rmsnorm", "mlp_type": "mlp2",
+        "activation_func": "gelu_pytorch_tanh", "attn_bias": False, "linear_bias": False,
+        "patch_embed_proj_bias": False, "merge_kernel_size": [2, 2], "merge_type": "sd2_tpool",
+        "mm_projector_type": "patchmergerv2", "mm_hidden_size": 32,
+        "projector_hidden_act": "gelu", "projector_ln_eps": 1e-5,
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def random_vision(config: Dict[str, Any], seed: int = 0):
+    """`kimi_mlx.vision.tower.VisionModel` for a full config (its `vision_config`) with
+    deterministic random float32 weights: norms U(0.8, 1.2), the position grid N(0, 1),
+    every matrix N(0, fan_in^-1/2) (fan_in = 3 p p for the patch projection)."""
+    from kimi_mlx.vision.config import VisionArgs
+    from kimi_mlx.vision.tower import VisionModel
+
+    model = VisionModel(VisionArgs.from_config(config))
+    rng = np.random.default_rng(seed + 77)
+    new = []
+    for name, p in tree_flatten(model.parameters()):
+        shape = tuple(p.shape)
+        if "norm" in name:
+            v = rng.uniform(0.8, 1.2, shape)
+        elif name.endswith("pos_emb.weight"):
+            v = rng.normal(0.0, 1.0, shape)
+        elif name.endswith("bias"):
+            v = rng.normal(0.0, 0.05, shape)
+        else:
+            v = rng.normal(0.0, int(np.prod(shape[1:])) ** -0.5, shape)
+        new.append((name, mx.array(v.astype(np.float32))))
+    model.load_weights(new)
+    return model
+
+
+def full_config(text: Dict[str, Any], vision: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Wrap a text config the way the release does (top level + text_config + quantization);
+    `vision`: the vision_config (default: a stand-in with no tower to run)."""
     quant = {
         "quant_method": "compressed-tensors",
         "format": "mxfp4-pack-quantized",
@@ -116,7 +160,7 @@ def full_config(text: Dict[str, Any]) -> Dict[str, Any]:
         "model_type": MODEL_TYPE,
         "architectures": [ARCHITECTURE],
         "text_config": text,
-        "vision_config": {"model_type": "moonvit3d", "hidden_size": 16, "patch_size": 14},
+        "vision_config": vision or {"model_type": "moonvit3d", "hidden_size": 16, "patch_size": 14},
         "media_placeholder_token_id": text["vocab_size"] - 1,
         "pad_token_id": 0,
         "quantization_config": quant,
@@ -519,6 +563,7 @@ def build_checkpoint(
     extras: bool = True,
     conditioned: bool = False,
     mtp_layers: int = 0,
+    vision: Optional[Dict[str, Any]] = None,
 ) -> Path:
     """Write a checkpoint folder in the official layout; returns its path.
 
@@ -537,6 +582,10 @@ def build_checkpoint(
             names, MXFP4 experts; random weights by `random_mtp` with seed + 1000, so the
             trunk is the one the same seed gives without them) and set the text config's
             `num_nextn_predict_layers`; they replace the extras' stand-in MTP tensors.
+        vision: a `vision_config` (e.g. `tiny_vision_config()`): write a real vision tower
+            and projector for it (`random_vision(config, seed)`, official names, BF16 by
+            `dtype`) instead of the extras' stand-in vision tensors, and set
+            `media_placeholder_token_id` to the tokenizer's `<|media_pad|>`.
     Raises:
         FileExistsError: out_dir exists.
     """
@@ -552,7 +601,9 @@ def build_checkpoint(
     text["eos_token_id"] = specials["<|end_of_msg|>"]
     if mtp_layers:
         text["num_nextn_predict_layers"] = mtp_layers
-    config = full_config(text)
+    config = full_config(text, vision)
+    if vision is not None:
+        config["media_placeholder_token_id"] = specials["<|media_pad|>"]
     args = ModelArgs.from_config(config)
     model = model if model is not None else random_model(args, seed, conditioned)
     tensors = checkpoint_tensors(model, args, dtype)
@@ -564,6 +615,10 @@ def build_checkpoint(
                    if not k.startswith(f"language_model.model.layers.{n}.")}
         tensors.update(checkpoint_tensors(random_mtp(args, mtp_layers, seed + 1000, conditioned),
                                           args, dtype))
+    if vision is not None:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(("vision_tower.", "mm_projector."))}
+        tensors.update({k: v.astype(dtype) for k, v in
+                        tree_flatten(random_vision(config, seed).parameters())})
     plan = shard_plan(tensors, args, n_shards)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)

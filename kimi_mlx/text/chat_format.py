@@ -31,10 +31,17 @@ the structure token, on every path (:func:`encode_chat`, :class:`RenderedChat`).
 
 Where we differ from the reference, on purpose:
 
-* an image part in a user, system or assistant message raises ``ValueError`` (this
-  build is text-only: the model would not see the image the user sent); in a tool
-  result it becomes the reference's ``<|kimi_image_placeholder|>``, always as text (the
-  reference lets it be a special token; the K3 special table we know has none);
+* an image part must be *resolved* before rendering: the request path decodes and
+  preprocesses it and puts the result under the part's ``"media"`` key (any object with
+  ``width``, ``height`` and ``num_tokens``, e.g. ``kimi_mlx.vision.preprocess.
+  ProcessedImage``). A resolved image renders, in content order, as the reference's
+  ``<|media_begin|>image WxH<|media_content|><|media_pad|>...<|media_end|>`` with WxH the
+  original size as text and the pad already expanded to the image's token count (the
+  reference renders one pad and the engine expands it); the model then replaces the
+  pads' embeddings with the projector's rows, in :func:`media_in_order`'s order. An
+  unresolved image part in a user, system or assistant message raises ``ValueError``
+  (the model would not see it); in a tool result it becomes the reference's
+  ``<|kimi_image_placeholder|>``, as text;
 * an unknown role or a message that is not a dict raises instead of being skipped;
 * effort is one of low/high/max (no ``"none"``/non-thinking mode);
 * reasoning given as a list of text parts is joined like content (the reference
@@ -52,6 +59,9 @@ from typing import Any, Iterable, Mapping, Sequence
 OPEN, SEP, CLOSE, END_OF_MSG = "<|open|>", "<|sep|>", "<|close|>", "<|end_of_msg|>"
 STRUCTURE_TOKENS = (OPEN, SEP, CLOSE, END_OF_MSG)
 IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = (
+    "<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>")
+IMAGE_PART_TYPES = ("image", "image_url")
 
 EFFORTS = ("low", "high", "max")
 DEFAULT_EFFORT = "max"
@@ -155,9 +165,35 @@ def _compact_json(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), sort_keys=True)
 
 
+def media_segments(width: int, height: int, num_tokens: int) -> list[Segment]:
+    """One image in the prompt: ``<|media_begin|>image WxH<|media_content|>`` then
+    ``num_tokens`` ``<|media_pad|>`` then ``<|media_end|>`` (K31_SPEC.md section 7)."""
+    if num_tokens < 1:
+        raise ValueError(f"an image needs at least one token, got {num_tokens}")
+    return ([(True, MEDIA_BEGIN), (False, f"image {int(width)}x{int(height)}"), (True, MEDIA_CONTENT)]
+            + [(True, MEDIA_PAD)] * int(num_tokens) + [(True, MEDIA_END)])
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, Mapping) and part.get("type") in IMAGE_PART_TYPES
+
+
+def media_in_order(messages: Sequence[Any]) -> list:
+    """The resolved images (each part's ``"media"``) in the order :func:`chat_segments`
+    renders them (tool results put in call order first, as there): the order in which
+    their projector rows replace the ``<|media_pad|>`` positions."""
+    out = []
+    for msg in order_tool_results(messages):
+        content = msg.get("content") if isinstance(msg, Mapping) else None
+        if isinstance(content, (list, tuple)):
+            out += [part["media"] for part in content if _is_image(part) and part.get("media") is not None]
+    return out
+
+
 def _content(content: Any, where: str, images: bool = False) -> list[Segment]:
-    """Message content as text segments: a string, None, or a list of parts (strings,
-    ``{"type": "text", "text"}``; image parts only where ``images``)."""
+    """Message content as segments: a string, None, or a list of parts (strings,
+    ``{"type": "text", "text"}``, resolved images; unresolved image parts only where
+    ``images``, as the placeholder text)."""
     if content is None:
         return []
     if isinstance(content, str):
@@ -169,7 +205,10 @@ def _content(content: Any, where: str, images: bool = False) -> list[Segment]:
                 segs += _text(part)
             elif isinstance(part, Mapping) and part.get("type") == "text":
                 segs += _text(part.get("text", ""))
-            elif images and isinstance(part, Mapping) and part.get("type") in ("image", "image_url"):
+            elif _is_image(part) and part.get("media") is not None:
+                m = part["media"]
+                segs += media_segments(m.width, m.height, m.num_tokens)
+            elif images and _is_image(part):
                 segs.append((False, IMAGE_PLACEHOLDER))
             else:
                 raise ValueError(f"{where}: only text content is supported here, got part {part!r}")
@@ -178,7 +217,10 @@ def _content(content: Any, where: str, images: bool = False) -> list[Segment]:
 
 
 def _content_text(content: Any, where: str) -> str:
-    return "".join(text for _, text in _content(content, where))
+    segs = _content(content, where)
+    if any(special for special, _ in segs):
+        raise ValueError(f"{where}: only text is supported here, got an image part")
+    return "".join(text for _, text in segs)
 
 
 def _json_type(value: Any) -> str:
@@ -310,8 +352,11 @@ def chat_segments(
     "none") and ``response_format`` (``{"type": "json_object"}`` or ``"json_schema"``
     with a schema) add the reference's closing system blocks.
 
-    Raises ``ValueError`` for an unknown role or effort, non-text content (images are
-    allowed in tool results only), malformed tool calls, or a tool result whose tool
+    Image parts with a ``"media"`` value (resolved) render as media blocks in any
+    message content; see the module docstring.
+
+    Raises ``ValueError`` for an unknown role or effort, non-text content (unresolved
+    images are allowed in tool results only, as placeholder text), malformed tool calls, or a tool result whose tool
     name cannot be resolved.
     """
     effort = resolve_effort(reasoning_effort)
