@@ -81,7 +81,7 @@ class ClusterEngine:
         run_mlx_thread(self._serve)
 
     def _serve(self) -> None:
-        from kimi_mlx.server.jobs import Failed
+        from kimi_mlx.server.jobs import Failed, reseed_random
 
         while True:
             job = self._jobs.get()
@@ -98,6 +98,7 @@ class ClusterEngine:
                     self.lost = f"stage lost: {e}"
                 log.exception("pipeline generation failed")
                 job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
+                reseed_random()  # head-side sampling shares this process's random state
             finally:
                 with self._lock:
                     self._active -= 1
@@ -225,6 +226,7 @@ def run(args, cluster_factory, tokenizers) -> int:
     args.context = args.context or context
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)
     svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
+    svc.vocab_size = margs.vocab_size
     cluster = cluster_factory(args, secret, model_dir, fp, args.context)
 
     def load():

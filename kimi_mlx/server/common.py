@@ -38,7 +38,8 @@ class Service:
     engine: `Engine` (or a cluster engine with the same `submit`); wrapper: mlx-lm
     TokenizerWrapper; tok: our KimiTokenizer; context: max prompt + generated tokens;
     model_ids: names a request's `model` may use (the first is what /v1/models lists);
-    defaults: sampling defaults (generation_config.json).
+    defaults: sampling defaults (generation_config.json); vocab_size: the model's logits
+    width (0: not known, then the tokenizer's size stands in).
     """
 
     engine: Any = None
@@ -52,6 +53,7 @@ class Service:
     created: int = 0
     loading_error: Optional[str] = None
     metrics: Any = None
+    vocab_size: int = 0
 
     @property
     def ready(self) -> bool:
@@ -73,6 +75,13 @@ class Service:
                            "not_found_error", "model")
 
 
+def n_vocab(svc) -> Optional[int]:
+    """Token ids a request may name or a sampler sees: the model's logits width
+    (`Service.vocab_size`), else the tokenizer's size, else None (nothing loaded)."""
+    n = getattr(svc, "vocab_size", 0) or getattr(getattr(svc, "tok", None), "vocab_size", 0)
+    return n or None
+
+
 def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     """JSON body -> pydantic model; APIError 413 past `limit` bytes, 400 for malformed
     JSON or fields that fail validation (naming the field)."""
@@ -91,7 +100,7 @@ def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
-        bounds = field_range(model, err["loc"])
+        bounds = field_range(model, err["loc"]) or schema_range(model, err["loc"])
         if bounds and err["type"] in _RANGE_ERRORS:
             finite = "a finite number " if err["type"] == "finite_number" else ""
             msg = f"must be {finite}in {bounds}, got {err.get('input')!r}"
@@ -125,6 +134,44 @@ def field_range(model: type[BaseModel], loc) -> Optional[str]:
             f"{'inf' if hi is None else hi}{')' if hi_open or hi is None else ']'}")
 
 
+def schema_range(model: type[BaseModel], loc) -> Optional[str]:
+    """The allowed range, in interval notation, at a nested location of `model`'s JSON
+    schema (a dict value such as logit_bias.<id>, a list item), or None."""
+    schema = model.model_json_schema()
+    defs = schema.get("$defs", {})
+
+    def resolve(node):
+        while isinstance(node, dict) and "$ref" in node:
+            node = defs.get(node["$ref"].rsplit("/", 1)[-1], {})
+        return node
+
+    def step(node, key):
+        node = resolve(node)
+        for branch in [node] + [resolve(b) for b in node.get("anyOf", [])]:
+            if isinstance(key, int) and "items" in branch:
+                return branch["items"]
+            if key in branch.get("properties", {}):
+                return branch["properties"][key]
+            if isinstance(branch.get("additionalProperties"), dict):
+                return branch["additionalProperties"]
+        return None
+
+    node = schema
+    for key in loc:
+        node = step(node, key)
+        if node is None:
+            return None
+    node = resolve(node)
+    for branch in [node] + [resolve(b) for b in node.get("anyOf", [])]:
+        lo = branch.get("minimum", branch.get("exclusiveMinimum"))
+        hi = branch.get("maximum", branch.get("exclusiveMaximum"))
+        if lo is not None or hi is not None:
+            return (f"{'(' if 'exclusiveMinimum' in branch or lo is None else '['}"
+                    f"{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}"
+                    f"{')' if 'exclusiveMaximum' in branch or hi is None else ']'}")
+    return None
+
+
 def sampling_from(svc: Service, temperature, top_p, top_k, min_p, seed) -> SamplingParams:
     """Request values over the server's defaults; APIError 400 for out-of-range ones."""
     d = svc.defaults
@@ -136,9 +183,21 @@ def sampling_from(svc: Service, temperature, top_p, top_k, min_p, seed) -> Sampl
         seed=seed,
     )
     try:
-        return p.check()
+        p.check()
     except InputError as e:
         raise APIError(400, str(e)) from None
+    check_top_k(svc, p.top_k)
+    return p
+
+
+def check_top_k(svc: Service, top_k: int) -> None:
+    """APIError 400 unless top_k is in [0, vocab) (0 = off): mlx-lm's compiled
+    `apply_top_k` raises for k >= the logits width, inside a function that shares MLX's
+    random state, so it is refused before the request is admitted."""
+    n = n_vocab(svc)
+    if n is not None and not 0 <= top_k < n:
+        raise APIError(400, f"top_k: must be in [0, {n}) (0 = off; this model has "
+                       f"{n} tokens), got {top_k}", param="top_k")
 
 
 def logits_processors(svc: "Service", req) -> Optional[list]:
@@ -165,11 +224,11 @@ def logits_processors(svc: "Service", req) -> Optional[list]:
         bias = {int(k): float(v) for k, v in (bias or {}).items()} or None
     except ValueError:
         raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
-    n_vocab = getattr(svc.tok, "vocab_size", None)
-    bad = sorted(k for k in bias or () if k < 0 or (n_vocab is not None and k >= n_vocab))
+    n = n_vocab(svc)
+    bad = sorted(k for k in bias or () if k < 0 or (n is not None and k >= n))
     if bad:  # an id past the logits indexes out of bounds in the sampler (the process dies)
         raise APIError(400, f"logit_bias: token id {bad[0]} is not in the vocabulary "
-                       f"[0, {n_vocab})", param="logit_bias")
+                       f"[0, {n})", param="logit_bias")
     return make_logits_processors(bias, rep, presence_penalty=pres, frequency_penalty=freq)
 
 

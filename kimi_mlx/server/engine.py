@@ -18,7 +18,8 @@ import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.server.jobs import Failed, Finished, Job, TokenOut, enqueue, run_mlx_thread, top_logprobs
+from kimi_mlx.server.jobs import (Failed, Finished, Job, TokenOut, enqueue, reseed_random,
+                                  run_mlx_thread, top_logprobs)
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -111,6 +112,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - the error goes to this request only
                 log.exception("generation failed")
                 job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
+                reseed_random()  # nothing the failed request touched is reused
             finally:
                 self._active = 0
 

@@ -8,6 +8,7 @@ them imports another's worker.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 from kimi_mlx.generation.request import SamplingParams
 
 __all__ = ["Busy", "TokenOut", "Finished", "Failed", "Event", "Job", "enqueue", "run_mlx_thread",
-           "top_logprobs"]
+           "top_logprobs", "reseed_random"]
 
 
 class Busy(RuntimeError):
@@ -142,3 +143,16 @@ def top_logprobs(logprobs, token: int, k: Optional[int]):
     vals = logprobs[idx]
     order = mx.argsort(-vals)
     return chosen, list(zip(idx[order].tolist(), vals[order].tolist()))
+
+
+def reseed_random() -> None:
+    """Give MLX's global PRNG a fresh key (from os.urandom), after a request's generation
+    raised: an exception inside one of mlx-lm's compiled samplers (`apply_top_k`,
+    `apply_top_p`, ... are compiled with the global random state as input and output)
+    leaves that state as a placeholder without a primitive, and every later unseeded
+    sample then fails with "[eval] Attempting to eval an array without a primitive".
+    Seeding rebuilds the state, so nothing the failed request touched is reused. Seeded
+    requests draw from keys of their own and are unaffected."""
+    import mlx.core as mx
+
+    mx.random.seed(int.from_bytes(os.urandom(8), "little"))

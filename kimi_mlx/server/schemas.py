@@ -9,6 +9,12 @@ from __future__ import annotations
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import Annotated
+
+# mx.random.key takes a uint64
+SEED_RANGE = dict(ge=0, lt=2 ** 64)
+# OpenAI's documented logit_bias range
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class _Model(BaseModel):
@@ -36,15 +42,15 @@ class _Sampling(_Model):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, **SEED_RANGE)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
     n: Optional[int] = Field(None, ge=1)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    repetition_penalty: Optional[float] = Field(None, gt=0)
-    logit_bias: Optional[Dict[str, float]] = None
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    logit_bias: Optional[Dict[str, Bias]] = None
     user: Optional[str] = None
 
 
@@ -90,7 +96,7 @@ class MessagesRequest(_Model):
     thinking: Optional[Dict[str, Any]] = None
     metadata: Optional[Dict[str, Any]] = None
     reasoning_effort: Optional[str] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, **SEED_RANGE)
 
 
 class CountTokensRequest(MessagesRequest):

@@ -152,6 +152,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
         speculation = Speculation(load_draft(draft_model, wrapper, spec), num_draft_tokens)
     svc.wrapper, svc.tok = wrapper, tok
+    svc.vocab_size = model.args.vocab_size
     context = model.args.max_position_embeddings
     svc.context = min(context, max_kv_size) if max_kv_size else context
     pc = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None

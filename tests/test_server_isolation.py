@@ -1,0 +1,221 @@
+"""No request can fail or poison another (issue 26): every sampling parameter is checked
+against the model before admission (a 400 naming the field and its range), and what
+still slips through fails that request alone: the other rows of its batch give the same
+tokens as a run in which it never came, and unseeded sampling keeps working afterwards
+(mlx-lm's compiled samplers share MLX's global random state; an exception inside one
+used to leave it broken for every later request).
+
+The bad requests here bypass the API's checks (jobs built by hand) to reach the engine
+as a bug would; the reference is the same engine run without them."""
+
+import httpx
+import openai
+import pytest
+
+from kimi_mlx.checkpoint.loader import load_for_generation
+from kimi_mlx.generation.request import SamplingParams, default_model
+from kimi_mlx.server.app import create_app
+from kimi_mlx.server.common import n_vocab
+from kimi_mlx.server.engine import Engine
+from kimi_mlx.server.jobs import Failed, Finished, Job, TokenOut
+from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
+
+MICRO = str(default_model())
+DRAFT = str(default_model().parent / "micro-draft")
+MSGS = [{"role": "user", "content": "Name a colour."}]
+
+
+@pytest.fixture(scope="module")
+def micro():
+    model, wrapper, tok, _ = load_for_generation(MICRO)
+    return model, wrapper, tok
+
+
+def _job(ids, n, sampling=None, processors=None):
+    job = Job(list(ids), n, sampling or SamplingParams(), logits_processors=processors)
+    job.attach(None)
+    return job
+
+
+def _collect(job):
+    events = list(job.events(timeout=120))
+    tokens = [e.token for e in events if isinstance(e, TokenOut)]
+    return tokens, events[-1]
+
+
+def _raising_processor(tokens, logits):
+    raise RuntimeError("this row's own processor failed")
+
+
+def _bad_jobs(vocab):
+    """name -> (job factory, text its failure must carry): a top_k the compiled sampler
+    refuses (it raises inside a function sharing the random state), a logits processor
+    that raises, a seed the PRNG cannot take (fails while admitted)."""
+    return {
+        "top_k": (lambda ids: _job(ids, 6, SamplingParams(temp=1.0, top_k=vocab)), "top_k"),
+        "processor": (lambda ids: _job(ids, 6, processors=[_raising_processor]),
+                      "own processor failed"),
+        "seed": (lambda ids: _job(ids, 6, SamplingParams(temp=1.0, seed=-1)), "TypeError"),
+    }
+
+
+PROMPTS = [[5, 17, 33, 90, 4, 8], [200, 201, 7, 3], [44, 45, 46, 47, 48, 49, 50, 12], [9, 9, 9]]
+
+
+def _unseeded_sample_works(engine, n=5):
+    """An unseeded temperature-1 request on a running engine generates its tokens."""
+    job = engine.submit(_job(PROMPTS[0], n, SamplingParams(temp=1.0, top_p=0.9, top_k=50)))
+    tokens, last = _collect(job)
+    assert isinstance(last, Finished), last
+    assert last.reason in ("length", "stop") and len(tokens) == last.generation_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["top_k", "processor", "seed"])
+def test_a_bad_request_in_a_batch_leaves_the_others_identical(micro, kind):
+    model, _, tok = micro
+    make, needle = _bad_jobs(model.args.vocab_size)[kind]
+    good = [p for i, p in enumerate(PROMPTS) if i != 1]
+
+    def run(with_bad):
+        eng = Engine(model, tok.eos_token_ids, max_concurrency=4)
+        jobs = [eng.submit(_job(p, 6)) for p in good]  # queued before start: one batch
+        bad = eng.submit(make(PROMPTS[1])) if with_bad else None
+        eng.start()
+        try:
+            out = [_collect(j) for j in jobs]
+            bad_out = _collect(bad) if bad else None
+            if with_bad:
+                _unseeded_sample_works(eng)
+        finally:
+            eng.stop()
+        return out, bad_out
+
+    want, _ = run(False)
+    got, (bad_tokens, bad_last) = run(True)
+    assert all(isinstance(last, Finished) and toks for toks, last in want)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert all(isinstance(last, Finished) for _, last in got)
+    assert isinstance(bad_last, Failed) and needle in bad_last.message, bad_last
+    # the others' events never mention the failed request
+    assert not any(isinstance(last, Failed) for _, last in got)
+
+
+def test_a_bad_sampled_request_beside_sampled_ones(micro):
+    """Rows sampled after the failing one in the same step (unseeded, so drawing from the
+    global random state it broke) still sample; a seeded row gives its tokens unchanged."""
+    model, _, tok = micro
+    seeded = SamplingParams(temp=0.9, top_p=0.95, seed=11)
+
+    def run(with_bad):
+        eng = Engine(model, tok.eos_token_ids, max_concurrency=4)
+        bad = (eng.submit(_job(PROMPTS[1], 6, SamplingParams(temp=1.0, top_k=model.args.vocab_size)))
+               if with_bad else None)
+        s = eng.submit(_job(PROMPTS[0], 6, seeded))
+        u = [eng.submit(_job(p, 6, SamplingParams(temp=1.0))) for p in PROMPTS[2:]]
+        eng.start()
+        try:
+            return _collect(s), [_collect(j) for j in u], _collect(bad) if bad else None
+        finally:
+            eng.stop()
+
+    (want, _), _, _ = run(False)
+    (got, last), unseeded, (_, bad_last) = run(True)
+    assert isinstance(last, Finished) and got == want
+    assert all(isinstance(l, Finished) and len(t) == l.generation_tokens > 0 for t, l in unseeded)
+    assert isinstance(bad_last, Failed) and "top_k" in bad_last.message
+
+
+def test_one_at_a_time_and_draft_engines_recover(micro):
+    from kimi_mlx.speculative.loop import Speculation, load_draft
+
+    model, wrapper, tok = micro
+    spec = Speculation(load_draft(DRAFT, wrapper, MICRO), 3)
+    for eng in (Engine(model, tok.eos_token_ids, max_concurrency=1),
+                Engine(model, tok.eos_token_ids, max_concurrency=1, speculation=spec)):
+        eng.start()
+        try:
+            for make, needle in _bad_jobs(model.args.vocab_size).values():
+                _, last = _collect(eng.submit(make(PROMPTS[1])))
+                assert isinstance(last, Failed) and needle in last.message, last
+                _unseeded_sample_works(eng)
+        finally:
+            eng.stop()
+
+
+# ------------------------------------------------------------------ over HTTP
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """(plain batching server, draft server): each (svc, url)."""
+    out = []
+    for draft, conc in ((None, 4), (DRAFT, 1)):
+        svc = make_service(MICRO, None, "micro", 1 << 20)
+        load_service(svc, MICRO, max_concurrency=conc, prompt_cache_bytes=32 << 20,
+                     max_queue=16, max_kv_size=None, draft_model=draft)
+        out.append((svc, BackgroundServer(create_app(svc)).start()))
+    yield [(svc, srv.url) for svc, srv in out]
+    for svc, srv in out:
+        srv.stop()
+        svc.engine.stop()
+
+
+BAD = [  # body fields, the field named, the range stated
+    ({"top_k": 4352}, "top_k", "[0, 4352)"),
+    ({"top_k": 10 ** 30}, "top_k", "[0, 4352)"),
+    ({"seed": -1}, "seed", "[0, 18446744073709551616)"),
+    ({"seed": 2 ** 64}, "seed", "[0, 18446744073709551616)"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5", "[-100, 100]"),
+    ({"logit_bias": {"4352": 1}}, "logit_bias", "[0, 4352)"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"min_p": 1.5}, "min_p", "[0, 1]"),
+    ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "(0, 10]"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ({"temperature": 2.5}, "temperature", "[0, 2]"),
+]
+
+
+def _unseeded_ok(url):
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "micro", "messages": MSGS, "max_tokens": 3, "temperature": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["batching", "draft"])
+def test_bad_parameters_are_400s_naming_field_and_range(servers, which):
+    svc, url = servers[which]
+    assert n_vocab(svc) == 4352
+    for fields, name, bounds in BAD:
+        for stream in (False, True):
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": "micro", "messages": MSGS, "max_tokens": 3, "temperature": 1,
+                "stream": stream, **fields})
+            err = r.json()["error"]
+            assert r.status_code == 400, (fields, r.text)
+            assert name in err["message"] and bounds in err["message"], (fields, err)
+        _unseeded_ok(url)
+    for body in ({"top_k": 4352}, {"seed": -1}):
+        r = httpx.post(url + "/v1/messages", timeout=60, json={
+            "model": "micro", "messages": MSGS, "max_tokens": 3, **body})
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        r = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": "micro", "prompt": "hi", "max_tokens": 3, **body})
+        assert r.status_code == 400, r.text
+    _unseeded_ok(url)
+
+
+def test_the_issue_sequence_over_http(servers):
+    """The issue's reproduction with the real client: top_k = vocab, then an unseeded
+    temperature-1 request, on every endpoint."""
+    _, url = servers[0]
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="top_k"):
+        c.chat.completions.create(model="micro", messages=MSGS, max_tokens=3, temperature=1,
+                                  extra_body={"top_k": 4352})
+    r = c.chat.completions.create(model="micro", messages=MSGS, max_tokens=3, temperature=1)
+    assert r.usage.completion_tokens >= 1
+    r = c.completions.create(model="micro", prompt="Once", max_tokens=3, temperature=1)
+    assert r.usage.completion_tokens >= 1
