@@ -8,6 +8,9 @@ used to leave it broken for every later request).
 The bad requests here bypass the API's checks (jobs built by hand) to reach the engine
 as a bug would; the reference is the same engine run without them."""
 
+import json
+import threading
+
 import httpx
 import openai
 import pytest
@@ -219,3 +222,82 @@ def test_the_issue_sequence_over_http(servers):
     assert r.usage.completion_tokens >= 1
     r = c.completions.create(model="micro", prompt="Once", max_tokens=3, temperature=1)
     assert r.usage.completion_tokens >= 1
+
+
+# ------------------------------------------------------------------ streams
+
+
+class _FailingEngine:
+    """An engine whose every job emits two tokens, then fails (as a lost stage would)."""
+
+    queue_length = active = 0
+
+    def submit(self, job):
+        def run():
+            for t in (300, 301):
+                job.emit(TokenOut(t))
+            job.emit(Failed("generation failed: StageFailure: stage 1 lost"))
+        threading.Thread(target=run, daemon=True).start()
+        return job
+
+
+def _metric(url, endpoint):
+    text = httpx.get(url + "/metrics", timeout=30).text
+    line = f'kimi_mlx_stream_errors_total{{endpoint="{endpoint}"}} '
+    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(line))
+
+
+def test_a_stream_failing_after_its_200_ends_with_an_error_event_counted(servers):
+    real, _ = servers[0]
+    svc = make_service(MICRO, None, "micro", 1 << 20)
+    svc.wrapper, svc.tok, svc.context, svc.vocab_size = real.wrapper, real.tok, real.context, real.vocab_size
+    svc.engine = _FailingEngine()
+    srv = BackgroundServer(create_app(svc)).start()
+    try:
+        for path, body, ended in (
+                ("/v1/chat/completions", {"messages": MSGS}, lambda t: '"error"' in t.split("data: ")[-1]),
+                ("/v1/completions", {"prompt": "hi"}, lambda t: '"error"' in t.split("data: ")[-1]),
+                ("/v1/messages", {"messages": MSGS}, lambda t: t.rstrip().split("\n\n")[-1].startswith("event: error"))):
+            assert _metric(srv.url, path) == 0
+            with httpx.stream("POST", srv.url + path, timeout=30, json={
+                    "model": "micro", "max_tokens": 5, "stream": True, **body}) as s:
+                text = s.read().decode()
+            assert s.status_code == 200 and "stage 1 lost" in text and ended(text), text
+            assert "[DONE]" not in text and "message_stop" not in text
+            assert _metric(srv.url, path) == 1
+            # a bad request is refused before any byte, in JSON, and not counted as a stream
+            r = httpx.post(srv.url + path, timeout=30, json={
+                "model": "micro", "max_tokens": 5, "stream": True, "top_k": 10 ** 6, **body})
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+            r = httpx.post(srv.url + path, timeout=30, json={
+                "model": "other", "max_tokens": 5, "stream": True, **body})
+            assert r.status_code == 404 and r.headers["content-type"] == "application/json"
+            assert _metric(srv.url, path) == 1
+    finally:
+        srv.stop()
+
+
+def test_an_internal_error_mid_stream_is_an_error_event_not_a_cut(servers, monkeypatch):
+    from kimi_mlx.server.reply import ReplyBuilder
+
+    svc, url = servers[0]
+    before = _metric(url, "/v1/chat/completions")
+    calls = []
+
+    def feed(self, token):
+        calls.append(token)
+        if len(calls) == 2:
+            raise KeyError("a bug in reply building")
+        return real_feed(self, token)
+
+    real_feed = ReplyBuilder.feed
+    monkeypatch.setattr(ReplyBuilder, "feed", feed)
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "model": "micro", "messages": MSGS, "max_tokens": 5, "stream": True}) as s:
+        text = s.read().decode()
+    monkeypatch.undo()
+    last = json.loads(text.strip().split("\n\n")[-1][6:])
+    assert s.status_code == 200 and "a bug in reply building" in last["error"]["message"]
+    assert last["error"]["type"] == "server_error"
+    assert _metric(url, "/v1/chat/completions") == before + 1
+    _unseeded_ok(url)

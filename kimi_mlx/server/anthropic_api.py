@@ -11,7 +11,8 @@ from typing import Any, Dict, List
 
 from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
-from kimi_mlx.server.common import APIError, Service, budget, reply_events, sampling_from, stop_list, submit
+from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
+                                    sampling_from, stop_list, submit)
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder
 from kimi_mlx.server.schemas import MessagesRequest
@@ -251,13 +252,9 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
             "stop_sequence": b.stop.matched}, "usage": _usage(job, b, done)})
         yield _event("message_stop", {})
 
-    async def gen():
-        try:
-            async for s in body():
-                yield s
-        except APIError as e:
-            yield f"event: error\ndata: {json.dumps({'type': 'error', 'error': {'type': 'api_error', 'message': e.message}})}\n\n"
-        finally:
-            job.cancel()
+    return guarded_stream(svc, job, body(), "/v1/messages", _error_event)
 
-    return gen()
+
+def _error_event(kind: str, message: str) -> str:
+    """The Anthropic `error` event that ends a stream which failed after its 200."""
+    return _event("error", {"error": {"type": "api_error", "message": message}})

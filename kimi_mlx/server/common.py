@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from pydantic import BaseModel, ValidationError
 
 from kimi_mlx.generation.request import InputError, SamplingParams, check_context_strict
 from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, TokenOut
 from kimi_mlx.server.reply import Event, ReplyBuilder
+
+log = logging.getLogger("kimi_mlx.server")
 
 
 class APIError(Exception):
@@ -303,3 +306,29 @@ async def reply_events(job: Job, builder: ReplyBuilder, request=None,
                 raise APIError(500, ev.message, "server_error")
     finally:
         job.cancel()  # no-op after Finished; frees the slot when the consumer left early
+
+
+async def guarded_stream(svc: Service, job: Job, body: AsyncIterator[str], endpoint: str,
+                         error_event: Callable[[str, str], str]) -> AsyncIterator[str]:
+    """A streamed reply's bytes after its 200: `body`'s chunks, and when generation fails
+    after the stream started (a Failed job, a lost stage, an internal error) one last
+    chunk `error_event(kind, message)` in the endpoint's dialect, counted in /metrics
+    (kimi_mlx_stream_errors_total{endpoint}). Every check that can refuse a request ran
+    before the 200; this is what can still go wrong. The job is cancelled on the way out
+    (done, failed, or the client left), freeing its slot."""
+    try:
+        try:
+            async for s in body:
+                yield s
+        except APIError as e:
+            kind, message = e.kind, e.message
+        except Exception as e:  # noqa: BLE001 - a stream ends with an error event, not a cut
+            log.exception("streamed reply failed")
+            kind, message = "server_error", f"internal error: {type(e).__name__}: {e}"
+        else:
+            return
+        if svc.metrics is not None:
+            svc.metrics.stream_errors.labels(endpoint).inc()
+        yield error_event(kind, message)
+    finally:
+        job.cancel()
