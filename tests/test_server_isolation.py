@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from kimi_mlx.checkpoint.loader import load_for_generation
+from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.generation.request import SamplingParams, default_model
 from kimi_mlx.server.app import create_app
 from kimi_mlx.server.common import n_vocab
@@ -301,3 +302,99 @@ def test_an_internal_error_mid_stream_is_an_error_event_not_a_cut(servers, monke
     assert last["error"]["type"] == "server_error"
     assert _metric(url, "/v1/chat/completions") == before + 1
     _unseeded_ok(url)
+
+
+# ------------------------------------------------------------------ strict schemas
+
+
+ENDPOINTS = {  # path -> a minimal valid body
+    "/v1/chat/completions": {"model": "micro", "messages": MSGS, "max_tokens": 2},
+    "/v1/completions": {"model": "micro", "prompt": "hi", "max_tokens": 2},
+    "/v1/messages": {"model": "micro", "messages": MSGS, "max_tokens": 2},
+    "/v1/messages/count_tokens": {"model": "micro", "messages": MSGS},
+}
+
+
+def test_json_content_type_only(servers):
+    _, url = servers[0]
+    for path, body in ENDPOINTS.items():
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+            headers = {"content-type": ctype} if ctype else {}
+            r = httpx.post(url + path, content=json.dumps(body), headers=headers, timeout=60)
+            assert r.status_code == 415, (path, ctype, r.text)
+            assert "application/json" in r.text
+        r = httpx.post(url + path, content=json.dumps(body), timeout=60,
+                       headers={"content-type": "application/json; charset=utf-8"})
+        assert r.status_code == 200, (path, r.text)
+
+
+@pytest.mark.parametrize("path,fields,name", [
+    ("/v1/chat/completions", {"max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"temperature": "1"}, "temperature"),
+    ("/v1/chat/completions", {"top_k": 5.0}, "top_k"),
+    ("/v1/chat/completions", {"seed": False}, "seed"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"max_tokens": "2"}, "max_tokens"),
+    ("/v1/completions", {"echo": 0}, "echo"),
+    ("/v1/messages", {"max_tokens": 2.0}, "max_tokens"),
+    ("/v1/messages", {"stream": 1}, "stream"),
+    ("/v1/messages", {"top_k": True}, "top_k"),
+])
+def test_no_coercion_into_numbers_or_booleans(servers, path, fields, name):
+    _, url = servers[0]
+    r = httpx.post(url + path, json={**ENDPOINTS[path], **fields}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert name in r.text
+
+
+@pytest.mark.parametrize("path,tools,needle", [
+    ("/v1/chat/completions", [{"type": "function"}], "tools.0.function"),
+    ("/v1/chat/completions", [{"type": "web_search"}], "tools.0.type"),
+    ("/v1/chat/completions", [{"type": "function", "function": {"name": ""}}], "tools.0.function.name"),
+    ("/v1/chat/completions", [{"type": "function", "function": {"name": "f", "parameters": []}}],
+     "tools.0.function.parameters"),
+    ("/v1/chat/completions", ["f"], "tools.0"),
+    ("/v1/messages", [{"type": "web_search_20250305", "name": "web_search"}], "tools.0.type"),
+    ("/v1/messages", [{"name": "f"}], "tools.0.input_schema"),
+    ("/v1/messages/count_tokens", [{"type": "bash_20250124", "name": "bash"}], "tools.0.type"),
+])
+def test_tools_are_validated_and_unknown_types_refused(servers, path, tools, needle):
+    _, url = servers[0]
+    r = httpx.post(url + path, json={**ENDPOINTS[path], "tools": tools}, timeout=60)
+    assert r.status_code == 400 and needle in r.text, r.text
+
+
+def test_valid_tools_still_reach_the_prompt(servers):
+    svc, url = servers[0]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}}
+    fn = {"name": "weather", "description": "the weather", "parameters": schema}
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        **ENDPOINTS["/v1/chat/completions"], "tools": [{"type": "function", "function": fn}]})
+    assert r.status_code == 200, r.text
+    want = len(encode_chat(svc.tok, MSGS, tools=[{"type": "function", "function": fn}]))
+    assert r.json()["usage"]["prompt_tokens"] == want
+    r = httpx.post(url + "/v1/messages/count_tokens", timeout=60, json={
+        **ENDPOINTS["/v1/messages/count_tokens"], "tools": [
+            {"type": "custom", "name": "weather", "description": "the weather",
+             "input_schema": schema}]})
+    assert r.status_code == 200 and r.json()["input_tokens"] == want
+
+
+def test_deep_nesting_is_a_400(servers):
+    _, url = servers[0]
+    deep = "[" * 100_000 + "]" * 100_000
+    for path, body in ENDPOINTS.items():
+        for raw in (deep, json.dumps(body)[:-1] + ', "metadata": ' + deep + "}",
+                    json.dumps(body)[:-1] + ', "x": ' + '{"a":' * 100_000 + "1" + "}" * 100_001):
+            r = httpx.post(url + path, content=raw, timeout=60,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "nested" in r.text, (path, r.text[:200])
+    # a deep but plausible tool schema is served
+    schema = {"type": "string"}
+    for _ in range(40):
+        schema = {"type": "object", "properties": {"x": schema}}
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        **ENDPOINTS["/v1/chat/completions"],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
+    assert r.status_code == 200, r.text

@@ -103,9 +103,9 @@ def _tools(req: MessagesRequest):
                        f"{', '.join(_TOOL_CHOICE)}", param="tool_choice")
     if not req.tools:
         return None, {}
-    tools = [{"type": "function", "function": {"name": t.get("name"),
-              "description": t.get("description", ""),
-              "parameters": t.get("input_schema", {})}} for t in req.tools]
+    tools = [{"type": "function", "function": {"name": t.name,
+              "description": t.description or "", "parameters": t.input_schema}}
+             for t in req.tools]
     return tools, ({"tool_choice": _TOOL_CHOICE[choice]} if _TOOL_CHOICE[choice] else {})
 
 

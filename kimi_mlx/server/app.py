@@ -29,6 +29,7 @@ _ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/com
            "/v1/messages", "/v1/messages/count_tokens"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    415: "invalid_request_error",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 
@@ -58,6 +59,15 @@ async def read_body(request: Request, limit: int) -> bytes:
                            "(--max-body-bytes)", "request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def check_json(request: Request) -> None:
+    """415 unless the body is declared JSON (Content-Type: application/json, any
+    parameters), as the OpenAI and Anthropic APIs require."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got "
+                       f"{kind or 'none'!r}", param="content-type")
 
 
 def check_key(svc: Service, request: Request) -> None:
@@ -180,6 +190,7 @@ def generation_endpoint(svc: Service, schema, respond: Callable[..., Awaitable],
     A client that leaves a non-streamed request gets 499 and its generation stops."""
     async def handler(request: Request):
         check_key(svc, request)
+        check_json(request)
         raw = await read_body(request, svc.max_body_bytes)
         req = parse_body(raw, schema, svc.max_body_bytes)
         reason = svc.not_ready_reason()
@@ -212,6 +223,7 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         check_key(svc, request)
+        check_json(request)
         req = parse_body(await read_body(request, svc.max_body_bytes), CountTokensRequest,
                          svc.max_body_bytes)
         if svc.tok is None:

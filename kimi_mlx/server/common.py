@@ -85,9 +85,30 @@ def n_vocab(svc) -> Optional[int]:
     return n or None
 
 
+# deeper JSON than any real request (a tool's parameter schema included) holds, and
+# shallow enough for every recursive walk after parsing (validation, prompt encoding)
+MAX_NESTING = 128
+
+
+def nesting(data) -> int:
+    """Nesting depth of parsed JSON (a scalar 0, [] or {} 1), walked without recursion."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_NESTING:  # past the limit the answer is known
+            todo.extend((x, depth + 1) for x in node)
+    return deepest
+
+
 def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     """JSON body -> pydantic model; APIError 413 past `limit` bytes, 400 for malformed
-    JSON or fields that fail validation (naming the field)."""
+    JSON, JSON nested deeper than MAX_NESTING, or fields that fail validation (naming
+    the field)."""
     if len(raw) > limit:
         raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {limit} "
                        "bytes (--max-body-bytes)", "request_too_large")
@@ -95,6 +116,10 @@ def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        data = None
+    if data is None or nesting(data) > MAX_NESTING:
+        raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep")
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:

@@ -85,7 +85,7 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     except ValueError as e:
         raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
     messages = chat_messages(req)
-    tools = req.tools or None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     options = chat_options(tools, req.tool_choice, req.response_format)
     try:
         ids, ends = build_chat_prompt_with_ends(svc.tok, messages, effort, tools, **options)

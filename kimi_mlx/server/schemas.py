@@ -18,8 +18,36 @@ Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class _Model(BaseModel):
-    # NaN / Infinity (which Python's json reads and writes) are never a valid setting
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # NaN / Infinity (which Python's json reads and writes) are never a valid setting;
+    # strict: no coercion a client cannot rely on (true is not 1, "yes" is not true, 1.0
+    # is not an integer); an integer is still a valid float
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+
+class FunctionDef(_Model):
+    """An OpenAI tool's function: name required, parameters a JSON schema object."""
+
+    name: str = Field(..., min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Model):
+    """An OpenAI chat tool: only function tools exist in the chat completions API."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class AnthropicTool(_Model):
+    """An Anthropic client tool (type absent or "custom"); Anthropic's server tools
+    (web_search, bash, ...) run on Anthropic's side and are refused by their type."""
+
+    type: Optional[Literal["custom"]] = None
+    name: str = Field(..., min_length=1)
+    description: Optional[str] = None
+    input_schema: Dict[str, Any]
 
 
 class StreamOptions(_Model):
@@ -60,7 +88,7 @@ class ChatRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[List[Dict[str, Any]]] = None
+    tools: Optional[List[ChatTool]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     reasoning_effort: Optional[str] = None
@@ -91,7 +119,7 @@ class MessagesRequest(_Model):
     temperature: Optional[float] = Field(None, ge=0, le=1)  # Anthropic's documented range
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=0)
-    tools: Optional[List[Dict[str, Any]]] = None
+    tools: Optional[List[AnthropicTool]] = None
     tool_choice: Optional[Dict[str, Any]] = None
     thinking: Optional[Dict[str, Any]] = None
     metadata: Optional[Dict[str, Any]] = None
