@@ -73,7 +73,7 @@ class ClusterEngine:
 
         if self.lost:
             raise Busy(f"the pipeline is down ({self.lost})")
-        return enqueue(self._jobs, job, self.max_queue)
+        return enqueue(self._jobs, job, self.max_queue, self.max_concurrency, self._active)
 
     def _worker(self) -> None:
         from kimi_mlx.server.jobs import run_mlx_thread
@@ -106,13 +106,14 @@ class ClusterEngine:
     def _run(self, job) -> None:
         import mlx.core as mx
 
-        from kimi_mlx.server.jobs import Finished, TokenOut, top_logprobs
+        from kimi_mlx.server.jobs import Finished, Started, TokenOut, top_logprobs
 
         from kimi_mlx.cluster.runner import Sampling
 
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
             return
+        job.emit(Started(0))
         p = job.sampling
         want_lp = job.logprobs is not None
         choose = head_chooser(job) if job.logits_processors else None

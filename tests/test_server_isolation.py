@@ -398,3 +398,135 @@ def test_deep_nesting_is_a_400(servers):
         **ENDPOINTS["/v1/chat/completions"],
         "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
     assert r.status_code == 200, r.text
+
+
+# ------------------------------------------------------------------ issue items 5-8
+
+
+def test_anthropic_message_start_usage_agrees_with_message_delta(servers):
+    import anthropic
+
+    _, url = servers[0]
+    c = anthropic.Anthropic(base_url=url, api_key="x", timeout=120, max_retries=0)
+    msgs = [{"role": "user", "content": "Tell me about the sea. " * 6},
+            {"role": "assistant", "content": "It is large and salty."},
+            {"role": "user", "content": "And rivers?"}]
+    usages = []
+    for _ in range(2):  # the second finds the first's prompt-cache snapshots
+        events = list(c.messages.create(model="micro", max_tokens=4, messages=msgs,
+                                        system="Be brief.", stream=True))
+        start = [e for e in events if e.type == "message_start"][0].message.usage
+        delta = [e for e in events if e.type == "message_delta"][0].usage
+        for field in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"):
+            assert getattr(start, field) == getattr(delta, field), (field, start, delta)
+        usages.append(start)
+    n_prompt = c.messages.count_tokens(model="micro", messages=msgs, system="Be brief.").input_tokens
+    cold, hit = usages
+    assert cold.cache_read_input_tokens == 0 and cold.input_tokens == n_prompt
+    assert 0 < hit.cache_read_input_tokens < n_prompt  # the last prompt token always runs
+    assert hit.input_tokens + hit.cache_read_input_tokens == n_prompt
+    # the non-streamed reply says the same
+    r = c.messages.create(model="micro", max_tokens=4, messages=msgs, system="Be brief.")
+    assert (r.usage.input_tokens, r.usage.cache_read_input_tokens) == (
+        hit.input_tokens, hit.cache_read_input_tokens)
+
+
+class _Scripted:
+    """Answers every job with fixed token ids."""
+
+    queue_length = active = 0
+
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+    def submit(self, job):
+        def run():
+            for t in self.tokens[: job.max_tokens]:
+                job.emit(TokenOut(t))
+            job.emit(Finished("stop", len(job.ids), 0, len(self.tokens)))
+        threading.Thread(target=run, daemon=True).start()
+        return job
+
+
+def test_special_tokens_are_not_reply_text(servers):
+    import anthropic
+
+    real, _ = servers[0]
+    reply = ("[BOS]Let me<|close|> think[EOT].<|close|>think<|sep|><|open|>response<|sep|>"
+             "Blue<|sep|>[start_header_id]<|reserved_token_4104|> it is.<|close|>response<|sep|>")
+    ids = real.tok.encode(reply, allow_special=True)
+    specials = set(real.tok.special_tokens.values())
+    assert sum(t in specials for t in ids) > 8  # the markup and the stray ones are single ids
+    svc = make_service(MICRO, None, "micro", 1 << 20)
+    svc.wrapper, svc.tok, svc.context = real.wrapper, real.tok, real.context
+    svc.engine = _Scripted(ids)
+    srv = BackgroundServer(create_app(svc)).start()
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=60, max_retries=0)
+        m = c.chat.completions.create(model="micro", messages=MSGS, max_tokens=100).choices[0].message
+        assert (m.reasoning_content, m.content) == ("Let me think.", "Blue it is.")
+        chunks = list(c.chat.completions.create(model="micro", messages=MSGS, max_tokens=100,
+                                                stream=True))
+        streamed = "".join((getattr(ch.choices[0].delta, "reasoning_content", None) or "")
+                           + (ch.choices[0].delta.content or "") for ch in chunks if ch.choices)
+        assert streamed == "Let me think.Blue it is."
+        text = c.completions.create(model="micro", prompt="hi", max_tokens=100).choices[0].text
+        want = real.tok.decode([t for t in ids if t not in specials])
+        assert text == want and "<|" not in text and "[" not in text
+        a = anthropic.Anthropic(base_url=srv.url, api_key="x", timeout=60, max_retries=0)
+        r = a.messages.create(model="micro", max_tokens=100, messages=MSGS)
+        assert [(b.type, getattr(b, "text", None) or getattr(b, "thinking", None))
+                for b in r.content] == [("thinking", "Let me think."), ("text", "Blue it is.")]
+        assert r.usage.output_tokens == len(ids)  # skipped tokens are still counted
+    finally:
+        srv.stop()
+
+
+def test_max_queue_counts_only_requests_beyond_the_free_slots(micro):
+    from kimi_mlx.server.jobs import Busy
+
+    model, _, tok = micro
+    eng = Engine(model, tok.eos_token_ids, max_queue=2, max_concurrency=4)  # not started
+    jobs = [eng.submit(_job(PROMPTS[0], 2)) for _ in range(6)]  # 4 slots + 2 waiting
+    with pytest.raises(Busy, match="2 requests are waiting"):
+        eng.submit(_job(PROMPTS[0], 2))
+    eng.start()
+    try:
+        assert all(isinstance(_collect(j)[1], Finished) for j in jobs)
+    finally:
+        eng.stop()
+
+
+def test_a_burst_fills_every_slot_before_the_queue_refuses():
+    import concurrent.futures as cf
+
+    svc = make_service(MICRO, None, None, 1 << 20)
+    load_service(svc, MICRO, max_concurrency=4, prompt_cache_bytes=0, max_queue=2,
+                 max_kv_size=None)
+    srv = BackgroundServer(create_app(svc)).start()
+    try:
+        def post(i):
+            return httpx.post(srv.url + "/v1/chat/completions", timeout=120, json={
+                "model": "micro", "messages": MSGS, "max_tokens": 4}).status_code
+
+        with cf.ThreadPoolExecutor(16) as ex:
+            codes = list(ex.map(post, range(16)))
+        assert set(codes) <= {200, 503}
+        assert codes.count(200) >= 6, codes  # 4 slots + 2 waiting, at least
+    finally:
+        srv.stop()
+        svc.engine.stop()
+
+
+def test_unknown_model_404_names_the_served_id_only(servers):
+    svc, url = servers[0]
+    make_default = make_service(MICRO, None, None, 1 << 20)  # id from the folder's name
+    assert make_default.model_ids == ["micro"]
+    for model in ("gpt-9", MICRO):
+        for path, body in ENDPOINTS.items():
+            r = httpx.post(url + path, json={**body, "model": model}, timeout=60)
+            assert r.status_code == 404, (path, model, r.text)
+            assert MICRO not in r.text.replace(f"'{model}'", "") and "'micro'" in r.text
+    r = httpx.get(url + "/v1/models/" + MICRO.lstrip("/"), timeout=60)
+    assert r.status_code == 404 and MICRO.lstrip("/") not in r.text.replace(repr(MICRO.lstrip("/")), "")
+    assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=60).json()["data"]] == ["micro"]

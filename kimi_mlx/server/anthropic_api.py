@@ -168,9 +168,9 @@ def _stop_reason(b: ReplyBuilder, done) -> str:
     return _STOP_REASON[b.finish_reason(done.reason)]
 
 
-def _usage(job: Job, b: ReplyBuilder, done) -> dict:
-    cached = done.cached_tokens if done else 0
-    return {"input_tokens": len(job.ids) - cached, "output_tokens": b.n_tokens,
+def _usage(job: Job, output_tokens: int, cached: int) -> dict:
+    """Anthropic usage: input_tokens are the prompt tokens not read from the cache."""
+    return {"input_tokens": len(job.ids) - cached, "output_tokens": output_tokens,
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
@@ -192,7 +192,8 @@ async def messages_response(svc: Service, req: MessagesRequest, request) -> dict
     return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
             "model": req.model, "content": content, "stop_reason": "stop_sequence"
             if b.stopped and reason == "end_turn" else reason,
-            "stop_sequence": b.stop.matched, "usage": _usage(job, b, done)}
+            "stop_sequence": b.stop.matched,
+            "usage": _usage(job, b.n_tokens, done.cached_tokens if done else 0)}
 
 
 def _event(name: str, data: dict) -> str:
@@ -206,10 +207,14 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
     msg_id = "msg_" + uuid.uuid4().hex
 
     async def body():
+        # message_start waits for the admission, which tells the prompt-cache hit: its
+        # usage is the one message_delta repeats (Claude Code reads it from here)
+        started = await job.started()
+        cached = started.cached_tokens if started else 0
         yield _event("message_start", {"message": {
             "id": msg_id, "type": "message", "role": "assistant", "model": req.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(job.ids), "output_tokens": 0}}})
+            "usage": _usage(job, 0, cached)}})
         index, open_kind, done = -1, None, None
 
         def start(kind, block):
@@ -249,7 +254,8 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
         reason = _stop_reason(b, done)
         yield _event("message_delta", {"delta": {
             "stop_reason": "stop_sequence" if b.stopped and reason == "end_turn" else reason,
-            "stop_sequence": b.stop.matched}, "usage": _usage(job, b, done)})
+            "stop_sequence": b.stop.matched},
+            "usage": _usage(job, b.n_tokens, done.cached_tokens if done else cached)})
         yield _event("message_stop", {})
 
     return guarded_stream(svc, job, body(), "/v1/messages", _error_event)

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from kimi_mlx.server.jobs import Failed, Finished, Job, TokenOut, reseed_random, top_logprobs
+from kimi_mlx.server.jobs import Failed, Finished, Job, Started, TokenOut, reseed_random, top_logprobs
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -200,6 +200,7 @@ def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
             reseed_random()
             continue
         live[uid] = _Live(job, cached, ends, snaps, guard)
+        job.emit(Started(cached))
         engine._active = len(live)
     return True
 

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 from pydantic import BaseModel, ValidationError
 
 from kimi_mlx.generation.request import InputError, SamplingParams, check_context_strict
-from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, TokenOut
+from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, Started, TokenOut
 from kimi_mlx.server.reply import Event, ReplyBuilder
 
 log = logging.getLogger("kimi_mlx.server")
@@ -314,7 +314,7 @@ async def reply_events(job: Job, builder: ReplyBuilder, request=None,
                 checked = loop.time()
                 if await request.is_disconnected():
                     raise ClientGone()
-            if ev is None:
+            if ev is None or isinstance(ev, Started):
                 continue
             if isinstance(ev, TokenOut):
                 if builder.stopped:

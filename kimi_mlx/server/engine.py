@@ -18,7 +18,7 @@ import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.server.jobs import (Failed, Finished, Job, TokenOut, enqueue, reseed_random,
+from kimi_mlx.server.jobs import (Failed, Finished, Job, Started, TokenOut, enqueue, reseed_random,
                                   run_mlx_thread, top_logprobs)
 
 log = logging.getLogger("kimi_mlx.server")
@@ -89,7 +89,8 @@ class Engine:
         return self._active
 
     def submit(self, job: Job) -> Job:
-        return enqueue(self._jobs, job, self.max_queue)
+        """Queue `job`; `Busy` when max_queue jobs wait beyond the free slots."""
+        return enqueue(self._jobs, job, self.max_queue, self.max_concurrency, self._active)
 
     # ---------------------------------------------------------------- worker
 
@@ -174,6 +175,7 @@ class Engine:
             return
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)
+        job.emit(Started(cached))
         self.prefill(job.ids, cache, cached, job.segment_ends)
         if self.speculation is not None and not job.logits_processors:
             gen = self._speculate(job, cache)

@@ -16,12 +16,20 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from kimi_mlx.generation.request import SamplingParams
 
-__all__ = ["Busy", "TokenOut", "Finished", "Failed", "Event", "Job", "enqueue", "run_mlx_thread",
+__all__ = ["Busy", "Started", "TokenOut", "Finished", "Failed", "Event", "Job", "enqueue", "run_mlx_thread",
            "top_logprobs", "reseed_random"]
 
 
 class Busy(RuntimeError):
     """The request queue is full (the API answers 503 with Retry-After)."""
+
+
+@dataclass
+class Started:
+    """The job was admitted (its first event): `cached_tokens` of its prompt come from
+    the prompt cache, the same number its Finished reports."""
+
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -52,7 +60,7 @@ class Failed:
     message: str
 
 
-Event = Union[TokenOut, Finished, Failed]
+Event = Union[Started, TokenOut, Finished, Failed]
 
 
 @dataclass
@@ -76,6 +84,7 @@ class Job:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._queue: Optional[asyncio.Queue] = None
         self._sync: Optional[queue.Queue] = None
+        self._held: List[Event] = []
 
     def attach(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Deliver events to an asyncio queue on `loop` (or, with None, a thread queue)."""
@@ -95,26 +104,45 @@ class Job:
                 self.cancelled.set()
 
     async def next_event(self, timeout: Optional[float] = None) -> Event:
+        if self._held:
+            return self._held.pop(0)
         return await asyncio.wait_for(self._queue.get(), timeout)
 
+    async def started(self) -> Optional[Started]:
+        """Wait for the job's admission: its Started event, or None when another event
+        came first (an engine that sends none; it is kept for `next_event`)."""
+        ev = await self.next_event()
+        if isinstance(ev, Started):
+            return ev
+        self._held.insert(0, ev)
+        return None
+
     def events(self, timeout: float = 600.0):
-        """Blocking iterator over events (for threads and tests); ends after Finished/Failed."""
+        """Blocking iterator over the events after Started (for threads and tests): the
+        tokens, then Finished or Failed."""
         while True:
             ev = self._sync.get(timeout=timeout)
+            if isinstance(ev, Started):
+                continue
             yield ev
-            if not isinstance(ev, TokenOut):
+            if isinstance(ev, (Finished, Failed)):
                 return
 
     def cancel(self) -> None:
         self.cancelled.set()
 
 
-def enqueue(jobs: "queue.Queue", job, max_queue: int):
+def enqueue(jobs: "queue.Queue", job, max_queue: int, slots: int = 0, active: int = 0):
     """Put `job` on a worker's queue; `Busy` when `max_queue` jobs already wait (the one
-    admission rule of the one-process engine and the cluster engine)."""
-    waiting = jobs.qsize()
+    admission rule of the one-process engine and the cluster engine).
+
+    A job the worker has not taken yet waits only if no slot is free for it: of the
+    queued jobs, those beyond the worker's free slots (`slots` at once, `active` of them
+    generating) are the waiting ones. So a burst on an idle server fills every slot
+    before any request is counted against --max-queue."""
+    waiting = max(0, jobs.qsize() + active - slots)
     if waiting >= max_queue:
-        raise Busy(f"{waiting} requests are waiting (--max-queue {max_queue})")
+        raise Busy(f"{waiting} requests are waiting for a free slot (--max-queue {max_queue})")
     jobs.put(job)
     return job
 
