@@ -12,6 +12,7 @@ import json
 import threading
 
 import httpx
+import mlx.core as mx
 import openai
 import pytest
 
@@ -530,3 +531,93 @@ def test_unknown_model_404_names_the_served_id_only(servers):
     r = httpx.get(url + "/v1/models/" + MICRO.lstrip("/"), timeout=60)
     assert r.status_code == 404 and MICRO.lstrip("/") not in r.text.replace(repr(MICRO.lstrip("/")), "")
     assert [m["id"] for m in httpx.get(url + "/v1/models", timeout=60).json()["data"]] == ["micro"]
+
+
+# ------------------------------------------------------------------ issue item 9
+
+
+def _greedy(model, ids, n):
+    """n greedy tokens recomputing the whole sequence each step: no cache, no mlx-lm."""
+    out = list(ids)
+    for _ in range(n):
+        out.append(int(mx.argmax(model(mx.array(out)[None])[0, -1]).item()))
+    return out[len(ids):]
+
+
+def _completion_text(url, stream, **kw):
+    body = {"model": "micro", "temperature": 0, **kw}
+    if not stream:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        return r["choices"][0]["text"], r["choices"][0]["finish_reason"], r["usage"]
+    with httpx.stream("POST", url + "/v1/completions", timeout=120, json={
+            **body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        chunks = [json.loads(l[6:]) for l in s.iter_lines()
+                  if l.startswith("data: ") and l != "data: [DONE]"]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1]
+    return text, finish, chunks[-1]["usage"]
+
+
+def test_a_tail_held_back_for_a_stop_string_is_sent_at_the_end(servers):
+    """Ended by length while the text's tail is a proper prefix of a stop string: the
+    tail is still sent, streamed and not, equal to an independent greedy run."""
+    svc, url = servers[0]
+    specials = set(svc.tok.special_tokens.values())
+    ids = svc.tok.encode("Once upon a time")
+    ref = svc.tok.decode([t for t in _greedy(svc.engine.model, ids, 10) if t not in specials])
+    stop = ref[-3:] + "\x01never"
+    for stream in (False, True):
+        text, finish, _ = _completion_text(url, stream, prompt="Once upon a time",
+                                           max_tokens=10, stop=["\x02never", stop])
+        assert (text, finish) == (ref, "length"), stream
+    # ended by EOS (a scripted engine): the same for the chat channels and Anthropic
+    real = svc
+    reply = "Hmm.<|close|>think<|sep|><|open|>response<|sep|>Hello wor"
+    fake = make_service(MICRO, None, "micro", 1 << 20)
+    fake.wrapper, fake.tok, fake.context = real.wrapper, real.tok, real.context
+    fake.engine = _Scripted(real.tok.encode(reply, allow_special=True))
+    srv = BackgroundServer(create_app(fake)).start()
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=60, max_retries=0)
+        kw = dict(model="micro", messages=MSGS, max_tokens=100, stop=["world"])
+        r = c.chat.completions.create(**kw).choices[0]
+        assert (r.message.content, r.finish_reason) == ("Hello wor", "stop")
+        chunks = list(c.chat.completions.create(stream=True, **kw))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Hello wor"
+        import anthropic
+
+        a = anthropic.Anthropic(base_url=srv.url, api_key="x", timeout=60, max_retries=0)
+        akw = dict(model="micro", max_tokens=100, messages=MSGS, stop_sequences=["world"])
+        assert a.messages.create(**akw).content[-1].text == "Hello wor"
+        with a.messages.stream(**akw) as s:
+            assert s.get_final_message().content[-1].text == "Hello wor"
+    finally:
+        srv.stop()
+
+
+def test_a_prompt_equal_to_a_stored_snapshot_still_runs_its_last_token(servers):
+    """A request whose prompt is exactly a stored prompt-cache snapshot: the snapshot
+    covering the whole prompt is not reused (its last token must run to give the first
+    logits); the tokens equal a cold independent run, streamed and not."""
+    from kimi_mlx.generation.request import build_chat_prompt_with_ends
+    from kimi_mlx.text.chat_format import resolve_effort
+
+    svc, url = servers[0]
+    msgs = [{"role": "system", "content": "You answer in one word."},
+            {"role": "user", "content": "Sky colour?"}, {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Grass colour?"}]
+    r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "micro", "messages": msgs, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200
+    ids, ends = build_chat_prompt_with_ends(svc.tok, msgs, resolve_effort(None), None)
+    snaps = svc.engine.snapshot_points(ids, 0, ends)
+    stored = [e for e in snaps if tuple(ids[:e]) in svc.engine.prompt_cache._entries]
+    assert len(stored) >= 2, (snaps, stored)
+    prompt = ids[:stored[-1]]  # exactly the longest stored snapshot
+    specials = set(svc.tok.special_tokens.values())
+    ref = svc.tok.decode([t for t in _greedy(svc.engine.model, prompt, 6) if t not in specials])
+    for stream in (False, True):
+        text, finish, usage = _completion_text(url, stream, prompt=prompt, max_tokens=6)
+        assert text == ref, stream
+        assert usage["prompt_tokens"] == len(prompt)
+        assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < len(prompt)
