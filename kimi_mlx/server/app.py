@@ -25,7 +25,7 @@ from kimi_mlx.server.schemas import ChatRequest, CompletionRequest, CountTokensR
 
 log = logging.getLogger("kimi_mlx.server")
 
-_ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+_ROUTES = {"/health", "/metrics", "/openapi.json", "/v1/models", "/v1/chat/completions", "/v1/completions",
            "/v1/messages", "/v1/messages/count_tokens"}
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -116,14 +116,32 @@ def create_app(svc: Service) -> FastAPI:
     """The ASGI app serving `svc` (whose engine may still be loading: 503 until then):
     error shapes, then the info routes (/health, /metrics, /v1/models), then one route per
     API dialect (OpenAI chat and completions, Anthropic messages)."""
-    app = FastAPI(title="kimi-mlx server", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kimi-mlx server", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.svc = svc
+    _add_openapi(app, svc)
     _add_error_handlers(app)
     if svc.metrics is not None:
         app.add_middleware(_CountRequests, metrics=svc.metrics)
     _add_info_routes(app, svc)
     _add_api_routes(app, svc)
     return app
+
+
+def _add_openapi(app: FastAPI, svc: Service) -> None:
+    """GET /openapi.json: FastAPI's document plus the generating routes' request and
+    response schemas (`server.openapi`), top_k bounded by the loaded model's vocabulary
+    (rebuilt per call: the model may load after the first)."""
+    from fastapi.openapi.utils import get_openapi
+
+    from kimi_mlx.server.common import n_vocab
+    from kimi_mlx.server.openapi import add_generation_routes
+
+    def openapi():
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        return add_generation_routes(schema, n_vocab(svc))
+
+    app.openapi = openapi
 
 
 def _add_error_handlers(app: FastAPI) -> None:
