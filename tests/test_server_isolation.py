@@ -622,3 +622,29 @@ def test_a_prompt_equal_to_a_stored_snapshot_still_runs_its_last_token(servers):
         assert text == ref, stream
         assert usage["prompt_tokens"] == len(prompt)
         assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < len(prompt)
+
+
+@pytest.mark.parametrize("path,fields", [
+    ("/v1/messages", {"tool_choice": {"type": []}}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "a", "content": [5]}]}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": ["a"], "content": "x"}]}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": [], "name": "f", "input": {}}]}]}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "a", "name": "f", "input": "x"}]}]}),
+    ("/v1/messages", {"system": [{"type": "text", "text": None}]}),
+    ("/v1/messages", {"system": ["x"]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "",
+                                            "tool_calls": [{"id": [], "function": "x"}]}]}),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": "",
+                                            "tool_calls": [{"id": "a", "function": {"name": []}}]}]}),
+])
+def test_malformed_content_blocks_are_400s(servers, path, fields):
+    _, url = servers[0]
+    for p in (path, "/v1/messages/count_tokens") if path == "/v1/messages" else (path,):
+        body = {**ENDPOINTS[p], **fields}
+        r = httpx.post(url + p, json=body, timeout=60)
+        assert r.status_code == 400, (p, r.text)

@@ -20,13 +20,31 @@ from kimi_mlx.server.schemas import MessagesRequest
 _STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
+_KINDS = {str: "a string", dict: "an object", list: "a list"}
+
+
+def _get(block, key: str, where: str, kind=str, default=""):
+    """block[key] (or `default`) when it is a `kind`; APIError 400 naming it otherwise."""
+    value = block.get(key, default)
+    if not isinstance(value, kind):
+        raise APIError(400, f"{where}: a {block.get('type')!r} block's {key!r} must be "
+                       f"{_KINDS[kind]}, got {type(value).__name__}", param="messages")
+    return value
+
+
 def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or a list of blocks",
+                       param="messages")
     parts = []
-    for block in content or []:
+    for block in content:
+        if not isinstance(block, dict):
+            raise APIError(400, f"{where}: a content block must be an object, got "
+                           f"{type(block).__name__}", param="messages")
         if block.get("type") == "text":
-            parts.append(block.get("text", ""))
+            parts.append(_get(block, "text", where))
         else:
             raise APIError(400, f"{where}: content block type {block.get('type')!r} is not "
                            "supported here (text only)", param="messages")
@@ -50,15 +68,16 @@ def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
             for b in m.content:
                 t = b.get("type")
                 if t == "text":
-                    text.append(b.get("text", ""))
+                    text.append(_get(b, "text", where))
                 elif t == "thinking":
-                    reasoning.append(b.get("thinking", ""))
+                    reasoning.append(_get(b, "thinking", where))
                 elif t == "redacted_thinking":
                     continue
                 elif t == "tool_use":
-                    names[b.get("id", "")] = b.get("name", "")
-                    calls.append({"id": b.get("id"), "type": "function",
-                                  "function": {"name": b.get("name"), "arguments": b.get("input", {})}})
+                    call_id, name = _get(b, "id", where), _get(b, "name", where)
+                    names[call_id] = name
+                    calls.append({"id": call_id or None, "type": "function", "function": {
+                        "name": name, "arguments": _get(b, "input", where, dict, {})}})
                 else:
                     raise APIError(400, f"{where}: assistant content block {t!r} is not supported",
                                    param="messages")
@@ -73,16 +92,17 @@ def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
         for b in m.content:
             t = b.get("type")
             if t == "text":
-                text.append(b.get("text", ""))
+                text.append(_get(b, "text", where))
             elif t == "tool_result":
                 if text:
                     out.append({"role": "user", "content": "".join(text)})
                     text = []
                 body = b.get("content", "")
                 body = _text(body, f"{where} tool_result") if not isinstance(body, str) else body
-                tool = {"role": "tool", "content": body, "tool_call_id": b.get("tool_use_id")}
-                if names.get(b.get("tool_use_id")):
-                    tool["name"] = names[b["tool_use_id"]]
+                call_id = _get(b, "tool_use_id", where)
+                tool = {"role": "tool", "content": body, "tool_call_id": call_id or None}
+                if names.get(call_id):
+                    tool["name"] = names[call_id]
                 out.append(tool)
             else:
                 raise APIError(400, f"{where}: user content block {t!r} is not supported "
@@ -98,7 +118,7 @@ _TOOL_CHOICE = {"auto": None, "any": "required", "none": "none"}
 def _tools(req: MessagesRequest):
     """(tools in OpenAI form or None, encode_chat options) of a messages request."""
     choice = (req.tool_choice or {}).get("type", "auto")
-    if choice not in _TOOL_CHOICE:
+    if not isinstance(choice, str) or choice not in _TOOL_CHOICE:
         raise APIError(400, f"tool_choice {choice!r} is not supported: use one of "
                        f"{', '.join(_TOOL_CHOICE)}", param="tool_choice")
     if not req.tools:

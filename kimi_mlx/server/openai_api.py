@@ -48,8 +48,9 @@ def chat_messages(req: ChatRequest) -> List[Dict[str, Any]]:
         if d["role"] == "developer":
             d["role"] = "system"
         for call in d.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            if call.get("id") and fn.get("name"):
+            fn = call.get("function")
+            # (malformed calls are left for the prompt encoder, whose 400 names them)
+            if isinstance(fn, dict) and isinstance(call.get("id"), str) and isinstance(fn.get("name"), str):
                 names[call["id"]] = fn["name"]
         if d["role"] == "tool" and "name" not in d and d.get("tool_call_id") in names:
             d["name"] = names[d["tool_call_id"]]
