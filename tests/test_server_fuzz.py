@@ -36,7 +36,7 @@ from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
 
 MICRO = str(default_model())
 LONG = int(os.environ.get("KIMI_FUZZ_EXAMPLES", "0"))
-FUZZ_EXAMPLES = LONG or 16
+FUZZ_EXAMPLES = LONG or 10
 MAX_TOKENS = 4
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance]
