@@ -648,3 +648,64 @@ def test_malformed_content_blocks_are_400s(servers, path, fields):
         body = {**ENDPOINTS[p], **fields}
         r = httpx.post(url + p, json=body, timeout=60)
         assert r.status_code == 400, (p, r.text)
+
+
+# ------------------------------------------------------------------ the cluster server
+
+
+@pytest.fixture(scope="module")
+def cluster_url(tmp_path_factory):
+    """`kimi-mlx cluster server` on micro with 2 pipeline stages on loopback."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from kimi_mlx.testing.cluster import LocalCluster
+
+    cluster = LocalCluster(tmp_path_factory.mktemp("iso2"), n=2, prefix="iso")
+    port = 41000 + os.getpid() % 900
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "server", "--model",
+         str(cluster.ckpt), "--nodes", ",".join(p.address for p in cluster.procs),
+         "--secret-file", str(cluster.secret_file), "--port", str(port),
+         "--peer-timeout", "3", "--served-model-name", "micro"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                pytest.fail("cluster server did not start: " + proc.stderr.read1(8000).decode())
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        cluster.stop()
+
+
+def test_cluster_server_refuses_bad_parameters_before_admission(cluster_url):
+    url = cluster_url
+    greedy = {"model": "micro", "messages": MSGS, "max_tokens": 4, "temperature": 0}
+    before = httpx.post(url + "/v1/chat/completions", json=greedy, timeout=120).json()
+    for fields, name, bounds in BAD[:6]:
+        for stream in (False, True):
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                **greedy, "temperature": 1, "stream": stream, **fields})
+            assert r.status_code == 400, (fields, r.text)
+            assert name in r.text and bounds in r.text, (fields, r.text)
+    r = httpx.post(url + "/v1/chat/completions", content=json.dumps(greedy), timeout=60,
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 415
+    _unseeded_ok(url)
+    after = httpx.post(url + "/v1/chat/completions", json=greedy, timeout=120).json()
+    assert after["choices"][0]["message"] == before["choices"][0]["message"]
