@@ -25,6 +25,14 @@ $(STAMP): pyproject.toml setup.py
 	    echo "note: libopenblas0-pthread not installed; MLX falls back to its slow reference BLAS"; \
 	  else echo "note: install libopenblas0-pthread for ~9x faster CPU matmul"; fi; \
 	fi
+	@# the chat page's browser tests (tests/test_web.py) drive Debian's chromium; skipped without it
+	@if [ "$$(uname -s)" = Linux ] && ! command -v chromium >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get install -y -q chromium >/dev/null 2>&1 || \
+	     (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
+	    echo "note: chromium not installed; the chat page's browser tests will be skipped"; \
+	  else echo "note: install chromium to run the chat page's browser tests"; fi; \
+	fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[dev]"
@@ -63,7 +71,8 @@ bench: install
 	@echo
 	$(BIN)/python -m kimi_mlx.cluster.bench.hop
 
-# 1, 4, 8 concurrent HTTP clients vs one at a time: one process and a 3-stage cluster.
+# 1, 4, 8 concurrent HTTP clients vs one at a time: one process and a 3-stage cluster;
+# then the cluster's prompt cache: time to first token of turn 3 with a 2k-token history.
 bench-server: install
 	$(BIN)/python -m kimi_mlx.bench.server
 

@@ -4,9 +4,20 @@ pipeline behind it.
 `ClusterEngine` has the server engine's interface (`submit(job)`, `queue_length`,
 `active`, `health()`): each of up to `max_concurrency` worker threads runs one request as
 its own pipeline session (`head.Pipeline.generate_step`), so different stages work on
-different requests at once (pipeline fill). Past `max_queue` waiting requests the API
-answers 503 + Retry-After. A lost stage fails the requests on it, and /health reports it
-(503, naming the stage) until the server is restarted.
+different requests at once (pipeline fill). With `batch`, the sessions' decode steps
+go through the stages together, one message per step (`head.Batcher`), each stage
+running them as one batched forward pass (`runner.StageRunner.run_rows`). Past
+`max_queue` waiting requests the API answers 503 + Retry-After. A lost stage fails the
+requests on it (never retried on another placement), and /health reports it (503,
+naming the stage and node) within seconds, even when idle; the
+`recovery.PipelineKeeper` then reloads the stage when its node answers again, or
+re-plans over the nodes left with `--replan`, and /health says which it is doing until
+the pipeline serves again.
+
+With a `prompt_cache.HeadCacheIndex`, each request starts from the longest prompt prefix
+every stage still holds a snapshot of (asked with `CacheLookup` just before), and asks
+the stages to snapshot at the one-process server's points (message ends, every N
+tokens); `cached_tokens` reports the prefix restored (`cluster.prompt_cache`).
 """
 
 from __future__ import annotations
@@ -32,8 +43,42 @@ class ClusterEngine:
     unsupported_penalties = ("repetition_penalty",)
 
     def __init__(self, pipeline, eos_ids: Sequence[int], max_concurrency: int = 4,
-                 max_queue: int = 64, metrics=None):
-        self.pipeline = pipeline
+                 max_queue: int = 64, metrics=None, keeper=None, speculation=None,
+                 model_args=None, prompt_cache=None, batch: bool = False):
+        if speculation is not None and max_concurrency != 1:
+            raise ValueError(f"speculative decoding serves one request at a time, not "
+                             f"{max_concurrency}")
+        self.speculation = speculation  # kimi_mlx.speculative.loop.Speculation (draft on the head)
+        self.model_args = model_args  # the target's ModelArgs (vocab_size for the verify)
+        self._pipeline = pipeline
+        # batched decode (head.Batcher, one per pipeline): the decode steps of the requests
+        # in flight go through the stages as one message per step
+        self.batch = batch and speculation is None and max_concurrency > 1
+        self._batcher = None
+        self._batcher_of = None
+        self._steps_done = [0, 0]  # of batchers replaced since (a recovery)
+        if self.batch and metrics is not None:
+            from prometheus_client import Gauge
+
+            Gauge("kimi_mlx_cluster_batched_steps", "batched decode messages sent through "
+                  "the pipeline", registry=metrics.registry).set_function(lambda: self._batched()[0])
+            Gauge("kimi_mlx_cluster_batched_rows", "decode positions those messages carried "
+                  "(rows / steps = mean batch)", registry=metrics.registry).set_function(
+                lambda: self._batched()[1])
+        # cluster.prompt_cache.HeadCacheIndex: snapshots on the stages (None: every request
+        # prefills its whole prompt; a draft decodes without it)
+        self.prompt_cache = prompt_cache if speculation is None else None
+        self._lookups = None
+        if self.prompt_cache is not None and metrics is not None:
+            from prometheus_client import Counter
+
+            self._lookups = Counter(
+                "kimi_mlx_cluster_prompt_cache_lookups", "requests that found remembered "
+                "prompt prefixes, by result: hit (the longest restored on every stage), "
+                "shorter (a stage had lost it: a shorter prefix all held), miss (none held "
+                "by all: full prefill), refused (lost between lookup and open: full prefill)",
+                ["result"], registry=metrics.registry)
+        self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
         self.eos_ids = set(eos_ids)
         self.max_concurrency = max_concurrency
         self.max_queue = max_queue
@@ -45,12 +90,23 @@ class ClusterEngine:
         self._threads = [threading.Thread(target=self._worker, name=f"kimi-mlx-session-{i}",
                                           daemon=True) for i in range(max_concurrency)]
 
+    @property
+    def pipeline(self):
+        """The pipeline requests start on now (the keeper's, after a recovery)."""
+        return self.keeper.pipeline if self.keeper is not None else self._pipeline
+
     def start(self) -> "ClusterEngine":
         for t in self._threads:
             t.start()
+        if self.keeper is not None:
+            self.keeper.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        if self.keeper is not None:
+            self.keeper.stop(timeout)
+        if self._batcher is not None:
+            self._batcher.close()
         for _ in self._threads:
             self._jobs.put(None)
         for t in self._threads:
@@ -65,14 +121,25 @@ class ClusterEngine:
         return self._active
 
     def health(self) -> Optional[str]:
-        """None while every stage serves; else which stage was lost."""
-        return self.lost
+        """None while every stage serves; else which stage was lost (and, with a keeper,
+        what it is doing about it)."""
+        return self.keeper.status() if self.keeper is not None else self.lost
+
+    def stages(self) -> list:
+        """The pipeline's stages for /health: [{"index", "node", "address", "layers":
+        [start, end], "ok", "reason"}]; a lost stage has ok False and why."""
+        t = self.pipeline.transport
+        lost = getattr(t, "lost", {}) or {}
+        return [{"index": i, "node": a.node.node_id, "address": a.node.address,
+                 "layers": [a.start, a.end], "ok": i not in lost, "reason": lost.get(i)}
+                for i, a in enumerate(getattr(t, "stages", []))]
 
     def submit(self, job):
         from kimi_mlx.server.jobs import Busy, enqueue
 
-        if self.lost:
-            raise Busy(f"the pipeline is down ({self.lost})")
+        down = self.health()
+        if down:
+            raise Busy(f"the pipeline is down ({down})")
         return enqueue(self._jobs, job, self.max_queue, self.max_concurrency, self._active)
 
     def _worker(self) -> None:
@@ -95,7 +162,10 @@ class ClusterEngine:
                 from kimi_mlx.cluster.transport import StageFailure
 
                 if isinstance(e, StageFailure) and e.lost:
-                    self.lost = f"stage lost: {e}"
+                    if self.keeper is not None:
+                        self.keeper.check()
+                    else:
+                        self.lost = f"stage lost: {e}"
                 log.exception("pipeline generation failed")
                 job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
                 reseed_random()  # head-side sampling shares this process's random state
@@ -112,23 +182,36 @@ class ClusterEngine:
 
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
+            if self.metrics is not None:  # left while queued: nothing generated
+                self.metrics.finished_requests.labels("cancelled").inc()
             return
-        job.emit(Started(0))
         p = job.sampling
         want_lp = job.logprobs is not None
         choose = head_chooser(job) if job.logits_processors else None
         # with head-side sampling the last stage samples greedily, and its token is unused
         sampling = Sampling() if choose else Sampling(p.temp, p.top_p, p.min_p, p.top_k, p.seed)
         tic = time.perf_counter()
-        gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
-                                          return_logprobs=want_lp or choose is not None,
-                                          choose=choose)
+        start = {"cached": 0}
+        if self.speculation is not None and not job.logits_processors:
+            gen = self._speculate(job)
+        elif self.prompt_cache is not None:
+            gen = self._cached_generate(job, sampling, want_lp or choose is not None, choose,
+                                        start)
+        else:
+            extra = {"batcher": self.batcher()} if self.batch else {}
+            gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
+                                              return_logprobs=want_lp or choose is not None,
+                                              choose=choose, **extra)
         reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
         try:
             for tok, lp in gen:
                 if n == 0:
                     t_gen = time.perf_counter()
-                    prompt_tps = len(job.ids) / max(t_gen - tic, 1e-9)
+                    prompt_tps = (len(job.ids) - start["cached"]) / max(t_gen - tic, 1e-9)
+                    # the restored prefix is known once the stages took the session (a
+                    # refused snapshot means a full prefill): Anthropic's message_start
+                    # waits for this, so its usage is the one message_delta repeats
+                    job.emit(Started(start["cached"]))
                 if job.cancelled.is_set():
                     reason = "cancelled"
                     break
@@ -144,10 +227,113 @@ class ClusterEngine:
         finally:
             gen.close()  # ends the session on every stage
         dt = time.perf_counter() - t_gen
-        done = Finished(reason, len(job.ids), 0, n, prompt_tps, n / dt if dt > 0 else 0.0)
+        done = Finished(reason, len(job.ids), start["cached"], n, prompt_tps,
+                        n / dt if dt > 0 else 0.0)
         if self.metrics is not None:
             self.metrics.finished(done)
         job.emit(done)
+
+    def _batched(self):
+        b = self._batcher
+        return (self._steps_done[0] + (b.steps if b else 0),
+                self._steps_done[1] + (b.rows if b else 0))
+
+    def batcher(self):
+        """The `head.Batcher` of the current pipeline (None without batching); a new
+        pipeline (after a recovery) gets a new one."""
+        if not self.batch:
+            return None
+        from kimi_mlx.cluster.head import Batcher
+
+        with self._lock:
+            pipeline = self.pipeline
+            if self._batcher_of is not pipeline:
+                if self._batcher is not None:
+                    self._batcher.close()
+                    self._steps_done[0] += self._batcher.steps
+                    self._steps_done[1] += self._batcher.rows
+                self._batcher, self._batcher_of = Batcher(pipeline.transport), pipeline
+            return self._batcher
+
+    def _restore_point(self, ids):
+        """((key, n) of the longest remembered prefix of ids that every stage still holds,
+        or None; n, 0 without one), counted in /metrics."""
+        cands = self.prompt_cache.candidates(ids)
+        if not cands:
+            return None, 0
+        held = set(self.pipeline.transport.cache_lookup([k for _, k in cands]) or ())
+        for i, (n, key) in enumerate(cands):
+            if key in held:
+                self._count("hit" if i == 0 else "shorter")
+                return (key, n), n
+        self._count("miss")
+        return None, 0
+
+    def _count(self, result: str) -> None:
+        if self._lookups is not None:
+            self._lookups.labels(result).inc()
+
+    def _cached_generate(self, job, sampling, return_logprobs, choose, start):
+        """`Pipeline.generate_step` from the longest prefix the stages hold, taking
+        snapshots where the policy says (`HeadCacheIndex.plan`); start["cached"] = prompt
+        tokens restored. A stage that lost the snapshot since the lookup refuses the
+        session before any token: then the prompt is prefilled in full, on the same
+        pipeline."""
+        from kimi_mlx.cluster.prompt_cache import CACHE_MISS
+        from kimi_mlx.cluster.transport import StageFailure
+
+        restore, cached = self._restore_point(job.ids)
+        while True:
+            start["cached"] = cached
+            snaps = self.prompt_cache.plan(job.ids, cached, job.segment_ends)
+            gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
+                                              return_logprobs=return_logprobs, choose=choose,
+                                              restore=restore, snapshots=snaps,
+                                              batcher=self.batcher())
+            first = True
+            try:
+                for item in gen:
+                    first = False
+                    yield item
+                return
+            except StageFailure as e:
+                if restore is None or not first or e.lost or CACHE_MISS not in str(e):
+                    raise
+                log.warning("prompt cache: %s; prefilling in full", e)
+                self._count("refused")
+                restore, cached = None, 0
+            finally:
+                gen.close()
+
+    def _speculate(self, job):
+        """(token, logprobs [vocab]) of `job` by speculative decoding through the pipeline
+        (`cluster.speculative.speculative_pipeline_step`: the draft on this head, each
+        verify step one message through the stages), with the job's sampling; greedy
+        output is the plain output token for token. A seeded request seeds MLX's global
+        PRNG, which only this one sequence uses (one request at a time)."""
+        import mlx.core as mx
+
+        from kimi_mlx.speculative.loop import Sampling
+
+        from kimi_mlx.cluster.speculative import speculative_pipeline_step
+
+        spec, p = self.speculation, job.sampling
+        if p.seed is not None:
+            mx.random.seed(p.seed)
+        st = spec.stats
+        before = (st.steps, st.drafted, st.accepted)
+        gen = speculative_pipeline_step(
+            self.pipeline, job.ids, spec.draft, self.model_args,
+            num_draft_tokens=spec.num_draft_tokens, max_tokens=job.max_tokens,
+            sampling=Sampling(p.temp, p.top_p, p.min_p, p.top_k), stats=st)
+        try:
+            for tok, lp, _from_draft in gen:
+                yield tok, lp
+        finally:
+            gen.close()
+            if self.metrics is not None:
+                self.metrics.speculated(st.steps - before[0], st.drafted - before[1],
+                                        st.accepted - before[2])
 
 
 def head_chooser(job):
@@ -177,6 +363,35 @@ def head_chooser(job):
     return choose
 
 
+def make_keeper(args, cluster, fp: str, pipeline):
+    """A `recovery.PipelineKeeper` for the server's pipeline: it reconnects through
+    `cluster.connect()` (the launcher's discovery, checks, plan and load) with the nodes
+    it excludes, and asks lost nodes for the checkpoint `fp` with `head.check_nodes`."""
+    from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
+    from kimi_mlx.cluster.head import check_nodes
+    from kimi_mlx.cluster.recovery import PipelineKeeper
+
+    def reconnect(excluded):
+        cluster.excluded = set(excluded)
+        return cluster.connect()
+
+    def probe(nodes):
+        t, channels = cluster.transport, []
+
+        def stub_for(address):
+            channels.append(t.channel_for(address))
+            return pb_grpc.StageStub(channels[-1])
+
+        try:
+            return check_nodes(nodes, stub_for, fp, check_version=not args.allow_version_mismatch,
+                               channel_for=t.channel_for)
+        finally:
+            for ch in channels:
+                ch.close()
+
+    return PipelineKeeper(pipeline, reconnect, probe, replan=args.replan)
+
+
 def add_arguments(q) -> None:
     """Flags of `kimi-mlx cluster server`: the model, `cluster launch`'s node flags (added
     by the caller) and the HTTP flags of `kimi-mlx server`."""
@@ -185,9 +400,25 @@ def add_arguments(q) -> None:
     q.add_argument("--model", default=None,
                    help="checkpoint folder (default: the shipped micro model); the nodes "
                         "need the same files")
+    from kimi_mlx.generation.request import add_draft_arguments
+
     add_server_arguments(q, log_level=False)
-    q.add_argument("--max-concurrency", type=int, default=4,
-                   help="requests in flight through the pipeline at once (default 4)")
+    q.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight through the pipeline at once (default 4; 1, the "
+                        "default and the only choice, with --draft-model)")
+    q.add_argument("--no-prompt-cache", action="store_true",
+                   help="prefill every prompt in full (default: the stages keep snapshots "
+                        "of their caches, bounded by each stage's `cluster serve "
+                        "--cache-bytes`, and a request restores the longest prefix all hold)")
+    q.add_argument("--no-batch", action="store_true",
+                   help="one message per request per token (default: the decode steps of the "
+                        "requests in flight go through the stages as one batched message)")
+    q.add_argument("--prompt-cache-every", type=int, default=1024,
+                   help="also snapshot every this many prefill tokens, besides message ends "
+                        "(default 1024; 0 = message ends only)")
+    add_draft_arguments(q, note=" (loaded on this head, which drafts; the stages verify): "
+                        "one request at a time, every request speculatively (requests with "
+                        "penalties or logit_bias decode plainly)")
 
 
 def run(args, cluster_factory, tokenizers) -> int:
@@ -200,13 +431,17 @@ def run(args, cluster_factory, tokenizers) -> int:
     from kimi_mlx.model.config import ModelArgs, read_config
     from kimi_mlx.generation.request import InputError, generation_defaults, resolve_model_arg
     from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.serving import check_server_arguments, make_service, resolve_api_key, serve
+    from kimi_mlx.server.serving import (check_draft_server_arguments, check_server_arguments,
+                                         make_service, resolve_api_key, serve)
 
     from kimi_mlx.cluster.auth import AuthError, load_secret
     from kimi_mlx.cluster.fingerprint import FingerprintError, fingerprint, is_checkpoint
 
     try:
+        check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
         check_server_arguments(args)
+        if args.prompt_cache_every < 0:
+            raise InputError(f"--prompt-cache-every must be >= 0, got {args.prompt_cache_every}")
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):
@@ -231,9 +466,20 @@ def run(args, cluster_factory, tokenizers) -> int:
     cluster = cluster_factory(args, secret, model_dir, fp, args.context)
 
     def load():
+        speculation = None
+        if args.draft_model:  # before the stages load: a wrong draft fails fast
+            from kimi_mlx.speculative.loop import Speculation, load_draft
+
+            speculation = Speculation(load_draft(args.draft_model, wrapper, spec),
+                                      args.num_draft_tokens)
         pipeline = cluster.connect()
+        keeper = make_keeper(args, cluster, fp, pipeline)
+        from kimi_mlx.cluster.prompt_cache import HeadCacheIndex
+
+        index = None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every)
         svc.engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
-                                   args.max_queue, svc.metrics).start()
+                                   args.max_queue, svc.metrics, keeper, speculation,
+                                   margs, index, batch=not args.no_batch).start()
         log.warning("serving %s through %s", svc.model_ids[0], "the pipeline")
 
     def cleanup():

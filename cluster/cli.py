@@ -59,6 +59,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sessions held at once, of all heads together (default 16); one "
                         "more is refused with RESOURCE_EXHAUSTED naming the limit")
     q.add_argument("--max-message-mb", type=int, default=256, help="largest message (default 256)")
+    q.add_argument("--cache-bytes", default=None,
+                   help="bytes of prompt-cache snapshots of this stage's layers kept for the "
+                        "head, e.g. 8GB (default: a quarter of the usable memory left after "
+                        "loading; 0 = none)")
     _common(q)
 
     q = sub.add_parser("ls", help="list the nodes advertising on the network", description="List the nodes advertising on the network.")
@@ -207,6 +211,8 @@ def _serve(args) -> int:
         secret = load_secret(args.secret_file)
         addresses = interface_addresses(args.interface)
         usable = parse_bytes(args.usable_memory) if args.usable_memory else None
+        cache_bytes = (parse_bytes(args.cache_bytes, default_unit="B") if args.cache_bytes is not None
+                       else None)
         if args.tls:  # fail before scanning the models folder, with auth's own message
             from kimi_mlx.cluster.auth import server_credentials
 
@@ -222,7 +228,8 @@ def _serve(args) -> int:
         node_id, Path(args.models).expanduser(), secret, tls_secret_path=tls,
         idle_timeout=args.idle_timeout, max_sessions=args.max_sessions,
         max_message=args.max_message_mb << 20, usable_memory=usable,
-        bandwidth=int(args.bandwidth_gbs * 1e9) if args.bandwidth_gbs else None)
+        bandwidth=int(args.bandwidth_gbs * 1e9) if args.bandwidth_gbs else None,
+        cache_bytes=cache_bytes)
     try:
         server = StageServer(service, listen, port, secret, tls_secret_path=tls).start()
     except (OSError, RuntimeError, AuthError) as e:

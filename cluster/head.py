@@ -16,7 +16,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
@@ -31,15 +31,19 @@ log = logging.getLogger("kimi_mlx.cluster.head")
 DEFAULT_PREFILL_CHUNK = 128
 
 
-def prefill_chunks(n_prompt: int, chunk: int) -> List[Tuple[int, int]]:
-    """(offset, length) of the prefill chunks for a prompt of `n_prompt` tokens: the
-    first n_prompt - 1 tokens in chunks of at most `chunk` (as mlx-lm's generate_step
-    with prefill_step_size=chunk); the last token is sent on its own to be sampled."""
-    out, off = [], 0
-    while n_prompt - 1 - off > 0:
-        n = min(chunk, n_prompt - 1 - off)
-        out.append((off, n))
-        off += n
+def prefill_chunks(n_prompt: int, chunk: int, start: int = 0,
+                   stops: Sequence[int] = ()) -> List[Tuple[int, int]]:
+    """(offset, length) of the prefill chunks for a prompt of `n_prompt` tokens: tokens
+    [start, n_prompt - 1) in chunks of at most `chunk` (as mlx-lm's generate_step with
+    prefill_step_size=chunk), also ending at each position of `stops` (prompt-cache
+    snapshot points); the last token is sent on its own to be sampled."""
+    out, off = [], start
+    ends = sorted(e for e in set(stops) if start < e < n_prompt - 1) + [n_prompt - 1]
+    for end in ends:
+        while end - off > 0:
+            n = min(chunk, end - off)
+            out.append((off, n))
+            off += n
     return out
 
 
@@ -65,6 +69,9 @@ class Pipeline:
                       max_tokens: int = 256, return_logprobs: bool = False,
                       pipelined: bool = True, session: Optional[str] = None,
                       choose: Optional[Callable[[object], Tuple[int, object]]] = None,
+                      restore: Optional[Tuple[str, int]] = None,
+                      snapshots: Optional[Dict[int, str]] = None,
+                      batcher: Optional["Batcher"] = None,
                       ) -> Iterator[Tuple[int, Optional[object]]]:
         """Yield (token, logprobs or None), like mlx-lm's `generate_step`.
 
@@ -79,6 +86,14 @@ class Pipeline:
                 stage's logprobs float32 [vocab] for each position, returns (token,
                 logprobs) to yield; that token, not the last stage's, is fed back (the
                 server applies logits processors this way).
+            restore: (prompt-cache key, n): every stage starts from its snapshot of the
+                first n prompt tokens (the head checked they all hold it); the prefill
+                starts at n. A stage that has lost it refuses the session (a
+                `StageFailure` whose message says `prompt_cache.CACHE_MISS`).
+            snapshots: {position e: key}: every stage keeps a snapshot of the first e
+                prompt tokens (n < e < len(prompt)) under key; chunks end there.
+            batcher: decode through this `Batcher` (one batched message per step for
+                all the sessions decoding at once) instead of one message per token.
         Raises:
             StageFailure: a stage was lost or refused (the session is freed everywhere
                 reachable before this propagates out of the caller's `abort`).
@@ -91,18 +106,30 @@ class Pipeline:
         t = self.transport
         sampling = sampling or Sampling()
         sid = session or f"s-{uuid.uuid4().hex[:16]}"
-        t.open(sid, sampling, return_logprobs)
+        start = restore[1] if restore else 0
+        if not 0 <= start < len(prompt):
+            raise ValueError(f"restored prefix of {start} tokens for a prompt of {len(prompt)}")
+        snapshots = snapshots or {}
+        t.open(sid, sampling, return_logprobs, restore=restore) if restore else \
+            t.open(sid, sampling, return_logprobs)
         ok = False
         try:
             seq = 0
-            for off, n in prefill_chunks(len(prompt), self.prefill_chunk):
-                t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined)
+            for off, n in prefill_chunks(len(prompt), self.prefill_chunk, start, list(snapshots)):
+                key = snapshots.get(off + n)
+                if key:
+                    t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined,
+                           snapshot_key=key)
+                else:
+                    t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined)
                 seq += 1
                 if not pipelined:
                     t.receive(sid, self.step_timeout)
             offset = len(prompt) - 1
             t.send(sid, seq, offset, prompt[-1:], sample=True)
             n = 0
+            if batcher is not None:
+                batcher.join(sid)
             while True:
                 r = t.receive(sid, self.step_timeout)
                 token, logprobs = (r.token, r.logprobs) if choose is None else choose(r.logprobs)
@@ -111,16 +138,111 @@ class Pipeline:
                 if n == max_tokens:
                     break
                 seq, offset = seq + 1, offset + 1
-                t.send(sid, seq, offset, [token], sample=True)
+                if batcher is not None:
+                    batcher.step(sid, seq, offset, token)
+                else:
+                    t.send(sid, seq, offset, [token], sample=True)
             ok = True
         except GeneratorExit:  # the caller stopped early (end of message): a clean end
             ok = True
             raise
         finally:
+            if batcher is not None:
+                batcher.leave(sid)
             try:
                 t.close(sid) if ok else t.cancel(sid)  # never wait on a failed pipeline
             except Exception as e:
                 log.debug("close %s: %s", sid, e)
+
+
+class Batcher:
+    """Batched decode through the pipeline: the decode steps of the sessions in flight
+    (`Pipeline.generate_step(batcher=...)`) go through the stages as one message per
+    step (`Transport.send_rows`), which every stage runs as one batched forward pass
+    (`runner.StageRunner.run_rows`); each session still receives its own token.
+
+    A sender thread flushes the steps waiting once every session decoding has posted
+    its step, or `wait_s` after the first one did (a session that joins, or one slower
+    than the rest, then rides in the next message). Prefill stays on each session's
+    own stream, so a joining request's chunks pass between decode steps.
+    """
+
+    def __init__(self, transport: Transport, wait_s: float = 0.003):
+        self.t = transport
+        self.wait_s = wait_s
+        self._cond = threading.Condition()
+        self._pending: Dict[str, tuple] = {}
+        self._members: set = set()
+        self._group: Optional[str] = None
+        self._seq = 0
+        self._stopped = False
+        self.steps = 0  # messages sent
+        self.rows = 0  # decode positions they carried
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="batcher")
+        self._thread.start()
+
+    def join(self, sid: str) -> None:
+        with self._cond:
+            self._members.add(sid)
+
+    def leave(self, sid: str) -> None:
+        with self._cond:
+            self._members.discard(sid)
+            self._pending.pop(sid, None)
+            self._cond.notify_all()
+
+    def step(self, sid: str, seq: int, offset: int, token: int) -> None:
+        """Queue session `sid`'s next decode step (message `seq`, position `offset`)."""
+        with self._cond:
+            self._pending[sid] = (sid, seq, offset, int(token))
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(2.0)
+        if self._group is not None:
+            try:
+                self.t.cancel(self._group)
+            except Exception as e:  # noqa: BLE001 - best effort
+                log.debug("batch stream: %s", e)
+
+    def _loop(self) -> None:
+        import time
+
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopped:
+                    self._cond.wait(0.5)
+                if self._stopped:
+                    return
+                end = time.monotonic() + self.wait_s
+                while len(self._pending) < len(self._members) and not self._stopped:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
+                rows = list(self._pending.values())
+                self._pending.clear()
+            if rows:
+                self._send(rows)
+
+    def _send(self, rows) -> None:
+        try:
+            if self._group is None or self.t.stream_closed(self._group):
+                if self._group is not None:
+                    self.t.cancel(self._group)
+                self._group, self._seq = f"b-{uuid.uuid4().hex[:16]}", 0
+                self.t.open_batch(self._group)
+            self.t.send_rows(self._group, self._seq, rows)
+            self._seq += 1
+            self.steps += 1
+            self.rows += len(rows)
+        except Exception as e:  # noqa: BLE001 - each waiting session hears of it
+            log.warning("batched decode step failed: %s", e)
+            for r in rows:
+                self.t.notify_error(r[0], f"batched decode step failed: {type(e).__name__}: {e}")
 
 
 def stream_generate(tokens: Iterator[Tuple], tokenizer, n_prompt: int,

@@ -248,6 +248,76 @@ class StageRunner:
         s.last_active = time.monotonic()
         return out
 
+    def rows_input_spec(self, rows: int) -> Tuple[Tuple[int, ...], str]:
+        """(shape, dtype name) of a batched decode step of `rows` sessions on arrival."""
+        if self.is_first:
+            return (rows, 1), "int32"
+        return (self.in_banks + 1, rows, 1, self.args.hidden_size), self.spec.wire_dtype
+
+    def run_rows(self, sessions: List[Session], seqs: List[int], offsets: List[int],
+                 x: mx.array) -> List[Output]:
+        """One decode position of each of several sessions as one batched forward pass.
+
+        The sessions' caches are merged into batch caches (`DSACache.merge`: left-padded
+        rows; mlx-lm's `ArraysCache.merge` for KDA state), the layers run once on B rows,
+        and each session gets its rows back (`extract`), so a session's state is what a
+        single step would have left (the one-process batch path's caches and masks).
+        The last stage samples each row with its session's own sampler (and PRNG key).
+
+        Args:
+            sessions: B distinct sessions, each past its prefill (no pending verify).
+            seqs / offsets: each session's next sequence number and position.
+            x: as `rows_input_spec(B)` says.
+        Returns one `Output` per row (hidden [K' + 1, B, 1, D] in the first, on a
+        middle stage; token and optional logprobs on the last).
+        Raises:
+            Refused: a row out of order, a session twice, a pending verify, a bad token id.
+        """
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise Refused("a batched step names a session twice")
+        for s, seq, off in zip(sessions, seqs, offsets):
+            if s.verify is not None:
+                raise Refused(f"session {s.session}: a batched decode step after a verify chunk")
+            self.check(s, seq, off, 1, True)
+        with self.lock:
+            text = self.model.text
+            eps = self.args.rms_norm_eps
+            if self.is_first:
+                lo, hi = mx.min(x).item(), mx.max(x).item()
+                if lo < 0 or hi >= self.args.vocab_size:
+                    raise Refused(f"batched step: token id out of range [0, "
+                                  f"{self.args.vocab_size}) (got {lo}..{hi})")
+                h, banks = text.embed(x), Banks(eps)
+            else:
+                x = x.astype(self.compute) if x.dtype != self.compute else x
+                banks = Banks.from_stacked(x[:-1] if self.in_banks else None, eps)
+                h = x[-1]
+            batch = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in sessions))]
+            h, banks = text.run_layers(h, banks, batch, eval_each=True)
+            outs = [Output() for _ in sessions]
+            for i, s in enumerate(sessions):
+                s.cache = [c.extract(i) for c in batch]
+            states = [c.state for s in sessions for c in s.cache]
+            if not self.is_last:
+                hidden = mx.stack(banks.raw + [h]).astype(self.wire)
+                mx.eval(hidden, states)
+                outs[0].hidden = hidden
+            else:
+                logits = self.model.language_model.logits(text.finish(h, banks))[:, -1, :]
+                logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                tokens = [self._sample(s, logprobs[i:i + 1]) for i, s in enumerate(sessions)]
+                mx.eval(tokens, logprobs, states)
+                for i, (s, t) in enumerate(zip(sessions, tokens)):
+                    outs[i].token = int(t.item())
+                    if s.return_logprobs:
+                        outs[i].logprobs = logprobs[i].astype(mx.float32)
+        now = time.monotonic()
+        for s in sessions:
+            s.next_seq += 1
+            s.offset += 1
+            s.last_active = now
+        return outs
+
     def _settle(self, s: Session, keep: int) -> None:
         """Roll the pending verify chunk back to its first `keep` positions (exact for
         KDA state: `kimi_mlx.speculative.rollback`) and stop recording."""

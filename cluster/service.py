@@ -20,7 +20,15 @@ RPCs (stage.proto):
   ends that session with INVALID_ARGUMENT and a message naming this stage; other
   sessions and the service carry on. A session beyond `max_sessions` is refused with
   RESOURCE_EXHAUSTED naming the limit.
+- `Forward` on a *batch* stream (`SessionOpen.batch`): each message carries `rows`, one
+  decode position of each of several sessions of the same head (opened and prefilled on
+  their own streams); the stage runs them as one batched forward pass
+  (`runner.StageRunner.run_rows`) and the last stage sends each session its token.
 - `Reset`: free sessions by id or by head.
+- `CacheLookup`: which prompt-cache snapshots this stage holds (`prompt_cache`): a
+  session may open from one (`SessionOpen.restore_key`; refused with "prompt cache
+  miss" when it is gone), and a chunk may ask for one after it (`snapshot_key`). The
+  LRU is bounded by `cache_bytes` and emptied by every new load.
 
 Sessions of any number of heads run at once: each has its own caches, stream and
 downstream call; their chunks are computed one at a time, in arrival order, on the
@@ -55,6 +63,7 @@ from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
 from kimi_mlx.cluster.compute import ComputeStopped, ComputeThread
 from kimi_mlx.cluster.fingerprint import fingerprint, scan
+from kimi_mlx.cluster.prompt_cache import CACHE_MISS, StageCache, key_length
 from kimi_mlx.cluster.runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
 from kimi_mlx.cluster.wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
                    from_tensor, package_versions, to_tensor)
@@ -128,6 +137,7 @@ class _Live:
         self.down: Optional[_Downstream] = None
         self.freed = False
         self.last_active = time.monotonic()
+        self.batch = False  # a stream of batched decode steps (no state of its own)
 
     @property
     def id(self) -> str:
@@ -213,6 +223,8 @@ class StageService(pb_grpc.StageServicer):
         heartbeat_s: Watch heartbeat interval. max_sessions: concurrent sessions.
         stream_deadline: deadline (s) of a Forward call to the next stage.
         usable_memory/bandwidth: overrides of the detected figures (bytes, bytes/s).
+        cache_bytes: bound of the prompt-cache LRU (None: a quarter of the usable memory
+            left after each load; 0: no prompt cache).
     """
 
     stage_loader = None
@@ -221,7 +233,8 @@ class StageService(pb_grpc.StageServicer):
                  tls_secret_path: Optional[Path] = None, idle_timeout: float = 120.0,
                  heartbeat_s: float = 1.0, max_sessions: int = 16,
                  stream_deadline: float = 24 * 3600.0, max_message: int = DEFAULT_MAX_MESSAGE,
-                 usable_memory: Optional[int] = None, bandwidth: Optional[int] = None):
+                 usable_memory: Optional[int] = None, bandwidth: Optional[int] = None,
+                 cache_bytes: Optional[int] = None):
         from kimi_mlx.cluster.discovery import local_chip, local_memory
 
         self.node_id = node_id
@@ -250,6 +263,8 @@ class StageService(pb_grpc.StageServicer):
         self.state = "idle"
         self.load_stats = (0, -1, 0.0)
         self.sessions: Dict[str, _Live] = {}
+        self.cache_bytes = cache_bytes
+        self.prompt_cache = StageCache(cache_bytes or 0)
         self.watchers: Dict[str, _Watcher] = {}
         self.lock = threading.Lock()
         self.load_lock = threading.Lock()  # one load at a time; later Loads wait for it
@@ -433,6 +448,7 @@ class StageService(pb_grpc.StageServicer):
 
     def _load(self, spec: StageSpec, path: Path, next_address: str):
         self.state, self.runner, self.spec = "loading", None, None
+        self.prompt_cache.clear()  # snapshots of the layers held before
         yield pb.LoadProgress(phase="resolving", message=str(path.name))
         if fingerprint(path) != spec.fingerprint:
             self.catalog = scan(self.models_dir)
@@ -480,6 +496,8 @@ class StageService(pb_grpc.StageServicer):
                 disk = b - r0 if r0 >= 0 and b >= 0 else -1
                 secs = time.monotonic() - t0
                 self.runner, self.spec, self.next_address = runner, spec, next_address
+                if self.cache_bytes is None:
+                    self.prompt_cache.max_bytes = max(self.usable_memory - mx.get_active_memory(), 0) // 4
                 self.load_stats = (report.bytes_loaded, disk, secs)
                 self.state = "ready"
                 log.info("%s: loaded %s in %.1f s (%d tensor bytes, %d bytes read from files)",
@@ -533,6 +551,27 @@ class StageService(pb_grpc.StageServicer):
             self._free(live, "reset")
         return pb.ResetReply(freed=len(targets), sessions=len(self.sessions))
 
+    def CacheLookup(self, request, context):
+        """Which of the asked prompt-cache keys this stage holds (marks them used)."""
+        if len(request.keys) > 65536:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{self.who}: {len(request.keys)} keys in one CacheLookup (at most 65536)")
+        c = self.prompt_cache
+        return pb.CacheLookupReply(held=c.held(request.keys), bytes=c.nbytes,
+                                   max_bytes=c.max_bytes, entries=len(c), evictions=c.evictions)
+
+    def _new_session(self, runner: StageRunner, o, sampling: Sampling) -> Session:
+        """A session's state (on the MLX thread): fresh caches, or restored from the
+        prompt-cache snapshot `o.restore_key` (CacheMiss when it is not held)."""
+        session = runner.new_session(o.session, o.head, sampling, o.return_logprobs)
+        if o.restore_key:
+            cache = self.prompt_cache.restore(o.restore_key, o.restore_length)
+            if cache is None:
+                raise Refused(f"{self.who}: {CACHE_MISS}: no snapshot {o.restore_key} here "
+                              "(evicted, or this stage restarted)")
+            session.cache, session.offset = cache, o.restore_length
+        return session
+
     def _open(self, first, context, runner: StageRunner) -> _Live:
         if not first.HasField("open") or first.seq != 0:
             raise Refused("the first message of a stream must open a session (seq 0 with open)")
@@ -545,19 +584,32 @@ class StageService(pb_grpc.StageServicer):
         if first.session != o.session:
             raise Refused(f"message for session {first.session!r} opens session {o.session!r}")
         self._check_plan(o, runner.spec)
+        if o.batch and o.restore_key:
+            raise Refused("a batch stream restores no prompt-cache snapshot")
         sp = o.sampling
         sampling = Sampling(sp.temp, sp.top_p if sp.top_p else 1.0, sp.min_p, sp.top_k,
                             sp.seed if sp.has_seed else None)
         if len(self.sessions) >= self.max_sessions:  # checked again below, under the lock
             raise self._full()
-        session = self.compute.call(runner.new_session, o.session, o.head, sampling,
-                                    o.return_logprobs)
+        if o.restore_key:
+            try:
+                n = key_length(o.restore_key)
+            except ValueError as e:
+                raise Refused(str(e)) from None
+            if n != o.restore_length or not 0 < n < runner.args.max_position_embeddings:
+                raise Refused(f"restore key {o.restore_key!r} holds {n} positions, the session "
+                              f"says {o.restore_length}")
+        if o.batch:  # its rows' sessions hold the state
+            session = Session(o.session, o.head, sampling, False, [])
+        else:
+            session = self.compute.call(self._new_session, runner, o, sampling)
         with self.lock:
             if o.session in self.sessions:
                 raise Refused(f"session {o.session} is already open here")
             if len(self.sessions) >= self.max_sessions:
                 raise self._full()
             live = _Live(session, context, context.peer())
+            live.batch = o.batch
             self.sessions[o.session] = live
         context.add_callback(lambda: self._free(live, "stream ended"))
         if not runner.is_last:
@@ -610,6 +662,8 @@ class StageService(pb_grpc.StageServicer):
                 live.last_active = time.monotonic()
                 if isinstance(out, pb.Activation):  # the queue was full: the MLX thread never waits
                     live.down.send(out, self.idle_timeout)
+                elif isinstance(out, list):  # a batched step's tokens without a Watch
+                    yield from out
                 elif out is not None:
                     yield out  # no Watch from this head: answer on the stream itself
                 msg = self._next(request_iterator)
@@ -630,6 +684,8 @@ class StageService(pb_grpc.StageServicer):
             log.warning("%s (from %s)", text, context.peer())
             head = live.session.head if live else (first.open.head if first.HasField("open") else "")
             self._emit(head, self._event(pb.Event.ERROR, msg.session, msg.seq, message=text))
+            for r in msg.rows:  # a batched step: every row's session hears of it
+                self._emit(head, self._event(pb.Event.ERROR, r.session, r.seq, message=text))
             self._free(live, "refused" if isinstance(e, Refused) else "next stage lost", cancel=False)
             context.abort(code, text)
         except grpc.RpcError:
@@ -645,6 +701,9 @@ class StageService(pb_grpc.StageServicer):
         (a full queue: its bounded wait; no Watch: the stream's own answer), else None.
         Saves the handler thread's wake-up on the way to the next stage."""
         out = self._process(live, msg, runner)
+        if isinstance(out, list):  # a batched step's tokens, one event per row session
+            left = [ev for ev in out if not self._emit(live.session.head, ev)]
+            return left or None
         down = live.down
         if isinstance(out, pb.Activation) and down is not None and not (down.error or down.cancelled):
             try:
@@ -662,6 +721,8 @@ class StageService(pb_grpc.StageServicer):
         s = live.session
         if live.freed:  # freed while queued: its caches are gone
             return None
+        if live.batch or msg.rows:
+            return self._process_rows(live, msg, runner)
         if msg.session != s.session:
             raise Refused(f"message for session {msg.session!r} on the stream of session {s.session!r}")
         if msg.seq != 0 and msg.HasField("open"):
@@ -678,11 +739,22 @@ class StageService(pb_grpc.StageServicer):
             x = from_tensor(msg.tensor, shape, dtype, "activation" if not runner.is_first else "tokens")
         except WireError as e:
             raise Refused(str(e)) from None
+        if msg.snapshot_key:
+            try:
+                n = key_length(msg.snapshot_key)
+            except ValueError as e:
+                raise Refused(str(e)) from None
+            if n != msg.offset + msg.length or msg.verify:
+                raise Refused(f"snapshot key {msg.snapshot_key!r} holds {n} positions, but the "
+                              f"chunk ends at {msg.offset + msg.length}"
+                              + (" (and is a verify chunk)" if msg.verify else ""))
         out = runner.run(s, msg.seq, msg.offset, x, msg.sample, **spec)
+        if msg.snapshot_key:
+            self.prompt_cache.store(msg.snapshot_key, s.offset, s.cache)
         if out.hidden is not None:
             nxt = pb.Activation(session=msg.session, seq=msg.seq, offset=msg.offset,
                                 length=msg.length, sample=msg.sample, verify=msg.verify,
-                                keep=keep)
+                                keep=keep, snapshot_key=msg.snapshot_key)
             to_tensor(out.hidden, out=nxt.tensor)
             if msg.seq == 0:
                 nxt.open.CopyFrom(msg.open)
@@ -699,6 +771,58 @@ class StageService(pb_grpc.StageServicer):
                 to_tensor(out.logprobs, out=ev.logprobs)
             return ev
         return None
+
+
+    def _process_rows_check(self, live: _Live, msg) -> list:
+        if not live.batch:
+            raise Refused(f"rows on session {live.id}'s stream: batched steps go on a batch stream")
+        if not msg.rows:
+            raise Refused(f"a message on batch stream {live.id} without rows")
+        if msg.session != live.id or msg.seq != live.session.next_seq:
+            raise Refused(f"batch stream {live.id}: message {msg.session!r} seq {msg.seq}, "
+                          f"expected seq {live.session.next_seq}")
+        if msg.verify or msg.HasField("keep") or msg.snapshot_key or not msg.sample:
+            raise Refused("a batched step is a plain sampled decode step")
+        lives = []
+        for r in msg.rows:
+            l = self.sessions.get(r.session)
+            if l is None or l.freed or l.batch or l.session.head != live.session.head:
+                raise Refused(f"batched step: no session {r.session!r} of head "
+                              f"{live.session.head} here")
+            lives.append(l)
+        return lives
+
+    def _process_rows(self, live: _Live, msg, runner: StageRunner):
+        """A batched decode step (on the MLX thread): every row's session advances one
+        position in one forward pass (`runner.run_rows`). Returns the Activation for the
+        next stage, or (last stage) one TOKEN event per row."""
+        lives = self._process_rows_check(live, msg)
+        shape, dtype = runner.rows_input_spec(len(lives))
+        try:
+            x = from_tensor(msg.tensor, shape, dtype, "activation" if not runner.is_first else "tokens")
+        except WireError as e:
+            raise Refused(str(e)) from None
+        outs = runner.run_rows([l.session for l in lives], [r.seq for r in msg.rows],
+                               [r.offset for r in msg.rows], x)
+        live.session.next_seq += 1
+        now = time.monotonic()
+        for l in lives:
+            l.last_active = now
+        if outs[0].hidden is not None:
+            nxt = pb.Activation(session=msg.session, seq=msg.seq, length=1, sample=True)
+            nxt.rows.extend(msg.rows)
+            to_tensor(outs[0].hidden, out=nxt.tensor)
+            if msg.seq == 0:
+                nxt.open.CopyFrom(msg.open)
+            return nxt
+        peak = mx.get_peak_memory()
+        events = []
+        for r, o in zip(msg.rows, outs):
+            ev = self._event(pb.Event.TOKEN, r.session, r.seq, token=o.token, peak_memory=peak)
+            if o.logprobs is not None:
+                to_tensor(o.logprobs, out=ev.logprobs)
+            events.append(ev)
+        return events
 
 
 class StageServer:

@@ -24,7 +24,7 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import grpc
 import mlx.core as mx
@@ -108,17 +108,43 @@ class Transport(ABC):
         """Load every stage's layers (in parallel); `progress(stage index, LoadProgress)`."""
 
     @abstractmethod
-    def open(self, session: str, sampling: Sampling, return_logprobs: bool = False) -> None:
-        """Start a session (its first `send` opens it on every stage)."""
+    def open(self, session: str, sampling: Sampling, return_logprobs: bool = False,
+             restore: Optional[Tuple[str, int]] = None) -> None:
+        """Start a session (its first `send` opens it on every stage); `restore` = (prompt
+        cache key, positions it holds): every stage starts from that snapshot."""
 
     @abstractmethod
     def send(self, session: str, seq: int, offset: int, tokens: Sequence[int], sample: bool,
-             verify: bool = False, keep: Optional[int] = None) -> None:
+             verify: bool = False, keep: Optional[int] = None, snapshot_key: str = "") -> None:
         """Queue token ids for positions [offset, offset + len) into the first stage
         (non-blocking); with `sample`, the last stage returns a token for them. With
         `verify` (speculative decoding) every stage records the chunk for rollback and the
         last stage returns the logits of every position; the next message after it gives
-        `keep`, the positions of that chunk to keep."""
+        `keep`, the positions of that chunk to keep. With `snapshot_key`, every stage
+        keeps a prompt-cache snapshot after the chunk."""
+
+    def open_batch(self, group: str) -> None:
+        """Open a stream of batched decode steps (`send_rows`); NotImplementedError where
+        the transport has none."""
+        raise NotImplementedError("this transport has no batched decode")
+
+    def send_rows(self, group: str, seq: int, rows: Sequence[tuple]) -> None:
+        """Queue one batched decode step on batch stream `group` (message `seq`): rows
+        (session, its seq, its position, its token); each session's token comes back to
+        its own `receive`."""
+        raise NotImplementedError("this transport has no batched decode")
+
+    def stream_closed(self, session: str) -> bool:
+        """Whether a session's (or batch stream's) stream has ended."""
+        return True
+
+    def notify_error(self, session: str, message: str) -> None:
+        """Make `session`'s next `receive` raise a StageFailure with `message`."""
+
+    def cache_lookup(self, keys: Sequence[str]) -> Optional[List[str]]:
+        """The keys of `keys` that every stage holds in its prompt cache (None: no
+        prompt cache on this transport)."""
+        return None
 
     @abstractmethod
     def receive(self, session: str, timeout: Optional[float] = None) -> TokenResult:
@@ -137,6 +163,12 @@ class Transport(ABC):
     def abort(self) -> Dict[str, int]:
         """Free every session of this head on every reachable stage; node id -> sessions
         left there (-1 when unreachable)."""
+
+    def losses(self) -> Dict[int, str]:
+        """Stages lost so far, stage index -> why (empty while every stage serves); also
+        counts a stage whose heartbeats stopped. Never raises (a health watch calls it
+        when no session is running)."""
+        return {}
 
     @abstractmethod
     def peak_memory(self) -> int:
@@ -313,7 +345,33 @@ class GrpcTransport(Transport):
         self._watches = []
 
     # -- sessions ------------------------------------------------------------------------
-    def open(self, session, sampling, return_logprobs=False):
+    def open_batch(self, group):
+        self.open(group, Sampling(), False, batch=True)
+
+    def send_rows(self, group, seq, rows):
+        s = self._sessions[group]
+        ids = np.asarray([[r[3]] for r in rows], dtype=np.int32)
+        msg = pb.Activation(session=group, seq=seq, length=1, sample=True)
+        msg.rows.extend(pb.Row(session=r[0], seq=r[1], offset=r[2]) for r in rows)
+        msg.tensor.data = ids.tobytes()
+        msg.tensor.shape[:] = list(ids.shape)
+        msg.tensor.dtype = "int32"
+        if not s.opened:
+            msg.open.CopyFrom(s.open_msg)
+            s.opened = True
+        s.out.put(msg)
+
+    def notify_error(self, session, message):
+        """Make `session`'s next `receive` raise a StageFailure with `message`."""
+        s = self._sessions.get(session)
+        if s is not None:
+            s.events.put(pb.Event(kind=pb.Event.ERROR, session=session, stage=0, message=message))
+
+    def stream_closed(self, session):
+        s = self._sessions.get(session)
+        return s is None or s.closed.is_set()
+
+    def open(self, session, sampling, return_logprobs=False, restore=None, batch=False):
         if self.lost:
             raise self._failure(None)
         s = _HeadSession(session)
@@ -325,6 +383,9 @@ class GrpcTransport(Transport):
                                     bounds=([a.start for a in self.stages] + [self.stages[-1].end]
                                             if self.stages else []),
                                     fingerprint=self._fingerprint)
+        if restore is not None:
+            s.open_msg.restore_key, s.open_msg.restore_length = restore
+        s.open_msg.batch = batch
         with self._lock:
             if session in self._sessions:
                 raise ValueError(f"session {session} is already open")
@@ -347,11 +408,12 @@ class GrpcTransport(Transport):
         finally:
             s.closed.set()
 
-    def send(self, session, seq, offset, tokens, sample, verify=False, keep=None):
+    def send(self, session, seq, offset, tokens, sample, verify=False, keep=None,
+             snapshot_key=""):
         s = self._sessions[session]
         ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         msg = pb.Activation(session=session, seq=seq, offset=offset, length=ids.shape[1],
-                            sample=sample, verify=verify, keep=keep)
+                            sample=sample, verify=verify, keep=keep, snapshot_key=snapshot_key)
         msg.tensor.data = ids.tobytes()
         msg.tensor.shape[:] = list(ids.shape)
         msg.tensor.dtype = "int32"
@@ -383,12 +445,15 @@ class GrpcTransport(Transport):
             raise self._failure(ev)
 
     def _check_alive(self) -> None:
+        if self.losses():
+            raise self._failure(None)
+
+    def losses(self) -> Dict[int, str]:
         now = time.monotonic()
         for i, t in enumerate(self._last_seen):
             if i not in self.lost and now - t > self.peer_timeout:
                 self.lost[i] = (f"no heartbeat for {now - t:.1f} s (hung, or off the network)")
-        if self.lost:
-            raise self._failure(None)
+        return dict(self.lost)
 
     def _failure(self, ev) -> StageFailure:
         """Name the failed stage(s): those lost (died / hung / unreachable) first, else
@@ -466,6 +531,32 @@ class GrpcTransport(Transport):
         for t in threads:
             t.join(self.rpc_timeout + 1)
         return left
+
+    def cache_lookup(self, keys):
+        """The keys every stage holds (asked in parallel); a stage that does not answer
+        within rpc_timeout holds none."""
+        keys = list(keys)
+        if not keys or not self.stages:
+            return []
+        held: List[Optional[set]] = [None] * len(self.stages)
+
+        def one(i):
+            try:
+                r = self._stubs[i].CacheLookup(pb.CacheLookupRequest(keys=keys),
+                                               timeout=self.rpc_timeout)
+                held[i] = set(r.held)
+            except grpc.RpcError as e:
+                log.warning("%s: prompt cache lookup failed: %s", self.describe(i), _rpc_reason(e))
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(self.stages))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.rpc_timeout + 1)
+        common = set(keys)
+        for h in held:
+            common &= h or set()
+        return [k for k in keys if k in common]
 
     def health(self) -> List[Optional[pb.HealthReply]]:
         """Health of every stage (None where it does not answer within rpc_timeout)."""

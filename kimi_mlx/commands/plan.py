@@ -116,6 +116,18 @@ def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: 
     if kda:
         lines.append(f"KDA state per sequence: {plan.state_bytes_per_sequence / 1e6:.1f} MB "
                      f"({len(kda)} layers, constant in context)")
+    used = plan.used_stages
+    if len(used) > 1 and (dsa or kda):
+        layers = model.layers
+        state = [sum(l.state_bytes_per_sequence for l in layers[st.start:st.end]) for st in used]
+        token = [sum(l.cache_bytes_per_token for l in layers[st.start:st.end]) for st in used]
+        lines.append(
+            "prompt-cache snapshot per stage (cluster server; counted against each stage's "
+            f"--cache-bytes): {' / '.join(f'{b / 1e6:.0f}' for b in state)} MB of KDA state "
+            f"(copied) + {' / '.join(f'{b / 1e3:.1f}' for b in token)} KB per token of DSA "
+            "cache (references); at "
+            f"{plan.context} tokens: "
+            f"{' / '.join(_gb(a + b * plan.context) for a, b in zip(state, token))} GB")
     unused = plan.unused_nodes
     if unused:
         lines.append("not needed: " + ", ".join(n.name for n in unused) + " (0 layers)")

@@ -11,22 +11,30 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from pathlib import Path
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kimi_mlx.server import anthropic_api, openai_api
+from kimi_mlx.server import anthropic_api, openai_api, responses_api
 from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body
 from kimi_mlx.server.metrics import CONTENT_TYPE_LATEST
-from kimi_mlx.server.schemas import ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest
+from kimi_mlx.server.schemas import (ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
+                                    ResponsesRequest)
 
 log = logging.getLogger("kimi_mlx.server")
 
-_ROUTES = {"/health", "/metrics", "/openapi.json", "/v1/models", "/v1/chat/completions", "/v1/completions",
-           "/v1/messages", "/v1/messages/count_tokens"}
+_ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+           "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/", "/openapi.json"}
+WEB = Path(__file__).with_name("web")  # the chat page (index.html, app.js, vendor/)
+# the page runs only its own files and talks only to this server; model output it shows is
+# sanitized (DOMPurify), and this policy stops what might slip through from running
+_PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+             "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
                     415: "invalid_request_error",
@@ -125,6 +133,7 @@ def create_app(svc: Service) -> FastAPI:
         app.add_middleware(_CountRequests, metrics=svc.metrics)
     _add_info_routes(app, svc)
     _add_api_routes(app, svc)
+    _add_page(app)
     return app
 
 
@@ -174,10 +183,16 @@ def _add_info_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/health")
     async def health():
+        """{"status", "model"} (503 with "reason" when not serving); a cluster engine
+        adds "stages": [{"index", "node", "address", "layers", "ok", "reason"}]."""
         reason = svc.not_ready_reason()
+        model = svc.model_ids[0] if svc.model_ids else None
+        stages = getattr(svc.engine, "stages", None)
+        extra = {"stages": stages()} if stages else {}
         if reason:
-            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
-        return {"status": "ok", "model": svc.model_ids[0] if svc.model_ids else None}
+            return JSONResponse({"status": "unavailable", "reason": reason, "model": model,
+                                 **extra}, status_code=503)
+        return {"status": "ok", "model": model, **extra}
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -229,12 +244,28 @@ def generation_endpoint(svc: Service, schema, respond: Callable[..., Awaitable],
     return handler
 
 
+def _add_page(app: FastAPI) -> None:
+    """GET / is the chat page (no key: it asks for one when the API answers 401); its
+    scripts and styles are under /web/."""
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return FileResponse(WEB / "index.html", media_type="text/html",
+                            headers={"Content-Security-Policy": _PAGE_CSP,
+                                     "Cache-Control": "no-cache"})
+
+    app.mount("/web", StaticFiles(directory=WEB), name="web")
+
+
 def _add_api_routes(app: FastAPI, svc: Service) -> None:
     """One route per dialect's endpoint, each an adapter module's respond/stream pair."""
+    responses_api.store_of(svc)  # made now, not raced for by the first two requests
     app.post("/v1/chat/completions")(generation_endpoint(
         svc, ChatRequest, openai_api.chat_response, openai_api.chat_stream))
     app.post("/v1/completions")(generation_endpoint(
         svc, CompletionRequest, openai_api.completion_response, openai_api.completion_stream))
+    app.post("/v1/responses")(generation_endpoint(
+        svc, ResponsesRequest, responses_api.responses_response, responses_api.responses_stream))
     app.post("/v1/messages")(generation_endpoint(
         svc, MessagesRequest, anthropic_api.messages_response, anthropic_api.messages_stream))
 

@@ -181,6 +181,8 @@ def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
             return False
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
+            if engine.metrics is not None:  # left while queued: nothing generated
+                engine.metrics.finished_requests.labels("cancelled").inc()
             continue
         try:
             cache, cached = engine._start_cache(job)

@@ -42,7 +42,8 @@ class Service:
     TokenizerWrapper; tok: our KimiTokenizer; context: max prompt + generated tokens;
     model_ids: names a request's `model` may use (the first is what /v1/models lists);
     defaults: sampling defaults (generation_config.json); vocab_size: the model's logits
-    width (0: not known, then the tokenizer's size stands in).
+    width (0: not known, then the tokenizer's size stands in); responses: the
+    conversations behind recent /v1/responses replies.
     """
 
     engine: Any = None
@@ -57,6 +58,7 @@ class Service:
     loading_error: Optional[str] = None
     metrics: Any = None
     vocab_size: int = 0
+    responses: Any = None  # responses_api.ResponseStore (previous_response_id), made on first use
 
     @property
     def ready(self) -> bool:
@@ -260,9 +262,11 @@ def logits_processors(svc: "Service", req) -> Optional[list]:
     return make_logits_processors(bias, rep, presence_penalty=pres, frequency_penalty=freq)
 
 
-def budget(svc: Service, n_prompt: int, max_tokens: Optional[int]) -> int:
-    """max_tokens for the job: as asked (APIError 400 naming both numbers when prompt +
-    max_tokens exceeds the context), or the room left when not given."""
+def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
+           field: str = "max_tokens") -> int:
+    """max_tokens for the job: as asked (APIError 400 naming both numbers and the
+    request's `field` when prompt + max_tokens exceeds the context), or the room left
+    when not given."""
     if n_prompt >= svc.context:
         raise APIError(400, f"the prompt is {n_prompt} tokens; this model's context is "
                        f"{svc.context} tokens", param="messages")
@@ -271,7 +275,7 @@ def budget(svc: Service, n_prompt: int, max_tokens: Optional[int]) -> int:
     try:
         check_context_strict(n_prompt, max_tokens, svc.context)
     except InputError as e:
-        raise APIError(400, str(e), param="max_tokens") from None
+        raise APIError(400, str(e).replace(" max_tokens)", f" {field})"), param=field) from None
     return max_tokens
 
 

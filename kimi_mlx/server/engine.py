@@ -142,11 +142,9 @@ class Engine:
         of the last one. Empty without a prompt cache."""
         if self.prompt_cache is None:
             return []
-        snaps = {e for e in segment_ends if start < e < len(ids)}
-        if self.prompt_cache.every:
-            k = self.prompt_cache.every
-            snaps |= set(range((start // k + 1) * k, len(ids) - 1, k))
-        return sorted(snaps)
+        from kimi_mlx.server.prompt_cache import snapshot_points
+
+        return snapshot_points(len(ids), start, segment_ends, self.prompt_cache.every)
 
     def prefill(self, ids: List[int], cache, start: int, segment_ends: Sequence[int],
                 step: int = 2048) -> None:
@@ -172,6 +170,8 @@ class Engine:
 
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
+            if self.metrics is not None:  # left while queued: nothing generated
+                self.metrics.finished_requests.labels("cancelled").inc()
             return
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)

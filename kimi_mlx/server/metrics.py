@@ -10,13 +10,16 @@ disable_created_metrics()  # no *_created series: clutter for a single-process s
 
 
 class Metrics:
-    """Requests by endpoint and status; prompt / generated / cached tokens; the last
+    """Requests by endpoint and status; generations by how they ended; prompt / generated / cached tokens; the last
     request's prompt and generation tokens/s; prompt-cache hits; queue length."""
 
     def __init__(self, queue_length=lambda: 0, active=lambda: 0):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kimi_mlx_requests", "HTTP requests", ["endpoint", "status"],
                                 registry=r)
+        self.finished_requests = Counter("kimi_mlx_finished_requests", "generations ended, "
+                                         "by reason (stop, length, cancelled: the client "
+                                         "left or stopped it)", ["reason"], registry=r)
         self.prompt_tokens = Counter("kimi_mlx_prompt_tokens", "prompt tokens", registry=r)
         self.generation_tokens = Counter("kimi_mlx_generation_tokens", "generated tokens",
                                          registry=r)
@@ -53,6 +56,7 @@ class Metrics:
 
     def finished(self, done) -> None:
         """Account an engine `Finished` event."""
+        self.finished_requests.labels(done.reason).inc()
         self.prompt_tokens.inc(done.prompt_tokens)
         self.generation_tokens.inc(done.generation_tokens)
         if done.cached_tokens:

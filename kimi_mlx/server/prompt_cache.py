@@ -17,6 +17,17 @@ from typing import Any, List, Optional, Sequence, Tuple
 from kimi_mlx.model.cache import restore, snapshot, snapshot_nbytes
 
 
+def snapshot_points(n_ids: int, start: int, segment_ends: Sequence[int], every: int) -> List[int]:
+    """The snapshot policy (the one-process engine and the cluster head both use it):
+    sorted prompt positions e (start < e < n_ids) where a snapshot of the first e tokens
+    is kept: the segment ends (message ends), and every `every` tokens (0: none) short
+    of the last prompt token, which always runs to give the first token's logits."""
+    snaps = {e for e in segment_ends if start < e < n_ids}
+    if every:
+        snaps |= set(range((start // every + 1) * every, n_ids - 1, every))
+    return sorted(snaps)
+
+
 class PromptCache:
     """LRU of (token prefix -> cache snapshot), at most `max_bytes` of arrays.
 

@@ -153,3 +153,35 @@ class MessagesRequest(_Model):
 
 class CountTokensRequest(MessagesRequest):
     max_tokens: Optional[Int()] = None  # not part of a count_tokens request
+
+
+class ReasoningOptions(_Model):
+    effort: Optional[str] = None
+    summary: Optional[str] = None
+
+
+class ResponsesRequest(_Model):
+    """OpenAI Responses API (POST /v1/responses). `input` is a string (one user
+    message) or a list of items (messages, function_call, function_call_output,
+    reasoning); the item shapes are checked in `responses_api`, naming the item."""
+
+    model: str
+    input: Union[str, List[Dict[str, Any]]]
+    instructions: Optional[str] = None
+    reasoning: Optional[ReasoningOptions] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    max_output_tokens: Optional[Int(ge=1)] = None
+    temperature: Optional[float] = Field(None, ge=0, le=2)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[Int(ge=0)] = None
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    seed: Optional[Int(**SEED_RANGE)] = None
+    stream: bool = False
+    previous_response_id: Optional[str] = None
+    store: bool = True
+    background: Optional[bool] = None
+    text: Optional[Dict[str, Any]] = None
+    metadata: Optional[Dict[str, Any]] = None
+    user: Optional[str] = None

@@ -289,6 +289,81 @@ def _feed(mtp: MTP, cache, pend: _Pending, keep: int, step: int) -> None:
         pend.hidden, pend.tokens = pend.hidden[:, m:], pend.tokens[m:]
 
 
+class _Step:
+    """One verify step's record, enough to settle it: the target's verify handle, the MTP
+    cache before / after the step's first call, the verify hiddens [1, k+1, d], the
+    tokens emitted so far, and the pending pairs as they were before the first call."""
+
+    def __init__(self, verify, before, after, hidden: mx.array, fed):
+        self.verify, self.before, self.after, self.hidden, self.fed = verify, before, after, hidden, fed
+        self.emitted: List[int] = []
+
+
+def _prefill(model, mtp: MTP, prompt: List[int], tcache, mcache, pend: _Pending, step: int) -> None:
+    """Run all prompt tokens but the last through the target, `step` at a time; each
+    chunk's hiddens become pending pairs with the prompt's next tokens, and all but the
+    last pair are fed to the MTP."""
+    body = prompt[:-1]
+    for s in range(0, len(body), step):
+        chunk = body[s : s + step]
+        h, _ = target_forward(model, mx.array(chunk)[None], tcache)
+        pend.add(h, prompt[s + 1 : s + 1 + len(chunk)])
+        _feed(mtp, mcache, pend, 1, step)
+        mx.eval(pend.hidden, [c.state for c in tcache])
+
+
+def _draft(mtp: MTP, mcache, pend: _Pending, k: int, sampling: Sampling, step: int):
+    """Draw k drafts from the MTP: the first call feeds every pending pair (the last
+    step's accepted tokens) and drafts from the last; drafts 2..k chain on the MTP's own
+    output. Returns (drafts [k] uint32, their draft logprobs q, cache snapshot before the
+    first call, snapshot after it). k = 0 draws nothing and snapshots nothing."""
+    if not k:
+        return mx.array([], mx.uint32), [], None, None
+    q_lps: List[mx.array] = []
+    drafts: List[mx.array] = []
+    before = snapshot([mcache])
+    _feed(mtp, mcache, pend, min(len(pend), step), step)  # long runs first, `step` at a time
+    g, logits = mtp.step(pend.hidden, mx.array(pend.tokens)[None], mcache)
+    pend.hidden, pend.tokens = None, []
+    after = snapshot([mcache])
+    for i in range(k):
+        d = draw_draft(logits[0, -1], sampling, q_lps)
+        drafts.append(d)
+        if i + 1 < k:
+            g, logits = mtp.step(g[:, -1:], d.reshape(1, 1), mcache)
+    return mx.stack(drafts).astype(mx.uint32), q_lps, before, after
+
+
+def _settle(st: _Step, tcache, mcache, pend: _Pending) -> Optional[int]:
+    """Put the caches where m = len(st.emitted) emitted tokens leave them: the target
+    keeps y and the first m - 1 emitted tokens; the MTP the pairs its first call fed;
+    pending: the m hiddens of those tokens with the m emitted ones as their next tokens.
+    Returns the new y (the last emitted token), or None when nothing was emitted (then
+    the pairs the first call fed are pending again)."""
+    m = len(st.emitted)
+    rollback(tcache, st.verify, m)
+    end_verify(tcache)
+    if m == 0:
+        if st.before is not None:
+            restore([mcache], st.before)
+            pend.hidden, pend.tokens = st.fed
+        return None
+    if st.after is not None:
+        restore([mcache], st.after)
+    pend.add(st.hidden[:, :m], st.emitted[:m])
+    return st.emitted[m - 1]
+
+
+def _save_pending(pcache, pend: _Pending) -> None:
+    """Leave in the pending cache what a next call needs: the pending hiddens and their
+    known next tokens (the last one, y, is the token the target has not seen: the next
+    prompt replaces it)."""
+    if pend.hidden is not None and len(pend):
+        pcache.cache = [pend.hidden, mx.array(pend.tokens[:-1], mx.int32)]
+    else:
+        pcache.cache = [None, None]
+
+
 def mtp_generate_step(
     prompt,
     model,
@@ -303,6 +378,10 @@ def mtp_generate_step(
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Speculative decoding with the MTP as draft; yields (token, logprobs [V], from_draft)
     like `speculative.speculative_generate_step` (same arguments, same acceptance rule).
+
+    Each step: draft k tokens (`_draft`), verify [y, d1..dk] in one target pass
+    (`target_forward`, `judge_verify`), emit the accepted tokens and the target's own,
+    then settle the caches to what was emitted (`_settle`).
 
     Args:
         prompt: token ids (list or 1-D mx.array), at least one.
@@ -342,56 +421,17 @@ def mtp_generate_step(
     if pend.hidden is not None:
         pend.tokens.append(prompt[0])
     pcache.cache = [None, None]
-    body = prompt[:-1]
-    for s in range(0, len(body), step_size):
-        chunk = body[s : s + step_size]
-        h, _ = target_forward(model, mx.array(chunk)[None], tcache)
-        pend.add(h, prompt[s + 1 : s + 1 + len(chunk)])
-        _feed(mtp, mcache, pend, 1, step_size)
-        mx.eval(pend.hidden, [c.state for c in tcache])
+    _prefill(model, mtp, prompt, tcache, mcache, pend, step_size)
 
     y = prompt[-1]
     ntoks = 0
-    state = None  # (verify, snap_before, snap_after_first, verify hiddens, drafts, emitted)
-
-    def settle(st, m: int) -> None:
-        """The target keeps y and the first m - 1 emitted tokens; the MTP the pairs fed
-        by the step's first call; pending: the m hiddens of those tokens and, as their
-        next tokens, the m emitted ones."""
-        nonlocal y
-        verify, before, after, hid, _, emitted, fed = st
-        rollback(tcache, verify, m)
-        end_verify(tcache)
-        if m == 0:
-            if before is not None:  # the pairs the first call fed are pending again
-                restore([mcache], before)
-                pend.hidden, pend.tokens = fed
-            return
-        if after is not None:
-            restore([mcache], after)
-        pend.add(hid[:, :m], emitted[:m])
-        y = emitted[m - 1]
-
+    st: Optional[_Step] = None
     try:
         while max_tokens < 0 or ntoks < max_tokens:
             left = num_draft_tokens if max_tokens < 0 else max_tokens - ntoks - 1
             k = min(num_draft_tokens, left) if len(pend) else 0
-            drafts: List[mx.array] = []
-            q_lps: List[mx.array] = []
-            before = after = None
             fed = (pend.hidden, pend.tokens)
-            if k:
-                before = snapshot([mcache])
-                _feed(mtp, mcache, pend, min(len(pend), step_size), step_size)  # long runs
-                g, logits = mtp.step(pend.hidden, mx.array(pend.tokens)[None], mcache)
-                pend.hidden, pend.tokens = None, []
-                after = snapshot([mcache])
-                for i in range(k):
-                    d = draw_draft(logits[0, -1], sampling, q_lps)
-                    drafts.append(d)
-                    if i + 1 < k:
-                        g, logits = mtp.step(g[:, -1:], d.reshape(1, 1), mcache)
-            d_arr = mx.stack(drafts).astype(mx.uint32) if drafts else mx.array([], mx.uint32)
+            d_arr, q_lps, before, after = _draft(mtp, mcache, pend, k, sampling, step_size)
 
             verify = begin_verify(tcache)
             x = mx.concatenate([mx.array([y], mx.uint32), d_arr])
@@ -400,25 +440,20 @@ def mtp_generate_step(
             n, token, d_list, logprobs = judge_verify(logits, d_arr, q_lps, sampling, stats,
                                                       also=(hid,))
 
-            emitted: List[int] = []
-            state = (verify, before, after, hid, d_list, emitted, fed)
+            st = _Step(verify, before, after, hid, fed)
             for i in range(n + 1):
                 tok = d_list[i] if i < n else token
-                emitted.append(tok)
+                st.emitted.append(tok)
                 ntoks += 1
                 stats.emitted += 1
                 yield tok, logprobs[i], i < n
                 if max_tokens >= 0 and ntoks >= max_tokens:
                     break
-            settle(state, len(emitted))
-            state = None
+            last = _settle(st, tcache, mcache, pend)
+            y = y if last is None else last
+            st = None
     finally:
-        if state is not None:
-            settle(state, len(state[5]))
+        if st is not None:
+            _settle(st, tcache, mcache, pend)
         end_verify(tcache)  # also after an error inside a verify step
-        # What the next call needs: the pending hiddens and their known next tokens (the
-        # last one, y, is the token the target has not seen: the next prompt replaces it).
-        if pend.hidden is not None and len(pend):
-            pcache.cache = [pend.hidden, mx.array(pend.tokens[:-1], mx.int32)]
-        else:
-            pcache.cache = [None, None]
+        _save_pending(pcache, pend)

@@ -144,11 +144,19 @@ def stop_all(procs: Sequence[StageProc], timeout: float = 5.0) -> List[Optional[
 
 
 def start_stages(n: int, models: Path, secret_file: Path, workdir: Path, prefix: str = "node",
-                 timeout: float = 60.0, **kw) -> List[StageProc]:
+                 timeout: float = 60.0, ports: Optional[Sequence[int]] = None,
+                 extras: Optional[Sequence[Sequence[str]]] = None, **kw) -> List[StageProc]:
     """Start n stage processes in parallel and wait until all listen (stops them all on
-    failure)."""
-    procs = [StageProc(models, secret_file, f"{prefix}{i}", Path(workdir) / f"{prefix}{i}.log", **kw)
-             for i in range(n)]
+    failure). `ports`: one --port per stage (default: `kw`'s port, or any free one);
+    `extras`: more serve flags per stage (after `kw`'s extra)."""
+    def own(i):
+        k = dict(kw, port=ports[i]) if ports else dict(kw)
+        if extras:
+            k["extra"] = list(kw.get("extra", ())) + list(extras[i])
+        return k
+
+    procs = [StageProc(models, secret_file, f"{prefix}{i}", Path(workdir) / f"{prefix}{i}.log",
+                       **own(i)) for i in range(n)]
     try:
         for p in procs:
             p.start()
@@ -211,3 +219,79 @@ class LocalCluster:
         """Stop every stage process (SIGKILL after `timeout` s); returns their exit
         statuses (see `StageProc.stop`)."""
         return stop_all(self.procs, timeout)
+
+
+class ServerProc:
+    """`kimi-mlx cluster server` over a `LocalCluster`'s stages, as a child process (float32
+    activations, --peer-timeout 3, model name "micro", prefill chunks of 16 unless `extra`
+    says otherwise). `log` collects its stderr lines as they come. Call `stop()` in a
+    `finally`.
+
+    Args:
+        cluster: the LocalCluster. port: HTTP port. extra: more server flags.
+        timeout: seconds to wait for /health 200 (RuntimeError with the log after it).
+    """
+
+    def __init__(self, cluster: "LocalCluster", port: int, *extra: str, timeout: float = 120.0):
+        import threading
+
+        self.url = f"http://127.0.0.1:{port}"
+        self.log: List[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "server", "--model",
+             str(cluster.ckpt), "--nodes", ",".join(p.address for p in cluster.procs),
+             "--secret-file", str(cluster.secret_file), "--port", str(port),
+             "--activation-dtype", "float32", "--wire-dtype", "float32", "--peer-timeout", "3",
+             "--served-model-name", "micro", "--prefill-chunk", "16", *extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self.wait_health(200, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+
+    def log_text(self) -> str:
+        return "".join(self.log)
+
+    def health(self):
+        """(status code or None when not answering, reason or '')."""
+        import httpx
+
+        try:
+            r = httpx.get(self.url + "/health", timeout=2)
+            return r.status_code, r.json().get("reason", "")
+        except (httpx.HTTPError, ValueError) as e:
+            return None, str(e)
+
+    def wait_health(self, code: int, timeout: float, seen: Optional[list] = None) -> str:
+        """Poll /health until it answers `code`; returns its reason. RuntimeError (with the
+        server's log) after `timeout` s or when the server exits. The reasons seen
+        meanwhile are appended to `seen`."""
+        end = time.monotonic() + timeout
+        while True:
+            got, reason = self.health()
+            if seen is not None and reason:
+                seen.append(reason)
+            if got == code:
+                return reason
+            if time.monotonic() > end or self.proc.poll() is not None:
+                raise RuntimeError(f"/health did not answer {code} within {timeout:g} s (last: "
+                                   f"{got} {reason}); server log:\n{self.log_text()[-4000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> Optional[int]:
+        """SIGTERM, SIGKILL after 10 s; returns the exit status."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
