@@ -176,7 +176,8 @@ BAD = [  # body fields, the field named, the range stated
     ({"min_p": 1.5}, "min_p", "[0, 1]"),
     ({"presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     ({"frequency_penalty": -2.5}, "frequency_penalty", "[-2, 2]"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "(0, 10]"),
+    ({"repetition_penalty": 0}, "repetition_penalty", "[0.01, 10]"),
+    ({"repetition_penalty": 5e-324}, "repetition_penalty", "[0.01, 10]"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
     ({"temperature": 2.5}, "temperature", "[0, 2]"),
 ]
@@ -709,3 +710,20 @@ def test_cluster_server_refuses_bad_parameters_before_admission(cluster_url):
     _unseeded_ok(url)
     after = httpx.post(url + "/v1/chat/completions", json=greedy, timeout=120).json()
     assert after["choices"][0]["message"] == before["choices"][0]["message"]
+
+
+def test_non_finite_logprobs_are_reported_as_a_floor(servers):
+    """A logits processor that rules tokens out (-inf) or a penalty overflowing float32
+    (NaN) must not turn the reply into a 500 (JSON has no infinities): found by fuzzing."""
+    from kimi_mlx.server.jobs import FLOOR_LOGPROB, top_logprobs
+
+    lp = mx.array([0.0, -float("inf"), float("nan"), -1.0])
+    chosen, top = top_logprobs(lp, 1, 4)
+    assert chosen == FLOOR_LOGPROB and top_logprobs(lp, 3, 0) == (-1.0, [])
+    assert sorted(i for i, _ in top) == [0, 1, 2, 3]
+    assert dict(top)[0] == 0.0 and dict(top)[1] == dict(top)[2] == FLOOR_LOGPROB
+    _, url = servers[0]
+    r = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": "micro", "prompt": "Once", "max_tokens": 3, "logprobs": 2,
+        "logit_bias": {str(i): -100 for i in range(20)}, "repetition_penalty": 0.01})
+    assert r.status_code == 200, r.text

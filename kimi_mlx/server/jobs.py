@@ -8,6 +8,7 @@ them imports another's worker.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import queue
 import threading
@@ -161,16 +162,26 @@ def run_mlx_thread(body: Callable[[], None]) -> None:
 
 def top_logprobs(logprobs, token: int, k: Optional[int]):
     """(logprob of `token`, [(id, logprob)] of the k most likely, best first) from a
-    logprob vector [vocab] (mlx-lm's: logits - logsumexp)."""
+    logprob vector [vocab] (mlx-lm's: logits - logsumexp). A non-finite value (-inf for a
+    token a logits processor ruled out, NaN when a penalty overflowed float32) is
+    reported as FLOOR_LOGPROB: JSON has no infinities, and a reply must not fail on one."""
     import mlx.core as mx
 
-    chosen = logprobs[token].item()
+    chosen = _finite(logprobs[token].item())
     if not k:
         return chosen, []
     idx = mx.argpartition(-logprobs, k - 1)[:k]
     vals = logprobs[idx]
     order = mx.argsort(-vals)
-    return chosen, list(zip(idx[order].tolist(), vals[order].tolist()))
+    return chosen, [(i, _finite(v)) for i, v in zip(idx[order].tolist(), vals[order].tolist())]
+
+
+# OpenAI's own stand-in for a log-probability too small to report
+FLOOR_LOGPROB = -9999.0
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else FLOOR_LOGPROB
 
 
 def reseed_random() -> None:

@@ -97,7 +97,7 @@ class _Sampling(_Model):
     n: Optional[Int(ge=1)] = None
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10)  # divides logits (float32)
     logit_bias: Optional[Dict[str, Bias]] = None
     user: Optional[str] = None
 
