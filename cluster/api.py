@@ -140,7 +140,7 @@ class ClusterEngine:
         down = self.health()
         if down:
             raise Busy(f"the pipeline is down ({down})")
-        return enqueue(self._jobs, job, self.max_queue)
+        return enqueue(self._jobs, job, self.max_queue, self.max_concurrency, self._active)
 
     def _worker(self) -> None:
         from kimi_mlx.server.jobs import run_mlx_thread
@@ -148,7 +148,7 @@ class ClusterEngine:
         run_mlx_thread(self._serve)
 
     def _serve(self) -> None:
-        from kimi_mlx.server.jobs import Failed
+        from kimi_mlx.server.jobs import Failed, reseed_random
 
         while True:
             job = self._jobs.get()
@@ -168,6 +168,7 @@ class ClusterEngine:
                         self.lost = f"stage lost: {e}"
                 log.exception("pipeline generation failed")
                 job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
+                reseed_random()  # head-side sampling shares this process's random state
             finally:
                 with self._lock:
                     self._active -= 1
@@ -175,7 +176,7 @@ class ClusterEngine:
     def _run(self, job) -> None:
         import mlx.core as mx
 
-        from kimi_mlx.server.jobs import Finished, TokenOut, top_logprobs
+        from kimi_mlx.server.jobs import Finished, Started, TokenOut, top_logprobs
 
         from kimi_mlx.cluster.runner import Sampling
 
@@ -207,6 +208,10 @@ class ClusterEngine:
                 if n == 0:
                     t_gen = time.perf_counter()
                     prompt_tps = (len(job.ids) - start["cached"]) / max(t_gen - tic, 1e-9)
+                    # the restored prefix is known once the stages took the session (a
+                    # refused snapshot means a full prefill): Anthropic's message_start
+                    # waits for this, so its usage is the one message_delta repeats
+                    job.emit(Started(start["cached"]))
                 if job.cancelled.is_set():
                     reason = "cancelled"
                     break
@@ -458,6 +463,7 @@ def run(args, cluster_factory, tokenizers) -> int:
     args.context = args.context or context
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)
     svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
+    svc.vocab_size = margs.vocab_size
     cluster = cluster_factory(args, secret, model_dir, fp, args.context)
 
     def load():

@@ -11,7 +11,8 @@ from typing import Any, Dict, List
 
 from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
-from kimi_mlx.server.common import APIError, Service, budget, reply_events, sampling_from, stop_list, submit
+from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
+                                    sampling_from, stop_list, submit)
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder
 from kimi_mlx.server.schemas import MessagesRequest
@@ -19,13 +20,31 @@ from kimi_mlx.server.schemas import MessagesRequest
 _STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
+_KINDS = {str: "a string", dict: "an object", list: "a list"}
+
+
+def _get(block, key: str, where: str, kind=str, default=""):
+    """block[key] (or `default`) when it is a `kind`; APIError 400 naming it otherwise."""
+    value = block.get(key, default)
+    if not isinstance(value, kind):
+        raise APIError(400, f"{where}: a {block.get('type')!r} block's {key!r} must be "
+                       f"{_KINDS[kind]}, got {type(value).__name__}", param="messages")
+    return value
+
+
 def _text(content, where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}: content must be a string or a list of blocks",
+                       param="messages")
     parts = []
-    for block in content or []:
+    for block in content:
+        if not isinstance(block, dict):
+            raise APIError(400, f"{where}: a content block must be an object, got "
+                           f"{type(block).__name__}", param="messages")
         if block.get("type") == "text":
-            parts.append(block.get("text", ""))
+            parts.append(_get(block, "text", where))
         else:
             raise APIError(400, f"{where}: content block type {block.get('type')!r} is not "
                            "supported here (text only)", param="messages")
@@ -49,15 +68,16 @@ def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
             for b in m.content:
                 t = b.get("type")
                 if t == "text":
-                    text.append(b.get("text", ""))
+                    text.append(_get(b, "text", where))
                 elif t == "thinking":
-                    reasoning.append(b.get("thinking", ""))
+                    reasoning.append(_get(b, "thinking", where))
                 elif t == "redacted_thinking":
                     continue
                 elif t == "tool_use":
-                    names[b.get("id", "")] = b.get("name", "")
-                    calls.append({"id": b.get("id"), "type": "function",
-                                  "function": {"name": b.get("name"), "arguments": b.get("input", {})}})
+                    call_id, name = _get(b, "id", where), _get(b, "name", where)
+                    names[call_id] = name
+                    calls.append({"id": call_id or None, "type": "function", "function": {
+                        "name": name, "arguments": _get(b, "input", where, dict, {})}})
                 else:
                     raise APIError(400, f"{where}: assistant content block {t!r} is not supported",
                                    param="messages")
@@ -72,16 +92,17 @@ def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
         for b in m.content:
             t = b.get("type")
             if t == "text":
-                text.append(b.get("text", ""))
+                text.append(_get(b, "text", where))
             elif t == "tool_result":
                 if text:
                     out.append({"role": "user", "content": "".join(text)})
                     text = []
                 body = b.get("content", "")
                 body = _text(body, f"{where} tool_result") if not isinstance(body, str) else body
-                tool = {"role": "tool", "content": body, "tool_call_id": b.get("tool_use_id")}
-                if names.get(b.get("tool_use_id")):
-                    tool["name"] = names[b["tool_use_id"]]
+                call_id = _get(b, "tool_use_id", where)
+                tool = {"role": "tool", "content": body, "tool_call_id": call_id or None}
+                if names.get(call_id):
+                    tool["name"] = names[call_id]
                 out.append(tool)
             else:
                 raise APIError(400, f"{where}: user content block {t!r} is not supported "
@@ -97,14 +118,14 @@ _TOOL_CHOICE = {"auto": None, "any": "required", "none": "none"}
 def _tools(req: MessagesRequest):
     """(tools in OpenAI form or None, encode_chat options) of a messages request."""
     choice = (req.tool_choice or {}).get("type", "auto")
-    if choice not in _TOOL_CHOICE:
+    if not isinstance(choice, str) or choice not in _TOOL_CHOICE:
         raise APIError(400, f"tool_choice {choice!r} is not supported: use one of "
                        f"{', '.join(_TOOL_CHOICE)}", param="tool_choice")
     if not req.tools:
         return None, {}
-    tools = [{"type": "function", "function": {"name": t.get("name"),
-              "description": t.get("description", ""),
-              "parameters": t.get("input_schema", {})}} for t in req.tools]
+    tools = [{"type": "function", "function": {"name": t.name,
+              "description": t.description or "", "parameters": t.input_schema}}
+             for t in req.tools]
     return tools, ({"tool_choice": _TOOL_CHOICE[choice]} if _TOOL_CHOICE[choice] else {})
 
 
@@ -167,9 +188,9 @@ def _stop_reason(b: ReplyBuilder, done) -> str:
     return _STOP_REASON[b.finish_reason(done.reason)]
 
 
-def _usage(job: Job, b: ReplyBuilder, done) -> dict:
-    cached = done.cached_tokens if done else 0
-    return {"input_tokens": len(job.ids) - cached, "output_tokens": b.n_tokens,
+def _usage(job: Job, output_tokens: int, cached: int) -> dict:
+    """Anthropic usage: input_tokens are the prompt tokens not read from the cache."""
+    return {"input_tokens": len(job.ids) - cached, "output_tokens": output_tokens,
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
@@ -191,7 +212,8 @@ async def messages_response(svc: Service, req: MessagesRequest, request) -> dict
     return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
             "model": req.model, "content": content, "stop_reason": "stop_sequence"
             if b.stopped and reason == "end_turn" else reason,
-            "stop_sequence": b.stop.matched, "usage": _usage(job, b, done)}
+            "stop_sequence": b.stop.matched,
+            "usage": _usage(job, b.n_tokens, done.cached_tokens if done else 0)}
 
 
 def _event(name: str, data: dict) -> str:
@@ -205,10 +227,14 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
     msg_id = "msg_" + uuid.uuid4().hex
 
     async def body():
+        # message_start waits for the admission, which tells the prompt-cache hit: its
+        # usage is the one message_delta repeats (Claude Code reads it from here)
+        started = await job.started()
+        cached = started.cached_tokens if started else 0
         yield _event("message_start", {"message": {
             "id": msg_id, "type": "message", "role": "assistant", "model": req.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": len(job.ids), "output_tokens": 0}}})
+            "usage": _usage(job, 0, cached)}})
         index, open_kind, done = -1, None, None
 
         def start(kind, block):
@@ -248,16 +274,13 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
         reason = _stop_reason(b, done)
         yield _event("message_delta", {"delta": {
             "stop_reason": "stop_sequence" if b.stopped and reason == "end_turn" else reason,
-            "stop_sequence": b.stop.matched}, "usage": _usage(job, b, done)})
+            "stop_sequence": b.stop.matched},
+            "usage": _usage(job, b.n_tokens, done.cached_tokens if done else cached)})
         yield _event("message_stop", {})
 
-    async def gen():
-        try:
-            async for s in body():
-                yield s
-        except APIError as e:
-            yield f"event: error\ndata: {json.dumps({'type': 'error', 'error': {'type': 'api_error', 'message': e.message}})}\n\n"
-        finally:
-            job.cancel()
+    return guarded_stream(svc, job, body(), "/v1/messages", _error_event)
 
-    return gen()
+
+def _error_event(kind: str, message: str) -> str:
+    """The Anthropic `error` event that ends a stream which failed after its 200."""
+    return _event("error", {"error": {"type": "api_error", "message": message}})

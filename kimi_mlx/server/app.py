@@ -29,7 +29,7 @@ from kimi_mlx.server.schemas import (ChatRequest, CompletionRequest, CountTokens
 log = logging.getLogger("kimi_mlx.server")
 
 _ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-           "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/"}
+           "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/", "/openapi.json"}
 WEB = Path(__file__).with_name("web")  # the chat page (index.html, app.js, vendor/)
 # the page runs only its own files and talks only to this server; model output it shows is
 # sanitized (DOMPurify), and this policy stops what might slip through from running
@@ -37,6 +37,7 @@ _PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src '
              "connect-src 'self'; object-src 'none'; base-uri 'none'; frame-ancestors 'none'")
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    415: "invalid_request_error",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 
@@ -66,6 +67,15 @@ async def read_body(request: Request, limit: int) -> bytes:
                            "(--max-body-bytes)", "request_too_large")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def check_json(request: Request) -> None:
+    """415 unless the body is declared JSON (Content-Type: application/json, any
+    parameters), as the OpenAI and Anthropic APIs require."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, got "
+                       f"{kind or 'none'!r}", param="content-type")
 
 
 def check_key(svc: Service, request: Request) -> None:
@@ -114,8 +124,10 @@ def create_app(svc: Service) -> FastAPI:
     """The ASGI app serving `svc` (whose engine may still be loading: 503 until then):
     error shapes, then the info routes (/health, /metrics, /v1/models), then one route per
     API dialect (OpenAI chat and completions, Anthropic messages)."""
-    app = FastAPI(title="kimi-mlx server", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kimi-mlx server", docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.svc = svc
+    _add_openapi(app, svc)
     _add_error_handlers(app)
     if svc.metrics is not None:
         app.add_middleware(_CountRequests, metrics=svc.metrics)
@@ -123,6 +135,22 @@ def create_app(svc: Service) -> FastAPI:
     _add_api_routes(app, svc)
     _add_page(app)
     return app
+
+
+def _add_openapi(app: FastAPI, svc: Service) -> None:
+    """GET /openapi.json: FastAPI's document plus the generating routes' request and
+    response schemas (`server.openapi`), top_k bounded by the loaded model's vocabulary
+    (rebuilt per call: the model may load after the first)."""
+    from fastapi.openapi.utils import get_openapi
+
+    from kimi_mlx.server.common import n_vocab
+    from kimi_mlx.server.openapi import add_generation_routes
+
+    def openapi():
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        return add_generation_routes(schema, n_vocab(svc))
+
+    app.openapi = openapi
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -195,6 +223,7 @@ def generation_endpoint(svc: Service, schema, respond: Callable[..., Awaitable],
     A client that leaves a non-streamed request gets 499 and its generation stops."""
     async def handler(request: Request):
         check_key(svc, request)
+        check_json(request)
         raw = await read_body(request, svc.max_body_bytes)
         req = parse_body(raw, schema, svc.max_body_bytes)
         reason = svc.not_ready_reason()
@@ -243,6 +272,7 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         check_key(svc, request)
+        check_json(request)
         req = parse_body(await read_body(request, svc.max_body_bytes), CountTokensRequest,
                          svc.max_body_bytes)
         if svc.tok is None:

@@ -10,6 +10,14 @@ one chunk, not by its whole prompt, and requests that arrive together share thei
 prefill. At the end of a segment that is a snapshot point the job's row is extracted as a
 single-sequence cache and stored, so snapshots hold what a B = 1 prefill would hold.
 A job that finishes, is cancelled or whose client left is removed before the next step.
+
+One request cannot fail or poison the others (`_RowGuard`): its sampler and logits
+processors run guarded, row by row; when one raises (building its graph or evaluating
+it) that row gets a placeholder token for the step, so the step completes for the other
+rows exactly as it would have without it, then the job is removed from the generator
+and fails alone with its own message, and MLX's random state is reseeded
+(`jobs.reseed_random`). Only a failure outside every row's own computation (the batched
+forward pass) fails the whole step.
 """
 
 from __future__ import annotations
@@ -17,11 +25,11 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 
-from kimi_mlx.server.jobs import Failed, Finished, Job, TokenOut, top_logprobs
+from kimi_mlx.server.jobs import Failed, Finished, Job, Started, TokenOut, reseed_random, top_logprobs
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -30,12 +38,67 @@ log = logging.getLogger("kimi_mlx.server")
 PREFILL_STEP = 512
 
 
+class _RowGuard:
+    """One job's sampler and logits processors, as the generator calls them for its row
+    alone (mlx-lm's `GenerationBatch._step` calls per-row samplers on logprobs[e:e+1]
+    and per-row processors on logits[e:e+1] whenever the rows' samplers differ).
+
+    The row's input (the batch's forward pass) is evaluated first, outside the guard: a
+    failure there is the step's, not this row's. Then the row's own computation is built
+    and evaluated inside it; an exception there is recorded in `error`, MLX's random state
+    is reseeded at once (so rows sampled after it in the same step draw from a valid
+    state) and a placeholder is returned (the argmax token; the unchanged logits), which
+    the engine discards when it removes the job after the step. Evaluating the row's
+    token here means the step's next forward pass runs before the generator returns, not
+    overlapped with the Python that follows it; only jobs that sample (temperature > 0)
+    or carry logits processors are guarded at all (greedy rows share mlx-lm's argmax).
+    """
+
+    def __init__(self, sampler=None, processors=()):
+        self.error: Optional[str] = None
+        self._sampler = sampler
+        self.sampler = self._sample if sampler is not None else None
+        self.processors = [self._processor(p) for p in processors]
+
+    def _fail(self, e: Exception) -> None:
+        if self.error is None:
+            log.warning("a request's sampling failed: %s: %s", type(e).__name__, e)
+            self.error = f"generation failed: {type(e).__name__}: {e}"
+        reseed_random()
+
+    def _sample(self, logprobs):
+        if self.error is None:
+            mx.eval(logprobs)
+            try:
+                out = self._sampler(logprobs)
+                mx.eval(out)
+                return out
+            except Exception as e:  # noqa: BLE001 - this row fails, the others go on
+                self._fail(e)
+        return mx.argmax(logprobs, axis=-1)
+
+    def _processor(self, proc):
+        def run(tokens, logits):
+            if self.error is not None:
+                return logits
+            mx.eval(tokens, logits)
+            try:
+                out = proc(tokens, logits)
+                mx.eval(out)
+                return out
+            except Exception as e:  # noqa: BLE001 - this row fails, the others go on
+                self._fail(e)
+                return logits
+        return run
+
+
 class _Live:
     """A job in the generator: `ends` are its prompt segments' end positions still to
     come (snapshot points, then the end of the prompt but its last token)."""
 
-    def __init__(self, job: Job, cached: int, ends: List[int], snaps: List[int]):
-        self.job, self.cached = job, cached
+    def __init__(self, job: Job, cached: int, ends: List[int], snaps: List[int],
+                 guard: Optional[_RowGuard] = None):
+        self.job, self.cached, self.guard = job, cached, guard
         self.ends, self.snaps = ends, set(snaps)
         self.n = 0
         self.t0 = time.perf_counter()
@@ -68,6 +131,7 @@ def run_batched(engine) -> None:
                 continue
             try:
                 prompt_responses, responses = gen.next()
+                _drop_failed_rows(gen, live)
                 _snapshot(engine, gen, live, prompt_responses)
             except Exception as e:  # noqa: BLE001 - a failed step fails the jobs in it
                 log.exception("batched generation step failed")
@@ -75,6 +139,7 @@ def run_batched(engine) -> None:
                 for s in live.values():
                     s.job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
                 live.clear()
+                reseed_random()
                 continue
             for r in responses:
                 s = live.get(r.uid)
@@ -127,16 +192,31 @@ def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
             # the generator runs the last prompt token as the first decode step
             ends = snaps + ([len(job.ids) - 1] if len(segments[-1]) > 1 else [])
             sampler = None if job.sampling.temp == 0 else job.sampling.sampler()
+            guard = _RowGuard(sampler, job.logits_processors or ())
             (uid,) = gen.insert_segments([segments], max_tokens=[job.max_tokens],
-                                         caches=[cache], samplers=[sampler],
-                                         logits_processors=[job.logits_processors or []])
+                                         caches=[cache], samplers=[guard.sampler],
+                                         logits_processors=[guard.processors])
         except Exception as e:  # noqa: BLE001 - this job fails, the others go on
             log.exception("admitting a job failed")
             job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
+            reseed_random()
             continue
-        live[uid] = _Live(job, cached, ends, snaps)
+        live[uid] = _Live(job, cached, ends, snaps, guard)
+        job.emit(Started(cached))
         engine._active = len(live)
     return True
+
+
+def _drop_failed_rows(gen, live: Dict[int, _Live]) -> None:
+    """Remove the jobs whose sampler or logits processors raised in the step just run
+    (`_RowGuard`): each fails with its own message; this step's responses for them are
+    ignored (they are no longer live)."""
+    failed = [uid for uid, s in live.items() if s.guard is not None and s.guard.error]
+    if failed:
+        gen.remove(failed)
+        for uid in failed:
+            s = live.pop(uid)
+            s.job.emit(Failed(s.guard.error))
 
 
 def _snapshot(engine, gen, live: Dict[int, _Live], prompt_responses) -> None:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from pydantic import BaseModel, ValidationError
 
 from kimi_mlx.generation.request import InputError, SamplingParams, check_context_strict
-from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, TokenOut
+from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, Started, TokenOut
 from kimi_mlx.server.reply import Event, ReplyBuilder
+
+log = logging.getLogger("kimi_mlx.server")
 
 
 class APIError(Exception):
@@ -38,8 +41,9 @@ class Service:
     engine: `Engine` (or a cluster engine with the same `submit`); wrapper: mlx-lm
     TokenizerWrapper; tok: our KimiTokenizer; context: max prompt + generated tokens;
     model_ids: names a request's `model` may use (the first is what /v1/models lists);
-    defaults: sampling defaults (generation_config.json); responses: the conversations
-    behind recent /v1/responses replies.
+    defaults: sampling defaults (generation_config.json); vocab_size: the model's logits
+    width (0: not known, then the tokenizer's size stands in); responses: the
+    conversations behind recent /v1/responses replies.
     """
 
     engine: Any = None
@@ -53,6 +57,7 @@ class Service:
     created: int = 0
     loading_error: Optional[str] = None
     metrics: Any = None
+    vocab_size: int = 0
     responses: Any = None  # responses_api.ResponseStore (previous_response_id), made on first use
 
     @property
@@ -75,9 +80,37 @@ class Service:
                            "not_found_error", "model")
 
 
+def n_vocab(svc) -> Optional[int]:
+    """Token ids a request may name or a sampler sees: the model's logits width
+    (`Service.vocab_size`), else the tokenizer's size, else None (nothing loaded)."""
+    n = getattr(svc, "vocab_size", 0) or getattr(getattr(svc, "tok", None), "vocab_size", 0)
+    return n or None
+
+
+# deeper JSON than any real request (a tool's parameter schema included) holds, and
+# shallow enough for every recursive walk after parsing (validation, prompt encoding)
+MAX_NESTING = 128
+
+
+def nesting(data) -> int:
+    """Nesting depth of parsed JSON (a scalar 0, [] or {} 1), walked without recursion."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, dict):
+            node = list(node.values())
+        elif not isinstance(node, list):
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_NESTING:  # past the limit the answer is known
+            todo.extend((x, depth + 1) for x in node)
+    return deepest
+
+
 def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     """JSON body -> pydantic model; APIError 413 past `limit` bytes, 400 for malformed
-    JSON or fields that fail validation (naming the field)."""
+    JSON, JSON nested deeper than MAX_NESTING, or fields that fail validation (naming
+    the field)."""
     if len(raw) > limit:
         raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {limit} "
                        "bytes (--max-body-bytes)", "request_too_large")
@@ -85,6 +118,10 @@ def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        data = None
+    if data is None or nesting(data) > MAX_NESTING:
+        raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep")
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:
@@ -93,7 +130,7 @@ def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
-        bounds = field_range(model, err["loc"])
+        bounds = field_range(model, err["loc"]) or schema_range(model, err["loc"])
         if bounds and err["type"] in _RANGE_ERRORS:
             finite = "a finite number " if err["type"] == "finite_number" else ""
             msg = f"must be {finite}in {bounds}, got {err.get('input')!r}"
@@ -127,6 +164,44 @@ def field_range(model: type[BaseModel], loc) -> Optional[str]:
             f"{'inf' if hi is None else hi}{')' if hi_open or hi is None else ']'}")
 
 
+def schema_range(model: type[BaseModel], loc) -> Optional[str]:
+    """The allowed range, in interval notation, at a nested location of `model`'s JSON
+    schema (a dict value such as logit_bias.<id>, a list item), or None."""
+    schema = model.model_json_schema()
+    defs = schema.get("$defs", {})
+
+    def resolve(node):
+        while isinstance(node, dict) and "$ref" in node:
+            node = defs.get(node["$ref"].rsplit("/", 1)[-1], {})
+        return node
+
+    def step(node, key):
+        node = resolve(node)
+        for branch in [node] + [resolve(b) for b in node.get("anyOf", [])]:
+            if isinstance(key, int) and "items" in branch:
+                return branch["items"]
+            if key in branch.get("properties", {}):
+                return branch["properties"][key]
+            if isinstance(branch.get("additionalProperties"), dict):
+                return branch["additionalProperties"]
+        return None
+
+    node = schema
+    for key in loc:
+        node = step(node, key)
+        if node is None:
+            return None
+    node = resolve(node)
+    for branch in [node] + [resolve(b) for b in node.get("anyOf", [])]:
+        lo = branch.get("minimum", branch.get("exclusiveMinimum"))
+        hi = branch.get("maximum", branch.get("exclusiveMaximum"))
+        if lo is not None or hi is not None:
+            return (f"{'(' if 'exclusiveMinimum' in branch or lo is None else '['}"
+                    f"{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}"
+                    f"{')' if 'exclusiveMaximum' in branch or hi is None else ']'}")
+    return None
+
+
 def sampling_from(svc: Service, temperature, top_p, top_k, min_p, seed) -> SamplingParams:
     """Request values over the server's defaults; APIError 400 for out-of-range ones."""
     d = svc.defaults
@@ -138,9 +213,21 @@ def sampling_from(svc: Service, temperature, top_p, top_k, min_p, seed) -> Sampl
         seed=seed,
     )
     try:
-        return p.check()
+        p.check()
     except InputError as e:
         raise APIError(400, str(e)) from None
+    check_top_k(svc, p.top_k)
+    return p
+
+
+def check_top_k(svc: Service, top_k: int) -> None:
+    """APIError 400 unless top_k is in [0, vocab) (0 = off): mlx-lm's compiled
+    `apply_top_k` raises for k >= the logits width, inside a function that shares MLX's
+    random state, so it is refused before the request is admitted."""
+    n = n_vocab(svc)
+    if n is not None and not 0 <= top_k < n:
+        raise APIError(400, f"top_k: must be in [0, {n}) (0 = off; this model has "
+                       f"{n} tokens), got {top_k}", param="top_k")
 
 
 def logits_processors(svc: "Service", req) -> Optional[list]:
@@ -167,11 +254,11 @@ def logits_processors(svc: "Service", req) -> Optional[list]:
         bias = {int(k): float(v) for k, v in (bias or {}).items()} or None
     except ValueError:
         raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
-    n_vocab = getattr(svc.tok, "vocab_size", None)
-    bad = sorted(k for k in bias or () if k < 0 or (n_vocab is not None and k >= n_vocab))
+    n = n_vocab(svc)
+    bad = sorted(k for k in bias or () if k < 0 or (n is not None and k >= n))
     if bad:  # an id past the logits indexes out of bounds in the sampler (the process dies)
         raise APIError(400, f"logit_bias: token id {bad[0]} is not in the vocabulary "
-                       f"[0, {n_vocab})", param="logit_bias")
+                       f"[0, {n})", param="logit_bias")
     return make_logits_processors(bias, rep, presence_penalty=pres, frequency_penalty=freq)
 
 
@@ -231,7 +318,7 @@ async def reply_events(job: Job, builder: ReplyBuilder, request=None,
                 checked = loop.time()
                 if await request.is_disconnected():
                     raise ClientGone()
-            if ev is None:
+            if ev is None or isinstance(ev, Started):
                 continue
             if isinstance(ev, TokenOut):
                 if builder.stopped:
@@ -248,3 +335,29 @@ async def reply_events(job: Job, builder: ReplyBuilder, request=None,
                 raise APIError(500, ev.message, "server_error")
     finally:
         job.cancel()  # no-op after Finished; frees the slot when the consumer left early
+
+
+async def guarded_stream(svc: Service, job: Job, body: AsyncIterator[str], endpoint: str,
+                         error_event: Callable[[str, str], str]) -> AsyncIterator[str]:
+    """A streamed reply's bytes after its 200: `body`'s chunks, and when generation fails
+    after the stream started (a Failed job, a lost stage, an internal error) one last
+    chunk `error_event(kind, message)` in the endpoint's dialect, counted in /metrics
+    (kimi_mlx_stream_errors_total{endpoint}). Every check that can refuse a request ran
+    before the 200; this is what can still go wrong. The job is cancelled on the way out
+    (done, failed, or the client left), freeing its slot."""
+    try:
+        try:
+            async for s in body:
+                yield s
+        except APIError as e:
+            kind, message = e.kind, e.message
+        except Exception as e:  # noqa: BLE001 - a stream ends with an error event, not a cut
+            log.exception("streamed reply failed")
+            kind, message = "server_error", f"internal error: {type(e).__name__}: {e}"
+        else:
+            return
+        if svc.metrics is not None:
+            svc.metrics.stream_errors.labels(endpoint).inc()
+        yield error_event(kind, message)
+    finally:
+        job.cancel()

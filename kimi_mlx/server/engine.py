@@ -18,7 +18,8 @@ import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.server.jobs import Failed, Finished, Job, TokenOut, enqueue, run_mlx_thread, top_logprobs
+from kimi_mlx.server.jobs import (Failed, Finished, Job, Started, TokenOut, enqueue, reseed_random,
+                                  run_mlx_thread, top_logprobs)
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -88,7 +89,8 @@ class Engine:
         return self._active
 
     def submit(self, job: Job) -> Job:
-        return enqueue(self._jobs, job, self.max_queue)
+        """Queue `job`; `Busy` when max_queue jobs wait beyond the free slots."""
+        return enqueue(self._jobs, job, self.max_queue, self.max_concurrency, self._active)
 
     # ---------------------------------------------------------------- worker
 
@@ -111,6 +113,7 @@ class Engine:
             except Exception as e:  # noqa: BLE001 - the error goes to this request only
                 log.exception("generation failed")
                 job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
+                reseed_random()  # nothing the failed request touched is reused
             finally:
                 self._active = 0
 
@@ -172,6 +175,7 @@ class Engine:
             return
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)
+        job.emit(Started(cached))
         self.prefill(job.ids, cache, cached, job.segment_ends)
         if self.speculation is not None and not job.logits_processors:
             gen = self._speculate(job, cache)

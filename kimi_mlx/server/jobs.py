@@ -8,6 +8,8 @@ them imports another's worker.
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -15,12 +17,20 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from kimi_mlx.generation.request import SamplingParams
 
-__all__ = ["Busy", "TokenOut", "Finished", "Failed", "Event", "Job", "enqueue", "run_mlx_thread",
-           "top_logprobs"]
+__all__ = ["Busy", "Started", "TokenOut", "Finished", "Failed", "Event", "Job", "enqueue", "run_mlx_thread",
+           "top_logprobs", "reseed_random"]
 
 
 class Busy(RuntimeError):
     """The request queue is full (the API answers 503 with Retry-After)."""
+
+
+@dataclass
+class Started:
+    """The job was admitted (its first event): `cached_tokens` of its prompt come from
+    the prompt cache, the same number its Finished reports."""
+
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -51,7 +61,7 @@ class Failed:
     message: str
 
 
-Event = Union[TokenOut, Finished, Failed]
+Event = Union[Started, TokenOut, Finished, Failed]
 
 
 @dataclass
@@ -75,6 +85,7 @@ class Job:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._queue: Optional[asyncio.Queue] = None
         self._sync: Optional[queue.Queue] = None
+        self._held: List[Event] = []
 
     def attach(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Deliver events to an asyncio queue on `loop` (or, with None, a thread queue)."""
@@ -94,26 +105,45 @@ class Job:
                 self.cancelled.set()
 
     async def next_event(self, timeout: Optional[float] = None) -> Event:
+        if self._held:
+            return self._held.pop(0)
         return await asyncio.wait_for(self._queue.get(), timeout)
 
+    async def started(self) -> Optional[Started]:
+        """Wait for the job's admission: its Started event, or None when another event
+        came first (an engine that sends none; it is kept for `next_event`)."""
+        ev = await self.next_event()
+        if isinstance(ev, Started):
+            return ev
+        self._held.insert(0, ev)
+        return None
+
     def events(self, timeout: float = 600.0):
-        """Blocking iterator over events (for threads and tests); ends after Finished/Failed."""
+        """Blocking iterator over the events after Started (for threads and tests): the
+        tokens, then Finished or Failed."""
         while True:
             ev = self._sync.get(timeout=timeout)
+            if isinstance(ev, Started):
+                continue
             yield ev
-            if not isinstance(ev, TokenOut):
+            if isinstance(ev, (Finished, Failed)):
                 return
 
     def cancel(self) -> None:
         self.cancelled.set()
 
 
-def enqueue(jobs: "queue.Queue", job, max_queue: int):
+def enqueue(jobs: "queue.Queue", job, max_queue: int, slots: int = 0, active: int = 0):
     """Put `job` on a worker's queue; `Busy` when `max_queue` jobs already wait (the one
-    admission rule of the one-process engine and the cluster engine)."""
-    waiting = jobs.qsize()
+    admission rule of the one-process engine and the cluster engine).
+
+    A job the worker has not taken yet waits only if no slot is free for it: of the
+    queued jobs, those beyond the worker's free slots (`slots` at once, `active` of them
+    generating) are the waiting ones. So a burst on an idle server fills every slot
+    before any request is counted against --max-queue."""
+    waiting = max(0, jobs.qsize() + active - slots)
     if waiting >= max_queue:
-        raise Busy(f"{waiting} requests are waiting (--max-queue {max_queue})")
+        raise Busy(f"{waiting} requests are waiting for a free slot (--max-queue {max_queue})")
     jobs.put(job)
     return job
 
@@ -132,13 +162,36 @@ def run_mlx_thread(body: Callable[[], None]) -> None:
 
 def top_logprobs(logprobs, token: int, k: Optional[int]):
     """(logprob of `token`, [(id, logprob)] of the k most likely, best first) from a
-    logprob vector [vocab] (mlx-lm's: logits - logsumexp)."""
+    logprob vector [vocab] (mlx-lm's: logits - logsumexp). A non-finite value (-inf for a
+    token a logits processor ruled out, NaN when a penalty overflowed float32) is
+    reported as FLOOR_LOGPROB: JSON has no infinities, and a reply must not fail on one."""
     import mlx.core as mx
 
-    chosen = logprobs[token].item()
+    chosen = _finite(logprobs[token].item())
     if not k:
         return chosen, []
     idx = mx.argpartition(-logprobs, k - 1)[:k]
     vals = logprobs[idx]
     order = mx.argsort(-vals)
-    return chosen, list(zip(idx[order].tolist(), vals[order].tolist()))
+    return chosen, [(i, _finite(v)) for i, v in zip(idx[order].tolist(), vals[order].tolist())]
+
+
+# OpenAI's own stand-in for a log-probability too small to report
+FLOOR_LOGPROB = -9999.0
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else FLOOR_LOGPROB
+
+
+def reseed_random() -> None:
+    """Give MLX's global PRNG a fresh key (from os.urandom), after a request's generation
+    raised: an exception inside one of mlx-lm's compiled samplers (`apply_top_k`,
+    `apply_top_p`, ... are compiled with the global random state as input and output)
+    leaves that state as a placeholder without a primitive, and every later unseeded
+    sample then fails with "[eval] Attempting to eval an array without a primitive".
+    Seeding rebuilds the state, so nothing the failed request touched is reused. Seeded
+    requests draw from keys of their own and are unaffected."""
+    import mlx.core as mx
+
+    mx.random.seed(int.from_bytes(os.urandom(8), "little"))

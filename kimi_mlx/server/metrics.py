@@ -36,6 +36,10 @@ class Metrics:
         q.set_function(queue_length)
         a = Gauge("kimi_mlx_active_requests", "requests being generated", registry=r)
         a.set_function(active)
+        self.stream_errors = Counter("kimi_mlx_stream_errors", "streamed replies ended by "
+                                     "an error event after their 200 (generation failed, a "
+                                     "stage was lost, an internal error)", ["endpoint"],
+                                     registry=r)
         self.verify_steps = Counter("kimi_mlx_speculative_verify_steps", "speculative "
                                     "decoding: target passes that verified drafts", registry=r)
         self.drafted = Counter("kimi_mlx_speculative_draft_tokens", "speculative decoding: "

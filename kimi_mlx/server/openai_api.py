@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional
 
 from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
-from kimi_mlx.server.common import (APIError, Service, budget, logits_processors, reply_events,
-                     sampling_from, stop_list, submit)
+from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, logits_processors,
+                                    reply_events, sampling_from, stop_list, submit)
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
 from kimi_mlx.server.schemas import ChatRequest, CompletionRequest
@@ -48,8 +48,9 @@ def chat_messages(req: ChatRequest) -> List[Dict[str, Any]]:
         if d["role"] == "developer":
             d["role"] = "system"
         for call in d.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            if call.get("id") and fn.get("name"):
+            fn = call.get("function")
+            # (malformed calls are left for the prompt encoder, whose 400 names them)
+            if isinstance(fn, dict) and isinstance(call.get("id"), str) and isinstance(fn.get("name"), str):
                 names[call["id"]] = fn["name"]
         if d["role"] == "tool" and "name" not in d and d.get("tool_call_id") in names:
             d["name"] = names[d["tool_call_id"]]
@@ -85,7 +86,7 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     except ValueError as e:
         raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
     messages = chat_messages(req)
-    tools = req.tools or None
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     options = chat_options(tools, req.tool_choice, req.response_format)
     try:
         ids, ends = build_chat_prompt_with_ends(svc.tok, messages, effort, tools, **options)
@@ -195,16 +196,6 @@ async def chat_stream(svc: Service, req: ChatRequest, request):
                      "model": req.model, "choices": [{"index": 0, "delta": delta,
                      "logprobs": logprobs, "finish_reason": finish}]})
 
-    async def gen():
-        try:
-            async for s in body():
-                yield s
-        except APIError as e:  # generation failed after the stream started
-            yield _sse({"error": {"message": e.message, "type": e.kind, "param": None,
-                                  "code": e.kind}})
-        finally:
-            job.cancel()  # the client left (or we are done): free the slot now
-
     async def body():
         yield chunk({"role": "assistant", "content": ""})
         done, n_calls = None, 0
@@ -235,7 +226,12 @@ async def chat_stream(svc: Service, req: ChatRequest, request):
                         "model": req.model, "choices": [], "usage": _usage(job, c.builder, done)})
         yield "data: [DONE]\n\n"
 
-    return gen()
+    return guarded_stream(svc, job, body(), "/v1/chat/completions", _error_sse)
+
+
+def _error_sse(kind: str, message: str) -> str:
+    """The OpenAI-style error chunk that ends a stream which failed after its 200."""
+    return _sse({"error": {"message": message, "type": kind, "param": None, "code": kind}})
 
 
 def _legacy_logprobs(svc, toks, text_start=0) -> dict:
@@ -281,16 +277,6 @@ async def completion_stream(svc: Service, req: CompletionRequest, request):
                      "model": req.model, "choices": [{"index": 0, "text": text,
                      "logprobs": logprobs, "finish_reason": finish}]})
 
-    async def gen():
-        try:
-            async for s in body():
-                yield s
-        except APIError as e:
-            yield _sse({"error": {"message": e.message, "type": e.kind, "param": None,
-                                  "code": e.kind}})
-        finally:
-            job.cancel()
-
     async def body():
         done = None
         async for ev, tok, fin in reply_events(job, c.builder):
@@ -304,4 +290,4 @@ async def completion_stream(svc: Service, req: CompletionRequest, request):
                         "model": req.model, "choices": [], "usage": _usage(job, c.builder, done)})
         yield "data: [DONE]\n\n"
 
-    return gen()
+    return guarded_stream(svc, job, body(), "/v1/completions", _error_sse)

@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.text.chat_format import TOOLS_END, TOOLS_START, ReplyStream, parse_tool_section
+from kimi_mlx.text.chat_format import (STRUCTURE_TOKENS, TOOLS_END, TOOLS_START, ReplyStream,
+                                       parse_tool_section)
 from kimi_mlx.generation.request import StopMatcher
 
 _CALL_ATTRS = re.compile(r'<\|open\|>call((?:(?!<\|sep\|>).)*)<\|sep\|>', re.DOTALL)
@@ -61,10 +62,20 @@ class ReplyBuilder:
         stops: stop strings (matched on the decoded text, markup included).
         chat: True to split the K3.1 reply into channels (chat / messages APIs); False
             for raw text (completions API: everything is `content`).
+
+    Special tokens never reach the reply's text (as vLLM's and llama-server's
+    skip_special_tokens): they are counted but not decoded, except, in chat mode, the
+    structure tokens the K3.1 markup is made of (`chat_format.STRUCTURE_TOKENS`), which
+    the channel parser needs; one of those left over as text (a `<|close|>` that closes
+    nothing) is removed from the reasoning and content the parser emits.
     """
 
     def __init__(self, tokenizer, stops: Sequence[str] = (), chat: bool = True):
         self.detok = tokenizer.detokenizer
+        specials = getattr(_kimi(tokenizer), "special_tokens", None) or {}
+        kept = set(STRUCTURE_TOKENS) if chat else set()
+        self._skip = {tid for name, tid in specials.items() if name not in kept}
+        self._leftover = [name for name in STRUCTURE_TOKENS if name in specials] if chat else []
         self.stop = StopMatcher(list(stops))
         self.parser = ReplyStream() if chat else None
         self.stopped = False  # a stop string matched
@@ -80,7 +91,7 @@ class ReplyBuilder:
         self.n_tokens += 1
         if self.parser is not None and self.parser.state == "reasoning":
             self.reasoning_tokens += 1
-        if self.stopped:
+        if self.stopped or token in self._skip:
             return Event()
         self.detok.add_token(token)
         return self._text(self.detok.last_segment, final=False)
@@ -112,6 +123,8 @@ class ReplyBuilder:
             events += p.finish()
         ev = Event()
         for channel, t in events:
+            for name in self._leftover:
+                t = t.replace(name, "")
             if channel == "reasoning":
                 ev.reasoning += t
             else:
@@ -148,9 +161,14 @@ def token_logprobs(tokenizer, token: int, logprob: float,
     return out
 
 
+def _kimi(tokenizer):
+    """Our KimiTokenizer behind mlx-lm's wrapper (and the transformers adapter), or None."""
+    return getattr(getattr(tokenizer, "_tokenizer", tokenizer), "kimi", None)
+
+
 def token_bytes(tokenizer, token: int) -> bytes:
     """The bytes of one token id (our KimiTokenizer behind mlx-lm's wrapper)."""
-    kimi = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "kimi", None)
+    kimi = _kimi(tokenizer)
     if kimi is not None:
         return kimi.decode_bytes([token])
     return tokenizer.decode([token]).encode("utf-8")

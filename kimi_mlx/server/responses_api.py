@@ -26,7 +26,8 @@ from typing import Any, Dict, List, Optional
 
 from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
-from kimi_mlx.server.common import APIError, Service, budget, reply_events, sampling_from, submit
+from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
+                                    sampling_from, submit)
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.openai_api import chat_options
 from kimi_mlx.server.reply import ReplyBuilder
@@ -429,13 +430,6 @@ async def responses_stream(svc: Service, req: ResponsesRequest, request):
         status = t.status(done)
         yield event(f"response.{status}", response=t.response(status, output, done))
 
-    async def gen():
-        try:
-            async for s in body():
-                yield s
-        except APIError as e:  # generation failed after the stream started
-            yield event("error", code=e.kind, message=e.message, param=None)
-        finally:
-            t.job.cancel()  # the client left (or we are done): free the slot now
-
-    return gen()
+    return guarded_stream(svc, t.job, body(), "/v1/responses",
+                          lambda kind, message: event("error", code=kind, message=message,
+                                                      param=None))

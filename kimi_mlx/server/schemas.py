@@ -8,12 +8,66 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from typing_extensions import Annotated
+
+from kimi_mlx.text.chat_format import EFFORTS
+
+
+def _integral(v):
+    # JSON has one number type and JSON Schema's "integer" includes 2.0: an integral
+    # float is that integer; 2.5, true and "2" stay errors (strict mode)
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def Int(**bounds):
+    """An integer field's type: strict (no bool, no str), an integral float accepted,
+    `bounds` (ge, gt, le, lt) inside, so the JSON schema states them."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+
+
+def _effort():
+    """reasoning_effort: a string checked by chat_format.resolve_effort (whose 400 names
+    the efforts); the OpenAPI document lists them."""
+    return Field(None, json_schema_extra={"enum": [*EFFORTS, None]})
+
+# mx.random.key takes a uint64
+SEED_RANGE = dict(ge=0, lt=2 ** 64)
+# OpenAI's documented logit_bias range
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class _Model(BaseModel):
-    # NaN / Infinity (which Python's json reads and writes) are never a valid setting
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # NaN / Infinity (which Python's json reads and writes) are never a valid setting;
+    # strict: no coercion a client cannot rely on (true is not 1, "yes" is not true, "1"
+    # is not a number); an integer is still a valid float, an integral float an integer
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+
+class FunctionDef(_Model):
+    """An OpenAI tool's function: name required, parameters a JSON schema object."""
+
+    name: str = Field(..., min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Model):
+    """An OpenAI chat tool: only function tools exist in the chat completions API."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class AnthropicTool(_Model):
+    """An Anthropic client tool (type absent or "custom"); Anthropic's server tools
+    (web_search, bash, ...) run on Anthropic's side and are refused by their type."""
+
+    type: Optional[Literal["custom"]] = None
+    name: str = Field(..., min_length=1)
+    description: Optional[str] = None
+    input_schema: Dict[str, Any]
 
 
 class StreamOptions(_Model):
@@ -34,40 +88,44 @@ class _Sampling(_Model):
     model: str
     temperature: Optional[float] = Field(None, ge=0, le=2)  # OpenAI's documented range
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
+    top_k: Optional[Int(ge=0)] = None
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[Int(**SEED_RANGE)] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
-    n: Optional[int] = Field(None, ge=1)
+    n: Optional[Int(ge=1)] = None
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
-    repetition_penalty: Optional[float] = Field(None, gt=0)
-    logit_bias: Optional[Dict[str, float]] = None
+    repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10)  # divides logits (float32)
+    logit_bias: Optional[Dict[str, Bias]] = None
     user: Optional[str] = None
 
 
 class ChatRequest(_Sampling):
     messages: List[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[Int(ge=1)] = None
+    max_completion_tokens: Optional[Int(ge=1)] = None
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[List[Dict[str, Any]]] = None
+    top_logprobs: Optional[Int(ge=0, le=20)] = None
+    tools: Optional[List[ChatTool]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
-    reasoning_effort: Optional[str] = None
+    reasoning_effort: Optional[str] = _effort()
     response_format: Optional[Dict[str, Any]] = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, List[str], List[int]]
-    max_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    # one prompt: a non-empty string, a list of one, or token ids (below the vocabulary
+    # size, which the API module checks and the OpenAPI document states)
+    prompt: Union[Annotated[str, Field(min_length=1)],
+                  Annotated[List[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)],
+                  Annotated[List[Int(ge=0)], Field(min_length=1)]]
+    max_tokens: Optional[Int(ge=1)] = None
+    logprobs: Optional[Int(ge=0, le=20)] = None
     echo: bool = False
     suffix: Optional[str] = None
-    best_of: Optional[int] = Field(None, ge=1)
+    best_of: Optional[Int(ge=1)] = None
 
 
 class AnthropicMessage(_Model):
@@ -78,23 +136,23 @@ class AnthropicMessage(_Model):
 class MessagesRequest(_Model):
     model: str
     messages: List[AnthropicMessage] = Field(..., min_length=1)
-    max_tokens: int = Field(..., ge=1)
+    max_tokens: Int(ge=1)
     system: Optional[Union[str, List[Dict[str, Any]]]] = None
     stop_sequences: Optional[List[str]] = None
     stream: bool = False
     temperature: Optional[float] = Field(None, ge=0, le=1)  # Anthropic's documented range
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
-    tools: Optional[List[Dict[str, Any]]] = None
+    top_k: Optional[Int(ge=0)] = None
+    tools: Optional[List[AnthropicTool]] = None
     tool_choice: Optional[Dict[str, Any]] = None
     thinking: Optional[Dict[str, Any]] = None
     metadata: Optional[Dict[str, Any]] = None
-    reasoning_effort: Optional[str] = None
-    seed: Optional[int] = None
+    reasoning_effort: Optional[str] = _effort()
+    seed: Optional[Int(**SEED_RANGE)] = None
 
 
 class CountTokensRequest(MessagesRequest):
-    max_tokens: Optional[int] = None  # not part of a count_tokens request
+    max_tokens: Optional[Int()] = None  # not part of a count_tokens request
 
 
 class ReasoningOptions(_Model):
@@ -114,12 +172,12 @@ class ResponsesRequest(_Model):
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
-    max_output_tokens: Optional[int] = Field(None, ge=1)
+    max_output_tokens: Optional[Int(ge=1)] = None
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)
-    top_k: Optional[int] = Field(None, ge=0)
+    top_k: Optional[Int(ge=0)] = None
     min_p: Optional[float] = Field(None, ge=0, le=1)
-    seed: Optional[int] = None
+    seed: Optional[Int(**SEED_RANGE)] = None
     stream: bool = False
     previous_response_id: Optional[str] = None
     store: bool = True

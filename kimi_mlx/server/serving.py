@@ -161,6 +161,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
         speculation = Speculation(NgramDraft(*ngram), num_draft_tokens)
     svc.wrapper, svc.tok = wrapper, tok
+    svc.vocab_size = model.args.vocab_size
     context = model.args.max_position_embeddings
     svc.context = min(context, max_kv_size) if max_kv_size else context
     pc = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
@@ -175,8 +176,9 @@ def make_service(spec: str, api_key: Optional[str], served_name: Optional[str],
     from kimi_mlx.server.metrics import Metrics
 
     svc = Service(api_key=api_key, max_body_bytes=max_body_bytes, created=int(time.time()))
-    name = served_name or Path(spec.rstrip("/")).name or spec
-    svc.model_ids = [name] + ([spec] if spec != name else [])
+    # the id only: the checkpoint's path is neither accepted as a model id nor told to
+    # clients (a 404 lists the served ids)
+    svc.model_ids = [served_name or Path(spec.rstrip("/")).name or "model"]
     svc.metrics = Metrics(lambda: svc.engine.queue_length if svc.engine else 0,
                           lambda: svc.engine.active if svc.engine else 0)
     return svc
