@@ -262,6 +262,8 @@ class TensorGroup:
         self.calls: List = []
         self.closing = False
         self.failed: Optional[str] = None
+        self.names: List[str] = []
+        self.finished: set = set()  # nodes whose rank exited 0 (after the last request)
         self._lock = threading.Lock()
 
     def start(self, stubs: Sequence[Tuple[str, object]], requests: Sequence) -> "TensorGroup":
@@ -269,6 +271,7 @@ class TensorGroup:
 
         started = [threading.Event() for _ in stubs]
         refused: List[str] = []
+        self.names = [name for name, _ in stubs]
         for k, ((name, stub), req) in enumerate(zip(stubs, requests)):
             call = stub.StartRank(req)
             self.calls.append(call)
@@ -295,6 +298,7 @@ class TensorGroup:
             for ev in call:
                 last[0] = time.monotonic()
                 if ev.kind == pb.Event.CLOSED:  # the rank finished after the last request
+                    self.finished.add(name)
                     return
                 if ev.kind == pb.Event.ERROR:
                     if not started.is_set():
@@ -339,6 +343,14 @@ class TensorGroup:
             pass
         print(f"\n[cluster] tensor group torn down: {reason}", file=sys.stderr, flush=True)
         self.exit(1)
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """After the last (empty) request: wait up to `timeout` s for every rank to exit
+        on its own, then `close`."""
+        deadline = time.monotonic() + timeout
+        while set(self.names) - self.finished and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.close()
 
     def close(self) -> None:
         """End every lease (the nodes kill their ranks)."""
@@ -419,6 +431,7 @@ def launch_tensor(args, cluster, ids: List[int], wrapper) -> int:
         code = print_generation(args, stream_generate(tokens(), wrapper, len(ids), args.max_tokens,
                                                       mx.get_peak_memory))
         exchange_request(group)  # an empty request: the other ranks exit
+        watch.finish()
     except RuntimeError as e:  # a peer lost: its node names it through the watch
         deadline = time.monotonic() + args.peer_timeout + 2
         while watch.failed is None and time.monotonic() < deadline:
