@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -547,7 +548,12 @@ def _launch(args) -> int:
             return 2
         from kimi_mlx.cluster.tensor import launch_tensor
 
-        return launch_tensor(args, cluster, ids, wrapper)
+        code = launch_tensor(args, cluster, ids, wrapper)
+        # Once a ring group was joined, interpreter exit can block on the backend's
+        # threads (seen once in tests after the last token); nothing is left to clean up.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     try:
         pipeline = cluster.connect()
     except (PlanError, StageFailure, RuntimeError, ValueError) as e:
