@@ -546,7 +546,7 @@ def _launch(args) -> int:
             _err("launch", "--draft-model with --parallel tensor is not supported yet; use "
                            "--parallel pipeline")
             return 2
-        from kimi_mlx.cluster.tensor import launch_tensor
+        from kimi_mlx.cluster.tensor_launch import launch_tensor
 
         code = launch_tensor(args, cluster, ids, wrapper)
         # Once a ring group was joined, interpreter exit can block on the backend's
