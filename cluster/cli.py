@@ -659,11 +659,12 @@ def _recommended(cluster: _Cluster) -> str:
             bw = [n.bandwidth_bytes_per_s for n in nodes]
             tp = tensor_plan_for(tensors, targs, bw + [min(bw)], cluster.context)
             fits = all(max(tp.load_bytes) + tp.cache_bytes <= n.usable_bytes for n in nodes)
-        except ShardError:
+        except (ShardError, ValueError):  # heads or experts that do not split so
             pass
     choice = recommend(pipeline, tp, JACCL_LATENCY_S if jaccl else TCP_LATENCY_S, fits)
-    print(f"[cluster] --parallel {choice} (the planner's recommendation for {len(nodes)} "
-          f"node(s); --parallel pipeline|tensor to choose)", file=sys.stderr)
+    if choice == "tensor":  # pipeline stays today's default, said nowhere
+        print(f"[cluster] --parallel {choice} (the planner's recommendation for {len(nodes)} "
+              f"node(s); --parallel pipeline|tensor to choose)", file=sys.stderr)
     return choice
 
 
