@@ -85,8 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages, or one tensor-parallel group of this head (rank 0) "
                         "and the nodes (default: what `kimi-mlx plan` recommends for them)")
     q.add_argument("--backend", default="auto", choices=["auto", "ring", "jaccl"],
-                   help="--parallel tensor: MLX distributed backend (default: jaccl where "
-                        "every rank has it on macOS, else the TCP ring)")
+                   help="--parallel tensor: MLX distributed backend (default: the TCP ring; "
+                        "jaccl's host list is not written yet)")
     _common(q)
 
     q = sub.add_parser("server", help="OpenAI + Anthropic API server over the pipeline",
@@ -630,12 +630,12 @@ def _launch(args) -> int:
 def _recommended(cluster: _Cluster) -> str:
     """`kimi_mlx.placement.tensor_parallel.recommend` for these nodes: the pipeline over
     the nodes vs a tensor group of this head and the nodes (the slowest node's bandwidth,
-    the TCP ring's latency unless every rank has JACCL on macOS). Prints the choice."""
+    the TCP ring's latency: the group runs over the ring). Says so when it is tensor."""
     from kimi_mlx.cluster.head import plan_stages
     from kimi_mlx.cluster.transport import GrpcTransport
     from kimi_mlx.model.shard import ShardError
     from kimi_mlx.placement.planner import PlanError
-    from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S, recommend,
+    from kimi_mlx.placement.tensor_parallel import (TCP_LATENCY_S, recommend,
                                                    tensor_plan_for, tensors_of)
 
     a = cluster.args
@@ -651,7 +651,6 @@ def _recommended(cluster: _Cluster) -> str:
                                a.sequences)[0].tokens_per_s
     except PlanError:
         pipeline = 0.0
-    jaccl = sys.platform == "darwin" and all("jaccl" in r.backends for _, r in accepted)
     tp, fits = None, False
     if a.sequences == 1:
         try:
@@ -661,7 +660,7 @@ def _recommended(cluster: _Cluster) -> str:
             fits = all(max(tp.load_bytes) + tp.cache_bytes <= n.usable_bytes for n in nodes)
         except (ShardError, ValueError):  # heads or experts that do not split so
             pass
-    choice = recommend(pipeline, tp, JACCL_LATENCY_S if jaccl else TCP_LATENCY_S, fits)
+    choice = recommend(pipeline, tp, TCP_LATENCY_S, fits)
     if choice == "tensor":  # pipeline stays today's default, said nowhere
         print(f"[cluster] --parallel {choice} (the planner's recommendation for {len(nodes)} "
               f"node(s); --parallel pipeline|tensor to choose)", file=sys.stderr)

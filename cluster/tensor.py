@@ -18,8 +18,8 @@ rank gets the same all_sum results), take rank 0's token and stop where rank 0 s
 A request of zero prompt tokens ends the followers (exit 0).
 
 Host list: rank 0 listens on a free port of the head's address towards the first node;
-node ranks on the node's serve port + `RANK_PORT_OFFSET`. Backend: `ring` (TCP) unless
-every rank's MLX has `jaccl` and the head is on macOS; `--backend` forces one.
+node ranks on the node's serve port + `RANK_PORT_OFFSET`. Backend: `ring` (TCP); JACCL
+needs a host list with every pair's RDMA device, which is not written yet.
 
 Faults. A killed rank makes the ring's collectives raise on every other rank ("[ring]
 connection to a peer was lost", ~10 ms); a stopped (SIGSTOP) rank blocks them with no
@@ -63,21 +63,22 @@ def available_backends() -> List[str]:
     return [b for b in BACKENDS if mx.distributed.is_available(backend=b)]
 
 
-def choose_backend(backends: Dict[str, Sequence[str]], forced: Optional[str] = None,
-                   platform: str = sys.platform) -> str:
-    """The backend for a group of these ranks ({name: backends its MLX has}).
+def choose_backend(backends: Dict[str, Sequence[str]], forced: Optional[str] = None) -> str:
+    """The backend for a group of these ranks ({name: backends its MLX has}): `forced`, or
+    `ring` (TCP).
 
-    `forced` must be in every rank's list (TensorSetupError naming the ranks without it).
-    Otherwise `jaccl` (RDMA over Thunderbolt 5) when every rank has it and the head is on
-    macOS, else `ring` (TCP), which every rank then needs.
+    Raises TensorSetupError naming the ranks that lack it, and for `jaccl`, whose host
+    list (the RDMA device of every pair of Macs) is not written yet.
     """
-    want = forced or ("jaccl" if platform == "darwin" and all(
-        "jaccl" in b for b in backends.values()) else "ring")
+    want = forced or "ring"
     missing = [f"{name} (has: {', '.join(b) or 'no distributed backend'})"
                for name, b in backends.items() if want not in b]
     if missing:
         raise TensorSetupError(f"cannot form a {want} group: its backend is missing on "
                                + "; ".join(missing))
+    if want == "jaccl":
+        raise TensorSetupError("cluster launch cannot write JACCL's host list yet (the RDMA "
+                               "device of every pair of Macs); use --backend ring")
     return want
 
 
