@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -80,6 +81,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_generate_arguments(q)
     _node_arguments(q, context_default="the prompt + --max-tokens")
     q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
+    q.add_argument("--parallel", default="auto", choices=["auto", "pipeline", "tensor"],
+                   help="pipeline stages, or one tensor-parallel group of this head (rank 0) "
+                        "and the nodes (default: what `kimi-mlx plan` recommends for them)")
+    q.add_argument("--backend", default="auto", choices=["auto", "ring", "jaccl"],
+                   help="--parallel tensor: MLX distributed backend (default: the TCP ring; "
+                        "jaccl's host list is not written yet)")
     _common(q)
 
     q = sub.add_parser("server", help="OpenAI + Anthropic API server over the pipeline",
@@ -386,6 +393,7 @@ class _Cluster:
         self.args, self.secret, self.model_dir, self.fp, self.context = args, secret, model_dir, fp, context
         self.excluded: set = set()
         self.transport = None
+        self.checked = None  # `accepted()`'s answer, kept for its next call (see _recommended)
 
     def candidates(self):
         from kimi_mlx.cluster.discovery import DEFAULT_PORT, NodeInfo, browse, interface_addresses
@@ -405,13 +413,15 @@ class _Cluster:
                 out.append(NodeInfo(node_id=spec.strip(), host=host, port=port))
         return out
 
-    def connect(self):
-        from kimi_mlx.cluster.head import Pipeline, check_nodes, choose_compute_dtype, plan_stages
-        from kimi_mlx.cluster.transport import GrpcTransport
+    def accepted(self, transport):
+        """[(NodeInfo, HealthReply)] of the usable nodes (RuntimeError when --nodes names
+        one that is not usable, or none is)."""
+        from kimi_mlx.cluster.head import check_nodes
 
+        if self.checked is not None:
+            accepted, self.checked = self.checked, None
+            return accepted
         a = self.args
-        tls = a.secret_file if a.tls else None
-        transport = GrpcTransport(self.secret, tls, peer_timeout=a.peer_timeout)
         accepted, rejected = check_nodes(self.candidates(), transport.stub_for, self.fp,
                                          name=self.model_dir.name,
                                          check_version=not a.allow_version_mismatch,
@@ -434,6 +444,20 @@ class _Cluster:
             raise RuntimeError("no usable nodes")
         if a.nodes == "auto":
             accepted.sort(key=lambda x: x[0].node_id)
+        return accepted
+
+    def connect(self):
+        from kimi_mlx.cluster.head import Pipeline, choose_compute_dtype, plan_stages
+        from kimi_mlx.cluster.transport import GrpcTransport
+
+        a = self.args
+        tls = a.secret_file if a.tls else None
+        transport = GrpcTransport(self.secret, tls, peer_timeout=a.peer_timeout)
+        try:
+            accepted = self.accepted(transport)
+        except Exception:
+            transport.shutdown()
+            raise
         nodes = [n for n, _ in accepted]
         plan, assignments = plan_stages(self.model_dir, nodes, self.context, a.sequences)
         replies = {n.node_id: r for n, r in accepted}
@@ -626,6 +650,26 @@ def _launch(args) -> int:
 
     plan_context = args.context or min(inputs.context, len(inputs.ids) + args.max_tokens)
     cluster = _Cluster(args, inputs.secret, inputs.model_dir, inputs.fingerprint, plan_context)
+    parallel = args.parallel
+    if parallel == "auto":
+        try:
+            parallel = _recommended(cluster)
+        except (PlanError, StageFailure, RuntimeError, ValueError) as e:
+            _err("launch", e)
+            return 1
+    if parallel == "tensor":
+        if inputs.speculation is not None:
+            _err("launch", "speculative decoding (--draft-model / --draft) with --parallel "
+                           "tensor is not supported yet; use --parallel pipeline")
+            return 2
+        from kimi_mlx.cluster.tensor_launch import launch_tensor
+
+        code = launch_tensor(args, cluster, inputs.ids, inputs.wrapper)
+        # Once a ring group was joined, interpreter exit can block on the backend's
+        # threads (seen once in tests after the last token); nothing is left to clean up.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     try:
         pipeline = cluster.connect()
     except (PlanError, StageFailure, RuntimeError, ValueError) as e:
@@ -647,6 +691,46 @@ def _launch(args) -> int:
         _err("launch", _launch_failure(run.failure, args.replan))
         return 1
     return code
+
+
+def _recommended(cluster: _Cluster) -> str:
+    """`kimi_mlx.placement.tensor_parallel.recommend` for these nodes: the pipeline over
+    the nodes vs a tensor group of this head and the nodes (the slowest node's bandwidth,
+    the TCP ring's latency: the group runs over the ring). Says so when it is tensor."""
+    from kimi_mlx.cluster.head import plan_stages
+    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.model.shard import ShardError
+    from kimi_mlx.placement.planner import PlanError
+    from kimi_mlx.placement.tensor_parallel import (TCP_LATENCY_S, recommend,
+                                                   tensor_plan_for, tensors_of)
+
+    a = cluster.args
+    transport = GrpcTransport(cluster.secret, a.secret_file if a.tls else None,
+                              peer_timeout=a.peer_timeout)
+    try:
+        accepted = cluster.checked = cluster.accepted(transport)
+    finally:
+        transport.shutdown()
+    nodes = [n.planner_node() for n, _ in accepted]
+    try:
+        pipeline = plan_stages(cluster.model_dir, [n for n, _ in accepted], cluster.context,
+                               a.sequences)[0].tokens_per_s
+    except PlanError:
+        pipeline = 0.0
+    tp, fits = None, False
+    if a.sequences == 1:
+        try:
+            targs, tensors = tensors_of(str(cluster.model_dir))
+            bw = [n.bandwidth_bytes_per_s for n in nodes]
+            tp = tensor_plan_for(tensors, targs, bw + [min(bw)], cluster.context)
+            fits = all(max(tp.load_bytes) + tp.cache_bytes <= n.usable_bytes for n in nodes)
+        except (ShardError, ValueError):  # heads or experts that do not split so
+            pass
+    choice = recommend(pipeline, tp, TCP_LATENCY_S, fits)
+    if choice == "tensor":  # pipeline stays today's default, said nowhere
+        print(f"[cluster] --parallel {choice} (the planner's recommendation for {len(nodes)} "
+              f"node(s); --parallel pipeline|tensor to choose)", file=sys.stderr)
+    return choice
 
 
 def _tokenizers(model_dir: Path):

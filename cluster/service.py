@@ -65,6 +65,7 @@ from kimi_mlx.cluster.compute import ComputeStopped, ComputeThread
 from kimi_mlx.cluster.fingerprint import fingerprint, folder_state, named, scan
 from kimi_mlx.cluster.prompt_cache import CACHE_MISS, StageCache, key_length
 from kimi_mlx.cluster.runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
+from kimi_mlx.cluster.tensor import RankProcess, TensorSetupError, available_backends, check_rank_request
 from kimi_mlx.cluster.wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
                    from_tensor, package_versions, to_tensor)
 
@@ -385,7 +386,7 @@ class StageService(pb_grpc.StageServicer):
             end=s.end if s else 0, sessions=len(self.sessions),
             peak_memory=mx.get_peak_memory(), default_dtype=default_compute_dtype(),
             device="cpu" if mx.default_device() == mx.cpu else "gpu", key_id=key_id(self.secret),
-            build=build_id(),
+            build=build_id(), backends=available_backends(),
         )
 
     def _resolve(self, fp: str) -> Path:
@@ -566,6 +567,43 @@ class StageService(pb_grpc.StageServicer):
             except queue.Empty:
                 ev = self._event(pb.Event.HEARTBEAT, peak_memory=mx.get_peak_memory())
             yield ev
+
+    def StartRank(self, request, context):
+        """Run this node's rank of a tensor-parallel group (`kimi_mlx.cluster.tensor`) for
+        as long as the stream lasts: HEARTBEATs while it runs, one ERROR naming node and
+        rank when it exits or is stopped; the rank is killed when the stream ends.
+        FAILED_PRECONDITION (naming the node) when this node cannot run it."""
+        try:
+            path = self._resolve(request.fingerprint)
+            check_rank_request(request, self.node_id)
+        except (Refused, TensorSetupError) as e:
+            log.warning("refused StartRank from %s: %s", context.peer(), e)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        rank = RankProcess(path, request.rank, request.size, request.backend, request.hosts,
+                           self.node_id)
+        context.add_callback(rank.kill)
+        log.info("tensor rank %d of %d (%s) for head %s: started, pid %d", request.rank,
+                 request.size, request.backend, request.head, rank.proc.pid)
+        try:
+            yield self._event(pb.Event.HEARTBEAT)
+            beat = time.monotonic()
+            while context.is_active() and not self._stop.is_set():
+                why = rank.state()
+                if why == "finished":  # after rank 0's last request: the group is done
+                    yield self._event(pb.Event.CLOSED)
+                    return
+                if why is not None:
+                    msg = f"rank {request.rank} on node {self.node_id} {why}"
+                    log.warning("%s", msg)
+                    yield self._event(pb.Event.ERROR, message=msg)
+                    return
+                if time.monotonic() - beat > 1.0:
+                    beat = time.monotonic()
+                    yield self._event(pb.Event.HEARTBEAT)
+                time.sleep(0.2)
+        finally:
+            rank.kill()
+            log.info("tensor rank %d: ended", request.rank)
 
     def Reset(self, request, context):
         """Free sessions by id or by head; replies how many were freed and are left."""

@@ -35,34 +35,39 @@ class StageStub:
             channel: A grpc.Channel.
         """
         self.Health = channel.unary_unary(
-                '/kimimlx.stage.v3.Stage/Health',
+                '/kimimlx.stage.v4.Stage/Health',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.HealthRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.HealthReply.FromString,
                 _registered_method=True)
         self.Load = channel.unary_stream(
-                '/kimimlx.stage.v3.Stage/Load',
+                '/kimimlx.stage.v4.Stage/Load',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.LoadRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.LoadProgress.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
-                '/kimimlx.stage.v3.Stage/Watch',
+                '/kimimlx.stage.v4.Stage/Watch',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.WatchRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
         self.Forward = channel.stream_stream(
-                '/kimimlx.stage.v3.Stage/Forward',
+                '/kimimlx.stage.v4.Stage/Forward',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.Activation.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
-                '/kimimlx.stage.v3.Stage/Reset',
+                '/kimimlx.stage.v4.Stage/Reset',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.ResetRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.ResetReply.FromString,
                 _registered_method=True)
         self.CacheLookup = channel.unary_unary(
-                '/kimimlx.stage.v3.Stage/CacheLookup',
+                '/kimimlx.stage.v4.Stage/CacheLookup',
                 request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupReply.FromString,
+                _registered_method=True)
+        self.StartRank = channel.unary_stream(
+                '/kimimlx.stage.v4.Stage/StartRank',
+                request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.RankRequest.SerializeToString,
+                response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
 
 
@@ -108,6 +113,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartRank(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,11 +152,16 @@ def add_StageServicer_to_server(servicer, server):
                     request_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupRequest.FromString,
                     response_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupReply.SerializeToString,
             ),
+            'StartRank': grpc.unary_stream_rpc_method_handler(
+                    servicer.StartRank,
+                    request_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.RankRequest.FromString,
+                    response_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'kimimlx.stage.v3.Stage', rpc_method_handlers)
+            'kimimlx.stage.v4.Stage', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('kimimlx.stage.v3.Stage', rpc_method_handlers)
+    server.add_registered_method_handlers('kimimlx.stage.v4.Stage', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -166,7 +182,7 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kimimlx.stage.v3.Stage/Health',
+            '/kimimlx.stage.v4.Stage/Health',
             kimi__mlx_dot_cluster_dot_stage__pb2.HealthRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.HealthReply.FromString,
             options,
@@ -193,7 +209,7 @@ class Stage:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/kimimlx.stage.v3.Stage/Load',
+            '/kimimlx.stage.v4.Stage/Load',
             kimi__mlx_dot_cluster_dot_stage__pb2.LoadRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.LoadProgress.FromString,
             options,
@@ -220,7 +236,7 @@ class Stage:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/kimimlx.stage.v3.Stage/Watch',
+            '/kimimlx.stage.v4.Stage/Watch',
             kimi__mlx_dot_cluster_dot_stage__pb2.WatchRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
             options,
@@ -247,7 +263,7 @@ class Stage:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/kimimlx.stage.v3.Stage/Forward',
+            '/kimimlx.stage.v4.Stage/Forward',
             kimi__mlx_dot_cluster_dot_stage__pb2.Activation.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
             options,
@@ -274,7 +290,7 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kimimlx.stage.v3.Stage/Reset',
+            '/kimimlx.stage.v4.Stage/Reset',
             kimi__mlx_dot_cluster_dot_stage__pb2.ResetRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.ResetReply.FromString,
             options,
@@ -301,9 +317,36 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kimimlx.stage.v3.Stage/CacheLookup',
+            '/kimimlx.stage.v4.Stage/CacheLookup',
             kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartRank(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kimimlx.stage.v4.Stage/StartRank',
+            kimi__mlx_dot_cluster_dot_stage__pb2.RankRequest.SerializeToString,
+            kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
             options,
             channel_credentials,
             insecure,

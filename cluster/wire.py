@@ -17,7 +17,7 @@ import numpy as np
 
 # Bump on any incompatible change to stage.proto or to what a message means; peers with
 # another protocol refuse each other by name.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 # dtype name -> (MLX dtype, NumPy dtype of the bytes, bytes per element). bfloat16 travels
 # as its uint16 bit pattern (NumPy has no bfloat16).

@@ -1,0 +1,364 @@
+"""Tensor parallelism through the cluster (issue 21): one MLX distributed group over the
+head and the nodes, started through the authenticated gRPC control plane (no ssh, no
+hand-written host file).
+
+Roles. The head (`cluster launch --parallel tensor`) is rank 0: it holds a shard like
+every rank (`kimi_mlx.checkpoint.ranged.load_sharded`, from its own copy of the
+checkpoint, which `cluster launch` needs anyway) and runs the request path: tokenizer,
+sampling, streaming. Node i of the accepted nodes is rank i + 1: its `cluster serve`
+runs the rank as a child process (`python -m kimi_mlx.cluster.tensor`, started by the
+`StartRank` RPC with MLX_RANK / MLX_HOSTFILE set), which loads its slices of the
+checkpoint the node finds by fingerprint in its own models folder.
+
+Every rank runs the same generate loop (mlx-lm's `generate_step` on the sharded model),
+so every rank issues the same collectives in the same order. Rank 0 sends each request
+(prompt ids, max tokens, stop ids) and each token it samples with `broadcast`, an
+all_sum to which only rank 0 contributes; the other ranks compute the same logits (every
+rank gets the same all_sum results), take rank 0's token and stop where rank 0 stops.
+A request of zero prompt tokens ends the followers (exit 0).
+
+Host list: rank 0 listens on a free port of the head's address towards the first node;
+node ranks on the node's serve port + `RANK_PORT_OFFSET`. Backend: `ring` (TCP); JACCL
+needs a host list with every pair's RDMA device, which is not written yet.
+
+Faults. A killed rank makes the ring's collectives raise on every other rank ("[ring]
+connection to a peer was lost", ~10 ms); a stopped (SIGSTOP) rank blocks them with no
+timeout. Either way its node sees it (exit status, or the process state "stopped") and
+ends its `StartRank` stream with an ERROR naming node and rank; the head's watch
+(`TensorGroup`) then cancels every rank's stream (each node kills its rank when the
+stream ends) and ends the head's process with that message, since rank 0's own thread
+may be blocked inside a collective. A node that stops answering (no heartbeat within
+`peer_timeout`) is treated the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+log = logging.getLogger("kimi_mlx.cluster.tensor")
+
+RANK_PORT_OFFSET = 1  # a node's rank listens on its serve port + 1
+BACKENDS = ("ring", "jaccl")
+
+
+class TensorSetupError(RuntimeError):
+    """A group that cannot be formed (names the node and what it lacks)."""
+
+
+def available_backends() -> List[str]:
+    """MLX distributed backends this install can join (of `BACKENDS`)."""
+    return [b for b in BACKENDS if mx.distributed.is_available(backend=b)]
+
+
+def choose_backend(backends: Dict[str, Sequence[str]], forced: Optional[str] = None) -> str:
+    """The backend for a group of these ranks ({name: backends its MLX has}): `forced`, or
+    `ring` (TCP).
+
+    Raises TensorSetupError naming the ranks that lack it, and for `jaccl`, whose host
+    list (the RDMA device of every pair of Macs) is not written yet.
+    """
+    want = forced or "ring"
+    missing = [f"{name} (has: {', '.join(b) or 'no distributed backend'})"
+               for name, b in backends.items() if want not in b]
+    if missing:
+        raise TensorSetupError(f"cannot form a {want} group: its backend is missing on "
+                               + "; ".join(missing))
+    if want == "jaccl":
+        raise TensorSetupError("cluster launch cannot write JACCL's host list yet (the RDMA "
+                               "device of every pair of Macs); use --backend ring")
+    return want
+
+
+def hosts_json(addresses: Sequence[Tuple[str, int]]) -> str:
+    """The ring backend's host list as `mlx.launch` writes it: one ["ip:port"] per rank."""
+    return json.dumps([[f"{h}:{p}"] for h, p in addresses])
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's IPv4 address on the route to `host` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+# -- the collective request path -----------------------------------------------------------
+
+def broadcast(x: mx.array, group) -> mx.array:
+    """Rank 0's `x` on every rank (all_sum of x on rank 0 and zeros elsewhere; int32/float)."""
+    return mx.distributed.all_sum(x if group.rank() == 0 else mx.zeros_like(x), group=group)
+
+
+def exchange_request(group, prompt: Sequence[int] = (), max_tokens: int = 0,
+                     stop: Sequence[int] = ()) -> Tuple[List[int], int, List[int]]:
+    """Send (rank 0) or receive (others) one request: (prompt ids, max tokens, stop ids).
+    Two broadcasts: the lengths [3] int32, then the ids. An empty prompt means "exit"."""
+    head = broadcast(mx.array([len(prompt), max_tokens, len(stop)], mx.int32), group).tolist()
+    n, m, s = head
+    ids = broadcast(mx.array(list(prompt) + list(stop) if group.rank() == 0 else [0] * (n + s),
+                             mx.int32), group).tolist() if n + s else []
+    return ids[:n], m, ids[n:]
+
+
+def group_generate_step(model, group, prompt: Sequence[int], max_tokens: int, sampler=None,
+                        prefill_step: int = 2048):
+    """mlx-lm's `generate_step` on a sharded model, every rank taking rank 0's token.
+
+    Yields (token int, logprobs [vocab]) as `generate_step` does. `sampler` (mlx-lm's,
+    on logprobs [1, vocab] -> [1]) is used on rank 0 only; greedy when None.
+    """
+    from mlx_lm.generate import generate_step
+
+    pick = sampler or (lambda lp: mx.argmax(lp, axis=-1))
+
+    def shared(lp):
+        tok = pick(lp).astype(mx.int32) if group.rank() == 0 else mx.zeros((lp.shape[0],), mx.int32)
+        return mx.distributed.all_sum(tok, group=group)
+
+    yield from generate_step(mx.array(list(prompt)), model, max_tokens=max_tokens,
+                             sampler=shared, prefill_step_size=prefill_step)
+
+
+def follow(model, group) -> int:
+    """The loop of ranks 1..N-1: take requests from rank 0 and run them until an empty
+    one; returns how many ran."""
+    done = 0
+    while True:
+        prompt, max_tokens, stop = exchange_request(group)
+        if not prompt:
+            return done
+        stop = set(stop)
+        for tok, _ in group_generate_step(model, group, prompt, max_tokens):
+            if tok in stop:
+                break
+        done += 1
+
+
+def rank_main(argv: Optional[Sequence[str]] = None) -> int:
+    """A node's rank process (`python -m kimi_mlx.cluster.tensor --model PATH`, with
+    MLX_RANK / MLX_HOSTFILE set): join the group, load this rank's slices, follow rank 0."""
+    p = argparse.ArgumentParser(description="one tensor-parallel rank of a kimi-mlx cluster")
+    p.add_argument("--model", required=True)
+    p.add_argument("--backend", default="ring", choices=BACKENDS)
+    p.add_argument("--name", default="", help="node name for messages")
+    a = p.parse_args(argv)
+    who = f"rank {os.environ.get('MLX_RANK', '?')}" + (f" on node {a.name}" if a.name else "")
+    from kimi_mlx.checkpoint.ranged import load_sharded
+
+    try:
+        group = mx.distributed.init(backend=a.backend, strict=True)
+        print(f"[tensor] {who}: joined a {a.backend} group of {group.size()}", file=sys.stderr,
+              flush=True)
+        model, _ = load_sharded(a.model, group)
+        print(f"[tensor] {who}: loaded its slices of {a.model}", file=sys.stderr, flush=True)
+        n = follow(model, group)
+    except Exception as e:  # a lost peer, a bad checkpoint: say who, exit non-zero
+        print(f"[tensor] {who}: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"[tensor] {who}: done after {n} request(s)", file=sys.stderr, flush=True)
+    return 0
+
+
+# -- node side: one rank process and its lease ------------------------------------------------
+
+def process_stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP / SIGTSTP): /proc on Linux, ps elsewhere."""
+    try:
+        if sys.platform.startswith("linux"):
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
+                             text=True, timeout=2).stdout.strip()
+        return out.startswith("T")
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return False
+
+
+def check_rank_request(r, node_id: str) -> None:
+    """Refuse (TensorSetupError naming the node) a rank this node cannot run."""
+    if r.backend not in available_backends():
+        raise TensorSetupError(f"node {node_id}: its MLX ({mx.__version__}) has no {r.backend!r} "
+                               f"backend (has: {', '.join(available_backends()) or 'none'})")
+    try:
+        hosts = json.loads(r.hosts)
+    except ValueError as e:
+        raise TensorSetupError(f"node {node_id}: host list is not JSON ({e})")
+    if not (isinstance(hosts, list) and len(hosts) == r.size and 0 < r.rank < r.size):
+        raise TensorSetupError(f"node {node_id}: rank {r.rank} of {r.size} with a host list of "
+                               f"{len(hosts) if isinstance(hosts, list) else 'no'} entries")
+
+
+class RankProcess:
+    """One rank process on a node, started with its host file; `state()` says whether it
+    still runs; `kill()` ends it (always call it)."""
+
+    def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str):
+        self.rank, self.node_id = rank, node_id
+        fd, self.hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(hosts)
+        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=self.hostfile)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kimi_mlx.cluster.tensor", "--model", str(model_path),
+             "--backend", backend, "--name", node_id], env=env, stdin=subprocess.DEVNULL)
+        self._stopped_seen = 0
+
+    def state(self) -> Optional[str]:
+        """None while it runs; else what happened ("exited with status 1", "was killed by
+        SIGKILL", "is stopped (SIGSTOP): it blocks the group's collectives")."""
+        code = self.proc.poll()
+        if code is not None:
+            if code < 0:
+                return f"was killed by {signal.Signals(-code).name}"
+            return "finished" if code == 0 else f"exited with status {code}"
+        self._stopped_seen = self._stopped_seen + 1 if process_stopped(self.proc.pid) else 0
+        if self._stopped_seen >= 2:  # seen twice in a row, not a passing state
+            return "is stopped (SIGSTOP): it blocks the group's collectives"
+        return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        try:
+            os.unlink(self.hostfile)
+        except OSError:
+            pass
+
+
+# -- head side: the group's watch -------------------------------------------------------------
+
+class TensorGroup:
+    """The head's leases on the node ranks (one `StartRank` stream each).
+
+    `start(...)` opens the streams and returns once every node has started its rank (or
+    raises TensorSetupError naming the node that refused). A watch thread per stream
+    calls `fail(reason)` on an ERROR event, a broken stream or `peer_timeout` seconds
+    without a heartbeat: it cancels every stream (the nodes kill their ranks), prints the
+    reason and ends this process with status 1 (`exit`; tests may replace it).
+    """
+
+    def __init__(self, peer_timeout: float = 5.0, exit=None):
+        self.peer_timeout = peer_timeout
+        self.exit = exit or (lambda code: os._exit(code))
+        self.calls: List = []
+        self.closing = False
+        self.failed: Optional[str] = None
+        self.names: List[str] = []
+        self.finished: set = set()  # nodes whose rank exited 0 (after the last request)
+        self._lock = threading.Lock()
+
+    def start(self, stubs: Sequence[Tuple[str, object]], requests: Sequence) -> "TensorGroup":
+        from kimi_mlx.cluster import stage_pb2 as pb
+
+        started = [threading.Event() for _ in stubs]
+        refused: List[str] = []
+        self.names = [name for name, _ in stubs]
+        for k, ((name, stub), req) in enumerate(zip(stubs, requests)):
+            call = stub.StartRank(req)
+            self.calls.append(call)
+            threading.Thread(target=self._watch, args=(name, call, started[k], refused),
+                             daemon=True).start()
+        deadline = time.monotonic() + self.peer_timeout + 5
+        for ev in started:
+            ev.wait(max(0.0, deadline - time.monotonic()))
+        if refused or not all(e.is_set() for e in started):
+            self.close()
+            late = [n for (n, _), e in zip(stubs, started) if not e.is_set()]
+            raise TensorSetupError("; ".join(refused) or
+                                   f"node(s) {', '.join(late)} did not start their rank")
+        return self
+
+    def _watch(self, name: str, call, started: threading.Event, refused: List[str]) -> None:
+        import grpc
+
+        from kimi_mlx.cluster import stage_pb2 as pb
+
+        last = [time.monotonic()]
+        timer = threading.Thread(target=self._heartbeats, args=(name, last), daemon=True)
+        try:
+            for ev in call:
+                last[0] = time.monotonic()
+                if ev.kind == pb.Event.CLOSED:  # the rank finished after the last request
+                    self.finished.add(name)
+                    return
+                if ev.kind == pb.Event.ERROR:
+                    if not started.is_set():
+                        refused.append(ev.message)
+                        started.set()
+                        return
+                    self.fail(ev.message)
+                    return
+                if not started.is_set():
+                    started.set()
+                    timer.start()
+            if not self.closing:
+                self.fail(f"node {name} ended its rank's lease")
+        except grpc.RpcError as e:
+            if self.closing:
+                return
+            why = f"node {name}: {e.details() if hasattr(e, 'details') else e}"
+            if not started.is_set():
+                refused.append(why)
+                started.set()
+            else:
+                self.fail(why)
+
+    def _heartbeats(self, name: str, last: List[float]) -> None:
+        while not self.closing:
+            time.sleep(0.2)
+            if time.monotonic() - last[0] > self.peer_timeout and not self.closing:
+                self.fail(f"node {name} stopped answering (no heartbeat in "
+                          f"{self.peer_timeout:g} s)")
+                return
+
+    def fail(self, reason: str) -> None:
+        """Tear the group down: cancel every rank's lease, say why, end this process."""
+        with self._lock:
+            if self.failed is not None or self.closing:
+                return
+            self.failed = reason
+        self.close()
+        try:
+            sys.stdout.flush()  # the text streamed so far (os._exit flushes nothing)
+        except (OSError, ValueError):
+            pass
+        print(f"\n[cluster] tensor group torn down: {reason}", file=sys.stderr, flush=True)
+        self.exit(1)
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """After the last (empty) request: wait up to `timeout` s for every rank to exit
+        on its own, then `close`."""
+        deadline = time.monotonic() + timeout
+        while set(self.names) - self.finished and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self.close()
+
+    def close(self) -> None:
+        """End every lease (the nodes kill their ranks)."""
+        self.closing = True
+        for c in self.calls:
+            c.cancel()
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())

@@ -1,0 +1,102 @@
+"""`cluster launch --parallel tensor`: the head's side of `kimi_mlx.cluster.tensor` (kept
+apart so that the stage service, which runs node ranks, does not import the head)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import time
+from typing import List
+
+import mlx.core as mx
+
+from kimi_mlx.cluster.tensor import (RANK_PORT_OFFSET, TensorGroup, TensorSetupError,
+                                     available_backends, choose_backend, exchange_request,
+                                     free_port, group_generate_step, hosts_json,
+                                     local_address_towards)
+# -- head side: `cluster launch --parallel tensor` ---------------------------------------------
+
+def launch_tensor(args, cluster, ids: List[int], wrapper) -> int:
+    """Form the group (this head rank 0, the accepted nodes ranks 1..N), load this head's
+    slices, generate `ids`' continuation and print it as `kimi-mlx generate` does.
+
+    `cluster`: cluster.cli's `_Cluster` (nodes, checkpoint, secret). Returns the exit
+    status; a rank lost mid-generation ends the process through `TensorGroup.fail`.
+    """
+    from kimi_mlx.checkpoint.ranged import load_sharded
+    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.head import stream_generate
+    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.wire import package_versions
+    from kimi_mlx.generation.generate import print_generation
+    from mlx_lm.sample_utils import make_sampler
+
+    transport = GrpcTransport(cluster.secret, args.secret_file if args.tls else None,
+                              peer_timeout=args.peer_timeout)
+    watch = TensorGroup(args.peer_timeout)
+    try:
+        accepted = cluster.accepted(transport)
+        mine = package_versions()[1]
+        wrong = [f"node {n.node_id} runs MLX {r.mlx_version}" for n, r in accepted
+                 if r.mlx_version != mine]
+        if wrong:
+            raise TensorSetupError("; ".join(wrong) + f", this head MLX {mine}: one group needs "
+                                   "the same MLX on every rank")
+        backend = choose_backend(
+            {"this head": available_backends(),
+             **{f"node {n.node_id}": list(r.backends) for n, r in accepted}},
+            None if args.backend == "auto" else args.backend)
+        me = local_address_towards(accepted[0][0].host)
+        addresses = [(me, free_port(me))] + [(socket.gethostbyname(n.host), n.port + RANK_PORT_OFFSET)
+                                             for n, _ in accepted]
+        hosts = hosts_json(addresses)
+        print(f"[cluster] tensor parallel, {backend} group of {len(addresses)}: rank 0 this head "
+              f"({me}:{addresses[0][1]}), " + ", ".join(
+                  f"rank {i + 1} node {n.node_id} ({h}:{p})"
+                  for i, ((n, _), (h, p)) in enumerate(zip(accepted, addresses[1:]))),
+              file=sys.stderr, flush=True)
+        watch.start([(n.node_id, transport.stub_for(n.address)) for n, _ in accepted],
+                    [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),
+                                    backend=backend, hosts=hosts, head=transport.head_id)
+                     for i in range(len(accepted))])
+        fd, hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            f.write(hosts)
+        os.environ.update(MLX_RANK="0", MLX_HOSTFILE=hostfile)
+        try:
+            group = mx.distributed.init(backend=backend, strict=True)
+        finally:
+            os.unlink(hostfile)
+        model, _ = load_sharded(cluster.model_dir, group)
+    except (TensorSetupError, RuntimeError, ValueError, OSError) as e:
+        watch.close()
+        transport.shutdown()
+        print(f"kimi-mlx cluster launch: error: {e}", file=sys.stderr)
+        return 1
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+
+    def tokens():
+        for tok, lp in group_generate_step(model, group, ids, args.max_tokens, sampler):
+            yield tok, lp, False
+
+    try:
+        exchange_request(group, ids, args.max_tokens, sorted(wrapper.eos_token_ids))
+        code = print_generation(args, stream_generate(tokens(), wrapper, len(ids), args.max_tokens,
+                                                      mx.get_peak_memory))
+        exchange_request(group)  # an empty request: the other ranks exit
+        watch.finish()
+    except RuntimeError as e:  # a peer lost: its node names it through the watch
+        deadline = time.monotonic() + args.peer_timeout + 2
+        while watch.failed is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watch.fail(f"rank 0 (this head): {e}")
+        return 1
+    finally:
+        watch.close()
+        transport.shutdown()
+    return code
+

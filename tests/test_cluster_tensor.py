@@ -1,0 +1,146 @@
+"""`cluster launch --parallel tensor` on loopback: this head (rank 0) and one `cluster serve`
+node (rank 1) form an MLX ring group through the control plane (no hostfile, no ssh).
+
+- greedy output equals `kimi-mlx generate` in one process (the independent reference);
+- a rank killed or stopped (SIGSTOP) mid-generation: the head names it and exits 1, the
+  node reports it and no rank process is left;
+- a node that cannot join (backend missing) is refused by name before anything loads.
+Every process has a hard timeout; the node's ports are 45600 (gRPC) and 45601 (its rank).
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kimi_mlx.cluster.tensor import TensorSetupError, choose_backend, hosts_json
+from kimi_mlx.testing.cluster import LocalCluster
+
+PORT = 45600
+PROMPT = "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2"
+HARD_TIMEOUT = 180
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    c = LocalCluster(tmp_path_factory.mktemp("tp"), n=1, prefix="tpnode", ports=[PORT])
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def launch_cmd(c, *extra, max_tokens=24):
+    return [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "launch",
+            "--model", str(c.ckpt), "--nodes", c.procs[0].address,
+            "--secret-file", str(c.secret_file), "--ignore-chat-template",
+            "--prompt", PROMPT, "--max-tokens", str(max_tokens), "--temp", "0", *extra]
+
+
+def generated_text(stdout: str) -> str:
+    """The streamed text between `print_generation`'s ===== lines."""
+    return stdout.split("=" * 10)[1] if stdout.count("=" * 10) >= 2 else stdout
+
+
+def rank_pids(c, after: int):
+    """pids of the rank processes the node started (its log), from log offset `after`."""
+    return [int(p) for p in re.findall(r"tensor rank \d+ of \d+ .*started, pid (\d+)",
+                                       c.procs[0].log_text()[after:])]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_choose_backend_and_hosts():
+    assert choose_backend({"a": ["ring"], "b": ["ring", "jaccl"]}) == "ring"
+    with pytest.raises(TensorSetupError, match="JACCL's host list"):
+        choose_backend({"a": ["ring", "jaccl"], "b": ["jaccl", "ring"]}, "jaccl")
+    with pytest.raises(TensorSetupError, match=r"node b \(has: no distributed backend\)"):
+        choose_backend({"node a": ["ring"], "node b": []})
+    assert hosts_json([("10.0.0.1", 5), ("10.0.0.2", 6)]) == '[["10.0.0.1:5"], ["10.0.0.2:6"]]'
+
+
+def test_greedy_equals_one_process(node):
+    ref = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "generate",
+                          "--model", str(node.ckpt), "--ignore-chat-template", "--prompt", PROMPT,
+                          "--max-tokens", "24", "--temp", "0"],
+                         capture_output=True, text=True, timeout=HARD_TIMEOUT)
+    assert ref.returncode == 0, ref.stderr
+    start = len(node.procs[0].log_text())
+    r = subprocess.run(launch_cmd(node, "--parallel", "tensor"), capture_output=True, text=True,
+                       timeout=HARD_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert "ring group of 2" in r.stderr
+    assert generated_text(r.stdout) == generated_text(ref.stdout)
+    assert generated_text(r.stdout).strip()
+    log = node.procs[0].log_text()[start:]
+    assert "rank 1 on node tpnode0: done after 1 request(s)" in log
+    pids = rank_pids(node, start)
+    assert len(pids) == 1
+    deadline = time.monotonic() + 10
+    while alive(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pids[0])
+
+
+def test_backend_missing_refused_by_name(node):
+    start = len(node.procs[0].log_text())
+    r = subprocess.run(launch_cmd(node, "--parallel", "tensor", "--backend", "jaccl"),
+                       capture_output=True, text=True, timeout=HARD_TIMEOUT)
+    assert r.returncode == 1
+    assert "node tpnode0 (has: ring)" in r.stderr and "jaccl" in r.stderr
+    assert "started, pid" not in node.procs[0].log_text()[start:]  # nothing ran on the node
+
+
+@pytest.mark.parametrize("sig,why", [(signal.SIGKILL, "was killed by SIGKILL"),
+                                     (signal.SIGSTOP, "is stopped (SIGSTOP)")])
+def test_rank_lost_mid_generation(node, sig, why):
+    """Kill or stop the node's rank once text streams: the head names node and rank, exits
+    1, and the rank process is gone (a stopped one is killed by its node)."""
+    start = len(node.procs[0].log_text())
+    head = subprocess.Popen(launch_cmd(node, "--parallel", "tensor", max_tokens=2000),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            bufsize=1)
+    out: list = []
+    threading.Thread(target=lambda: out.extend(iter(lambda: head.stdout.read(1), "")),
+                     daemon=True).start()
+    err: list = []
+    threading.Thread(target=lambda: err.append(head.stderr.read()), daemon=True).start()
+    try:
+        deadline = time.monotonic() + HARD_TIMEOUT
+        while len("".join(out)) < 40 + 10 and head.poll() is None:  # past "=====\n" and some text
+            assert time.monotonic() < deadline, "no text streamed"
+            time.sleep(0.05)
+        assert head.poll() is None, "the head ended before the fault"
+        pid = rank_pids(node, start)[0]
+        t0 = time.monotonic()
+        os.kill(pid, sig)
+        head.wait(timeout=30)
+        detected = time.monotonic() - t0
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gone = not alive(pid)
+    finally:
+        if head.poll() is None:
+            head.kill()
+            head.wait()
+    time.sleep(0.2)
+    stderr = "".join(err)
+    print(f"{sig.name}: head exited {detected:.2f} s after the fault")
+    assert head.returncode == 1
+    assert f"tensor group torn down: rank 1 on node tpnode0 {why}" in stderr, stderr[-2000:]
+    assert f"rank 1 on node tpnode0 {why}" in node.procs[0].log_text()[start:]
+    assert gone
+    assert node.procs[0].alive()  # the node itself serves on
