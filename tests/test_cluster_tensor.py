@@ -5,7 +5,7 @@ node (rank 1) form an MLX ring group through the control plane (no hostfile, no 
 - a rank killed or stopped (SIGSTOP) mid-generation: the head names it and exits 1, the
   node reports it and no rank process is left;
 - a node that cannot join (backend missing) is refused by name before anything loads.
-Every process has a hard timeout; the node's ports are 45600 (gRPC) and 45601 (its rank).
+Every process has a hard timeout; the node's ports are a free pair (gRPC, and its rank on gRPC + 1).
 """
 
 import os
@@ -21,15 +21,18 @@ import pytest
 
 from kimi_mlx.cluster.tensor import TensorSetupError, choose_backend, hosts_json
 from kimi_mlx.testing.cluster import LocalCluster
+from kimi_mlx.testing.tensor_parallel import free_ports
 
-PORT = 45600
 PROMPT = "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2"
 HARD_TIMEOUT = 180
 
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("tp"), n=1, prefix="tpnode", ports=[PORT])
+    # the node's gRPC port and its rank's ring port (gRPC + 1), both bindable now: a fixed
+    # port in the ephemeral range can sit in TIME_WAIT after a long suite's connections
+    grpc_port, _ = free_ports(2, consecutive=True)
+    c = LocalCluster(tmp_path_factory.mktemp("tp"), n=1, prefix="tpnode", ports=[grpc_port])
     try:
         yield c
     finally:

@@ -23,10 +23,9 @@ from kimi_mlx.placement.tensor_parallel import (plan_tensor, rank_load_bytes, ra
                                                tensors_of)
 from kimi_mlx.testing.checkpoints import (argmax_margin, build_checkpoint, margins,
                                           model_tolerance, rel_err, tiny_text_config)
-from kimi_mlx.testing.tensor_parallel import greedy, run_ranks
+from kimi_mlx.testing.tensor_parallel import free_ports, greedy, run_ranks
 
 MICRO = Path(__file__).resolve().parent.parent / "kimi_mlx" / "assets" / "micro"
-PORTS = iter(range(45100, 45200, 2))  # this file's ring ports (45000-45999 is ours)
 TIMEOUT = 120.0
 
 
@@ -68,12 +67,12 @@ def _reference(model_dir, prompts, max_tokens, prefill_step=2048, choices=True):
 
 def _two_ranks(tmp_path, model_dir, prompts, max_tokens, prefill_step=2048, ranged=False,
                plant=False, extra=()):
-    port = next(PORTS)
+    ports = free_ports(2)  # ring ports: bindable now (fixed ones can sit in TIME_WAIT)
     args = ["--model", str(model_dir), "--prompts", json.dumps(prompts),
             "--max-tokens", str(max_tokens), "--prefill-step", str(prefill_step),
             "--out", str(tmp_path)] + (["--ranged"] if ranged else []) + (
         ["--plant-error"] if plant else []) + list(extra)
-    run_ranks([port, port + 1], args, tmp_path, timeout=TIMEOUT)
+    run_ranks(ports, args, tmp_path, timeout=TIMEOUT)
     return [dict(np.load(tmp_path / f"rank{r}.npz")) for r in (0, 1)]
 
 
@@ -231,8 +230,7 @@ def test_speculative_decoding_through_two_ranks_is_plain_greedy(tmp_path):
     draft = MICRO.parent / "micro-draft"
     prompts = [_micro_text(20), _micro_text(100, 20)]
     _, tol, ref = _reference(MICRO, prompts, 10, choices=False)
-    port = next(PORTS)
-    run_ranks([port, port + 1], ["--model", str(MICRO), "--prompts", json.dumps(prompts),
+    run_ranks(free_ports(2), ["--model", str(MICRO), "--prompts", json.dumps(prompts),
                                  "--max-tokens", "10", "--draft", str(draft), "--num-draft", "3",
                                  "--out", str(tmp_path)], tmp_path, timeout=TIMEOUT)
     for r in (0, 1):
