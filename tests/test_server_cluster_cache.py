@@ -137,7 +137,11 @@ def test_concurrent_requests_decode_batched_and_equal_single_runs(served, one_pr
         got = list(ex.map(lambda m: chat(server.url, m, 24)[0], convs))
     assert got == want and len(set(want)) > 1
     steps2, rows2 = (_gauge(server, "kimi_mlx_cluster_batched_" + k) for k in ("steps", "rows"))
-    assert rows2 - rows >= 4 * 20 and rows2 - rows > 1.5 * (steps2 - steps)
+    # Every decoded token is a row; some steps carried several sessions' rows. How many
+    # overlap depends on when each request's own prefill ends (under a loaded machine 92
+    # rows in 79 steps was seen), so the check is "more rows than steps": without batching
+    # every step carries exactly one row.
+    assert rows2 - rows >= 4 * 20 and rows2 - rows > steps2 - steps
 
 
 def test_anthropic_usage_reports_the_cache_read(served):
