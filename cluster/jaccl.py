@@ -32,6 +32,7 @@ parsers are tested on recorded command output and the matrix on fake reports.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -196,6 +197,13 @@ def local_report(name: str, run: Runner = _run, jaccl: Optional[bool] = None,
     except JacclError as e:
         report.problem = str(e)
     return report
+
+
+@functools.lru_cache(maxsize=8)
+def local_report_json(name: str) -> str:
+    """`local_report(name).to_json()`, taken once per process (system_profiler takes
+    about a second; cabling changes need a restart of `cluster serve`)."""
+    return local_report(name).to_json()
 
 
 # ------------------------------------------------------------------------- the head's side

@@ -206,3 +206,51 @@ def test_rank_env_writes_the_device_file_mlx_reads(tmp_path):
         jaccl.rank_env(jaccl.hosts_payload([[None]], "h:1"), 1)
     with pytest.raises(JacclError, match="coordinator"):
         jaccl.rank_env(json.dumps({"devices": matrix}), 0)
+
+
+def test_choose_backend_takes_the_reports():
+    """The launcher's choice (`cluster.tensor.choose_backend`): auto is jaccl only with a
+    full RDMA mesh and jaccl in every MLX; a forced jaccl names the node that cannot join."""
+    from kimi_mlx.cluster.tensor import TensorSetupError, choose_backend
+
+    both = {"this head": ["ring", "jaccl"], "node mac-1": ["ring", "jaccl"]}
+    reports = mesh_reports(2)
+    assert choose_backend(both, None, reports) == "jaccl"
+    assert choose_backend(both, "auto", reports) == "jaccl"
+    assert choose_backend(both, "ring", reports) == "ring"
+    assert choose_backend({**both, "node mac-1": ["ring"]}, None, reports) == "ring"
+    reports[1].rdma_devices = []
+    assert choose_backend(both, None, reports) == "ring"
+    with pytest.raises(TensorSetupError, match=r"node mac-1: no RDMA devices"):
+        choose_backend(both, "jaccl", reports)
+
+
+def test_rank_process_gets_jaccl_s_environment(tmp_path, monkeypatch):
+    """A node's rank for a jaccl group starts with MLX_RANK, MLX_JACCL_COORDINATOR and
+    MLX_IBV_DEVICES (the device file removed when the rank is killed)."""
+    from kimi_mlx.cluster import tensor
+
+    seen = {}
+
+    class FakePopen:
+        def __init__(self, cmd, env, stdin):
+            seen.update(cmd=cmd, env=env)
+            with open(env["MLX_IBV_DEVICES"]) as f:
+                seen["devices"] = json.load(f)
+            self.pid = 1
+
+        def poll(self):
+            return 0
+
+        def wait(self, *a):
+            return 0
+
+    monkeypatch.setattr(tensor.subprocess, "Popen", FakePopen)
+    payload = jaccl.hosts_payload(jaccl.device_matrix(mesh_reports(2)), "10.0.0.1:5000")
+    rank = tensor.RankProcess(tmp_path, 1, 2, "jaccl", payload, "mac-1")
+    assert seen["env"]["MLX_RANK"] == "1"
+    assert seen["env"]["MLX_JACCL_COORDINATOR"] == "10.0.0.1:5000"
+    assert seen["devices"] == [[None, "rdma_en1"], ["rdma_en10", None]]
+    assert "--backend" in seen["cmd"] and "jaccl" in seen["cmd"]
+    rank.kill()
+    assert not os.path.exists(seen["env"]["MLX_IBV_DEVICES"])
