@@ -175,11 +175,14 @@ def rank_load_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int,
 
 def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, context: int,
                     lm_head: Optional[bool] = None, act_bytes: int = 2,
-                    classes: Optional[Dict[_Class, int]] = None) -> int:
+                    classes: Optional[Dict[_Class, int]] = None,
+                    layers: Optional[Tuple[int, int]] = None) -> int:
     """Bytes rank `rank` reads for one decode step of one sequence at `context` tokens:
     its share of every weight, of the routed experts only the picked ones
     (experts_per_token / num_experts), one embedding row; its heads' KDA states; the DSA
-    caches whole (the latent and the index keys are replicated)."""
+    caches whole (the latent and the index keys are replicated). `layers` (start, end):
+    count the caches of those layers only (a checkpoint slice that holds only their
+    tensors, as `make check-real`'s); default all."""
     total = Fraction(0)
     picked = Fraction(args.num_experts_per_token, max(1, args.num_experts))
     for c, n in (classes or _classes(tensors, args, _lm_head(args, ranks, lm_head))).items():
@@ -191,7 +194,7 @@ def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, co
         total += b
     heads = args.linear_attn_config["num_heads"]
     a, b = split_range(heads, ranks, rank)
-    for i in range(args.num_hidden_layers):
+    for i in range(*(layers or (0, args.num_hidden_layers))):
         per_token, index, state = cache_bytes(args, i, act_bytes)
         attended = min(context, args.index_topk) if args.is_dsa(i) else context
         total += Fraction(state * (b - a), heads) + index * context + (per_token - index) * attended

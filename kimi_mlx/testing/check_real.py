@@ -660,6 +660,27 @@ def check_sparse_mla_decode(report: Report, a: Dict[str, Any]) -> None:
                        *ora.max_excess(o_ref, want["o"], want["tol"]))
 
 
+# ---------------------------------------------------------------------- tensor parallel
+
+
+def tensor_check(path: Path, start: int, end: int, opts, report: Report, workdir: str) -> None:
+    """`tp_real` on this slice (its layers must be tp_real's): 2 ranks vs one process,
+    bytes loaded and read per decode step vs the planner; its lines are printed as it
+    runs, its verdict is one check here."""
+    from kimi_mlx.testing import tp_real
+
+    if (start, end) != (tp_real.START, tp_real.END):
+        report.info("tensor parallel", "skipped", f"tp_real runs layers "
+                    f"[{tp_real.START}, {tp_real.END}), not [{start}, {end})")
+        return
+    gc.collect()
+    mx.clear_cache()  # the one-process run's buffers: the ranks need the memory
+    with report.phase("tensor parallel: 2 ranks vs one process"):
+        rc = tp_real.main(["--path", str(path), "--workdir", workdir, "--seed", str(opts.seed)])
+    report.check("tensor parallel (2 ranks, layers sliced 48/48 heads)", "ok" if rc == 0 else
+                 "FAILED", "one process; planner bytes", "tolerance(); 2%", rc == 0)
+
+
 # ---------------------------------------------------------------------------- CLI
 
 
@@ -691,6 +712,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=0.10,
                    help="allowed relative difference from the planner (default 0.10)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor", action="store_true",
+                   help="then split the same slice across 2 tensor-parallel ranks (MLX ring on "
+                   "127.0.0.1) against one process, with each rank's bytes loaded and read "
+                   "per decode step against the planner (kimi_mlx.testing.tp_real; `make "
+                   "check-real` passes this)")
     p.add_argument("--index-topk", type=int, default=None, help=argparse.SUPPRESS)  # dev runs
     return p
 
@@ -718,6 +744,8 @@ def main(argv=None) -> int:
                     size = sum(f.stat().st_size for f in path.iterdir())
                 report.info("slice on disk", f"{size / MB:,.1f} MB", str(path))
             run_check(Path(path), start, end, opts, report)
+            if opts.tensor:
+                tensor_check(Path(path), start, end, opts, report, tmp)
     finally:
         signal.signal(signal.SIGTERM, previous)
     report.print(time.perf_counter() - t0)
