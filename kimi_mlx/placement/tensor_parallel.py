@@ -13,12 +13,21 @@ Time per token (one sequence), bandwidth-bound as the pipeline planner's:
 Collectives per token: one all_sum per attention block and one per MoE (or dense MLP)
 block, so 2 per layer, plus one all_gather of the logits when lm_head is split: 187 for
 K3.1. Latency per collective (defaults, `--jaccl-latency-us` / `--tcp-latency-us`):
-- JACCL (RDMA over Thunderbolt 5): 50 us. Apple's TN3205 (March 2026) as summarised at
-  https://www.adwaitx.com/?p=10695: "latency drops from ~300us over TCP to under 50us
-  with RDMA over Thunderbolt"; issue 21 used 30 us.
-- ring (TCP over the Thunderbolt bridge): 300 us, the same source's TCP figure (also
-  issue 21's). On this Linux box's loopback, with 2 busy cores, an all_sum of a few KB
-  measured ~7 ms; that is CPU contention, not a link.
+- JACCL (RDMA over Thunderbolt 5): 50 us.
+- ring (TCP over the Thunderbolt bridge): 300 us (also issue 21's; issue 21 used 30 us
+  for JACCL).
+Sources. Primary: Apple's TN3205 "Low-latency communication with RDMA over Thunderbolt"
+(https://developer.apple.com/documentation/technotes/tn3205-low-latency-communication-with-rdma-over-thunderbolt:
+macOS 26.2+, Apple silicon with Thunderbolt 5, an RDMA Verbs API, enabled with
+`rdma_ctl enable` in Recovery) and MLX's distributed docs (docs/src/usage/distributed.rst,
+"Getting Started with JACCL": JACCL's "communication latency an order of magnitude lower
+than the ring backend"). Neither states a number of microseconds in the parts read
+here, so the two figures themselves still come from a secondary summary of TN3205
+(https://www.adwaitx.com/?p=10695: "~300us over TCP to under 50us with RDMA over
+Thunderbolt"); their ratio agrees with MLX's order of magnitude. Measure on the Macs
+(`kimi-mlx bench tensor` prints the bare all_sum floor) and pass the flags. On this
+Linux box's loopback, with 2 busy cores, an all_sum of a few KB measured ~7 ms; that is
+CPU contention, not a link.
 """
 
 from __future__ import annotations
