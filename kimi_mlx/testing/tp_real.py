@@ -35,7 +35,7 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-START, END = 2, 4
+START, END = 2, 4  # check_real.TP_LAYERS
 
 
 def run_slice(model, tokens: int, chunk: int, decode: int, seed: int,
