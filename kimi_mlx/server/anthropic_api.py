@@ -13,7 +13,8 @@ from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
                                     sampling_from, stop_list, submit)
-from kimi_mlx.server.images import setter, allow_urls, anthropic_ref, job_images, request_images
+from kimi_mlx.server.images import allow_urls, anthropic_ref, job_images, request_images, setter
+from kimi_mlx.server.images import prepare as off_loop
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder
 from kimi_mlx.server.schemas import MessagesRequest
@@ -170,11 +171,12 @@ def _tools(req: MessagesRequest):
     return tools, ({"tool_choice": _TOOL_CHOICE[choice]} if _TOOL_CHOICE[choice] else {})
 
 
-def count_tokens(svc: Service, req) -> dict:
+async def count_tokens(svc: Service, req) -> dict:
     """POST /v1/messages/count_tokens: the prompt's token count (Claude Code asks), each
     image counted as its `<|media_pad|>` tokens (the preprocessing rule's count) plus its
     media block's markers and `image WxH` text."""
-    return {"input_tokens": len(_prompt(svc, req)[0])}
+    ids = (await off_loop(_prompt, svc, req))[0]
+    return {"input_tokens": len(ids)}
 
 
 _THINKING_TYPES = ("enabled", "adaptive", "disabled")
@@ -240,7 +242,7 @@ def _usage(job: Job, output_tokens: int, cached: int) -> dict:
 
 
 async def messages_response(svc: Service, req: MessagesRequest, request) -> dict:
-    job = prepare(svc, req)
+    job = await off_loop(prepare, svc, req)
     b = ReplyBuilder(svc.wrapper, stop_list(req.stop_sequences), chat=True)
     submit(svc, job)
     done = None
@@ -266,7 +268,7 @@ def _event(name: str, data: dict) -> str:
 
 
 async def messages_stream(svc: Service, req: MessagesRequest, request):
-    job = prepare(svc, req)
+    job = await off_loop(prepare, svc, req)
     b = ReplyBuilder(svc.wrapper, stop_list(req.stop_sequences), chat=True)
     submit(svc, job)
     msg_id = "msg_" + uuid.uuid4().hex

@@ -313,3 +313,34 @@ def job_images(svc, ids: Sequence[int], images: Sequence[Any]) -> Dict[str, Any]
 def allow_urls(svc) -> bool:
     """Whether the service fetches http(s) image URLs (`--allow-image-urls`)."""
     return bool(svc.images is not None and svc.images.allow_urls)
+
+
+IMAGE_PART_TYPES = ("image_url", "image", "input_image")
+
+
+def has_image_parts(req) -> bool:
+    """Whether a parsed request (pydantic model) holds a part / block whose type is an
+    image type anywhere in it (walked without recursion; the body's nesting is bounded
+    by `common.MAX_NESTING`)."""
+    todo = [req.model_dump()]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            if node.get("type") in IMAGE_PART_TYPES:
+                return True
+            todo.extend(v for v in node.values() if isinstance(v, (dict, list)))
+        elif isinstance(node, list):
+            todo.extend(v for v in node if isinstance(v, (dict, list)))
+    return False
+
+
+async def prepare(fn, svc, req):
+    """`fn(svc, req)` (an API module's request -> job step): on a worker thread when the
+    request has images, whose decoding and resizing (Pillow, up to `MAX_PIXELS` pixels,
+    or a fetch) must not hold up the event loop and so the other clients' streams; inline
+    otherwise."""
+    if not has_image_parts(req):
+        return fn(svc, req)
+    import asyncio
+
+    return await asyncio.to_thread(fn, svc, req)

@@ -12,7 +12,7 @@ from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, logits_processors,
                                     reply_events, sampling_from, stop_list, submit)
-from kimi_mlx.server.images import allow_urls, job_images, openai_refs, request_images
+from kimi_mlx.server.images import allow_urls, job_images, openai_refs, prepare, request_images
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
 from kimi_mlx.server.schemas import ChatRequest, CompletionRequest
@@ -152,7 +152,7 @@ class _Completion:
 
 
 async def chat_response(svc: Service, req: ChatRequest, request) -> dict:
-    job = prepare_chat(svc, req)
+    job = await prepare(prepare_chat, svc, req)
     stops = stop_list(req.stop)
     c = _Completion(svc, job, req.model, True, stops)
     submit(svc, job)
@@ -188,7 +188,7 @@ def _split_args(text: str, pieces: int = 3) -> List[str]:
 
 async def chat_stream(svc: Service, req: ChatRequest, request):
     """Validated and queued before the first byte: returns an async iterator of SSE."""
-    job = prepare_chat(svc, req)
+    job = await prepare(prepare_chat, svc, req)
     stops = stop_list(req.stop)
     c = _Completion(svc, job, req.model, True, stops)
     submit(svc, job)

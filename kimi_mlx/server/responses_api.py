@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional
 
 from kimi_mlx.text.chat_format import media_in_order, resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
-from kimi_mlx.server.images import allow_urls, job_images, request_images, responses_ref, setter
+from kimi_mlx.server.images import allow_urls, job_images, prepare, request_images, responses_ref, setter
 from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
                                     sampling_from, submit)
 from kimi_mlx.server.jobs import Job
@@ -328,7 +328,7 @@ def _text_part(text: str) -> dict:
 
 
 async def responses_response(svc: Service, req: ResponsesRequest, request) -> dict:
-    t = _Turn(svc, req)
+    t = await prepare(_Turn, svc, req)
     submit(svc, t.job)
     done = None
     async for _ev, _tok, fin in reply_events(t.job, t.builder, request):
@@ -348,7 +348,7 @@ async def responses_response(svc: Service, req: ResponsesRequest, request) -> di
 
 async def responses_stream(svc: Service, req: ResponsesRequest, request):
     """Validated and queued before the first byte: returns an async iterator of SSE."""
-    t = _Turn(svc, req)
+    t = await prepare(_Turn, svc, req)
     submit(svc, t.job)
     seq = 0
 
