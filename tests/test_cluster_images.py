@@ -5,7 +5,6 @@ image's pads); `cluster launch --image` prints what `kimi-mlx generate --image` 
 reference, its stage prompt cache never sharing a prefix past an image that differs."""
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -17,6 +16,7 @@ from kimi_mlx.generation.images import Vision
 from kimi_mlx.generation.request import build_chat_prompt_with_ends
 from kimi_mlx.testing.checkpoints import build_checkpoint, tiny_text_config, tiny_vision_config
 from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+from kimi_mlx.testing.ports import free_ports
 from kimi_mlx.text.tokenizer import KimiTokenizer
 from test_server_images import data_url, greedy_reference, png
 
@@ -77,14 +77,8 @@ def test_launch_image_errors(cluster, tmp_path):
     assert r.returncode == 2 and "no vision weights" in r.stderr
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_images_and_cache_isolation(cluster):
-    srv = ServerProc(cluster, _free_port(), "--prefill-chunk", "5")
+    srv = ServerProc(cluster, free_ports(1)[0], "--prefill-chunk", "5")
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=120, max_retries=0)
         a, b = png(56, 56, 10), png(56, 56, 11)

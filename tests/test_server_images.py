@@ -22,8 +22,7 @@ from PIL import Image
 from kimi_mlx.commands.main import main
 from kimi_mlx.generation.images import Vision
 from kimi_mlx.generation.request import build_chat_prompt_with_ends, build_prompt
-from kimi_mlx.server.app import create_app
-from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
+from kimi_mlx.testing.servers import start_server, stop_server
 from kimi_mlx.testing.checkpoints import (argmax_margin, build_checkpoint, model_tolerance,
                                           tiny_text_config, tiny_vision_config)
 from kimi_mlx.text.chat_format import ReplyStream
@@ -41,19 +40,14 @@ def vckpt(tmp_path_factory):
 
 
 def _serve(ckpt, **kw):
-    opts = dict(max_concurrency=2, prompt_cache_bytes=64 << 20, max_queue=8, max_kv_size=None)
-    opts.update(kw)
-    svc = make_service(str(ckpt), KEY, "tiny", 8 << 20)
-    load_service(svc, str(ckpt), **opts)
-    return BackgroundServer(create_app(svc)).start(), svc
+    return start_server(str(ckpt), KEY, "tiny", 8 << 20, **kw)
 
 
 @pytest.fixture(scope="module")
 def server(vckpt):
     srv, svc = _serve(vckpt)
     yield srv, svc
-    srv.stop()
-    svc.engine.stop()
+    stop_server(srv, svc)
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +151,7 @@ def test_openai_stream_and_concurrency_one(vckpt, server):
                          for e in ch.choices[0].logprobs.content])
         assert outs[0] and all(o == outs[0] for o in outs)
     finally:
-        srv1.stop()
-        svc1.engine.stop()
+        stop_server(srv1, svc1)
 
 
 def _b64_block(raw, media="image/png"):
@@ -309,8 +302,7 @@ def test_image_limits_and_no_vision(vckpt, tmp_path):
             {"role": "user", "content": three}]))
         assert "3 images" in msg and "at most 2" in msg
     finally:
-        srv.stop()
-        svc.engine.stop()
+        stop_server(srv, svc)
     text_only = build_checkpoint(tmp_path / "text", extras=False)
     srv, svc = _serve(text_only)
     try:
@@ -319,8 +311,7 @@ def test_image_limits_and_no_vision(vckpt, tmp_path):
             {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(28, 28, 0))}}]}]))
         assert "messages[0].content[0]" in msg and "no vision weights" in msg
     finally:
-        srv.stop()
-        svc.engine.stop()
+        stop_server(srv, svc)
 
 
 class _Files(http.server.BaseHTTPRequestHandler):
@@ -358,8 +349,7 @@ def test_allow_image_urls_fetches(vckpt):
         msg = _error(lambda: ask(base + "/big.png"))
         assert "over the limit" in msg
     finally:
-        srv.stop()
-        svc.engine.stop()
+        stop_server(srv, svc)
         files.shutdown()
 
 

@@ -9,8 +9,7 @@ import json
 import httpx
 import pytest
 
-from kimi_mlx.server.app import create_app
-from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
+from kimi_mlx.testing.servers import served
 from kimi_mlx.testing.checkpoints import build_checkpoint, tiny_text_config, tiny_vision_config
 from test_server_images import png
 from test_web import browser, page, settings, stored  # noqa: F401  (fixtures)
@@ -21,13 +20,8 @@ def vserver(tmp_path_factory):
     ckpt = build_checkpoint(tmp_path_factory.mktemp("vweb") / "tiny",
                             text_config=tiny_text_config(num_experts_per_token=8), seed=2,
                             conditioned=True, vision=tiny_vision_config())
-    svc = make_service(str(ckpt), None, "tiny", 8 << 20)
-    load_service(svc, str(ckpt), max_concurrency=2, prompt_cache_bytes=16 << 20, max_queue=8,
-                 max_kv_size=None)
-    srv = BackgroundServer(create_app(svc)).start()
-    yield srv
-    srv.stop()
-    svc.engine.stop()
+    with served(str(ckpt), None, "tiny", 8 << 20) as (srv, _svc):
+        yield srv
 
 
 def test_attach_an_image_and_the_reply_equals_the_api(vserver, page, tmp_path):
