@@ -368,3 +368,29 @@ def test_responses_input_image(server, oai):
     msg = _error(lambda: oai.responses.create(model="tiny", max_output_tokens=2, input=[
         {"role": "user", "content": [{"type": "input_image", "image_url": "http://example.com/x.png"}]}]))
     assert "input[0].content[0]" in msg and "--allow-image-urls" in msg
+
+
+def test_responses_continuation_keeps_the_image(server, oai):
+    """previous_response_id: the stored conversation keeps the image (as its bytes) and
+    the next turn's prompt is the whole conversation's, image included, as the chat API
+    builds it from the same messages."""
+    srv, svc = server
+    url = data_url(png(56, 42, 8))
+    first = [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is this?"}]
+    r1 = oai.responses.create(model="tiny", max_output_tokens=4, temperature=0,
+                              reasoning={"effort": "low"}, input=[{"role": "user", "content": first}])
+    r2 = oai.responses.create(model="tiny", max_output_tokens=4, temperature=0,
+                              reasoning={"effort": "low"}, previous_response_id=r1.id, input="More?")
+    stored = svc.responses.get(r1.id)
+    assert stored[0]["content"][0].keys() == {"type", "data"}  # bytes, not patches
+    reasoning = "".join(c.text for item in r1.output if item.type == "reasoning"
+                        for c in (item.content or []))
+    c = oai.chat.completions.create(model="tiny", max_tokens=1, temperature=0, reasoning_effort="low",
+                                    messages=[{"role": "user", "content": [
+                                        {"type": "image_url", "image_url": {"url": url}},
+                                        {"type": "text", "text": "What is this?"}]},
+                                        {"role": "assistant", "content": r1.output_text,
+                                         "reasoning_content": reasoning},
+                                        {"role": "user", "content": "More?"}])
+    assert r2.usage.input_tokens == c.usage.prompt_tokens
+    assert r2.usage.input_tokens > r1.usage.input_tokens + 6

@@ -27,7 +27,8 @@ from kimi_mlx.server.common import APIError
 
 __all__ = ["ImageSettings", "ImageRef", "resolve_images", "decode_data_url", "fetch_url",
            "cache_key", "setter", "openai_refs", "request_images", "job_images", "allow_urls",
-           "image_settings", "openai_ref", "anthropic_ref", "responses_ref", "DEFAULT_MAX_IMAGES", "URL_MAX_BYTES", "URL_TIMEOUT_S"]
+           "image_settings", "openai_ref", "anthropic_ref", "responses_ref", "lean_messages",
+           "stored_refs", "has_image_parts", "prepare", "DEFAULT_MAX_IMAGES", "URL_MAX_BYTES", "URL_TIMEOUT_S"]
 
 DEFAULT_MAX_IMAGES = 32
 # an image fetched by URL (--allow-image-urls): at most this many bytes, this many seconds
@@ -202,9 +203,10 @@ def resolve_images(settings: ImageSettings, refs: Sequence[ImageRef], context: i
         raise APIError(400, f"the request has {len(refs)} images; this server takes at most "
                        f"{settings.max_images} per request (--max-images)",
                        param=_field(refs[0].where))
-    out = []
+    out, datas = [], []
     for ref in refs:
         data = ref.data if ref.url is None else fetch_url(ref.url, ref.where)
+        datas.append(data)
         try:
             im = settings.vision.load_image(data, name=ref.where)
         except InputError as e:
@@ -217,8 +219,10 @@ def resolve_images(settings: ImageSettings, refs: Sequence[ImageRef], context: i
         raise APIError(400, f"the request's {len(out)} image(s) take {n_tokens} tokens; this "
                        f"model's context is {context} tokens (with the text, the prompt must "
                        f"stay below it)", param=_field(refs[0].where))
-    for ref, im in zip(refs, out):
-        ref.put({"type": "image", "media": im})
+    for ref, im, data in zip(refs, out, datas):
+        # the encoded bytes stay with the part: a stored conversation (Responses API)
+        # keeps them instead of the preprocessed patches (`lean_messages`)
+        ref.put({"type": "image", "media": im, "data": data})
     return out
 
 
@@ -339,8 +343,41 @@ async def prepare(fn, svc, req):
     request has images, whose decoding and resizing (Pillow, up to `MAX_PIXELS` pixels,
     or a fetch) must not hold up the event loop and so the other clients' streams; inline
     otherwise."""
-    if not has_image_parts(req):
+    # a continued Responses conversation may hold images from before
+    if not (has_image_parts(req) or getattr(req, "previous_response_id", None)):
         return fn(svc, req)
     import asyncio
 
     return await asyncio.to_thread(fn, svc, req)
+
+
+def lean_messages(messages: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Copies of chat_format messages whose resolved image parts keep only the encoded
+    bytes ({"type": "image", "data": ...}): what a conversation store holds, a few
+    hundred KB per image instead of the patches (float32, up to ~150 MB for the largest
+    image). `stored_refs` makes them parts of a later request again."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and "media" in p for p in content):
+            m = dict(m, content=[{"type": "image", "data": p["data"]}
+                                 if isinstance(p, dict) and "media" in p else p for p in content])
+        out.append(m)
+    return out
+
+
+def stored_refs(messages: Sequence[Dict[str, Any]], label: str) -> Tuple[List[Dict[str, Any]], List[ImageRef]]:
+    """(copies of stored `lean_messages`, ImageRefs of their images in order, named
+    `label` image k): the refs resolve the copies' image parts again."""
+    out, refs = [], []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = list(content)
+            m = dict(m, content=content)
+            for j, p in enumerate(content):
+                if isinstance(p, dict) and p.get("type") == "image" and "data" in p:
+                    refs.append(ImageRef(f"{label} image {len(refs)}", setter(content, j),
+                                         data=p["data"]))
+        out.append(m)
+    return out, refs

@@ -26,7 +26,8 @@ from typing import Any, Dict, List, Optional
 
 from kimi_mlx.text.chat_format import media_in_order, resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
-from kimi_mlx.server.images import allow_urls, job_images, prepare, request_images, responses_ref, setter
+from kimi_mlx.server.images import (allow_urls, job_images, lean_messages, prepare, request_images,
+                                    responses_ref, setter, stored_refs)
 from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
                                     sampling_from, submit)
 from kimi_mlx.server.jobs import Job
@@ -238,7 +239,8 @@ class _Turn:
                                f"{store_of(svc).capacity})", "not_found_error",
                                param="previous_response_id")
             history = list(found)
-        refs: list = []
+        # the stored conversation's images (kept as their bytes) are decoded again
+        history, refs = stored_refs(history, "previous_response_id")
         self.conversation = history + input_messages(req.input, refs, allow_urls(svc))
         request_images(svc, refs)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else [])
@@ -273,7 +275,7 @@ class _Turn:
         if b.tool_calls:
             reply["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in b.tool_calls]
-        store_of(self.svc).put(self.id, self.conversation + [reply])
+        store_of(self.svc).put(self.id, lean_messages(self.conversation) + [reply])
 
     # ------------------------------------------------------------ response shapes
 
