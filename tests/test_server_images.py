@@ -394,3 +394,16 @@ def test_responses_continuation_keeps_the_image(server, oai):
                                         {"role": "user", "content": "More?"}])
     assert r2.usage.input_tokens == c.usage.prompt_tokens
     assert r2.usage.input_tokens > r1.usage.input_tokens + 6
+
+
+def test_images_with_a_draft_are_refused_by_name(vckpt):
+    srv, svc = _serve(vckpt, max_concurrency=1, ngram=(3, 1))
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
+        msg = _error(lambda: c.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(28, 28, 0))}}]}]))
+        assert "messages[0].content[0]" in msg and "speculative decoding" in msg
+        assert c.chat.completions.create(model="tiny", max_tokens=2, messages=[
+            {"role": "user", "content": "hi"}]).choices[0].finish_reason in ("length", "stop")
+    finally:
+        stop_server(srv, svc)
