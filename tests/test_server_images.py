@@ -177,6 +177,21 @@ def test_anthropic_image_block_and_count_tokens(server, ant, vckpt):
         {"type": "image", "media": im}, {"type": "text", "text": "Describe."}]}], [im], 4)
     assert len(ids) == n
     assert r.usage.output_tokens == len(want)
+    # the reply is the reference tokens' text (split into reasoning / content as the
+    # server's reply builder splits any tokens), streamed or not
+    from kimi_mlx.server.reply import ReplyBuilder
+
+    b = ReplyBuilder(svc.wrapper, chat=True)
+    for t in want:
+        b.feed(t)
+    b.finish()
+    text = "".join(x.text for x in r.content if x.type == "text")
+    assert text == b.content
+    assert text or b.reasoning  # (the thinking block is left out with thinking disabled)
+    with ant.messages.stream(model="tiny", max_tokens=4, extra_body={"temperature": 0},
+                             messages=msgs, thinking={"type": "disabled"}) as st:
+        streamed = st.get_final_message()
+    assert "".join(x.text for x in streamed.content if x.type == "text") == text
 
 
 def test_anthropic_image_in_tool_result(server, ant, vckpt):
