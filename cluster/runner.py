@@ -184,7 +184,8 @@ class StageRunner:
                           f"model's context of {limit}")
 
     def run(self, s: Session, seq: int, offset: int, x: mx.array, sample: bool,
-            verify: bool = False, keep: Optional[int] = None) -> Output:
+            verify: bool = False, keep: Optional[int] = None,
+            media: Optional[Tuple[int, mx.array]] = None) -> Output:
         """Process one checked chunk; advances the session.
 
         Args:
@@ -194,6 +195,9 @@ class StageRunner:
                 on the last stage, return the logits of every position.
             keep: after a verify chunk: how many of its positions stay (the rest are
                 rolled back before this chunk runs).
+            media: first stage only: (pad id, rows [P, hidden]) of the chunk's P
+                `<|media_pad|>` tokens (images; the head ran the tower), which replace
+                those tokens' embeddings (`TextModel.embed_with_media`).
         Raises:
             Refused: out-of-order chunk, bad token ids or a missing/extra keep (the session
                 is unchanged).
@@ -208,8 +212,17 @@ class StageRunner:
                 if lo < 0 or hi >= self.args.vocab_size:
                     raise Refused(f"session {s.session}: token id out of range [0, "
                                   f"{self.args.vocab_size}) (got {lo}..{hi})")
-                h, banks = text.embed(x), Banks(eps)
+                if media is None:
+                    h = text.embed(x)
+                else:
+                    try:
+                        h = text.embed_with_media(x, media[1], media[0])
+                    except ValueError as e:
+                        raise Refused(f"session {s.session}: {e}") from None
+                banks = Banks(eps)
             else:
+                if media is not None:
+                    raise Refused(f"session {s.session}: image rows go to the first stage only")
                 x = x.astype(self.compute) if x.dtype != self.compute else x
                 banks = Banks.from_stacked(x[:-1] if self.in_banks else None, eps)
                 h = x[-1]
