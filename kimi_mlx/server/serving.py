@@ -158,7 +158,9 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     if (draft_model or ngram) and max_concurrency != 1:
         raise ValueError("speculative decoding (a draft) needs max_concurrency 1")
     model, wrapper, tok, config = load_for_generation(spec, progress=progress)
-    model_dir = Path(resolve(spec))
+    # a hub id: the vision tower's shards too (a few hundred MB at K3.1 size), so that the
+    # first image is answered, not a 500 for a shard never downloaded
+    model_dir = Path(resolve(spec, vision=True))
     svc.defaults = generation_defaults(model_dir)
     speculation = None
     if draft_model:
