@@ -163,6 +163,7 @@ def main(argv=None) -> int:
             return 2
         out.update(prune_bench(src, args, keeps, log))
         print(prune_tables(out, args))
+        print(readme_tables(out))
     if args.quant:
         with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
             qsrc = Path(args.quant_model)
@@ -374,6 +375,41 @@ def prune_tables(res: Dict, args) -> str:
                 + (f" (gate KL to the full router {r['gate_kl'][0]:.3f} -> {r['gate_kl'][1]:.3f}, "
                    f"TV {r['gate_tv'][0]:.3f} -> {r['gate_tv'][1]:.3f})" if "gate_kl" in r else ""))
     return "\n".join(lines)
+
+
+def readme_tables(res: Dict) -> str:
+    """The README's form of the pruning results: per calibration, one table with every
+    method's held-out perplexity per domain at each keep, and the routing kept at the
+    smallest keep (random: mean and range over the seeds)."""
+    domains = res["domains"]
+    out = []
+    for cname, cal in res["calibrations"].items():
+        keeps = sorted(cal["keeps"].items(), key=lambda kv: -float(kv[0]))
+        small = keeps[-1][1]
+        out += ["", f"**calibrated on {cname}** ({cal['tokens']:,} tokens; perplexity on held-out "
+                "text):", "",
+                "| method | " + " | ".join(f"keep {c['n_keep']}: {d}" for _, c in keeps for d in domains)
+                + f" | keep {small['n_keep']}: " + " / ".join(domains) + " routing kept |",
+                "|---|" + "---:|" * (len(keeps) * len(domains) + 1)]
+        out.append("| unpruned | " + " | ".join(f"{res['unpruned'][d]:.1f}" for _ in keeps
+                                                 for d in domains) + " | 100% |")
+        for name in method_names():
+            counts = small["rows"][name]["counts"]
+            label = name + ("" if len(set(counts.values())) <= 1 else
+                            " (" + ", ".join(str(v) for v in counts.values()) + f" per layer at keep {small['n_keep']})")
+            out.append(f"| {label} | " + " | ".join(f"{c['rows'][name]['ppl'][d]:.1f}" for _, c in keeps
+                                                   for d in domains) + " | "
+                       + " / ".join(f"{100 * small['rows'][name]['routing_kept'][d]:.0f}%" for d in domains) + " |")
+        cells = []
+        for _, c in keeps:
+            for d in domains:
+                m, lo, hi = _random_stats(c["rows"], lambda r: r["ppl"][d])
+                cells.append(f"{m:.1f} ({lo:.1f}-{hi:.1f})")
+        out.append(f"| random (mean, range of {sum(k.startswith('random-') for k in small['rows'])} seeds) | "
+                   + " | ".join(cells) + " | " + " / ".join(
+                       f"{100 * _random_stats(small['rows'], lambda r: r['routing_kept'][d])[0]:.0f}%"
+                       for d in domains) + " |")
+    return "\n".join(out)
 
 
 def quant_rows(src: Path, tmp: Path, score, log) -> List[Dict]:
