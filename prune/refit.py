@@ -10,16 +10,19 @@ calibration tokens, the full model's gate distribution renormalised over the kep
              e_score_correction_bias b), the selected sigmoid scores renormalised, 0 else;
     q(x)   = g(x) restricted to the kept set K and renormalised (tokens where the full
              router chose no kept expert carry no target and are skipped);
-    p_θ(x) = sigmoid(W_K' x) / sum over K of sigmoid(W_K' x), a smooth stand-in for the
-             pruned gate (its top-k renormalised over K is the pruned gate; when p_θ puts
-             its mass on q's support, that top-k is q's support, so the pruned gate ≈ q).
+    p_θ(x) = the pruned gate with rows W_K': top-k over K of sigmoid(W_K' x) + b_K, the
+             selected sigmoid scores renormalised (what the pruned model multiplies by).
 
 W_K' starts at the kept rows W_K and minimises, with Adam in MLX (`steps`, `lr`), the mean
-over tokens of the cross-entropy H(q, p_θ) (= KL(q || p_θ) + const), plus `hinge` x a
-selection hinge (for each expert in q's support, max(0, m + best score of an expert
-outside it - its score), scores sigmoid + b, margin m = `margin`: the smooth stand-in alone
-lets a target fall just outside the pruned top-k, which the real gate cannot forgive),
-plus `l2` * mean((W_K' - W_K)^2). The correction bias b_K is kept as is: it only shifts the selection
+over tokens of the cross-entropy of q against p_θ on p_θ's selected experts (selection
+held fixed within a step, as in the model), plus `hinge` x a selection hinge (for each
+expert in q's support, max(0, m + best score of an expert outside the support - its
+score), scores sigmoid + b, margin m = `margin`, which brings a target the pruned top-k
+missed back in, where the cross-entropy has no gradient), plus `l2` x mean((W_K' - W_K)^2).
+A token whose experts were all kept starts at zero loss, so the refit moves only what the
+pruning broke. (A dense stand-in, sigmoid(W_K' x) renormalised over all of K, was tried
+first: it also pushes down every unselected kept expert, moves well-routed tokens and fit
+the real gate worse on the test bed.) The correction bias b_K is kept as is: it only shifts the selection
 (noaux_tc), and it is 0 on a model trained without load balancing; the K3 router has no
 logit bias to fit. The router input x is the MoE block's input (the hidden state after
 the layer's post-attention norm), recorded by the calibration pass (`observe(...,
@@ -148,13 +151,15 @@ def refit_layer(x, weight, bias, kept: Sequence[int], top_k: int, *,
     if n == 0 or steps <= 0:
         return RefitResult(np.array(w0), np.array(b_k), n, x.shape[0] - n, before, before, tv0, tv0)
     target = q > 0
+    k = min(top_k, len(kept))
 
     def loss(w):
-        s = mx.sigmoid(xv @ w.T)
-        logp = mx.log(s + 1e-12)
-        logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
-        ce = -(q * logp).sum(axis=-1).mean()
-        c = s + b_k
+        sc = mx.sigmoid(xv @ w.T)
+        c = sc + b_k
+        inds = mx.stop_gradient(mx.argpartition(-c, kth=k - 1, axis=-1)[..., :k])
+        chosen = mx.take_along_axis(sc, inds, axis=-1)
+        logp = mx.log(chosen + 1e-12) - mx.log(chosen.sum(axis=-1, keepdims=True))
+        ce = -(mx.take_along_axis(q, inds, axis=-1) * logp).sum(axis=-1).mean()
         rival = mx.where(target, -1e9, c).max(axis=-1, keepdims=True)
         sel = mx.where(target, mx.maximum(rival - c + margin, 0.0), 0.0).sum(axis=-1).mean()
         return ce + hinge * sel + l2 * ((w - w0) ** 2).mean()

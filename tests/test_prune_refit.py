@@ -67,7 +67,7 @@ def test_refit_reduces_the_gate_kl_to_the_full_router(keep, k):
     v = g.sum(1) > 0
     q = g[v] / g[v].sum(1, keepdims=True)
     tv = lambda wk: 0.5 * np.abs(np_gate(x[v], wk, b[kept], k) - q).sum(1).mean()
-    assert tv(res.weight) < 0.5 * tv(w[kept]), (tv(w[kept]), tv(res.weight))
+    assert tv(res.weight) < 0.7 * tv(w[kept]), (tv(w[kept]), tv(res.weight))
     np.testing.assert_array_equal(res.bias, b[kept])  # selection-only bias kept
 
 
