@@ -81,7 +81,7 @@ bench: install
 bench-server: install
 	$(BIN)/python -m kimi_mlx.bench.server
 
-# Pruning methods on the micro-moe test bed (~8 min on 2 busy cores); bench-quant: quantization of micro.
+# Pruning methods on the micro-moe test bed (~20 min on 2 busy cores); bench-quant: quantization of micro.
 bench-prune: install
 	$(BIN)/python -m kimi_mlx.prune.bench.pruning
 
