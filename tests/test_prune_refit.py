@@ -144,3 +144,30 @@ def test_refit_build_loads_in_generate_and_mlx_lm(builds, capsys):
               "print(mlx_lm.generate(m, t, prompt='def f', max_tokens=3) is not None)\n")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and res.stdout.strip() == "True", res.stderr[-2000:]
+
+
+def test_recorded_router_inputs_reproduce_the_calibration_routing(tmp_path):
+    """Every token kept (router_inputs >= tokens): top-k of the recorded inputs through the
+    recorded router, in NumPy, gives the expert counts the calibration pass counted."""
+    from kimi_mlx.prune.calib import load_calibration
+    from kimi_mlx.prune.observe import observe
+    from kimi_mlx.text.tokenizer import KimiTokenizer
+
+    cfg = moe_text_config(num_experts=E, top_k=K)
+    model = random_model(ModelArgs.from_config(full_config(cfg)), seed=3)
+    src = build_checkpoint(tmp_path / "src", cfg, model=model)
+    code = write_code_text(tmp_path / "code.txt", n=40)
+    calib = load_calibration([code], lambda: KimiTokenizer.from_pretrained(src), seq_len=64,
+                             max_tokens=400)
+    res = observe(src, calib, chunk=32, progress=False, router_inputs=10_000)
+    assert set(res.router_inputs) == set(res.stats) and res.stats
+    for layer, st in res.stats.items():
+        x = res.router_inputs[layer].astype(np.float64)
+        w, b = (a.astype(np.float64) for a in res.routers[layer])
+        assert x.shape == (calib.num_tokens, w.shape[1]) and w.shape[0] == E
+        counts = (np_gate(x, w, b, K) > 0).sum(axis=0)
+        # float32 vs float64 scores may flip a near-tie: allow a token or two per layer
+        assert np.abs(counts - st.count).sum() <= 4, (layer, counts, st.count)
+    few = observe(src, calib, chunk=32, progress=False, router_inputs=100)
+    n = next(iter(few.router_inputs.values())).shape[0]
+    assert 80 <= n <= 120  # strided to about the number asked for
