@@ -81,7 +81,7 @@ bench: install
 bench-server: install
 	$(BIN)/python -m kimi_mlx.bench.server
 
-# Pruning methods on the micro-moe test bed (~8 min on 2 busy cores); bench-quant: quantization of micro.
+# Pruning methods on the micro-moe test bed (~20 min on 2 busy cores); bench-quant: quantization of micro.
 bench-prune: install
 	$(BIN)/python -m kimi_mlx.prune.bench.pruning
 
@@ -93,7 +93,7 @@ micro: install
 
 # The pruning test bed (kimi_mlx/assets/micro-moe): micro's architecture and trainer on three
 # domains (code, prose, structured data) without router load balancing, so that its
-# experts specialise (~17 min on 2 busy cores).
+# experts specialise (a router specialisation bonus, 400 steps; ~17 min on 2 busy cores).
 micro-moe: install
 	$(BIN)/python -m kimi_mlx.micro.moe
 
