@@ -63,12 +63,15 @@ test: install
 
 # K3.1 Pro's real widths on this machine: a 2-layer real-width slice (~2.4 GB, in a temp
 # folder) through prefill past index_topk and decode, the kernels in the emulator, and
-# the planner's memory / bytes-read predictions (kimi_mlx/testing/check_real.py). Needs ~6 GB RAM.
+# the planner's memory / bytes-read predictions (kimi_mlx/testing/check_real.py); then the
+# same slice split across 2 tensor-parallel ranks (--tensor, kimi_mlx/testing/tp_real.py).
+# Needs ~6 GB RAM.
 check-real: install
-	$(BIN)/python -m kimi_mlx.testing.check_real
+	$(BIN)/python -m kimi_mlx.testing.check_real --tensor
 
-# The same slice split across 2 tensor-parallel ranks (MLX ring on 127.0.0.1) against one
-# process, and each rank's bytes read against the planner (kimi_mlx/testing/tp_real.py).
+# Only the tensor-parallel part of check-real: the slice split across 2 ranks (MLX ring on
+# 127.0.0.1) against one process, each rank's bytes loaded and read per decode step
+# against the planner (kimi_mlx/testing/tp_real.py).
 check-real-tensor: install
 	$(BIN)/python -m kimi_mlx.testing.tp_real
 

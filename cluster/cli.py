@@ -89,8 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="pipeline stages, or one tensor-parallel group of this head (rank 0) "
                         "and the nodes (default: what `kimi-mlx plan` recommends for them)")
     q.add_argument("--backend", default="auto", choices=["auto", "ring", "jaccl"],
-                   help="--parallel tensor: MLX distributed backend (default: the TCP ring; "
-                        "jaccl's host list is not written yet)")
+                   help="--parallel tensor: MLX distributed backend (default auto: jaccl "
+                        "when every pair of Macs is cabled with RDMA on, else the TCP ring)")
     _common(q)
 
     q = sub.add_parser("server", help="OpenAI + Anthropic API server over the pipeline",

@@ -65,6 +65,7 @@ from kimi_mlx.cluster.compute import ComputeStopped, ComputeThread
 from kimi_mlx.cluster.fingerprint import fingerprint, folder_state, named, scan
 from kimi_mlx.cluster.prompt_cache import CACHE_MISS, StageCache, key_length
 from kimi_mlx.cluster.runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
+from kimi_mlx.cluster.jaccl import local_report_json
 from kimi_mlx.cluster.tensor import RankProcess, TensorSetupError, available_backends, check_rank_request
 from kimi_mlx.cluster.wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
                    from_tensor, package_versions, to_tensor)
@@ -387,6 +388,7 @@ class StageService(pb_grpc.StageServicer):
             peak_memory=mx.get_peak_memory(), default_dtype=default_compute_dtype(),
             device="cpu" if mx.default_device() == mx.cpu else "gpu", key_id=key_id(self.secret),
             build=build_id(), backends=available_backends(),
+            rdma_report=local_report_json(f"node {self.node_id}"),
         )
 
     def _resolve(self, fp: str) -> Path:

@@ -63,22 +63,35 @@ def available_backends() -> List[str]:
     return [b for b in BACKENDS if mx.distributed.is_available(backend=b)]
 
 
-def choose_backend(backends: Dict[str, Sequence[str]], forced: Optional[str] = None) -> str:
-    """The backend for a group of these ranks ({name: backends its MLX has}): `forced`, or
-    `ring` (TCP).
+def choose_backend(backends: Dict[str, Sequence[str]], forced: Optional[str] = None,
+                   reports: Optional[Sequence["jaccl.NodeReport"]] = None) -> str:
+    """The backend for a group of these ranks ({name: backends its MLX has}; `reports`:
+    each rank's `jaccl.NodeReport`, same order): `forced`, or (None / "auto") `jaccl`
+    when the reports show every pair of Macs cabled with RDMA on and jaccl in every MLX
+    (`jaccl.choose`), else `ring` (TCP).
 
-    Raises TensorSetupError naming the ranks that lack it, and for `jaccl`, whose host
-    list (the RDMA device of every pair of Macs) is not written yet.
+    Raises TensorSetupError naming the ranks that lack the backend, and for a forced
+    `jaccl`, the nodes that cannot join and why (no RDMA, a pair not cabled, ...).
     """
-    want = forced or "ring"
+    from kimi_mlx.cluster import jaccl
+
+    want = None if forced in (None, "auto") else forced
+    if want is None:
+        want = "ring"
+        if reports and all("jaccl" in b for b in backends.values()):
+            want = jaccl.choose(reports)[0]
     missing = [f"{name} (has: {', '.join(b) or 'no distributed backend'})"
                for name, b in backends.items() if want not in b]
     if missing:
         raise TensorSetupError(f"cannot form a {want} group: its backend is missing on "
                                + "; ".join(missing))
     if want == "jaccl":
-        raise TensorSetupError("cluster launch cannot write JACCL's host list yet (the RDMA "
-                               "device of every pair of Macs); use --backend ring")
+        if not reports:
+            raise TensorSetupError("cannot form a jaccl group: the nodes sent no RDMA report")
+        try:
+            jaccl.device_matrix(reports)
+        except jaccl.JacclError as e:
+            raise TensorSetupError(str(e)) from None
     return want
 
 
@@ -202,6 +215,8 @@ def check_rank_request(r, node_id: str) -> None:
         hosts = json.loads(r.hosts)
     except ValueError as e:
         raise TensorSetupError(f"node {node_id}: host list is not JSON ({e})")
+    if r.backend == "jaccl":  # jaccl.hosts_payload: {"devices": N x N, "coordinator"}
+        hosts = hosts.get("devices") if isinstance(hosts, dict) else None
     if not (isinstance(hosts, list) and len(hosts) == r.size and 0 < r.rank < r.size):
         raise TensorSetupError(f"node {node_id}: rank {r.rank} of {r.size} with a host list of "
                                f"{len(hosts) if isinstance(hosts, list) else 'no'} entries")
@@ -213,10 +228,16 @@ class RankProcess:
 
     def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str):
         self.rank, self.node_id = rank, node_id
-        fd, self.hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            f.write(hosts)
-        env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=self.hostfile)
+        if backend == "jaccl":  # MLX_RANK, MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES
+            from kimi_mlx.cluster.jaccl import rank_env
+
+            group_env, self.hostfile = rank_env(hosts, rank)
+            env = dict(os.environ, **group_env)
+        else:
+            fd, self.hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(hosts)
+            env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=self.hostfile)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kimi_mlx.cluster.tensor", "--model", str(model_path),
              "--backend", backend, "--name", node_id], env=env, stdin=subprocess.DEVNULL)

@@ -12,6 +12,7 @@ from typing import List
 
 import mlx.core as mx
 
+from kimi_mlx.cluster import jaccl
 from kimi_mlx.cluster.tensor import (RANK_PORT_OFFSET, TensorGroup, TensorSetupError,
                                      available_backends, choose_backend, exchange_request,
                                      free_port, group_generate_step, hosts_json,
@@ -44,14 +45,19 @@ def launch_tensor(args, cluster, ids: List[int], wrapper) -> int:
         if wrong:
             raise TensorSetupError("; ".join(wrong) + f", this head MLX {mine}: one group needs "
                                    "the same MLX on every rank")
+        reports = [jaccl.NodeReport.from_json(jaccl.local_report_json("this head"), "this head")] + [
+            jaccl.NodeReport.from_json(r.rdma_report, f"node {n.node_id}") if r.rdma_report
+            else jaccl.NodeReport(f"node {n.node_id}", problem="its kimi-mlx sends no RDMA report")
+            for n, r in accepted]
         backend = choose_backend(
             {"this head": available_backends(),
              **{f"node {n.node_id}": list(r.backends) for n, r in accepted}},
-            None if args.backend == "auto" else args.backend)
+            None if args.backend == "auto" else args.backend, reports)
         me = local_address_towards(accepted[0][0].host)
         addresses = [(me, free_port(me))] + [(socket.gethostbyname(n.host), n.port + RANK_PORT_OFFSET)
                                              for n, _ in accepted]
-        hosts = hosts_json(addresses)
+        hosts = (jaccl.hosts_payload(jaccl.device_matrix(reports), f"{me}:{addresses[0][1]}")
+                 if backend == "jaccl" else hosts_json(addresses))
         print(f"[cluster] tensor parallel, {backend} group of {len(addresses)}: rank 0 this head "
               f"({me}:{addresses[0][1]}), " + ", ".join(
                   f"rank {i + 1} node {n.node_id} ({h}:{p})"
@@ -61,10 +67,14 @@ def launch_tensor(args, cluster, ids: List[int], wrapper) -> int:
                     [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),
                                     backend=backend, hosts=hosts, head=transport.head_id)
                      for i in range(len(accepted))])
-        fd, hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            f.write(hosts)
-        os.environ.update(MLX_RANK="0", MLX_HOSTFILE=hostfile)
+        if backend == "jaccl":  # rank 0 is the coordinator the other ranks connect to
+            group_env, hostfile = jaccl.rank_env(hosts, 0)
+            os.environ.update(group_env)
+        else:
+            fd, hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(hosts)
+            os.environ.update(MLX_RANK="0", MLX_HOSTFILE=hostfile)
         try:
             group = mx.distributed.init(backend=backend, strict=True)
         finally:

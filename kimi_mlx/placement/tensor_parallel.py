@@ -13,12 +13,21 @@ Time per token (one sequence), bandwidth-bound as the pipeline planner's:
 Collectives per token: one all_sum per attention block and one per MoE (or dense MLP)
 block, so 2 per layer, plus one all_gather of the logits when lm_head is split: 187 for
 K3.1. Latency per collective (defaults, `--jaccl-latency-us` / `--tcp-latency-us`):
-- JACCL (RDMA over Thunderbolt 5): 50 us. Apple's TN3205 (March 2026) as summarised at
-  https://www.adwaitx.com/?p=10695: "latency drops from ~300us over TCP to under 50us
-  with RDMA over Thunderbolt"; issue 21 used 30 us.
-- ring (TCP over the Thunderbolt bridge): 300 us, the same source's TCP figure (also
-  issue 21's). On this Linux box's loopback, with 2 busy cores, an all_sum of a few KB
-  measured ~7 ms; that is CPU contention, not a link.
+- JACCL (RDMA over Thunderbolt 5): 50 us.
+- ring (TCP over the Thunderbolt bridge): 300 us (also issue 21's; issue 21 used 30 us
+  for JACCL).
+Sources. Primary: Apple's TN3205 "Low-latency communication with RDMA over Thunderbolt"
+(https://developer.apple.com/documentation/technotes/tn3205-low-latency-communication-with-rdma-over-thunderbolt:
+macOS 26.2+, Apple silicon with Thunderbolt 5, an RDMA Verbs API, enabled with
+`rdma_ctl enable` in Recovery) and MLX's distributed docs (docs/src/usage/distributed.rst,
+"Getting Started with JACCL": JACCL's "communication latency an order of magnitude lower
+than the ring backend"). Neither states a number of microseconds in the parts read
+here, so the two figures themselves still come from a secondary summary of TN3205
+(https://www.adwaitx.com/?p=10695: "~300us over TCP to under 50us with RDMA over
+Thunderbolt"); their ratio agrees with MLX's order of magnitude. Measure on the Macs
+(`kimi-mlx bench tensor` prints the bare all_sum floor) and pass the flags. On this
+Linux box's loopback, with 2 busy cores, an all_sum of a few KB measured ~7 ms; that is
+CPU contention, not a link.
 """
 
 from __future__ import annotations
@@ -175,11 +184,14 @@ def rank_load_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int,
 
 def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, context: int,
                     lm_head: Optional[bool] = None, act_bytes: int = 2,
-                    classes: Optional[Dict[_Class, int]] = None) -> int:
+                    classes: Optional[Dict[_Class, int]] = None,
+                    layers: Optional[Tuple[int, int]] = None) -> int:
     """Bytes rank `rank` reads for one decode step of one sequence at `context` tokens:
     its share of every weight, of the routed experts only the picked ones
     (experts_per_token / num_experts), one embedding row; its heads' KDA states; the DSA
-    caches whole (the latent and the index keys are replicated)."""
+    caches whole (the latent and the index keys are replicated). `layers` (start, end):
+    count the caches of those layers only (a checkpoint slice that holds only their
+    tensors, as `make check-real`'s); default all."""
     total = Fraction(0)
     picked = Fraction(args.num_experts_per_token, max(1, args.num_experts))
     for c, n in (classes or _classes(tensors, args, _lm_head(args, ranks, lm_head))).items():
@@ -191,7 +203,7 @@ def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, co
         total += b
     heads = args.linear_attn_config["num_heads"]
     a, b = split_range(heads, ranks, rank)
-    for i in range(args.num_hidden_layers):
+    for i in range(*(layers or (0, args.num_hidden_layers))):
         per_token, index, state = cache_bytes(args, i, act_bytes)
         attended = min(context, args.index_topk) if args.is_dsa(i) else context
         total += Fraction(state * (b - a), heads) + index * context + (per_token - index) * attended

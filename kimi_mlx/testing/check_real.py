@@ -660,6 +660,35 @@ def check_sparse_mla_decode(report: Report, a: Dict[str, Any]) -> None:
                        *ora.max_excess(o_ref, want["o"], want["tol"]))
 
 
+# ---------------------------------------------------------------------- tensor parallel
+
+
+TP_LAYERS = (2, 4)  # kimi_mlx.testing.tp_real's START, END (not imported: it imports this)
+
+
+def tensor_check(path: Path, start: int, end: int, opts, report: Report, workdir: str) -> None:
+    """`python -m kimi_mlx.testing.tp_real` on this slice, in its own process (this one's
+    model and buffers are not in the way, and it starts its ranks itself): 2 ranks vs
+    one process, bytes loaded and read per decode step vs the planner. Its lines are
+    printed as it runs; its exit status is one check here."""
+    import subprocess
+
+    if (start, end) != TP_LAYERS:
+        report.info("tensor parallel", "skipped", f"tp_real runs layers {list(TP_LAYERS)}, "
+                    f"not [{start}, {end})")
+        return
+    with report.phase("tensor parallel: 2 ranks vs one process"):
+        sys.stdout.flush()  # this process's lines before the child's
+        try:
+            rc = subprocess.run([sys.executable, "-m", "kimi_mlx.testing.tp_real", "--path",
+                                 str(path), "--workdir", workdir, "--seed", str(opts.seed)],
+                                timeout=1800).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    report.check("tensor parallel (2 ranks, layers sliced 48/48 heads)", "ok" if rc == 0 else
+                 f"FAILED ({rc})", "one process; planner bytes", "tolerance(); 2%", rc == 0)
+
+
 # ---------------------------------------------------------------------------- CLI
 
 
@@ -691,6 +720,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=0.10,
                    help="allowed relative difference from the planner (default 0.10)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor", action="store_true",
+                   help="then split the same slice across 2 tensor-parallel ranks (MLX ring on "
+                   "127.0.0.1) against one process, with each rank's bytes loaded and read "
+                   "per decode step against the planner (kimi_mlx.testing.tp_real; `make "
+                   "check-real` passes this)")
     p.add_argument("--index-topk", type=int, default=None, help=argparse.SUPPRESS)  # dev runs
     return p
 
@@ -718,6 +752,8 @@ def main(argv=None) -> int:
                     size = sum(f.stat().st_size for f in path.iterdir())
                 report.info("slice on disk", f"{size / MB:,.1f} MB", str(path))
             run_check(Path(path), start, end, opts, report)
+            if opts.tensor:
+                tensor_check(Path(path), start, end, opts, report, tmp)
     finally:
         signal.signal(signal.SIGTERM, previous)
     report.print(time.perf_counter() - t0)

@@ -250,7 +250,9 @@ def load_tensor_parallel(model_dir, group, ranged: bool = False, lm_head: Option
     `ranged` only this rank's slices (`kimi_mlx.checkpoint.ranged.load_sharded`).
 
     Bytes read: `read_bytes()` around the load, after the modules it imports are
-    imported (so it counts checkpoint files: tensors, index, headers, config)."""
+    imported (so it counts checkpoint files: tensors, index, headers, config), plus, for
+    a ranged load, the bytes it copied out of an mmap of the files (column slices whose
+    gaps are too wide to read through: `ranged.plan_slice`; rchar does not see those)."""
     import mlx_lm.utils  # noqa: F401  (quantize_like imports it on first use)
     import kimi_mlx.model.model  # noqa: F401  (the loaders import it on first use)
 
@@ -258,13 +260,15 @@ def load_tensor_parallel(model_dir, group, ranged: bool = False, lm_head: Option
     from kimi_mlx.checkpoint.ranged import load_sharded
 
     before = read_bytes()
+    mapped = 0
     if ranged:
-        model, _ = load_sharded(model_dir, group, lm_head=lm_head)
+        model, report = load_sharded(model_dir, group, lm_head=lm_head)
+        mapped = report["mapped"]
     else:
         model, _, _ = load_model(model_dir, verbose=False)
         model.shard(group, lm_head=lm_head)
         mx.eval(model.parameters())
-    return model, read_bytes() - before
+    return model, read_bytes() - before + mapped
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
