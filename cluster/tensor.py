@@ -209,7 +209,13 @@ def check_rank_request(r, node_id: str) -> None:
 
 class RankProcess:
     """One rank process on a node, started with its host file; `state()` says whether it
-    still runs; `kill()` ends it (always call it)."""
+    still runs; `kill(why)` ends it (always call it; safe from several threads).
+
+    A SIGKILL this node did not send (it sends one only from `kill`, when the head's lease
+    ends) is reported as such, with the rank's peak resident memory and the memory the
+    machine had left: the signature of the kernel's OOM killer (see `dmesg`), or of another
+    process's kill by pid.
+    """
 
     def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str):
         self.rank, self.node_id = rank, node_id
@@ -221,6 +227,9 @@ class RankProcess:
             [sys.executable, "-m", "kimi_mlx.cluster.tensor", "--model", str(model_path),
              "--backend", backend, "--name", node_id], env=env, stdin=subprocess.DEVNULL)
         self._stopped_seen = 0
+        self._lock = threading.Lock()
+        self.killed_by_node: Optional[str] = None  # why this node killed it, once it did
+        self.peak_rss = 0  # bytes (Linux VmHWM), sampled by state()
 
     def state(self) -> Optional[str]:
         """None while it runs; else what happened ("exited with status 1", "was killed by
@@ -228,21 +237,57 @@ class RankProcess:
         code = self.proc.poll()
         if code is not None:
             if code < 0:
-                return f"was killed by {signal.Signals(-code).name}"
+                why = f"was killed by {signal.Signals(-code).name}"
+                if -code == signal.SIGKILL and self.killed_by_node is None:
+                    why += (f" (not sent by its node; peak resident memory "
+                            f"{self.peak_rss / 2**20:.0f} MiB, {_mem_available()} available "
+                            "now: the kernel's OOM killer, see dmesg, or another process)")
+                return why
             return "finished" if code == 0 else f"exited with status {code}"
+        self.peak_rss = max(self.peak_rss, _peak_rss(self.proc.pid))
         self._stopped_seen = self._stopped_seen + 1 if process_stopped(self.proc.pid) else 0
         if self._stopped_seen >= 2:  # seen twice in a row, not a passing state
             return "is stopped (SIGSTOP): it blocks the group's collectives"
         return None
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        try:
-            os.unlink(self.hostfile)
-        except OSError:
-            pass
+    def kill(self, why: str = "its lease ended") -> None:
+        """SIGKILL the rank (if it still runs), reap it, remove its host file. The lock
+        keeps two callers (the lease's end callback and the RPC's own exit) from both
+        signalling: the second would signal a reaped pid, which may be another process."""
+        with self._lock:
+            if self.proc.poll() is None:
+                self.killed_by_node = why
+                log.info("rank %d on node %s: killing it (%s)", self.rank, self.node_id, why)
+                self.proc.kill()
+                self.proc.wait()
+            try:
+                os.unlink(self.hostfile)
+            except OSError:
+                pass
+
+
+def _peak_rss(pid: int) -> int:
+    """Peak resident bytes of `pid` (Linux /proc VmHWM; 0 elsewhere or when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _mem_available() -> str:
+    """The machine's MemAvailable as text ("? MiB" when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return f"{int(line.split()[1]) // 1024} MiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return "? MiB"
 
 
 # -- head side: the group's watch -------------------------------------------------------------
@@ -266,6 +311,7 @@ class TensorGroup:
         self.names: List[str] = []
         self.finished: set = set()  # nodes whose rank exited 0 (after the last request)
         self._lock = threading.Lock()
+        self._reported = threading.Event()  # the failure was printed
 
     def start(self, stubs: Sequence[Tuple[str, object]], requests: Sequence) -> "TensorGroup":
         from kimi_mlx.cluster import stage_pb2 as pb
@@ -332,17 +378,25 @@ class TensorGroup:
                 return
 
     def fail(self, reason: str) -> None:
-        """Tear the group down: cancel every rank's lease, say why, end this process."""
+        """Tear the group down: cancel every rank's lease, say why, end this process
+        (`exit`). A second caller (e.g. rank 0's thread, whose collective raised because
+        the watch's teardown killed a peer) waits until the first has said why, so that
+        its own exit cannot cut the message off."""
         with self._lock:
-            if self.failed is not None or self.closing:
-                return
-            self.failed = reason
-        self.close()
+            first = self.failed is None and not self.closing
+            if first:
+                self.failed = reason
+        if not first:
+            if self.failed is not None:
+                self._reported.wait(10)
+            return
         try:
             sys.stdout.flush()  # the text streamed so far (os._exit flushes nothing)
         except (OSError, ValueError):
             pass
         print(f"\n[cluster] tensor group torn down: {reason}", file=sys.stderr, flush=True)
+        self._reported.set()
+        self.close()
         self.exit(1)
 
     def finish(self, timeout: float = 5.0) -> None:
