@@ -81,12 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_generate_arguments(q)
     _node_arguments(q, context_default="the prompt + --max-tokens")
     q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
-    q.add_argument("--parallel", default="auto", choices=["auto", "pipeline", "tensor"],
-                   help="pipeline stages, or one tensor-parallel group of this head (rank 0) "
-                        "and the nodes (default: what `kimi-mlx plan` recommends for them)")
-    q.add_argument("--backend", default="auto", choices=["auto", "ring", "jaccl"],
-                   help="--parallel tensor: MLX distributed backend (default: the TCP ring; "
-                        "jaccl's host list is not written yet)")
+    _parallel_arguments(q)
     _common(q)
 
     q = sub.add_parser("server", help="OpenAI + Anthropic API server over the pipeline",
@@ -95,7 +90,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_api_arguments(q)
     _node_arguments(q, context_default="the model's context, or --max-kv-size")
+    _parallel_arguments(q)
     _common(q)
+
+
+def _parallel_arguments(q) -> None:
+    """--parallel and --backend, shared by `launch` and `server`."""
+    q.add_argument("--parallel", default="auto", choices=["auto", "pipeline", "tensor"],
+                   help="pipeline stages, or one tensor-parallel group of this head (rank 0) "
+                        "and the nodes (default: what `kimi-mlx plan` recommends for them)")
+    q.add_argument("--backend", default="auto", choices=["auto", "ring", "jaccl"],
+                   help="--parallel tensor: MLX distributed backend (default: the TCP ring; "
+                        "jaccl's host list is not written yet)")
 
 
 def _node_arguments(q, context_default: str) -> None:
@@ -156,7 +162,20 @@ def _server(args) -> int:
     _logging(args.log_level, "WARNING")
     from kimi_mlx.cluster.api import run as run_api
 
-    return run_api(args, _Cluster, _tokenizers)
+    chosen: list = []
+
+    def choose(cluster) -> str:
+        chosen.append(args.parallel if args.parallel != "auto" else _recommended(cluster))
+        return chosen[-1]
+
+    code = run_api(args, _Cluster, _tokenizers, choose)
+    if chosen and chosen[-1] == "tensor":
+        # as in launch: once a ring group was joined, interpreter exit can block on the
+        # backend's threads; the group is closed (engine.stop), nothing is left to clean up
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _check_browse_time(flag: str, seconds: float) -> None:
@@ -658,13 +677,9 @@ def _launch(args) -> int:
             _err("launch", e)
             return 1
     if parallel == "tensor":
-        if inputs.speculation is not None:
-            _err("launch", "speculative decoding (--draft-model / --draft) with --parallel "
-                           "tensor is not supported yet; use --parallel pipeline")
-            return 2
         from kimi_mlx.cluster.tensor_launch import launch_tensor
 
-        code = launch_tensor(args, cluster, inputs.ids, inputs.wrapper)
+        code = launch_tensor(args, cluster, inputs.ids, inputs.wrapper, inputs.speculation)
         # Once a ring group was joined, interpreter exit can block on the backend's
         # threads (seen once in tests after the last token); nothing is left to clean up.
         sys.stdout.flush()
