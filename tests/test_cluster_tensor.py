@@ -74,19 +74,32 @@ def test_choose_backend_and_hosts():
     assert hosts_json([("10.0.0.1", 5), ("10.0.0.2", 6)]) == '[["10.0.0.1:5"], ["10.0.0.2:6"]]'
 
 
-def test_greedy_equals_one_process(node):
+DRAFT = Path(__file__).resolve().parents[1] / "kimi_mlx" / "assets" / "micro-draft"
+
+
+@pytest.mark.parametrize("extra", [(), ("--draft-model", str(DRAFT)), ("--draft", "ngram")],
+                         ids=["plain", "draft-model", "ngram"])
+def test_greedy_equals_one_process(node, extra):
+    """Greedy output through the group equals one process, plain and speculative (the
+    draft on rank 0, verify steps through the group, rollback on every rank)."""
     ref = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "generate",
                           "--model", str(node.ckpt), "--ignore-chat-template", "--prompt", PROMPT,
                           "--max-tokens", "24", "--temp", "0"],
                          capture_output=True, text=True, timeout=HARD_TIMEOUT)
     assert ref.returncode == 0, ref.stderr
     start = len(node.procs[0].log_text())
-    r = subprocess.run(launch_cmd(node, "--parallel", "tensor"), capture_output=True, text=True,
-                       timeout=HARD_TIMEOUT)
+    r = subprocess.run(launch_cmd(node, "--parallel", "tensor", *extra,
+                                  "--verbose", "true"),
+                       capture_output=True, text=True, timeout=HARD_TIMEOUT)
     assert r.returncode == 0, r.stderr
     assert "ring group of 2" in r.stderr
     assert generated_text(r.stdout) == generated_text(ref.stdout)
     assert generated_text(r.stdout).strip()
+    if extra:  # it did speculate: verify steps, some drafts accepted
+        m = re.search(r"Speculative: (\d+) verify steps .*?([\d.]+) accepted per step", r.stdout)
+        assert m and int(m.group(1)) > 0, r.stdout[-1000:]
+        if "--draft-model" in extra:
+            assert float(m.group(2)) > 0, m.group(0)
     log = node.procs[0].log_text()[start:]
     assert "rank 1 on node tpnode0: done after 1 request(s)" in log
     pids = rank_pids(node, start)
