@@ -84,8 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _parallel_arguments(q)
     _common(q)
 
-    q = sub.add_parser("server", help="OpenAI + Anthropic API server over the pipeline",
-                       description="`kimi-mlx server`'s API with the pipeline behind it.")
+    q = sub.add_parser("server", help="OpenAI + Anthropic API server over the nodes",
+                       description="`kimi-mlx server`'s API with the pipeline, or one "
+                                   "tensor-parallel group (--parallel tensor), behind it.")
     from kimi_mlx.cluster.api import add_arguments as add_api_arguments
 
     add_api_arguments(q)
