@@ -52,6 +52,11 @@ demo: install
 	@printf 'class Queue:\n    """A simple FIFO queue."""\n\n    def __init__(self' | \
 	  $(BIN)/kimi-mlx generate --ignore-chat-template --temp 0 --max-tokens 64 \
 	  --draft-model kimi_mlx/assets/micro-draft --num-draft-tokens 2 --prompt -
+	@printf '\n[image prompt: build/demo-shape.png (a Pillow drawing, 112 x 112), asked through micro-vision]\n'
+	@mkdir -p build && $(BIN)/python -c "import numpy as np; from kimi_mlx.micro.vision_train import draw; \
+	  draw('star', 'orange', np.random.default_rng(7)).save('build/demo-shape.png')"
+	$(BIN)/kimi-mlx generate --model kimi_mlx/assets/micro-vision --image build/demo-shape.png \
+	  --temp 0 --max-tokens 24 --verbose false --prompt "What is in the image?"
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -81,7 +86,7 @@ bench: install
 bench-server: install
 	$(BIN)/python -m kimi_mlx.bench.server
 
-# Pruning methods on the micro-moe test bed (~8 min on 2 busy cores); bench-quant: quantization of micro.
+# Pruning methods on the micro-moe test bed (~20 min on 2 busy cores); bench-quant: quantization of micro.
 bench-prune: install
 	$(BIN)/python -m kimi_mlx.prune.bench.pruning
 
@@ -93,7 +98,7 @@ micro: install
 
 # The pruning test bed (kimi_mlx/assets/micro-moe): micro's architecture and trainer on three
 # domains (code, prose, structured data) without router load balancing, so that its
-# experts specialise (~17 min on 2 busy cores).
+# experts specialise (a router specialisation bonus, 400 steps; ~17 min on 2 busy cores).
 micro-moe: install
 	$(BIN)/python -m kimi_mlx.micro.moe
 
@@ -108,9 +113,11 @@ micro-mtp: install
 
 # micro with a small vision tower that names a synthetic picture's colour and shape
 # ("a red circle"), in build/micro-vision with its held-out accuracy in MODEL_CARD.md;
-# copy it to kimi_mlx/assets/micro-vision to ship it. ~25 min on 2 busy cores (niced).
+# copy it to kimi_mlx/assets/micro-vision to ship it. Staged: the tower alone on colour /
+# shape heads, then the projector and micro's non-expert weights on the answer (~25 min
+# on 2 busy cores, niced).
 micro-vision: install
-	nice $(BIN)/python -m kimi_mlx.micro.vision_train --joint-steps 160 --out build/micro-vision
+	nice $(BIN)/python -m kimi_mlx.micro.vision_train --out build/micro-vision
 
 bench-spec: install
 	$(BIN)/kimi-mlx bench spec

@@ -89,6 +89,29 @@ class ClusterEngine:
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._worker, name=f"kimi-mlx-session-{i}",
                                           daemon=True) for i in range(max_concurrency)]
+        # images: the head's vision tower (generation.images.Vision, loaded on the first
+        # image) and <|media_pad|> id, set by the server for a checkpoint with vision weights
+        self.vision = None
+        self.pad_id = None
+        self._vision_lock = threading.Lock()
+
+    def images_unsupported(self) -> Optional[str]:
+        """Why this engine cannot take a request with images, or None when it can."""
+        if self.vision is None:
+            return "this model has no vision weights, so it cannot take images"
+        if self.speculation is not None:
+            return ("images do not work with speculative decoding yet (this server runs "
+                    "with a draft)")
+        return None
+
+    def _media(self, job):
+        """`Pipeline.generate_step`'s media for a job with images (the tower runs here,
+        on the head), else None."""
+        if not job.images:
+            return None
+        from kimi_mlx.cluster.head import media_rows
+
+        return media_rows(self.vision, job.images, self.pad_id, self._vision_lock)
 
     @property
     def pipeline(self):
@@ -199,6 +222,9 @@ class ClusterEngine:
                                         start)
         else:
             extra = {"batcher": self.batcher()} if self.batch else {}
+            media = self._media(job)
+            if media is not None:
+                extra["media"] = media
             gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
                                               return_logprobs=want_lp or choose is not None,
                                               choose=choose, **extra)
@@ -282,14 +308,17 @@ class ClusterEngine:
         from kimi_mlx.cluster.prompt_cache import CACHE_MISS
         from kimi_mlx.cluster.transport import StageFailure
 
-        restore, cached = self._restore_point(job.ids)
+        key = job.cache_key  # the ids, with image pads tagged by their image's digest
+        restore, cached = self._restore_point(key)
+        media = self._media(job)
+        extra = {} if media is None else {"media": media}
         while True:
             start["cached"] = cached
-            snaps = self.prompt_cache.plan(job.ids, cached, job.segment_ends)
+            snaps = self.prompt_cache.plan(key, cached, job.segment_ends)
             gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
                                               return_logprobs=return_logprobs, choose=choose,
                                               restore=restore, snapshots=snaps,
-                                              batcher=self.batcher())
+                                              batcher=self.batcher(), **extra)
             first = True
             try:
                 for item in gen:
@@ -466,6 +495,11 @@ def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)
     svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
     svc.vocab_size = margs.vocab_size
+    from kimi_mlx.server.images import image_settings
+
+    # images: this head runs the tower (from the checkpoint folder here, on first use)
+    svc.images = image_settings(model_dir, tok, read_config(model_dir), args.allow_image_urls,
+                                args.max_images)
     cluster = cluster_factory(args, secret, model_dir, fp, args.context)
 
     def load():
@@ -492,9 +526,11 @@ def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
         from kimi_mlx.cluster.prompt_cache import HeadCacheIndex
 
         index = None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every)
-        svc.engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
-                                   args.max_queue, svc.metrics, keeper, speculation,
-                                   margs, index, batch=not args.no_batch).start()
+        engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
+                               args.max_queue, svc.metrics, keeper, speculation,
+                               margs, index, batch=not args.no_batch)
+        engine.vision, engine.pad_id = svc.images.vision, svc.images.pad_id
+        svc.engine = engine.start()
         log.info("serving %s through the pipeline", svc.model_ids[0])
 
     def cleanup():

@@ -79,6 +79,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from kimi_mlx.generation.generate import add_arguments as add_generate_arguments
 
     add_generate_arguments(q)
+    q.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image for the prompt (PNG, JPEG, WebP or GIF; repeatable, in order, "
+                        "before the prompt text): this head runs the vision tower and sends "
+                        "the rows to stage 0 (--parallel pipeline)")
     _node_arguments(q, context_default="the prompt + --max-tokens")
     q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
     _parallel_arguments(q)
@@ -517,6 +521,7 @@ class _LaunchInputs(NamedTuple):
     context: int
     fingerprint: str
     speculation: Any  # Speculation or None
+    media: Any = None  # (pad id, image rows) for Pipeline.generate_step, or None
 
 
 def _launch_inputs(args) -> _LaunchInputs:
@@ -552,15 +557,52 @@ def _launch_inputs(args) -> _LaunchInputs:
     secret = load_secret(args.secret_file)
     margs = ModelArgs.from_config(read_config(model_dir))
     wrapper, tok = _tokenizers(model_dir)
+    images, vision = _launch_images(args, model_dir)
     ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
-                       args.reasoning_effort)
+                       args.reasoning_effort, images)
     context, source = margs.max_position_embeddings, "max_position_embeddings in config.json"
     if args.max_kv_size:
         context, source = min(context, args.max_kv_size), "--max-kv-size"
+    if images:
+        source += (f"; {len(images)} image(s) take {sum(im.num_tokens for im in images)} of "
+                   "the prompt's tokens")
     args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
     fp = fingerprint(model_dir)
     speculation = load_speculation(args, wrapper, spec)
-    return _LaunchInputs(spec, model_dir, secret, margs, wrapper, ids, context, fp, speculation)
+    media = None
+    if images:
+        from kimi_mlx.cluster.head import media_rows
+        from kimi_mlx.generation.images import media_pad_id
+
+        media = media_rows(vision, images, media_pad_id(tok, read_config(model_dir)))
+    return _LaunchInputs(spec, model_dir, secret, margs, wrapper, ids, context, fp, speculation,
+                         media)
+
+
+def _launch_images(args, model_dir: Path):
+    """(preprocessed images, `generation.images.Vision`) of `cluster launch --image`, or
+    ([], None). InputError for a draft, a raw prompt, --parallel tensor, a checkpoint
+    without vision weights, or an unreadable image (naming it)."""
+    from kimi_mlx.generation.request import InputError
+
+    if not args.image:
+        return [], None
+    if args.draft_model or getattr(args, "draft", None):
+        raise InputError("--image does not work with speculative decoding yet: drop "
+                         "--draft-model / --draft")
+    if args.ignore_chat_template:
+        raise InputError("--image needs the chat encoding: drop --ignore-chat-template")
+    if args.parallel == "tensor":
+        raise InputError("--image runs through the pipeline only: use --parallel pipeline")
+    args.parallel = "pipeline"  # the tower's rows go to stage 0 of a pipeline
+    from kimi_mlx.generation.images import Vision
+
+    vision = Vision(model_dir)
+    if not vision.available:
+        raise InputError(f"{model_dir}: this checkpoint has no vision weights (no "
+                         "vision_config or no vision_tower.* / mm_projector.* tensors), so "
+                         "it cannot take --image")
+    return [vision.load_image(path) for path in args.image], vision
 
 
 def _launch_failure(e: BaseException, replan: bool):
@@ -590,8 +632,9 @@ class _LaunchRun:
         """(token, logprobs, from_draft) from the pipeline, plain or speculative."""
         speculation = self.inputs.speculation
         if speculation is None:
+            extra = {} if self.inputs.media is None else {"media": self.inputs.media}
             return ((t, lp, False) for t, lp in
-                    self.pipeline.generate_step(prompt_ids, self.sampling, max_tokens))
+                    self.pipeline.generate_step(prompt_ids, self.sampling, max_tokens, **extra))
         from kimi_mlx.cluster.speculative import speculative_pipeline_step
 
         if self.args.seed is not None:  # the head draws every random number (draft, acceptance)

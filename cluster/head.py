@@ -47,6 +47,36 @@ def prefill_chunks(n_prompt: int, chunk: int, start: int = 0,
     return out
 
 
+def chunk_media(media: Optional[Tuple[int, object]], prompt: Sequence[int], offset: int,
+                length: int) -> Optional[Tuple[int, object]]:
+    """(pad id, rows [P, hidden]) of the `<|media_pad|>` tokens among prompt[offset:
+    offset + length], from a prompt's `media` (pad id, all its rows in order); None when
+    the chunk has none."""
+    if media is None:
+        return None
+    pad, rows = media
+    before = sum(1 for t in prompt[:offset] if t == pad)
+    k = sum(1 for t in prompt[offset:offset + length] if t == pad)
+    return (pad, rows[before:before + k]) if k else None
+
+
+def media_rows(vision, images: Sequence[object], pad: int, lock: Optional[threading.Lock] = None):
+    """(pad id, rows [sum of the images' tokens, hidden]) for `Pipeline.generate_step`:
+    the head runs the vision tower and projector (`generation.images.Vision`, loaded
+    from the checkpoint folder on the head on first use), under `lock` (one tower run at
+    a time; sessions run on several threads)."""
+    import mlx.core as mx
+
+    if lock is None:
+        rows = vision.features(images)
+        mx.eval(rows)
+        return pad, rows
+    with lock:
+        rows = vision.features(images)
+        mx.eval(rows)
+    return pad, rows
+
+
 class Pipeline:
     """Generation through a loaded `Transport`.
 
@@ -72,6 +102,7 @@ class Pipeline:
                       restore: Optional[Tuple[str, int]] = None,
                       snapshots: Optional[Dict[int, str]] = None,
                       batcher: Optional["Batcher"] = None,
+                      media: Optional[Tuple[int, object]] = None,
                       ) -> Iterator[Tuple[int, Optional[object]]]:
         """Yield (token, logprobs or None), like mlx-lm's `generate_step`.
 
@@ -94,6 +125,9 @@ class Pipeline:
                 prompt tokens (n < e < len(prompt)) under key; chunks end there.
             batcher: decode through this `Batcher` (one batched message per step for
                 all the sessions decoding at once) instead of one message per token.
+            media: (pad id, rows mx.array [P, hidden]): the prompt's images, the vision
+                projector's rows for its P `<|media_pad|>` tokens in order (`media_rows`);
+                each prefill chunk carries the rows of its own pads to stage 0.
         Raises:
             StageFailure: a stage was lost or refused (the session is freed everywhere
                 reachable before this propagates out of the caller's `abort`).
@@ -116,12 +150,14 @@ class Pipeline:
         try:
             seq = 0
             for off, n in prefill_chunks(len(prompt), self.prefill_chunk, start, list(snapshots)):
+                extra = {}
                 key = snapshots.get(off + n)
                 if key:
-                    t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined,
-                           snapshot_key=key)
-                else:
-                    t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined)
+                    extra["snapshot_key"] = key
+                rows = chunk_media(media, prompt, off, n)
+                if rows is not None:
+                    extra["media"] = rows
+                t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined, **extra)
                 seq += 1
                 if not pipelined:
                     t.receive(sid, self.step_timeout)

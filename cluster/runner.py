@@ -184,7 +184,8 @@ class StageRunner:
                           f"model's context of {limit}")
 
     def run(self, s: Session, seq: int, offset: int, x: mx.array, sample: bool,
-            verify: bool = False, keep: Optional[int] = None) -> Output:
+            verify: bool = False, keep: Optional[int] = None,
+            media: Optional[Tuple[int, mx.array]] = None) -> Output:
         """Process one checked chunk; advances the session.
 
         Args:
@@ -194,6 +195,9 @@ class StageRunner:
                 on the last stage, return the logits of every position.
             keep: after a verify chunk: how many of its positions stay (the rest are
                 rolled back before this chunk runs).
+            media: first stage only: (pad id, rows [P, hidden]) of the chunk's P
+                `<|media_pad|>` tokens (images; the head ran the tower), which replace
+                those tokens' embeddings (`TextModel.embed_with_media`).
         Raises:
             Refused: out-of-order chunk, bad token ids or a missing/extra keep (the session
                 is unchanged).
@@ -203,16 +207,7 @@ class StageRunner:
         with self.lock:
             text = self.model.text
             eps = self.args.rms_norm_eps
-            if self.is_first:
-                lo, hi = mx.min(x).item(), mx.max(x).item()
-                if lo < 0 or hi >= self.args.vocab_size:
-                    raise Refused(f"session {s.session}: token id out of range [0, "
-                                  f"{self.args.vocab_size}) (got {lo}..{hi})")
-                h, banks = text.embed(x), Banks(eps)
-            else:
-                x = x.astype(self.compute) if x.dtype != self.compute else x
-                banks = Banks.from_stacked(x[:-1] if self.in_banks else None, eps)
-                h = x[-1]
+            h, banks = self._stage_input(x, f"session {s.session}", media)
             if keep is not None:
                 self._settle(s, keep)
             if verify:
@@ -248,6 +243,33 @@ class StageRunner:
         s.last_active = time.monotonic()
         return out
 
+    def _stage_input(self, x: mx.array, who: str,
+                     media: Optional[Tuple[int, mx.array]] = None) -> Tuple[mx.array, Banks]:
+        """(h [B, L, D] compute dtype, attention-residual banks) entering this stage's layers.
+
+        First stage: `x` are token ids [B, L], checked against the vocabulary and embedded
+        (with `media`'s image rows in place of the pad tokens). Later stages: `x` is the
+        previous stage's stack [K' + 1, B, L, D] (the banks, then h), cast to the compute
+        dtype. Raises Refused naming `who` for an id out of range, bad image rows, or
+        image rows sent past the first stage."""
+        eps = self.args.rms_norm_eps
+        text = self.model.text
+        if not self.is_first:
+            if media is not None:
+                raise Refused(f"{who}: image rows go to the first stage only")
+            x = x.astype(self.compute) if x.dtype != self.compute else x
+            return x[-1], Banks.from_stacked(x[:-1] if self.in_banks else None, eps)
+        lo, hi = mx.min(x).item(), mx.max(x).item()
+        if lo < 0 or hi >= self.args.vocab_size:
+            raise Refused(f"{who}: token id out of range [0, {self.args.vocab_size}) "
+                          f"(got {lo}..{hi})")
+        if media is None:
+            return text.embed(x), Banks(eps)
+        try:
+            return text.embed_with_media(x, media[1], media[0]), Banks(eps)
+        except ValueError as e:
+            raise Refused(f"{who}: {e}") from None
+
     def rows_input_spec(self, rows: int) -> Tuple[Tuple[int, ...], str]:
         """(shape, dtype name) of a batched decode step of `rows` sessions on arrival."""
         if self.is_first:
@@ -281,17 +303,7 @@ class StageRunner:
             self.check(s, seq, off, 1, True)
         with self.lock:
             text = self.model.text
-            eps = self.args.rms_norm_eps
-            if self.is_first:
-                lo, hi = mx.min(x).item(), mx.max(x).item()
-                if lo < 0 or hi >= self.args.vocab_size:
-                    raise Refused(f"batched step: token id out of range [0, "
-                                  f"{self.args.vocab_size}) (got {lo}..{hi})")
-                h, banks = text.embed(x), Banks(eps)
-            else:
-                x = x.astype(self.compute) if x.dtype != self.compute else x
-                banks = Banks.from_stacked(x[:-1] if self.in_banks else None, eps)
-                h = x[-1]
+            h, banks = self._stage_input(x, "batched step")
             batch = [type(layer[0]).merge(list(layer)) for layer in zip(*(s.cache for s in sessions))]
             h, banks = text.run_layers(h, banks, batch, eval_each=True)
             outs = [Output() for _ in sessions]

@@ -814,6 +814,8 @@ class StageService(pb_grpc.StageServicer):
                 raise Refused(f"snapshot key {msg.snapshot_key!r} holds {n} positions, but the "
                               f"chunk ends at {msg.offset + msg.length}"
                               + (" (and is a verify chunk)" if msg.verify else ""))
+        if msg.HasField("media"):
+            spec["media"] = self._media(msg, runner, x)
         out = runner.run(s, msg.seq, msg.offset, x, msg.sample, **spec)
         if msg.snapshot_key:
             self.prompt_cache.store(msg.snapshot_key, s.offset, s.cache)
@@ -857,6 +859,27 @@ class StageService(pb_grpc.StageServicer):
                               f"{live.session.head} here")
             lives.append(l)
         return lives
+
+    @staticmethod
+    def _media(msg, runner, x):
+        """(pad id, rows mx.array [P, hidden]) of a chunk with image rows, checked: stage 0
+        only, P = the chunk's pad tokens, float32 [P, hidden_size]. Refused otherwise."""
+        if not runner.is_first:
+            raise Refused(f"session {msg.session}: image rows (media) go to stage 0 only, "
+                          f"this is stage {runner.spec.index}")
+        pad = msg.media_pad
+        if not 0 <= pad < runner.args.vocab_size:
+            raise Refused(f"session {msg.session}: media_pad {pad} is not a token id in "
+                          f"[0, {runner.args.vocab_size})")
+        n_pad = int((x == pad).sum().item())
+        if n_pad == 0:
+            raise Refused(f"session {msg.session}: image rows for a chunk without "
+                          f"<|media_pad|> (id {pad}) tokens")
+        try:
+            rows = from_tensor(msg.media, (n_pad, runner.args.hidden_size), "float32", "media")
+        except WireError as e:
+            raise Refused(str(e)) from None
+        return pad, rows
 
     def _process_rows(self, live: _Live, msg, runner: StageRunner):
         """A batched decode step (on the MLX thread): every row's session advances one

@@ -35,7 +35,7 @@ from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.discovery import NodeInfo
 from kimi_mlx.cluster.runner import Sampling
 from kimi_mlx.cluster.service import DEFAULT_MAX_MESSAGE, STAGE_SERVICE, make_channel
-from kimi_mlx.cluster.wire import PROTOCOL_VERSION, from_tensor
+from kimi_mlx.cluster.wire import PROTOCOL_VERSION, from_tensor, to_tensor
 
 log = logging.getLogger("kimi_mlx.cluster.transport")
 
@@ -115,13 +115,16 @@ class Transport(ABC):
 
     @abstractmethod
     def send(self, session: str, seq: int, offset: int, tokens: Sequence[int], sample: bool,
-             verify: bool = False, keep: Optional[int] = None, snapshot_key: str = "") -> None:
+             verify: bool = False, keep: Optional[int] = None, snapshot_key: str = "",
+             media=None) -> None:
         """Queue token ids for positions [offset, offset + len) into the first stage
         (non-blocking); with `sample`, the last stage returns a token for them. With
         `verify` (speculative decoding) every stage records the chunk for rollback and the
         last stage returns the logits of every position; the next message after it gives
         `keep`, the positions of that chunk to keep. With `snapshot_key`, every stage
-        keeps a prompt-cache snapshot after the chunk."""
+        keeps a prompt-cache snapshot after the chunk. `media` (pad id, rows [P, hidden]):
+        the image rows of the chunk's P `<|media_pad|>` tokens, in order (stage 0 puts
+        them in place of those tokens' embeddings)."""
 
     def open_batch(self, group: str) -> None:
         """Open a stream of batched decode steps (`send_rows`); NotImplementedError where
@@ -411,7 +414,7 @@ class GrpcTransport(Transport):
             s.closed.set()
 
     def send(self, session, seq, offset, tokens, sample, verify=False, keep=None,
-             snapshot_key=""):
+             snapshot_key="", media=None):
         s = self._sessions[session]
         ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         msg = pb.Activation(session=session, seq=seq, offset=offset, length=ids.shape[1],
@@ -419,6 +422,9 @@ class GrpcTransport(Transport):
         msg.tensor.data = ids.tobytes()
         msg.tensor.shape[:] = list(ids.shape)
         msg.tensor.dtype = "int32"
+        if media is not None:
+            msg.media_pad = int(media[0])
+            to_tensor(media[1], "float32", out=msg.media)
         if not s.opened:
             msg.open.CopyFrom(s.open_msg)
             s.opened = True

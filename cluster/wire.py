@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 
 # Bump on any incompatible change to stage.proto or to what a message means; peers with
-# another protocol refuse each other by name.
-PROTOCOL_VERSION = 4
+# another protocol refuse each other by name. 5: image rows into stage 0 (Activation.media).
+PROTOCOL_VERSION = 5
 
 # dtype name -> (MLX dtype, NumPy dtype of the bytes, bytes per element). bfloat16 travels
 # as its uint16 bit pattern (NumPy has no bfloat16).

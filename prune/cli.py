@@ -16,6 +16,8 @@ from typing import Optional
 from kimi_mlx.prune.calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
 from kimi_mlx.prune.observe import DEFAULT_CHUNK
 from kimi_mlx.prune.observe import GATES
+from kimi_mlx.prune.refit import DEFAULT_STEPS as DEFAULT_REFIT_STEPS
+from kimi_mlx.prune.refit import DEFAULT_TOKENS as DEFAULT_REFIT_TOKENS
 from kimi_mlx.prune.quantize import DEFAULT_GROUP, EXPERT_BITS, GROUP_SIZES, TRUNK_BITS, QuantError, QuantSpec
 from kimi_mlx.prune.saliency import (BUDGETS, DEFAULT_BUDGET, DEFAULT_GATE, DEFAULT_METHOD, METHODS,
                                      KeepError, experts_to_keep)
@@ -50,6 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "build records `num_experts_per_layer`); default " + DEFAULT_BUDGET)
     p.add_argument("--protect-super-experts", action="store_true",
                    help="always keep experts with extreme activation outliers (REAP's rule)")
+    p.add_argument("--refit-router", action="store_true",
+                   help="after choosing the kept experts, re-fit their router rows on the "
+                        "calibration tokens so the pruned router reproduces the full model's "
+                        "gate renormalised over the kept experts (kimi_mlx.prune.refit)")
+    p.add_argument("--refit-tokens", type=int, default=DEFAULT_REFIT_TOKENS,
+                   help="with --refit-router: router inputs kept per MoE layer (held in memory, "
+                        f"tokens x hidden x 4 bytes per layer; default {DEFAULT_REFIT_TOKENS})")
+    p.add_argument("--refit-steps", type=int, default=DEFAULT_REFIT_STEPS,
+                   help=f"with --refit-router: Adam steps per layer (default {DEFAULT_REFIT_STEPS})")
     p.add_argument("--seed", type=int, default=0, help="seed for --method random and sampling")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
                    help=f"calibration sequence length, tokens (default {DEFAULT_SEQ_LEN})")
@@ -157,7 +168,9 @@ def run(args) -> int:
         res = prune(src, args.out, calib, args.method, n_keep,
                     protect=args.protect_super_experts, seed=args.seed, gate=args.gate,
                     force=args.force, quant=quant, budget=args.budget,
-                    chunk=args.chunk, activation_budget=budget, progress=not args.quiet)
+                    chunk=args.chunk, activation_budget=budget, progress=not args.quiet,
+                    refit_router=args.refit_router, refit_tokens=args.refit_tokens,
+                    refit_steps=args.refit_steps)
     except (PruneError, CalibError, KeepError) as e:
         print(f"kimi-mlx prune: error: {e}", file=sys.stderr)
         return 2
@@ -171,6 +184,7 @@ def run(args) -> int:
           f"{len(res.selection.kept)} MoE layers ({args.method}"
           + (f", {args.gate} gate" if args.method in ("reap", "reap-sum") else "")
           + (f", {protected} super experts protected" if args.protect_super_experts else "")
+          + (", router rows re-fitted" if args.refit_router else "")
           + ")" + "".join(f"; {q}" for q in _short(quant)))
     return 0
 

@@ -165,19 +165,36 @@ class ExpertRecorder:
     the layer output and `pending()`), which adds them into float64 NumPy totals.
     """
 
-    def __init__(self, moe: nn.Module, stats: LayerStats):
+    def __init__(self, moe: nn.Module, stats: LayerStats, input_stride: int = 0):
+        """`input_stride` > 0 also keeps every `input_stride`-th router input (float32
+        NumPy, `inputs()`), for `refit` (--refit-router)."""
         self.moe = moe
         self.stats = stats
         self.scaling = float(getattr(moe, "scaling", 1.0) or 1.0)
         self._route = None
         self._gates = None
         self._parts: List[tuple] = []
+        self.input_stride = input_stride
+        self._seen = 0
+        self._inputs: List[np.ndarray] = []
+
+    def inputs(self) -> np.ndarray:
+        """The kept router inputs [n, hidden] float32 (empty if none were kept)."""
+        d = self.moe.gate.weight.shape[-1]
+        return (np.concatenate(self._inputs) if self._inputs
+                else np.zeros((0, d), np.float32))
 
     def install(self) -> "ExpertRecorder":
         self._route = self.moe.route
         inner_route = self._route
 
         def route(x):
+            if self.input_stride:
+                flat = x.reshape(-1, x.shape[-1])
+                first = (-self._seen) % self.input_stride
+                self._seen += flat.shape[0]
+                if first < flat.shape[0]:
+                    self._inputs.append(np.array(flat[first::self.input_stride].astype(mx.float32)))
             inds, w = inner_route(x)
             # REAP's gate: softmax of the raw logits renormalised over the selected experts
             # = softmax over the selected logits (the other experts' terms cancel).
@@ -306,6 +323,10 @@ class ObserveResult:
         activation_bytes: estimated bytes of h + banks for all sequences.
         spilled: whether the activations lived on disk.
         peak_memory: MLX peak memory during the pass, bytes.
+        router_inputs: {MoE layer: float32 [n, hidden]} router inputs kept for
+            `refit` (empty unless `observe(router_inputs=...)`).
+        routers: {MoE layer: (router weight float32 [E, hidden], correction bias [E])},
+            filled with router_inputs.
     """
 
     stats: Dict[int, LayerStats]
@@ -315,6 +336,8 @@ class ObserveResult:
     activation_bytes: int = 0
     spilled: bool = False
     peak_memory: int = 0
+    router_inputs: Dict[int, np.ndarray] = field(default_factory=dict)
+    routers: Dict[int, Any] = field(default_factory=dict)
 
 
 def physical_memory() -> int:
@@ -358,6 +381,7 @@ def observe(
     activation_dtype: Optional[mx.Dtype] = None,
     progress: bool = True,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+    router_inputs: int = 0,
 ) -> ObserveResult:
     """Run the calibration sequences through the checkpoint one layer at a time.
 
@@ -372,6 +396,9 @@ def observe(
         activation_dtype: residual-stream dtype (None: the loader's choice, float32 on
             CPU, the checkpoint's BF16 on a GPU).
         progress: show a tqdm bar per layer (tokens/s) on stderr.
+        router_inputs: keep about this many router inputs per MoE layer (every
+            ceil(tokens / router_inputs)-th token, float32 in memory: router_inputs x
+            hidden x 4 bytes per MoE layer) and the routers, for `refit`; 0 = none.
     Returns:
         ObserveResult with a LayerStats per MoE layer.
     Raises:
@@ -393,6 +420,9 @@ def observe(
 
     store: Optional[ActivationStore] = None
     stats: Dict[int, LayerStats] = {}
+    kept_inputs: Dict[int, np.ndarray] = {}
+    routers: Dict[int, Any] = {}
+    stride = -(-tokens // router_inputs) if router_inputs > 0 else 0
     layer_seconds: List[float] = []
     est = 0
     try:
@@ -409,7 +439,7 @@ def observe(
             recorder = None
             if "block_sparse_moe" in layer:
                 stats[i] = LayerStats(i, args.num_experts, layer.block_sparse_moe.top_k)
-                recorder = ExpertRecorder(layer.block_sparse_moe, stats[i]).install()
+                recorder = ExpertRecorder(layer.block_sparse_moe, stats[i], stride).install()
             bar = tqdm(total=tokens, unit="tok", unit_scale=True, leave=True, file=sys.stderr,
                        desc=f"layer {i + 1:>3}/{n_layers}", dynamic_ncols=True,
                        disable=None if progress else True)  # None: on a terminal only
@@ -420,6 +450,11 @@ def observe(
                 bar.close()
                 if recorder is not None:
                     recorder.uninstall()
+            if recorder is not None and stride:
+                gate = layer.block_sparse_moe.gate
+                kept_inputs[i] = recorder.inputs()
+                routers[i] = (np.array(gate.weight.astype(mx.float32)),
+                              np.array(gate.e_score_correction_bias.astype(mx.float32)))
             del model, layer, recorder
             gc.collect()
             mx.clear_cache()
@@ -429,7 +464,7 @@ def observe(
         if store is not None:
             store.close()
     return ObserveResult(stats, tokens, time.perf_counter() - started, layer_seconds, est,
-                         spilled, mx.get_peak_memory())
+                         spilled, mx.get_peak_memory(), kept_inputs, routers)
 
 
 def _embed(model, calib: CalibSet, args: ModelArgs, spill_dir, budget):

@@ -12,13 +12,16 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
 from kimi_mlx.prune.calib import CalibSet, load_calibration
 from kimi_mlx.prune.quantize import QuantSpec
 from kimi_mlx.prune.observe import LayerStats, ObserveResult, activation_bytes, observe, spills
+from kimi_mlx.prune.refit import DEFAULT_STEPS as DEFAULT_REFIT_STEPS
+from kimi_mlx.prune.refit import DEFAULT_TOKENS as DEFAULT_REFIT_TOKENS
+from kimi_mlx.prune.refit import RefitResult, refit_routers, router_rows
 from kimi_mlx.prune.report import model_card, write_report
 from kimi_mlx.prune.saliency import Selection, select
 from kimi_mlx.prune.writer import (AtomicOutput, CheckpointPlan, PruneError, plan_checkpoint, source_args,
@@ -69,11 +72,31 @@ def write_with_progress(plan: CheckpointPlan, dest: Path, progress: bool = True)
         write_checkpoint(plan, dest, bar.update)
 
 
+def refit(result: ObserveResult, sel: Selection, top_k: int, *, steps: int = DEFAULT_REFIT_STEPS,
+          log: Optional[Log] = None) -> Dict[int, RefitResult]:
+    """Re-fit the kept router rows of `sel` on the router inputs `result` recorded
+    (`observe(..., router_inputs=N)`); see `kimi_mlx.prune.refit`.
+
+    Raises:
+        PruneError: the calibration pass kept no router inputs.
+    """
+    if not result.router_inputs:
+        raise PruneError("--refit-router needs the router inputs of a calibration pass "
+                         "(--calib data; --method random alone has none)")
+    try:
+        return refit_routers(result.router_inputs, result.routers, sel.kept, top_k,
+                             steps=steps, log=log)
+    except ValueError as e:
+        raise PruneError(str(e)) from None
+
+
 def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Selection,
          *, protect: bool = False, extra_card: Optional[str] = None, log: Log = _stderr,
-         quant: Optional[QuantSpec] = None, progress: bool = False) -> Path:
+         quant: Optional[QuantSpec] = None, progress: bool = False,
+         refitted: Optional[Dict[int, RefitResult]] = None) -> Path:
     """Write the pruned (and, with `quant`, quantized) checkpoint for `sel` into `out`'s
-    temporary folder, then commit.
+    temporary folder, then commit. `refitted` (from `refit`): the kept router rows to
+    write instead of the source's.
 
     Raises:
         PruneError: source problems (from `plan_checkpoint`) or a failed write (the
@@ -81,7 +104,8 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
     """
     src = Path(src)
     _, args, _ = source_args(src)
-    plan = plan_checkpoint(src, sel.kept, sel.n_keep if sel.uniform else None, quant)
+    plan = plan_checkpoint(src, sel.kept, sel.n_keep if sel.uniform else None, quant,
+                           router_rows(refitted) if refitted else None)
     log(f"writing {len(plan.shards)} shard(s), {plan.bytes_out / 1e9:.3f} GB "
         f"(source {plan.bytes_in / 1e9:.3f} GB) to {out.out}")
     write_with_progress(plan, out.tmp, progress)
@@ -90,6 +114,10 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
         "num_experts_before": args.num_experts,
         "num_experts_per_token": args.num_experts_per_token,
         "protect_super_experts": protect,
+        "router_refit": ({str(l): {"tokens": r.tokens, "skipped": r.skipped,
+                                   "gate_kl_before": r.kl_before, "gate_kl_after": r.kl_after,
+                                   "gate_tv_before": r.tv_before, "gate_tv_after": r.tv_after}
+                          for l, r in refitted.items()} if refitted else None),
         "calibration": {
             "description": calib.describe(), "tokens": calib.num_tokens,
             "sequences": len(calib.sequences), "seq_len": calib.seq_len, "files": calib.files,
@@ -111,6 +139,15 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
         seed=sel.seed, notes=plan.notes, copied=[p.name for p in plan.copies], extra=extra_card,
         gate=sel.gate, quantized=_quant_lines(plan),
         per_layer=None if sel.uniform else sel.counts)
+    if refitted:
+        kb = sum(r.kl_before for r in refitted.values()) / len(refitted)
+        ka = sum(r.kl_after for r in refitted.values()) / len(refitted)
+        card = card.rstrip("\n") + (
+            "\n\n## Router refit\n\nThe kept experts' router rows were re-fitted on the "
+            "calibration tokens (`--refit-router`, `kimi_mlx.prune.refit`) so that the pruned "
+            "router reproduces the full model's gate renormalised over the kept experts: mean "
+            f"gate KL over the MoE layers {kb:.4f} -> {ka:.4f} (details in `saliency.json`, "
+            "`router_refit`).\n")
     write_report(out.tmp, result.stats, sel, info, card)
     return out.commit()
 
@@ -184,19 +221,24 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
           seed: int = 0, gate: str = "softmax", force: bool = False, chunk: int = 1024,
           activation_budget: Optional[int] = None, progress: bool = True,
           quant: Optional[QuantSpec] = None, budget: str = "uniform",
-          log: Log = _stderr) -> PruneResult:
+          refit_router: bool = False, refit_tokens: int = DEFAULT_REFIT_TOKENS,
+          refit_steps: int = DEFAULT_REFIT_STEPS, log: Log = _stderr) -> PruneResult:
     """Calibrate layer by layer, rank experts, write `out` atomically.
 
     The temporary output folder is made first (so a read-only or full disk fails before
     calibration); spilled activations live inside it and are gone before the rename.
+    `refit_router`: keep `refit_tokens` router inputs per MoE layer during calibration and
+    re-fit the kept router rows (`refit`, `refit_steps` Adam steps) before writing.
 
     Raises:
         PruneError: bad source, existing --out, no space, or a failed write; nothing is
             left at `out` or beside it.
     """
     _, args, _ = source_args(src)
-    if not calib.sequences and (method != "random" or protect):
-        raise PruneError(f"--method {method}{' with --protect-super-experts' if protect else ''} "
+    if not calib.sequences and (method != "random" or protect or refit_router):
+        what = " with --protect-super-experts" if protect else ""
+        what += " with --refit-router" if refit_router else ""
+        raise PruneError(f"--method {method}{what} "
                          "needs calibration data (--calib); only --method random runs without")
     itemsize = 4 if mx.default_device() == mx.cpu else 2  # the loader's activation dtype
     est = activation_bytes(args, calib.num_tokens, itemsize)
@@ -205,7 +247,8 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
         if calib.sequences:
             log(f"calibrating on {calib.describe()}")
             result = observe(src, calib, chunk=chunk, spill_dir=ao.tmp / ".activations",
-                             activation_budget=activation_budget, progress=progress, log=log)
+                             activation_budget=activation_budget, progress=progress, log=log,
+                             router_inputs=refit_tokens if refit_router else 0)
             log(f"calibration: {result.tokens:,} tokens x {len(result.layer_seconds)} layers "
                 f"in {result.seconds:.1f} s, peak memory {result.peak_memory / 2**20:.1f} MiB")
         else:  # random selection: no pass over the model, empty statistics
@@ -214,6 +257,8 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
                                    tokens=0, seconds=0.0)
         sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed,
                      gate=gate, budget=budget)
+        refitted = (refit(result, sel, args.num_experts_per_token, steps=refit_steps, log=log)
+                    if refit_router else None)
         path = save(ao, src, result, calib, sel, protect=protect, log=log, quant=quant,
-                    progress=progress)
+                    progress=progress, refitted=refitted)
     return PruneResult(path, sel, result, calib)

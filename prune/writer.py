@@ -251,7 +251,9 @@ def _rows(start: int, end: int, n_rows: int, keep: Sequence[int]) -> List[Tuple[
 
 
 def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
-                    quant: Optional[QuantSpec] = None) -> CheckpointPlan:
+                    quant: Optional[QuantSpec] = None,
+                    router_rows: Optional[Mapping[int, Mapping[str, "np.ndarray"]]] = None
+                    ) -> CheckpointPlan:
     """Work out the output tensors, shards, config and copies (reads headers only).
 
     Args:
@@ -260,6 +262,9 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
             (or, with n_keep None, each layer its own count: `num_experts_per_layer`).
         n_keep: experts per layer after pruning; None for per-layer counts.
         quant: trunk / expert quantization (None or inactive: bytes copied).
+        router_rows: {MoE layer: {"weight": [n, hidden], "e_score_correction_bias": [n]}}
+            new values of the kept experts' router tensors (`refit`), written in the
+            source tensor's dtype instead of the sliced source rows; None: sliced rows.
     Raises:
         PruneError: a source problem (see `source_args`), a MoE layer without an entry
             in `kept`, a layer whose experts are not exactly 0..num_experts-1, a router
@@ -316,7 +321,8 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
         out: List[OutTensor] = []
         for name, info in sorted(header.items(), key=lambda kv: kv[1].start):
             bytes_in += info.end - info.start
-            t = _plan_tensor(name, info, args, kept, renumber, seen, mtp_has_experts, E)
+            t = _plan_tensor(name, info, args, kept, renumber, seen, mtp_has_experts, E,
+                             router_rows)
             if t is None:
                 continue
             parts = ([t] if quant is None or kind(name, args) != "text"
@@ -396,7 +402,26 @@ def _size(dtype: str, shape) -> int:
     return n
 
 
-def _plan_tensor(name, info, args, kept, renumber, seen, drop_mtp, E) -> Optional[OutTensor]:
+def _router_override(name: str, dtype: str, shape, value) -> OutTensor:
+    """A router tensor computed from new values (refit), cast to the source dtype."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kimi_mlx.prune.quantize import _RAW, to_bytes
+
+    arr = np.asarray(value, dtype=np.float32)
+    if tuple(arr.shape) != tuple(shape):
+        raise PruneError(f"{name}: refit values have shape {list(arr.shape)}, expected "
+                         f"{list(shape)}")
+    if dtype not in _RAW:
+        raise PruneError(f"{name}: cannot write refit values as {dtype} (BF16, F16, F32 only)")
+    mx_dtype = _RAW[dtype][1]
+    return OutTensor(name, dtype, tuple(shape), [],
+                     lambda: to_bytes(mx.array(arr).astype(mx_dtype)), _size(dtype, shape))
+
+
+def _plan_tensor(name, info, args, kept, renumber, seen, drop_mtp, E,
+                 router_rows=None) -> Optional[OutTensor]:
     if drop_mtp and kind(name, args) == "mtp":
         return None
     m = EXPERT_RE.match(name)
@@ -416,8 +441,11 @@ def _plan_tensor(name, info, args, kept, renumber, seen, drop_mtp, E) -> Optiona
             raise PruneError(f"{name}: expected first dimension {E} (num_experts), got "
                              f"{list(info.shape)}")
         ids = kept[int(r["layer"])]
-        return OutTensor(name, info.dtype, (len(ids), *info.shape[1:]),
-                         _rows(info.start, info.end, E, ids))
+        shape = (len(ids), *info.shape[1:])
+        new = (router_rows or {}).get(int(r["layer"]), {}).get(name.rsplit(".", 1)[1])
+        if new is not None:
+            return _router_override(name, info.dtype, shape, new)
+        return OutTensor(name, info.dtype, shape, _rows(info.start, info.end, E, ids))
     return OutTensor(name, info.dtype, info.shape, [(info.start, info.end)])
 
 

@@ -18,11 +18,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
+from kimi_mlx.cluster.head import Pipeline
 from kimi_mlx.cluster.runner import Refused, Sampling, StageSpec, load_stage
 from kimi_mlx.cluster.speculative import speculative_pipeline_step
 from kimi_mlx.testing.cluster import LocalCluster
-from kimi_mlx.cluster.transport import GrpcTransport, StageFailure
+from kimi_mlx.cluster.transport import StageFailure
 from kimi_mlx.speculative.loop import SpecStats, load_draft
 
 from test_speculative import ROUNDING, cache_tensors, plain_decode, worst_mismatch
@@ -43,11 +43,7 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(cluster):
-    t = GrpcTransport(cluster.secret, peer_timeout=10.0)
-    accepted, rejected = check_nodes(cluster.nodes(), t.stub_for, cluster.fp)
-    assert not rejected, rejected
-    stages = plan_stages(cluster.ckpt, [n for n, _ in accepted], 4096)[1]
-    t.load(cluster.fp, stages, "float32", "float32")
+    t, stages = cluster.load_transport()
     try:
         yield t, stages
     finally:

@@ -81,3 +81,38 @@ def test_shipped_card_states_the_measured_figures():
         np.testing.assert_allclose(np.sort(share, axis=1)[:, ::-1][:, : share.shape[1] // 2].sum(axis=1),
                                    sp["best_half"], rtol=1e-9)
     assert "Unicode License v3" in card and "PSF License" in card
+
+
+def test_domain_structure_tells_specialisation_from_collapse():
+    from kimi_mlx.micro.moe import domain_structure
+
+    E = 8
+    a = np.r_[np.full(4, 0.25), np.zeros(4)][None]  # experts 0-3
+    b = np.r_[np.zeros(4), np.full(4, 0.25)][None]  # experts 4-7: disjoint
+    st = domain_structure({"a": a, "b": b})
+    assert st["best_half_overlap"]["a-b"] == [0.0]
+    assert st["pooled_effective_experts"][0] == pytest.approx(E)  # all 8 used overall
+    assert st["pooled_unused"] == [0] and st["pooled_top4"][0] == pytest.approx(0.5)
+    collapsed = np.r_[np.full(2, 0.5), np.zeros(6)][None]
+    st = domain_structure({"a": collapsed, "b": collapsed})
+    assert st["best_half_overlap"]["a-b"] == [1.0]
+    assert st["pooled_effective_experts"][0] == pytest.approx(2.0) and st["pooled_unused"] == [6]
+
+
+def test_sequence_expert_mi_against_numpy():
+    import mlx.core as mx
+
+    from kimi_mlx.micro.train import sequence_expert_mi
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 2, (3, 5, 6)).astype(np.float32)
+    p = np.exp(logits / 0.5)
+    p /= p.sum(-1, keepdims=True)
+    rows = p.mean(1)
+    H = lambda q: -(q * np.log(q)).sum(-1)  # noqa: E731
+    want = H(rows.mean(0)) - H(rows).mean()
+    got = sequence_expert_mi(mx.array(logits), 0.5).item()
+    assert got == pytest.approx(want, rel=1e-4)
+    # rows routed alike carry no information about the row
+    same = np.repeat(logits[:1], 3, axis=0)
+    assert sequence_expert_mi(mx.array(same)).item() == pytest.approx(0.0, abs=1e-5)

@@ -12,11 +12,10 @@ import openai
 import pytest
 
 from kimi_mlx.generation.request import default_model
-from kimi_mlx.server.app import create_app
 from kimi_mlx.server.jobs import Finished, TokenOut
 from kimi_mlx.server.responses_api import ResponseStore
-from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
 from kimi_mlx.text.chat_format import encode_chat
+from kimi_mlx.testing.servers import served, sibling_server
 
 KEY = "sk-responses"
 MICRO = str(default_model())
@@ -25,13 +24,8 @@ SYSTEM, USER = "You are terse.", "Name a colour."
 
 @pytest.fixture(scope="module")
 def server():
-    svc = make_service(MICRO, KEY, "micro", 64 << 10)
-    load_service(svc, MICRO, max_concurrency=2, prompt_cache_bytes=64 << 20, max_queue=8,
-                 max_kv_size=None)
-    srv = BackgroundServer(create_app(svc)).start()
-    yield srv, svc
-    srv.stop()
-    svc.engine.stop()
+    with served(MICRO, KEY) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
@@ -211,16 +205,14 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "descript
 @pytest.fixture(scope="module")
 def scripted(server):
     _, real = server
-    svc = make_service(MICRO, None, "micro", 64 << 10)
-    svc.wrapper, svc.tok, svc.context = real.wrapper, real.tok, real.context
-    svc.engine = RecordingEngine(real.tok.encode(TOOL_REPLY, allow_special=True))
-    srv = BackgroundServer(create_app(svc)).start()
-    yield srv, svc
+    engine = RecordingEngine(real.tok.encode(TOOL_REPLY, allow_special=True))
+    srv = sibling_server(real, engine)
+    yield srv, engine, real.tok
     srv.stop()
 
 
 def test_function_tool_round_trip(scripted):
-    srv, svc = scripted
+    srv, engine, tok = scripted
     c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=60, max_retries=0)
     r = c.responses.create(model="micro", input="Weather in Paris?", tools=TOOLS,
                            reasoning={"effort": "low"})
@@ -230,8 +222,8 @@ def test_function_tool_round_trip(scripted):
     call = r.output[2]
     assert call.call_id == "functions.get_weather:1" and call.name == "get_weather"
     assert json.loads(call.arguments) == {"city": "Paris é"}
-    assert svc.engine.prompts[-1] == encode_chat(
-        svc.tok, [{"role": "user", "content": "Weather in Paris?"}], "low", tools=CHAT_TOOLS)
+    assert engine.prompts[-1] == encode_chat(
+        tok, [{"role": "user", "content": "Weather in Paris?"}], "low", tools=CHAT_TOOLS)
     # streamed: the same items, the call's arguments as deltas
     events, reasoning, text, final = streamed(c, model="micro", input="Weather in Paris?",
                                               tools=TOOLS, reasoning={"effort": "low"})
@@ -247,7 +239,7 @@ def test_function_tool_round_trip(scripted):
     assert helper.output_text == "Checking." and reasoning_of(helper) == "Let me look."
     assert json.loads(helper.output[2].arguments) == {"city": "Paris é"}
     # the result goes back: as the whole output + function_call_output, and by previous_response_id
-    want = encode_chat(svc.tok, [
+    want = encode_chat(tok, [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "Checking.", "reasoning_content": "Let me look.",
          "tool_calls": [{"id": call.call_id, "type": "function", "function": {
@@ -258,7 +250,7 @@ def test_function_tool_round_trip(scripted):
     c.responses.create(model="micro", tools=TOOLS, reasoning={"effort": "low"}, input=[
         {"role": "user", "content": "Weather in Paris?"},
         *[o.model_dump(exclude_none=True) for o in r.output], output])
-    assert svc.engine.prompts[-1] == want
+    assert engine.prompts[-1] == want
     c.responses.create(model="micro", tools=TOOLS, reasoning={"effort": "low"},
                        previous_response_id=r.id, input=[output])
-    assert svc.engine.prompts[-1] == want
+    assert engine.prompts[-1] == want

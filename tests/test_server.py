@@ -20,6 +20,7 @@ from kimi_mlx.server.app import create_app
 from kimi_mlx.server.serving import BackgroundServer, load_service, make_service, resolve_api_key
 from kimi_mlx.server.jobs import Finished, TokenOut
 from kimi_mlx.generation.request import InputError, default_model
+from kimi_mlx.testing.servers import served, sibling_server
 
 KEY = "sk-test-key"
 MICRO = str(default_model())
@@ -27,13 +28,9 @@ MICRO = str(default_model())
 
 @pytest.fixture(scope="module")
 def server():
-    svc = make_service(MICRO, KEY, None, 64 << 10)
-    load_service(svc, MICRO, max_concurrency=4, prompt_cache_bytes=256 << 20, max_queue=16,
-                 max_kv_size=None)
-    srv = BackgroundServer(create_app(svc)).start()
-    yield srv, svc
-    srv.stop()
-    svc.engine.stop()
+    with served(MICRO, KEY, None, max_concurrency=4, prompt_cache_bytes=256 << 20,
+                max_queue=16) as both:
+        yield both
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +231,7 @@ TOOL_REPLY = (
 @pytest.fixture(scope="module")
 def scripted(server):
     _, real = server
-    svc = make_service(MICRO, None, "micro", 64 << 10)
-    svc.wrapper, svc.tok, svc.context = real.wrapper, real.tok, real.context
-    svc.engine = ScriptedEngine(real.tok.encode(TOOL_REPLY, allow_special=True))
-    srv = BackgroundServer(create_app(svc)).start()
+    srv = sibling_server(real, ScriptedEngine(real.tok.encode(TOOL_REPLY, allow_special=True)))
     yield srv
     srv.stop()
 
@@ -434,12 +428,10 @@ def test_concurrent_streams_are_isolated(server, oai):
 def test_one_at_a_time_engine_matches_batched(server):
     """--max-concurrency 1 (mlx-lm generate_step) and the batching engine agree."""
     _, real = server
-    svc = make_service(MICRO, None, "micro", 64 << 10)
-    svc.wrapper, svc.tok, svc.context = real.wrapper, real.tok, real.context
     from kimi_mlx.server.engine import Engine
 
-    svc.engine = Engine(real.engine.model, real.tok.eos_token_ids, max_concurrency=1).start()
-    srv = BackgroundServer(create_app(svc)).start()
+    engine = Engine(real.engine.model, real.tok.eos_token_ids, max_concurrency=1).start()
+    srv = sibling_server(real, engine)
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=60, max_retries=0)
         kw = dict(model="micro", messages=MSGS, max_tokens=8, temperature=0.8, seed=3)
@@ -448,7 +440,7 @@ def test_one_at_a_time_engine_matches_batched(server):
         assert oai.chat.completions.create(**kw).choices[0].message.reasoning_content == one
     finally:
         srv.stop()
-        svc.engine.stop()
+        engine.stop()
 
 
 class _Refusing:
@@ -472,11 +464,7 @@ class _Refusing:
 
 
 def _fake_server(server, engine):
-    _, real = server
-    svc = make_service(MICRO, None, "micro", 64 << 10)
-    svc.wrapper, svc.tok, svc.context = real.wrapper, real.tok, real.context
-    svc.engine = engine
-    return BackgroundServer(create_app(svc)).start()
+    return sibling_server(server[1], engine)
 
 
 def test_busy_is_503_with_retry_after_and_failures_reach_only_that_request(server, oai):

@@ -4,56 +4,29 @@ a single-process run; a lost stage turns /health into a 503 that names it."""
 
 import concurrent.futures as cf
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import mlx.core as mx
 import openai
 import pytest
 
-from kimi_mlx.testing.cluster import LocalCluster
+from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+from kimi_mlx.testing.ports import free_ports
 from test_web import browser  # noqa: F401  (the chat page's headless chromium fixture)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     cluster = LocalCluster(tmp_path_factory.mktemp("api3"), n=3, prefix="api")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "server", "--model", str(cluster.ckpt),
-         "--nodes", ",".join(p.address for p in cluster.procs), "--secret-file",
-         str(cluster.secret_file), "--port", str(port), "--activation-dtype", "float32",
-         "--wire-dtype", "float32", "--peer-timeout", "3", "--served-model-name", "micro",
-         "--prefill-chunk", "16"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    url = f"http://127.0.0.1:{port}"
+    server = None
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                pytest.fail("cluster server did not become healthy: " + proc.stderr.read1(8000).decode())
-            time.sleep(0.3)
-        yield cluster, url
+        server = ServerProc(cluster, free_ports(1)[0])
+        yield cluster, server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if server is not None:
+            server.stop()
         cluster.stop()
 
 
@@ -188,7 +161,7 @@ def test_a_pipeline_that_does_not_load_ends_the_server(tmp_path):
     secret.write_text("ab" * 32)
     secret.chmod(0o600)
     r = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "server", "--nodes",
-                        f"127.0.0.1:{_free_port()}", "--secret-file", str(secret), "--port", "0",
+                        f"127.0.0.1:{free_ports(1)[0]}", "--secret-file", str(secret), "--port", "0",
                         "--peer-timeout", "2"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stderr
     assert "listening on" in r.stderr  # it had started serving (health: loading)

@@ -1,5 +1,5 @@
 """The cluster server's prompt cache (snapshots on the stages, keys on the head), with 3
-loopback stages (ports 44060-44069, 44080-44082). Every reply is compared with the one-process
+loopback stages (ports chosen free at run time). Every reply is compared with the one-process
 server's greedy reply for the same messages (run here with no prompt cache at all, so
 the reference is cold); `cached_tokens` says what was restored. A stage restarted between
 turns (its snapshots gone) and snapshots evicted under a small `--cache-bytes` give
@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+from kimi_mlx.testing.ports import free_ports
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant for Python questions. " * 3}
 QUESTIONS = ["What does a for statement do?", "And a while loop?", "How do I stop one early?"]
@@ -36,10 +37,10 @@ def one_process():
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     cluster = LocalCluster(tmp_path_factory.mktemp("cache3"), n=3, prefix="pc",
-                           ports=[44060, 44061, 44062])
+                           ports=free_ports(3))
     server = None
     try:
-        server = ServerProc(cluster, 44063)
+        server = ServerProc(cluster, free_ports(1)[0])
         yield cluster, server
     finally:
         if server is not None:
@@ -193,10 +194,10 @@ def test_eviction_under_a_small_cache_bytes(tmp_path, one_process):
 
     ref_url, _ = one_process
     small = [[], ["--cache-bytes", "150000"], []]
-    cluster = LocalCluster(tmp_path, n=3, prefix="ev", ports=[44064, 44065, 44066], extras=small)
+    cluster = LocalCluster(tmp_path, n=3, prefix="ev", ports=free_ports(3), extras=small)
     server = None
     try:
-        server = ServerProc(cluster, 44067)
+        server = ServerProc(cluster, free_ports(1)[0])
         a = [{"role": "system", "content": "Conversation A is about files. " * 2},
              {"role": "user", "content": "How do I open a file?"}]
         b = [{"role": "system", "content": "Conversation B is about sockets. " * 2},
@@ -238,7 +239,7 @@ def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(tmp_path):
     from kimi_mlx.server.metrics import Metrics
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
-    cluster = LocalCluster(tmp_path, n=3, prefix="rc", ports=[44080, 44081, 44082])
+    cluster = LocalCluster(tmp_path, n=3, prefix="rc", ports=free_ports(3))
     t = GrpcTransport(cluster.secret, peer_timeout=10.0)
     engine = None
     try:

@@ -1,11 +1,12 @@
 """`kimi-mlx cluster server --draft-model`: the draft on the head, verify steps through 3
-loopback stages (ports 44050-44053). Greedy replies equal one process's plain greedy
+loopback stages (ports chosen free at run time). Greedy replies equal one process's plain greedy
 replies token for token, and /metrics shows the draft was used."""
 
 import httpx
 import mlx.core as mx
 
 from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+from kimi_mlx.testing.ports import free_ports
 
 PROMPTS = ["The for statement is used to", "class Queue:\n    def __init__(self"]
 
@@ -30,10 +31,10 @@ def test_greedy_with_a_draft_through_three_stages_equals_plain(tmp_path):
     from kimi_mlx.generation.generate import default_model
 
     draft = default_model().parent / "micro-draft"
-    cluster = LocalCluster(tmp_path, n=3, prefix="dr", ports=[44050, 44051, 44052])
+    cluster = LocalCluster(tmp_path, n=3, prefix="dr", ports=free_ports(3))
     server = None
     try:
-        server = ServerProc(cluster, 44053, "--draft-model", str(draft), "--num-draft-tokens", "3")
+        server = ServerProc(cluster, free_ports(1)[0], "--draft-model", str(draft), "--num-draft-tokens", "3")
         want = _one_process(cluster.ckpt, PROMPTS, 24)
         got = []
         for p in PROMPTS:
@@ -65,11 +66,11 @@ def test_a_draft_serves_one_request_at_a_time(capsys):
 def test_greedy_with_ngram_drafts_through_three_stages_equals_plain(tmp_path):
     """`--draft ngram` (prompt lookup on the head): the same replies as plain decoding,
     with verify steps counted (a repeating prompt gives the lookup something to match)."""
-    cluster = LocalCluster(tmp_path, n=3, prefix="ng", ports=[44055, 44056, 44057])
+    cluster = LocalCluster(tmp_path, n=3, prefix="ng", ports=free_ports(3))
     server = None
     prompts = PROMPTS + ["for i in range(10):\n    x = i\nfor i in range(10):\n    x = i\nfor i in"]
     try:
-        server = ServerProc(cluster, 44058, "--draft", "ngram", "--num-draft-tokens", "4")
+        server = ServerProc(cluster, free_ports(1)[0], "--draft", "ngram", "--num-draft-tokens", "4")
         want = _one_process(cluster.ckpt, prompts, 24)
         got = []
         for p in prompts:

@@ -2,7 +2,7 @@
 no request running, the request in flight fails (never finished on another placement),
 and the server serves again when the node comes back (or, with --replan, over the nodes
 left); a greedy request afterwards equals one process. Loopback stages on fixed ports
-(44010-44029); every process is stopped in a `finally`."""
+(ports chosen free at run time); every process is stopped in a `finally`."""
 
 import signal
 import time
@@ -11,6 +11,7 @@ import httpx
 import mlx.core as mx
 
 from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+from kimi_mlx.testing.ports import free_ports
 
 PROMPT = "The for statement is used to"
 
@@ -63,10 +64,10 @@ def _kill_while_streaming(url, stage):
 
 
 def test_lost_stage_is_reported_when_idle_and_served_again_after_restart(tmp_path):
-    cluster = LocalCluster(tmp_path, n=3, prefix="rec", ports=[44010, 44011, 44012])
+    cluster = LocalCluster(tmp_path, n=3, prefix="rec", ports=free_ports(3))
     server = None
     try:
-        server = ServerProc(cluster, 44013)
+        server = ServerProc(cluster, free_ports(1)[0])
         url, err = server.url, server.log
         want = _one_process(cluster.ckpt, PROMPT, 8)
         assert _complete(url) == want
@@ -123,11 +124,11 @@ def test_replan_over_the_stages_left(tmp_path):
     # costs nothing next to a layer, so it plans [0, 2) [2, 3) [3, 5) [5, 6) on the four
     # and [0, 2) [2, 4) [4, 6) on three
     bw = [["--bandwidth-gbs", "0.001"]] * 3 + [["--bandwidth-gbs", "0.0015"]]
-    cluster = LocalCluster(tmp_path, n=4, prefix="rp", ports=[44020, 44021, 44022, 44023],
+    cluster = LocalCluster(tmp_path, n=4, prefix="rp", ports=free_ports(4),
                            extras=bw)
     server = None
     try:
-        server = ServerProc(cluster, 44024, "--replan")
+        server = ServerProc(cluster, free_ports(1)[0], "--replan")
         url, err = server.url, server.log
         want = _one_process(cluster.ckpt, PROMPT, 8)
         assert _complete(url) == want
@@ -139,7 +140,7 @@ def test_replan_over_the_stages_left(tmp_path):
         server.wait_health(200, 30)
         assert _complete(url) == want
         assert any("re-planning without node rp2" in l for l in err), "".join(err)[-3000:]
-        assert any("stage 2 (node rp3 at 127.0.0.1:44023, layers [4, 6))" in l for l in err)
+        assert any(f"stage 2 (node rp3 at {cluster.procs[3].address}, layers [4, 6))" in l for l in err)
     finally:
         if server is not None:
             server.stop()

@@ -14,9 +14,8 @@ import pytest
 
 from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.generation.request import default_model
-from kimi_mlx.server.app import create_app
-from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
 from kimi_mlx.server.cli import main as server_main
+from kimi_mlx.testing.servers import start_server
 
 MICRO = str(default_model())
 DRAFT = str(default_model().parent / "micro-draft")
@@ -25,10 +24,9 @@ MSGS = [{"role": "system", "content": "You are a careful Python programmer."},
 
 
 def _serve(draft, concurrency):
-    svc = make_service(MICRO, None, None, 1 << 20)
-    load_service(svc, MICRO, max_concurrency=concurrency, prompt_cache_bytes=64 << 20,
-                 max_queue=8, max_kv_size=None, draft_model=draft, num_draft_tokens=3)
-    return svc, BackgroundServer(create_app(svc)).start()
+    srv, svc = start_server(MICRO, None, None, 1 << 20, max_concurrency=concurrency,
+                            draft_model=draft, num_draft_tokens=3)
+    return svc, srv
 
 
 @pytest.fixture(scope="module")

@@ -657,15 +657,15 @@ def test_malformed_content_blocks_are_400s(servers, path, fields):
 @pytest.fixture(scope="module")
 def cluster_url(tmp_path_factory):
     """`kimi-mlx cluster server` on micro with 2 pipeline stages on loopback."""
-    import os
     import subprocess
     import sys
     import time
 
     from kimi_mlx.testing.cluster import LocalCluster
+    from kimi_mlx.testing.ports import free_ports
 
     cluster = LocalCluster(tmp_path_factory.mktemp("iso2"), n=2, prefix="iso")
-    port = 41000 + os.getpid() % 900
+    port = free_ports(1)[0]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "server", "--model",
          str(cluster.ckpt), "--nodes", ",".join(p.address for p in cluster.procs),

@@ -16,9 +16,8 @@ import httpx
 import pytest
 
 from kimi_mlx.generation.request import default_model
-from kimi_mlx.server.app import create_app
 from kimi_mlx.server.jobs import Finished, TokenOut
-from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
+from kimi_mlx.testing.servers import served, sibling_server
 
 MICRO = str(default_model())
 KEY = "sk-page-key"
@@ -55,21 +54,13 @@ def browser():
 
 @pytest.fixture(scope="module")
 def server():
-    svc = make_service(MICRO, None, "micro", 64 << 10)
-    load_service(svc, MICRO, max_concurrency=2, prompt_cache_bytes=64 << 20, max_queue=8,
-                 max_kv_size=None)
-    srv = BackgroundServer(create_app(svc)).start()
-    yield srv, svc
-    srv.stop()
-    svc.engine.stop()
+    with served(MICRO) as both:
+        yield both
 
 
 def _shared(real, key=None, engine=None):
     """Another app over the same model (another key or engine), on its own port."""
-    svc = make_service(MICRO, key, "micro", 64 << 10)
-    svc.wrapper, svc.tok, svc.context = real.wrapper, real.tok, real.context
-    svc.engine = engine or real.engine
-    return BackgroundServer(create_app(svc)).start()
+    return sibling_server(real, engine, api_key=key)
 
 
 @pytest.fixture

@@ -102,8 +102,10 @@ def load_model(
     weights, where = read_tensors(model_dir, wanted, report)
 
     if verbose and report.skipped:
-        parts = [f"{v} {k} tensors" for k, v in sorted(report.skipped.items())]
-        print(f"[kimi-mlx] skipping {' and '.join(parts)} (text model only)", file=sys.stderr)
+        when = {"vision": "loaded with the first image", "mtp": "loaded with --draft mtp"}
+        parts = [f"{v} {k} tensors ({when.get(k, 'not used')})"
+                 for k, v in sorted(report.skipped.items())]
+        print(f"[kimi-mlx] not in the text model: {' and '.join(parts)}", file=sys.stderr)
 
     model = fill_module(Model(args, start, end), weights, args, start, end, where, model_dir)
     if activation_dtype is None:

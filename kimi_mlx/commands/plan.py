@@ -83,9 +83,10 @@ def _describe_model(name: str, model: ModelBytes) -> List[str]:
     lines = [f"model: {name} ({model.source})",
              f"       {len(kinds)} layers ({counts}), weights {_gb(model.weight_bytes)} GB "
              f"(routed experts {_gb(model.routed_expert_bytes)} GB)"]
-    skipped = ", ".join(f"{k} {_gb(v)} GB" for k, v in sorted(model.not_loaded.items()) if v)
+    skipped = ", ".join(f"{k} {_gb(v)} GB" + (" (on the cluster head, see below)" if k == "vision" else "")
+                        for k, v in sorted(model.not_loaded.items()) if v)
     if skipped:
-        lines.append(f"       not loaded: {skipped}")
+        lines.append(f"       not loaded by the stages: {skipped}")
     experts = {l.index: l.num_experts for l in model.layers if l.num_experts}
     if len(set(experts.values())) > 1:
         lines.append("       routed experts per layer (not uniform): "
@@ -139,6 +140,7 @@ def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: 
             "cache (references); at "
             f"{plan.context} tokens: "
             f"{' / '.join(_gb(a + b * plan.context) for a, b in zip(state, token))} GB")
+    lines += vision_lines(plan, model)
     unused = plan.unused_nodes
     if unused:
         lines.append("not needed: " + ", ".join(n.name for n in unused) + " (0 layers)")
@@ -162,6 +164,28 @@ def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: 
                 f"{', '.join(names)}: stage needs more than macOS's default GPU limit "
                 f"({default / GiB:.0f} GiB); on each run: sudo sysctl iogpu.wired_limit_mb={limit_mb}")
     return lines
+
+
+def vision_lines(plan: Plan, model: ModelBytes) -> List[str]:
+    """The vision tower + projector's bytes, counted on the machine that runs them: the
+    head (`cluster launch` / `cluster server`, or the one `kimi-mlx server` process),
+    which loads them from its checkpoint folder on the first image. When the head is also
+    stage 0's Mac (the usual set-up), that stage's total with them, and whether it still
+    fits. Empty for a checkpoint without vision tensors."""
+    vision = model.not_loaded.get("vision", 0)
+    if not vision:
+        return []
+    used = plan.used_stages
+    s = used[0]
+    total = s.total_bytes + vision
+    fits = total + s.headroom_bytes <= s.node.usable_bytes
+    where = ("the one process" if len(used) == 1 else
+             "the cluster head (where cluster launch / cluster server runs)")
+    return [f"vision tower + projector: {_gb(vision)} GB, loaded on {where} on the first "
+            f"image (text-only requests never load it); on stage 0's Mac ({s.node.name}): "
+            f"{_gb(total)} GB of {_gb(s.node.usable_bytes)} usable with it, "
+            + ("fits" if fits else "does NOT fit: run the head on another machine, or send "
+               "no images")]
 
 
 def run(args) -> int:

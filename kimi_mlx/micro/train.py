@@ -54,7 +54,7 @@ from mlx_lm.models.switch_layers import SwitchLinear
 
 from kimi_mlx.model.config import ModelArgs
 from kimi_mlx.model.dsa import GatedDSA
-from kimi_mlx.model.ffn import LatentMoE
+from kimi_mlx.model.ffn import LatentMoE, route
 from kimi_mlx.metal.dsa import dsa_index_scores, dsa_topk_mask
 from kimi_mlx.model.model import Model
 from kimi_mlx.testing.checkpoints import full_config, tiny_text_config
@@ -157,14 +157,18 @@ class TrainLatentMoE(LatentMoE):
         sw.down_proj = FakeQuantSwitchLinear(hidden, latent, E)
         self.num_experts = E
         self.stash = _Stash()
+        self.logits = _Stash()  # router logits [B, T, E] of the last forward (MI loss)
 
     def set_qat(self, on: bool) -> None:
         for proj in (self.switch_mlp.gate_proj, self.switch_mlp.up_proj, self.switch_mlp.down_proj):
             proj.qat = on
 
     def route(self, x):
-        inds, w = super().route(x)
+        logits = self.gate(x)
+        inds, w = route(logits, self.gate.e_score_correction_bias, self.top_k, self.scaling,
+                        self.renormalize)
         self.stash.value = inds
+        self.logits.value = logits
         return inds, w
 
 
@@ -310,17 +314,46 @@ def set_phase(model: Model, sparse: bool, qat: bool) -> None:
 # ------------------------------------------------------------------------------ train
 
 
-def loss_fn(model: Model, inputs: mx.array, targets: mx.array):
-    """(LM cross-entropy + mean indexer KL, (ce, kl, expert load [moe layers, E]))."""
+def _entropy(p: mx.array) -> mx.array:
+    return -(p * mx.log(p + 1e-9)).sum(axis=-1)
+
+
+def sequence_expert_mi(logits: mx.array, temperature: float = 1.0) -> mx.array:
+    """Mutual information (nats) between a batch row and the expert it routes to.
+
+    logits: [B, T, E] router logits; p = softmax(logits / temperature) per token (a low
+    temperature gives the term a useful gradient while the router is still near its
+    small random init, where softmax(logits) is almost uniform). With r_b the mean of p
+    over row b's tokens and g the mean of the r_b: MI = H(g) - mean_b H(r_b). High when
+    each row uses few experts and different rows use different ones (the expert/task MI
+    loss of Mod-Squad, Chen et al. 2023, with the row, not a label, as the task), so
+    maximising it makes experts specialise by what a sequence is about while keeping the
+    batch's overall use spread (no collapse onto a handful for everything).
+    """
+    p = mx.softmax(logits.astype(mx.float32) / temperature, axis=-1)
+    rows = p.mean(axis=1)  # [B, E]
+    return _entropy(rows.mean(axis=0)) - _entropy(rows).mean()
+
+
+def loss_fn(model: Model, inputs: mx.array, targets: mx.array, mi_weight: float = 0.0,
+            mi_temperature: float = 1.0):
+    """(LM cross-entropy + mean indexer KL - mi_weight * mean router MI,
+    (ce, kl, expert load [moe layers, E], per-row load [moe layers, B, E], mean MI))."""
     logits = model(inputs)
     ce = nn.losses.cross_entropy(logits, targets, reduction="mean")
     kls = [m.stash.value for m in _modules(model, TrainGatedDSA)]
     kl = sum(kls) / len(kls)
-    loads = []
+    loads, row_loads, mis = [], [], []
     for m in _modules(model, TrainLatentMoE):
-        inds = m.stash.value.reshape(-1)
-        loads.append(mx.zeros((m.num_experts,), mx.float32).at[inds].add(1.0))
-    return ce + kl, (ce, kl, mx.stack(loads))
+        inds = m.stash.value
+        B = inds.shape[0]
+        onehot = (inds.reshape(B, -1)[..., None] == mx.arange(m.num_experts)).astype(mx.float32)
+        row_loads.append(onehot.sum(axis=1))  # [B, E]
+        loads.append(row_loads[-1].sum(axis=0))
+        mis.append(sequence_expert_mi(m.logits.value, mi_temperature))
+    mi = sum(mis) / len(mis)
+    loss = ce + kl - mi_weight * mi if mi_weight else ce + kl
+    return loss, (ce, kl, mx.stack(loads), mx.stack(row_loads), mi)
 
 
 class Sampler:
@@ -360,8 +393,10 @@ def lr_at(step: int, total: int, peak: float, warmup: int, floor: float = 0.1) -
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
 
 
-def make_step(model: Model, opt: optim.Optimizer, bias_step: float, clip: float):
-    """One training step: (inputs, targets) -> (ce, kl, load [moe layers, E]).
+def make_step(model: Model, opt: optim.Optimizer, bias_step: float, clip: float,
+              mi_weight: float = 0.0, mi_temperature: float = 1.0):
+    """One training step: (inputs, targets) -> (ce, kl, load [moe layers, E],
+    per-row load [moe layers, B, E], router MI); `mi_weight` see `loss_fn`.
 
     Not `mx.compile`d: on the CPU backend the step is bound by transcendental elementwise
     ops (exp / sigmoid / tanh), which compiling does not speed up.
@@ -370,13 +405,14 @@ def make_step(model: Model, opt: optim.Optimizer, bias_step: float, clip: float)
     moes = _modules(model, TrainLatentMoE)
 
     def step(inputs, targets):
-        (_, (ce, kl, loads)), grads = value_and_grad(model, inputs, targets)
+        (_, (ce, kl, loads, row_loads, mi)), grads = value_and_grad(
+            model, inputs, targets, mi_weight, mi_temperature)
         grads, _ = optim.clip_grad_norm(grads, clip)
         opt.update(model, grads)
         for m, load in zip(moes, loads):
             bias = m.gate.e_score_correction_bias
             m.gate.e_score_correction_bias = bias + bias_step * mx.sign(load.mean() - load)
-        return ce, kl, loads
+        return ce, kl, loads, row_loads, mi
 
     return step
 
@@ -388,7 +424,11 @@ def train(model: Model, sampler: Sampler, cfg: argparse.Namespace, log=print) ->
     opt = optim.AdamW(learning_rate=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     history = []
     phase = None
-    step_fn = make_step(model, opt, cfg.bias_step, cfg.clip)
+    mi_weight = getattr(cfg, "router_mi", 0.0)
+    step_fn = make_step(model, opt, cfg.bias_step, cfg.clip, mi_weight,
+                        getattr(cfg, "router_mi_temperature", 1.0))
+    domains = sampler.domains
+    dom_load = None  # [domains, moe layers, E] selections since the last log
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="train", unit="step", dynamic_ncols=True,
                mininterval=2.0, file=sys.stderr)
@@ -401,9 +441,12 @@ def train(model: Model, sampler: Sampler, cfg: argparse.Namespace, log=print) ->
             set_phase(model, sparse, qat)
         opt.learning_rate = lr_at(i, cfg.steps, cfg.lr, cfg.warmup)
         inputs, targets = sampler()
-        ce, kl, loads = step_fn(inputs, targets)
-        mx.eval(ce, kl, loads, model.state, opt.state)
-        ce, kl = ce.item(), kl.item()
+        ce, kl, loads, row_loads, mi = step_fn(inputs, targets)
+        mx.eval(ce, kl, loads, row_loads, mi, model.state, opt.state)
+        ce, kl, mi = ce.item(), kl.item(), mi.item()
+        rl = np.array(row_loads)  # [L, B, E]; row j is domains[j % len(domains)]
+        per = np.stack([rl[:, j::len(domains)].sum(axis=1) for j in range(len(domains))])
+        dom_load = per if dom_load is None else dom_load + per
         ce_avg = ce if ce_avg is None else 0.95 * ce_avg + 0.05 * ce
         kl_avg = kl if kl_avg is None else 0.95 * kl_avg + 0.05 * kl
         if i % 10 == 0 or i == cfg.steps - 1:
@@ -412,8 +455,18 @@ def train(model: Model, sampler: Sampler, cfg: argparse.Namespace, log=print) ->
             bar.set_postfix(ce=f"{ce_avg:.3f}", ppl=f"{math.exp(ce_avg):.1f}",
                             kl=f"{kl_avg:.3f}", maxload=f"{imbalance:.2f}",
                             phase=("sparse" if sparse else "dense") + ("+qat" if qat else ""))
+            # share of each domain's expert selections (since the last log) carried by its
+            # 16 most-selected experts, per MoE layer: the specialisation being trained for
+            sh = dom_load / np.maximum(dom_load.sum(axis=-1, keepdims=True), 1)
+            best = np.sort(sh, axis=-1)[..., ::-1][..., : sh.shape[-1] // 2].sum(axis=-1)
+            dom_load = None
             history.append({"step": i, "ce": ce, "kl": kl, "max_over_mean_load": imbalance,
+                            "router_mi": mi, "best_half_selections": {
+                                d: [round(float(v), 3) for v in best[k]] for k, d in enumerate(domains)},
                             "lr": float(opt.learning_rate), "seconds": time.perf_counter() - t0})
+            if mi_weight:
+                log(f"step {i} ce {ce_avg:.3f} mi {mi:.3f} best-half selections " + "; ".join(
+                    f"{d} " + " ".join(f"{v:.2f}" for v in best[k]) for k, d in enumerate(domains)))
     bar.close()
     return history
 
@@ -780,6 +833,11 @@ def parse_args(argv=None, defaults: Optional[Dict[str, Any]] = None,
                    help="probability that a prose row is drawn from the training part of "
                         "LICENSE.txt (learned by heart for the generation test)")
     p.add_argument("--router-std", type=float, default=0.02, help="router weight init std")
+    p.add_argument("--router-mi", type=float, default=0.0,
+                   help="weight of the row/expert mutual-information bonus on the router "
+                        "(`sequence_expert_mi`); 0 = off (micro)")
+    p.add_argument("--router-mi-temperature", type=float, default=1.0,
+                   help="softmax temperature of the router logits in the MI bonus")
     p.add_argument("--vocab", type=int, default=VOCAB_RANKS, help="BPE ranks (specials excluded)")
     p.add_argument("--heldout-bytes", type=int, default=120_000)
     p.add_argument("--calib-bytes", type=int, default=32_000)
@@ -866,6 +924,8 @@ def main(argv=None, *, cfg: Optional[argparse.Namespace] = None, evaluate=None, 
                          "warmup": cfg.warmup, "weight_decay": cfg.weight_decay, "clip": cfg.clip,
                          "bias_step": cfg.bias_step, "dense_steps": cfg.dense_steps,
                          "domains": list(cfg.domains), "router_std": cfg.router_std,
+                         "router_mi": cfg.router_mi,
+                         "router_mi_temperature": cfg.router_mi_temperature,
                          "qat_steps": cfg.qat_steps, "seed": cfg.seed, "wall_seconds": wall,
                          "memorize": {"source": MEMORIZE_SOURCE + " (training-split blocks)",
                                       "tokens": int(len(memo)), "rate": cfg.memorize_rate,

@@ -11,15 +11,22 @@ the MXFP4 experts and the F32 KDA / router tensors stay as they are) plus a smal
 tower and patchmergerv2 projector (`VISION_CONFIG`: 2 blocks, hidden 64) in the official
 layout (`vision_config`, `vision_tower.*`, `mm_projector.*`, BF16), with the release's
 preprocessing settings unchanged (patch 14, merge 2 x 2, the same patch limits) in
-`preprocessor_config.json`. Pictures are 84 x 84 pixels: 6 x 6 patches, 9 image tokens.
+`preprocessor_config.json`. Pictures are 112 x 112 pixels (the resize rule keeps them
+as they are): 8 x 8 patches, 16 image tokens.
 
-Training (CPU, float32): phase 1 teaches the tower colour and shape with two linear
-heads on the mean of its projector rows (cheap: no language model); phase 2 trains
-tower, projector and the text model's non-expert weights together on the answer tokens
-(cross-entropy on the reply only), through the real prompt (DSA indexer selection as at
-inference; its top-k indices carry no gradient). The result is evaluated on held-out
-pictures by greedy generation through the same path as `kimi-mlx generate --image`, and
-written with its accuracy into `MODEL_CARD.md` and `eval.json`.
+Training (CPU, float32), staged as LLaVA-style models are:
+- stage 1 trains the tower and projector alone with colour and shape heads on the mean
+  of the projector rows (no language model; batched over same-size pictures by
+  `features_batched`, checked against `VisionModel` at start). Shape is learnt late:
+  with warm-up and cosine decay the shape accuracy sits near 45% for ~400 steps of 64
+  pictures, then climbs to >95% within ~200 more;
+- stage 2 freezes the tower and trains the projector and the text model's non-expert
+  weights on the answer tokens (cross-entropy on the reply only), through the real
+  prompt (DSA indexer selection as at inference; its top-k indices carry no gradient).
+(Training tower, projector and text model jointly from the start left shape at chance.)
+The result is evaluated on held-out pictures by greedy generation through the same path
+as `kimi-mlx generate --image`, and written with its accuracy into `MODEL_CARD.md` and
+`eval.json`.
 """
 
 from __future__ import annotations
@@ -43,7 +50,8 @@ from mlx.utils import tree_flatten, tree_map
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
            "yellow": (235, 200, 30), "purple": (140, 60, 180), "orange": (245, 140, 30)}
 SHAPES = ("circle", "square", "triangle", "star")
-SIZE = 84
+SIZE = 112
+RADIUS = (18.0, 42.0)  # px, the shape's outer radius
 QUESTION = "What is in the image?"
 VISION_CONFIG = {
     "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
@@ -68,13 +76,14 @@ F32_KEEP = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias", "o_n
 
 def draw(shape: str, colour: str, rng: np.random.Generator):
     """An RGB SIZE x SIZE Pillow picture: a light plain background (each channel
-    225..255) and one filled `shape` of `colour`, radius 12..30 px, fully inside."""
+    225..255) and one filled `shape` of `colour`, outer radius in RADIUS px, centred at
+    least one radius from each edge. Raises ValueError for an unknown shape."""
     from PIL import Image, ImageDraw
 
     bg = tuple(int(v) for v in rng.integers(225, 256, 3))
     im = Image.new("RGB", (SIZE, SIZE), bg)
     d = ImageDraw.Draw(im)
-    r = rng.uniform(12, 30)
+    r = rng.uniform(*RADIUS)
     cx, cy = rng.uniform(r, SIZE - r), rng.uniform(r, SIZE - r)
     c = COLOURS[colour]
     if shape == "circle":
@@ -95,6 +104,7 @@ def draw(shape: str, colour: str, rng: np.random.Generator):
 
 
 def sample(rng: np.random.Generator) -> Tuple[str, str]:
+    """A random (colour, shape) pair, uniform over the 24."""
     return list(COLOURS)[rng.integers(len(COLOURS))], SHAPES[rng.integers(len(SHAPES))]
 
 
@@ -117,38 +127,66 @@ class VLM(nn.Module):
         self.lm, self.vis = lm, vis
 
 
-def _batch(tok, rng, n: int, pad: int):
-    from kimi_mlx.generation.request import build_prompt
-    from kimi_mlx.text.chat_format import encode_segments
+def pictures(n: int, rng: np.random.Generator):
+    """n random pictures preprocessed as at inference: patches [n, L, 3, 14, 14] float32,
+    the (shared) grid, colour and shape indices [n] int32, and the ProcessedImages."""
     from kimi_mlx.vision.preprocess import preprocess
 
-    rows, images = [], []
+    ims, yc, ys = [], [], []
     for _ in range(n):
         colour, shape = sample(rng)
-        im = preprocess(draw(shape, colour, rng))
-        effort = ("low", "high", "max")[rng.integers(3)]
-        prompt = build_prompt(tok, QUESTION, None, False, effort, [im])
-        rows.append((prompt, encode_segments(tok, reply_segments(answer(colour, shape)))))
-        images.append(im)
-    L = max(len(p) + len(t) for p, t in rows)
-    ids = np.full((n, L), 0, np.int32)
-    tgt = np.zeros((n, L), np.int32)
-    mask = np.zeros((n, L), np.float32)
-    for b, (p, t) in enumerate(rows):
-        seq = p + t
-        ids[b, :len(seq)] = seq
-        tgt[b, :len(seq) - 1] = seq[1:]
-        mask[b, len(p) - 1:len(seq) - 1] = 1
-    patches = mx.array(np.concatenate([im.patches for im in images]))
-    return patches, [im.grid for im in images], mx.array(ids), mx.array(tgt), mx.array(mask)
+        ims.append(preprocess(draw(shape, colour, rng)))
+        yc.append(list(COLOURS).index(colour))
+        ys.append(SHAPES.index(shape))
+    return (np.stack([im.patches for im in ims]), ims[0].grid, np.array(yc, np.int32),
+            np.array(ys, np.int32), ims)
 
 
-def _answer_loss(vlm, patches, grids, ids, tgt, mask, pad):
-    feats = vlm.vis(patches, grids)
-    emb = vlm.lm.embed_with_media(ids, feats, pad)
-    logits = vlm.lm(ids, input_embeddings=emb)
-    ce = nn.losses.cross_entropy(logits, tgt, reduction="none")
-    return (ce * mask).sum() / mask.sum()
+def features_batched(vis, patches: mx.array, grid: Tuple[int, int], tower_only: bool = False) -> mx.array:
+    """`VisionModel`'s forward for B pictures of one grid at once (the tower's own forward
+    loops over images for its block-diagonal attention; same weights, same operations).
+
+    patches [B, h*w, 3, p, p] float32 -> projector rows [B, h*w/4, text hidden], or with
+    `tower_only` the merged tower features [B * h*w/4, 4, D]."""
+    from kimi_mlx.vision.tower import rope_angles
+
+    tw, (h, w) = vis.vision_tower, grid
+    B, L = patches.shape[:2]
+    kh, kw = tw.args.merge_kernel_size
+    W = tw.patch_embed.proj.weight
+    x = patches.reshape(B, L, -1) @ W.reshape(W.shape[0], -1).T + tw.patch_embed.pos_emb.for_grid(h, w)
+    ang = rope_angles(tw.args.head_dim, h, w, tw.args.rope_theta)
+    cos, sin = mx.cos(ang)[None, :, None], mx.sin(ang)[None, :, None]
+    for blk in tw.encoder.blocks:
+        H, hd = blk.heads, blk.head_dim
+        qkv = blk.wqkv(blk.norm0(x)).reshape(B, L, 3, H, hd)
+
+        def rope(t):
+            t = t.reshape(B, L, H, hd // 2, 2)
+            a, b = t[..., 0], t[..., 1]
+            return mx.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(B, L, H, hd).transpose(0, 2, 1, 3)
+
+        o = mx.fast.scaled_dot_product_attention(rope(qkv[:, :, 0]), rope(qkv[:, :, 1]),
+                                                 qkv[:, :, 2].transpose(0, 2, 1, 3), scale=hd ** -0.5)
+        x = x + blk.wo(o.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        x = x + blk.mlp(blk.norm1(x))
+    x = tw.encoder.final_layernorm(x)
+    x = x.reshape(B, h // kh, kh, w // kw, kw, -1).transpose(0, 1, 3, 2, 4, 5)
+    x = x.reshape(B * (h // kh) * (w // kw), kh * kw, -1)
+    if tower_only:
+        return x
+    return vis.mm_projector(x).reshape(B, (h // kh) * (w // kw), -1)
+
+
+def check_batched(vis, seed: int) -> float:
+    """Max |features_batched - VisionModel| on 3 pictures; raises RuntimeError over 1e-4."""
+    P, grid, _, _, _ = pictures(3, np.random.default_rng(seed))
+    ref = vis(mx.array(P.reshape(-1, *P.shape[2:])), [grid] * 3)
+    got = features_batched(vis, mx.array(P), grid).reshape(ref.shape)
+    err = float(mx.abs(ref - got).max())
+    if err > 1e-4:
+        raise RuntimeError(f"features_batched differs from VisionModel by {err}")
+    return err
 
 
 def init_tower(vis, seed: int) -> None:
@@ -161,63 +199,126 @@ def init_tower(vis, seed: int) -> None:
     pe.pos_emb.weight = mx.array(rng.normal(0, 0.02, pe.pos_emb.weight.shape).astype(np.float32))
 
 
-def pretrain_tower(vis, steps: int, batch: int, lr: float, seed: int, log) -> None:
-    """Phase 1: colour and shape heads on the mean projector row (the heads are dropped)."""
-    from kimi_mlx.vision.preprocess import preprocess
+class _Heads(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.colour = nn.Linear(d, len(COLOURS))
+        self.shape = nn.Linear(d, len(SHAPES))
+
+
+def pretrain_tower(vis, steps: int, batch: int, lr: float, seed: int, log, pool: int = 4096,
+                   eval_n: int = 512) -> Dict:
+    """Stage 1: tower and projector with colour and shape heads (dropped afterwards) on
+    the mean projector row; AdamW (weight decay 0.01), 50 warm-up steps then cosine decay
+    to lr/20; a pool of `pool` pictures redrawn after each pass. Returns the held-out
+    (seed + 1) head accuracies {"colour", "shape", "both"}."""
+    from functools import partial
 
     d = vis.args.text_hidden_size
-    heads = nn.Module()
-    heads.colour = nn.Linear(d, len(COLOURS))
-    heads.shape = nn.Linear(d, len(SHAPES))
-    both = VLM(heads, vis)
+    m = VLM(_Heads(d), vis)
     rng = np.random.default_rng(seed)
+    P, grid, yc, ys, _ = pictures(pool, rng)
+    Pt, _, yct, yst, _ = pictures(eval_n, np.random.default_rng(seed + 1))
 
-    def loss(m, patches, grids, yc, ys):
-        f = m.vis(patches, grids).reshape(len(grids), -1, d).mean(axis=1)
+    def loss(m, patches, yc, ys):
+        f = features_batched(m.vis, patches, grid).mean(axis=1)
         return (nn.losses.cross_entropy(m.lm.colour(f), yc, reduction="mean")
                 + nn.losses.cross_entropy(m.lm.shape(f), ys, reduction="mean"))
 
-    vg = nn.value_and_grad(both, loss)
-    opt = optim.AdamW(learning_rate=lr, weight_decay=0.0)
+    vg = nn.value_and_grad(m, loss)
+    warm = max(1, min(50, steps // 4))
+    sched = optim.join_schedules([optim.linear_schedule(lr / 100, lr, warm),
+                                  optim.cosine_decay(lr, max(1, steps - warm), lr / 20)], [warm])
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
+    state = [m.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step_fn(patches, yc, ys):
+        val, g = vg(m, patches, yc, ys)
+        opt.update(m, g)
+        return val
+
+    def accuracy():
+        f = features_batched(vis, mx.array(Pt), grid).mean(axis=1)
+        c = np.array(m.lm.colour(f).argmax(-1)) == yct
+        s = np.array(m.lm.shape(f).argmax(-1)) == yst
+        return {"colour": float(c.mean()), "shape": float(s.mean()), "both": float((c & s).mean())}
+
+    order, at, t0 = rng.permutation(pool), 0, time.time()
     for step in range(steps):
-        ims, yc, ys = [], [], []
-        for _ in range(batch):
-            colour, shape = sample(rng)
-            ims.append(preprocess(draw(shape, colour, rng)))
-            yc.append(list(COLOURS).index(colour))
-            ys.append(SHAPES.index(shape))
-        patches = mx.array(np.concatenate([im.patches for im in ims]))
-        val, g = vg(both, patches, [im.grid for im in ims], mx.array(yc), mx.array(ys))
-        opt.update(both, g)
-        mx.eval(both.parameters(), opt.state, val)
+        if at + batch > pool:
+            P, grid, yc, ys, _ = pictures(pool, rng)
+            order, at = rng.permutation(pool), 0
+        idx = order[at:at + batch]
+        at += batch
+        val = step_fn(mx.array(P[idx]), mx.array(yc[idx]), mx.array(ys[idx]))
+        mx.eval(val, m.parameters(), opt.state)
         if step % 100 == 0 or step == steps - 1:
-            log(f"tower step {step}: colour+shape loss {val.item():.3f}")
+            acc = accuracy()
+            log(f"tower step {step}: loss {val.item():.3f}, held-out colour {acc['colour']:.1%} "
+                f"shape {acc['shape']:.1%} ({time.time() - t0:.0f} s)")
+    return acc
 
 
-def train_joint(lm, vis, tok, steps: int, batch: int, lr_lm: float, lr_vis: float, seed: int,
-                pad: int, log) -> List[float]:
-    """Phase 2: the answer tokens, through the real prompt; returns the losses."""
-    vlm = VLM(lm, vis)
-    vlm.freeze()
-    vlm.vis.unfreeze()
-    vlm.lm.unfreeze()
-    vlm.lm.apply_to_modules(lambda k, m: m.freeze() if "scales" in m else None)  # MXFP4 experts
-    vlm.lm.apply_to_modules(lambda k, m: m.freeze(keys=[n for n in m if isinstance(m[n], mx.array)
-                                                        and f"{k}.{n}".endswith(F32_KEEP)]))
-    vg = nn.value_and_grad(vlm, lambda m, *a: _answer_loss(m, *a, pad))
-    opt_v = optim.AdamW(learning_rate=lr_vis, weight_decay=0.0)
-    opt_l = optim.AdamW(learning_rate=lr_lm, weight_decay=0.0)
+def _batch(tok, rng, n: int):
+    """n training prompts with their replies: patches [n, L, 3, p, p], the grid, ids,
+    next-token targets and the reply mask [n, T]."""
+    from kimi_mlx.generation.request import build_prompt
+    from kimi_mlx.text.chat_format import encode_segments
+
+    P, grid, yc, ys, ims = pictures(n, rng)
+    rows = []
+    for im, c, s in zip(ims, yc, ys):
+        effort = ("low", "high", "max")[rng.integers(3)]
+        prompt = build_prompt(tok, QUESTION, None, False, effort, [im])
+        rows.append((prompt, encode_segments(tok, reply_segments(answer(list(COLOURS)[c], SHAPES[s])))))
+    L = max(len(p) + len(t) for p, t in rows)
+    ids = np.full((n, L), 0, np.int32)
+    tgt = np.zeros((n, L), np.int32)
+    mask = np.zeros((n, L), np.float32)
+    for b, (p, t) in enumerate(rows):
+        seq = p + t
+        ids[b, :len(seq)] = seq
+        tgt[b, :len(seq) - 1] = seq[1:]
+        mask[b, len(p) - 1:len(seq) - 1] = 1
+    return mx.array(P), grid, mx.array(ids), mx.array(tgt), mx.array(mask)
+
+
+def train_answer(lm, vis, tok, steps: int, batch: int, lr_lm: float, lr_vis: float, seed: int,
+                 pad: int, log) -> List[float]:
+    """Stage 2: the tower frozen; projector (lr_vis) and the text model's non-expert
+    weights (lr_lm) on the answer tokens through the real prompt, AdamW with cosine
+    decay to 1/10. Returns the per-step losses."""
+    lm.freeze()
+    lm.unfreeze()
+    lm.apply_to_modules(lambda k, m: m.freeze() if "scales" in m else None)  # MXFP4 experts
+    lm.apply_to_modules(lambda k, m: m.freeze(keys=[n for n in m if isinstance(m[n], mx.array)
+                                                    and f"{k}.{n}".endswith(F32_KEEP)]))
+    proj = vis.mm_projector
+    m = VLM(lm, proj)
+
+    def loss(m, patches, grid, ids, tgt, mask):
+        merged = mx.stop_gradient(features_batched(vis, patches, grid, tower_only=True))
+        feats = m.vis(merged)
+        emb = m.lm.embed_with_media(ids, feats, pad)
+        logits = m.lm(ids, input_embeddings=emb)
+        ce = nn.losses.cross_entropy(logits, tgt, reduction="none")
+        return (ce * mask).sum() / mask.sum()
+
+    vg = nn.value_and_grad(m, loss)
+    opt_v = optim.AdamW(learning_rate=optim.cosine_decay(lr_vis, steps, lr_vis / 10), weight_decay=0.0)
+    opt_l = optim.AdamW(learning_rate=optim.cosine_decay(lr_lm, steps, lr_lm / 10), weight_decay=0.0)
     rng = np.random.default_rng(seed)
-    losses = []
+    losses, t0 = [], time.time()
     for step in range(steps):
-        val, g = vg(vlm, *_batch(tok, rng, batch, pad))
+        val, g = vg(m, *_batch(tok, rng, batch))
         g, _ = optim.clip_grad_norm(g, 1.0)
-        opt_v.update(vlm.vis, g["vis"])
-        opt_l.update(vlm.lm, g["lm"])
-        mx.eval(vlm.parameters(), opt_v.state, opt_l.state, val)
+        opt_v.update(m.vis, g["vis"])
+        opt_l.update(m.lm, g["lm"])
+        mx.eval(m.parameters(), opt_v.state, opt_l.state, val)
         losses.append(val.item())
         if step % 10 == 0 or step == steps - 1:
-            log(f"joint step {step}: answer loss {val.item():.3f}")
+            log(f"answer step {step}: loss {val.item():.3f} ({time.time() - t0:.0f} s)")
     return losses
 
 
@@ -319,21 +420,31 @@ patch_limit_on_one_side 512, mean = std = 0.5, chessboard alpha background).
 
 ## Data
 
-Pictures of {SIZE} x {SIZE} px (6 x 6 patches, 9 image tokens): one filled shape
-({", ".join(SHAPES)}) in one of six colours ({", ".join(COLOURS)}) at a random position,
-radius 12-30 px, on a plain light background (each channel 225-255). Prompt: the K3.1
+Pictures of {SIZE} x {SIZE} px (8 x 8 patches, 16 image tokens; the release's resize rule
+keeps them as they are): one filled shape ({", ".join(SHAPES)}) in one of six colours
+({", ".join(COLOURS)}) at a random position, outer radius {RADIUS[0]:g}-{RADIUS[1]:g} px, on a plain light background (each channel 225-255). Prompt: the K3.1
 chat encoding with a random thinking effort, the picture, then "{QUESTION}"; answer: an
 empty think block and the response "a COLOUR SHAPE".
 
 ## Training
 
-- phase 1: tower and projector with colour / shape heads on the mean projector row,
-  {t['tower_steps']} steps of {t['tower_batch']} pictures (lr {t['tower_lr']});
-- phase 2: tower, projector and the text model's non-expert weights (the MXFP4 experts,
-  KDA conv / A_log / dt_bias and router biases frozen) on the answer tokens,
-  {t['joint_steps']} steps of {t['joint_batch']} prompts (lr vision {t['lr_vis']}, text {t['lr_lm']}),
-  sparse DSA as at inference; final loss {t['final_loss']:.3f} (mean of the last 10 steps);
-- float32 on the CPU, seed {t['seed']}, {t['minutes']:.1f} min on {t['machine']}.
+Staged, as LLaVA-style models are (training everything jointly from the start left
+shape at chance):
+
+- stage 1: tower and projector alone with colour / shape linear heads on the mean
+  projector row (heads dropped afterwards), {t['tower_steps']} steps of {t['tower_batch']} pictures,
+  AdamW lr {t['tower_lr']} (50 warm-up steps, cosine decay to 1/20, weight decay 0.01),
+  {t['stage1_minutes']:.1f} min. Colour is learnt in ~100 steps; shape sits near 45% for
+  ~400 steps, then climbs. Head accuracy on {512} held-out pictures at the end: colour
+  {100 * t['tower_heldout']['colour']:.1f} %, shape {100 * t['tower_heldout']['shape']:.1f} %;
+- stage 2: tower frozen; projector and the text model's non-expert weights (the MXFP4
+  experts, KDA conv / A_log / dt_bias and router biases frozen) on the answer tokens
+  (cross-entropy on the reply only), {t['answer_steps']} steps of {t['answer_batch']} prompts
+  (AdamW, lr projector {t['lr_vis']}, text {t['lr_lm']}, cosine decay to 1/10), sparse DSA as
+  at inference; final loss {t['final_loss']:.4f} (mean of the last 10 steps);
+- float32 on the CPU, seed {t['seed']}, {t['minutes']:.1f} min of training in all on
+  {t['machine']} (2 cores shared with other jobs, niced); the held-out evaluation below
+  took {info['eval']['minutes']:.1f} min more.
 
 ## Accuracy (held-out pictures, greedy, thinking effort max)
 
@@ -348,8 +459,9 @@ empty think block and the response "a COLOUR SHAPE".
 |---|---|
 {ex}
 
-The text model was tuned for this one question: it is not a general assistant, and its
-code / prose continuations differ from `micro`'s.
+The text model in this folder is a tuned copy of `micro` (its non-expert weights, for
+this one question): it is not a general assistant, and its code / prose continuations
+differ from `micro`'s. `kimi_mlx/assets/micro` itself is unchanged.
 """
 
 
@@ -357,11 +469,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.vision_train")
     p.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "assets" / "micro"))
     p.add_argument("--out", default="build/micro-vision")
-    p.add_argument("--tower-steps", type=int, default=1200)
-    p.add_argument("--tower-batch", type=int, default=32)
-    p.add_argument("--tower-lr", type=float, default=1e-3)
-    p.add_argument("--joint-steps", type=int, default=120)
-    p.add_argument("--joint-batch", type=int, default=8)
+    p.add_argument("--tower-steps", type=int, default=1000)
+    p.add_argument("--tower-batch", type=int, default=64)
+    p.add_argument("--tower-lr", type=float, default=2e-3)
+    p.add_argument("--answer-steps", type=int, default=200)
+    p.add_argument("--answer-batch", type=int, default=8)
     p.add_argument("--lr-vis", type=float, default=1e-3)
     p.add_argument("--lr-lm", type=float, default=5e-4)
     p.add_argument("--eval-pictures", type=int, default=120)
@@ -392,24 +504,30 @@ def main(argv=None) -> int:
     vcfg = dict(VISION_CONFIG, text_hidden_size=config["text_config"]["hidden_size"])
     vis = VisionModel(VisionArgs.from_config({"vision_config": vcfg, "text_config": config["text_config"]}))
     init_tower(vis, cfg.seed)
-    pretrain_tower(vis, cfg.tower_steps, cfg.tower_batch, cfg.tower_lr, cfg.seed, log)
+    log(f"batched tower forward vs VisionModel: max |diff| {check_batched(vis, cfg.seed + 7):.2e}")
+    heads = pretrain_tower(vis, cfg.tower_steps, cfg.tower_batch, cfg.tower_lr, cfg.seed, log)
+    t1 = time.time()
     real = dsa_mod.dsa_prefill_indices  # selection as at inference, without a gradient
     dsa_mod.dsa_prefill_indices = lambda *a, **k: mx.stop_gradient(real(*a, **k))
     try:
-        losses = train_joint(lm, vis, tok, cfg.joint_steps, cfg.joint_batch, cfg.lr_lm, cfg.lr_vis,
-                             cfg.seed + 1, pad, log)
+        losses = train_answer(lm, vis, tok, cfg.answer_steps, cfg.answer_batch, cfg.lr_lm, cfg.lr_vis,
+                              cfg.seed + 2, pad, log)
     finally:
         dsa_mod.dsa_prefill_indices = real
     minutes = (time.time() - t0) / 60
+    log(f"trained in {minutes:.1f} min (stage 1 {(t1 - t0) / 60:.1f}, stage 2 {(time.time() - t1) / 60:.1f})")
     tmp = Path(tempfile.mkdtemp(prefix=".micro-vision.", dir=out.parent if out.parent.exists() else None))
     shutil.rmtree(tmp)
     write_checkpoint(src, tmp, lm, vis)
+    t_eval = time.time()
     info = {"train": {"tower_steps": cfg.tower_steps, "tower_batch": cfg.tower_batch,
-                      "tower_lr": cfg.tower_lr, "joint_steps": cfg.joint_steps,
-                      "joint_batch": cfg.joint_batch, "lr_vis": cfg.lr_vis, "lr_lm": cfg.lr_lm,
+                      "tower_lr": cfg.tower_lr, "tower_heldout": heads,
+                      "stage1_minutes": (t1 - t0) / 60, "answer_steps": cfg.answer_steps,
+                      "answer_batch": cfg.answer_batch, "lr_vis": cfg.lr_vis, "lr_lm": cfg.lr_lm,
                       "final_loss": float(np.mean(losses[-10:])), "seed": cfg.seed,
                       "minutes": minutes, "machine": f"{platform.machine()} CPU, MLX {mx.__version__}"},
             "eval": evaluate(tmp, cfg.eval_pictures, seed=10_000 + cfg.seed, log=log)}
+    info["eval"]["minutes"] = (time.time() - t_eval) / 60
     out.parent.mkdir(parents=True, exist_ok=True)
     publish_checkpoint(tmp, out, info, model_card(info), max_mb=20, what="micro-vision")
     log(f"wrote {out} ({info['eval']['both_right']:.1%} both right)")

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
                                     sampling_from, stop_list, submit)
+from kimi_mlx.server.images import allow_urls, anthropic_ref, job_images, request_images, setter
+from kimi_mlx.server.images import prepare as off_loop
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder
 from kimi_mlx.server.schemas import MessagesRequest
@@ -51,9 +53,41 @@ def _text(content, where: str) -> str:
     return "".join(parts)
 
 
-def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
+def _user_parts(blocks, where: str, refs: list, allow: bool) -> List[Dict[str, Any]]:
+    """Text and image blocks (a tool_result's content) -> chat_format content parts; each
+    image's ImageRef is appended to `refs` (it resolves the part in place)."""
+    parts: List[Dict[str, Any]] = []
+    for k, b in enumerate(blocks):
+        if not isinstance(b, dict):
+            raise APIError(400, f"{where}: a content block must be an object, got "
+                           f"{type(b).__name__}", param="messages")
+        if b.get("type") == "text":
+            parts.append({"type": "text", "text": _get(b, "text", where)})
+        elif b.get("type") == "image":
+            parts.append({"type": "image"})
+            refs.append(anthropic_ref(b, f"{where}.content[{k}]", setter(parts, len(parts) - 1), allow))
+        else:
+            raise APIError(400, f"{where}: content block type {b.get('type')!r} is not "
+                           "supported here (text and image only)", param="messages")
+    return parts
+
+
+def _collapse(parts: List[Dict[str, Any]]):
+    """Content of a message: the joined text when there is no image (the prompt of a
+    text-only request is unchanged), else the parts."""
+    if any(p.get("type") != "text" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def to_chat_messages(req: MessagesRequest, refs: Optional[list] = None,
+                     allow_urls: bool = False) -> List[Dict[str, Any]]:
     """Anthropic system + messages -> chat_format messages (tool_result blocks become
-    tool messages, tool_use blocks assistant tool_calls, thinking blocks reasoning)."""
+    tool messages, tool_use blocks assistant tool_calls, thinking blocks reasoning).
+    Image blocks (in user messages and tool results) become image parts, and their
+    `server.images.ImageRef`s are appended to `refs` in prompt order (naming each as
+    `messages[i].content[j]`, `...content[j].content[k]` inside a tool_result)."""
+    refs = [] if refs is None else refs
     out: List[Dict[str, Any]] = []
     if req.system:
         out.append({"role": "system", "content": _text(req.system, "system")})
@@ -88,17 +122,25 @@ def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
                 msg["tool_calls"] = calls
             out.append(msg)
             continue
-        text = []
-        for b in m.content:
+        parts: List[Dict[str, Any]] = []
+        for j, b in enumerate(m.content):
             t = b.get("type")
             if t == "text":
-                text.append(_get(b, "text", where))
+                parts.append({"type": "text", "text": _get(b, "text", where)})
+            elif t == "image":
+                parts.append({"type": "image"})
+                refs.append(anthropic_ref(b, f"{where}.content[{j}]",
+                                          setter(parts, len(parts) - 1), allow_urls))
             elif t == "tool_result":
-                if text:
-                    out.append({"role": "user", "content": "".join(text)})
-                    text = []
+                if parts:
+                    out.append({"role": "user", "content": _collapse(parts)})
+                    parts = []
                 body = b.get("content", "")
-                body = _text(body, f"{where} tool_result") if not isinstance(body, str) else body
+                if not isinstance(body, str):
+                    if not isinstance(body, list):
+                        raise APIError(400, f"{where} tool_result: content must be a string or "
+                                       "a list of blocks", param="messages")
+                    body = _collapse(_user_parts(body, f"{where}.content[{j}]", refs, allow_urls))
                 call_id = _get(b, "tool_use_id", where)
                 tool = {"role": "tool", "content": body, "tool_call_id": call_id or None}
                 if names.get(call_id):
@@ -106,9 +148,9 @@ def to_chat_messages(req: MessagesRequest) -> List[Dict[str, Any]]:
                 out.append(tool)
             else:
                 raise APIError(400, f"{where}: user content block {t!r} is not supported "
-                               "(text and tool_result only)", param="messages")
-        if text:
-            out.append({"role": "user", "content": "".join(text)})
+                               "(text, image and tool_result only)", param="messages")
+        if parts:
+            out.append({"role": "user", "content": _collapse(parts)})
     return out
 
 
@@ -129,9 +171,12 @@ def _tools(req: MessagesRequest):
     return tools, ({"tool_choice": _TOOL_CHOICE[choice]} if _TOOL_CHOICE[choice] else {})
 
 
-def count_tokens(svc: Service, req) -> dict:
-    """POST /v1/messages/count_tokens: the prompt's token count (Claude Code asks)."""
-    return {"input_tokens": len(_prompt(svc, req)[0])}
+async def count_tokens(svc: Service, req) -> dict:
+    """POST /v1/messages/count_tokens: the prompt's token count (Claude Code asks), each
+    image counted as its `<|media_pad|>` tokens (the preprocessing rule's count) plus its
+    media block's markers and `image WxH` text."""
+    ids = (await off_loop(_prompt, svc, req))[0]
+    return {"input_tokens": len(ids)}
 
 
 _THINKING_TYPES = ("enabled", "adaptive", "disabled")
@@ -166,22 +211,24 @@ def _effort(req) -> str:
 
 
 def _prompt(svc: Service, req):
-    """(prompt ids, segment ends) of a messages request; APIError 400/404."""
+    """(prompt ids, segment ends, images) of a messages request; APIError 400/404."""
     svc.check_model(req.model)
     effort = _effort(req)
-    messages, (tools, options) = to_chat_messages(req), _tools(req)
+    refs: list = []
+    messages, (tools, options) = to_chat_messages(req, refs, allow_urls(svc)), _tools(req)
+    images = request_images(svc, refs)
     try:
         ids, ends = build_chat_prompt_with_ends(svc.tok, messages, effort, tools, **options)
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None
-    return ids, ends
+    return ids, ends, images
 
 
 def prepare(svc: Service, req: MessagesRequest) -> Job:
-    ids, ends = _prompt(svc, req)
+    ids, ends, images = _prompt(svc, req)
     return Job(ids, budget(svc, len(ids), req.max_tokens),
                sampling_from(svc, req.temperature, req.top_p, req.top_k, None, req.seed),
-               None, ends)
+               None, ends, **job_images(svc, ids, images))
 
 
 def _stop_reason(b: ReplyBuilder, done) -> str:
@@ -195,7 +242,7 @@ def _usage(job: Job, output_tokens: int, cached: int) -> dict:
 
 
 async def messages_response(svc: Service, req: MessagesRequest, request) -> dict:
-    job = prepare(svc, req)
+    job = await off_loop(prepare, svc, req)
     b = ReplyBuilder(svc.wrapper, stop_list(req.stop_sequences), chat=True)
     submit(svc, job)
     done = None
@@ -221,7 +268,7 @@ def _event(name: str, data: dict) -> str:
 
 
 async def messages_stream(svc: Service, req: MessagesRequest, request):
-    job = prepare(svc, req)
+    job = await off_loop(prepare, svc, req)
     b = ReplyBuilder(svc.wrapper, stop_list(req.stop_sequences), chat=True)
     submit(svc, job)
     msg_id = "msg_" + uuid.uuid4().hex

@@ -277,4 +277,4 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
                          svc.max_body_bytes)
         if svc.tok is None:
             raise APIError(503, "not ready: the model is loading", "overloaded_error")
-        return anthropic_api.count_tokens(svc, req)
+        return await anthropic_api.count_tokens(svc, req)

@@ -10,6 +10,8 @@ one chunk, not by its whole prompt, and requests that arrive together share thei
 prefill. At the end of a segment that is a snapshot point the job's row is extracted as a
 single-sequence cache and stored, so snapshots hold what a B = 1 prefill would hold.
 A job that finishes, is cancelled or whose client left is removed before the next step.
+A prompt with images (whose pads take the tower's rows, which the generator cannot feed)
+is prefilled alone by `Engine.prefill` when admitted and joins for its last token.
 
 One request cannot fail or poison the others (`_RowGuard`): its sampler and logits
 processors run guarded, row by row; when one raises (building its graph or evaluating
@@ -186,8 +188,16 @@ def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
             continue
         try:
             cache, cached = engine._start_cache(job)
-            snaps = engine.snapshot_points(job.ids, cached, job.segment_ends)
-            cuts = [cached] + snaps + [len(job.ids)]
+            start = cached
+            embeddings = engine.embeddings(job, cached)
+            if embeddings is not None:
+                # the generator feeds token ids only: a prompt with images left to run is
+                # prefilled here, alone (snapshots included), and joins for its last token
+                engine.prefill(job.ids, cache, cached, job.segment_ends,
+                               embeddings=embeddings, key=job.key)
+                start = len(job.ids) - 1
+            snaps = engine.snapshot_points(job.ids, start, job.segment_ends)
+            cuts = [start] + snaps + [len(job.ids)]
             segments = [job.ids[a:b] for a, b in zip(cuts, cuts[1:])]
             # the generator runs the last prompt token as the first decode step
             ends = snaps + ([len(job.ids) - 1] if len(segments[-1]) > 1 else [])
@@ -232,7 +242,7 @@ def _snapshot(engine, gen, live: Dict[int, _Live], prompt_responses) -> None:
             # evaluated now: the row's own copy, not a lazy slice that keeps the whole
             # batch buffer alive (and that only this thread's stream could evaluate)
             mx.eval([c.state for c in cache])
-            engine.prompt_cache.store(s.job.ids[:end], cache)
+            engine.prompt_cache.store(s.job.cache_key[:end], cache)
 
 
 def _finish(engine, s: _Live, reason: str) -> None:

@@ -55,7 +55,8 @@ def run(args) -> int:
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
                      args.max_queue, args.max_kv_size, draft_model=args.draft_model,
                      num_draft_tokens=args.num_draft_tokens, progress=not args.quiet,
-                     ngram=(args.ngram_max, args.ngram_min) if args.draft == "ngram" else None)
+                     ngram=(args.ngram_max, args.ngram_min) if args.draft == "ngram" else None,
+                     allow_image_urls=args.allow_image_urls, max_images=args.max_images)
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
         if micro_note(spec):
             log.info(micro_note(spec))

@@ -43,7 +43,8 @@ class Service:
     model_ids: names a request's `model` may use (the first is what /v1/models lists);
     defaults: sampling defaults (generation_config.json); vocab_size: the model's logits
     width (0: not known, then the tokenizer's size stands in); responses: the
-    conversations behind recent /v1/responses replies.
+    conversations behind recent /v1/responses replies; images: the image policy
+    (`server.images.ImageSettings`), None for a server without image input.
     """
 
     engine: Any = None
@@ -59,6 +60,7 @@ class Service:
     metrics: Any = None
     vocab_size: int = 0
     responses: Any = None  # responses_api.ResponseStore (previous_response_id), made on first use
+    images: Any = None  # server.images.ImageSettings (vision tower, URL policy, limits); None: no images
 
     @property
     def ready(self) -> bool:

@@ -65,6 +65,17 @@ class Engine:
         self._active = 0
         self._thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
+        self.vision = None  # generation.images.Vision (set by load_service for a vision checkpoint)
+        self.pad_id = None  # its <|media_pad|> id
+
+    def images_unsupported(self) -> Optional[str]:
+        """Why this engine cannot take a request with images, or None when it can."""
+        if self.vision is None:
+            return "this model has no vision weights, so it cannot take images"
+        if self.speculation is not None:
+            return ("images do not work with speculative decoding yet (this server runs "
+                    "with --draft-model / --draft)")
+        return None
 
     # ---------------------------------------------------------------- control
 
@@ -120,7 +131,7 @@ class Engine:
     def _start_cache(self, job: Job):
         """(cache, number of prompt tokens it already holds) for a job."""
         if self.prompt_cache is not None:
-            cache, n = self.prompt_cache.fetch(job.ids)
+            cache, n = self.prompt_cache.fetch(job.cache_key)
             if cache is not None:
                 return cache, n
         cache = self.model.make_cache()
@@ -147,22 +158,41 @@ class Engine:
         return snapshot_points(len(ids), start, segment_ends, self.prompt_cache.every)
 
     def prefill(self, ids: List[int], cache, start: int, segment_ends: Sequence[int],
-                step: int = 2048) -> None:
+                step: int = 2048, embeddings=None, key: Optional[Sequence] = None) -> None:
         """Run ids[start:-1] into `cache`, stopping at each segment end to let the prompt
-        cache snapshot it (the last prompt token is left for the sampling step)."""
+        cache snapshot it (the last prompt token is left for the sampling step).
+        `embeddings` [len(ids), hidden]: the prompt's input embeddings (images in them,
+        `Engine.embeddings`) fed instead of the ids; `key`: the prompt-cache key of the ids
+        (default the ids)."""
         import mlx.core as mx
 
+        key = ids if key is None else key
         snaps = set(self.snapshot_points(ids, start, segment_ends))
         pos = start
         for end in sorted(snaps | {len(ids) - 1}):
             while pos < end:
                 n = min(step, end - pos)
                 for model, part in self._models(cache):
-                    model(mx.array(ids[pos:pos + n])[None], cache=part)
+                    if embeddings is None:
+                        model(mx.array(ids[pos:pos + n])[None], cache=part)
+                    else:
+                        model(mx.array(ids[pos:pos + n])[None], cache=part,
+                              input_embeddings=embeddings[pos:pos + n][None])
                 mx.eval([c.state for c in cache])
                 pos += n
             if self.prompt_cache is not None and end in snaps:
-                self.prompt_cache.store(ids[:end], cache)
+                self.prompt_cache.store(key[:end], cache)
+
+    def embeddings(self, job: Job, start: int):
+        """The input embeddings [len(ids), hidden] of a job with images whose pads are not
+        all in the first `start` (cached) tokens: the tower runs here, on the engine's
+        thread (loaded on the first image). None when no image is left to prefill."""
+        import mlx.core as mx
+
+        if not job.images or self.pad_id not in job.ids[start:-1]:
+            return None
+        feats = self.vision.features(job.images)
+        return self.model.embed_with_media(mx.array(job.ids), feats, self.pad_id)
 
     def _run_one(self, job: Job) -> None:
         import mlx.core as mx
@@ -176,7 +206,8 @@ class Engine:
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)
         job.emit(Started(cached))
-        self.prefill(job.ids, cache, cached, job.segment_ends)
+        self.prefill(job.ids, cache, cached, job.segment_ends,
+                     embeddings=self.embeddings(job, cached), key=job.key)
         if self.speculation is not None and not job.logits_processors:
             gen = self._speculate(job, cache)
         else:

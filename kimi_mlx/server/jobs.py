@@ -70,7 +70,10 @@ class Job:
 
     ids: prompt token ids; max_tokens >= 1; logprobs: None (no logprobs) or the number
     of top alternatives (0..20) to report per token; segment_ends: prompt positions where
-    the prompt cache may keep a snapshot (end of each message).
+    the prompt cache may keep a snapshot (end of each message); images: the prompt's
+    preprocessed images (`vision.preprocess.ProcessedImage`), in order, whose tower rows
+    replace its `<|media_pad|>` embeddings; key: the prompt-cache key when it differs
+    from `ids` (`server.images.cache_key`: the pads tagged with their image's digest).
     """
 
     ids: List[int]
@@ -80,6 +83,13 @@ class Job:
     segment_ends: Sequence[int] = ()
     logits_processors: Optional[list] = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    images: Sequence = ()
+    key: Optional[Sequence] = None
+
+    @property
+    def cache_key(self) -> Sequence:
+        """What the prompt cache matches: `key`, or the ids when the prompt has no images."""
+        return self.ids if self.key is None else self.key
 
     def __post_init__(self):
         self._loop: Optional[asyncio.AbstractEventLoop] = None

@@ -12,6 +12,7 @@ from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, logits_processors,
                                     reply_events, sampling_from, stop_list, submit)
+from kimi_mlx.server.images import allow_urls, job_images, openai_refs, prepare, request_images
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
 from kimi_mlx.server.schemas import ChatRequest, CompletionRequest
@@ -86,6 +87,7 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     except ValueError as e:
         raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
     messages = chat_messages(req)
+    images = request_images(svc, openai_refs(messages, allow_urls(svc)))
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     options = chat_options(tools, req.tool_choice, req.response_format)
     try:
@@ -95,7 +97,8 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     max_tokens = req.max_completion_tokens or req.max_tokens
     return Job(ids, budget(svc, len(ids), max_tokens),
                sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
-               (req.top_logprobs or 0) if req.logprobs else None, ends, logits_processors(svc, req))
+               (req.top_logprobs or 0) if req.logprobs else None, ends, logits_processors(svc, req),
+               **job_images(svc, ids, images))
 
 
 def prepare_completion(svc: Service, req: CompletionRequest) -> Job:
@@ -149,7 +152,7 @@ class _Completion:
 
 
 async def chat_response(svc: Service, req: ChatRequest, request) -> dict:
-    job = prepare_chat(svc, req)
+    job = await prepare(prepare_chat, svc, req)
     stops = stop_list(req.stop)
     c = _Completion(svc, job, req.model, True, stops)
     submit(svc, job)
@@ -185,7 +188,7 @@ def _split_args(text: str, pieces: int = 3) -> List[str]:
 
 async def chat_stream(svc: Service, req: ChatRequest, request):
     """Validated and queued before the first byte: returns an async iterator of SSE."""
-    job = prepare_chat(svc, req)
+    job = await prepare(prepare_chat, svc, req)
     stops = stop_list(req.stop)
     c = _Completion(svc, job, req.model, True, stops)
     submit(svc, job)

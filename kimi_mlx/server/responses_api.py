@@ -24,8 +24,10 @@ import uuid
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional
 
-from kimi_mlx.text.chat_format import resolve_effort
+from kimi_mlx.text.chat_format import media_in_order, resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
+from kimi_mlx.server.images import (allow_urls, job_images, lean_messages, prepare, request_images,
+                                    responses_ref, setter, stored_refs)
 from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
                                     sampling_from, submit)
 from kimi_mlx.server.jobs import Job
@@ -73,31 +75,42 @@ def store_of(svc: Service) -> ResponseStore:
 # ------------------------------------------------------------------ request -> messages
 
 
-def _content_text(content, where: str) -> str:
-    """A message item's content: a string or a list of input_text / output_text parts."""
+def _content_text(content, where: str, refs: Optional[list] = None, allow_urls: bool = False):
+    """A message item's content: a string or a list of input_text / output_text parts
+    (the joined text), and where `refs` is given also input_image parts (then, with an
+    image, a list of chat_format parts; each image's `server.images.ImageRef` is appended
+    to `refs`)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where}.content must be a string or a list of parts",
                        param="input")
-    parts = []
+    parts: List[Dict[str, Any]] = []
     for k, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
-            parts.append(str(part.get("text", "")))
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
         elif kind == "refusal":
-            parts.append(str(part.get("refusal", "")))
+            parts.append({"type": "text", "text": str(part.get("refusal", ""))})
+        elif kind == "input_image" and refs is not None:
+            parts.append({"type": "image"})
+            refs.append(responses_ref(part, f"{where}.content[{k}]",
+                                      setter(parts, len(parts) - 1), allow_urls))
         else:
             raise APIError(400, f"{where}.content[{k}]: part type {kind!r} is not supported "
-                           "(input_text and output_text only)", param="input")
-    return "".join(parts)
+                           "(input_text, input_image and output_text only)", param="input")
+    if any(p["type"] != "text" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
 _ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
 
-def input_messages(items) -> List[Dict[str, Any]]:
-    """Responses `input` -> chat_format messages; APIError 400 naming the item."""
+def input_messages(items, refs: Optional[list] = None, allow_urls: bool = False) -> List[Dict[str, Any]]:
+    """Responses `input` -> chat_format messages; APIError 400 naming the item. The
+    ImageRefs of input_image parts (user / system messages, function_call_output) are
+    appended to `refs` (images are refused without it)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: List[Dict[str, Any]] = []
@@ -126,7 +139,8 @@ def input_messages(items) -> List[Dict[str, Any]]:
             if role not in _ROLES:
                 raise APIError(400, f"{where}.role must be one of {', '.join(_ROLES)}; got "
                                f"{role!r}", param="input")
-            text = _content_text(item.get("content", ""), where)
+            text = _content_text(item.get("content", ""), where,
+                                 None if _ROLES[role] == "assistant" else refs, allow_urls)
             if _ROLES[role] == "assistant":
                 msg = {"role": "assistant", "content": text}
                 if reasoning:
@@ -154,7 +168,7 @@ def input_messages(items) -> List[Dict[str, Any]]:
                 raise APIError(400, f"{where}: a function_call_output needs call_id", param="input")
             output = item.get("output", "")
             if not isinstance(output, str):
-                output = _content_text(output, where + ".output")
+                output = _content_text(output, where + ".output", refs, allow_urls)
             tool = {"role": "tool", "content": output, "tool_call_id": call_id}
             if call_id in names:
                 tool["name"] = names[call_id]
@@ -225,7 +239,10 @@ class _Turn:
                                f"{store_of(svc).capacity})", "not_found_error",
                                param="previous_response_id")
             history = list(found)
-        self.conversation = history + input_messages(req.input)
+        # the stored conversation's images (kept as their bytes) are decoded again
+        history, refs = stored_refs(history, "previous_response_id")
+        self.conversation = history + input_messages(req.input, refs, allow_urls(svc))
+        request_images(svc, refs)
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else [])
         messages += self.conversation
         if not any(m["role"] != "system" for m in messages):
@@ -240,7 +257,7 @@ class _Turn:
         self.svc, self.req = svc, req
         self.job = Job(ids, budget(svc, len(ids), req.max_output_tokens, "max_output_tokens"),
                        sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
-                       None, ends)
+                       None, ends, **job_images(svc, ids, media_in_order(messages)))
         self.builder = ReplyBuilder(svc.wrapper, (), chat=True)
         self.id = "resp_" + uuid.uuid4().hex
         self.created = int(time.time())
@@ -258,7 +275,7 @@ class _Turn:
         if b.tool_calls:
             reply["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in b.tool_calls]
-        store_of(self.svc).put(self.id, self.conversation + [reply])
+        store_of(self.svc).put(self.id, lean_messages(self.conversation) + [reply])
 
     # ------------------------------------------------------------ response shapes
 
@@ -313,7 +330,7 @@ def _text_part(text: str) -> dict:
 
 
 async def responses_response(svc: Service, req: ResponsesRequest, request) -> dict:
-    t = _Turn(svc, req)
+    t = await prepare(_Turn, svc, req)
     submit(svc, t.job)
     done = None
     async for _ev, _tok, fin in reply_events(t.job, t.builder, request):
@@ -333,7 +350,7 @@ async def responses_response(svc: Service, req: ResponsesRequest, request) -> di
 
 async def responses_stream(svc: Service, req: ResponsesRequest, request):
     """Validated and queued before the first byte: returns an async iterator of SSE."""
-    t = _Turn(svc, req)
+    t = await prepare(_Turn, svc, req)
     submit(svc, t.job)
     seq = 0
 

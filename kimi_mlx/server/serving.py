@@ -55,6 +55,12 @@ def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> 
                    help="largest request body (default 8 MiB); larger ones get 413")
     p.add_argument("--max-kv-size", type=int, default=None,
                    help="cap on prompt + generated tokens (default: max_position_embeddings)")
+    p.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image URLs in requests (at most 20 MiB, 10 s each); "
+                        "without it only data URLs / base64 images are taken and a URL is a 400")
+    p.add_argument("--max-images", type=int, default=32,
+                   help="images per request (default 32); image tokens are also bounded by "
+                        "the context")
     if log_level:
         p.add_argument("--log-level", type=log_level_arg, default="INFO",
                       help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
@@ -109,6 +115,8 @@ def check_server_arguments(args) -> None:
         raise InputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if getattr(args, "prompt_cache_bytes", 0) < 0:
         raise InputError(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
+    if getattr(args, "max_images", 1) < 0:
+        raise InputError(f"--max-images must be >= 0, got {args.max_images}")
     check_max_kv_size(args.max_kv_size)
 
 
@@ -131,10 +139,12 @@ def check_draft_server_arguments(args) -> None:
 def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
                  max_queue: int, max_kv_size: Optional[int], draft_model: Optional[str] = None,
                  num_draft_tokens: int = 3, progress: bool = False,
-                 ngram: Optional[Tuple[int, int]] = None) -> None:
+                 ngram: Optional[Tuple[int, int]] = None, allow_image_urls: bool = False,
+                 max_images: int = 32) -> None:
     """Load the checkpoint (and the draft, when given) into `svc` (sets tokenizers,
     context, defaults, engine); `progress`: a loading bar on a terminal; `ngram`
-    (n_max, n_min) serves with `--draft ngram`.
+    (n_max, n_min) serves with `--draft ngram`; `allow_image_urls` / `max_images`: the
+    image policy (`server.images.ImageSettings`; the tower loads on the first image).
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
@@ -147,8 +157,10 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
     if (draft_model or ngram) and max_concurrency != 1:
         raise ValueError("speculative decoding (a draft) needs max_concurrency 1")
-    model, wrapper, tok, _ = load_for_generation(spec, progress=progress)
-    model_dir = Path(resolve(spec))
+    model, wrapper, tok, config = load_for_generation(spec, progress=progress)
+    # a hub id: the vision tower's shards too (a few hundred MB at K3.1 size), so that the
+    # first image is answered, not a 500 for a shard never downloaded
+    model_dir = Path(resolve(spec, vision=True))
     svc.defaults = generation_defaults(model_dir)
     speculation = None
     if draft_model:
@@ -165,9 +177,14 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     context = model.args.max_position_embeddings
     svc.context = min(context, max_kv_size) if max_kv_size else context
     pc = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
-    svc.engine = Engine(model, tok.eos_token_ids, max_queue=max_queue,
-                        max_concurrency=max_concurrency, prompt_cache=pc,
-                        metrics=svc.metrics, speculation=speculation).start()
+    engine = Engine(model, tok.eos_token_ids, max_queue=max_queue,
+                    max_concurrency=max_concurrency, prompt_cache=pc,
+                    metrics=svc.metrics, speculation=speculation)
+    from kimi_mlx.server.images import image_settings
+
+    svc.images = image_settings(model_dir, tok, config, allow_image_urls, max_images)
+    engine.vision, engine.pad_id = svc.images.vision, svc.images.pad_id
+    svc.engine = engine.start()
 
 
 def make_service(spec: str, api_key: Optional[str], served_name: Optional[str],

@@ -23,7 +23,7 @@ Source of the math: K31_SPEC.md section 3 (AttnRes, KDA, SiTU); `kimi_mlx.model.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 

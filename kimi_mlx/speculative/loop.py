@@ -34,9 +34,8 @@ Acceptance rule (sampling stays the target's):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -338,7 +337,27 @@ def judge_verify(logits: mx.array, drafts: mx.array, q_lps: List[mx.array],
     return n, token, d_list, logprobs
 
 
-def _prefill(model, cache, tokens: List[int], step: int) -> None:
+def emit_accepted(n: int, token: int, d_list: List[int], logprobs: mx.array, emitted: List[int],
+                  stats: SpecStats, left: int) -> Iterator[Tuple[int, mx.array, bool]]:
+    """Yield one verify step's tokens, (token, logprobs [V] float32, from_draft): the n
+    accepted drafts `d_list[:n]`, then the target's own `token`; `judge_verify`'s outputs.
+
+    Each token is appended to `emitted` before it is yielded, so a caller that settles its
+    caches in a `finally` (the consumer stopped the generator mid-step) rolls back to
+    exactly what was handed out. Stops after `left` tokens (negative: no limit), the rest
+    of `max_tokens`. Shared by the draft-model, MTP and n-gram loops."""
+    for i in range(n + 1):
+        tok = d_list[i] if i < n else token
+        emitted.append(tok)
+        stats.emitted += 1
+        yield tok, logprobs[i], i < n
+        if 0 <= left <= len(emitted):
+            break
+
+
+def prefill_chunks(model, cache, tokens: List[int], step: int) -> None:
+    """Run `tokens` through `model` into `cache` in chunks of `step` (evaluating the
+    caches after each, as mlx-lm's generate_step does)."""
     for s in range(0, len(tokens), step):
         model(mx.array(tokens[s : s + step])[None], cache=cache)
         mx.eval([c.state for c in cache])
@@ -415,8 +434,8 @@ def speculative_generate_step(
     sampling = sampling or Sampling()
     stats = stats if stats is not None else SpecStats()
     model_cache, draft_cache = _split_caches(model, draft_model, prompt_cache)
-    _prefill(draft_model, draft_cache, prompt[:-1], prefill_step_size)
-    _prefill(model, model_cache, prompt[:-1], prefill_step_size)
+    prefill_chunks(draft_model, draft_cache, prompt[:-1], prefill_step_size)
+    prefill_chunks(model, model_cache, prompt[:-1], prefill_step_size)
 
     vocab = model_vocab(model)
     chain = _GreedyChain.of(draft_model, vocab) if sampling.greedy else None
@@ -452,14 +471,9 @@ def speculative_generate_step(
 
             emitted: List[int] = []
             step = (verify, snaps, d_list, emitted)
-            for i in range(n + 1):
-                tok = d_list[i] if i < n else token
-                emitted.append(tok)
-                ntoks += 1
-                stats.emitted += 1
-                yield tok, logprobs[i], i < n
-                if max_tokens >= 0 and ntoks >= max_tokens:
-                    break
+            yield from emit_accepted(n, token, d_list, logprobs, emitted, stats,
+                                     max_tokens - ntoks if max_tokens >= 0 else -1)
+            ntoks += len(emitted)
             draft_in = settle(step, len(emitted))
             step = None
             y = emitted[-1]

@@ -63,7 +63,7 @@ from kimi_mlx.model.config import ModelArgs, read_config, text_config
 from kimi_mlx.model.model import DecoderLayer
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
 from kimi_mlx.checkpoint.shards import CheckpointError, weight_map
-from kimi_mlx.speculative.loop import Sampling, SpecStats, draw_draft, judge_verify
+from kimi_mlx.speculative.loop import Sampling, SpecStats, draw_draft, emit_accepted, judge_verify
 from kimi_mlx.model.tensor_map import PREFIX, canonical, layer_of
 
 __all__ = ["CONFIG_KEY", "MTP", "MTPLayer", "load_mtp", "mtp_generate_step", "target_forward"]
@@ -441,14 +441,9 @@ def mtp_generate_step(
                                                       also=(hid,))
 
             st = _Step(verify, before, after, hid, fed)
-            for i in range(n + 1):
-                tok = d_list[i] if i < n else token
-                st.emitted.append(tok)
-                ntoks += 1
-                stats.emitted += 1
-                yield tok, logprobs[i], i < n
-                if max_tokens >= 0 and ntoks >= max_tokens:
-                    break
+            yield from emit_accepted(n, token, d_list, logprobs, st.emitted, stats,
+                                     max_tokens - ntoks if max_tokens >= 0 else -1)
+            ntoks += len(st.emitted)
             last = _settle(st, tcache, mcache, pend)
             y = y if last is None else last
             st = None

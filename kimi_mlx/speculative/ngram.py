@@ -56,7 +56,8 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from kimi_mlx.speculative.loop import Sampling, SpecStats, judge_verify
+from kimi_mlx.speculative.loop import (Sampling, SpecStats, emit_accepted, judge_verify,
+                                       prefill_chunks)
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
 
 __all__ = ["NgramDraft", "NgramIndex", "ngram_generate_step", "DEFAULT_NGRAM_MAX",
@@ -181,12 +182,6 @@ def _one_hot_log(drafts: List[int], vocab: int) -> List[mx.array]:
     return list(q)
 
 
-def _prefill(model, cache, tokens: List[int], step: int) -> None:
-    for s in range(0, len(tokens), step):
-        model(mx.array(tokens[s : s + step])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-
-
 def ngram_generate_step(
     prompt,
     model,
@@ -241,7 +236,7 @@ def ngram_generate_step(
                          f"{len(prompt_cache)} caches")
     cache, held = prompt_cache[:n_layers], prompt_cache[-1]
     seen = held[0].tolist() if held[0] is not None else []
-    _prefill(model, cache, prompt[:-1], prefill_step_size)
+    prefill_chunks(model, cache, prompt[:-1], prefill_step_size)
     index = draft.index(seen + prompt)  # the context, y (not yet fed) included
 
     y = prompt[-1]
@@ -297,14 +292,9 @@ def ngram_generate_step(
                 logits, mx.array(drafts, mx.uint32), q_lps, sampling, stats)
             emitted: List[int] = []
             pending = (verify, emitted)
-            for i in range(n + 1):
-                tok = d_list[i] if i < n else token
-                emitted.append(tok)
-                ntoks += 1
-                stats.emitted += 1
-                yield tok, logprobs[i], i < n
-                if max_tokens >= 0 and ntoks >= max_tokens:
-                    break
+            yield from emit_accepted(n, token, d_list, logprobs, emitted, stats,
+                                     max_tokens - ntoks if max_tokens >= 0 else -1)
+            ntoks += len(emitted)
             settle(verify, len(emitted))
             pending = None
             index.extend(emitted)

@@ -206,6 +206,26 @@ class LocalCluster:
 
         return [NodeInfo(p.node_id, p.host, p.port) for p in self.procs]
 
+    def load_transport(self, max_len: int = 4096, batch: int = 1, peer_timeout: float = 10.0,
+                       dtype: str = "float32"):
+        """A `GrpcTransport` with every stage process checked (none refused) and loaded on
+        `plan_stages`' split, activations and wire in `dtype`. Returns (transport, stages);
+        the caller calls `transport.shutdown()`. Raises AssertionError naming the refused
+        nodes."""
+        from kimi_mlx.cluster.head import check_nodes, plan_stages
+        from kimi_mlx.cluster.transport import GrpcTransport
+
+        t = GrpcTransport(self.secret, peer_timeout=peer_timeout)
+        try:
+            accepted, rejected = check_nodes(self.nodes(), t.stub_for, self.fp)
+            assert not rejected, rejected
+            stages = plan_stages(self.ckpt, [n for n, _ in accepted], max_len, batch)[1]
+            t.load(self.fp, stages, dtype, dtype)
+        except BaseException:
+            t.shutdown()
+            raise
+        return t, stages
+
     def sessions(self, i: int) -> int:
         """Sessions stage process i holds now (its Health RPC)."""
         from kimi_mlx.cluster import stage_pb2 as pb

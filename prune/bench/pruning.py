@@ -7,8 +7,9 @@ domain (`--domain`, code) and on a mix of every domain with the same token budge
 calibration prunes to 50% and 25% of the routed experts with every method (REAP with the
 softmax gate and with the model's gate, REAP summed, frequency, EAN; the methods beyond
 uniform REAP in `BEYOND`: the `spread` budget with reap-sum and with reap, and reap-sum
-with super-expert protection; random over `--random-seeds` seeds, which needs no
-calibration and is shared by both), each written as a real checkpoint (the writer of
+with super-expert protection, reap-sum with its router rows re-fitted (`--refit-router`),
+uniform and spread; random over `--random-seeds` seeds, which needs no calibration and is
+shared by both), each written as a real checkpoint (the writer of
 `kimi-mlx prune`), loaded back and scored on the held-out text of every domain. "Routing
 kept" is the share of a domain's held-out routing mass (unpruned model) that went to the
 kept experts. The tables end with the checks the pruner's default must pass (beat
@@ -42,7 +43,8 @@ import kimi_mlx
 
 from kimi_mlx.prune.calib import CalibSet, load_calibration
 from kimi_mlx.prune.observe import observe
-from kimi_mlx.prune.pipeline import convert, save
+from kimi_mlx.prune.pipeline import convert, refit, save
+from kimi_mlx.prune.refit import DEFAULT_TOKENS as REFIT_TOKENS
 from kimi_mlx.prune.quantize import QuantSpec
 from kimi_mlx.prune.saliency import experts_to_keep, select
 from kimi_mlx.prune.writer import AtomicOutput, source_args
@@ -101,11 +103,13 @@ def perplexity(model_dir: Path, ids: Sequence[int], seq_len: int) -> float:
     return ppl
 
 
-# (row name, method, gate, budget, protect) of the methods beyond uniform REAP, run beside
-# CANDIDATES with the same total expert count.
-BEYOND = [("reap-sum, spread budget", "reap-sum", "softmax", "spread", False),
-          ("reap, spread budget", "reap", "softmax", "spread", False),
-          ("reap-sum, super experts protected", "reap-sum", "softmax", "uniform", True)]
+# (row name, method, gate, budget, protect, refit) of the methods beyond uniform REAP, run
+# beside CANDIDATES with the same total expert count (refit: `prune --refit-router`).
+BEYOND = [("reap-sum, spread budget", "reap-sum", "softmax", "spread", False, False),
+          ("reap, spread budget", "reap", "softmax", "spread", False, False),
+          ("reap-sum, super experts protected", "reap-sum", "softmax", "uniform", True, False),
+          ("reap-sum, router refit", "reap-sum", "softmax", "uniform", False, True),
+          ("reap-sum, spread budget + router refit", "reap-sum", "softmax", "spread", False, True)]
 
 
 def model_domains(model_dir: Path) -> List[str]:
@@ -159,6 +163,7 @@ def main(argv=None) -> int:
             return 2
         out.update(prune_bench(src, args, keeps, log))
         print(prune_tables(out, args))
+        print(readme_tables(out))
     if args.quant:
         with tempfile.TemporaryDirectory(prefix="bench-quant-") as tmp:
             qsrc = Path(args.quant_model)
@@ -223,17 +228,18 @@ def prune_bench(src: Path, args, keeps: Sequence[float], log) -> Dict:
         tmp = Path(tmp)
         random_rows: Dict[str, Dict] = {}
         for cname, calib in calibs:
-            result = observe(src, calib, chunk=seq_len, progress=False)
+            result = observe(src, calib, chunk=seq_len, progress=False,
+                             router_inputs=REFIT_TOKENS)
             log(f"calibration {cname}: {calib.describe()} in {result.seconds:.1f} s")
             cell: Dict = {"describe": calib.describe(), "tokens": calib.num_tokens, "keeps": {}}
             for keep in keeps:
                 n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token, keep=keep)
                 rows: Dict[str, Dict] = {}
-                runs = [(name, m, g, "uniform", False, 0) for name, m, g in CANDIDATES]
-                runs += [(name, m, g, b, pr, 0) for name, m, g, b, pr in BEYOND]
-                seeds = [(f"random-{s}", "random", "softmax", "uniform", False, s)
+                runs = [(name, m, g, "uniform", False, False, 0) for name, m, g in CANDIDATES]
+                runs += [(name, m, g, b, pr, rf, 0) for name, m, g, b, pr, rf in BEYOND]
+                seeds = [(f"random-{s}", "random", "softmax", "uniform", False, False, s)
                          for s in range(args.random_seeds)]
-                for name, method, gate, budget, protect, seed in runs + seeds:
+                for name, method, gate, budget, protect, refit_on, seed in runs + seeds:
                     key = f"{keep}/{name}"
                     if method == "random" and key in random_rows:  # needs no calibration
                         rows[name] = random_rows[key]
@@ -241,17 +247,27 @@ def prune_bench(src: Path, args, keeps: Sequence[float], log) -> Dict:
                     sel = select(result.stats, method, n_keep, seed=seed, gate=gate,
                                  budget=budget, protect_super_experts=protect)
                     folder = f"{cname}-k{n_keep}-" + "".join(c if c.isalnum() else "_" for c in name)
+                    refitted = (refit(result, sel, margs.num_experts_per_token)
+                                if refit_on else None)
                     with AtomicOutput(tmp / folder) as ao:
-                        path = save(ao, src, result, calib, sel, log=lambda s: None)
+                        path = save(ao, src, result, calib, sel, log=lambda s: None,
+                                    refitted=refitted)
                     rows[name] = {"ppl": score(path), "routing_kept": routing_kept(share, sel.kept),
                                   "traffic": traffic_kept(result.stats, sel.kept),
                                   "counts": sel.counts}
+                    if refitted:
+                        rows[name]["gate_kl"] = [float(np.mean([r.kl_before for r in refitted.values()])),
+                                                 float(np.mean([r.kl_after for r in refitted.values()]))]
+                        rows[name]["gate_tv"] = [float(np.mean([r.tv_before for r in refitted.values()])),
+                                                 float(np.mean([r.tv_after for r in refitted.values()]))]
                     shutil.rmtree(path, ignore_errors=True)
                     if method == "random":
                         random_rows[key] = rows[name]
                     log(f"[{time.perf_counter() - t_start:.0f} s] {cname} keep {n_keep}: {name}: "
                         + ", ".join(f"{d} {v:.2f}" for d, v in rows[name]["ppl"].items())
-                        + ("" if sel.uniform else f" budgets {list(sel.counts.values())}"))
+                        + ("" if sel.uniform else f" budgets {list(sel.counts.values())}")
+                        + (f" gate KL {rows[name]['gate_kl'][0]:.3f}->{rows[name]['gate_kl'][1]:.3f}"
+                           if refitted else ""))
                 cell["keeps"][str(keep)] = {"n_keep": n_keep, "rows": rows}
             res["calibrations"][cname] = cell
     return res
@@ -328,7 +344,8 @@ def prune_tables(res: Dict, args) -> str:
               + ", ".join(f"{k} {v:.2f}" for k, v in ranks.items())]
     default = next(n for n, m, g in CANDIDATES if m == DEFAULT_METHOD and g == DEFAULT_GATE)
     if DEFAULT_BUDGET != "uniform":
-        default = next(n for n, m, g, b, _ in BEYOND if m == DEFAULT_METHOD and b == DEFAULT_BUDGET)
+        default = next(n for n, m, g, b, _, rf in BEYOND
+                       if m == DEFAULT_METHOD and b == DEFAULT_BUDGET and not rf)
     lines += ["", f"Checks for the default ({default}):"]
     cal = res["calibrations"].get(args.domain)
     for keep, cell in (cal or {"keeps": {}})["keeps"].items():
@@ -354,8 +371,45 @@ def prune_tables(res: Dict, args) -> str:
             wins = [d for d in domains if r["ppl"][d] < base["ppl"][d]]
             lines.append(f"- calibration {cname}, {name}: " + ", ".join(
                 f"{d} {r['ppl'][d]:.2f} vs {base['ppl'][d]:.2f}" for d in domains)
-                + f"; better on {len(wins)} of {len(domains)} domains")
+                + f"; better on {len(wins)} of {len(domains)} domains"
+                + (f" (gate KL to the full router {r['gate_kl'][0]:.3f} -> {r['gate_kl'][1]:.3f}, "
+                   f"TV {r['gate_tv'][0]:.3f} -> {r['gate_tv'][1]:.3f})" if "gate_kl" in r else ""))
     return "\n".join(lines)
+
+
+def readme_tables(res: Dict) -> str:
+    """The README's form of the pruning results: per calibration, one table with every
+    method's held-out perplexity per domain at each keep, and the routing kept at the
+    smallest keep (random: mean and range over the seeds)."""
+    domains = res["domains"]
+    out = []
+    for cname, cal in res["calibrations"].items():
+        keeps = sorted(cal["keeps"].items(), key=lambda kv: -float(kv[0]))
+        small = keeps[-1][1]
+        out += ["", f"**calibrated on {cname}** ({cal['tokens']:,} tokens; perplexity on held-out "
+                "text):", "",
+                "| method | " + " | ".join(f"keep {c['n_keep']}: {d}" for _, c in keeps for d in domains)
+                + f" | keep {small['n_keep']}: " + " / ".join(domains) + " routing kept |",
+                "|---|" + "---:|" * (len(keeps) * len(domains) + 1)]
+        out.append("| unpruned | " + " | ".join(f"{res['unpruned'][d]:.1f}" for _ in keeps
+                                                 for d in domains) + " | 100% |")
+        for name in method_names():
+            counts = small["rows"][name]["counts"]
+            label = name + ("" if len(set(counts.values())) <= 1 else
+                            " (" + ", ".join(str(v) for v in counts.values()) + f" per layer at keep {small['n_keep']})")
+            out.append(f"| {label} | " + " | ".join(f"{c['rows'][name]['ppl'][d]:.1f}" for _, c in keeps
+                                                   for d in domains) + " | "
+                       + " / ".join(f"{100 * small['rows'][name]['routing_kept'][d]:.0f}%" for d in domains) + " |")
+        cells = []
+        for _, c in keeps:
+            for d in domains:
+                m, lo, hi = _random_stats(c["rows"], lambda r: r["ppl"][d])
+                cells.append(f"{m:.1f} ({lo:.1f}-{hi:.1f})")
+        out.append(f"| random (mean, range of {sum(k.startswith('random-') for k in small['rows'])} seeds) | "
+                   + " | ".join(cells) + " | " + " / ".join(
+                       f"{100 * _random_stats(small['rows'], lambda r: r['routing_kept'][d])[0]:.0f}%"
+                       for d in domains) + " |")
+    return "\n".join(out)
 
 
 def quant_rows(src: Path, tmp: Path, score, log) -> List[Dict]:

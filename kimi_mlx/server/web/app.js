@@ -46,14 +46,20 @@ function load(key, fallback) {
   try { const v = localStorage.getItem(key); return v === null ? fallback : JSON.parse(v); }
   catch (e) { return fallback; }
 }
-function save(key, value) { localStorage.setItem(key, JSON.stringify(value)); }
+function save(key, value) {
+  try { localStorage.setItem(key, JSON.stringify(value)); }
+  catch (e) { showError(`not saved in this browser (${e.name}): images take room; delete old conversations`); }
+}
 
 const state = {
   conversations: load(LS.conversations, []),
   current: load(LS.current, null),
   model: null,
   controller: null,   // AbortController of the reply in flight
+  attachments: [],    // images for the next message: {name, url (a data: URL)}
 };
+
+const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
 
 function apiKey() { return sessionStorage.getItem(LS.key) || localStorage.getItem(LS.key) || ""; }
 function setApiKey(key, remember) {
@@ -139,9 +145,20 @@ function messageView(m, streaming) {
   role.textContent = m.role;
   div.appendChild(role);
   if (m.role !== "assistant") {
+    const parts = Array.isArray(m.content) ? m.content : [{type: "text", text: m.content || ""}];
+    const images = document.createElement("div");
+    images.className = "images";
+    for (const p of parts) {
+      const url = p.type === "image_url" && p.image_url && p.image_url.url;
+      if (typeof url === "string" && url.startsWith("data:image/")) {
+        images.appendChild(Object.assign(document.createElement("img"), {src: url, alt: "image"}));
+      }
+    }
+    if (images.childElementCount) div.appendChild(images);
     const body = document.createElement("div");
     body.className = "content";
-    body.textContent = m.content || "";  // the user's own text, shown as typed
+    // the user's own text, shown as typed
+    body.textContent = parts.filter((p) => p.type === "text").map((p) => p.text).join("");
     div.appendChild(body);
     return div;
   }
@@ -344,14 +361,62 @@ async function generate() {
 async function send() {
   if (state.controller) return;
   const text = $("prompt").value;
-  if (!text.trim()) return;
+  const images = state.attachments;
+  if (!text.trim() && !images.length) return;
   const conv = conversation();
-  conv.messages.push({role: "user", content: text});
-  if (conv.title === "New conversation") conv.title = text.trim().slice(0, 40);
+  // images first, then the text (as `kimi-mlx generate --image` builds the prompt)
+  const content = images.length
+    ? [...images.map((a) => ({type: "image_url", image_url: {url: a.url}})), {type: "text", text}]
+    : text;
+  conv.messages.push({role: "user", content});
+  if (conv.title === "New conversation") conv.title = (text.trim() || images[0].name).slice(0, 40);
   persist();
   $("prompt").value = "";
+  state.attachments = [];
+  renderAttachments();
   renderAll();
   await generate();
+}
+
+// ------------------------------------------------------------------ images
+
+function renderAttachments() {
+  const box = $("attachments");
+  box.textContent = "";
+  box.hidden = !state.attachments.length;
+  state.attachments.forEach((a, i) => {
+    const d = document.createElement("div");
+    d.className = "attachment";
+    d.title = a.name;
+    const rm = Object.assign(document.createElement("button"), {type: "button", textContent: "×",
+                                                               title: `remove ${a.name}`});
+    rm.addEventListener("click", () => { state.attachments.splice(i, 1); renderAttachments(); });
+    d.append(Object.assign(document.createElement("img"), {src: a.url, alt: a.name}), rm);
+    box.appendChild(d);
+  });
+}
+
+function readDataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const r = new FileReader();
+    r.onload = () => resolve(r.result);
+    r.onerror = () => reject(r.error);
+    r.readAsDataURL(file);
+  });
+}
+
+/** Files from the picker -> attachments (data URLs, sent as `image_url` parts). */
+async function attachFiles(files) {
+  showError("");
+  for (const f of files) {
+    if (!IMAGE_TYPES.includes(f.type)) {
+      showError(`${f.name}: not a PNG, JPEG, WebP or GIF image`);
+      continue;
+    }
+    try { state.attachments.push({name: f.name, url: await readDataUrl(f)}); }
+    catch (e) { showError(`${f.name}: cannot be read (${e && e.message})`); }
+  }
+  renderAttachments();
 }
 
 // ------------------------------------------------------------------ API key
@@ -404,6 +469,11 @@ $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) { e.preventDefault(); send(); }
 });
 $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
+$("attach").addEventListener("click", () => $("image-file").click());
+$("image-file").addEventListener("change", async (e) => {
+  await attachFiles(Array.from(e.target.files || []));
+  e.target.value = "";  // the same file can be picked again
+});
 $("new-chat").addEventListener("click", () => {
   if (state.controller) return;
   state.current = null;
