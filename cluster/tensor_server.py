@@ -85,6 +85,11 @@ class TensorEngine:
     def health(self) -> Optional[str]:
         return self.lost
 
+    def images_unsupported(self) -> Optional[str]:
+        """Why a request with images is refused (the API answers 400 with it)."""
+        return ("images do not work with --parallel tensor yet (the group runs text only); "
+                "use --parallel pipeline")
+
     def stages(self) -> list:
         """The group's ranks for /health: [{"rank", "node", "ok", "reason"}]."""
         out = [{"rank": 0, "node": "this head", "ok": self.lost is None, "reason": None}]
