@@ -451,13 +451,15 @@ def add_arguments(q) -> None:
     add_mtp_argument(q, kinds=("ngram",))  # --draft ngram: prompt lookup on the head
 
 
-def run(args, cluster_factory, tokenizers) -> int:
+def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
     """`kimi-mlx cluster server`: start HTTP at once, connect and load the pipeline in the
     background (/health answers 503 until then); when that fails the command ends with
     status 1, naming what failed (`kimi_mlx.server.serving.serve`).
 
     cluster_factory(args, secret, model_dir, fingerprint, context) -> object with
-    `connect()` -> Pipeline and `transport`; tokenizers(model_dir) -> (wrapper, tok)."""
+    `connect()` -> Pipeline and `transport`; tokenizers(model_dir) -> (wrapper, tok);
+    choose_parallel(cluster) -> "pipeline" | "tensor" (None: the pipeline): with "tensor"
+    the requests run through one tensor-parallel group (`cluster.tensor_server`)."""
     from kimi_mlx.model.config import ModelArgs, read_config
     from kimi_mlx.generation.request import InputError, generation_defaults, resolve_model_arg
     from kimi_mlx.server.app import create_app
@@ -513,6 +515,12 @@ def run(args, cluster_factory, tokenizers) -> int:
 
             speculation = Speculation(NgramDraft(args.ngram_max, args.ngram_min),
                                       args.num_draft_tokens)
+        if choose_parallel is not None and choose_parallel(cluster) == "tensor":
+            from kimi_mlx.cluster.tensor_server import start_tensor_engine
+
+            svc.engine = start_tensor_engine(args, cluster, tok.eos_token_ids, svc.metrics,
+                                             speculation)
+            return
         pipeline = cluster.connect()
         keeper = make_keeper(args, cluster, fp, pipeline)
         from kimi_mlx.cluster.prompt_cache import HeadCacheIndex

@@ -85,21 +85,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the rows to stage 0 (--parallel pipeline)")
     _node_arguments(q, context_default="the prompt + --max-tokens")
     q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
+    _parallel_arguments(q)
+    _common(q)
+
+    q = sub.add_parser("server", help="OpenAI + Anthropic API server over the nodes",
+                       description="`kimi-mlx server`'s API with the pipeline, or one "
+                                   "tensor-parallel group (--parallel tensor), behind it.")
+    from kimi_mlx.cluster.api import add_arguments as add_api_arguments
+
+    add_api_arguments(q)
+    _node_arguments(q, context_default="the model's context, or --max-kv-size")
+    _parallel_arguments(q)
+    _common(q)
+
+
+def _parallel_arguments(q) -> None:
+    """--parallel and --backend, shared by `launch` and `server`."""
     q.add_argument("--parallel", default="auto", choices=["auto", "pipeline", "tensor"],
                    help="pipeline stages, or one tensor-parallel group of this head (rank 0) "
                         "and the nodes (default: what `kimi-mlx plan` recommends for them)")
     q.add_argument("--backend", default="auto", choices=["auto", "ring", "jaccl"],
                    help="--parallel tensor: MLX distributed backend (default auto: jaccl "
                         "when every pair of Macs is cabled with RDMA on, else the TCP ring)")
-    _common(q)
-
-    q = sub.add_parser("server", help="OpenAI + Anthropic API server over the pipeline",
-                       description="`kimi-mlx server`'s API with the pipeline behind it.")
-    from kimi_mlx.cluster.api import add_arguments as add_api_arguments
-
-    add_api_arguments(q)
-    _node_arguments(q, context_default="the model's context, or --max-kv-size")
-    _common(q)
 
 
 def _node_arguments(q, context_default: str) -> None:
@@ -160,7 +167,20 @@ def _server(args) -> int:
     _logging(args.log_level, "WARNING")
     from kimi_mlx.cluster.api import run as run_api
 
-    return run_api(args, _Cluster, _tokenizers)
+    chosen: list = []
+
+    def choose(cluster) -> str:
+        chosen.append(args.parallel if args.parallel != "auto" else _recommended(cluster))
+        return chosen[-1]
+
+    code = run_api(args, _Cluster, _tokenizers, choose)
+    if chosen and chosen[-1] == "tensor":
+        # as in launch: once a ring group was joined, interpreter exit can block on the
+        # backend's threads; the group is closed (engine.stop), nothing is left to clean up
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _check_browse_time(flag: str, seconds: float) -> None:
@@ -701,13 +721,9 @@ def _launch(args) -> int:
             _err("launch", e)
             return 1
     if parallel == "tensor":
-        if inputs.speculation is not None:
-            _err("launch", "speculative decoding (--draft-model / --draft) with --parallel "
-                           "tensor is not supported yet; use --parallel pipeline")
-            return 2
         from kimi_mlx.cluster.tensor_launch import launch_tensor
 
-        code = launch_tensor(args, cluster, inputs.ids, inputs.wrapper)
+        code = launch_tensor(args, cluster, inputs.ids, inputs.wrapper, inputs.speculation)
         # Once a ring group was joined, interpreter exit can block on the backend's
         # threads (seen once in tests after the last token); nothing is left to clean up.
         sys.stdout.flush()

@@ -583,7 +583,8 @@ class StageService(pb_grpc.StageServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         rank = RankProcess(path, request.rank, request.size, request.backend, request.hosts,
                            self.node_id)
-        context.add_callback(rank.kill)
+        context.add_callback(lambda: rank.kill("the head's lease ended: stream cancelled or "
+                                               "its connection lost"))
         log.info("tensor rank %d of %d (%s) for head %s: started, pid %d", request.rank,
                  request.size, request.backend, request.head, rank.proc.pid)
         try:
@@ -594,6 +595,8 @@ class StageService(pb_grpc.StageServicer):
                 if why == "finished":  # after rank 0's last request: the group is done
                     yield self._event(pb.Event.CLOSED)
                     return
+                if why is not None and rank.killed_by_node is not None:
+                    return  # the lease ended first (this node killed it): nobody to tell
                 if why is not None:
                     msg = f"rank {request.rank} on node {self.node_id} {why}"
                     log.warning("%s", msg)
@@ -604,8 +607,9 @@ class StageService(pb_grpc.StageServicer):
                     yield self._event(pb.Event.HEARTBEAT)
                 time.sleep(0.2)
         finally:
-            rank.kill()
-            log.info("tensor rank %d: ended", request.rank)
+            rank.kill("its StartRank stream ended")
+            log.info("tensor rank %d: ended (%s)", request.rank,
+                     rank.state() or "still running")
 
     def Reset(self, request, context):
         """Free sessions by id or by head; replies how many were freed and are left."""

@@ -10,12 +10,11 @@ runs the rank as a child process (`python -m kimi_mlx.cluster.tensor`, started b
 `StartRank` RPC with MLX_RANK / MLX_HOSTFILE set), which loads its slices of the
 checkpoint the node finds by fingerprint in its own models folder.
 
-Every rank runs the same generate loop (mlx-lm's `generate_step` on the sharded model),
-so every rank issues the same collectives in the same order. Rank 0 sends each request
-(prompt ids, max tokens, stop ids) and each token it samples with `broadcast`, an
-all_sum to which only rank 0 contributes; the other ranks compute the same logits (every
-rank gets the same all_sum results), take rank 0's token and stop where rank 0 stops.
-A request of zero prompt tokens ends the followers (exit 0).
+Rank 0 runs the request loop (mlx-lm's `generate_step`, or a speculative loop with the
+draft on rank 0) over a stand-in model that sends every forward pass to the other ranks
+as a command (`cluster.tensor_step`): they run the same passes on their shards in the
+same order, and only rank 0 decides anything. An EXIT command ends the followers
+(exit 0).
 
 Host list: rank 0 listens on a free port of the head's address towards the first node;
 node ranks on the node's serve port + `RANK_PORT_OFFSET`. Backend: `ring` (TCP); JACCL
@@ -114,56 +113,16 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-# -- the collective request path -----------------------------------------------------------
-
-def broadcast(x: mx.array, group) -> mx.array:
-    """Rank 0's `x` on every rank (all_sum of x on rank 0 and zeros elsewhere; int32/float)."""
-    return mx.distributed.all_sum(x if group.rank() == 0 else mx.zeros_like(x), group=group)
-
-
-def exchange_request(group, prompt: Sequence[int] = (), max_tokens: int = 0,
-                     stop: Sequence[int] = ()) -> Tuple[List[int], int, List[int]]:
-    """Send (rank 0) or receive (others) one request: (prompt ids, max tokens, stop ids).
-    Two broadcasts: the lengths [3] int32, then the ids. An empty prompt means "exit"."""
-    head = broadcast(mx.array([len(prompt), max_tokens, len(stop)], mx.int32), group).tolist()
-    n, m, s = head
-    ids = broadcast(mx.array(list(prompt) + list(stop) if group.rank() == 0 else [0] * (n + s),
-                             mx.int32), group).tolist() if n + s else []
-    return ids[:n], m, ids[n:]
-
-
-def group_generate_step(model, group, prompt: Sequence[int], max_tokens: int, sampler=None,
-                        prefill_step: int = 2048):
-    """mlx-lm's `generate_step` on a sharded model, every rank taking rank 0's token.
-
-    Yields (token int, logprobs [vocab]) as `generate_step` does. `sampler` (mlx-lm's,
-    on logprobs [1, vocab] -> [1]) is used on rank 0 only; greedy when None.
-    """
-    from mlx_lm.generate import generate_step
-
-    pick = sampler or (lambda lp: mx.argmax(lp, axis=-1))
-
-    def shared(lp):
-        tok = pick(lp).astype(mx.int32) if group.rank() == 0 else mx.zeros((lp.shape[0],), mx.int32)
-        return mx.distributed.all_sum(tok, group=group)
-
-    yield from generate_step(mx.array(list(prompt)), model, max_tokens=max_tokens,
-                             sampler=shared, prefill_step_size=prefill_step)
-
-
-def follow(model, group) -> int:
-    """The loop of ranks 1..N-1: take requests from rank 0 and run them until an empty
-    one; returns how many ran."""
-    done = 0
-    while True:
-        prompt, max_tokens, stop = exchange_request(group)
-        if not prompt:
-            return done
-        stop = set(stop)
-        for tok, _ in group_generate_step(model, group, prompt, max_tokens):
-            if tok in stop:
-                break
-        done += 1
+def _remove_group_files() -> None:
+    """Remove the host / device file the node wrote for this rank (MLX has read it in
+    `init`), so none is left in the temp folder when the node itself is killed later."""
+    for var in ("MLX_HOSTFILE", "MLX_IBV_DEVICES"):
+        path = os.environ.get(var, "")
+        if os.path.basename(path).startswith(("kimi-mlx-hosts-", "kimi-mlx-ibv-")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 def rank_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -177,13 +136,16 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
     who = f"rank {os.environ.get('MLX_RANK', '?')}" + (f" on node {a.name}" if a.name else "")
     from kimi_mlx.checkpoint.ranged import load_sharded
 
+    from kimi_mlx.cluster.tensor_step import follow_commands
+
     try:
         group = mx.distributed.init(backend=a.backend, strict=True)
+        _remove_group_files()
         print(f"[tensor] {who}: joined a {a.backend} group of {group.size()}", file=sys.stderr,
               flush=True)
         model, _ = load_sharded(a.model, group)
         print(f"[tensor] {who}: loaded its slices of {a.model}", file=sys.stderr, flush=True)
-        n = follow(model, group)
+        n = follow_commands(model, group)
     except Exception as e:  # a lost peer, a bad checkpoint: say who, exit non-zero
         print(f"[tensor] {who}: {e}", file=sys.stderr, flush=True)
         return 1
@@ -224,7 +186,13 @@ def check_rank_request(r, node_id: str) -> None:
 
 class RankProcess:
     """One rank process on a node, started with its host file; `state()` says whether it
-    still runs; `kill()` ends it (always call it)."""
+    still runs; `kill(why)` ends it (always call it; safe from several threads).
+
+    A SIGKILL this node did not send (it sends one only from `kill`, when the head's lease
+    ends) is reported as such, with the rank's peak resident memory and the memory the
+    machine had left: the signature of the kernel's OOM killer (see `dmesg`), or of another
+    process's kill by pid.
+    """
 
     def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str):
         self.rank, self.node_id = rank, node_id
@@ -242,6 +210,9 @@ class RankProcess:
             [sys.executable, "-m", "kimi_mlx.cluster.tensor", "--model", str(model_path),
              "--backend", backend, "--name", node_id], env=env, stdin=subprocess.DEVNULL)
         self._stopped_seen = 0
+        self._lock = threading.Lock()
+        self.killed_by_node: Optional[str] = None  # why this node killed it, once it did
+        self.peak_rss = 0  # bytes (Linux VmHWM), sampled by state()
 
     def state(self) -> Optional[str]:
         """None while it runs; else what happened ("exited with status 1", "was killed by
@@ -249,21 +220,57 @@ class RankProcess:
         code = self.proc.poll()
         if code is not None:
             if code < 0:
-                return f"was killed by {signal.Signals(-code).name}"
+                why = f"was killed by {signal.Signals(-code).name}"
+                if -code == signal.SIGKILL and self.killed_by_node is None:
+                    why += (f" (not sent by its node; peak resident memory "
+                            f"{self.peak_rss / 2**20:.0f} MiB, {_mem_available()} available "
+                            "now: the kernel's OOM killer, see dmesg, or another process)")
+                return why
             return "finished" if code == 0 else f"exited with status {code}"
+        self.peak_rss = max(self.peak_rss, _peak_rss(self.proc.pid))
         self._stopped_seen = self._stopped_seen + 1 if process_stopped(self.proc.pid) else 0
         if self._stopped_seen >= 2:  # seen twice in a row, not a passing state
             return "is stopped (SIGSTOP): it blocks the group's collectives"
         return None
 
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        try:
-            os.unlink(self.hostfile)
-        except OSError:
-            pass
+    def kill(self, why: str = "its lease ended") -> None:
+        """SIGKILL the rank (if it still runs), reap it, remove its host file. The lock
+        keeps two callers (the lease's end callback and the RPC's own exit) from both
+        signalling: the second would signal a reaped pid, which may be another process."""
+        with self._lock:
+            if self.proc.poll() is None:
+                self.killed_by_node = why
+                log.info("rank %d on node %s: killing it (%s)", self.rank, self.node_id, why)
+                self.proc.kill()
+                self.proc.wait()
+            try:
+                os.unlink(self.hostfile)
+            except OSError:
+                pass
+
+
+def _peak_rss(pid: int) -> int:
+    """Peak resident bytes of `pid` (Linux /proc VmHWM; 0 elsewhere or when unreadable)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _mem_available() -> str:
+    """The machine's MemAvailable as text ("? MiB" when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return f"{int(line.split()[1]) // 1024} MiB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return "? MiB"
 
 
 # -- head side: the group's watch -------------------------------------------------------------
@@ -287,6 +294,8 @@ class TensorGroup:
         self.names: List[str] = []
         self.finished: set = set()  # nodes whose rank exited 0 (after the last request)
         self._lock = threading.Lock()
+        self._reported = threading.Event()  # the failure was printed
+        self.stubs: Dict[str, object] = {}  # node name -> its control-plane stub (probes)
 
     def start(self, stubs: Sequence[Tuple[str, object]], requests: Sequence) -> "TensorGroup":
         from kimi_mlx.cluster import stage_pb2 as pb
@@ -297,9 +306,10 @@ class TensorGroup:
         for k, ((name, stub), req) in enumerate(zip(stubs, requests)):
             call = stub.StartRank(req)
             self.calls.append(call)
+            self.stubs[name] = stub
             threading.Thread(target=self._watch, args=(name, call, started[k], refused),
                              daemon=True).start()
-        deadline = time.monotonic() + self.peer_timeout + 5
+        deadline = time.monotonic() + max(self.peer_timeout + 5, 30.0)  # a loaded node starts slowly
         for ev in started:
             ev.wait(max(0.0, deadline - time.monotonic()))
         if refused or not all(e.is_set() for e in started):
@@ -345,25 +355,58 @@ class TensorGroup:
                 self.fail(why)
 
     def _heartbeats(self, name: str, last: List[float]) -> None:
+        """Fail the group when node `name` is silent for `peer_timeout` s AND does not
+        answer a Health call within `peer_timeout` s more.
+
+        The probe is what keeps a loaded machine from tearing down a healthy group: on a
+        machine at load 10+ a node's 1 s heartbeats (or this head's reading of them) were
+        seen to stall for over 5 s while the node and its rank were fine (the rank was
+        then killed when this head cancelled its lease). A rank that dies or is stopped
+        does not depend on this: its node reports it by an ERROR event within ~0.5 s. A
+        node that is really gone fails the probe (connection refused at once, or silence):
+        detected within 2 x peer_timeout."""
+        from kimi_mlx.cluster import stage_pb2 as pb
+
         while not self.closing:
             time.sleep(0.2)
-            if time.monotonic() - last[0] > self.peer_timeout and not self.closing:
-                self.fail(f"node {name} stopped answering (no heartbeat in "
-                          f"{self.peer_timeout:g} s)")
+            silent = time.monotonic() - last[0]
+            if silent <= self.peer_timeout or self.closing:
+                continue
+            stub = self.stubs.get(name)
+            try:
+                if stub is None:
+                    raise RuntimeError("no stub to ask")
+                stub.Health(pb.HealthRequest(), timeout=self.peer_timeout)
+            except Exception as e:  # grpc.RpcError, or anything the probe raised
+                if not self.closing:
+                    why = e.details() if hasattr(e, "details") else e
+                    self.fail(f"node {name} stopped answering (no heartbeat in {silent:.1f} s, "
+                              f"and its Health call failed: {why})")
                 return
+            log.warning("node %s: no heartbeat for %.1f s but it answers Health (a loaded "
+                        "machine?); the group carries on", name, silent)
+            last[0] = time.monotonic()
 
     def fail(self, reason: str) -> None:
-        """Tear the group down: cancel every rank's lease, say why, end this process."""
+        """Tear the group down: cancel every rank's lease, say why, end this process
+        (`exit`). A second caller (e.g. rank 0's thread, whose collective raised because
+        the watch's teardown killed a peer) waits until the first has said why, so that
+        its own exit cannot cut the message off."""
         with self._lock:
-            if self.failed is not None or self.closing:
-                return
-            self.failed = reason
-        self.close()
+            first = self.failed is None and not self.closing
+            if first:
+                self.failed = reason
+        if not first:
+            if self.failed is not None:
+                self._reported.wait(10)
+            return
         try:
             sys.stdout.flush()  # the text streamed so far (os._exit flushes nothing)
         except (OSError, ValueError):
             pass
         print(f"\n[cluster] tensor group torn down: {reason}", file=sys.stderr, flush=True)
+        self._reported.set()
+        self.close()
         self.exit(1)
 
     def finish(self, timeout: float = 5.0) -> None:

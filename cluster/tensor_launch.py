@@ -14,29 +14,25 @@ import mlx.core as mx
 
 from kimi_mlx.cluster import jaccl
 from kimi_mlx.cluster.tensor import (RANK_PORT_OFFSET, TensorGroup, TensorSetupError,
-                                     available_backends, choose_backend, exchange_request,
-                                     free_port, group_generate_step, hosts_json,
+                                     available_backends, choose_backend, free_port, hosts_json,
                                      local_address_towards)
 # -- head side: `cluster launch --parallel tensor` ---------------------------------------------
 
-def launch_tensor(args, cluster, ids: List[int], wrapper) -> int:
-    """Form the group (this head rank 0, the accepted nodes ranks 1..N), load this head's
-    slices, generate `ids`' continuation and print it as `kimi-mlx generate` does.
+def form_group(args, cluster, watch: TensorGroup):
+    """Form the group (this head rank 0, the accepted nodes ranks 1..N, each started by its
+    node's `StartRank` under `watch`) and load this head's slices.
 
-    `cluster`: cluster.cli's `_Cluster` (nodes, checkpoint, secret). Returns the exit
-    status; a rank lost mid-generation ends the process through `TensorGroup.fail`.
+    `cluster`: cluster.cli's `_Cluster` (nodes, checkpoint, secret). Returns (transport,
+    group, model); raises TensorSetupError (naming the node), RuntimeError, ValueError or
+    OSError after closing what it opened.
     """
     from kimi_mlx.checkpoint.ranged import load_sharded
     from kimi_mlx.cluster import stage_pb2 as pb
-    from kimi_mlx.cluster.head import stream_generate
     from kimi_mlx.cluster.transport import GrpcTransport
     from kimi_mlx.cluster.wire import package_versions
-    from kimi_mlx.generation.generate import print_generation
-    from mlx_lm.sample_utils import make_sampler
 
     transport = GrpcTransport(cluster.secret, args.secret_file if args.tls else None,
                               peer_timeout=args.peer_timeout)
-    watch = TensorGroup(args.peer_timeout)
     try:
         accepted = cluster.accepted(transport)
         mine = package_versions()[1]
@@ -80,9 +76,31 @@ def launch_tensor(args, cluster, ids: List[int], wrapper) -> int:
         finally:
             os.unlink(hostfile)
         model, _ = load_sharded(cluster.model_dir, group)
-    except (TensorSetupError, RuntimeError, ValueError, OSError) as e:
+    except BaseException:
         watch.close()
         transport.shutdown()
+        raise
+    return transport, group, model
+
+
+def launch_tensor(args, cluster, ids: List[int], wrapper, speculation=None) -> int:
+    """`cluster launch --parallel tensor`: form the group (`form_group`), generate `ids`'
+    continuation on rank 0 (plain, or speculatively with `speculation`'s draft on this
+    head: `cluster.tensor_step`) and print it as `kimi-mlx generate` does.
+
+    Returns the exit status; a rank lost mid-generation ends the process through
+    `TensorGroup.fail`.
+    """
+    from kimi_mlx.cluster.head import stream_generate
+    from kimi_mlx.cluster.tensor_step import (OP_EXIT, command, group_stream, plain_run,
+                                              speculative_run)
+    from kimi_mlx.generation.generate import print_generation
+    from mlx_lm.sample_utils import make_sampler
+
+    watch = TensorGroup(args.peer_timeout)
+    try:
+        transport, group, model = form_group(args, cluster, watch)
+    except (TensorSetupError, RuntimeError, ValueError, OSError) as e:
         print(f"kimi-mlx cluster launch: error: {e}", file=sys.stderr)
         return 1
     if args.seed is not None:
@@ -90,15 +108,22 @@ def launch_tensor(args, cluster, ids: List[int], wrapper) -> int:
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
 
     def tokens():
-        for tok, lp in group_generate_step(model, group, ids, args.max_tokens, sampler):
+        if speculation is not None:
+            yield from group_stream(model, group, ids, speculative_run(
+                ids, speculation.draft, max_tokens=args.max_tokens, **speculation.kwargs()),
+                record=True)
+            return
+        for tok, lp in group_stream(model, group, ids,
+                                    plain_run(ids, args.max_tokens, sampler)):
             yield tok, lp, False
 
     try:
-        exchange_request(group, ids, args.max_tokens, sorted(wrapper.eos_token_ids))
         code = print_generation(args, stream_generate(tokens(), wrapper, len(ids), args.max_tokens,
                                                       mx.get_peak_memory))
-        exchange_request(group)  # an empty request: the other ranks exit
+        command(group, OP_EXIT)  # the other ranks exit
         watch.finish()
+        if speculation is not None and args.verbose:
+            print(speculation.summary())
     except RuntimeError as e:  # a peer lost: its node names it through the watch
         deadline = time.monotonic() + args.peer_timeout + 2
         while watch.failed is None and time.monotonic() < deadline:

@@ -1,0 +1,278 @@
+"""`kimi-mlx cluster server --parallel tensor`: the OpenAI + Anthropic API over one
+tensor-parallel group (issue 21).
+
+This head is rank 0 and runs the request path (tokenizer, sampling, logits processors,
+stop rules, streaming); the nodes' ranks are started through their control plane
+(`StartRank`, `tensor_launch.form_group`) and follow rank 0's commands
+(`cluster.tensor_step`). `TensorEngine` has the server engine's interface (`submit`,
+`queue_length`, `active`, `health`, `stages`).
+
+One request at a time: the group runs one sequence (no batching through it); further
+requests queue (up to --max-queue, then 503 + Retry-After as every engine). With a draft
+(`--draft-model`, `--draft ngram`) each request decodes speculatively, the draft on this
+head (requests with penalties or logit_bias decode plainly, as in one process).
+
+Faults: `TensorGroup` watches every node's rank. A rank that exits, is killed or stopped
+(SIGSTOP), or a node that stops answering: /health answers 503 naming the rank and node
+(within the node's poll, ~0.5 s, or --peer-timeout), the request in flight fails with
+that message (also when rank 0 is blocked in a collective: the failure is sent from the
+watch), queued ones fail too, every node kills its rank (lease cancelled) and this head
+drops its shard. The server keeps answering (503) until restarted.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Optional, Sequence
+
+log = logging.getLogger("kimi_mlx.cluster.tensor_server")
+
+
+class TensorEngine:
+    """Runs server `Job`s through a tensor-parallel group, one at a time (module doc).
+
+    Args:
+        group / model: the MLX group (this process rank 0) and rank 0's shard.
+        watch: the `TensorGroup` holding the nodes' leases (its `exit` is set here).
+        transport: the control plane (shut down by `stop`).
+        eos_ids: ids that end a reply. max_queue: waiting requests before 503.
+        metrics: the server's `Metrics` or None. speculation: a `Speculation` or None.
+        ranks: [(rank, node name)] of the node ranks, for /health.
+    """
+
+    supports_logits_processors = True  # applied on rank 0, which samples
+    unsupported_penalties = ()
+
+    def __init__(self, group, model, watch, transport, eos_ids: Sequence[int],
+                 max_queue: int = 64, metrics=None, speculation=None, ranks=()):
+        self.group, self.model, self.watch, self.transport = group, model, watch, transport
+        self.eos_ids = set(eos_ids)
+        self.max_queue, self.metrics, self.speculation = max_queue, metrics, speculation
+        self.ranks = list(ranks)
+        self.max_concurrency = 1
+        self.lost: Optional[str] = None
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._active = 0
+        self._current = None  # the job in flight
+        self._failed: set = set()  # ids of jobs failed by the watch
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._worker, name="kimi-mlx-tensor-rank0",
+                                        daemon=True)
+        watch.exit = lambda code: self.group_lost(watch.failed or "the tensor group failed")
+
+    def start(self) -> "TensorEngine":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the group: EXIT to the other ranks (when it is whole), close the leases."""
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        self.watch.close()
+        self.transport.shutdown()
+
+    @property
+    def queue_length(self) -> int:
+        return self._jobs.qsize()
+
+    @property
+    def active(self) -> int:
+        return self._active
+
+    def health(self) -> Optional[str]:
+        return self.lost
+
+    def images_unsupported(self) -> Optional[str]:
+        """Why a request with images is refused (the API answers 400 with it)."""
+        return ("images do not work with --parallel tensor yet (the group runs text only); "
+                "use --parallel pipeline")
+
+    def stages(self) -> list:
+        """The group's ranks for /health: [{"rank", "node", "ok", "reason"}]."""
+        out = [{"rank": 0, "node": "this head", "ok": self.lost is None, "reason": None}]
+        for rank, node in self.ranks:
+            bad = self.lost if self.lost and f"node {node}" in self.lost else None
+            out.append({"rank": rank, "node": node, "ok": self.lost is None, "reason": bad})
+        return out
+
+    def submit(self, job):
+        from kimi_mlx.server.jobs import Busy, enqueue
+
+        if self.lost:
+            raise Busy(f"the tensor group is down ({self.lost})")
+        return enqueue(self._jobs, job, self.max_queue, 1, self._active)
+
+    def group_lost(self, reason: str) -> None:
+        """The watch's end of the group (a rank lost / stopped, a node silent): say so on
+        /health, fail the request in flight and the queued ones; the leases are already
+        cancelled (the nodes kill their ranks)."""
+        from kimi_mlx.server.jobs import Failed
+
+        with self._lock:
+            if self.lost is not None:
+                return
+            self.lost = f"tensor group lost: {reason}"
+            job = self._current
+            if job is not None:
+                self._failed.add(id(job))
+        log.error("%s", self.lost)
+        if job is not None:
+            job.emit(Failed(f"generation failed: {self.lost}"))
+        self._drain()
+
+    def _drain(self) -> None:
+        from kimi_mlx.server.jobs import Failed
+
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if job is None:
+                self._jobs.put(None)
+                return
+            job.emit(Failed(f"generation failed: {self.lost}"))
+
+    def _worker(self) -> None:
+        from kimi_mlx.server.jobs import run_mlx_thread
+
+        run_mlx_thread(self._serve)
+
+    def _serve(self) -> None:
+        import mlx.core as mx
+
+        from kimi_mlx.server.jobs import Failed, reseed_random
+
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                break
+            if self.lost:
+                job.emit(Failed(f"generation failed: {self.lost}"))
+                continue
+            with self._lock:
+                self._current, self._active = job, 1
+            try:
+                self._run(job)
+            except Exception as e:  # noqa: BLE001 - the error goes to this request only
+                if isinstance(e, RuntimeError) and self.lost is None:
+                    # a collective failed: a peer is gone; its node names it through the watch
+                    deadline = time.monotonic() + self.watch.peer_timeout + 2
+                    while self.lost is None and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    if self.lost is None:
+                        self.watch.fail(f"rank 0 (this head): {e}")
+                with self._lock:
+                    failed = id(job) in self._failed
+                if not failed:
+                    log.exception("tensor-parallel generation failed")
+                    job.emit(Failed(f"generation failed: {self.lost or f'{type(e).__name__}: {e}'}"))
+                reseed_random()
+            finally:
+                with self._lock:
+                    self._current, self._active = None, 0
+            if self.lost:
+                self.model = None  # this head's shard: freed with the group
+                mx.clear_cache()
+        if self.lost is None:
+            from kimi_mlx.cluster.tensor_step import OP_EXIT, command
+
+            try:
+                command(self.group, OP_EXIT)
+                self.watch.finish()
+            except RuntimeError as e:
+                log.warning("ending the tensor group: %s", e)
+
+    def _generate(self, job):
+        """(token, logprobs [vocab]) of `job` through the group."""
+        import mlx.core as mx
+
+        from kimi_mlx.cluster.tensor_step import group_stream, plain_run, speculative_run
+
+        p = job.sampling
+        if self.speculation is not None and not job.logits_processors:
+            from kimi_mlx.speculative.loop import Sampling
+
+            spec = self.speculation
+            if p.seed is not None:
+                mx.random.seed(p.seed)
+            st = spec.stats
+            before = (st.steps, st.drafted, st.accepted)
+            gen = group_stream(self.model, self.group, job.ids, speculative_run(
+                job.ids, spec.draft, num_draft_tokens=spec.num_draft_tokens,
+                max_tokens=job.max_tokens, sampling=Sampling(p.temp, p.top_p, p.min_p, p.top_k),
+                stats=st), record=True)
+            try:
+                for tok, lp, _ in gen:
+                    yield tok, lp
+            finally:
+                gen.close()
+                if self.metrics is not None:
+                    self.metrics.speculated(st.steps - before[0], st.drafted - before[1],
+                                            st.accepted - before[2])
+            return
+        gen = group_stream(self.model, self.group, job.ids, plain_run(
+            job.ids, job.max_tokens, p.sampler(), job.logits_processors))
+        try:
+            yield from gen
+        finally:
+            gen.close()
+
+    def _run(self, job) -> None:
+        from kimi_mlx.server.jobs import Finished, Started, TokenOut, top_logprobs
+
+        if job.cancelled.is_set():
+            job.emit(Finished("cancelled", len(job.ids)))
+            if self.metrics is not None:
+                self.metrics.finished_requests.labels("cancelled").inc()
+            return
+        tic = time.perf_counter()
+        job.emit(Started(0))
+        gen = self._generate(job)
+        reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
+        try:
+            for tok, lp in gen:
+                if n == 0:
+                    t_gen = time.perf_counter()
+                    prompt_tps = len(job.ids) / max(t_gen - tic, 1e-9)
+                if job.cancelled.is_set():
+                    reason = "cancelled"
+                    break
+                if tok in self.eos_ids:
+                    reason = "stop"
+                    break
+                n += 1
+                if job.logprobs is not None:
+                    chosen, top = top_logprobs(lp, tok, job.logprobs)
+                    job.emit(TokenOut(tok, chosen, top))
+                else:
+                    job.emit(TokenOut(tok))
+        finally:
+            gen.close()  # END on every rank
+        dt = time.perf_counter() - t_gen
+        done = Finished(reason, len(job.ids), 0, n, prompt_tps, n / dt if dt > 0 else 0.0)
+        if self.metrics is not None:
+            self.metrics.finished(done)
+        job.emit(done)
+
+
+def start_tensor_engine(args, cluster, eos_ids, metrics, speculation) -> TensorEngine:
+    """Form the group (`tensor_launch.form_group`: this head rank 0, the nodes' ranks
+    started through `StartRank`) and start a `TensorEngine` on it. Raises what
+    `form_group` raises (the server then ends, naming it)."""
+    from kimi_mlx.cluster.tensor import TensorGroup
+    from kimi_mlx.cluster.tensor_launch import form_group
+
+    watch = TensorGroup(args.peer_timeout, exit=lambda code: None)
+    transport, group, model = form_group(args, cluster, watch)
+    ranks = [(i + 1, name) for i, name in enumerate(watch.names)]
+    if args.max_concurrency != 1:
+        log.warning("--parallel tensor serves one request at a time (the group runs one "
+                    "sequence); others queue")
+    log.warning("serving through a tensor-parallel group of %d: rank 0 this head, %s",
+                group.size(), ", ".join(f"rank {r} node {n}" for r, n in ranks))
+    return TensorEngine(group, model, watch, transport, eos_ids, args.max_queue, metrics,
+                        speculation, ranks).start()

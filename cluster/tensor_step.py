@@ -1,0 +1,269 @@
+"""Rank 0 drives, the other ranks follow: every forward pass of a tensor-parallel group as
+a command from rank 0 (issue 21).
+
+Rank 0 runs the whole request path (mlx-lm's `generate_step`, the speculative loops of
+`kimi_mlx.speculative`, sampling, stop rules, cancellation) over `GroupTarget`, a
+stand-in model: each call broadcasts one command, [op, T, keep, flags, up to `INLINE`
+token ids] int32 (an all_sum to which only rank 0 contributes; longer inputs, i.e.
+prefill chunks, follow in a second broadcast), then runs the sharded model on its own
+caches like every other rank (`follow_commands`). So the ranks issue the same collectives
+in the same order whatever rank 0 decides, and only rank 0 decides: a request stopped
+early (EOS, stop string, client gone) ends with an END command, never with ranks waiting
+in different collectives.
+
+Speculative decoding (the draft on rank 0 only): post-prefill forward passes are verify
+steps on every rank (`kimi_mlx.speculative.rollback.begin_verify` before the pass). The
+loop's own rollback trims the stand-in cache (as `cluster.speculative.PipelineTarget`
+does for the pipeline); how many positions of the step it keeps rides on the next
+command (`keep`), and every rank then rolls its real caches back exactly (KDA states
+replayed from the recorded inputs, DSA caches trimmed: `rollback` + `end_verify`), in
+lockstep. Greedy output is therefore the plain output token for token; `--draft ngram`
+(its own loop, `NgramDraft.generate_step`) runs over the same stand-in.
+
+Cost: one small extra all_sum per forward pass (the command); the token sampled by rank
+0 travels in the next command instead of an all_sum of its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
+
+OP_EXIT, OP_BEGIN, OP_FORWARD, OP_END = 0, 1, 2, 3
+RECORD, LOGITS = 1, 2  # flags: record for rollback (a verify step), compute the logits
+INLINE = 12  # token ids carried in the command itself
+HEADER = 4
+
+
+def broadcast(x: mx.array, group) -> mx.array:
+    """Rank 0's `x` on every rank (all_sum of x on rank 0 and zeros elsewhere; int32)."""
+    return mx.distributed.all_sum(x if group.rank() == 0 else mx.zeros_like(x), group=group)
+
+
+def command(group, op: int = OP_EXIT, tokens: Sequence[int] = (), keep: int = -1,
+            flags: int = 0):
+    """Send (rank 0) or receive (others) one command: returns (op, token ids, keep, flags)."""
+    tokens = [int(t) for t in tokens]
+    T = len(tokens)
+    buf = [op, T, keep, flags] + tokens[:INLINE] + [0] * (INLINE - min(T, INLINE))
+    got = broadcast(mx.array(buf, mx.int32), group).tolist()
+    op, T, keep, flags = got[:HEADER]
+    ids = got[HEADER:HEADER + min(T, INLINE)]
+    if T > INLINE:
+        rest = tokens[INLINE:] if group.rank() == 0 else [0] * (T - INLINE)
+        ids += broadcast(mx.array(rest, mx.int32), group).tolist()
+    return op, ids, keep, flags
+
+
+class _Runner:
+    """One rank's caches for the request in flight and its pending verify step."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache: Optional[List[Any]] = None
+        self.verify = None
+
+    def begin(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        self.cache, self.verify = make_prompt_cache(self.model), None
+
+    def settle(self, keep: int) -> None:
+        """Roll the pending verify step back to its first `keep` positions (-1: none pending)."""
+        from kimi_mlx.speculative.rollback import end_verify, rollback
+
+        if self.verify is not None:
+            if keep >= 0:
+                rollback(self.cache, self.verify, keep)
+            end_verify(self.cache)
+            self.verify = None
+
+    def forward(self, ids: Sequence[int], keep: int, flags: int):
+        """Settle, then run `ids` through the sharded model; evaluates the caches (and the
+        logits [1, T, V] when flags has LOGITS, which it returns; else None)."""
+        from kimi_mlx.speculative.rollback import begin_verify
+
+        if self.cache is None:
+            self.begin()
+        self.settle(keep)
+        if flags & RECORD:
+            self.verify = begin_verify(self.cache)
+        out = self.model(mx.array(list(ids), mx.uint32)[None], cache=self.cache)
+        if flags & LOGITS:
+            mx.eval(out, [c.state for c in self.cache])
+            return out
+        mx.eval([c.state for c in self.cache])
+        return None
+
+    def end(self, keep: int) -> None:
+        self.settle(keep)
+        self.cache = None
+
+
+def follow_commands(model, group) -> int:
+    """The loop of ranks 1..N-1: run rank 0's commands until EXIT; returns the number of
+    requests (BEGIN .. END) run."""
+    runner, done = _Runner(model), 0
+    while True:
+        op, ids, keep, flags = command(group)
+        if op == OP_EXIT:
+            return done
+        if op == OP_BEGIN:
+            runner.begin()
+        elif op == OP_FORWARD:
+            runner.forward(ids, keep, flags)
+        elif op == OP_END:
+            runner.end(keep)
+            done += 1
+        else:
+            raise RuntimeError(f"unknown command {op} from rank 0 (another kimi-mlx version?)")
+
+
+class _GroupCache:
+    """The group's caches as rank 0's loop sees them: one trimmable KV-like cache whose
+    offset is the request's position (as `cluster.speculative._PipelineCache`)."""
+
+    def __init__(self, target: "GroupTarget"):
+        self.target = target
+
+    @property
+    def offset(self) -> int:
+        return self.target.offset
+
+    @property
+    def state(self) -> List[mx.array]:
+        return []  # evaluated by the target itself
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        return self.target.trim(n)
+
+
+class GroupTarget:
+    """Rank 0's stand-in model for one request: called like a model on ids [1, T], it
+    commands the group's forward pass and runs its own share (see the module doc).
+
+    Calls before `n_prefill` positions are prefill (caches only; returns None in place of
+    logits, which the loops ignore there); later calls return logits [1, T, vocab] and,
+    with `record`, are verify steps that the loop may trim (`trim`, as a KV cache).
+    `end()` (always call it) sends END with the pending keep; after a failed collective
+    (`broken`) it sends nothing.
+
+    Args:
+        model: rank 0's sharded model. group: the MLX group (this process rank 0).
+        n_prefill: prompt tokens that are prefill (len(prompt) - 1).
+        record: verify steps with rollback (speculative decoding); False for plain decoding.
+    """
+
+    def __init__(self, model, group, n_prefill: int, record: bool = False):
+        self.model, self.group, self.n_prefill, self.record = model, group, n_prefill, record
+        self.args = getattr(model, "args", None)  # vocab_size for the speculative loops
+        self.layers = [None]  # one stand-in cache (mlx-lm's target/draft cache split)
+        self.offset = 0
+        self.broken = False
+        self._pending: Optional[int] = None  # start of the last step, while trimmable
+        self._runner = _Runner(model)
+        self._send(OP_BEGIN)
+        self._runner.begin()
+
+    def make_cache(self) -> List[Any]:
+        return [_GroupCache(self)]
+
+    def _send(self, op, tokens=(), keep=-1, flags=0):
+        try:
+            return command(self.group, op, tokens, keep, flags)
+        except BaseException:
+            self.broken = True
+            raise
+
+    def _keep(self) -> int:
+        if self._pending is None:
+            return -1
+        keep, self._pending = self.offset - self._pending, None
+        return keep
+
+    def trim(self, n: int) -> int:
+        """Drop the last n positions of the last verify step (the next command's keep).
+        ValueError for anything else (a prefill cannot be taken back)."""
+        if n < 0 or self._pending is None or self.offset - n < self._pending:
+            raise ValueError(f"the tensor group can only drop positions of the last verify "
+                             f"step (asked to drop {n} at position {self.offset})")
+        self.offset -= n
+        return n
+
+    def __call__(self, inputs: mx.array, cache=None, **kwargs):
+        ids = [int(t) for t in inputs.reshape(-1).tolist()]
+        T = len(ids)
+        prefill = self.offset + T <= self.n_prefill
+        if not prefill and self.offset < self.n_prefill:
+            raise ValueError(f"a forward call of {T} tokens at position {self.offset} mixes "
+                             f"prompt (before {self.n_prefill}) and decode positions")
+        flags = 0 if prefill else LOGITS | (RECORD if self.record else 0)
+        keep = self._keep()
+        self._send(OP_FORWARD, ids, keep, flags)
+        try:
+            out = self._runner.forward(ids, keep, flags)
+        except BaseException:
+            self.broken = True
+            raise
+        if flags & RECORD:
+            self._pending = self.offset
+        self.offset += T
+        return out
+
+    def end(self) -> None:
+        """END the request on every rank (settling the last verify step); nothing after a
+        failed collective."""
+        if self.broken:
+            return
+        keep = self._keep()
+        self._send(OP_END, keep=keep)
+        self._runner.end(keep)
+
+
+def group_stream(model, group, prompt: Sequence[int], run, record: bool = False):
+    """Yield what `run(target)` yields (a generator over a `GroupTarget` for `prompt`),
+    ending the request on every rank when it ends, is closed, or raises."""
+    target = GroupTarget(model, group, len(prompt) - 1, record)
+    gen = run(target)
+    try:
+        yield from gen
+    finally:
+        gen.close()
+        target.end()
+
+
+def plain_run(prompt: Sequence[int], max_tokens: int, sampler=None, logits_processors=None,
+              prefill_step: int = 2048):
+    """`run` for `group_stream`: mlx-lm's `generate_step` (sampling on rank 0); yields
+    (token, logprobs [vocab])."""
+    from mlx_lm.generate import generate_step
+
+    def run(target):
+        return generate_step(mx.array(list(prompt)), target, max_tokens=max_tokens,
+                             sampler=sampler, logits_processors=logits_processors,
+                             prefill_step_size=prefill_step)
+
+    return run
+
+
+def speculative_run(prompt: Sequence[int], draft, *, num_draft_tokens: int, max_tokens: int,
+                    sampling=None, stats=None, prefill_step: int = 2048):
+    """`run` for `group_stream` (with record=True): speculative decoding with `draft` on
+    rank 0 (a draft model, or `NgramDraft` whose own loop runs); yields (token, logprobs
+    [vocab], from_draft) as `speculative_generate_step`."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kimi_mlx.speculative.loop import speculative_generate_step
+
+    def run(target):
+        step = getattr(draft, "generate_step", None) or speculative_generate_step
+        caches = target.make_cache() + make_prompt_cache(draft)
+        return step(list(prompt), target, draft, num_draft_tokens=num_draft_tokens,
+                    max_tokens=max_tokens, sampling=sampling, prompt_cache=caches,
+                    prefill_step_size=prefill_step, stats=stats)
+
+    return run

@@ -1,0 +1,158 @@
+"""`kimi-mlx cluster server --parallel tensor` on loopback: this head (rank 0, the request
+path) and one `cluster serve` node (rank 1), asked with the `openai` client.
+
+- greedy completions equal `kimi-mlx generate` in one process (the independent
+  reference), without and with a draft (micro-draft on rank 0, verify through the group);
+- two requests at once both complete (they queue: one sequence at a time);
+- a rank killed or stopped (SIGSTOP) mid-request: /health names rank and node within
+  10 s, the request fails with that message, the rank process is gone.
+Every process has a hard timeout; ports are free pairs chosen at run time.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+from kimi_mlx.testing.tensor_parallel import free_ports
+
+PROMPT = "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2"
+DRAFT = Path(__file__).resolve().parents[1] / "kimi_mlx" / "assets" / "micro-draft"
+HARD_TIMEOUT = 240
+
+
+def one_process(ckpt, max_tokens: int) -> str:
+    r = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "generate", "--model",
+                        str(ckpt), "--ignore-chat-template", "--prompt", PROMPT, "--max-tokens",
+                        str(max_tokens), "--temp", "0"], capture_output=True, text=True,
+                       timeout=HARD_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.split("=" * 10)[1]  # between print_generation's ===== lines
+    assert text.startswith("\n") and text.endswith("\n")
+    return text[1:-1]
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    grpc_port, _ = free_ports(2, consecutive=True)
+    c = LocalCluster(tmp_path_factory.mktemp("tps"), n=1, prefix="tsnode", ports=[grpc_port])
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def server(node, *extra):
+    (port,) = free_ports(1)
+    return ServerProc(node, port, "--parallel", "tensor", "--max-concurrency", "1", *extra,
+                      timeout=HARD_TIMEOUT)
+
+
+def client(srv):
+    from openai import OpenAI
+
+    return OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=HARD_TIMEOUT, max_retries=0)
+
+
+def rank_pids(node, after: int):
+    return [int(p) for p in re.findall(r"tensor rank \d+ of \d+ .*started, pid (\d+)",
+                                       node.procs[0].log_text()[after:])]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("extra", [(), ("--draft-model", str(DRAFT))], ids=["plain", "draft"])
+def test_greedy_equals_one_process(node, extra):
+    ref = one_process(node.ckpt, 20)
+    start = len(node.procs[0].log_text())
+    srv = server(node, *extra)
+    try:
+        assert "tensor-parallel group of 2" in srv.log_text()
+        c = client(srv)
+        got = c.completions.create(model="micro", prompt=PROMPT, max_tokens=20, temperature=0)
+        assert got.choices[0].text == ref
+        # two at once: both served (queued behind each other), both the greedy reply
+        out = [None, None]
+
+        def ask(i):
+            out[i] = c.completions.create(model="micro", prompt=PROMPT, max_tokens=20,
+                                          temperature=0).choices[0].text
+
+        ts = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(HARD_TIMEOUT)
+        assert out == [ref, ref]
+        pids = rank_pids(node, start)
+        assert len(pids) == 1 and alive(pids[0])
+    finally:
+        srv.stop()
+    deadline = time.monotonic() + 10
+    while alive(pids[0]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pids[0])  # the server's end ends the group
+
+
+@pytest.mark.parametrize("sig,why", [(signal.SIGKILL, "was killed by SIGKILL"),
+                                     (signal.SIGSTOP, "is stopped (SIGSTOP)")])
+def test_rank_lost_while_serving(node, sig, why):
+    start = len(node.procs[0].log_text())
+    srv = server(node)
+    try:
+        pid = rank_pids(node, start)[0]
+        c = client(srv)
+        got: list = []
+        err: list = []
+
+        def ask():
+            try:
+                stream = c.completions.create(model="micro", prompt=PROMPT, max_tokens=3000,
+                                              temperature=0, stream=True)
+                for chunk in stream:
+                    got.append(chunk.choices[0].text if chunk.choices else "")
+            except Exception as e:  # the failure the client sees
+                err.append(e)
+
+        t = threading.Thread(target=ask, daemon=True)
+        t.start()
+        deadline = time.monotonic() + HARD_TIMEOUT
+        while len(got) < 5:
+            assert time.monotonic() < deadline and t.is_alive(), (err, srv.log_text()[-3000:])
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        os.kill(pid, sig)
+        reason = srv.wait_health(503, 10)
+        detected = time.monotonic() - t0
+        print(f"{sig.name}: /health 503 after {detected:.2f} s: {reason}")
+        assert f"rank 1 on node tsnode0 {why}" in reason
+        t.join(15)
+        assert not t.is_alive()
+        assert err, "".join(got)[-500:]  # the stream ends with an error event, naming the rank
+        assert f"rank 1 on node tsnode0 {why}" in str(err[0])
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid)
+        assert srv.proc.poll() is None  # the server answers on (503)
+    finally:
+        if sig == signal.SIGSTOP:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        srv.stop()
+    assert node.procs[0].alive()
