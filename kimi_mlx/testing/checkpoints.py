@@ -584,8 +584,8 @@ def build_checkpoint(
             `num_nextn_predict_layers`; they replace the extras' stand-in MTP tensors.
         vision: a `vision_config` (e.g. `tiny_vision_config()`): write a real vision tower
             and projector for it (`random_vision(config, seed)`, official names, BF16 by
-            `dtype`) instead of the extras' stand-in vision tensors, and set
-            `media_placeholder_token_id` to the tokenizer's `<|media_pad|>`.
+            `dtype`) instead of the extras' stand-in vision tensors.
+            `media_placeholder_token_id` is the tokenizer's `<|media_pad|>` either way.
     Raises:
         FileExistsError: out_dir exists.
     """
@@ -602,8 +602,7 @@ def build_checkpoint(
     if mtp_layers:
         text["num_nextn_predict_layers"] = mtp_layers
     config = full_config(text, vision)
-    if vision is not None:
-        config["media_placeholder_token_id"] = specials["<|media_pad|>"]
+    config["media_placeholder_token_id"] = specials["<|media_pad|>"]  # as the release: its pad
     args = ModelArgs.from_config(config)
     model = model if model is not None else random_model(args, seed, conditioned)
     tensors = checkpoint_tensors(model, args, dtype)
