@@ -197,16 +197,11 @@ class ClusterEngine:
                     self._active -= 1
 
     def _run(self, job) -> None:
-        import mlx.core as mx
-
-        from kimi_mlx.server.jobs import Finished, Started, TokenOut, top_logprobs
+        from kimi_mlx.server.jobs import Started, cancelled_in_queue, stream_to_job
 
         from kimi_mlx.cluster.runner import Sampling
 
-        if job.cancelled.is_set():
-            job.emit(Finished("cancelled", len(job.ids)))
-            if self.metrics is not None:  # left while queued: nothing generated
-                self.metrics.finished_requests.labels("cancelled").inc()
+        if cancelled_in_queue(job, self.metrics):
             return
         p = job.sampling
         want_lp = job.logprobs is not None
@@ -228,36 +223,12 @@ class ClusterEngine:
             gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
                                               return_logprobs=want_lp or choose is not None,
                                               choose=choose, **extra)
-        reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
-        try:
-            for tok, lp in gen:
-                if n == 0:
-                    t_gen = time.perf_counter()
-                    prompt_tps = (len(job.ids) - start["cached"]) / max(t_gen - tic, 1e-9)
-                    # the restored prefix is known once the stages took the session (a
-                    # refused snapshot means a full prefill): Anthropic's message_start
-                    # waits for this, so its usage is the one message_delta repeats
-                    job.emit(Started(start["cached"]))
-                if job.cancelled.is_set():
-                    reason = "cancelled"
-                    break
-                if tok in self.eos_ids:
-                    reason = "stop"
-                    break
-                n += 1
-                if want_lp:
-                    chosen, top = top_logprobs(mx.array(lp), tok, job.logprobs)
-                    job.emit(TokenOut(tok, chosen, top))
-                else:
-                    job.emit(TokenOut(tok))
-        finally:
-            gen.close()  # ends the session on every stage
-        dt = time.perf_counter() - t_gen
-        done = Finished(reason, len(job.ids), start["cached"], n, prompt_tps,
-                        n / dt if dt > 0 else 0.0)
-        if self.metrics is not None:
-            self.metrics.finished(done)
-        job.emit(done)
+        # the restored prefix is known once the stages took the session (a refused
+        # snapshot means a full prefill): Anthropic's message_start waits for Started, so
+        # its usage is the one message_delta repeats; closing `gen` ends the session on
+        # every stage
+        stream_to_job(job, gen, self.eos_ids, tic, self.metrics, cached=lambda: start["cached"],
+                      on_first=lambda: job.emit(Started(start["cached"])))
 
     def _batched(self):
         b = self._batcher

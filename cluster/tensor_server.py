@@ -222,41 +222,14 @@ class TensorEngine:
             gen.close()
 
     def _run(self, job) -> None:
-        from kimi_mlx.server.jobs import Finished, Started, TokenOut, top_logprobs
+        from kimi_mlx.server.jobs import Started, cancelled_in_queue, stream_to_job
 
-        if job.cancelled.is_set():
-            job.emit(Finished("cancelled", len(job.ids)))
-            if self.metrics is not None:
-                self.metrics.finished_requests.labels("cancelled").inc()
+        if cancelled_in_queue(job, self.metrics):
             return
         tic = time.perf_counter()
         job.emit(Started(0))
         gen = self._generate(job)
-        reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
-        try:
-            for tok, lp in gen:
-                if n == 0:
-                    t_gen = time.perf_counter()
-                    prompt_tps = len(job.ids) / max(t_gen - tic, 1e-9)
-                if job.cancelled.is_set():
-                    reason = "cancelled"
-                    break
-                if tok in self.eos_ids:
-                    reason = "stop"
-                    break
-                n += 1
-                if job.logprobs is not None:
-                    chosen, top = top_logprobs(lp, tok, job.logprobs)
-                    job.emit(TokenOut(tok, chosen, top))
-                else:
-                    job.emit(TokenOut(tok))
-        finally:
-            gen.close()  # END on every rank
-        dt = time.perf_counter() - t_gen
-        done = Finished(reason, len(job.ids), 0, n, prompt_tps, n / dt if dt > 0 else 0.0)
-        if self.metrics is not None:
-            self.metrics.finished(done)
-        job.emit(done)
+        stream_to_job(job, gen, self.eos_ids, tic, self.metrics)  # closing gen: END on every rank
 
 
 def start_tensor_engine(args, cluster, eos_ids, metrics, speculation) -> TensorEngine:

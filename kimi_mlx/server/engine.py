@@ -18,8 +18,8 @@ import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.server.jobs import (Failed, Finished, Job, Started, TokenOut, enqueue, reseed_random,
-                                  run_mlx_thread, top_logprobs)
+from kimi_mlx.server.jobs import (Failed, Job, Started, cancelled_in_queue, enqueue,
+                                  reseed_random, run_mlx_thread, stream_to_job)
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -198,10 +198,7 @@ class Engine:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
-        if job.cancelled.is_set():
-            job.emit(Finished("cancelled", len(job.ids)))
-            if self.metrics is not None:  # left while queued: nothing generated
-                self.metrics.finished_requests.labels("cancelled").inc()
+        if cancelled_in_queue(job, self.metrics):
             return
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)
@@ -215,29 +212,7 @@ class Engine:
                                 sampler=job.sampling.sampler(),
                                 logits_processors=job.logits_processors,
                                 prompt_cache=self._models(cache)[0][1])
-        reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
-        for tok, lp in gen:
-            if n == 0:
-                t_gen = time.perf_counter()
-                prompt_tps = (len(job.ids) - cached) / max(t_gen - tic, 1e-9)
-            if job.cancelled.is_set():
-                reason = "cancelled"
-                break
-            if tok in self.eos_ids:
-                reason = "stop"
-                break
-            n += 1
-            if job.logprobs is not None:
-                chosen, top = top_logprobs(lp, tok, job.logprobs)
-                job.emit(TokenOut(tok, chosen, top))
-            else:
-                job.emit(TokenOut(tok))
-        gen.close()
-        dt = time.perf_counter() - t_gen
-        done = Finished(reason, len(job.ids), cached, n, prompt_tps, n / dt if dt > 0 else 0.0)
-        if self.metrics is not None:
-            self.metrics.finished(done)
-        job.emit(done)
+        stream_to_job(job, gen, self.eos_ids, tic, self.metrics, cached=lambda: cached)
 
     def _speculate(self, job: Job, cache):
         """(token, logprobs [vocab]) of `job` by speculative decoding from a prefilled

@@ -205,3 +205,64 @@ def reseed_random() -> None:
     import mlx.core as mx
 
     mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+
+
+def cancelled_in_queue(job: "Job", metrics=None) -> bool:
+    """Whether `job` was cancelled while it waited in the queue; if so it gets its
+    `Finished("cancelled")` (nothing generated) and is counted in `metrics`. The engines
+    (one process, pipeline, tensor group) call this before they start a job."""
+    if not job.cancelled.is_set():
+        return False
+    job.emit(Finished("cancelled", len(job.ids)))
+    if metrics is not None:
+        metrics.finished_requests.labels("cancelled").inc()
+    return True
+
+
+def stream_to_job(job: "Job", gen, eos_ids, tic: float, metrics=None,
+                  cached: Callable[[], int] = lambda: 0,
+                  on_first: Optional[Callable[[], None]] = None) -> "Finished":
+    """Hand `gen`'s (token id, logprobs [vocab]) to `job` as `TokenOut`s until an EOS id,
+    the client's cancel or the end of `gen` (then reason "length"); closes `gen` however
+    it ends (an engine's generator frees its session / group state there), then emits
+    and counts the `Finished` with its speeds and returns it.
+
+    Args:
+        tic: `time.perf_counter()` when the request started (prompt tokens/s runs from it
+            to the first token). cached: the prompt tokens restored from a cache, read at
+            the first token (a pipeline knows it only then). on_first: called once at the
+            first token (before it is emitted).
+    Shared by the one-at-a-time engine, the pipeline's and the tensor group's."""
+    import time
+
+    import mlx.core as mx
+
+    reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
+    try:
+        for tok, lp in gen:
+            if n == 0:
+                t_gen = time.perf_counter()
+                prompt_tps = (len(job.ids) - cached()) / max(t_gen - tic, 1e-9)
+                if on_first is not None:
+                    on_first()
+            if job.cancelled.is_set():
+                reason = "cancelled"
+                break
+            if tok in eos_ids:
+                reason = "stop"
+                break
+            n += 1
+            if job.logprobs is not None:
+                lp = lp if isinstance(lp, mx.array) else mx.array(lp)
+                chosen, top = top_logprobs(lp, tok, job.logprobs)
+                job.emit(TokenOut(tok, chosen, top))
+            else:
+                job.emit(TokenOut(tok))
+    finally:
+        gen.close()
+    dt = time.perf_counter() - t_gen
+    done = Finished(reason, len(job.ids), cached(), n, prompt_tps, n / dt if dt > 0 else 0.0)
+    if metrics is not None:
+        metrics.finished(done)
+    job.emit(done)
+    return done
