@@ -29,34 +29,12 @@ from typing import Any, Generator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from kimi_mlx.cluster.head import Pipeline
+from kimi_mlx.cluster.remote_cache import RemoteCache
 from kimi_mlx.cluster.runner import Sampling as StageSampling
 
 log = logging.getLogger("kimi_mlx.cluster.speculative")
 
 __all__ = ["PipelineTarget", "speculative_pipeline_step"]
-
-
-class _PipelineCache:
-    """The pipeline's caches as the one-process loop sees them: one trimmable KV-like
-    cache whose offset is the session's position (`kimi_mlx.speculative.rollback` snapshots it as an
-    offset and trims it after a verify step)."""
-
-    def __init__(self, target: "PipelineTarget"):
-        self.target = target
-
-    @property
-    def offset(self) -> int:
-        return self.target.offset
-
-    @property
-    def state(self) -> List[mx.array]:
-        return []  # nothing to evaluate on the head
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        return self.target.trim(n)
 
 
 class PipelineTarget:
@@ -88,7 +66,7 @@ class PipelineTarget:
         self._verify: Optional[Tuple[int, int]] = None  # (offset, length) awaiting a keep
 
     def make_cache(self) -> List[Any]:
-        return [_PipelineCache(self)]
+        return [RemoteCache(self)]
 
     def trim(self, n: int) -> int:
         """Drop the last n positions of the pending verify step (sent as the next

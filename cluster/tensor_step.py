@@ -30,6 +30,8 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
+from kimi_mlx.cluster.remote_cache import RemoteCache
+
 OP_EXIT, OP_BEGIN, OP_FORWARD, OP_END = 0, 1, 2, 3
 RECORD, LOGITS = 1, 2  # flags: record for rollback (a verify step), compute the logits
 INLINE = 12  # token ids carried in the command itself
@@ -120,28 +122,6 @@ def follow_commands(model, group) -> int:
             raise RuntimeError(f"unknown command {op} from rank 0 (another kimi-mlx version?)")
 
 
-class _GroupCache:
-    """The group's caches as rank 0's loop sees them: one trimmable KV-like cache whose
-    offset is the request's position (as `cluster.speculative._PipelineCache`)."""
-
-    def __init__(self, target: "GroupTarget"):
-        self.target = target
-
-    @property
-    def offset(self) -> int:
-        return self.target.offset
-
-    @property
-    def state(self) -> List[mx.array]:
-        return []  # evaluated by the target itself
-
-    def is_trimmable(self) -> bool:
-        return True
-
-    def trim(self, n: int) -> int:
-        return self.target.trim(n)
-
-
 class GroupTarget:
     """Rank 0's stand-in model for one request: called like a model on ids [1, T], it
     commands the group's forward pass and runs its own share (see the module doc).
@@ -170,7 +150,7 @@ class GroupTarget:
         self._runner.begin()
 
     def make_cache(self) -> List[Any]:
-        return [_GroupCache(self)]
+        return [RemoteCache(self)]
 
     def _send(self, op, tokens=(), keep=-1, flags=0):
         try:
