@@ -177,3 +177,31 @@ def read_tokens(tokenizer, path, max_tokens: Optional[int] = None) -> List[int]:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     ids = tokenizer.encode(text)
     return ids[: max_tokens + 1] if max_tokens else ids
+
+
+def read_texts(path) -> List[str]:
+    """The texts of a JSON Lines file, one `{"text": str}` object a line (blank lines
+    skipped), for `kimi-mlx eval --per-text`.
+
+    Raises:
+        FileNotFoundError: no such file (the message names the path).
+        ValueError: a line that is not JSON or has no string "text" (naming file and line).
+    """
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file" if not path.exists()
+                                else f"--data {path}: not a file")
+    texts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ValueError(f'{path}:{n}: expected an object {{"text": "..."}}')
+        texts.append(obj["text"])
+    return texts

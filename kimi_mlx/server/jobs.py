@@ -74,6 +74,11 @@ class Job:
     preprocessed images (`vision.preprocess.ProcessedImage`), in order, whose tower rows
     replace its `<|media_pad|>` embeddings; key: the prompt-cache key when it differs
     from `ids` (`server.images.cache_key`: the pads tagged with their image's digest).
+    score: None, or score the prompt's own tokens too (`/v1/completions` echo with
+    logprobs) with this many top alternatives (0..20): the engine fills `prompt_scores`
+    (one `TokenOut` per token of ids[1:], `server.scoring`) before the job's first
+    token or its Finished, and reads no prompt-cache prefix for it; then max_tokens may
+    be 0 (score only).
     """
 
     ids: List[int]
@@ -85,6 +90,8 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     images: Sequence = ()
     key: Optional[Sequence] = None
+    score: Optional[int] = None
+    prompt_scores: Optional[List["TokenOut"]] = None
 
     @property
     def cache_key(self) -> Sequence:

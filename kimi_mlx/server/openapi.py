@@ -97,8 +97,10 @@ def add_generation_routes(schema: Dict[str, Any], vocab: Optional[int] = None) -
                 if branch.get("type") == "integer":
                     branch["maximum"] = vocab - 1
         for branch in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
-            if branch.get("items", {}).get("type") == "integer":
-                branch["items"]["maximum"] = vocab - 1
+            items = branch.get("items", {})
+            items = items.get("items", items)  # a list of token-id lists
+            if items.get("type") == "integer":
+                items["maximum"] = vocab - 1
     for path, (model, ok, streams, dialect) in ROUTES.items():
         ref = lambda name: {"$ref": f"#/components/schemas/{name}"}  # noqa: E731
         content = {"application/json": {"schema": ref(ok)}}
