@@ -51,9 +51,16 @@ RESPONSES: Dict[str, Dict[str, Any]] = {
     "Completion": {"type": "object", "required": ["id", "object", "created", "model",
                                                   "choices", "usage"], "properties": {
         "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
-        "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+        # one choice per prompt (a list of prompts), in order
+        "choices": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-                "index": {"const": 0}, "text": _STR, "finish_reason": _FINISH}}},
+                "index": _INT, "text": _STR, "finish_reason": _FINISH,
+                "logprobs": {"type": ["object", "null"], "properties": {
+                    "tokens": {"type": "array", "items": _STR},
+                    # the first of an echoed prompt's tokens has no log-probability
+                    "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                    "top_logprobs": {"type": "array", "items": {"type": ["object", "null"]}},
+                    "text_offset": {"type": "array", "items": _INT}}}}}},
         "usage": _OPENAI_USAGE}},
     "Message": {"type": "object", "required": ["id", "type", "role", "model", "content",
                                                "stop_reason", "usage"], "properties": {
