@@ -120,6 +120,34 @@ def test_streamed_echo_carries_the_same_scores(server, oai):
     assert offs == whole.choices[0].logprobs.text_offset
 
 
+def test_an_end_of_turn_after_the_prompt_is_still_reported(server, oai):
+    """lm-eval reads token_logprobs[ctxlen:-1], counting on the one token generated after
+    the prompt: when that token is the end of turn (forced here by logit_bias) it is
+    still in the logprobs, with its log-probability, though not in the text."""
+    _, svc = server
+    eos = svc.tok.special_tokens["<|end_of_msg|>"]
+    ids = svc.tok.encode(TEXTS[0])
+    for stream in (False, True):
+        kw = dict(model="micro", prompt=[ids], max_tokens=1, echo=True, logprobs=1, temperature=0,
+                  logit_bias={str(eos): 100})
+        if stream:
+            chunks = list(oai.completions.create(stream=True, **kw))
+            toks = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+            lps = [x for c in chunks if c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+            text = "".join(c.choices[0].text for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            ch = oai.completions.create(**kw).choices[0]
+            toks, lps, text, finish = ch.logprobs.tokens, ch.logprobs.token_logprobs, ch.text, ch.finish_reason
+        assert finish == "stop" and text == TEXTS[0]
+        assert len(toks) == len(ids) + 1 and toks[-1] == "<|end_of_msg|>", toks[-3:]
+        assert lps[-1] is not None and lps[-1] > -1  # +100 bias: near certain
+    # no echo: nothing changes for a plain request
+    plain = oai.completions.create(model="micro", prompt=[ids], max_tokens=1, logprobs=1,
+                                   temperature=0, logit_bias={str(eos): 100}).choices[0]
+    assert plain.logprobs.tokens == [] and plain.text == ""
+
+
 @pytest.mark.parametrize("body,field,needle", [
     ({"prompt": [[1, 2, 999999]]}, "prompt", "prompt[0]"),
     ({"prompt": [5, -1]}, "prompt", "prompt[1]"),

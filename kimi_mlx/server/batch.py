@@ -151,6 +151,9 @@ def run_batched(engine) -> None:
                     s.t_first = time.perf_counter()
                     s.prompt_tps = (len(s.job.ids) - s.cached) / max(s.t_first - s.t0, 1e-9)
                 if r.finish_reason == "stop" and r.token in engine.eos_ids:
+                    if s.job.score is not None and s.job.logprobs is not None:
+                        s.job.stop_token = TokenOut(r.token, *top_logprobs(
+                            r.logprobs, r.token, s.job.logprobs))
                     live.pop(r.uid)
                     _finish(engine, s, "stop")
                     continue

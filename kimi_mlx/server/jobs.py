@@ -78,7 +78,9 @@ class Job:
     logprobs) with this many top alternatives (0..20): the engine fills `prompt_scores`
     (one `TokenOut` per token of ids[1:], `server.scoring`) before the job's first
     token or its Finished, and reads no prompt-cache prefix for it; then max_tokens may
-    be 0 (score only).
+    be 0 (score only). A scored job that ends on an end-of-turn token keeps that token
+    and its log-probabilities in `stop_token` (set before its Finished): lm-eval reads
+    the token after the prompt from the echo's logprobs, whatever it is.
     """
 
     ids: List[int]
@@ -92,6 +94,7 @@ class Job:
     key: Optional[Sequence] = None
     score: Optional[int] = None
     prompt_scores: Optional[List["TokenOut"]] = None
+    stop_token: Optional["TokenOut"] = None
 
     @property
     def cache_key(self) -> Sequence:
@@ -257,6 +260,9 @@ def stream_to_job(job: "Job", gen, eos_ids, tic: float, metrics=None,
                 break
             if tok in eos_ids:
                 reason = "stop"
+                if job.score is not None and job.logprobs is not None:
+                    lp = lp if isinstance(lp, mx.array) else mx.array(lp)
+                    job.stop_token = TokenOut(tok, *top_logprobs(lp, tok, job.logprobs))
                 break
             n += 1
             if job.logprobs is not None:

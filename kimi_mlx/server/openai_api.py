@@ -331,7 +331,10 @@ async def _complete_one(svc: Service, req: CompletionRequest, job: Job, index: i
         head = _prompt_text(svc, req, index, job.ids)
         text = head + text
         if job.logprobs is not None:
-            logprobs = _legacy_logprobs(svc, toks, prompt=(job.ids, job.prompt_scores or []))
+            # the end-of-turn token that stopped it counts as the token after the prompt
+            # (its text is not in `text`): lm-eval scores up to the token before the last
+            ends = [job.stop_token] if job.stop_token is not None else []
+            logprobs = _legacy_logprobs(svc, toks + ends, prompt=(job.ids, job.prompt_scores or []))
     elif job.logprobs is not None:
         logprobs = _legacy_logprobs(svc, toks)
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
@@ -398,6 +401,8 @@ async def completion_stream(svc: Service, req: CompletionRequest, request):
                 if ev.content or lp:
                     yield chunk(ev.content, logprobs=lp)
                 done = fin or done
+            if job.stop_token is not None and job.logprobs is not None:  # see _complete_one
+                yield chunk("", logprobs=_legacy_logprobs(svc, [job.stop_token], offset))
         elif not echoed:
             yield echo_chunk()[0]
         reason = c.builder.finish_reason(done.reason) if done is not None else "length"
