@@ -190,3 +190,20 @@ def test_kimi_mlx_eval_per_text_equals_the_server(server, oai, tmp_path):
         served_sum = math.fsum(ch.logprobs.token_logprobs[1:])
         assert row["tokens"] == len(ch.logprobs.tokens) - 1
         assert abs(served_sum - row["logprob"]) < 1e-4, (served_sum, row)
+
+
+@pytest.mark.parametrize("draft", [{"draft_model": str(default_model().parent / "micro-draft")},
+                                   {"ngram": (3, 1)}], ids=["draft-model", "ngram"])
+def test_scoring_with_speculative_decoding(draft):
+    """A speculating server (draft caches prefilled beside the model's) scores the same
+    and generates the same after the scored prompt as without the draft."""
+    with served(MICRO, KEY, None, max_concurrency=1, **draft) as (srv, svc):
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, timeout=120, max_retries=0)
+        ids = svc.tok.encode(TEXTS[1])
+        ref, _ = reference(svc.engine.model, ids)
+        r = c.completions.create(model="micro", prompt=TEXTS[1], max_tokens=8, echo=True,
+                                 logprobs=1, temperature=0).choices[0]
+        assert max(abs(a - b) for a, b in zip(r.logprobs.token_logprobs[1:len(ids)], ref)) < 1e-4
+        plain = c.completions.create(model="micro", prompt=TEXTS[1], max_tokens=8,
+                                     temperature=0).choices[0]
+        assert r.text == TEXTS[1] + plain.text
