@@ -61,6 +61,17 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# lm-evaluation-harness (and torch's CPU wheel) in the tools virtualenv .venv-tools, apart
+# from .venv, for tests/test_client_lmeval.py (skipped without it); `make clients` calls it.
+.PHONY: lmeval-tools
+lmeval-tools: .venv-tools/.lmeval-installed
+
+.venv-tools/.lmeval-installed: tests/clients/requirements-lmeval.txt
+	test -x .venv-tools/bin/python || $(PYTHON) -m venv .venv-tools
+	.venv-tools/bin/pip install -q --upgrade pip
+	.venv-tools/bin/pip install -q -r tests/clients/requirements-lmeval.txt
+	touch $@
+
 # K3.1 Pro's real widths on this machine: a 2-layer real-width slice (~2.4 GB, in a temp
 # folder) through prefill past index_topk and decode, the kernels in the emulator, and
 # the planner's memory / bytes-read predictions (kimi_mlx/testing/check_real.py); then the

@@ -81,7 +81,9 @@ def _adjust(case, path, positive):
     if positive:
         if isinstance(body.get("model"), str):
             body["model"] = "micro"
-        if not required and path != "/v1/messages/count_tokens" and "max_tokens" not in body:
+        # absent or null: the room left in the context, for each prompt of a list
+        if (not required and path != "/v1/messages/count_tokens"
+                and body.get("max_tokens") is None):
             body["max_tokens"] = MAX_TOKENS
     elif not required and "max_tokens" not in body and "max_completion_tokens" not in body:
         body["max_tokens"] = MAX_TOKENS  # not required here: stays invalid elsewhere

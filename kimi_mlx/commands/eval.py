@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
-from kimi_mlx.generation.evaluate import DEFAULT_BATCH, DEFAULT_SEQ_LEN, perplexity, read_tokens
+from kimi_mlx.generation.evaluate import (DEFAULT_BATCH, DEFAULT_SEQ_LEN, perplexity, read_texts,
+                                          read_tokens)
 
 __all__ = ["add_arguments", "run"]
 
@@ -20,6 +22,11 @@ def add_arguments(p) -> None:
                    help="measure only the first N predicted tokens of the file")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH,
                    help=f"windows per forward pass (default {DEFAULT_BATCH})")
+    p.add_argument("--per-text", action="store_true",
+                   help="--data is JSON Lines of {\"text\": ...}: score each text on its own "
+                        "and print one JSON line per text (index, predicted tokens, summed "
+                        "logprob in nats, perplexity); the first token of a text is not "
+                        "predicted, as /v1/completions echo reports it")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bars while loading and measuring (shown only on a terminal)")
 
@@ -39,6 +46,20 @@ def run(args) -> int:
             raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         model_dir = resolve(resolve_model_arg(args.model))
         tokenizer = KimiTokenizer.from_pretrained(model_dir)
+        if args.per_text:
+            texts = read_texts(args.data)
+            model, _, _ = load_model(model_dir, verbose=False,
+                                     progress=byte_bar(f"loading {model_dir.name}", not args.quiet))
+            for i, text in enumerate(texts):
+                ids = tokenizer.encode(text)
+                if len(ids) < 2:
+                    row = {"index": i, "tokens": 0, "logprob": 0.0, "perplexity": None}
+                else:
+                    r = perplexity(model, ids, args.seq_len, args.batch_size)
+                    row = {"index": i, "tokens": r.tokens, "logprob": -r.nll,
+                           "perplexity": r.perplexity}
+                print(json.dumps(row), flush=True)
+            return 0
         ids = read_tokens(tokenizer, args.data, args.max_tokens)
         if len(ids) < 2:
             raise InputError(f"{args.data}: fewer than 2 tokens, nothing to predict")

@@ -6,9 +6,10 @@ token after the first is predicted exactly once, from the context inside its win
 
     window i = ids[i*L : i*L + L + 1]; inputs = window[:-1], targets = window[1:]
 
-Perplexity = exp(total negative log-likelihood / predicted tokens), computed in float32
-from the model's logits. Tokens/s counts predicted tokens over the forward passes' wall
-time (model loading and tokenisation excluded).
+Perplexity = exp(total negative log-likelihood / predicted tokens): per-token
+log-probabilities in float32 from the model's logits, summed exactly (math.fsum).
+Tokens/s counts predicted tokens over the forward passes' wall time
+(model loading and tokenisation excluded).
 
 `expert_usage` measures the share of routing mass each routed expert gets on a text
 (the figure the micro model card reports per domain and the pruner relies on).
@@ -104,10 +105,10 @@ def perplexity(
         logits = model(x[:, :-1]).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = mx.take_along_axis(logp, x[:, 1:, None], axis=-1)
-        total = -picked.sum()
-        mx.eval(total)
+        mx.eval(picked)
         seconds += time.perf_counter() - t0
-        nll += total.item()
+        # summed in float64: a float32 sum of a few hundred logprobs is off by ~1e-4
+        nll -= math.fsum(picked.reshape(-1).tolist())
         count += x.shape[0] * (x.shape[1] - 1)
         bar.update(x.shape[0] * (x.shape[1] - 1))
     bar.close()
@@ -177,3 +178,31 @@ def read_tokens(tokenizer, path, max_tokens: Optional[int] = None) -> List[int]:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
     ids = tokenizer.encode(text)
     return ids[: max_tokens + 1] if max_tokens else ids
+
+
+def read_texts(path) -> List[str]:
+    """The texts of a JSON Lines file, one `{"text": str}` object a line (blank lines
+    skipped), for `kimi-mlx eval --per-text`.
+
+    Raises:
+        FileNotFoundError: no such file (the message names the path).
+        ValueError: a line that is not JSON or has no string "text" (naming file and line).
+    """
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--data {path}: no such file" if not path.exists()
+                                else f"--data {path}: not a file")
+    texts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise ValueError(f'{path}:{n}: expected an object {{"text": "..."}}')
+        texts.append(obj["text"])
+    return texts

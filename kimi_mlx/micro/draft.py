@@ -269,7 +269,7 @@ def main(argv=None) -> int:
         ckpt = build_checkpoint(tmp / "ckpt", text_config=text, model=student,
                                 ranks=tok.mergeable_ranks, extras=False, n_shards=1,
                                 dtype=mx.bfloat16)
-        for name in ("tiktoken.model", "tokenizer_config.json"):  # byte-identical tokenizer
+        for name in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py"):  # byte-identical tokenizer
             shutil.copyfile(cfg.teacher / name, ckpt / name)
         draft, _, _ = load_model(ckpt)
         from kimi_mlx.checkpoint.loader import load_for_generation

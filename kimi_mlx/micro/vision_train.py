@@ -351,7 +351,7 @@ def write_checkpoint(src: Path, out: Path, lm, vis) -> None:
     config["media_placeholder_token_id"] = KimiTokenizer.from_pretrained(src).special_tokens["<|media_pad|>"]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": MEDIA_PROC_CFG}, indent=2) + "\n")
-    for f in ("tiktoken.model", "tokenizer_config.json", "generation_config.json"):
+    for f in ("tiktoken.model", "tokenizer_config.json", "tokenization_kimi.py", "generation_config.json"):
         if (src / f).exists():
             shutil.copy(src / f, out / f)
 

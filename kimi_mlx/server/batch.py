@@ -151,6 +151,9 @@ def run_batched(engine) -> None:
                     s.t_first = time.perf_counter()
                     s.prompt_tps = (len(s.job.ids) - s.cached) / max(s.t_first - s.t0, 1e-9)
                 if r.finish_reason == "stop" and r.token in engine.eos_ids:
+                    if s.job.score is not None and s.job.logprobs is not None:
+                        s.job.stop_token = TokenOut(r.token, *top_logprobs(
+                            r.logprobs, r.token, s.job.logprobs))
                     live.pop(r.uid)
                     _finish(engine, s, "stop")
                     continue
@@ -189,8 +192,21 @@ def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
         try:
             cache, cached = engine._start_cache(job)
             start = cached
-            embeddings = engine.embeddings(job, cached)
-            if embeddings is not None:
+            embeddings = None if job.score is not None else engine.embeddings(job, cached)
+            if job.score is not None:
+                # scored alone (its logits kept, `server.scoring`), then joins for its
+                # last token like a prompt with images
+                from kimi_mlx.server.scoring import finish_scored, score_prefill
+
+                tic = time.perf_counter()
+                job.prompt_scores = score_prefill(engine, job.ids, cache, job.score,
+                                                  job.segment_ends, job.key)
+                start = len(job.ids) - 1
+                if job.max_tokens == 0:
+                    job.emit(Started(0))
+                    finish_scored(job, tic, engine.metrics)
+                    continue
+            elif embeddings is not None:
                 # the generator feeds token ids only: a prompt with images left to run is
                 # prefilled here, alone (snapshots included), and joins for its last token
                 engine.prefill(job.ids, cache, cached, job.segment_ends,

@@ -44,6 +44,9 @@ class Engine:
         ValueError: speculation with max_concurrency > 1.
     """
 
+    # scores a prompt's own tokens (`Job.score`, `server.scoring`)
+    supports_scoring = True
+
     def __init__(self, model, eos_ids: Sequence[int], max_queue: int = 64,
                  max_concurrency: int = 1, prompt_cache=None, metrics=None,
                  speculation=None):
@@ -130,7 +133,7 @@ class Engine:
 
     def _start_cache(self, job: Job):
         """(cache, number of prompt tokens it already holds) for a job."""
-        if self.prompt_cache is not None:
+        if self.prompt_cache is not None and job.score is None:  # a scored prompt needs every logit
             cache, n = self.prompt_cache.fetch(job.cache_key)
             if cache is not None:
                 return cache, n
@@ -203,8 +206,17 @@ class Engine:
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)
         job.emit(Started(cached))
-        self.prefill(job.ids, cache, cached, job.segment_ends,
-                     embeddings=self.embeddings(job, cached), key=job.key)
+        if job.score is not None:
+            from kimi_mlx.server.scoring import finish_scored, score_prefill
+
+            job.prompt_scores = score_prefill(self, job.ids, cache, job.score,
+                                              job.segment_ends, job.key)
+            if job.max_tokens == 0:
+                finish_scored(job, tic, self.metrics)
+                return
+        else:
+            self.prefill(job.ids, cache, cached, job.segment_ends,
+                         embeddings=self.embeddings(job, cached), key=job.key)
         if self.speculation is not None and not job.logits_processors:
             gen = self._speculate(job, cache)
         else:

@@ -74,6 +74,13 @@ class Job:
     preprocessed images (`vision.preprocess.ProcessedImage`), in order, whose tower rows
     replace its `<|media_pad|>` embeddings; key: the prompt-cache key when it differs
     from `ids` (`server.images.cache_key`: the pads tagged with their image's digest).
+    score: None, or score the prompt's own tokens too (`/v1/completions` echo with
+    logprobs) with this many top alternatives (0..20): the engine fills `prompt_scores`
+    (one `TokenOut` per token of ids[1:], `server.scoring`) before the job's first
+    token or its Finished, and reads no prompt-cache prefix for it; then max_tokens may
+    be 0 (score only). A scored job that ends on an end-of-turn token keeps that token
+    and its log-probabilities in `stop_token` (set before its Finished): lm-eval reads
+    the token after the prompt from the echo's logprobs, whatever it is.
     """
 
     ids: List[int]
@@ -85,6 +92,9 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
     images: Sequence = ()
     key: Optional[Sequence] = None
+    score: Optional[int] = None
+    prompt_scores: Optional[List["TokenOut"]] = None
+    stop_token: Optional["TokenOut"] = None
 
     @property
     def cache_key(self) -> Sequence:
@@ -250,6 +260,9 @@ def stream_to_job(job: "Job", gen, eos_ids, tic: float, metrics=None,
                 break
             if tok in eos_ids:
                 reason = "stop"
+                if job.score is not None and job.logprobs is not None:
+                    lp = lp if isinstance(lp, mx.array) else mx.array(lp)
+                    job.stop_token = TokenOut(tok, *top_logprobs(lp, tok, job.logprobs))
                 break
             n += 1
             if job.logprobs is not None:

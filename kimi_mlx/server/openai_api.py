@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, check_tool_name, effort_of,
@@ -31,8 +31,6 @@ def _unsupported(req, chat: bool) -> None:
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     else:
-        if req.echo:
-            raise APIError(400, "echo=true is not supported", param="echo")
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if req.best_of not in (None, 1):
@@ -121,28 +119,62 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
                **job_images(svc, ids, images))
 
 
-def prepare_completion(svc: Service, req: CompletionRequest) -> Job:
+def completion_prompts(svc: Service, req: CompletionRequest) -> List[List[int]]:
+    """The token ids of each prompt of a completion request (a string, a list of strings,
+    token ids or a list of token-id lists; strings encoded without special tokens, as
+    `kimi-mlx eval` reads text). APIError 400 naming the prompt for an id outside the
+    vocabulary."""
+    p = req.prompt
+    if isinstance(p, str):
+        return [svc.tok.encode(p)]
+    if isinstance(p[0], str):
+        return [svc.tok.encode(x) for x in p]
+    if isinstance(p[0], list):
+        return [_vocab_ids(svc, x, f"prompt[{i}]") for i, x in enumerate(p)]
+    return [_vocab_ids(svc, p, "prompt")]
+
+
+def _vocab_ids(svc: Service, ids, where: str) -> List[int]:
+    n = len(svc.tok)
+    ids = [int(x) for x in ids]
+    bad = [x for x in ids if not 0 <= x < n]
+    if bad:
+        raise APIError(400, f"{where}: token ids must be in [0, {n}) (this model's "
+                       f"vocabulary), got {bad[:3]}", param="prompt")
+    return ids
+
+
+def prepare_completion(svc: Service, req: CompletionRequest, ids: Optional[List[int]] = None,
+                       where: str = "prompt") -> Job:
+    """The Job of one prompt of a completion request (`ids`: that prompt's tokens; the
+    request's only prompt when None). With echo and logprobs the engine scores the
+    prompt's own tokens too (`Job.score`); max_tokens 0 (score only) needs echo."""
     svc.check_model(req.model)
     _unsupported(req, chat=False)
-    p = req.prompt
-    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        if len(p) != 1:
-            raise APIError(400, f"prompt: a list of {len(p)} prompts is not supported; send "
-                           "one per request", param="prompt")
-        p = p[0]
-    if isinstance(p, str):
-        if not p:
-            raise APIError(400, "prompt is empty", param="prompt")
-        ids = svc.tok.encode(p)
-    else:
-        ids = [int(x) for x in p]
-        bad = [x for x in ids if not 0 <= x < len(svc.tok)]
-        if not ids or bad:
-            raise APIError(400, f"prompt: token ids must be in [0, {len(svc.tok)}), got "
-                           f"{bad[:3] or 'none'}", param="prompt")
-    return Job(ids, budget(svc, len(ids), req.max_tokens, prompt_param="prompt"),
+    if ids is None:
+        prompts = completion_prompts(svc, req)
+        if len(prompts) != 1:
+            raise APIError(400, f"prompt: a list of {len(prompts)} prompts is not supported "
+                           "here; send one", param="prompt")
+        ids = prompts[0]
+    if not ids:
+        raise APIError(400, f"{where} is empty", param="prompt")
+    score_only = req.max_tokens == 0
+    if score_only and not req.echo:
+        raise APIError(400, "max_tokens: 0 generates nothing; it is allowed only with "
+                       "echo=true (to score the prompt)", param="max_tokens")
+    if score_only and len(ids) > svc.context:
+        raise APIError(400, f"{where} is {len(ids)} tokens; this model's context is "
+                       f"{svc.context} tokens (a prompt that is scored with max_tokens 0 "
+                       "may fill it)", param="prompt", code="context_length_exceeded")
+    score = req.logprobs if req.echo else None
+    if score is not None and not getattr(svc.engine, "supports_scoring", False):
+        raise APIError(400, "echo with logprobs (scoring the prompt) is not supported by "
+                       "this server", param="echo")
+    max_tokens = 0 if score_only else budget(svc, len(ids), req.max_tokens, prompt_param="prompt")
+    return Job(ids, max_tokens,
                sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
-               req.logprobs, (), logits_processors(svc, req))
+               req.logprobs, (), logits_processors(svc, req), score=score)
 
 
 def _usage(job: Job, builder: ReplyBuilder, done) -> dict:
@@ -257,57 +289,144 @@ def _error_sse(kind: str, message: str) -> str:
     return _sse({"error": {"message": message, "type": kind, "param": None, "code": kind}})
 
 
-def _legacy_logprobs(svc, toks, text_start=0) -> dict:
+def _token_text(svc, token: int) -> str:
+    return token_bytes(svc.wrapper, token).decode("utf-8", errors="replace")
+
+
+def _legacy_logprobs(svc, toks, text_start=0, prompt=None) -> dict:
+    """OpenAI's legacy completions `logprobs` object: per token its text, log-probability,
+    top alternatives {text: logprob} and character offset in the choice's text. `prompt`:
+    the scored prompt (ids, `Job.prompt_scores`) put first (echo), its first token with a
+    null log-probability and null alternatives, as OpenAI reports them."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     pos = text_start
-    for t in toks:
-        s = token_bytes(svc.wrapper, t.token).decode("utf-8", errors="replace")
-        out["tokens"].append(s)
-        out["token_logprobs"].append(t.logprob)
-        out["top_logprobs"].append({token_bytes(svc.wrapper, i).decode("utf-8", errors="replace"): lp
-                                    for i, lp in (t.top or [])})
+
+    def add(token, logprob, top):
+        nonlocal pos
+        text = _token_text(svc, token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top if top is None else
+                                   {_token_text(svc, i): lp for i, lp in top})
         out["text_offset"].append(pos)
-        pos += len(s)
+        pos += len(text)
+
+    if prompt is not None:
+        ids, scores = prompt
+        add(ids[0], None, None)
+        for t in scores:
+            add(t.token, t.logprob, t.top or [])
+    for t in toks:
+        add(t.token, t.logprob, t.top or [])
     return out
 
 
-async def completion_response(svc: Service, req: CompletionRequest, request) -> dict:
-    job = prepare_completion(svc, req)
+def _prompt_text(svc, req: CompletionRequest, index: int, ids: List[int]) -> str:
+    """What echo puts before the completion: the prompt string as sent, or the decoded
+    ids."""
+    p = req.prompt
+    if isinstance(p, str):
+        return p
+    if isinstance(p[0], str):
+        return p[index]
+    return svc.tok.decode(ids)
+
+
+async def _complete_one(svc: Service, req: CompletionRequest, job: Job, index: int,
+                        request) -> Tuple[dict, dict]:
+    """(choice, usage) of one prompt's job, run to its end."""
     c = _Completion(svc, job, req.model, False, stop_list(req.stop))
-    submit(svc, job)
     toks, done = [], None
-    async for _ev, tok, fin in reply_events(job, c.builder, request):
-        if tok is not None:
-            toks.append(tok)
-        done = fin or done
+    if job.max_tokens > 0 or job.score is not None:
+        submit(svc, job)
+        async for _ev, tok, fin in reply_events(job, c.builder, request):
+            if tok is not None:
+                toks.append(tok)
+            done = fin or done
+        reason = c.builder.finish_reason(done.reason)
+    else:  # echo of a prompt with max_tokens 0 and no logprobs: nothing to run
+        reason = "length"
+    text, logprobs = c.builder.content, None
+    if req.echo:
+        head = _prompt_text(svc, req, index, job.ids)
+        text = head + text
+        if job.logprobs is not None:
+            # the end-of-turn token that stopped it counts as the token after the prompt
+            # (its text is not in `text`): lm-eval scores up to the token before the last
+            ends = [job.stop_token] if job.stop_token is not None else []
+            logprobs = _legacy_logprobs(svc, toks + ends, prompt=(job.ids, job.prompt_scores or []))
+    elif job.logprobs is not None:
+        logprobs = _legacy_logprobs(svc, toks)
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    return choice, _usage(job, c.builder, done)
+
+
+async def completion_response(svc: Service, req: CompletionRequest, request) -> dict:
+    prompts = completion_prompts(svc, req)
+    multi = len(prompts) > 1
+    jobs = [prepare_completion(svc, req, ids, f"prompt[{i}]" if multi else "prompt")
+            for i, ids in enumerate(prompts)]  # every prompt checked before any runs
+    choices, usage = [], None
+    for i, job in enumerate(jobs):
+        choice, u = await _complete_one(svc, req, job, i, request)
+        choices.append(choice)
+        usage = u if usage is None else _add_usage(usage, u)
     return {
-        "id": c.id, "object": "text_completion", "created": c.created, "model": req.model,
-        "choices": [{"index": 0, "text": c.builder.content,
-                     "logprobs": _legacy_logprobs(svc, toks) if job.logprobs is not None else None,
-                     "finish_reason": c.builder.finish_reason(done.reason)}],
-        "usage": _usage(job, c.builder, done),
+        "id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion",
+        "created": int(time.time()), "model": req.model, "choices": choices, "usage": usage,
     }
 
 
+def _add_usage(a: dict, b: dict) -> dict:
+    """Usage of two prompts' jobs together (nested counts added)."""
+    return {k: _add_usage(v, b[k]) if isinstance(v, dict) else v + b[k] for k, v in a.items()}
+
+
 async def completion_stream(svc: Service, req: CompletionRequest, request):
-    job = prepare_completion(svc, req)
+    prompts = completion_prompts(svc, req)
+    if len(prompts) != 1:
+        raise APIError(400, f"prompt: {len(prompts)} prompts cannot be streamed in one "
+                       "request; send them one per request or with stream=false", param="prompt")
+    job = prepare_completion(svc, req, prompts[0])
     c = _Completion(svc, job, req.model, False, stop_list(req.stop))
-    submit(svc, job)
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    run = job.max_tokens > 0 or job.score is not None
+    if run:
+        submit(svc, job)
 
     def chunk(text, finish=None, logprobs=None):
         return _sse({"id": c.id, "object": "text_completion", "created": c.created,
                      "model": req.model, "choices": [{"index": 0, "text": text,
                      "logprobs": logprobs, "finish_reason": finish}]})
 
+    def echo_chunk():
+        head = _prompt_text(svc, req, 0, job.ids)
+        lp = None
+        if job.logprobs is not None:
+            lp = _legacy_logprobs(svc, [], prompt=(job.ids, job.prompt_scores or []))
+        return chunk(head, logprobs=lp), len(head)
+
     async def body():
-        done = None
-        async for ev, tok, fin in reply_events(job, c.builder):
-            lp = _legacy_logprobs(svc, [tok]) if tok is not None and job.logprobs is not None else None
-            if ev.content or lp:
-                yield chunk(ev.content, logprobs=lp)
-            done = fin or done
-        yield chunk("", finish=c.builder.finish_reason(done.reason))
+        done, offset, echoed = None, 0, not req.echo
+        if run:
+            async for ev, tok, fin in reply_events(job, c.builder):
+                if not echoed:  # the prompt's scores are in once the first event is
+                    text, offset = echo_chunk()
+                    echoed = True
+                    yield text
+                lp = (_legacy_logprobs(svc, [tok], offset) if tok is not None
+                      and job.logprobs is not None else None)
+                if lp is not None:
+                    offset += len(lp["tokens"][0])
+                if ev.content or lp:
+                    yield chunk(ev.content, logprobs=lp)
+                done = fin or done
+            if job.stop_token is not None and job.logprobs is not None:  # see _complete_one
+                yield chunk("", logprobs=_legacy_logprobs(svc, [job.stop_token], offset))
+        elif not echoed:
+            yield echo_chunk()[0]
+        reason = c.builder.finish_reason(done.reason) if done is not None else "length"
+        yield chunk("", finish=reason)
         if include_usage:
             yield _sse({"id": c.id, "object": "text_completion", "created": c.created,
                         "model": req.model, "choices": [], "usage": _usage(job, c.builder, done)})

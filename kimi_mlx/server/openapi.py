@@ -51,9 +51,16 @@ RESPONSES: Dict[str, Dict[str, Any]] = {
     "Completion": {"type": "object", "required": ["id", "object", "created", "model",
                                                   "choices", "usage"], "properties": {
         "id": _STR, "object": {"const": "text_completion"}, "created": _INT, "model": _STR,
-        "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+        # one choice per prompt (a list of prompts), in order
+        "choices": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["index", "text", "finish_reason"], "properties": {
-                "index": {"const": 0}, "text": _STR, "finish_reason": _FINISH}}},
+                "index": _INT, "text": _STR, "finish_reason": _FINISH,
+                "logprobs": {"type": ["object", "null"], "properties": {
+                    "tokens": {"type": "array", "items": _STR},
+                    # the first of an echoed prompt's tokens has no log-probability
+                    "token_logprobs": {"type": "array", "items": {"type": ["number", "null"]}},
+                    "top_logprobs": {"type": "array", "items": {"type": ["object", "null"]}},
+                    "text_offset": {"type": "array", "items": _INT}}}}}},
         "usage": _OPENAI_USAGE}},
     "Message": {"type": "object", "required": ["id", "type", "role", "model", "content",
                                                "stop_reason", "usage"], "properties": {
@@ -97,8 +104,10 @@ def add_generation_routes(schema: Dict[str, Any], vocab: Optional[int] = None) -
                 if branch.get("type") == "integer":
                     branch["maximum"] = vocab - 1
         for branch in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
-            if branch.get("items", {}).get("type") == "integer":
-                branch["items"]["maximum"] = vocab - 1
+            items = branch.get("items", {})
+            items = items.get("items", items)  # a list of token-id lists
+            if items.get("type") == "integer":
+                items["maximum"] = vocab - 1
     for path, (model, ok, streams, dialect) in ROUTES.items():
         ref = lambda name: {"$ref": f"#/components/schemas/{name}"}  # noqa: E731
         content = {"application/json": {"schema": ref(ok)}}

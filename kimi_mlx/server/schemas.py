@@ -1,7 +1,7 @@
 """pydantic request models of the OpenAI (chat completions, completions) and Anthropic
 (messages) APIs: the fields we read, typed and range-checked. Unknown fields are kept
 (`extra="allow"`) so newer clients work; fields we cannot honour and that would change
-the result (`n` > 1, an unknown `response_format` type, `echo`, ...) are rejected in the API
+the result (`n` > 1, an unknown `response_format` type, `suffix`, ...) are rejected in the API
 modules, by name, never ignored."""
 
 from __future__ import annotations
@@ -115,13 +115,55 @@ class ChatRequest(_Sampling):
     response_format: Optional[Dict[str, Any]] = None
 
 
+def _prompt_shape(v):
+    """A completion prompt's shape, checked before the union below so that a bad one
+    gets one error naming the item (pydantic's union would report a branch name such as
+    `constrained-str`): a non-empty string, a list of them, a list of token ids (>= 0) or
+    a list of such lists (lm-evaluation-harness sends `[[ids]]`)."""
+    def ids_ok(xs, where):
+        if not isinstance(xs, list) or not xs:
+            raise ValueError(f"{where} must be a non-empty list of token ids")
+        for j, x in enumerate(xs):
+            x = _integral(x)
+            if type(x) is not int or x < 0:
+                raise ValueError(f"{where}[{j}] must be a token id (an integer >= 0), got {x!r}")
+
+    forms = ("a non-empty string, a list of strings, a list of token ids or a list of "
+             "token-id lists")
+    if isinstance(v, str):
+        if not v:
+            raise ValueError("prompt is empty")
+        return v
+    if not isinstance(v, list) or not v:
+        raise ValueError(f"prompt must be {forms}")
+    if all(isinstance(x, str) for x in v):
+        for i, x in enumerate(v):
+            if not x:
+                raise ValueError(f"prompt[{i}] is empty")
+    elif all(isinstance(x, list) for x in v):
+        for i, x in enumerate(v):
+            ids_ok(x, f"prompt[{i}]")
+    elif not any(isinstance(x, (list, str)) for x in v):
+        ids_ok(v, "prompt")
+    else:
+        raise ValueError(f"prompt must be {forms}, not a mixed list")
+    return v
+
+
+TokenIds = Annotated[List[Int(ge=0)], Field(min_length=1)]
+
+
 class CompletionRequest(_Sampling):
-    # one prompt: a non-empty string, a list of one, or token ids (below the vocabulary
-    # size, which the API module checks and the OpenAPI document states)
-    prompt: Union[Annotated[str, Field(min_length=1)],
-                  Annotated[List[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)],
-                  Annotated[List[Int(ge=0)], Field(min_length=1)]]
-    max_tokens: Optional[Int(ge=1)] = None
+    # a non-empty string, a list of them, token ids or a list of token-id lists (ids
+    # below the vocabulary size, which the API module checks and the OpenAPI document
+    # states); each prompt of a list gets its own choice (not when streamed)
+    prompt: Annotated[Union[Annotated[str, Field(min_length=1)],
+                            Annotated[List[Annotated[str, Field(min_length=1)]], Field(min_length=1)],
+                            TokenIds,
+                            Annotated[List[TokenIds], Field(min_length=1)]],
+                      BeforeValidator(_prompt_shape)]
+    # 0 only with echo (score the prompt, generate nothing), which the API module checks
+    max_tokens: Optional[Int(ge=0)] = None
     logprobs: Optional[Int(ge=0, le=20)] = None
     echo: bool = False
     suffix: Optional[str] = None

@@ -75,8 +75,11 @@ MODEL_MAX_LENGTH = 1048576
 
 _AUTO = object()  # "use the K3 default name if the vocabulary has it"
 
-# Written into tokenizer_config.json like the release does; our loader never follows it.
+# Written into tokenizer_config.json like the release does; our loader never follows it,
+# plain transformers (trust_remote_code=True) runs the folder's copy of REMOTE_CODE_SOURCE.
 _RELEASE_AUTO_MAP = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+REMOTE_CODE_FILE = "tokenization_kimi.py"
+REMOTE_CODE_SOURCE = Path(__file__).with_name(REMOTE_CODE_FILE)
 
 
 def kimi_special_tokens(first_id: int) -> dict[str, int]:
@@ -286,6 +289,8 @@ def write_tokenizer_files(
     config_path = out / CONFIG_FILE
     _atomic_write(model_path, _tiktoken_model_bytes(ranks))
     _atomic_write(config_path, (json.dumps(cfg, indent=2, ensure_ascii=False) + "\n").encode())
+    # what the auto_map promises: plain transformers (trust_remote_code) loads the folder
+    _atomic_write(out / REMOTE_CODE_FILE, REMOTE_CODE_SOURCE.read_bytes())
     return model_path, config_path
 
 
