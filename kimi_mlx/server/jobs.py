@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from kimi_mlx.generation.request import SamplingParams
+from kimi_mlx.sampling import Sampling
 
 __all__ = ["Busy", "Started", "TokenOut", "Finished", "Failed", "Event", "Job", "enqueue", "run_mlx_thread",
            "top_logprobs", "reseed_random"]
@@ -74,11 +74,13 @@ class Job:
     preprocessed images (`vision.preprocess.ProcessedImage`), in order, whose tower rows
     replace its `<|media_pad|>` embeddings; key: the prompt-cache key when it differs
     from `ids` (`server.images.cache_key`: the pads tagged with their image's digest).
+    logits_processors: default `sampling.logits_processors()` (its penalties and
+    logit_bias, mlx-lm's), None when it asks for none.
     """
 
     ids: List[int]
     max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: Sampling = field(default_factory=Sampling)
     logprobs: Optional[int] = None
     segment_ends: Sequence[int] = ()
     logits_processors: Optional[list] = None
@@ -92,6 +94,8 @@ class Job:
         return self.ids if self.key is None else self.key
 
     def __post_init__(self):
+        if self.logits_processors is None and self.sampling.has_processors:
+            self.logits_processors = self.sampling.logits_processors()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._queue: Optional[asyncio.Queue] = None
         self._sync: Optional[queue.Queue] = None

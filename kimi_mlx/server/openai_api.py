@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
-from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, logits_processors,
+from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream,
                                     reply_events, sampling_from, stop_list, submit)
 from kimi_mlx.server.images import allow_urls, job_images, openai_refs, prepare, request_images
 from kimi_mlx.server.jobs import Job
@@ -96,8 +96,8 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
         raise APIError(400, str(e), param="messages") from None
     max_tokens = req.max_completion_tokens or req.max_tokens
     return Job(ids, budget(svc, len(ids), max_tokens),
-               sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
-               (req.top_logprobs or 0) if req.logprobs else None, ends, logits_processors(svc, req),
+               sampling_from(svc, req),
+               (req.top_logprobs or 0) if req.logprobs else None, ends, None,
                **job_images(svc, ids, images))
 
 
@@ -121,8 +121,8 @@ def prepare_completion(svc: Service, req: CompletionRequest) -> Job:
             raise APIError(400, f"prompt: token ids must be in [0, {len(svc.tok)}), got "
                            f"{bad[:3] or 'none'}", param="prompt")
     return Job(ids, budget(svc, len(ids), req.max_tokens),
-               sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
-               req.logprobs, (), logits_processors(svc, req))
+               sampling_from(svc, req),
+               req.logprobs)
 
 
 def _usage(job: Job, builder: ReplyBuilder, done) -> dict:
