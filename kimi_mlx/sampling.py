@@ -49,7 +49,8 @@ class Sampling:
     temp: temperature, 0 = greedy (argmax). top_p: nucleus mass in (0, 1], 1 = off.
     min_p: in [0, 1], 0 = off. top_k: >= 0, 0 = off. seed: the request's own PRNG key
     (None: MLX's global random stream). repetition_penalty: > 0, divides positive /
-    multiplies negative logits of tokens in the last 20; presence_penalty / frequency_penalty: subtracted per seen token
+    multiplies negative logits of tokens in the last `repetition_context_size` (>= 1,
+    mlx-lm's default 20); presence_penalty / frequency_penalty: subtracted per seen token
     (once / per occurrence, over the last 20); logit_bias: {token id: added logit}.
     Raises nothing when built: `check` validates.
     """
@@ -60,6 +61,7 @@ class Sampling:
     top_k: int = 0
     seed: Optional[int] = None
     repetition_penalty: Optional[float] = None
+    repetition_context_size: int = 20
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[Mapping[int, float]] = field(default=None, hash=False)
@@ -93,6 +95,9 @@ class Sampling:
         if self.repetition_penalty is not None and self.repetition_penalty <= 0:
             raise InputError(f"{name('repetition_penalty')} must be > 0, got "
                              f"{self.repetition_penalty}")
+        if self.repetition_context_size < 1:
+            raise InputError(f"{name('repetition_context_size')} must be >= 1, got "
+                             f"{self.repetition_context_size}", "repetition_context_size")
         bad = sorted(k for k in self.logit_bias or () if k < 0 or (vocab is not None and k >= vocab))
         if bad:
             raise InputError(f"{name('logit_bias')}: token id {bad[0]} is not in the vocabulary "
@@ -171,6 +176,7 @@ class Sampling:
         from mlx_lm.sample_utils import make_logits_processors
 
         return make_logits_processors(self.logit_bias or None, self.repetition_penalty,
+                                      self.repetition_context_size,
                                       presence_penalty=self.presence_penalty,
                                       frequency_penalty=self.frequency_penalty)
 

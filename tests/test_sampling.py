@@ -98,3 +98,31 @@ def test_the_stage_wire_carries_the_samplers_fields_both_ways():
     # the processors run on the head: they do not travel; seed 0 is a seed, not "none"
     assert sampling_from_pb(sampling_to_pb(s)) == Sampling(f32(0.7), f32(0.9), f32(0.05), 12, 0)
     assert sampling_from_pb(sampling_to_pb(Sampling())) == Sampling()
+
+
+def test_repetition_context_size_reaches_mlx_lms_processor_from_the_api_schema():
+    """The parameter added end to end (issue 31's proof): the chat schema takes it, the
+    request's Sampling carries it, and the processors are mlx-lm's with that window
+    (a window of 2 penalises only the last two tokens; the default 20 all of them)."""
+    from kimi_mlx.server.schemas import ChatRequest
+
+    req = ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                      repetition_penalty=2.0, repetition_context_size=2)
+    s = Sampling.from_request(req).check(vocab=V)
+    assert s.repetition_context_size == 2
+    tokens = mx.array([3, 4, 5, 6])
+    got, want = _logits(4), _logits(4)
+    for p in s.logits_processors():
+        got = p(tokens, got)
+    for p in make_logits_processors(None, 2.0, 2):
+        want = p(tokens, want)
+    assert mx.array_equal(got, want)
+    wide = _logits(4)
+    for p in make_logits_processors(None, 2.0, 20):
+        wide = p(tokens, wide)
+    assert not mx.array_equal(got, wide)  # the window made a difference
+    with pytest.raises(Exception, match="repetition_context_size"):
+        ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                    repetition_context_size=0)
+    with pytest.raises(InputError, match="repetition_context_size"):
+        Sampling(repetition_context_size=0).check()
