@@ -737,9 +737,9 @@ def _launch(args) -> int:
     run = _LaunchRun(args, cluster, pipeline, inputs)
     code = 0
     try:
-        code = print_generation(args, stream_generate(
+        code = print_generation(stream_generate(
             run.tokens(), inputs.wrapper, len(inputs.ids), args.max_tokens,
-            lambda: cluster.transport.peak_memory()))
+            lambda: cluster.transport.peak_memory()), args.verbose, args.ignore_chat_template)
     finally:
         if cluster.transport is not None:
             cluster.transport.shutdown()

@@ -120,8 +120,9 @@ def launch_tensor(args, cluster, ids: List[int], wrapper, speculation=None) -> i
             yield tok, lp, False
 
     try:
-        code = print_generation(args, stream_generate(tokens(), wrapper, len(ids), args.max_tokens,
-                                                      mx.get_peak_memory))
+        code = print_generation(stream_generate(tokens(), wrapper, len(ids), args.max_tokens,
+                                                mx.get_peak_memory),
+                                args.verbose, args.ignore_chat_template)
         command(group, OP_EXIT)  # the other ranks exit
         watch.finish()
         if speculation is not None and args.verbose:

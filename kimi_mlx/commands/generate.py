@@ -74,8 +74,8 @@ def run(args) -> int:
     if note:
         print(note, file=sys.stderr)
 
-    rc = print_generation(args, stream(model, wrapper, ids, sampling_from_args(args),
-                                       args.max_tokens, speculation, embeddings))
+    rc = print_generation(stream(model, wrapper, ids, sampling_from_args(args), args.max_tokens,
+                                 speculation, embeddings), args.verbose, args.ignore_chat_template)
     if speculation is not None and args.verbose:
         print(speculation.summary())
     return rc

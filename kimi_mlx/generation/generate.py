@@ -72,15 +72,15 @@ def use_color(stream=None) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR")
 
 
-def print_generation(args, responses) -> int:
+def print_generation(responses, verbose: bool = True, raw: bool = False) -> int:
     """Stream mlx-lm GenerationResponses to stdout as `kimi-mlx generate` does (reasoning
-    dimmed on a terminal unless --ignore-chat-template), then mlx_lm.generate's timing
-    and peak-memory lines when --verbose. Shared with `kimi-mlx cluster launch`."""
+    dimmed on a terminal unless `raw`: --ignore-chat-template), then mlx_lm.generate's
+    timing and peak-memory lines when `verbose`. Shared with `kimi-mlx cluster launch`."""
     from kimi_mlx.text.chat_format import ReplyStream
 
-    pretty = ReplyStream() if not args.ignore_chat_template else None
+    pretty = ReplyStream() if not raw else None
     dim = use_color()
-    if args.verbose:
+    if verbose:
         print("=" * 10)
     response = None
     for response in responses:
@@ -95,7 +95,7 @@ def print_generation(args, responses) -> int:
         for channel, text in pretty.finish():
             print(text, end="", flush=True)
     print()
-    if args.verbose and response is not None:
+    if verbose and response is not None:
         print("=" * 10)
         print(f"Prompt: {response.prompt_tokens} tokens, "
               f"{response.prompt_tps:.3f} tokens-per-sec")
