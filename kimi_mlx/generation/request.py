@@ -17,7 +17,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, InputError, Sampling  # noqa: F401  (re-exported)
 from kimi_mlx.speculative.settings import (DEFAULT_NGRAM_MAX as NGRAM_MAX, DEFAULT_NGRAM_MIN as NGRAM_MIN,
-                                           DEFAULT_NUM_DRAFT_TOKENS, DraftSettings)
+                                           DEFAULT_NUM_DRAFT_TOKENS, DRAFT_KINDS, DraftSettings)
 
 EFFORTS = ("low", "high", "max")
 # The smallest usable cap on prompt + generated tokens: a prompt holds at least one token
@@ -127,25 +127,24 @@ def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = 
                         + (" or --draft)" if mtp else ")"))
 
 
-def add_mtp_argument(p: argparse.ArgumentParser, kinds=("mtp", "ngram")) -> None:
+def add_mtp_argument(p: argparse.ArgumentParser) -> None:
     """--draft KIND: a draft without a separate draft model, and the n-gram sizes.
 
-    mtp: the checkpoint's own MTP layers (generate, chat); ngram: prompt-lookup drafts
-    from the context (`kimi_mlx.speculative.ngram`; generate, chat, server, cluster
-    launch). `kinds` lists those the command offers."""
+    mtp: the checkpoint's own MTP layers (generate, chat, server; the cluster commands
+    refuse it by name, `speculative.factory.check_draft_target`); ngram: prompt-lookup
+    drafts from the context (`kimi_mlx.speculative.ngram`; every command)."""
     helps = {"mtp": "mtp: the checkpoint's own multi-token-prediction layers as the draft "
                     "(config num_nextn_predict_layers > 0)",
              "ngram": "ngram: prompt lookup, the tokens that followed the longest earlier "
                       "match of the context's last --ngram-max..--ngram-min tokens (no "
                       "draft model; a step without a match is a plain step)"}
-    p.add_argument("--draft", choices=tuple(kinds), default=None,
+    p.add_argument("--draft", choices=DRAFT_KINDS, default=None,
                    help="speculative decoding without --draft-model; "
-                        + "; ".join(helps[k] for k in kinds) + ". Output stays the model's")
-    if "ngram" in kinds:
-        p.add_argument("--ngram-max", type=int, default=None,
-                       help=f"--draft ngram: longest n-gram matched (default {NGRAM_MAX})")
-        p.add_argument("--ngram-min", type=int, default=None,
-                       help=f"--draft ngram: shortest n-gram matched (default {NGRAM_MIN})")
+                        + "; ".join(helps[k] for k in DRAFT_KINDS) + ". Output stays the model's")
+    p.add_argument("--ngram-max", type=int, default=None,
+                   help=f"--draft ngram: longest n-gram matched (default {NGRAM_MAX})")
+    p.add_argument("--ngram-min", type=int, default=None,
+                   help=f"--draft ngram: shortest n-gram matched (default {NGRAM_MIN})")
 
 
 def check_draft_arguments(args) -> None:

@@ -214,16 +214,6 @@ def sampling_from(svc: Service, req) -> Sampling:
         raise APIError(400, str(e), param=e.param) from None
 
 
-def logits_processors(svc: "Service", req) -> Optional[list]:
-    """mlx-lm logits processors for the request's penalties / logit_bias (no other
-    defaults), or None; APIError 400 for a logit_bias id outside the vocabulary."""
-    try:
-        s = Sampling.from_request(req).check(vocab=n_vocab(svc))
-    except InputError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    return s.logits_processors() or None
-
-
 def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
            field: str = "max_tokens") -> int:
     """max_tokens for the job: as asked (APIError 400 naming both numbers and the
