@@ -1,8 +1,8 @@
 """`kimi-mlx cluster server`: the OpenAI + Anthropic API of `kimi-mlx server` with the
 pipeline behind it.
 
-`ClusterEngine` has the server engine's interface (`submit(job)`, `queue_length`,
-`active`, `health()`): each of up to `max_concurrency` worker threads runs one request as
+`ClusterEngine` is a `server.engine_base.BaseEngine` (queue, admission, isolation,
+capabilities, health): each of up to `max_concurrency` worker threads runs one request as
 its own pipeline session (`head.Pipeline.generate_step`), so different stages work on
 different requests at once (pipeline fill). With `batch`, the sessions' decode steps
 go through the stages together, one message per step (`head.Batcher`), each stage
@@ -23,32 +23,36 @@ tokens); `cached_tokens` reports the prefix restored (`cluster.prompt_cache`).
 from __future__ import annotations
 
 import logging
-import queue
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from kimi_mlx.sampling import Sampling
+from kimi_mlx.server.engine_base import BaseEngine
+
+from kimi_mlx.cluster.speculative import speculative_pipeline_step
+
 log = logging.getLogger("kimi_mlx.cluster.api")
 
 
-class ClusterEngine:
-    """Runs server `Job`s through a loaded `Pipeline` (see module doc)."""
+class ClusterEngine(BaseEngine):
+    """Runs server `Job`s through a loaded `Pipeline` (see module doc); `BaseEngine` owns
+    the queue, admission, isolation, capabilities and stop."""
 
     # presence/frequency penalties and logit_bias are applied at the head (`head_chooser`);
     # repetition_penalty is not: it scales raw logits by their sign, and the last stage
     # returns only log-probabilities (a 400 names this)
-    supports_logits_processors = True
     unsupported_penalties = ("repetition_penalty",)
+    supports_batching = True
+    target = "the pipeline"
 
     def __init__(self, pipeline, eos_ids: Sequence[int], max_concurrency: int = 4,
                  max_queue: int = 64, metrics=None, keeper=None, speculation=None,
                  model_args=None, prompt_cache=None, batch: bool = False):
-        if speculation is not None and max_concurrency != 1:
-            raise ValueError(f"speculative decoding serves one request at a time, not "
-                             f"{max_concurrency}")
-        self.speculation = speculation  # kimi_mlx.speculative.loop.Speculation (draft on the head)
+        super().__init__(eos_ids, max_queue, max_concurrency, metrics, speculation,
+                         workers=max_concurrency, name="kimi-mlx-session")
         self.model_args = model_args  # the target's ModelArgs (vocab_size for the verify)
         self._pipeline = pipeline
         # batched decode (head.Batcher, one per pipeline): the decode steps of the requests
@@ -79,30 +83,7 @@ class ClusterEngine:
                 "by all: full prefill), refused (lost between lookup and open: full prefill)",
                 ["result"], registry=metrics.registry)
         self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
-        self.eos_ids = set(eos_ids)
-        self.max_concurrency = max_concurrency
-        self.max_queue = max_queue
-        self.metrics = metrics
-        self.lost: Optional[str] = None
-        self._jobs: "queue.Queue" = queue.Queue()
-        self._active = 0
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._worker, name=f"kimi-mlx-session-{i}",
-                                          daemon=True) for i in range(max_concurrency)]
-        # images: the head's vision tower (generation.images.Vision, loaded on the first
-        # image) and <|media_pad|> id, set by the server for a checkpoint with vision weights
-        self.vision = None
-        self.pad_id = None
         self._vision_lock = threading.Lock()
-
-    def images_unsupported(self) -> Optional[str]:
-        """Why this engine cannot take a request with images, or None when it can."""
-        if self.vision is None:
-            return "this model has no vision weights, so it cannot take images"
-        if self.speculation is not None:
-            return ("images do not work with speculative decoding yet (this server runs "
-                    "with a draft)")
-        return None
 
     def _media(self, job):
         """`Pipeline.generate_step`'s media for a job with images (the tower runs here,
@@ -119,29 +100,16 @@ class ClusterEngine:
         return self.keeper.pipeline if self.keeper is not None else self._pipeline
 
     def start(self) -> "ClusterEngine":
-        for t in self._threads:
-            t.start()
+        super().start()
         if self.keeper is not None:
             self.keeper.start()
         return self
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def _before_stop(self, timeout: float) -> None:
         if self.keeper is not None:
             self.keeper.stop(timeout)
         if self._batcher is not None:
             self._batcher.close()
-        for _ in self._threads:
-            self._jobs.put(None)
-        for t in self._threads:
-            t.join(timeout)
-
-    @property
-    def queue_length(self) -> int:
-        return self._jobs.qsize()
-
-    @property
-    def active(self) -> int:
-        return self._active
 
     def health(self) -> Optional[str]:
         """None while every stage serves; else which stage was lost (and, with a keeper,
@@ -152,66 +120,35 @@ class ClusterEngine:
         """The pipeline's stages for /health: [{"index", "node", "address", "layers":
         [start, end], "ok", "reason"}]; a lost stage has ok False and why."""
         t = self.pipeline.transport
-        lost = getattr(t, "lost", {}) or {}
+        lost = t.lost or {}
         return [{"index": i, "node": a.node.node_id, "address": a.node.address,
                  "layers": [a.start, a.end], "ok": i not in lost, "reason": lost.get(i)}
-                for i, a in enumerate(getattr(t, "stages", []))]
+                for i, a in enumerate(t.stages)]
 
-    def submit(self, job):
-        from kimi_mlx.server.jobs import Busy, enqueue
+    def _failed(self, job, e: Exception) -> None:
+        from kimi_mlx.cluster.transport import StageFailure
 
-        down = self.health()
-        if down:
-            raise Busy(f"the pipeline is down ({down})")
-        return enqueue(self._jobs, job, self.max_queue, self.max_concurrency, self._active)
-
-    def _worker(self) -> None:
-        from kimi_mlx.server.jobs import run_mlx_thread
-
-        run_mlx_thread(self._serve)
-
-    def _serve(self) -> None:
-        from kimi_mlx.server.jobs import Failed, reseed_random
-
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                self._active += 1
-            try:
-                self._run(job)
-            except Exception as e:  # noqa: BLE001 - the error goes to this request only
-                from kimi_mlx.cluster.transport import StageFailure
-
-                if isinstance(e, StageFailure) and e.lost:
-                    if self.keeper is not None:
-                        self.keeper.check()
-                    else:
-                        self.lost = f"stage lost: {e}"
-                log.exception("pipeline generation failed")
-                job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
-                reseed_random()  # head-side sampling shares this process's random state
-            finally:
-                with self._lock:
-                    self._active -= 1
+        if isinstance(e, StageFailure) and e.lost:
+            if self.keeper is not None:
+                self.keeper.check()
+            else:
+                self.lost = f"stage lost: {e}"
+        super()._failed(job, e)  # head-side sampling shares this process's random state
 
     def _run(self, job) -> None:
-        from kimi_mlx.server.jobs import Started, cancelled_in_queue, stream_to_job
+        from kimi_mlx.server.jobs import Started, stream_to_job
 
-        from kimi_mlx.cluster.runner import Sampling
-
-        if cancelled_in_queue(job, self.metrics):
-            return
-        p = job.sampling
         want_lp = job.logprobs is not None
         choose = head_chooser(job) if job.logits_processors else None
         # with head-side sampling the last stage samples greedily, and its token is unused
-        sampling = Sampling() if choose else Sampling(p.temp, p.top_p, p.min_p, p.top_k, p.seed)
+        sampling = Sampling() if choose else job.sampling
         tic = time.perf_counter()
         start = {"cached": 0}
-        if self.speculation is not None and not job.logits_processors:
-            gen = self._speculate(job)
+        if self.speculates(job):
+            gen = self._speculate(job, lambda spec: speculative_pipeline_step(
+                self.pipeline, job.ids, spec.draft, self.model_args,
+                num_draft_tokens=spec.num_draft_tokens, max_tokens=job.max_tokens,
+                sampling=job.sampling, stats=spec.stats))
         elif self.prompt_cache is not None:
             gen = self._cached_generate(job, sampling, want_lp or choose is not None, choose,
                                         start)
@@ -305,36 +242,6 @@ class ClusterEngine:
             finally:
                 gen.close()
 
-    def _speculate(self, job):
-        """(token, logprobs [vocab]) of `job` by speculative decoding through the pipeline
-        (`cluster.speculative.speculative_pipeline_step`: the draft on this head, each
-        verify step one message through the stages), with the job's sampling; greedy
-        output is the plain output token for token. A seeded request seeds MLX's global
-        PRNG, which only this one sequence uses (one request at a time)."""
-        import mlx.core as mx
-
-        from kimi_mlx.speculative.loop import Sampling
-
-        from kimi_mlx.cluster.speculative import speculative_pipeline_step
-
-        spec, p = self.speculation, job.sampling
-        if p.seed is not None:
-            mx.random.seed(p.seed)
-        st = spec.stats
-        before = (st.steps, st.drafted, st.accepted)
-        gen = speculative_pipeline_step(
-            self.pipeline, job.ids, spec.draft, self.model_args,
-            num_draft_tokens=spec.num_draft_tokens, max_tokens=job.max_tokens,
-            sampling=Sampling(p.temp, p.top_p, p.min_p, p.top_k), stats=st)
-        try:
-            for tok, lp, _from_draft in gen:
-                yield tok, lp
-        finally:
-            gen.close()
-            if self.metrics is not None:
-                self.metrics.speculated(st.steps - before[0], st.drafted - before[1],
-                                        st.accepted - before[2])
-
 
 def head_chooser(job):
     """Head-side sampling for a job with logits processors (`Pipeline.generate_step`'s
@@ -419,7 +326,7 @@ def add_arguments(q) -> None:
     add_draft_arguments(q, note=" (loaded on this head, which drafts; the stages verify): "
                         "one request at a time, every request speculatively (requests with "
                         "penalties or logit_bias decode plainly)", mtp=True)
-    add_mtp_argument(q, kinds=("ngram",))  # --draft ngram: prompt lookup on the head
+    add_mtp_argument(q)  # --draft ngram: prompt lookup on the head (--draft mtp is refused, named)
 
 
 def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
@@ -438,11 +345,14 @@ def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
     from kimi_mlx.server.serving import (check_draft_server_arguments, check_server_arguments,
                                          make_service, resolve_api_key, serve)
 
+    from kimi_mlx.speculative.factory import PIPELINE, TENSOR, check_draft_target
+
     from kimi_mlx.cluster.auth import AuthError, load_secret
     from kimi_mlx.cluster.fingerprint import FingerprintError, fingerprint, is_checkpoint
 
     try:
-        check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
+        drafts = check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
+        check_draft_target(drafts, PIPELINE if args.parallel != "tensor" else TENSOR)
         check_server_arguments(args)
         if args.prompt_cache_every < 0:
             raise InputError(f"--prompt-cache-every must be >= 0, got {args.prompt_cache_every}")
@@ -473,19 +383,13 @@ def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
     cluster = cluster_factory(args, secret, model_dir, fp, args.context)
 
     def load():
-        speculation = None
-        if args.draft_model:  # before the stages load: a wrong draft fails fast
-            from kimi_mlx.speculative.loop import Speculation, load_draft
+        from kimi_mlx.speculative.factory import PIPELINE, TENSOR, build_speculation
 
-            speculation = Speculation(load_draft(args.draft_model, wrapper, spec),
-                                      args.num_draft_tokens)
-        elif args.draft == "ngram":
-            from kimi_mlx.speculative.loop import Speculation
-            from kimi_mlx.speculative.ngram import NgramDraft
-
-            speculation = Speculation(NgramDraft(args.ngram_max, args.ngram_min),
-                                      args.num_draft_tokens)
-        if choose_parallel is not None and choose_parallel(cluster) == "tensor":
+        tensor = choose_parallel is not None and choose_parallel(cluster) == "tensor"
+        # before the stages load: a wrong draft fails fast
+        speculation = build_speculation(drafts, where=TENSOR if tensor else PIPELINE,
+                                        target_wrapper=wrapper, target_name=spec)
+        if tensor:
             from kimi_mlx.cluster.tensor_server import start_tensor_engine
 
             svc.engine = start_tensor_engine(args, cluster, tok.eos_token_ids, svc.metrics,

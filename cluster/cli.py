@@ -529,19 +529,18 @@ def _launch_inputs(args) -> _LaunchInputs:
     the draft (which runs on this head). Raises InputError, FileNotFoundError, ValueError,
     AuthError or FingerprintError, each naming the flag or file."""
     from kimi_mlx.model.config import ModelArgs, read_config
-    from kimi_mlx.generation.generate import check_draft_arguments, load_speculation
     from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_model_arguments,
-                                             resolve_model_arg, serving_context)
+                                             draft_settings, resolve_model_arg, sampling_from_args,
+                                             serving_context)
+    from kimi_mlx.speculative.factory import PIPELINE, TENSOR, build_speculation, check_draft_target
 
     from kimi_mlx.cluster.auth import load_secret
     from kimi_mlx.cluster.fingerprint import fingerprint, is_checkpoint
 
     check_model_arguments(args)
-    check_draft_arguments(args)
-    if getattr(args, "draft", None) == "mtp":
-        raise InputError("--draft mtp: the MTP draft runs in one process only (kimi-mlx "
-                         "generate or chat); through the pipeline use --draft-model or "
-                         "--draft ngram")
+    drafts = draft_settings(args)
+    where = TENSOR if args.parallel == "tensor" else PIPELINE
+    check_draft_target(drafts, where)
     spec = resolve_model_arg(args.model)
     model_dir = Path(spec).expanduser()
     if not is_checkpoint(model_dir):
@@ -566,7 +565,8 @@ def _launch_inputs(args) -> _LaunchInputs:
                    "the prompt's tokens")
     args.max_tokens = check_context(len(ids), args.max_tokens, context, source)
     fp = fingerprint(model_dir)
-    speculation = load_speculation(args, wrapper, spec)
+    speculation = build_speculation(drafts, where=where, target_wrapper=wrapper, target_name=spec,
+                                    sampling=sampling_from_args(args))
     media = None
     if images:
         from kimi_mlx.cluster.head import media_rows
@@ -585,7 +585,7 @@ def _launch_images(args, model_dir: Path):
 
     if not args.image:
         return [], None
-    if args.draft_model or getattr(args, "draft", None):
+    if args.draft_model or args.draft:
         raise InputError("--image does not work with speculative decoding yet: drop "
                          "--draft-model / --draft")
     if args.ignore_chat_template:
@@ -620,10 +620,10 @@ class _LaunchRun:
     far) when a stage is lost. `failure` holds the error that ended it early."""
 
     def __init__(self, args, cluster: "_Cluster", pipeline, inputs: _LaunchInputs):
-        from kimi_mlx.cluster.runner import Sampling
+        from kimi_mlx.generation.request import sampling_from_args
 
         self.args, self.cluster, self.pipeline, self.inputs = args, cluster, pipeline, inputs
-        self.sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k, args.seed)
+        self.sampling = sampling_from_args(args)
         self.failure: Optional[BaseException] = None
 
     def step(self, prompt_ids: List[int], max_tokens: int):
@@ -736,9 +736,9 @@ def _launch(args) -> int:
     run = _LaunchRun(args, cluster, pipeline, inputs)
     code = 0
     try:
-        code = print_generation(args, stream_generate(
+        code = print_generation(stream_generate(
             run.tokens(), inputs.wrapper, len(inputs.ids), args.max_tokens,
-            lambda: cluster.transport.peak_memory()))
+            lambda: cluster.transport.peak_memory()), args.verbose, args.ignore_chat_template)
     finally:
         if cluster.transport is not None:
             cluster.transport.shutdown()

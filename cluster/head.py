@@ -22,7 +22,7 @@ import grpc
 
 from kimi_mlx.cluster import stage_pb2 as pb
 from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.runner import Sampling
+from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
 from kimi_mlx.cluster.transport import StageAssignment, StageFailure, Transport
 from kimi_mlx.cluster.wire import PROTOCOL_VERSION, build_id, package_versions
 
@@ -96,7 +96,7 @@ class Pipeline:
         self.step_timeout = step_timeout
 
     def generate_step(self, prompt: Sequence[int], sampling: Optional[Sampling] = None,
-                      max_tokens: int = 256, return_logprobs: bool = False,
+                      max_tokens: int = DEFAULT_MAX_TOKENS, return_logprobs: bool = False,
                       pipelined: bool = True, session: Optional[str] = None,
                       choose: Optional[Callable[[object], Tuple[int, object]]] = None,
                       restore: Optional[Tuple[str, int]] = None,

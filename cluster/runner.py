@@ -33,6 +33,7 @@ from typing import Any, List, Optional, Tuple
 import mlx.core as mx
 
 from kimi_mlx.model.attn_res import Banks
+from kimi_mlx.sampling import Sampling
 
 from kimi_mlx.cluster.wire import mx_dtype
 
@@ -62,17 +63,6 @@ class StageSpec:
 
 
 @dataclass
-class Sampling:
-    """mlx-lm `make_sampler` settings (temp 0 = greedy); seed re-seeds MLX's global PRNG."""
-
-    temp: float = 0.0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    top_k: int = 0
-    seed: Optional[int] = None
-
-
-@dataclass
 class Session:
     """One sequence's state on this stage."""
 
@@ -82,7 +72,6 @@ class Session:
     return_logprobs: bool
     cache: List[Any]
     sampler: Any = None
-    key: Any = None  # uint32 [2] PRNG key of a seeded session (see StageRunner.new_session)
     next_seq: int = 0
     offset: int = 0
     last_active: float = field(default_factory=time.monotonic)
@@ -149,12 +138,7 @@ class StageRunner:
         however many other sessions sample on this stage meanwhile."""
         s = Session(session, head, sampling, return_logprobs, self.model.make_cache())
         if self.is_last:
-            from mlx_lm.sample_utils import make_sampler
-
-            if sampling.seed is not None:
-                s.key = mx.random.key(sampling.seed)
-            s.sampler = make_sampler(sampling.temp, sampling.top_p, sampling.min_p,
-                                     top_k=sampling.top_k)
+            s.sampler = sampling.sampler()  # seeded: its own key (`Sampling.sampler`)
         return s
 
     def check(self, s: Session, seq: int, offset: int, length: int, sample: bool,
@@ -348,29 +332,7 @@ class StageRunner:
         s.offset = s.verify_offset + keep
 
     def _sample(self, s: Session, logprobs: mx.array) -> mx.array:
-        if s.key is None:
-            return s.sampler(logprobs)
-        token, s.key = _sample_with_key(s.sampler, logprobs, s.key)
-        return token
-
-
-def _seed_of(key: mx.array) -> int:
-    """The seed whose `mx.random.key(seed)` is `key` (uint32 [2]: high, low words)."""
-    hi, lo = (int(v) for v in key.tolist())
-    return (hi << 32) | lo
-
-
-def _sample_with_key(sampler, logprobs: mx.array, key: mx.array):
-    """`sampler(logprobs)` drawing from `key` instead of MLX's global PRNG state (which
-    is put back afterwards); returns (token, the key after the draw)."""
-    saved = mx.random.state[0]
-    mx.random.seed(_seed_of(key))
-    try:
-        token = sampler(logprobs)
-        mx.eval(token)
-        return token, mx.random.state[0]
-    finally:
-        mx.random.seed(_seed_of(saved))
+        return s.sampler(logprobs)
 
 
 def load_stage(path, spec: StageSpec, progress=None):
@@ -398,5 +360,5 @@ def default_compute_dtype() -> str:
     return "float32" if mx.default_device() == mx.cpu else ""
 
 
-__all__ = ["StageRunner", "StageSpec", "Sampling", "Session", "Output", "Refused",
+__all__ = ["StageRunner", "StageSpec", "Session", "Output", "Refused",
            "load_stage", "default_compute_dtype"]

@@ -64,11 +64,12 @@ from kimi_mlx.cluster.auth import ClientAuth, ServerAuth, channel_credentials, k
 from kimi_mlx.cluster.compute import ComputeStopped, ComputeThread
 from kimi_mlx.cluster.fingerprint import fingerprint, folder_state, named, scan
 from kimi_mlx.cluster.prompt_cache import CACHE_MISS, StageCache, key_length
-from kimi_mlx.cluster.runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
+from kimi_mlx.sampling import Sampling
+from kimi_mlx.cluster.runner import Refused, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
 from kimi_mlx.cluster.jaccl import local_report_json
 from kimi_mlx.cluster.tensor import RankProcess, TensorSetupError, available_backends, check_rank_request
 from kimi_mlx.cluster.wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
-                   from_tensor, package_versions, to_tensor)
+                   from_tensor, package_versions, sampling_from_pb, to_tensor)
 
 log = logging.getLogger("kimi_mlx.cluster.service")
 
@@ -663,9 +664,10 @@ class StageService(pb_grpc.StageServicer):
         self._check_plan(o, runner.spec)
         if o.batch and o.restore_key:
             raise Refused("a batch stream restores no prompt-cache snapshot")
-        sp = o.sampling
-        sampling = Sampling(sp.temp, sp.top_p if sp.top_p else 1.0, sp.min_p, sp.top_k,
-                            sp.seed if sp.has_seed else None)
+        try:
+            sampling = sampling_from_pb(o.sampling)
+        except ValueError as e:
+            raise Refused(f"session {o.session!r}: {e}") from None
         if len(self.sessions) >= self.max_sessions:  # checked again below, under the lock
             raise self._full()
         if o.restore_key:

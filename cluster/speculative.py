@@ -30,7 +30,9 @@ import mlx.core as mx
 
 from kimi_mlx.cluster.head import Pipeline
 from kimi_mlx.cluster.remote_cache import RemoteCache
-from kimi_mlx.cluster.runner import Sampling as StageSampling
+from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
+from kimi_mlx.speculative.loop import loop_for
+from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS
 
 log = logging.getLogger("kimi_mlx.cluster.speculative")
 
@@ -118,8 +120,8 @@ def speculative_pipeline_step(
     draft_model,
     model_args,
     *,
-    num_draft_tokens: int = 3,
-    max_tokens: int = 256,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     sampling=None,
     stats=None,
     session: Optional[str] = None,
@@ -134,7 +136,7 @@ def speculative_pipeline_step(
             an `NgramDraft` (prompt lookup on the head, `kimi_mlx.speculative.ngram`).
         model_args: the target checkpoint's `ModelArgs` (its vocab_size).
         num_draft_tokens: k (>= 1). max_tokens: tokens to yield (-1: no limit).
-        sampling: `kimi_mlx.speculative.loop.Sampling` (default greedy).
+        sampling: `kimi_mlx.sampling.Sampling` (default greedy).
         stats: `SpecStats` to update.
         session: session id (default: a new one).
     Raises:
@@ -144,8 +146,6 @@ def speculative_pipeline_step(
     """
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kimi_mlx.speculative.loop import speculative_generate_step
-
     if len(prompt) == 0:
         raise ValueError("the prompt is empty")
     if num_draft_tokens < 1:
@@ -153,13 +153,13 @@ def speculative_pipeline_step(
     t = pipeline.transport
     sid = session or f"s-{uuid.uuid4().hex[:16]}"
     # The stages' own sampler is not used: every token comes from a verify step here.
-    t.open(sid, StageSampling(), False)
+    t.open(sid, Sampling(), False)
     target = PipelineTarget(t, sid, model_args, len(prompt) - 1, pipeline.prefill_chunk,
                             pipeline.step_timeout)
     caches = target.make_cache() + make_prompt_cache(draft_model)
     # A draft with its own loop (`--draft ngram`: `NgramDraft.generate_step`) runs it over
     # the same stand-in target; its plain steps (no match) are 1-token verify messages.
-    step = getattr(draft_model, "generate_step", None) or speculative_generate_step
+    step = loop_for(draft_model)
     ok = False
     try:
         yield from step(

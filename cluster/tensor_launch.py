@@ -94,8 +94,10 @@ def launch_tensor(args, cluster, ids: List[int], wrapper, speculation=None) -> i
     from kimi_mlx.cluster.head import stream_generate
     from kimi_mlx.cluster.tensor_step import (OP_EXIT, command, group_stream, plain_run,
                                               speculative_run)
+    from dataclasses import replace
+
     from kimi_mlx.generation.generate import print_generation
-    from mlx_lm.sample_utils import make_sampler
+    from kimi_mlx.generation.request import sampling_from_args
 
     watch = TensorGroup(args.peer_timeout)
     try:
@@ -105,7 +107,7 @@ def launch_tensor(args, cluster, ids: List[int], wrapper, speculation=None) -> i
         return 1
     if args.seed is not None:
         mx.random.seed(args.seed)
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    sampler = replace(sampling_from_args(args), seed=None).sampler()  # seeded globally above
 
     def tokens():
         if speculation is not None:
@@ -118,8 +120,9 @@ def launch_tensor(args, cluster, ids: List[int], wrapper, speculation=None) -> i
             yield tok, lp, False
 
     try:
-        code = print_generation(args, stream_generate(tokens(), wrapper, len(ids), args.max_tokens,
-                                                      mx.get_peak_memory))
+        code = print_generation(stream_generate(tokens(), wrapper, len(ids), args.max_tokens,
+                                                mx.get_peak_memory),
+                                args.verbose, args.ignore_chat_template)
         command(group, OP_EXIT)  # the other ranks exit
         watch.finish()
         if speculation is not None and args.verbose:

@@ -4,8 +4,7 @@ tensor-parallel group (issue 21).
 This head is rank 0 and runs the request path (tokenizer, sampling, logits processors,
 stop rules, streaming); the nodes' ranks are started through their control plane
 (`StartRank`, `tensor_launch.form_group`) and follow rank 0's commands
-(`cluster.tensor_step`). `TensorEngine` has the server engine's interface (`submit`,
-`queue_length`, `active`, `health`, `stages`).
+(`cluster.tensor_step`). `TensorEngine` is a `server.engine_base.BaseEngine`.
 
 One request at a time: the group runs one sequence (no batching through it); further
 requests queue (up to --max-queue, then 503 + Retry-After as every engine). With a draft
@@ -24,15 +23,17 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
-from typing import Optional, Sequence
+from typing import Sequence
+
+from kimi_mlx.server.engine_base import BaseEngine
 
 log = logging.getLogger("kimi_mlx.cluster.tensor_server")
 
 
-class TensorEngine:
-    """Runs server `Job`s through a tensor-parallel group, one at a time (module doc).
+class TensorEngine(BaseEngine):
+    """Runs server `Job`s through a tensor-parallel group, one at a time (module doc);
+    `BaseEngine` owns the queue, admission, isolation, capabilities and stop.
 
     Args:
         group / model: the MLX group (this process rank 0) and rank 0's shard.
@@ -43,52 +44,27 @@ class TensorEngine:
         ranks: [(rank, node name)] of the node ranks, for /health.
     """
 
-    supports_logits_processors = True  # applied on rank 0, which samples
-    unsupported_penalties = ()
+    # logits processors are applied on rank 0, which samples; the group runs one
+    # sequence and text only
+    supports_images = False
+    images_refusal = ("images do not work with --parallel tensor yet (the group runs text "
+                      "only); use --parallel pipeline")
+    target = "the tensor group"
 
     def __init__(self, group, model, watch, transport, eos_ids: Sequence[int],
                  max_queue: int = 64, metrics=None, speculation=None, ranks=()):
+        super().__init__(eos_ids, max_queue, 1, metrics, speculation, name="kimi-mlx-tensor-rank0")
         self.group, self.model, self.watch, self.transport = group, model, watch, transport
-        self.eos_ids = set(eos_ids)
-        self.max_queue, self.metrics, self.speculation = max_queue, metrics, speculation
         self.ranks = list(ranks)
-        self.max_concurrency = 1
-        self.lost: Optional[str] = None
-        self._jobs: "queue.Queue" = queue.Queue()
-        self._active = 0
         self._current = None  # the job in flight
-        self._failed: set = set()  # ids of jobs failed by the watch
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._worker, name="kimi-mlx-tensor-rank0",
-                                        daemon=True)
+        self._failed_ids: set = set()  # ids of jobs failed by the watch
         watch.exit = lambda code: self.group_lost(watch.failed or "the tensor group failed")
 
-    def start(self) -> "TensorEngine":
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """End the group: EXIT to the other ranks (when it is whole), close the leases."""
-        self._jobs.put(None)
-        self._thread.join(timeout)
+    def _after_stop(self) -> None:
+        """End the group: EXIT to the other ranks (when it is whole, `_worker_done`),
+        close the leases."""
         self.watch.close()
         self.transport.shutdown()
-
-    @property
-    def queue_length(self) -> int:
-        return self._jobs.qsize()
-
-    @property
-    def active(self) -> int:
-        return self._active
-
-    def health(self) -> Optional[str]:
-        return self.lost
-
-    def images_unsupported(self) -> Optional[str]:
-        """Why a request with images is refused (the API answers 400 with it)."""
-        return ("images do not work with --parallel tensor yet (the group runs text only); "
-                "use --parallel pipeline")
 
     def stages(self) -> list:
         """The group's ranks for /health: [{"rank", "node", "ok", "reason"}]."""
@@ -97,13 +73,6 @@ class TensorEngine:
             bad = self.lost if self.lost and f"node {node}" in self.lost else None
             out.append({"rank": rank, "node": node, "ok": self.lost is None, "reason": bad})
         return out
-
-    def submit(self, job):
-        from kimi_mlx.server.jobs import Busy, enqueue
-
-        if self.lost:
-            raise Busy(f"the tensor group is down ({self.lost})")
-        return enqueue(self._jobs, job, self.max_queue, 1, self._active)
 
     def group_lost(self, reason: str) -> None:
         """The watch's end of the group (a rank lost / stopped, a node silent): say so on
@@ -117,7 +86,7 @@ class TensorEngine:
             self.lost = f"tensor group lost: {reason}"
             job = self._current
             if job is not None:
-                self._failed.add(id(job))
+                self._failed_ids.add(id(job))
         log.error("%s", self.lost)
         if job is not None:
             job.emit(Failed(f"generation failed: {self.lost}"))
@@ -136,47 +105,33 @@ class TensorEngine:
                 return
             job.emit(Failed(f"generation failed: {self.lost}"))
 
-    def _worker(self) -> None:
-        from kimi_mlx.server.jobs import run_mlx_thread
-
-        run_mlx_thread(self._serve)
-
-    def _serve(self) -> None:
-        import mlx.core as mx
-
+    def _failed(self, job, e: Exception) -> None:
         from kimi_mlx.server.jobs import Failed, reseed_random
 
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                break
-            if self.lost:
-                job.emit(Failed(f"generation failed: {self.lost}"))
-                continue
-            with self._lock:
-                self._current, self._active = job, 1
-            try:
-                self._run(job)
-            except Exception as e:  # noqa: BLE001 - the error goes to this request only
-                if isinstance(e, RuntimeError) and self.lost is None:
-                    # a collective failed: a peer is gone; its node names it through the watch
-                    deadline = time.monotonic() + self.watch.peer_timeout + 2
-                    while self.lost is None and time.monotonic() < deadline:
-                        time.sleep(0.05)
-                    if self.lost is None:
-                        self.watch.fail(f"rank 0 (this head): {e}")
-                with self._lock:
-                    failed = id(job) in self._failed
-                if not failed:
-                    log.exception("tensor-parallel generation failed")
-                    job.emit(Failed(f"generation failed: {self.lost or f'{type(e).__name__}: {e}'}"))
-                reseed_random()
-            finally:
-                with self._lock:
-                    self._current, self._active = None, 0
-            if self.lost:
-                self.model = None  # this head's shard: freed with the group
-                mx.clear_cache()
+        if isinstance(e, RuntimeError) and self.lost is None:
+            # a collective failed: a peer is gone; its node names it through the watch
+            deadline = time.monotonic() + self.watch.peer_timeout + 2
+            while self.lost is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if self.lost is None:
+                self.watch.fail(f"rank 0 (this head): {e}")
+        with self._lock:
+            failed = id(job) in self._failed_ids
+        if not failed:
+            log.exception("tensor-parallel generation failed")
+            job.emit(Failed(f"generation failed: {self.lost or f'{type(e).__name__}: {e}'}"))
+        reseed_random()
+
+    def _after_job(self) -> None:
+        with self._lock:
+            self._current = None
+        if self.lost:
+            import mlx.core as mx
+
+            self.model = None  # this head's shard: freed with the group
+            mx.clear_cache()
+
+    def _worker_done(self) -> None:
         if self.lost is None:
             from kimi_mlx.cluster.tensor_step import OP_EXIT, command
 
@@ -188,44 +143,22 @@ class TensorEngine:
 
     def _generate(self, job):
         """(token, logprobs [vocab]) of `job` through the group."""
-        import mlx.core as mx
-
         from kimi_mlx.cluster.tensor_step import group_stream, plain_run, speculative_run
 
-        p = job.sampling
-        if self.speculation is not None and not job.logits_processors:
-            from kimi_mlx.speculative.loop import Sampling
-
-            spec = self.speculation
-            if p.seed is not None:
-                mx.random.seed(p.seed)
-            st = spec.stats
-            before = (st.steps, st.drafted, st.accepted)
-            gen = group_stream(self.model, self.group, job.ids, speculative_run(
-                job.ids, spec.draft, num_draft_tokens=spec.num_draft_tokens,
-                max_tokens=job.max_tokens, sampling=Sampling(p.temp, p.top_p, p.min_p, p.top_k),
-                stats=st), record=True)
-            try:
-                for tok, lp, _ in gen:
-                    yield tok, lp
-            finally:
-                gen.close()
-                if self.metrics is not None:
-                    self.metrics.speculated(st.steps - before[0], st.drafted - before[1],
-                                            st.accepted - before[2])
-            return
-        gen = group_stream(self.model, self.group, job.ids, plain_run(
-            job.ids, job.max_tokens, p.sampler(), job.logits_processors))
-        try:
-            yield from gen
-        finally:
-            gen.close()
+        if self.speculates(job):
+            return self._speculate(job, lambda spec: group_stream(
+                self.model, self.group, job.ids, speculative_run(
+                    job.ids, spec.draft, num_draft_tokens=spec.num_draft_tokens,
+                    max_tokens=job.max_tokens, sampling=job.sampling, stats=spec.stats),
+                record=True))
+        return group_stream(self.model, self.group, job.ids, plain_run(
+            job.ids, job.max_tokens, job.sampling.sampler(), job.logits_processors))
 
     def _run(self, job) -> None:
-        from kimi_mlx.server.jobs import Started, cancelled_in_queue, stream_to_job
+        from kimi_mlx.server.jobs import Started, stream_to_job
 
-        if cancelled_in_queue(job, self.metrics):
-            return
+        with self._lock:
+            self._current = job
         tic = time.perf_counter()
         job.emit(Started(0))
         gen = self._generate(job)

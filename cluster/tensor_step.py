@@ -237,10 +237,10 @@ def speculative_run(prompt: Sequence[int], draft, *, num_draft_tokens: int, max_
     [vocab], from_draft) as `speculative_generate_step`."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from kimi_mlx.speculative.loop import speculative_generate_step
+    from kimi_mlx.speculative.loop import loop_for
 
     def run(target):
-        step = getattr(draft, "generate_step", None) or speculative_generate_step
+        step = loop_for(draft)
         caches = target.make_cache() + make_prompt_cache(draft)
         return step(list(prompt), target, draft, num_draft_tokens=num_draft_tokens,
                     max_tokens=max_tokens, sampling=sampling, prompt_cache=caches,

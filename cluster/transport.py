@@ -33,9 +33,9 @@ import numpy as np
 from kimi_mlx.cluster import stage_pb2 as pb
 from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.runner import Sampling
+from kimi_mlx.sampling import Sampling
 from kimi_mlx.cluster.service import DEFAULT_MAX_MESSAGE, STAGE_SERVICE, make_channel
-from kimi_mlx.cluster.wire import PROTOCOL_VERSION, from_tensor, to_tensor
+from kimi_mlx.cluster.wire import PROTOCOL_VERSION, from_tensor, sampling_to_pb, to_tensor
 
 log = logging.getLogger("kimi_mlx.cluster.transport")
 
@@ -381,10 +381,8 @@ class GrpcTransport(Transport):
         if self.lost:
             raise self._failure(None)
         s = _HeadSession(session)
-        sp = pb.Sampling(temp=sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p,
-                         top_k=sampling.top_k, has_seed=sampling.seed is not None,
-                         seed=sampling.seed or 0)
-        s.open_msg = pb.SessionOpen(session=session, head=self.head_id, sampling=sp,
+        s.open_msg = pb.SessionOpen(session=session, head=self.head_id,
+                                    sampling=sampling_to_pb(sampling),
                                     return_logprobs=return_logprobs,
                                     bounds=([a.start for a in self.stages] + [self.stages[-1].end]
                                             if self.stages else []),

@@ -159,3 +159,34 @@ def check_session_id(session: str) -> None:
     """WireError unless `session` is 1-64 characters of [A-Za-z0-9_.:-]."""
     if not SESSION_RE.match(session or ""):
         raise WireError(f"session id {session[:80]!r} is not 1-64 characters of [A-Za-z0-9_.:-]")
+
+
+def sampling_to_pb(sampling):
+    """A `kimi_mlx.sampling.Sampling` as the `stage_pb2.Sampling` a last stage samples
+    with: every field of both by the same name (the processors' fields, which run on the
+    head, are not in the message); `seed` travels with `has_seed`. The one conversion to
+    the wire (`sampling_from_pb` is its inverse)."""
+    from dataclasses import fields
+
+    from kimi_mlx.cluster.stage_pb2 import Sampling as PbSampling
+
+    wire = PbSampling.DESCRIPTOR.fields_by_name
+    values = {f.name: getattr(sampling, f.name) for f in fields(sampling)
+              if f.name in wire and getattr(sampling, f.name) is not None}
+    return PbSampling(**values, has_seed=sampling.seed is not None)
+
+
+def sampling_from_pb(msg):
+    """The `kimi_mlx.sampling.Sampling` of a `stage_pb2.Sampling`: each field the message
+    sets (proto3: a non-zero scalar, or an `optional` one present) over the defaults, so a
+    field an older head does not send keeps its default; `seed` only with `has_seed`.
+    Ranges are checked (`Sampling.check`): InputError (a ValueError) names the field."""
+    from dataclasses import fields
+
+    from kimi_mlx.sampling import Sampling
+
+    ours = {f.name for f in fields(Sampling)}
+    values = {fd.name: v for fd, v in msg.ListFields() if fd.name in ours and fd.name != "seed"}
+    if msg.has_seed:
+        values["seed"] = msg.seed
+    return Sampling(**values).check()

@@ -6,7 +6,6 @@ tokenizer, mlx-lm's generation loop and `kimi_mlx.generation.evaluate`.
 """
 
 import json
-from argparse import Namespace
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import pytest
 from kimi_mlx.model.config import ARCHITECTURE, ModelArgs
 from kimi_mlx.generation.evaluate import expert_usage, perplexity, read_tokens
 from kimi_mlx.generation.generate import default_model, resolve_model_arg, stream
+from kimi_mlx.sampling import Sampling
 from kimi_mlx.checkpoint.loader import load_for_generation
 from kimi_mlx.checkpoint.loader import load_model, read_header
 from kimi_mlx.micro.corpus import build_corpus
@@ -117,8 +117,7 @@ def test_generate_defaults_to_the_shipped_checkpoint():
 
 def _greedy(model_dir, prompt_ids, n):
     model, wrapper, _, _ = load_for_generation(str(model_dir))
-    args = Namespace(temp=0.0, top_p=1.0, min_p=0.0, top_k=0, seed=None, max_tokens=n)
-    return [r.token for r in stream(model, wrapper, prompt_ids, args)]
+    return [r.token for r in stream(model, wrapper, prompt_ids, Sampling(), n)]
 
 
 def test_greedy_generation_continues_training_text(shipped):

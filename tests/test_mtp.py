@@ -442,3 +442,31 @@ def test_an_mtp_layer_with_its_own_head_and_embedding_uses_them(mtp_ckpt, loaded
     _, got = mine.step(h, toks, DSACache())
     assert rel_err(got, 2 * base) < tolerance(2, reduction_length(model.args, 3))
     assert "head" in mine.mtp_layers[0].shared_head and "embed_tokens" in mine.mtp_layers[0]
+
+
+def test_the_server_engine_decodes_with_the_mtp_draft(mtp_ckpt):
+    """`kimi-mlx server --draft mtp`: the one-process engine runs the MTP loop (which
+    prefills itself) and gives mlx-lm's plain greedy tokens, request after request; a
+    request with a prompt cache configured still works (the cache is turned off)."""
+    from kimi_mlx.server.engine import Engine
+    from kimi_mlx.server.jobs import Finished, Job
+    from kimi_mlx.server.prompt_cache import PromptCache
+    from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
+    from kimi_mlx.speculative.settings import DraftSettings
+
+    model, _, _ = load_model(mtp_ckpt, verbose=False)
+    spec = build_speculation(DraftSettings(kind="mtp", num_draft_tokens=2), where=ONE_PROCESS,
+                             target_name=str(mtp_ckpt), model=model)
+    engine = Engine(model, eos_ids=[], prompt_cache=PromptCache(1 << 20), speculation=spec)
+    assert engine.prompt_cache is None
+    engine.start()
+    try:
+        for prompt in ([5, 9, 2, 7, 7, 1], [3, 3, 8]):
+            job = Job(prompt, 8)
+            job.attach()
+            events = list(engine.submit(job).events(timeout=120))
+            assert isinstance(events[-1], Finished), events[-1]
+            assert [e.token for e in events[:-1]] == plain_greedy(model, prompt, 8)
+    finally:
+        engine.stop()
+    assert spec.stats.steps > 0

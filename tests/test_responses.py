@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 
+from kimi_mlx.server.engine_base import BaseEngine
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.server.jobs import Finished, TokenOut
 from kimi_mlx.server.responses_api import ResponseStore
@@ -172,12 +173,13 @@ def test_auth_and_unknown_model(server):
 # ------------------------------------------------------------------ tools (scripted reply)
 
 
-class RecordingEngine:
+class RecordingEngine(BaseEngine):
     """Stands in for the model: answers every job with a fixed token sequence and keeps
     the prompt ids it was given."""
 
     def __init__(self, tokens):
-        self.tokens, self.queue_length, self.active, self.prompts = tokens, 0, 0, []
+        super().__init__()
+        self.tokens, self.prompts = tokens, []
 
     def submit(self, job):
         self.prompts.append(list(job.ids))

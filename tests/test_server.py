@@ -15,6 +15,7 @@ import mlx.core as mx
 import openai
 import pytest
 
+from kimi_mlx.server.engine_base import BaseEngine
 from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.server.app import create_app
 from kimi_mlx.server.serving import BackgroundServer, load_service, make_service, resolve_api_key
@@ -202,11 +203,12 @@ def test_prompt_cache_hit_gives_cold_greedy_tokens(server, oai):
 # ------------------------------------------------------------------ tool calls (scripted)
 
 
-class ScriptedEngine:
+class ScriptedEngine(BaseEngine):
     """Stands in for the model: answers every job with a fixed token sequence."""
 
     def __init__(self, tokens):
-        self.tokens, self.queue_length, self.active = tokens, 0, 0
+        super().__init__()
+        self.tokens = tokens
 
     def submit(self, job):
         def run():
@@ -447,7 +449,7 @@ def test_one_at_a_time_engine_matches_batched(server):
         engine.stop()
 
 
-class _Refusing:
+class _Refusing(BaseEngine):
     queue_length = active = 0
 
     def __init__(self, fail_after=None):
@@ -542,7 +544,7 @@ def test_prompt_cache_snapshots_every_n_tokens_of_a_long_prompt():
     from kimi_mlx.server.engine import Engine
     from kimi_mlx.server.jobs import Job
     from kimi_mlx.server.prompt_cache import PromptCache
-    from kimi_mlx.generation.request import SamplingParams
+    from kimi_mlx.sampling import Sampling as SamplingParams
     from kimi_mlx.checkpoint.loader import load_for_generation
 
     model, _, tok, _ = load_for_generation(MICRO)
@@ -619,7 +621,8 @@ def test_cli_serves_until_interrupted(tmp_path):
 
 
 def test_sampling_defaults_from_generation_config(tmp_path):
-    from kimi_mlx.generation.request import SamplingParams, generation_defaults
+    from kimi_mlx.generation.request import generation_defaults
+    from kimi_mlx.sampling import Sampling as SamplingParams
 
     assert generation_defaults(tmp_path) == SamplingParams()  # no file: greedy
     (tmp_path / "generation_config.json").write_text(json.dumps(

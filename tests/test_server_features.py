@@ -15,6 +15,7 @@ import pytest
 from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.server.cli import main as server_main
+from kimi_mlx.speculative.settings import DraftSettings
 from kimi_mlx.testing.servers import start_server
 
 MICRO = str(default_model())
@@ -25,7 +26,7 @@ MSGS = [{"role": "system", "content": "You are a careful Python programmer."},
 
 def _serve(draft, concurrency):
     srv, svc = start_server(MICRO, None, None, 1 << 20, max_concurrency=concurrency,
-                            draft_model=draft, num_draft_tokens=3)
+                            drafts=DraftSettings(model=draft, num_draft_tokens=3) if draft else None)
     return svc, srv
 
 

@@ -16,9 +16,12 @@ import mlx.core as mx
 import openai
 import pytest
 
+from kimi_mlx.server.engine_base import BaseEngine
 from kimi_mlx.checkpoint.loader import load_for_generation
 from kimi_mlx.text.chat_format import encode_chat
-from kimi_mlx.generation.request import SamplingParams, default_model
+from kimi_mlx.generation.request import default_model
+from kimi_mlx.sampling import Sampling as SamplingParams
+from kimi_mlx.speculative.settings import DraftSettings
 from kimi_mlx.server.app import create_app
 from kimi_mlx.server.common import n_vocab
 from kimi_mlx.server.engine import Engine
@@ -157,7 +160,8 @@ def servers():
     for draft, conc in ((None, 4), (DRAFT, 1)):
         svc = make_service(MICRO, None, "micro", 1 << 20)
         load_service(svc, MICRO, max_concurrency=conc, prompt_cache_bytes=32 << 20,
-                     max_queue=16, max_kv_size=None, draft_model=draft)
+                     max_queue=16, max_kv_size=None,
+                     drafts=DraftSettings(model=draft) if draft else None)
         out.append((svc, BackgroundServer(create_app(svc)).start()))
     yield [(svc, srv.url) for svc, srv in out]
     for svc, srv in out:
@@ -230,7 +234,7 @@ def test_the_issue_sequence_over_http(servers):
 # ------------------------------------------------------------------ streams
 
 
-class _FailingEngine:
+class _FailingEngine(BaseEngine):
     """An engine whose every job emits two tokens, then fails (as a lost stage would)."""
 
     queue_length = active = 0
@@ -434,7 +438,7 @@ def test_anthropic_message_start_usage_agrees_with_message_delta(servers):
         hit.input_tokens, hit.cache_read_input_tokens)
 
 
-class _Scripted:
+class _Scripted(BaseEngine):
     """Answers every job with fixed token ids."""
 
     queue_length = active = 0

@@ -4,11 +4,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from kimi_mlx.server.common import APIError, logits_processors
+from kimi_mlx.sampling import Sampling
+from kimi_mlx.server.common import APIError, sampling_from
 
 
 def _svc(n_vocab=4352):
-    return SimpleNamespace(tok=SimpleNamespace(vocab_size=n_vocab), engine=SimpleNamespace())
+    return SimpleNamespace(tok=SimpleNamespace(vocab_size=n_vocab), engine=SimpleNamespace(),
+                           defaults=Sampling())
+
+
+def logits_processors(svc, req):
+    return sampling_from(svc, req).logits_processors()
 
 
 @pytest.mark.parametrize("key", ["99999999", "4352", "-1"])

@@ -10,6 +10,7 @@ import pytest
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.server.app import create_app
 from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
+from kimi_mlx.speculative.settings import DraftSettings
 
 MICRO = str(default_model())
 SYSTEM = {"role": "system", "content": "You are a careful Python programmer."}
@@ -21,7 +22,9 @@ ASKS = ["Write a queue class.", "def add(a, b):\n    return a + b\n\ndef add(a, 
 def _serve(ngram, concurrency):
     svc = make_service(MICRO, None, None, 1 << 20)
     load_service(svc, MICRO, max_concurrency=concurrency, prompt_cache_bytes=64 << 20,
-                 max_queue=8, max_kv_size=None, num_draft_tokens=4, ngram=ngram)
+                 max_queue=8, max_kv_size=None,
+                 drafts=DraftSettings(kind="ngram", num_draft_tokens=4, ngram_max=ngram[0],
+                                      ngram_min=ngram[1]) if ngram else None)
     srv = BackgroundServer(create_app(svc)).start()
     return svc, srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=120,
                                    max_retries=0)

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from kimi_mlx.server.engine_base import BaseEngine
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.server.jobs import Finished, TokenOut
 from kimi_mlx.testing.servers import served, sibling_server
@@ -193,11 +194,12 @@ def test_stop_button_cancels_the_generation_on_the_server(server, page):
     assert not page.is_disabled("#send")
 
 
-class ScriptedEngine:
+class ScriptedEngine(BaseEngine):
     """Stands in for the model: every job gets the same token sequence."""
 
     def __init__(self, tokens):
-        self.tokens, self.queue_length, self.active = tokens, 0, 0
+        super().__init__()
+        self.tokens = tokens
 
     def submit(self, job):
         def run():

@@ -108,9 +108,9 @@ def run_plain(model, prompt: List[int], tokens: int):
 def run_spec(model, draft, prompt: List[int], tokens: int, k: int, stats):
     """Speculative generation with a draft model, or with a draft that brings its own loop
     (`NgramDraft.generate_step`)."""
-    from kimi_mlx.speculative.loop import speculative_generate_step
+    from kimi_mlx.speculative.loop import loop_for
 
-    step = getattr(draft, "generate_step", None) or speculative_generate_step
+    step = loop_for(draft)
     return _gen_time(lambda: step(
         prompt, model, draft, num_draft_tokens=k, max_tokens=tokens, stats=stats))
 

@@ -13,15 +13,16 @@ vision tower loads on the first image).
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from typing import List
 
 from kimi_mlx.checkpoint.loader import load_for_generation
-from kimi_mlx.generation.generate import load_speculation, use_color
+from kimi_mlx.generation.generate import use_color
 from kimi_mlx.generation.request import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
-                                         add_mtp_argument, add_quiet_argument, check_draft_arguments,
-                                         check_model_arguments,
-                                         micro_note, resolve_model_arg, serving_context,
-                                         token_budget)
+                                         add_mtp_argument, add_quiet_argument, check_model_arguments,
+                                         draft_settings, micro_note, resolve_model_arg,
+                                         sampling_from_args, serving_context, token_budget)
+from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
 
 
 def add_arguments(p) -> None:
@@ -128,9 +129,8 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     else:
         from kimi_mlx.generation.streaming import stream_speculative
 
-        responses = stream_speculative(model, speculation.draft, wrapper, ids[n:],
-                                       max_tokens=budget, prompt_cache=conv.cache,
-                                       **speculation.kwargs())
+        responses = stream_speculative(model, speculation, wrapper, ids[n:],
+                                       max_tokens=budget, prompt_cache=conv.cache)
     try:
         for r in responses:
             generated.append(r.token)
@@ -188,20 +188,23 @@ def _new_embeddings(model, tok, vision, messages, ids, n):
 
 def run(args) -> int:
     import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
 
     try:
         check_model_arguments(args)
-        check_draft_arguments(args)
+        drafts = draft_settings(args)
         spec = resolve_model_arg(args.model)
         model, wrapper, tok, _ = load_for_generation(spec, progress=not args.quiet)
-        speculation = load_speculation(args, wrapper, spec, model)
+        speculation = build_speculation(drafts, where=ONE_PROCESS, target_wrapper=wrapper,
+                                        target_name=spec, model=model,
+                                        sampling=sampling_from_args(args))
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx chat: error: {e}", file=sys.stderr)
         return 2
     if args.seed is not None:
         mx.random.seed(args.seed)
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    # seeded once above, for the whole chat (as mlx_lm.chat): the sampler draws from the
+    # global stream
+    sampler = replace(sampling_from_args(args), seed=None).sampler()
     conv = Conversation(args.system_prompt)
     effort = args.reasoning_effort
     context = serving_context(model.args.max_position_embeddings, args.max_kv_size)[0]

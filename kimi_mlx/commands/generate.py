@@ -13,10 +13,11 @@ from kimi_mlx.checkpoint.hub import resolve
 from kimi_mlx.checkpoint.loader import load_for_generation
 from kimi_mlx.generation.images import Vision, media_pad_id, prompt_embeddings
 from kimi_mlx.generation.generate import add_arguments as add_generate_arguments
-from kimi_mlx.generation.generate import load_speculation, print_generation, stream
-from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_draft_arguments,
-                                         check_model_arguments, micro_note, resolve_model_arg,
-                                         serving_context)
+from kimi_mlx.generation.generate import print_generation, stream
+from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_model_arguments,
+                                         draft_settings, micro_note, resolve_model_arg,
+                                         sampling_from_args, serving_context)
+from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -31,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     try:
         check_model_arguments(args)
-        check_draft_arguments(args)
+        drafts = draft_settings(args)
         spec = resolve_model_arg(args.model)
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
         if prompt is None:
@@ -61,14 +62,17 @@ def run(args) -> int:
         embeddings = None
         if images:
             embeddings = prompt_embeddings(model, vision, ids, images, media_pad_id(tok, config))
-        speculation = load_speculation(args, wrapper, spec, model)
+        speculation = build_speculation(drafts, where=ONE_PROCESS, target_wrapper=wrapper,
+                                        target_name=spec, model=model,
+                                        sampling=sampling_from_args(args))
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx generate: error: {e}", file=sys.stderr)
         return 2
     if note:
         print(note, file=sys.stderr)
 
-    rc = print_generation(args, stream(model, wrapper, ids, args, speculation, embeddings))
+    rc = print_generation(stream(model, wrapper, ids, sampling_from_args(args), args.max_tokens,
+                                 speculation, embeddings), args.verbose, args.ignore_chat_template)
     if speculation is not None and args.verbose:
         print(speculation.summary())
     return rc

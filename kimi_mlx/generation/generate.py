@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import replace
 from typing import Iterator, List
+
+from kimi_mlx.sampling import Sampling
 
 from kimi_mlx.generation.request import (  # noqa: F401  (re-exported: the request path lives in request.py)
     DEFAULT_MAX_TOKENS, EFFORTS, InputError, add_draft_arguments, add_model_arguments, add_mtp_argument,
@@ -35,45 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_quiet_argument(p)
 
 
-def load_speculation(args, wrapper, target_name: str, model=None):
-    """The `speculative.Speculation` for --draft-model, --draft mtp or --draft ngram (None
-    without any): a draft model loaded and its tokenizer checked against the target's
-    (`speculative.load_draft`), the target checkpoint's MTP layers (`mtp.load_mtp`,
-    bound to `model`; CheckpointError, a ValueError, when it has none), or n-gram
-    lookup (`ngram.NgramDraft` with --ngram-max / --ngram-min)."""
-    if not getattr(args, "draft_model", None) and not getattr(args, "draft", None):
-        return None
-    from kimi_mlx.speculative.loop import Sampling, Speculation, load_draft
-
-    if getattr(args, "draft", None) == "ngram":
-        from kimi_mlx.speculative.ngram import NgramDraft
-
-        draft = NgramDraft(args.ngram_max, args.ngram_min)
-    elif getattr(args, "draft", None) == "mtp":
-        from kimi_mlx.checkpoint.hub import resolve
-        from kimi_mlx.speculative.mtp import load_mtp
-
-        if model is None:
-            raise InputError("--draft mtp needs the loaded target model")
-        draft = load_mtp(resolve(target_name), model, depths=1)
-    else:
-        draft = load_draft(args.draft_model, wrapper, target_name)
-    return Speculation(draft, args.num_draft_tokens,
-                       Sampling(args.temp, args.top_p, args.min_p, args.top_k))
-
-
-def stream(model, wrapper, prompt_ids: List[int], args, speculation=None,
-           input_embeddings=None) -> Iterator:
-    """mlx-lm `stream_generate` with our sampler settings, or speculative decoding with
+def stream(model, wrapper, prompt_ids: List[int], sampling: Sampling, max_tokens: int,
+           speculation=None, input_embeddings=None) -> Iterator:
+    """mlx-lm `stream_generate` with `sampling`'s sampler, or speculative decoding with
     `speculation` (`streaming.stream_speculative`); yields GenerationResponse.
     `input_embeddings` [L, hidden]: the prompt's embeddings (images in it), passed to
-    mlx-lm's generate_step; not with speculation (InputError)."""
+    mlx-lm's generate_step; not with speculation (InputError). A seed seeds MLX's global
+    PRNG first (as `mlx_lm.generate --seed`)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
-    from mlx_lm.sample_utils import make_sampler
 
-    if args.seed is not None:
-        mx.random.seed(args.seed)
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
     if speculation is not None:
         from kimi_mlx.generation.streaming import stream_speculative
 
@@ -81,14 +57,12 @@ def stream(model, wrapper, prompt_ids: List[int], args, speculation=None,
             raise InputError("images do not work with speculative decoding yet: drop "
                              "--draft-model / --draft or the images")
 
-        yield from stream_speculative(model, speculation.draft, wrapper, prompt_ids,
-                                      max_tokens=args.max_tokens, **speculation.kwargs())
+        yield from stream_speculative(model, speculation, wrapper, prompt_ids,
+                                      max_tokens=max_tokens)
         return
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     extra = {} if input_embeddings is None else {"input_embeddings": input_embeddings}
-    yield from stream_generate(
-        model, wrapper, prompt_ids, max_tokens=args.max_tokens, sampler=sampler, **extra
-    )
+    yield from stream_generate(model, wrapper, prompt_ids, max_tokens=max_tokens,
+                               sampler=replace(sampling, seed=None).sampler(), **extra)
 
 
 def use_color(stream=None) -> bool:
@@ -98,15 +72,15 @@ def use_color(stream=None) -> bool:
     return stream.isatty() and not os.environ.get("NO_COLOR")
 
 
-def print_generation(args, responses) -> int:
+def print_generation(responses, verbose: bool = True, raw: bool = False) -> int:
     """Stream mlx-lm GenerationResponses to stdout as `kimi-mlx generate` does (reasoning
-    dimmed on a terminal unless --ignore-chat-template), then mlx_lm.generate's timing
-    and peak-memory lines when --verbose. Shared with `kimi-mlx cluster launch`."""
+    dimmed on a terminal unless `raw`: --ignore-chat-template), then mlx_lm.generate's
+    timing and peak-memory lines when `verbose`. Shared with `kimi-mlx cluster launch`."""
     from kimi_mlx.text.chat_format import ReplyStream
 
-    pretty = ReplyStream() if not args.ignore_chat_template else None
+    pretty = ReplyStream() if not raw else None
     dim = use_color()
-    if args.verbose:
+    if verbose:
         print("=" * 10)
     response = None
     for response in responses:
@@ -121,7 +95,7 @@ def print_generation(args, responses) -> int:
         for channel, text in pretty.finish():
             print(text, end="", flush=True)
     print()
-    if args.verbose and response is not None:
+    if verbose and response is not None:
         print("=" * 10)
         print(f"Prompt: {response.prompt_tokens} tokens, "
               f"{response.prompt_tps:.3f} tokens-per-sec")

@@ -16,17 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
-DEFAULT_MAX_TOKENS = 256
+from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, InputError, Sampling  # noqa: F401  (re-exported)
+from kimi_mlx.speculative.settings import (DEFAULT_NGRAM_MAX as NGRAM_MAX, DEFAULT_NGRAM_MIN as NGRAM_MIN,
+                                           DEFAULT_NUM_DRAFT_TOKENS, DRAFT_KINDS, DraftSettings)
+
 EFFORTS = ("low", "high", "max")
-DEFAULT_NUM_DRAFT_TOKENS = 3
-NGRAM_MAX, NGRAM_MIN = 4, 1  # --draft ngram's sizes: speculative.ngram.DEFAULT_NGRAM_MAX / _MIN
 # The smallest usable cap on prompt + generated tokens: a prompt holds at least one token
 # and a request generates at least one, so a cap of 1 could never serve anything
 MIN_KV_SIZE = 2
-
-
-class InputError(ValueError):
-    """Bad user input (empty prompt, prompt longer than the context, ...)."""
 
 
 def default_model() -> Optional[Path]:
@@ -105,7 +102,7 @@ def check_model_arguments(args) -> None:
     """
     if args.max_tokens != -1 and args.max_tokens < 1:
         raise InputError(f"--max-tokens must be >= 1, or -1 for no limit (got {args.max_tokens})")
-    check_sampling(args.temp, args.top_p, args.min_p, args.top_k, prefix="--")
+    sampling_from_args(args).check(flags=True)
     check_max_kv_size(args.max_kv_size)
 
 
@@ -152,25 +149,24 @@ def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = 
                         + (" or --draft)" if mtp else ")"))
 
 
-def add_mtp_argument(p: argparse.ArgumentParser, kinds=("mtp", "ngram")) -> None:
+def add_mtp_argument(p: argparse.ArgumentParser) -> None:
     """--draft KIND: a draft without a separate draft model, and the n-gram sizes.
 
-    mtp: the checkpoint's own MTP layers (generate, chat); ngram: prompt-lookup drafts
-    from the context (`kimi_mlx.speculative.ngram`; generate, chat, server, cluster
-    launch). `kinds` lists those the command offers."""
+    mtp: the checkpoint's own MTP layers (generate, chat, server; the cluster commands
+    refuse it by name, `speculative.factory.check_draft_target`); ngram: prompt-lookup
+    drafts from the context (`kimi_mlx.speculative.ngram`; every command)."""
     helps = {"mtp": "mtp: the checkpoint's own multi-token-prediction layers as the draft "
                     "(config num_nextn_predict_layers > 0)",
              "ngram": "ngram: prompt lookup, the tokens that followed the longest earlier "
                       "match of the context's last --ngram-max..--ngram-min tokens (no "
                       "draft model; a step without a match is a plain step)"}
-    p.add_argument("--draft", choices=tuple(kinds), default=None,
+    p.add_argument("--draft", choices=DRAFT_KINDS, default=None,
                    help="speculative decoding without --draft-model; "
-                        + "; ".join(helps[k] for k in kinds) + ". Output stays the model's")
-    if "ngram" in kinds:
-        p.add_argument("--ngram-max", type=int, default=None,
-                       help=f"--draft ngram: longest n-gram matched (default {NGRAM_MAX})")
-        p.add_argument("--ngram-min", type=int, default=None,
-                       help=f"--draft ngram: shortest n-gram matched (default {NGRAM_MIN})")
+                        + "; ".join(helps[k] for k in DRAFT_KINDS) + ". Output stays the model's")
+    p.add_argument("--ngram-max", type=int, default=None,
+                   help=f"--draft ngram: longest n-gram matched (default {NGRAM_MAX})")
+    p.add_argument("--ngram-min", type=int, default=None,
+                   help=f"--draft ngram: shortest n-gram matched (default {NGRAM_MIN})")
 
 
 def check_draft_arguments(args) -> None:
@@ -195,6 +191,21 @@ def check_draft_arguments(args) -> None:
         raise InputError(f"--num-draft-tokens must be >= 1, got {k}")
 
 
+def draft_settings(args) -> Optional[DraftSettings]:
+    """The `DraftSettings` of --draft-model / --draft / --num-draft-tokens / --ngram-*
+    (None without a draft), checked (`check_draft_arguments`; InputError naming the
+    flag). The one place flags become the speculation factory's settings."""
+    check_draft_arguments(args)
+    model, kind = getattr(args, "draft_model", None), getattr(args, "draft", None)
+    if not model and not kind:
+        return None
+    extra = {"ngram_max": args.ngram_max, "ngram_min": args.ngram_min} if kind == "ngram" else {}
+    try:
+        return DraftSettings(model or None, kind, args.num_draft_tokens, **extra)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
 def check_ngram_arguments(args) -> None:
     """Checks --ngram-max / --ngram-min and fills in their defaults under --draft ngram.
 
@@ -213,22 +224,9 @@ def check_ngram_arguments(args) -> None:
                          f"--ngram-min {args.ngram_min} and --ngram-max {args.ngram_max}")
 
 
-def check_sampling(temp: float, top_p: float, min_p: float, top_k: int, prefix: str = "") -> None:
-    """InputError unless temp >= 0, top_p in (0, 1], min_p in [0, 1], top_k >= 0.
-
-    `prefix` spells the names as the caller's user sees them ("--" for flags, "" for API
-    fields: `top_p` vs `--top-p`)."""
-    def name(n):
-        return f"--{n.replace('_', '-')}" if prefix == "--" else n
-
-    if temp < 0:
-        raise InputError(f"{name('temp' if prefix else 'temperature')} must be >= 0 (0 = greedy), got {temp}")
-    if not 0 < top_p <= 1:
-        raise InputError(f"{name('top_p')} must be in (0, 1] (1 = off), got {top_p}")
-    if not 0 <= min_p <= 1:
-        raise InputError(f"{name('min_p')} must be in [0, 1] (0 = off), got {min_p}")
-    if top_k < 0:
-        raise InputError(f"{name('top_k')} must be >= 0 (0 = off), got {top_k}")
+def sampling_from_args(args) -> Sampling:
+    """The `Sampling` of the sampling flags `add_model_arguments` adds (not checked)."""
+    return Sampling(args.temp, args.top_p, args.min_p, args.top_k, args.seed)
 
 
 def resolve_model_arg(spec: Optional[str]) -> str:
@@ -344,79 +342,33 @@ def check_context_strict(n_prompt: int, max_tokens: int, context: int) -> None:
 # ------------------------------------------------------------------ sampling
 
 
-@dataclass
-class SamplingParams:
-    """One request's sampling settings (mlx-lm `make_sampler`; temp 0 = greedy).
-
-    seed: re-seeds MLX's PRNG for this request (None: continue the global stream)."""
-
-    temp: float = 0.0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    top_k: int = 0
-    seed: Optional[int] = None
-
-    def check(self) -> "SamplingParams":
-        check_sampling(self.temp, self.top_p, self.min_p, self.top_k)
-        return self
-
-    def sampler(self):
-        """Sampler: logprobs [B, vocab] -> token ids [B]. mlx-lm's `make_sampler` when
-        unseeded (or greedy); with a seed the same filter chain (mlx-lm's apply_top_p,
-        apply_min_p, apply_top_k, in make_sampler's order) then a categorical draw from
-        this request's own PRNG key, so a seeded request samples the same tokens whatever
-        else runs at the same time."""
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_sampler
-
-        if self.temp == 0 or self.seed is None:
-            return make_sampler(self.temp, self.top_p, self.min_p, top_k=self.top_k)
-        import mlx.core as mx
-
-        key = mx.random.key(self.seed)
-        temp, top_p, min_p, top_k = self.temp, self.top_p, self.min_p, self.top_k
-
-        def sampler(logprobs):
-            nonlocal key
-            if 0 < top_p < 1.0:
-                logprobs = apply_top_p(logprobs, top_p)
-            if min_p != 0.0:
-                logprobs = apply_min_p(logprobs, min_p, 1)
-            if top_k > 0:
-                logprobs = apply_top_k(logprobs, top_k)
-            key, sub = mx.random.split(key)
-            return mx.random.categorical(logprobs * (1.0 / temp), key=sub)
-
-        return sampler
-
-
-def generation_defaults(model_dir: Path) -> SamplingParams:
+def generation_defaults(model_dir: Path) -> Sampling:
     """Sampling defaults from the checkpoint's generation_config.json (temperature,
     top_p, top_k, min_p); greedy where a key is absent. ValueError for a file that is
     not a JSON object or a value of the wrong type, naming the file and key."""
     path = Path(model_dir) / "generation_config.json"
-    params = SamplingParams()
     if not path.exists():
-        return params
+        return Sampling()
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
+    params: dict = {}
     for key, attr, kind in (("temperature", "temp", float), ("top_p", "top_p", float),
                             ("top_k", "top_k", int), ("min_p", "min_p", float)):
         if key in data and data[key] is not None:
             v = data[key]
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise ValueError(f"{path}: {key} must be a number, got {v!r}")
-            setattr(params, attr, kind(v))
+            params[attr] = kind(v)
     if data.get("do_sample") is False:
-        params.temp = 0.0
+        params["temp"] = 0.0
     try:
-        params.check()
+        return Sampling(**params).check()
     except InputError as e:
         raise ValueError(f"{path}: {e}") from None
-    return params
 
 
 # ------------------------------------------------------------------ stop strings

@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Iterator, List, Optional, Tuple
 
+from kimi_mlx.sampling import DEFAULT_MAX_TOKENS
+
 __all__ = ["stream_responses", "stream_speculative"]
 
 
@@ -75,32 +77,27 @@ def stream_responses(
 
 def stream_speculative(
     model,
-    draft_model,
+    speculation,
     tokenizer,
     prompt: List[int],
-    max_tokens: int = 256,
-    **kwargs,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    prompt_cache=None,
 ) -> Iterator:
-    """mlx-lm `stream_generate` for `speculative_generate_step`: yields mlx-lm
-    `GenerationResponse`s (from_draft marks accepted drafts), stops at an EOS token like
-    mlx-lm, and closes the generator so the caches are settled before returning.
-
-    kwargs go to `speculative_generate_step` (num_draft_tokens, sampling, prompt_cache,
-    prefill_step_size, stats), or to `draft_model.generate_step` when the draft has one.
-    """
+    """mlx-lm `stream_generate` for speculative decoding with `speculation`
+    (`speculative.loop.Speculation`: its draft, k, sampling and stats; its `step` picks
+    the loop): yields mlx-lm `GenerationResponse`s (from_draft marks accepted drafts),
+    stops at an EOS token like mlx-lm, and closes the generator so the caches are settled
+    before returning. `prompt_cache`: the target's caches followed by the draft's, kept
+    across calls (a chat's turns)."""
     import mlx.core as mx
     from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    from kimi_mlx.speculative.loop import speculative_generate_step
 
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
     if not isinstance(tokenizer, TokenizerWrapper):
         tokenizer = TokenizerWrapper(tokenizer)
-    # A draft that brings its own loop (`kimi_mlx.speculative.mtp.MTP.generate_step`: the target's
-    # own MTP layers) runs it, with the same arguments and triples.
-    step = getattr(draft_model, "generate_step", None) or speculative_generate_step
-    gen = step(prompt, model, draft_model, max_tokens=max_tokens, **kwargs)
+    gen = speculation.step(prompt, model, speculation.draft, max_tokens=max_tokens,
+                           prompt_cache=prompt_cache, **speculation.kwargs())
     try:
         yield from stream_responses(gen, tokenizer, len(prompt), max_tokens,
                                     mx.get_peak_memory, before_final=gen.close)

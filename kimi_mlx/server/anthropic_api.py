@@ -267,7 +267,7 @@ def _prompt(svc: Service, req):
 def prepare(svc: Service, req: MessagesRequest) -> Job:
     ids, ends, images = _prompt(svc, req)
     return Job(ids, budget(svc, len(ids), req.max_tokens, anthropic=True),
-               sampling_from(svc, req.temperature, req.top_p, req.top_k, None, req.seed),
+               sampling_from(svc, req),
                None, ends, **job_images(svc, ids, images))
 
 

@@ -211,8 +211,8 @@ def _add_info_routes(app: FastAPI, svc: Service) -> None:
         adds "stages": [{"index", "node", "address", "layers", "ok", "reason"}]."""
         reason = svc.not_ready_reason()
         model = svc.model_ids[0] if svc.model_ids else None
-        stages = getattr(svc.engine, "stages", None)
-        extra = {"stages": stages()} if stages else {}
+        stages = svc.engine.stages() if svc.engine is not None else None
+        extra = {"stages": stages} if stages is not None else {}
         if reason:
             return JSONResponse({"status": "unavailable", "reason": reason, "model": model,
                                  **extra}, status_code=503)

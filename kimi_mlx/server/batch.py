@@ -122,13 +122,13 @@ def run_batched(engine) -> None:
         while not engine._stopping.is_set():
             if not _admit(engine, gen, live):
                 return
-            engine._active = len(live)
+            engine.active = len(live)
             gone = [uid for uid, s in live.items() if s.job.cancelled.is_set()]
             if gone:
                 gen.remove(gone)
                 for uid in gone:
                     _finish(engine, live.pop(uid), "cancelled")
-                engine._active = len(live)
+                engine.active = len(live)
             if not live:
                 continue
             try:
@@ -166,9 +166,9 @@ def run_batched(engine) -> None:
                 if r.finish_reason is not None:
                     live.pop(r.uid)
                     _finish(engine, s, "length")
-            engine._active = len(live)
+            engine.active = len(live)
     finally:
-        engine._active = 0
+        engine.active = 0
         for s in live.values():
             s.job.emit(Failed("the server is shutting down"))
         gen.close()
@@ -229,7 +229,7 @@ def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
             continue
         live[uid] = _Live(job, cached, ends, snaps, guard)
         job.emit(Started(cached))
-        engine._active = len(live)
+        engine.active = len(live)
     return True
 
 

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_draft_arguments(p, note=": the server then runs one request at a time "
                         "(--max-concurrency 1), every request speculatively (requests with "
                         "penalties or logit_bias decode plainly)", mtp=True)
-    add_mtp_argument(p, kinds=("ngram",))  # --draft ngram: the same one-at-a-time rule
+    add_mtp_argument(p)  # --draft ngram / mtp: the same one-at-a-time rule
     add_quiet_argument(p)
 
 
@@ -40,7 +40,7 @@ def run(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
+        drafts = check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
         check_server_arguments(args)
         spec = resolve_model_arg(args.model)
         key = resolve_api_key(args)
@@ -53,9 +53,7 @@ def run(args) -> int:
 
     def load():
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
-                     args.max_queue, args.max_kv_size, draft_model=args.draft_model,
-                     num_draft_tokens=args.num_draft_tokens, progress=not args.quiet,
-                     ngram=(args.ngram_max, args.ngram_min) if args.draft == "ngram" else None,
+                     args.max_queue, args.max_kv_size, drafts=drafts, progress=not args.quiet,
                      allow_image_urls=args.allow_image_urls, max_images=args.max_images)
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
         if micro_note(spec):

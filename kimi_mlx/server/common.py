@@ -12,7 +12,8 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 
 from pydantic import BaseModel, ValidationError
 
-from kimi_mlx.generation.request import InputError, SamplingParams
+from kimi_mlx.generation.request import InputError
+from kimi_mlx.sampling import Sampling
 from kimi_mlx.text.chat_format import api_effort
 from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, Started, TokenOut
 from kimi_mlx.server.reply import Event, ReplyBuilder
@@ -60,7 +61,7 @@ class Service:
     tok: Any = None
     context: int = 0
     model_ids: List[str] = field(default_factory=list)
-    defaults: SamplingParams = field(default_factory=SamplingParams)
+    defaults: Sampling = field(default_factory=Sampling)
     api_key: Optional[str] = None
     max_body_bytes: int = 8 << 20
     created: int = 0
@@ -81,8 +82,7 @@ class Service:
             return self.loading_error
         if self.engine is None:
             return "the model is loading"
-        health = getattr(self.engine, "health", None)
-        return health() if health else None
+        return self.engine.health()
 
     def check_model(self, name: str) -> None:
         if name not in self.model_ids:
@@ -213,64 +213,14 @@ def schema_range(model: type[BaseModel], loc) -> Optional[str]:
     return None
 
 
-def sampling_from(svc: Service, temperature, top_p, top_k, min_p, seed) -> SamplingParams:
-    """Request values over the server's defaults; APIError 400 for out-of-range ones."""
-    d = svc.defaults
-    p = SamplingParams(
-        temp=d.temp if temperature is None else float(temperature),
-        top_p=d.top_p if top_p is None else float(top_p),
-        min_p=d.min_p if min_p is None else float(min_p),
-        top_k=d.top_k if top_k is None else int(top_k),
-        seed=seed,
-    )
+def sampling_from(svc: Service, req) -> Sampling:
+    """The request's `Sampling` over the server's defaults (`Sampling.from_request`:
+    every sampling field the request's schema has), checked against the model's
+    vocabulary; APIError 400 naming the field for an out-of-range value."""
     try:
-        p.check()
+        return Sampling.from_request(req, svc.defaults).check(vocab=n_vocab(svc))
     except InputError as e:
-        raise APIError(400, str(e)) from None
-    check_top_k(svc, p.top_k)
-    return p
-
-
-def check_top_k(svc: Service, top_k: int) -> None:
-    """APIError 400 unless top_k is in [0, vocab) (0 = off): mlx-lm's compiled
-    `apply_top_k` raises for k >= the logits width, inside a function that shares MLX's
-    random state, so it is refused before the request is admitted."""
-    n = n_vocab(svc)
-    if n is not None and not 0 <= top_k < n:
-        raise APIError(400, f"top_k: must be in [0, {n}) (0 = off; this model has "
-                       f"{n} tokens), got {top_k}", param="top_k")
-
-
-def logits_processors(svc: "Service", req) -> Optional[list]:
-    """mlx-lm logits processors for penalties / logit_bias, or None; APIError 400 when
-    the engine cannot apply them (the cluster samples on its last stage)."""
-    bias = getattr(req, "logit_bias", None)
-    pres, freq = getattr(req, "presence_penalty", None), getattr(req, "frequency_penalty", None)
-    rep = getattr(req, "repetition_penalty", None)
-    if not (bias or pres or freq or rep):
-        return None
-    if not getattr(svc.engine, "supports_logits_processors", True):
-        raise APIError(400, "presence_penalty, frequency_penalty, repetition_penalty and "
-                       "logit_bias are not supported by this server",
-                       param="logit_bias" if bias else "presence_penalty")
-    for name in getattr(svc.engine, "unsupported_penalties", ()):
-        if getattr(req, name, None):
-            raise APIError(400, f"{name} is not supported by this server (the pipeline's "
-                           "last stage returns log-probabilities, and this penalty scales "
-                           "raw logits by their sign); presence_penalty, frequency_penalty "
-                           "and logit_bias are", param=name)
-    from mlx_lm.sample_utils import make_logits_processors
-
-    try:
-        bias = {int(k): float(v) for k, v in (bias or {}).items()} or None
-    except ValueError:
-        raise APIError(400, "logit_bias keys must be token ids", param="logit_bias") from None
-    n = n_vocab(svc)
-    bad = sorted(k for k in bias or () if k < 0 or (n is not None and k >= n))
-    if bad:  # an id past the logits indexes out of bounds in the sampler (the process dies)
-        raise APIError(400, f"logit_bias: token id {bad[0]} is not in the vocabulary "
-                       f"[0, {n})", param="logit_bias")
-    return make_logits_processors(bias, rep, presence_penalty=pres, frequency_penalty=freq)
+        raise APIError(400, str(e), param=e.param) from None
 
 
 def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
@@ -334,6 +284,9 @@ def stop_list(stop: Union[None, str, Sequence[str]]) -> List[str]:
 
 def submit(svc: Service, job: Job) -> Job:
     """Queue a job whose events arrive on the running event loop; 503 when full."""
+    refused = svc.engine.refusal(job)
+    if refused:
+        raise APIError(400, refused[1], param=refused[0])
     job.attach(asyncio.get_running_loop())
     try:
         return svc.engine.submit(job)

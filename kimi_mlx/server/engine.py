@@ -1,115 +1,62 @@
-"""Generation for the server: a worker thread that owns the model and runs requests
-(`Job`s) through mlx-lm's generate loop, streaming token events back to the asyncio
-handlers that wait on them.
+"""The one-process deployment of the engine contract (`engine_base.BaseEngine`): a
+worker thread that owns the model and runs requests (`Job`s) through mlx-lm's generate
+loop, streaming token events back to the asyncio handlers that wait on them.
 
 One thread touches MLX, so requests never share mutable state; a job that is cancelled
 (client gone, stop string matched) stops within one decode step and its cache is dropped.
 With `max_concurrency` > 1 the worker runs mlx-lm's `BatchGenerator` (continuous
 batching) over our batchable caches (`kimi_mlx.model.cache`); with 1 it runs `generate_step`,
-or, given a draft model (`speculation`), `kimi_mlx.speculative.loop.speculative_generate_step`
-with the draft's caches kept beside the target's (in the prompt cache too).
+or, given a draft (`speculation`), the loop `Speculation.step` picks, with the draft's
+caches kept beside the target's (in the prompt cache too).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.server.jobs import (Failed, Job, Started, cancelled_in_queue, enqueue,
-                                  reseed_random, run_mlx_thread, stream_to_job)
+from kimi_mlx.server.engine_base import BaseEngine
+from kimi_mlx.server.jobs import Job, Started, stream_to_job
 
 log = logging.getLogger("kimi_mlx.server")
 
 
-class Engine:
-    """Owns the model on one worker thread; `submit(job)` queues a job.
+class Engine(BaseEngine):
+    """The one-process deployment: the model on one worker thread (`BaseEngine` owns the
+    queue, admission, isolation, capabilities and stop).
 
     Args:
         model: our `Model` (mlx-lm model API).
-        eos_ids: token ids that end a reply.
-        max_queue: jobs waiting beyond this raise `Busy`.
+        eos_ids / max_queue / metrics: as `BaseEngine`.
         max_concurrency: sequences generated at once (continuous batching when > 1).
         prompt_cache: optional `PromptCache` (snapshots across requests).
-        speculation: optional `speculative.Speculation` (draft model or `--draft ngram`'s
-            `NgramDraft`, drafts per verify step): every request decodes speculatively, except those with logits
-            processors (penalties, logit_bias), which the verify step does not apply.
-            Needs max_concurrency 1. A job's cache is then the target's caches followed
-            by the draft's (mlx-lm's convention), prefilled and snapshotted together;
-            with a draft whose caches cannot be snapshotted (an mlx-lm KVCache model)
-            the prompt cache is turned off.
+        speculation: optional `speculative.Speculation` (a draft model, `--draft ngram`'s
+            `NgramDraft` or `--draft mtp`'s `MTP`, drafts per verify step): every request
+            decodes speculatively, except those with logits processors (penalties,
+            logit_bias), which the verify step does not apply. Needs max_concurrency 1.
+            A job's cache is then the target's caches followed by the draft's (mlx-lm's
+            convention), prefilled and snapshotted together; with a draft whose caches
+            cannot be snapshotted (an mlx-lm KVCache model), or one that prefills itself
+            (the MTP), the prompt cache is turned off.
     Raises:
         ValueError: speculation with max_concurrency > 1.
     """
 
     # scores a prompt's own tokens (`Job.score`, `server.scoring`)
     supports_scoring = True
+    supports_batching = True
 
     def __init__(self, model, eos_ids: Sequence[int], max_queue: int = 64,
                  max_concurrency: int = 1, prompt_cache=None, metrics=None,
                  speculation=None):
-        if speculation is not None and max_concurrency != 1:
-            raise ValueError(f"speculative decoding serves one request at a time, not "
-                             f"max_concurrency {max_concurrency}")
-        self.speculation = speculation
+        super().__init__(eos_ids, max_queue, max_concurrency, metrics, speculation)
         if speculation is not None and prompt_cache is not None:
-            if not _snapshots(_draft_cache(speculation.draft)):
+            if speculation.prefills_itself or not _snapshots(_draft_cache(speculation.draft)):
                 log.warning("the draft's caches cannot be snapshotted: prompt cache off")
                 prompt_cache = None
         self.model = model
-        self.eos_ids = set(eos_ids)
-        self.max_queue = max_queue
-        self.max_concurrency = max_concurrency
         self.prompt_cache = prompt_cache
-        self.metrics = metrics
-        self._jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self._active = 0
-        self._thread: Optional[threading.Thread] = None
-        self._stopping = threading.Event()
-        self.vision = None  # generation.images.Vision (set by load_service for a vision checkpoint)
-        self.pad_id = None  # its <|media_pad|> id
-
-    def images_unsupported(self) -> Optional[str]:
-        """Why this engine cannot take a request with images, or None when it can."""
-        if self.vision is None:
-            return "this model has no vision weights, so it cannot take images"
-        if self.speculation is not None:
-            return ("images do not work with speculative decoding yet (this server runs "
-                    "with --draft-model / --draft)")
-        return None
-
-    # ---------------------------------------------------------------- control
-
-    def start(self) -> "Engine":
-        self._thread = threading.Thread(target=self._loop, name="kimi-mlx-engine", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stopping.set()
-        self._jobs.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    @property
-    def queue_length(self) -> int:
-        """Jobs submitted and not yet started."""
-        return self._jobs.qsize()
-
-    @property
-    def active(self) -> int:
-        return self._active
-
-    def submit(self, job: Job) -> Job:
-        """Queue `job`; `Busy` when max_queue jobs wait beyond the free slots."""
-        return enqueue(self._jobs, job, self.max_queue, self.max_concurrency, self._active)
-
-    # ---------------------------------------------------------------- worker
-
-    def _loop(self) -> None:
-        run_mlx_thread(self._serve)
 
     def _serve(self) -> None:
         if self.max_concurrency > 1:
@@ -117,19 +64,7 @@ class Engine:
 
             run_batched(self)
             return
-        while not self._stopping.is_set():
-            job = self._jobs.get()
-            if job is None:
-                return
-            self._active = 1
-            try:
-                self._run_one(job)
-            except Exception as e:  # noqa: BLE001 - the error goes to this request only
-                log.exception("generation failed")
-                job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
-                reseed_random()  # nothing the failed request touched is reused
-            finally:
-                self._active = 0
+        super()._serve()
 
     def _start_cache(self, job: Job):
         """(cache, number of prompt tokens it already holds) for a job."""
@@ -197,15 +132,14 @@ class Engine:
         feats = self.vision.features(job.images)
         return self.model.embed_with_media(mx.array(job.ids), feats, self.pad_id)
 
-    def _run_one(self, job: Job) -> None:
+    def _run(self, job: Job) -> None:
         import mlx.core as mx
         from mlx_lm.generate import generate_step
 
-        if cancelled_in_queue(job, self.metrics):
-            return
         tic = time.perf_counter()
         cache, cached = self._start_cache(job)
         job.emit(Started(cached))
+        speculate = self.speculates(job)
         if job.score is not None:
             from kimi_mlx.server.scoring import finish_scored, score_prefill
 
@@ -214,46 +148,26 @@ class Engine:
             if job.max_tokens == 0:
                 finish_scored(job, tic, self.metrics)
                 return
-        else:
+            # the prompt is now in the cache: a draft that prefills itself (the MTP)
+            # cannot continue from it, so a scored request decodes plainly there
+            speculate = speculate and not self.speculation.prefills_itself
+        elif not (speculate and self.speculation.prefills_itself):
             self.prefill(job.ids, cache, cached, job.segment_ends,
                          embeddings=self.embeddings(job, cached), key=job.key)
-        if self.speculation is not None and not job.logits_processors:
-            gen = self._speculate(job, cache)
+        if speculate:
+            # a draft that prefills itself (the MTP) gets the whole prompt and fresh
+            # caches; the others the last prompt token after the prefill above
+            ids = job.ids if self.speculation.prefills_itself else job.ids[-1:]
+            gen = self._speculate(job, lambda spec: spec.step(
+                ids, self.model, spec.draft, num_draft_tokens=spec.num_draft_tokens,
+                max_tokens=job.max_tokens, sampling=job.sampling, prompt_cache=cache,
+                stats=spec.stats))
         else:
             gen = generate_step(mx.array(job.ids[-1:]), self.model, max_tokens=job.max_tokens,
                                 sampler=job.sampling.sampler(),
                                 logits_processors=job.logits_processors,
                                 prompt_cache=self._models(cache)[0][1])
         stream_to_job(job, gen, self.eos_ids, tic, self.metrics, cached=lambda: cached)
-
-    def _speculate(self, job: Job, cache):
-        """(token, logprobs [vocab]) of `job` by speculative decoding from a prefilled
-        target + draft `cache` (all prompt tokens but the last). The acceptance rule keeps
-        the target's sampling (greedy: token for token the plain output); a seeded
-        request seeds MLX's global PRNG, which only this one sequence uses."""
-        import mlx.core as mx
-
-        from kimi_mlx.speculative.loop import Sampling, speculative_generate_step
-
-        spec, p = self.speculation, job.sampling
-        # a draft with its own loop (`--draft ngram`: `NgramDraft.generate_step`) runs it
-        step = getattr(spec.draft, "generate_step", None) or speculative_generate_step
-        if p.seed is not None:
-            mx.random.seed(p.seed)
-        st = spec.stats
-        before = (st.steps, st.drafted, st.accepted)
-        gen = step(
-            job.ids[-1:], self.model, spec.draft, num_draft_tokens=spec.num_draft_tokens,
-            max_tokens=job.max_tokens, sampling=Sampling(p.temp, p.top_p, p.min_p, p.top_k),
-            prompt_cache=cache, stats=spec.stats)
-        try:
-            for tok, lp, _from_draft in gen:
-                yield tok, lp
-        finally:
-            gen.close()
-            if self.metrics is not None:
-                self.metrics.speculated(st.steps - before[0], st.drafted - before[1],
-                                        st.accepted - before[2])
 
 
 def _draft_cache(draft) -> list:

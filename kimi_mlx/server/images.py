@@ -296,8 +296,7 @@ def request_images(svc, refs: Sequence[ImageRef]) -> List[Any]:
     settings = svc.images or ImageSettings()
     engine = svc.engine
     if settings.vision is not None and engine is not None:  # (count_tokens while loading)
-        check = getattr(engine, "images_unsupported", None)
-        why = check() if check is not None else "this server does not take images yet"
+        why = engine.images_unsupported()
         if why:
             raise _bad(refs[0].where, why)
     return resolve_images(settings, refs, svc.context)

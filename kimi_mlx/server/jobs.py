@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
-from kimi_mlx.generation.request import SamplingParams
+from kimi_mlx.sampling import Sampling
 
 __all__ = ["Busy", "Started", "TokenOut", "Finished", "Failed", "Event", "Job", "enqueue", "run_mlx_thread",
            "top_logprobs", "reseed_random"]
@@ -81,11 +81,13 @@ class Job:
     be 0 (score only). A scored job that ends on an end-of-turn token keeps that token
     and its log-probabilities in `stop_token` (set before its Finished): lm-eval reads
     the token after the prompt from the echo's logprobs, whatever it is.
+    logits_processors: default `sampling.logits_processors()` (its penalties and
+    logit_bias, mlx-lm's), None when it asks for none.
     """
 
     ids: List[int]
     max_tokens: int
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: Sampling = field(default_factory=Sampling)
     logprobs: Optional[int] = None
     segment_ends: Sequence[int] = ()
     logits_processors: Optional[list] = None
@@ -102,6 +104,8 @@ class Job:
         return self.ids if self.key is None else self.key
 
     def __post_init__(self):
+        if self.logits_processors is None and self.sampling.has_processors:
+            self.logits_processors = self.sampling.logits_processors()
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._queue: Optional[asyncio.Queue] = None
         self._sync: Optional[queue.Queue] = None

@@ -10,8 +10,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, check_tool_name, effort_of,
-                                    guarded_stream, logits_processors, reply_events,
-                                    sampling_from, stop_list, submit)
+                                    guarded_stream, reply_events, sampling_from, stop_list,
+                                    submit)
 from kimi_mlx.server.images import allow_urls, job_images, openai_refs, prepare, request_images
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
@@ -114,8 +114,8 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
         raise APIError(400, str(e), param="messages") from None
     max_tokens = req.max_completion_tokens or req.max_tokens
     return Job(ids, budget(svc, len(ids), max_tokens),
-               sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
-               (req.top_logprobs or 0) if req.logprobs else None, ends, logits_processors(svc, req),
+               sampling_from(svc, req),
+               (req.top_logprobs or 0) if req.logprobs else None, ends, None,
                **job_images(svc, ids, images))
 
 
@@ -168,13 +168,11 @@ def prepare_completion(svc: Service, req: CompletionRequest, ids: Optional[List[
                        f"{svc.context} tokens (a prompt that is scored with max_tokens 0 "
                        "may fill it)", param="prompt", code="context_length_exceeded")
     score = req.logprobs if req.echo else None
-    if score is not None and not getattr(svc.engine, "supports_scoring", False):
+    if score is not None and not svc.engine.supports_scoring:
         raise APIError(400, "echo with logprobs (scoring the prompt) is not supported by "
                        "this server", param="echo")
     max_tokens = 0 if score_only else budget(svc, len(ids), req.max_tokens, prompt_param="prompt")
-    return Job(ids, max_tokens,
-               sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
-               req.logprobs, (), logits_processors(svc, req), score=score)
+    return Job(ids, max_tokens, sampling_from(svc, req), req.logprobs, score=score)
 
 
 def _usage(job: Job, builder: ReplyBuilder, done) -> dict:

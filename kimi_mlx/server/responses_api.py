@@ -302,7 +302,7 @@ class _Turn:
             raise APIError(400, str(e), param="input") from None
         self.svc, self.req = svc, req
         self.job = Job(ids, budget(svc, len(ids), req.max_output_tokens, "max_output_tokens", "input"),
-                       sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
+                       sampling_from(svc, req),
                        None, ends, **job_images(svc, ids, media_in_order(messages)))
         self.builder = ReplyBuilder(svc.wrapper, (), chat=True)
         self.id = "resp_" + uuid.uuid4().hex

@@ -98,6 +98,7 @@ class _Sampling(_Model):
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10)  # divides logits (float32)
+    repetition_context_size: Optional[Int(ge=1)] = None  # tokens it looks back (mlx-lm: 20)
     logit_bias: Optional[Dict[str, Bias]] = None
     user: Optional[str] = None
 

@@ -19,10 +19,11 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
-from kimi_mlx.generation.request import (InputError, check_draft_arguments, check_max_kv_size,
+from kimi_mlx.generation.request import (InputError, check_max_kv_size, draft_settings,
                                          serving_context)
+from kimi_mlx.speculative.settings import DraftSettings
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -123,31 +124,31 @@ def check_server_arguments(args) -> None:
     check_max_kv_size(args.max_kv_size)
 
 
-def check_draft_server_arguments(args) -> None:
-    """--draft-model / --num-draft-tokens for `kimi-mlx server`; sets --max-concurrency's
+def check_draft_server_arguments(args) -> Optional[DraftSettings]:
+    """--draft-model / --draft / --num-draft-tokens for `kimi-mlx server` and `cluster
+    server`: their `DraftSettings` (None without a draft); sets --max-concurrency's
     default (4, or 1 with a draft). InputError for --max-concurrency > 1 with a draft:
     speculative decoding runs one sequence at a time (mlx-lm's batch generator has no
     verify step), and batching would silently turn it off."""
-    check_draft_arguments(args)
-    draft = "--draft-model" if args.draft_model else (
-        f"--draft {args.draft}" if getattr(args, "draft", None) else None)
+    drafts = draft_settings(args)
+    draft = drafts.flag if drafts is not None else None
     if args.max_concurrency is None:
         args.max_concurrency = 1 if draft else DEFAULT_CONCURRENCY
     elif draft and args.max_concurrency != 1:
         raise InputError(f"{draft} serves one request at a time: use it with "
                          f"--max-concurrency 1 (or leave that flag out), not "
                          f"{args.max_concurrency}")
+    return drafts
 
 
 def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
-                 max_queue: int, max_kv_size: Optional[int], draft_model: Optional[str] = None,
-                 num_draft_tokens: int = 3, progress: bool = False,
-                 ngram: Optional[Tuple[int, int]] = None, allow_image_urls: bool = False,
-                 max_images: int = 32) -> None:
-    """Load the checkpoint (and the draft, when given) into `svc` (sets tokenizers,
-    context, defaults, engine); `progress`: a loading bar on a terminal; `ngram`
-    (n_max, n_min) serves with `--draft ngram`; `allow_image_urls` / `max_images`: the
-    image policy (`server.images.ImageSettings`; the tower loads on the first image).
+                 max_queue: int, max_kv_size: Optional[int],
+                 drafts: Optional[DraftSettings] = None, progress: bool = False,
+                 allow_image_urls: bool = False, max_images: int = 32) -> None:
+    """Load the checkpoint (and the draft `drafts` asks for, through the speculation
+    factory) into `svc` (sets tokenizers, context, defaults, engine); `progress`: a
+    loading bar on a terminal; `allow_image_urls` / `max_images`: the image policy
+    (`server.images.ImageSettings`; the tower loads on the first image).
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
@@ -157,24 +158,17 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     from kimi_mlx.checkpoint.loader import load_for_generation
     from kimi_mlx.server.engine import Engine
     from kimi_mlx.server.prompt_cache import PromptCache
+    from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
 
-    if (draft_model or ngram) and max_concurrency != 1:
+    if drafts is not None and max_concurrency != 1:
         raise ValueError("speculative decoding (a draft) needs max_concurrency 1")
     model, wrapper, tok, config = load_for_generation(spec, progress=progress)
     # a hub id: the vision tower's shards too (a few hundred MB at K3.1 size), so that the
     # first image is answered, not a 500 for a shard never downloaded
     model_dir = Path(resolve(spec, vision=True))
     svc.defaults = generation_defaults(model_dir)
-    speculation = None
-    if draft_model:
-        from kimi_mlx.speculative.loop import Speculation, load_draft
-
-        speculation = Speculation(load_draft(draft_model, wrapper, spec), num_draft_tokens)
-    elif ngram:
-        from kimi_mlx.speculative.loop import Speculation
-        from kimi_mlx.speculative.ngram import NgramDraft
-
-        speculation = Speculation(NgramDraft(*ngram), num_draft_tokens)
+    speculation = build_speculation(drafts, where=ONE_PROCESS, target_wrapper=wrapper,
+                                    target_name=spec, model=model)
     svc.wrapper, svc.tok = wrapper, tok
     svc.vocab_size = model.args.vocab_size
     svc.context = serving_context(model.args.max_position_embeddings, max_kv_size)[0]

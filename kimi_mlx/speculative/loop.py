@@ -39,47 +39,12 @@ from typing import Any, Generator, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
+from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS
 
-__all__ = ["Sampling", "SpecStats", "Speculation", "accept_drafts", "draw_draft", "judge_verify",
+__all__ = ["Sampling", "SpecStats", "Speculation", "OwnLoop", "loop_for", "DEFAULT_NUM_DRAFT_TOKENS", "accept_drafts", "draw_draft", "judge_verify",
            "speculative_generate_step", "TokenizerMismatch", "check_tokenizers", "load_draft"]
-
-
-# ---------------------------------------------------------------------------- sampling
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """The target's sampling settings (as `kimi-mlx generate`'s flags / `make_sampler`).
-
-    temp 0 = greedy; top_p 1 = off; min_p 0 = off; top_k 0 = off.
-    """
-
-    temp: float = 0.0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    top_k: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temp == 0
-
-    def log_probs(self, logits: mx.array) -> mx.array:
-        """Sampling log-distribution [..., V] float32 for logits [..., V]: mlx-lm's filters
-        (`apply_top_p`, `apply_min_p`, `apply_top_k`, in `make_sampler`'s order) on the
-        log-softmax, then temperature; filtered tokens get -inf."""
-        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-
-        lp = logits.astype(mx.float32)
-        lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
-        if 0 < self.top_p < 1.0:
-            lp = apply_top_p(lp, self.top_p)
-        if self.min_p != 0.0:
-            lp = apply_min_p(lp, self.min_p)
-        if self.top_k > 0:
-            lp = apply_top_k(lp, self.top_k)
-        lp = lp * (1.0 / self.temp)
-        return lp - mx.logsumexp(lp, axis=-1, keepdims=True)
 
 
 def accept_drafts(
@@ -141,14 +106,48 @@ class SpecStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+class OwnLoop:
+    """A draft that brings its own speculative loop (`--draft ngram`'s `NgramDraft`,
+    `--draft mtp`'s `MTP`): `generate_step` takes `speculative_generate_step`'s arguments
+    and yields its triples. `prefills_itself`: the loop must see the whole prompt with
+    fresh caches (the MTP pairs each prompt token with the target's hidden state, which
+    a plain prefill of the target does not keep), so a server cannot prefill for it or
+    restore its caches from a prompt cache."""
+
+    prefills_itself = False
+
+    def generate_step(self, prompt, model, draft_model, **kwargs):
+        raise NotImplementedError
+
+
+def loop_for(draft):
+    """The one place that picks the speculative loop for a draft: its own (`OwnLoop`:
+    n-gram lookup, MTP) or `speculative_generate_step`; called as step(prompt, target,
+    draft, num_draft_tokens=, max_tokens=, sampling=, prompt_cache=, prefill_step_size=,
+    stats=) and yielding (token, logprobs, from_draft)."""
+    if isinstance(draft, OwnLoop):
+        return draft.generate_step
+    return speculative_generate_step
+
+
 @dataclass
 class Speculation:
-    """A draft model and the settings a front end (generate, chat) speculates with."""
+    """A draft and the settings every front end (generate, chat, the servers, cluster
+    launch) speculates with; `step` is the one place that picks the loop."""
 
     draft: Any
-    num_draft_tokens: int = 3
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
     sampling: Sampling = field(default_factory=Sampling)
     stats: SpecStats = field(default_factory=SpecStats)
+
+    @property
+    def step(self):
+        """The loop for this draft (`loop_for`)."""
+        return loop_for(self.draft)
+
+    @property
+    def prefills_itself(self) -> bool:
+        return isinstance(self.draft, OwnLoop) and self.draft.prefills_itself
 
     def kwargs(self) -> dict:
         """Keyword arguments for `stream_speculative` / `speculative_generate_step`."""
@@ -399,8 +398,8 @@ def speculative_generate_step(
     model,
     draft_model,
     *,
-    num_draft_tokens: int = 3,
-    max_tokens: int = 256,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     sampling: Optional[Sampling] = None,
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = 512,

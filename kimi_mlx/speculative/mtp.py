@@ -63,7 +63,8 @@ from kimi_mlx.model.config import ModelArgs, read_config, text_config
 from kimi_mlx.model.model import DecoderLayer
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
 from kimi_mlx.checkpoint.shards import CheckpointError, weight_map
-from kimi_mlx.speculative.loop import Sampling, SpecStats, draw_draft, emit_accepted, judge_verify
+from kimi_mlx.sampling import DEFAULT_MAX_TOKENS
+from kimi_mlx.speculative.loop import OwnLoop, Sampling, SpecStats, draw_draft, emit_accepted, judge_verify
 from kimi_mlx.model.tensor_map import PREFIX, canonical, layer_of
 
 __all__ = ["CONFIG_KEY", "MTP", "MTPLayer", "load_mtp", "mtp_generate_step", "target_forward"]
@@ -134,7 +135,7 @@ class _Language(nn.Module):
         self.model = _Layers(n, layers)
 
 
-class MTP(nn.Module):
+class MTP(nn.Module, OwnLoop):
     """The MTP layers of a checkpoint, as a draft for `kimi_mlx.speculative.loop`'s front ends.
 
     Module paths equal the checkpoint names (`language_model.model.layers.{N+i}...`).
@@ -142,6 +143,8 @@ class MTP(nn.Module):
     [depth-1 layer cache, pending-hidden cache] (see `mtp_generate_step`);
     `generate_step` is the loop `speculative.stream_speculative` runs for this draft.
     """
+
+    prefills_itself = True  # the prompt's pairs need the target's hiddens (OwnLoop)
 
     def __init__(self, args: ModelArgs, depths: int, own: Sequence[Tuple[bool, bool]] = ()):
         super().__init__()
@@ -370,7 +373,7 @@ def mtp_generate_step(
     mtp: MTP,
     *,
     num_draft_tokens: int = 1,
-    max_tokens: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     sampling: Optional[Sampling] = None,
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = 512,

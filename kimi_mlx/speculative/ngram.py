@@ -56,14 +56,15 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from kimi_mlx.speculative.loop import (Sampling, SpecStats, emit_accepted, judge_verify,
+from kimi_mlx.sampling import DEFAULT_MAX_TOKENS
+from kimi_mlx.speculative.settings import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT_TOKENS
+from kimi_mlx.speculative.loop import (OwnLoop, Sampling, SpecStats, emit_accepted, judge_verify,
                                        prefill_chunks)
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
 
 __all__ = ["NgramDraft", "NgramIndex", "ngram_generate_step", "DEFAULT_NGRAM_MAX",
            "DEFAULT_NGRAM_MIN"]
 
-DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN = 4, 1
 CANDIDATES = 64  # earlier occurrences compared per proposal (the most recent ones)
 CONTEXT = 64  # tokens of agreement before an occurrence that are counted, at most
 
@@ -139,7 +140,7 @@ class NgramIndex:
         return draft
 
 
-class NgramDraft:
+class NgramDraft(OwnLoop):
     """The `--draft ngram` draft: settings, and the loop `stream_speculative` runs for it.
 
     Args:
@@ -187,8 +188,8 @@ def ngram_generate_step(
     model,
     draft: Optional[NgramDraft] = None,
     *,
-    num_draft_tokens: int = 3,
-    max_tokens: int = 256,
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     sampling: Optional[Sampling] = None,
     prompt_cache: Optional[List[Any]] = None,
     prefill_step_size: int = 512,

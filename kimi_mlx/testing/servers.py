@@ -12,7 +12,7 @@ def start_server(model: str, api_key: Optional[str] = None, served_name: Optiona
                  max_kv_size: Optional[int] = None, **load_kw) -> Tuple[object, object]:
     """`kimi-mlx server` on `model` in this process, on a free port: returns
     (BackgroundServer, Service), both running. `load_kw` goes to `load_service`
-    (draft_model, num_draft_tokens, ngram). Stop with `stop_server`."""
+    (drafts: a `DraftSettings`, ...). Stop with `stop_server`."""
     from kimi_mlx.server.app import create_app
     from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
 

@@ -1,0 +1,67 @@
+"""The one speculation factory: `DraftSettings` -> `Speculation`, for every front end
+(generate, chat, `kimi-mlx server`, `cluster launch` and `cluster server` in both
+modes). Where a kind of draft cannot run, it is refused here, by name, with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from kimi_mlx.sampling import InputError, Sampling
+from kimi_mlx.speculative.loop import Speculation, load_draft
+from kimi_mlx.speculative.settings import DraftSettings
+
+__all__ = ["build_speculation", "check_draft_target", "ONE_PROCESS", "PIPELINE", "TENSOR"]
+
+# what runs the target's forward passes, as the factory is told
+ONE_PROCESS, PIPELINE, TENSOR = "one process", "pipeline", "tensor group"
+
+_MTP_NEEDS = ("--draft mtp: the MTP draft runs in one process only (kimi-mlx generate, "
+              "chat or server): it drafts from the target's last hidden state, which {where} "
+              "does not return (its last stage or rank sends logits only); use "
+              "--draft-model or --draft ngram there")
+
+
+def check_draft_target(settings: Optional[DraftSettings], where: str) -> None:
+    """InputError when `settings` asks for a draft that cannot run on `where`
+    (ONE_PROCESS, PIPELINE or TENSOR), naming the flag and the reason: `--draft mtp`
+    needs the target's hidden states, which only one process has. Call it before
+    anything loads, so a wrong combination fails fast."""
+    if settings is not None and settings.kind == "mtp" and where != ONE_PROCESS:
+        raise InputError(_MTP_NEEDS.format(where=f"a {where}"))
+
+
+def build_speculation(settings: Optional[DraftSettings], *, where: str, target_wrapper=None,
+                      target_name: str = "", model=None,
+                      sampling: Optional[Sampling] = None) -> Optional[Speculation]:
+    """The `Speculation` for `settings` (None without one).
+
+    Args:
+        settings: what the command asked for. where: ONE_PROCESS, PIPELINE or TENSOR
+            (`check_draft_target`). target_wrapper / target_name: the target's
+            tokenizer (mlx-lm TokenizerWrapper) and checkpoint, which a draft model's
+            tokenizer is checked against (`loop.load_draft`). model: the loaded target
+            (one process), which `--draft mtp` binds its layers to. sampling: the
+            settings front ends without per-request sampling (generate, chat) draw with.
+    Raises:
+        InputError: a draft `where` cannot run. CheckpointError (ValueError): `--draft
+        mtp` on a checkpoint without MTP layers. TokenizerMismatch: a draft model with
+        another tokenizer. What loading a checkpoint raises.
+    """
+    if settings is None:
+        return None
+    check_draft_target(settings, where)
+    if settings.kind == "ngram":
+        from kimi_mlx.speculative.ngram import NgramDraft
+
+        draft = NgramDraft(settings.ngram_max, settings.ngram_min)
+    elif settings.kind == "mtp":
+        from kimi_mlx.checkpoint.hub import resolve
+        from kimi_mlx.speculative.mtp import load_mtp
+
+        if model is None:
+            raise InputError("--draft mtp needs the loaded target model")
+        draft = load_mtp(resolve(target_name), model, depths=1)
+    else:
+        draft = load_draft(settings.model, target_wrapper, target_name)
+    return Speculation(draft, settings.num_draft_tokens, sampling or Sampling())

@@ -1,0 +1,54 @@
+"""What a command asks speculative decoding for (`DraftSettings`), as a small typed
+object made once from the flags (`generation.request.draft_settings`); the one factory
+(`speculative.factory.build_speculation`) turns it into a `Speculation`.
+
+No MLX here: the command layer reads the defaults without loading anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["DEFAULT_NUM_DRAFT_TOKENS", "DEFAULT_NGRAM_MAX", "DEFAULT_NGRAM_MIN", "DRAFT_KINDS",
+           "DraftSettings"]
+
+DEFAULT_NUM_DRAFT_TOKENS = 3  # k, drafts per verify step (mlx-lm's --num-draft-tokens default)
+DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN = 4, 1  # --draft ngram's n-gram sizes
+DRAFT_KINDS = ("mtp", "ngram")  # --draft KIND: drafts without a separate draft model
+
+
+@dataclass(frozen=True)
+class DraftSettings:
+    """One kind of draft and its settings.
+
+    model: a draft checkpoint (`--draft-model`: a kimi-mlx checkpoint or an mlx-lm model
+    with the target's tokenizer), or None. kind: "mtp" (the target checkpoint's own MTP
+    layers) or "ngram" (prompt lookup), or None with a model. num_draft_tokens: k >= 1.
+    ngram_max / ngram_min: `--draft ngram`'s sizes, 1 <= min <= max.
+    Raises:
+        ValueError: neither or both of model and kind, an unknown kind, k < 1, or n-gram
+            sizes out of order (each naming the flag).
+    """
+
+    model: Optional[str] = None
+    kind: Optional[str] = None
+    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    ngram_max: int = DEFAULT_NGRAM_MAX
+    ngram_min: int = DEFAULT_NGRAM_MIN
+
+    def __post_init__(self):
+        if bool(self.model) == bool(self.kind):
+            raise ValueError("give --draft-model or --draft, exactly one")
+        if self.kind is not None and self.kind not in DRAFT_KINDS:
+            raise ValueError(f"--draft must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"n-gram sizes need 1 <= --ngram-min <= --ngram-max, got "
+                             f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}")
+
+    @property
+    def flag(self) -> str:
+        """How the user asked for it: "--draft-model" or "--draft KIND"."""
+        return "--draft-model" if self.model else f"--draft {self.kind}"
