@@ -23,6 +23,7 @@ import pytest
 
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.server.app import create_app
+from kimi_mlx.server.engine_base import BaseEngine
 from kimi_mlx.server.jobs import Finished, Started, TokenOut
 from kimi_mlx.server.serving import BackgroundServer, make_service
 from kimi_mlx.testing.servers import served
@@ -54,13 +55,12 @@ def ant(server):
     return anthropic.Anthropic(base_url=server[0].url, api_key=KEY, timeout=120, max_retries=0)
 
 
-class _Scripted:
+class _Scripted(BaseEngine):
     """An engine answering every job with fixed token ids, after `delay` seconds (a
     long prefill stand-in)."""
 
-    queue_length = active = 0
-
     def __init__(self, tokens, delay: float = 0.0):
+        super().__init__()
         self.tokens, self.delay = tokens, delay
 
     def submit(self, job):

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from kimi_mlx.generation.request import default_model
+from kimi_mlx.speculative.settings import DraftSettings
 from kimi_mlx.testing.servers import served
 
 KEY = "sk-test-key"
@@ -192,12 +193,14 @@ def test_kimi_mlx_eval_per_text_equals_the_server(server, oai, tmp_path):
         assert abs(served_sum - row["logprob"]) < 1e-4, (served_sum, row)
 
 
-@pytest.mark.parametrize("draft", [{"draft_model": str(default_model().parent / "micro-draft")},
-                                   {"ngram": (3, 1)}], ids=["draft-model", "ngram"])
+@pytest.mark.parametrize("draft", [
+    DraftSettings(model=str(default_model().parent / "micro-draft")),
+    DraftSettings(kind="ngram", ngram_max=3, ngram_min=1)],
+    ids=["draft-model", "ngram"])
 def test_scoring_with_speculative_decoding(draft):
     """A speculating server (draft caches prefilled beside the model's) scores the same
     and generates the same after the scored prompt as without the draft."""
-    with served(MICRO, KEY, None, max_concurrency=1, **draft) as (srv, svc):
+    with served(MICRO, KEY, None, max_concurrency=1, drafts=draft) as (srv, svc):
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, timeout=120, max_retries=0)
         ids = svc.tok.encode(TEXTS[1])
         ref, _ = reference(svc.engine.model, ids)
