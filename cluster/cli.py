@@ -25,7 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional
 
-from kimi_mlx.cluster.auth import DEFAULT_SECRET
+from kimi_mlx.cluster.net.auth import DEFAULT_SECRET
 
 DEFAULT_MODELS = "~/.kimi-mlx/models"
 
@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q = sub.add_parser("server", help="OpenAI + Anthropic API server over the nodes",
                        description="`kimi-mlx server`'s API with the pipeline, or one "
                                    "tensor-parallel group (--parallel tensor), behind it.")
-    from kimi_mlx.cluster.api import add_arguments as add_api_arguments
+    from kimi_mlx.cluster.head.engine import add_arguments as add_api_arguments
 
     add_api_arguments(q)
     _node_arguments(q, context_default="the model's context, or --max-kv-size")
@@ -165,7 +165,7 @@ def run(args) -> int:
 
 def _server(args) -> int:
     _logging(args.log_level, "WARNING")
-    from kimi_mlx.cluster.api import run as run_api
+    from kimi_mlx.cluster.head.engine import run as run_api
 
     chosen: list = []
 
@@ -185,7 +185,7 @@ def _server(args) -> int:
 
 def _check_browse_time(flag: str, seconds: float) -> None:
     """ValueError (a one-line reason) for a browse too short to hear any node."""
-    from kimi_mlx.cluster.discovery import MIN_BROWSE_S
+    from kimi_mlx.cluster.net.discovery import MIN_BROWSE_S
 
     if not seconds >= MIN_BROWSE_S:
         raise ValueError(f"{flag} {seconds:g} is too short to hear any node: mDNS queries go "
@@ -210,7 +210,7 @@ def failure_text(e, replan: bool) -> str:
 # -- init --------------------------------------------------------------------------------
 
 def _init(args) -> int:
-    from kimi_mlx.cluster.auth import AuthError, init_secret, init_tls
+    from kimi_mlx.cluster.net.auth import AuthError, init_secret, init_tls
 
     path = Path(args.secret_file).expanduser()
     try:
@@ -237,10 +237,10 @@ def _init(args) -> int:
 
 def _serve(args) -> int:
     _logging(args.log_level, "INFO")
-    from kimi_mlx.cluster.auth import AuthError, load_secret
-    from kimi_mlx.cluster.discovery import DEFAULT_PORT, interface_addresses
+    from kimi_mlx.cluster.net.auth import AuthError, load_secret
+    from kimi_mlx.cluster.net.discovery import DEFAULT_PORT, interface_addresses
     from kimi_mlx.placement.planner import parse_bytes
-    from kimi_mlx.cluster.service import StageServer, StageService
+    from kimi_mlx.cluster.node.service import StageServer, StageService
 
     try:
         if args.port is not None and not 0 <= args.port <= 65535:
@@ -259,7 +259,7 @@ def _serve(args) -> int:
         cache_bytes = (parse_bytes(args.cache_bytes, default_unit="B") if args.cache_bytes is not None
                        else None)
         if args.tls:  # fail before scanning the models folder, with auth's own message
-            from kimi_mlx.cluster.auth import server_credentials
+            from kimi_mlx.cluster.net.auth import server_credentials
 
             server_credentials(args.secret_file)
     except (AuthError, ValueError) as e:
@@ -301,7 +301,7 @@ def _serve(args) -> int:
         import faulthandler
 
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    from kimi_mlx.cluster.fingerprint import named
+    from kimi_mlx.cluster.net.fingerprint import named
 
     fps = sorted(service.catalog)
     print(f"kimi-mlx cluster serve: node {node_id} listening on "
@@ -317,9 +317,9 @@ def _serve(args) -> int:
 
 def _ls(args) -> int:
     _logging(args.log_level, "WARNING")
-    from kimi_mlx.cluster.auth import AuthError, load_secret
-    from kimi_mlx.cluster.discovery import browse, interface_addresses
-    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.net.auth import AuthError, load_secret
+    from kimi_mlx.cluster.net.discovery import browse, interface_addresses
+    from kimi_mlx.cluster.head.transport import GrpcTransport
 
     try:
         _check_browse_time("--timeout", args.timeout)
@@ -338,7 +338,7 @@ def _ls(args) -> int:
         secret = None
         print(f"note: not checking nodes ({e})", file=sys.stderr)
     if secret is not None and nodes:
-        from kimi_mlx.cluster.head import check_nodes, held_checkpoints
+        from kimi_mlx.cluster.head.pipeline import check_nodes, held_checkpoints
 
         t = GrpcTransport(secret, args.secret_file if args.tls else None)
         ok, bad = check_nodes(nodes, t.stub_for, fp=None, check_version=True,
@@ -420,8 +420,8 @@ class _Cluster:
         self.checked = None  # `accepted()`'s answer, kept for its next call (see _recommended)
 
     def candidates(self):
-        from kimi_mlx.cluster.discovery import DEFAULT_PORT, NodeInfo, browse, interface_addresses
-        from kimi_mlx.cluster.head import parse_address
+        from kimi_mlx.cluster.net.discovery import DEFAULT_PORT, NodeInfo, browse, interface_addresses
+        from kimi_mlx.cluster.head.pipeline import parse_address
 
         a = self.args
         if a.nodes == "auto":
@@ -440,7 +440,7 @@ class _Cluster:
     def accepted(self, transport):
         """[(NodeInfo, HealthReply)] of the usable nodes (RuntimeError when --nodes names
         one that is not usable, or none is)."""
-        from kimi_mlx.cluster.head import check_nodes
+        from kimi_mlx.cluster.head.pipeline import check_nodes
 
         if self.checked is not None:
             accepted, self.checked = self.checked, None
@@ -471,8 +471,8 @@ class _Cluster:
         return accepted
 
     def connect(self):
-        from kimi_mlx.cluster.head import Pipeline, choose_compute_dtype, plan_stages
-        from kimi_mlx.cluster.transport import GrpcTransport
+        from kimi_mlx.cluster.head.pipeline import Pipeline, choose_compute_dtype, plan_stages
+        from kimi_mlx.cluster.head.transport import GrpcTransport
 
         a = self.args
         tls = a.secret_file if a.tls else None
@@ -533,8 +533,8 @@ def _launch_inputs(args) -> _LaunchInputs:
     from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_model_arguments,
                                              resolve_model_arg)
 
-    from kimi_mlx.cluster.auth import load_secret
-    from kimi_mlx.cluster.fingerprint import fingerprint, is_checkpoint
+    from kimi_mlx.cluster.net.auth import load_secret
+    from kimi_mlx.cluster.net.fingerprint import fingerprint, is_checkpoint
 
     check_model_arguments(args)
     check_draft_arguments(args)
@@ -571,7 +571,7 @@ def _launch_inputs(args) -> _LaunchInputs:
     speculation = load_speculation(args, wrapper, spec)
     media = None
     if images:
-        from kimi_mlx.cluster.head import media_rows
+        from kimi_mlx.cluster.head.pipeline import media_rows
         from kimi_mlx.generation.images import media_pad_id
 
         media = media_rows(vision, images, media_pad_id(tok, read_config(model_dir)))
@@ -609,7 +609,7 @@ def _launch_failure(e: BaseException, replan: bool):
     """The one error line for a failed launch: a plan's reasons one per line, a lost stage
     with what to do next (`failure_text`), anything else as it says."""
     from kimi_mlx.placement.planner import PlanError
-    from kimi_mlx.cluster.transport import StageFailure
+    from kimi_mlx.cluster.head.transport import StageFailure
 
     if isinstance(e, PlanError):
         return str(e).replace("; ", "\n  ")
@@ -622,7 +622,7 @@ class _LaunchRun:
     far) when a stage is lost. `failure` holds the error that ended it early."""
 
     def __init__(self, args, cluster: "_Cluster", pipeline, inputs: _LaunchInputs):
-        from kimi_mlx.cluster.runner import Sampling
+        from kimi_mlx.cluster.node.runner import Sampling
 
         self.args, self.cluster, self.pipeline, self.inputs = args, cluster, pipeline, inputs
         self.sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k, args.seed)
@@ -635,7 +635,7 @@ class _LaunchRun:
             extra = {} if self.inputs.media is None else {"media": self.inputs.media}
             return ((t, lp, False) for t, lp in
                     self.pipeline.generate_step(prompt_ids, self.sampling, max_tokens, **extra))
-        from kimi_mlx.cluster.speculative import speculative_pipeline_step
+        from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 
         if self.args.seed is not None:  # the head draws every random number (draft, acceptance)
             import mlx.core as mx
@@ -648,7 +648,7 @@ class _LaunchRun:
     def tokens(self):
         """Yields (token, logprobs, from_draft) until done, or until a stage is lost
         (without --replan, or when no placement is left: `failure` says why)."""
-        from kimi_mlx.cluster.transport import StageFailure
+        from kimi_mlx.cluster.head.transport import StageFailure
 
         args, ids = self.args, self.inputs.ids
         generated: List[int] = []
@@ -667,7 +667,7 @@ class _LaunchRun:
         """After a lost stage: free the sessions, and with --replan place the model again
         over the nodes left. False when the generation ends here."""
         from kimi_mlx.placement.planner import PlanError
-        from kimi_mlx.cluster.transport import StageFailure
+        from kimi_mlx.cluster.head.transport import StageFailure
 
         cluster = self.cluster
         left = cluster.transport.abort()
@@ -699,11 +699,11 @@ def _launch(args) -> int:
     from kimi_mlx.generation.generate import print_generation
     from kimi_mlx.generation.request import InputError
 
-    from kimi_mlx.cluster.auth import AuthError
-    from kimi_mlx.cluster.fingerprint import FingerprintError
-    from kimi_mlx.cluster.head import stream_generate
+    from kimi_mlx.cluster.net.auth import AuthError
+    from kimi_mlx.cluster.net.fingerprint import FingerprintError
+    from kimi_mlx.cluster.head.pipeline import stream_generate
     from kimi_mlx.placement.planner import PlanError
-    from kimi_mlx.cluster.transport import StageFailure
+    from kimi_mlx.cluster.head.transport import StageFailure
 
     try:
         inputs = _launch_inputs(args)
@@ -721,7 +721,7 @@ def _launch(args) -> int:
             _err("launch", e)
             return 1
     if parallel == "tensor":
-        from kimi_mlx.cluster.tensor_launch import launch_tensor
+        from kimi_mlx.cluster.tensor.launch import launch_tensor
 
         code = launch_tensor(args, cluster, inputs.ids, inputs.wrapper, inputs.speculation)
         # Once a ring group was joined, interpreter exit can block on the backend's
@@ -756,8 +756,8 @@ def _recommended(cluster: _Cluster) -> str:
     """`kimi_mlx.placement.tensor_parallel.recommend` for these nodes: the pipeline over
     the nodes vs a tensor group of this head and the nodes (the slowest node's bandwidth,
     the TCP ring's latency: the group runs over the ring). Says so when it is tensor."""
-    from kimi_mlx.cluster.head import plan_stages
-    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.head.pipeline import plan_stages
+    from kimi_mlx.cluster.head.transport import GrpcTransport
     from kimi_mlx.model.shard import ShardError
     from kimi_mlx.placement.planner import PlanError
     from kimi_mlx.placement.tensor_parallel import (TCP_LATENCY_S, recommend,

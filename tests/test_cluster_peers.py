@@ -13,12 +13,12 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection
 
-from kimi_mlx.cluster.auth import ServerAuth
-from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.head import check_nodes
-from kimi_mlx.cluster.service import STAGE_SERVICE
-from kimi_mlx.cluster.transport import GrpcTransport, list_services
-from kimi_mlx.cluster.wire import PROTOCOL_VERSION
+from kimi_mlx.cluster.net.auth import ServerAuth
+from kimi_mlx.cluster.net.discovery import NodeInfo
+from kimi_mlx.cluster.head.pipeline import check_nodes
+from kimi_mlx.cluster.node.service import STAGE_SERVICE
+from kimi_mlx.cluster.head.transport import GrpcTransport, list_services
+from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION
 
 SECRET = b"a" * 64
 OTHER_SECRET = b"b" * 64
@@ -96,7 +96,7 @@ def test_each_unusable_node_is_told_apart(nodes):
 
 
 def test_launch_names_the_fix_not_start_it(nodes, tmp_path):
-    from kimi_mlx.cluster.auth import init_secret
+    from kimi_mlx.cluster.net.auth import init_secret
 
     secret_file = init_secret(tmp_path / "cluster.key")
     with open(secret_file, "w") as f:  # the secret the fake next-version node accepts
@@ -114,7 +114,7 @@ def test_launch_names_the_fix_not_start_it(nodes, tmp_path):
 
 
 def test_a_stage_lists_its_service_for_heads_of_other_versions():
-    from kimi_mlx.cluster.service import StageServer, StageService
+    from kimi_mlx.cluster.node.service import StageServer, StageService
 
     service = StageService("reflect", None, SECRET)
     server = StageServer(service, ["127.0.0.1"], 0, SECRET).start()
@@ -128,7 +128,7 @@ def test_a_stage_lists_its_service_for_heads_of_other_versions():
 def test_a_node_out_of_call_threads_is_named_busy_not_down():
     import threading
 
-    from kimi_mlx.cluster.transport import _rpc_reason
+    from kimi_mlx.cluster.head.transport import _rpc_reason
 
     release = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[ServerAuth(SECRET)],
@@ -145,7 +145,7 @@ def test_a_node_out_of_call_threads_is_named_busy_not_down():
     server.start()
     try:
         stub = GrpcTransport(SECRET).stub_for(f"127.0.0.1:{port}")
-        from kimi_mlx.cluster import stage_pb2 as pb
+        from kimi_mlx.cluster.net import stage_pb2 as pb
 
         first = stub.Health.future(pb.HealthRequest(), timeout=10)
         time.sleep(0.3)  # the first call holds the only slot

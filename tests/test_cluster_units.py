@@ -9,13 +9,13 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx.cluster import stage_pb2 as pb
-from kimi_mlx.cluster.auth import AuthError, Verifier, init_secret, key_id, load_secret, sign
-from kimi_mlx.cluster.discovery import NodeInfo, from_properties, interface_addresses, to_properties
-from kimi_mlx.cluster.fingerprint import fingerprint, scan
-from kimi_mlx.cluster.head import parse_address, prefill_chunks
-from kimi_mlx.cluster.runner import Refused, Sampling, StageRunner, StageSpec
-from kimi_mlx.cluster.wire import WireError, from_tensor, to_tensor
+from kimi_mlx.cluster.net import stage_pb2 as pb
+from kimi_mlx.cluster.net.auth import AuthError, Verifier, init_secret, key_id, load_secret, sign
+from kimi_mlx.cluster.net.discovery import NodeInfo, from_properties, interface_addresses, to_properties
+from kimi_mlx.cluster.net.fingerprint import fingerprint, scan
+from kimi_mlx.cluster.head.pipeline import parse_address, prefill_chunks
+from kimi_mlx.cluster.node.runner import Refused, Sampling, StageRunner, StageSpec
+from kimi_mlx.cluster.net.wire import WireError, from_tensor, to_tensor
 
 
 # -- wire ------------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_runners_compose_to_the_full_model_bitwise_and_refuse_bad_order(tiny_ckp
     """Three StageRunners with hops through the wire format give generate_step's logprobs."""
     from mlx_lm.generate import generate_step
 
-    from kimi_mlx.cluster.runner import load_stage
+    from kimi_mlx.cluster.node.runner import load_stage
     from kimi_mlx.checkpoint.loader import load_model
 
     fp = fingerprint(tiny_ckpt)
@@ -163,9 +163,9 @@ def test_runners_compose_to_the_full_model_bitwise_and_refuse_bad_order(tiny_ckp
 def test_tls_service_refuses_plaintext(tmp_path):
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-    from kimi_mlx.cluster.auth import init_tls
-    from kimi_mlx.cluster.service import StageServer, StageService, make_channel
+    from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+    from kimi_mlx.cluster.net.auth import init_tls
+    from kimi_mlx.cluster.node.service import StageServer, StageService, make_channel
 
     key = init_secret(tmp_path / "cluster.key")
     crt, tls_key = init_tls(key)

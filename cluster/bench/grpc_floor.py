@@ -59,7 +59,7 @@ RELAY_KINDS = ("relay-sync", "relay-aio")
 def _handlers(aio: bool):
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2 as pb
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     if aio:
@@ -98,8 +98,8 @@ def _relay_handlers_sync(next_address: str):
     thread, which passes it on while the handler waits (as `StageService.Forward`)."""
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
-    from kimi_mlx.cluster.compute import ComputeThread
+    from kimi_mlx.cluster.net import stage_pb2 as pb
+    from kimi_mlx.cluster.node.compute import ComputeThread
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     watch_q: "queue.Queue" = queue.Queue()
@@ -141,7 +141,7 @@ def _relay_handlers_aio(next_address: str):
 
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2 as pb
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     watch_q: "asyncio.Queue" = asyncio.Queue()
@@ -315,7 +315,7 @@ def _variants(ports: Dict[str, int], payload: int, loop):
     server kind), and a close(); aio calls run on `loop`."""
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2 as pb
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     data = bytes(payload)
@@ -422,7 +422,7 @@ def _relay_variants(heads: Dict[str, List[int]], payload: int, loop):
     3 enters at its first relay, a chain of 1 at its last. Returns (variants, close)."""
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2 as pb
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     data = bytes(payload)

@@ -57,8 +57,8 @@ def bench_rows(pipe, draft, model_args, prompts: List[List[int]], tokens: int,
     (greedy; one warm-up generation of each kind first)."""
     from kimi_mlx.speculative.loop import SpecStats
 
-    from kimi_mlx.cluster.runner import Sampling
-    from kimi_mlx.cluster.speculative import speculative_pipeline_step
+    from kimi_mlx.cluster.node.runner import Sampling
+    from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 
     def plain(p):
         return pipe.generate_step(p, Sampling(), tokens)
@@ -104,9 +104,9 @@ def bench_pipeline_jobs(ckpt: Path, model_args, jobs: List[Tuple], tokens: int, 
     Raises:
         RuntimeError: a stage did not start or was not usable; StageFailure: lost.
     """
-    from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
+    from kimi_mlx.cluster.head.pipeline import Pipeline, check_nodes, plan_stages
     from kimi_mlx.testing.cluster import LocalCluster
-    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.head.transport import GrpcTransport
 
     with tempfile.TemporaryDirectory(prefix="kimi-mlx-spec-bench-") as tmp:
         cluster = LocalCluster(Path(tmp), stages, prefix="specbench", ckpt=ckpt, env=STAGE_ENV)

@@ -30,12 +30,12 @@ import grpc
 import mlx.core as mx
 import numpy as np
 
-from kimi_mlx.cluster import stage_pb2 as pb
-from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.runner import Sampling
-from kimi_mlx.cluster.service import DEFAULT_MAX_MESSAGE, STAGE_SERVICE, make_channel
-from kimi_mlx.cluster.wire import PROTOCOL_VERSION, from_tensor, to_tensor
+from kimi_mlx.cluster.net import stage_pb2 as pb
+from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+from kimi_mlx.cluster.net.discovery import NodeInfo
+from kimi_mlx.cluster.node.runner import Sampling
+from kimi_mlx.cluster.node.service import DEFAULT_MAX_MESSAGE, STAGE_SERVICE, make_channel
+from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION, from_tensor, to_tensor
 
 log = logging.getLogger("kimi_mlx.cluster.transport")
 

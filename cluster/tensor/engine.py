@@ -178,7 +178,7 @@ class TensorEngine:
                 self.model = None  # this head's shard: freed with the group
                 mx.clear_cache()
         if self.lost is None:
-            from kimi_mlx.cluster.tensor_step import OP_EXIT, command
+            from kimi_mlx.cluster.tensor.step import OP_EXIT, command
 
             try:
                 command(self.group, OP_EXIT)
@@ -190,7 +190,7 @@ class TensorEngine:
         """(token, logprobs [vocab]) of `job` through the group."""
         import mlx.core as mx
 
-        from kimi_mlx.cluster.tensor_step import group_stream, plain_run, speculative_run
+        from kimi_mlx.cluster.tensor.step import group_stream, plain_run, speculative_run
 
         p = job.sampling
         if self.speculation is not None and not job.logits_processors:
@@ -236,8 +236,8 @@ def start_tensor_engine(args, cluster, eos_ids, metrics, speculation) -> TensorE
     """Form the group (`tensor_launch.form_group`: this head rank 0, the nodes' ranks
     started through `StartRank`) and start a `TensorEngine` on it. Raises what
     `form_group` raises (the server then ends, naming it)."""
-    from kimi_mlx.cluster.tensor import TensorGroup
-    from kimi_mlx.cluster.tensor_launch import form_group
+    from kimi_mlx.cluster.tensor.group import TensorGroup
+    from kimi_mlx.cluster.tensor.launch import form_group
 
     watch = TensorGroup(args.peer_timeout, exit=lambda code: None)
     transport, group, model = form_group(args, cluster, watch)

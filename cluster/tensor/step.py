@@ -30,7 +30,7 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
-from kimi_mlx.cluster.remote_cache import RemoteCache
+from kimi_mlx.speculative.remote_cache import RemoteCache
 
 OP_EXIT, OP_BEGIN, OP_FORWARD, OP_END = 0, 1, 2, 3
 RECORD, LOGITS = 1, 2  # flags: record for rollback (a verify step), compute the logits

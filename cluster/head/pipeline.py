@@ -20,11 +20,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import grpc
 
-from kimi_mlx.cluster import stage_pb2 as pb
-from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.runner import Sampling
-from kimi_mlx.cluster.transport import StageAssignment, StageFailure, Transport
-from kimi_mlx.cluster.wire import PROTOCOL_VERSION, build_id, package_versions
+from kimi_mlx.cluster.net import stage_pb2 as pb
+from kimi_mlx.cluster.net.discovery import NodeInfo
+from kimi_mlx.cluster.node.runner import Sampling
+from kimi_mlx.cluster.head.transport import StageAssignment, StageFailure, Transport
+from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION, build_id, package_versions
 
 log = logging.getLogger("kimi_mlx.cluster.head")
 
@@ -367,7 +367,7 @@ def check_nodes(candidates: List[NodeInfo], stub_for: Callable[[str], object], f
         try:
             results[k] = ("ok", stub_for(n.address).Health(pb.HealthRequest(), timeout=timeout))
         except grpc.RpcError as e:
-            from kimi_mlx.cluster.transport import _rpc_reason
+            from kimi_mlx.cluster.head.transport import _rpc_reason
 
             code = e.code() if hasattr(e, "code") else None
             channel = channel_for(n.address) if channel_for and code == grpc.StatusCode.UNIMPLEMENTED else None

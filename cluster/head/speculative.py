@@ -28,9 +28,9 @@ from typing import Any, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from kimi_mlx.cluster.head import Pipeline
-from kimi_mlx.cluster.remote_cache import RemoteCache
-from kimi_mlx.cluster.runner import Sampling as StageSampling
+from kimi_mlx.cluster.head.pipeline import Pipeline
+from kimi_mlx.speculative.remote_cache import RemoteCache
+from kimi_mlx.cluster.node.runner import Sampling as StageSampling
 
 log = logging.getLogger("kimi_mlx.cluster.speculative")
 

@@ -12,8 +12,8 @@ from typing import List
 
 import mlx.core as mx
 
-from kimi_mlx.cluster import jaccl
-from kimi_mlx.cluster.tensor import (RANK_PORT_OFFSET, TensorGroup, TensorSetupError,
+from kimi_mlx.cluster.net import jaccl
+from kimi_mlx.cluster.tensor.group import (RANK_PORT_OFFSET, TensorGroup, TensorSetupError,
                                      available_backends, choose_backend, free_port, hosts_json,
                                      local_address_towards)
 # -- head side: `cluster launch --parallel tensor` ---------------------------------------------
@@ -27,9 +27,9 @@ def form_group(args, cluster, watch: TensorGroup):
     OSError after closing what it opened.
     """
     from kimi_mlx.checkpoint.ranged import load_sharded
-    from kimi_mlx.cluster import stage_pb2 as pb
-    from kimi_mlx.cluster.transport import GrpcTransport
-    from kimi_mlx.cluster.wire import package_versions
+    from kimi_mlx.cluster.net import stage_pb2 as pb
+    from kimi_mlx.cluster.head.transport import GrpcTransport
+    from kimi_mlx.cluster.net.wire import package_versions
 
     transport = GrpcTransport(cluster.secret, args.secret_file if args.tls else None,
                               peer_timeout=args.peer_timeout)
@@ -91,8 +91,8 @@ def launch_tensor(args, cluster, ids: List[int], wrapper, speculation=None) -> i
     Returns the exit status; a rank lost mid-generation ends the process through
     `TensorGroup.fail`.
     """
-    from kimi_mlx.cluster.head import stream_generate
-    from kimi_mlx.cluster.tensor_step import (OP_EXIT, command, group_stream, plain_run,
+    from kimi_mlx.cluster.head.pipeline import stream_generate
+    from kimi_mlx.cluster.tensor.step import (OP_EXIT, command, group_stream, plain_run,
                                               speculative_run)
     from kimi_mlx.generation.generate import print_generation
     from mlx_lm.sample_utils import make_sampler

@@ -58,16 +58,16 @@ from typing import Dict, Optional
 import grpc
 import mlx.core as mx
 
-from kimi_mlx.cluster import stage_pb2 as pb
-from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-from kimi_mlx.cluster.auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
-from kimi_mlx.cluster.compute import ComputeStopped, ComputeThread
-from kimi_mlx.cluster.fingerprint import fingerprint, folder_state, named, scan
-from kimi_mlx.cluster.prompt_cache import CACHE_MISS, StageCache, key_length
-from kimi_mlx.cluster.runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
-from kimi_mlx.cluster.jaccl import local_report_json
-from kimi_mlx.cluster.tensor import RankProcess, TensorSetupError, available_backends, check_rank_request
-from kimi_mlx.cluster.wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
+from kimi_mlx.cluster.net import stage_pb2 as pb
+from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+from kimi_mlx.cluster.net.auth import ClientAuth, ServerAuth, channel_credentials, key_id, server_credentials, TLS_NAME
+from kimi_mlx.cluster.node.compute import ComputeStopped, ComputeThread
+from kimi_mlx.cluster.net.fingerprint import fingerprint, folder_state, named, scan
+from kimi_mlx.cluster.node.stage_cache import CACHE_MISS, StageCache, key_length
+from kimi_mlx.cluster.node.runner import Refused, Sampling, Session, StageRunner, StageSpec, default_compute_dtype, load_stage
+from kimi_mlx.cluster.net.jaccl import local_report_json
+from kimi_mlx.cluster.tensor.group import RankProcess, TensorSetupError, available_backends, check_rank_request
+from kimi_mlx.cluster.net.wire import (ACTIVATION_DTYPES, PROTOCOL_VERSION, WireError, build_id, check_session_id,
                    from_tensor, package_versions, to_tensor)
 
 log = logging.getLogger("kimi_mlx.cluster.service")
@@ -240,7 +240,7 @@ class StageService(pb_grpc.StageServicer):
                  stream_deadline: float = 24 * 3600.0, max_message: int = DEFAULT_MAX_MESSAGE,
                  usable_memory: Optional[int] = None, bandwidth: Optional[int] = None,
                  cache_bytes: Optional[int] = None):
-        from kimi_mlx.cluster.discovery import local_chip, local_memory
+        from kimi_mlx.cluster.net.discovery import local_chip, local_memory
 
         self.node_id = node_id
         self.models_dir = Path(models_dir).expanduser() if models_dir else None
@@ -966,7 +966,7 @@ class StageServer:
 
     def advertise(self, addresses, tls: bool = False, ttl: int = 120) -> None:
         """Register the zeroconf record on `addresses` (IPv4)."""
-        from kimi_mlx.cluster.discovery import Advertiser, NodeInfo
+        from kimi_mlx.cluster.net.discovery import Advertiser, NodeInfo
 
         s = self.service
         ours, mlx_version = package_versions()

@@ -72,7 +72,7 @@ def choose_backend(backends: Dict[str, Sequence[str]], forced: Optional[str] = N
     Raises TensorSetupError naming the ranks that lack the backend, and for a forced
     `jaccl`, the nodes that cannot join and why (no RDMA, a pair not cabled, ...).
     """
-    from kimi_mlx.cluster import jaccl
+    from kimi_mlx.cluster.net import jaccl
 
     want = None if forced in (None, "auto") else forced
     if want is None:
@@ -136,7 +136,7 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
     who = f"rank {os.environ.get('MLX_RANK', '?')}" + (f" on node {a.name}" if a.name else "")
     from kimi_mlx.checkpoint.ranged import load_sharded
 
-    from kimi_mlx.cluster.tensor_step import follow_commands
+    from kimi_mlx.cluster.tensor.step import follow_commands
 
     try:
         group = mx.distributed.init(backend=a.backend, strict=True)
@@ -197,7 +197,7 @@ class RankProcess:
     def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str):
         self.rank, self.node_id = rank, node_id
         if backend == "jaccl":  # MLX_RANK, MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES
-            from kimi_mlx.cluster.jaccl import rank_env
+            from kimi_mlx.cluster.net.jaccl import rank_env
 
             group_env, self.hostfile = rank_env(hosts, rank)
             env = dict(os.environ, **group_env)
@@ -207,7 +207,7 @@ class RankProcess:
                 f.write(hosts)
             env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=self.hostfile)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kimi_mlx.cluster.tensor", "--model", str(model_path),
+            [sys.executable, "-m", "kimi_mlx.cluster.tensor.group", "--model", str(model_path),
              "--backend", backend, "--name", node_id], env=env, stdin=subprocess.DEVNULL)
         self._stopped_seen = 0
         self._lock = threading.Lock()
@@ -298,7 +298,7 @@ class TensorGroup:
         self.stubs: Dict[str, object] = {}  # node name -> its control-plane stub (probes)
 
     def start(self, stubs: Sequence[Tuple[str, object]], requests: Sequence) -> "TensorGroup":
-        from kimi_mlx.cluster import stage_pb2 as pb
+        from kimi_mlx.cluster.net import stage_pb2 as pb
 
         started = [threading.Event() for _ in stubs]
         refused: List[str] = []
@@ -322,7 +322,7 @@ class TensorGroup:
     def _watch(self, name: str, call, started: threading.Event, refused: List[str]) -> None:
         import grpc
 
-        from kimi_mlx.cluster import stage_pb2 as pb
+        from kimi_mlx.cluster.net import stage_pb2 as pb
 
         last = [time.monotonic()]
         timer = threading.Thread(target=self._heartbeats, args=(name, last), daemon=True)
@@ -365,7 +365,7 @@ class TensorGroup:
         does not depend on this: its node reports it by an ERROR event within ~0.5 s. A
         node that is really gone fails the probe (connection refused at once, or silence):
         detected within 2 x peer_timeout."""
-        from kimi_mlx.cluster import stage_pb2 as pb
+        from kimi_mlx.cluster.net import stage_pb2 as pb
 
         while not self.closing:
             time.sleep(0.2)

@@ -109,7 +109,7 @@ class ClusterEngine:
         on the head), else None."""
         if not job.images:
             return None
-        from kimi_mlx.cluster.head import media_rows
+        from kimi_mlx.cluster.head.pipeline import media_rows
 
         return media_rows(self.vision, job.images, self.pad_id, self._vision_lock)
 
@@ -182,7 +182,7 @@ class ClusterEngine:
             try:
                 self._run(job)
             except Exception as e:  # noqa: BLE001 - the error goes to this request only
-                from kimi_mlx.cluster.transport import StageFailure
+                from kimi_mlx.cluster.head.transport import StageFailure
 
                 if isinstance(e, StageFailure) and e.lost:
                     if self.keeper is not None:
@@ -199,7 +199,7 @@ class ClusterEngine:
     def _run(self, job) -> None:
         from kimi_mlx.server.jobs import Started, cancelled_in_queue, stream_to_job
 
-        from kimi_mlx.cluster.runner import Sampling
+        from kimi_mlx.cluster.node.runner import Sampling
 
         if cancelled_in_queue(job, self.metrics):
             return
@@ -240,7 +240,7 @@ class ClusterEngine:
         pipeline (after a recovery) gets a new one."""
         if not self.batch:
             return None
-        from kimi_mlx.cluster.head import Batcher
+        from kimi_mlx.cluster.head.pipeline import Batcher
 
         with self._lock:
             pipeline = self.pipeline
@@ -276,8 +276,8 @@ class ClusterEngine:
         tokens restored. A stage that lost the snapshot since the lookup refuses the
         session before any token: then the prompt is prefilled in full, on the same
         pipeline."""
-        from kimi_mlx.cluster.prompt_cache import CACHE_MISS
-        from kimi_mlx.cluster.transport import StageFailure
+        from kimi_mlx.cluster.node.stage_cache import CACHE_MISS
+        from kimi_mlx.cluster.head.transport import StageFailure
 
         key = job.cache_key  # the ids, with image pads tagged by their image's digest
         restore, cached = self._restore_point(key)
@@ -315,7 +315,7 @@ class ClusterEngine:
 
         from kimi_mlx.speculative.loop import Sampling
 
-        from kimi_mlx.cluster.speculative import speculative_pipeline_step
+        from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 
         spec, p = self.speculation, job.sampling
         if p.seed is not None:
@@ -367,9 +367,9 @@ def make_keeper(args, cluster, fp: str, pipeline):
     """A `recovery.PipelineKeeper` for the server's pipeline: it reconnects through
     `cluster.connect()` (the launcher's discovery, checks, plan and load) with the nodes
     it excludes, and asks lost nodes for the checkpoint `fp` with `head.check_nodes`."""
-    from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-    from kimi_mlx.cluster.head import check_nodes
-    from kimi_mlx.cluster.recovery import PipelineKeeper
+    from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+    from kimi_mlx.cluster.head.pipeline import check_nodes
+    from kimi_mlx.cluster.head.recovery import PipelineKeeper
 
     def reconnect(excluded):
         cluster.excluded = set(excluded)
@@ -437,8 +437,8 @@ def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
     from kimi_mlx.server.serving import (check_draft_server_arguments, check_server_arguments,
                                          make_service, resolve_api_key, serve)
 
-    from kimi_mlx.cluster.auth import AuthError, load_secret
-    from kimi_mlx.cluster.fingerprint import FingerprintError, fingerprint, is_checkpoint
+    from kimi_mlx.cluster.net.auth import AuthError, load_secret
+    from kimi_mlx.cluster.net.fingerprint import FingerprintError, fingerprint, is_checkpoint
 
     try:
         check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
@@ -487,14 +487,14 @@ def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
             speculation = Speculation(NgramDraft(args.ngram_max, args.ngram_min),
                                       args.num_draft_tokens)
         if choose_parallel is not None and choose_parallel(cluster) == "tensor":
-            from kimi_mlx.cluster.tensor_server import start_tensor_engine
+            from kimi_mlx.cluster.tensor.engine import start_tensor_engine
 
             svc.engine = start_tensor_engine(args, cluster, tok.eos_token_ids, svc.metrics,
                                              speculation)
             return
         pipeline = cluster.connect()
         keeper = make_keeper(args, cluster, fp, pipeline)
-        from kimi_mlx.cluster.prompt_cache import HeadCacheIndex
+        from kimi_mlx.cluster.node.stage_cache import HeadCacheIndex
 
         index = None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every)
         engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
