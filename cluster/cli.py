@@ -240,7 +240,8 @@ def _serve(args) -> int:
     from kimi_mlx.cluster.net.auth import AuthError, load_secret
     from kimi_mlx.cluster.net.discovery import DEFAULT_PORT, interface_addresses
     from kimi_mlx.placement.planner import parse_bytes
-    from kimi_mlx.cluster.node.service import StageServer, StageService
+    from kimi_mlx.cluster.node.server import StageServer
+    from kimi_mlx.cluster.node.service import StageService
 
     try:
         if args.port is not None and not 0 <= args.port <= 65535:
@@ -338,7 +339,7 @@ def _ls(args) -> int:
         secret = None
         print(f"note: not checking nodes ({e})", file=sys.stderr)
     if secret is not None and nodes:
-        from kimi_mlx.cluster.head.pipeline import check_nodes, held_checkpoints
+        from kimi_mlx.cluster.net.nodes import check_nodes, held_checkpoints
 
         t = GrpcTransport(secret, args.secret_file if args.tls else None)
         ok, bad = check_nodes(nodes, t.stub_for, fp=None, check_version=True,
@@ -421,7 +422,7 @@ class _Cluster:
 
     def candidates(self):
         from kimi_mlx.cluster.net.discovery import DEFAULT_PORT, NodeInfo, browse, interface_addresses
-        from kimi_mlx.cluster.head.pipeline import parse_address
+        from kimi_mlx.cluster.net.nodes import parse_address
 
         a = self.args
         if a.nodes == "auto":
@@ -440,7 +441,7 @@ class _Cluster:
     def accepted(self, transport):
         """[(NodeInfo, HealthReply)] of the usable nodes (RuntimeError when --nodes names
         one that is not usable, or none is)."""
-        from kimi_mlx.cluster.head.pipeline import check_nodes
+        from kimi_mlx.cluster.net.nodes import check_nodes
 
         if self.checked is not None:
             accepted, self.checked = self.checked, None
@@ -471,7 +472,8 @@ class _Cluster:
         return accepted
 
     def connect(self):
-        from kimi_mlx.cluster.head.pipeline import Pipeline, choose_compute_dtype, plan_stages
+        from kimi_mlx.cluster.head.pipeline import Pipeline
+        from kimi_mlx.cluster.head.plan import choose_compute_dtype, plan_stages
         from kimi_mlx.cluster.head.transport import GrpcTransport
 
         a = self.args
@@ -756,7 +758,7 @@ def _recommended(cluster: _Cluster) -> str:
     """`kimi_mlx.placement.tensor_parallel.recommend` for these nodes: the pipeline over
     the nodes vs a tensor group of this head and the nodes (the slowest node's bandwidth,
     the TCP ring's latency: the group runs over the ring). Says so when it is tensor."""
-    from kimi_mlx.cluster.head.pipeline import plan_stages
+    from kimi_mlx.cluster.head.plan import plan_stages
     from kimi_mlx.cluster.head.transport import GrpcTransport
     from kimi_mlx.model.shard import ShardError
     from kimi_mlx.placement.planner import PlanError

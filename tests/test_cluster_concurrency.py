@@ -18,7 +18,7 @@ from kimi_mlx.cluster.net import stage_pb2 as pb
 from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.head.pipeline import Pipeline
 from kimi_mlx.cluster.node.runner import Sampling
-from kimi_mlx.cluster.node.service import make_channel
+from kimi_mlx.cluster.net.channel import make_channel
 from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.head.transport import StageFailure
 from kimi_mlx.cluster.net.wire import to_tensor

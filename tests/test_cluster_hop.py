@@ -5,7 +5,9 @@ service and transport echo every token they are sent (values asserted; no timing
 import mlx.core as mx
 import numpy as np
 
-from kimi_mlx.cluster.head.pipeline import Pipeline, check_nodes
+from kimi_mlx.cluster.head.pipeline import Pipeline
+
+from kimi_mlx.cluster.net.nodes import check_nodes
 from kimi_mlx.cluster.bench.hop import NullCluster, NullRunner
 from kimi_mlx.cluster.node.runner import Sampling, StageSpec
 from kimi_mlx.testing.cluster import reference_checkpoint

@@ -10,7 +10,7 @@ import pytest
 from kimi_mlx.cluster.net.auth import init_secret, load_secret
 from kimi_mlx.cluster.net.discovery import NodeInfo
 from kimi_mlx.cluster.net.fingerprint import fingerprint
-from kimi_mlx.cluster.head.pipeline import check_nodes
+from kimi_mlx.cluster.net.nodes import check_nodes
 from kimi_mlx.cluster.head.transport import GrpcTransport
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.testing.checkpoints import build_checkpoint

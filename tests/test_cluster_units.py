@@ -13,7 +13,8 @@ from kimi_mlx.cluster.net import stage_pb2 as pb
 from kimi_mlx.cluster.net.auth import AuthError, Verifier, init_secret, key_id, load_secret, sign
 from kimi_mlx.cluster.net.discovery import NodeInfo, from_properties, interface_addresses, to_properties
 from kimi_mlx.cluster.net.fingerprint import fingerprint, scan
-from kimi_mlx.cluster.head.pipeline import parse_address, prefill_chunks
+from kimi_mlx.cluster.net.nodes import parse_address
+from kimi_mlx.cluster.head.pipeline import prefill_chunks
 from kimi_mlx.cluster.node.runner import Refused, Sampling, StageRunner, StageSpec
 from kimi_mlx.cluster.net.wire import WireError, from_tensor, to_tensor
 
@@ -165,7 +166,9 @@ def test_tls_service_refuses_plaintext(tmp_path):
 
     from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
     from kimi_mlx.cluster.net.auth import init_tls
-    from kimi_mlx.cluster.node.service import StageServer, StageService, make_channel
+    from kimi_mlx.cluster.net.channel import make_channel
+    from kimi_mlx.cluster.node.server import StageServer
+    from kimi_mlx.cluster.node.service import StageService
 
     key = init_secret(tmp_path / "cluster.key")
     crt, tls_key = init_tls(key)

@@ -228,7 +228,7 @@ def test_choose_backend_takes_the_reports():
 def test_rank_process_gets_jaccl_s_environment(tmp_path, monkeypatch):
     """A node's rank for a jaccl group starts with MLX_RANK, MLX_JACCL_COORDINATOR and
     MLX_IBV_DEVICES (the device file removed when the rank is killed)."""
-    from kimi_mlx.cluster.tensor import group as tensor
+    from kimi_mlx.cluster.node import rank as tensor
 
     seen = {}
 

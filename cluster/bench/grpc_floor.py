@@ -23,7 +23,7 @@ server processes spent per one-way message.
 
 A pipeline hop is more than one message: a stage process receives on one stream and
 sends on another. So the bench also builds chains of 3 bare relay processes (sync grpcio
-with a queue-fed downstream stream, as `service._Downstream`; and grpc.aio), the last of
+with a queue-fed downstream stream, as `node.sessions.Downstream`; and grpc.aio), the last of
 which hands each message to the head's `Watch`-like stream, and measures one more hop =
 (round trip through 3 relays - through 1) / 2, with and without a hand-off of each message
 to a compute thread (sync: which puts it into the downstream queue while the handler
@@ -93,7 +93,7 @@ def _identity(m):
 
 def _relay_handlers_sync(next_address: str):
     """Sync relay: `Forward` passes each message to the next relay's `Forward` (a
-    queue-fed stream, as `service._Downstream`), or, on the last relay, to `Watch`.
+    queue-fed stream, as `node.sessions.Downstream`), or, on the last relay, to `Watch`.
     A stream whose messages carry session 'handoff' hands each message to a compute
     thread, which passes it on while the handler waits (as `StageService.Forward`)."""
     import grpc

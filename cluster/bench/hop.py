@@ -136,7 +136,8 @@ def serve(argv: Sequence[str]) -> int:
     """`python -m kimi_mlx.cluster.bench.hop serve ...`: a stage process whose Load builds
     `NullRunner`s; prints 'listening on HOST:PORT' and serves until SIGTERM."""
     from kimi_mlx.cluster.net.auth import load_secret
-    from kimi_mlx.cluster.node.service import StageServer, StageService
+    from kimi_mlx.cluster.node.server import StageServer
+    from kimi_mlx.cluster.node.service import StageService
 
     p = argparse.ArgumentParser(prog="hop_bench serve")
     p.add_argument("--models", required=True)
@@ -289,7 +290,8 @@ def _median_gap(gen, n: int) -> float:
 
 
 def _run(args, tmp: Path) -> int:
-    from kimi_mlx.cluster.head.pipeline import Pipeline, check_nodes
+    from kimi_mlx.cluster.head.pipeline import Pipeline
+    from kimi_mlx.cluster.net.nodes import check_nodes
     from kimi_mlx.cluster.node.runner import Sampling
     from kimi_mlx.cluster.head.transport import GrpcTransport
 

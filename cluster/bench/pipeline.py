@@ -56,7 +56,11 @@ def _run(args, tmp: Path) -> int:
 
     from kimi_mlx.checkpoint.loader import load_model
 
-    from kimi_mlx.cluster.head.pipeline import Pipeline, check_nodes, plan_stages, prefill_chunks
+    from kimi_mlx.cluster.head.pipeline import Pipeline, prefill_chunks
+
+    from kimi_mlx.cluster.net.nodes import check_nodes
+
+    from kimi_mlx.cluster.head.plan import plan_stages
     from kimi_mlx.cluster.node.runner import Sampling
     from kimi_mlx.testing.cluster import LocalCluster
     from kimi_mlx.cluster.head.transport import GrpcTransport

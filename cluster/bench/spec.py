@@ -104,7 +104,9 @@ def bench_pipeline_jobs(ckpt: Path, model_args, jobs: List[Tuple], tokens: int, 
     Raises:
         RuntimeError: a stage did not start or was not usable; StageFailure: lost.
     """
-    from kimi_mlx.cluster.head.pipeline import Pipeline, check_nodes, plan_stages
+    from kimi_mlx.cluster.head.pipeline import Pipeline
+    from kimi_mlx.cluster.net.nodes import check_nodes
+    from kimi_mlx.cluster.head.plan import plan_stages
     from kimi_mlx.testing.cluster import LocalCluster
     from kimi_mlx.cluster.head.transport import GrpcTransport
 

@@ -240,7 +240,7 @@ class ClusterEngine:
         pipeline (after a recovery) gets a new one."""
         if not self.batch:
             return None
-        from kimi_mlx.cluster.head.pipeline import Batcher
+        from kimi_mlx.cluster.head.batcher import Batcher
 
         with self._lock:
             pipeline = self.pipeline
@@ -276,7 +276,7 @@ class ClusterEngine:
         tokens restored. A stage that lost the snapshot since the lookup refuses the
         session before any token: then the prompt is prefilled in full, on the same
         pipeline."""
-        from kimi_mlx.cluster.node.stage_cache import CACHE_MISS
+        from kimi_mlx.cluster.net.cache_keys import CACHE_MISS
         from kimi_mlx.cluster.head.transport import StageFailure
 
         key = job.cache_key  # the ids, with image pads tagged by their image's digest
@@ -368,7 +368,7 @@ def make_keeper(args, cluster, fp: str, pipeline):
     `cluster.connect()` (the launcher's discovery, checks, plan and load) with the nodes
     it excludes, and asks lost nodes for the checkpoint `fp` with `head.check_nodes`."""
     from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
-    from kimi_mlx.cluster.head.pipeline import check_nodes
+    from kimi_mlx.cluster.net.nodes import check_nodes
     from kimi_mlx.cluster.head.recovery import PipelineKeeper
 
     def reconnect(excluded):
@@ -494,7 +494,7 @@ def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
             return
         pipeline = cluster.connect()
         keeper = make_keeper(args, cluster, fp, pipeline)
-        from kimi_mlx.cluster.node.stage_cache import HeadCacheIndex
+        from kimi_mlx.cluster.head.cache_index import HeadCacheIndex
 
         index = None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every)
         engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,

@@ -1,5 +1,5 @@
-"""`cluster launch --parallel tensor`: the head's side of `kimi_mlx.cluster.tensor` (kept
-apart so that the stage service, which runs node ranks, does not import the head)."""
+"""`cluster launch --parallel tensor`: the head's side of a tensor-parallel group (the nodes'
+side is `node.rank`, the ranks' `tensor.rank`)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,10 @@ def form_group(args, cluster, watch: TensorGroup):
     """
     from kimi_mlx.checkpoint.ranged import load_sharded
     from kimi_mlx.cluster.net import stage_pb2 as pb
-    from kimi_mlx.cluster.head.transport import GrpcTransport
+    from kimi_mlx.cluster.net.control import ControlClient
     from kimi_mlx.cluster.net.wire import package_versions
 
-    transport = GrpcTransport(cluster.secret, args.secret_file if args.tls else None,
-                              peer_timeout=args.peer_timeout)
+    transport = ControlClient(cluster.secret, args.secret_file if args.tls else None)
     try:
         accepted = cluster.accepted(transport)
         mine = package_versions()[1]
@@ -91,10 +90,10 @@ def launch_tensor(args, cluster, ids: List[int], wrapper, speculation=None) -> i
     Returns the exit status; a rank lost mid-generation ends the process through
     `TensorGroup.fail`.
     """
-    from kimi_mlx.cluster.head.pipeline import stream_generate
     from kimi_mlx.cluster.tensor.step import (OP_EXIT, command, group_stream, plain_run,
                                               speculative_run)
     from kimi_mlx.generation.generate import print_generation
+    from kimi_mlx.generation.streaming import stream_responses
     from mlx_lm.sample_utils import make_sampler
 
     watch = TensorGroup(args.peer_timeout)
@@ -118,8 +117,8 @@ def launch_tensor(args, cluster, ids: List[int], wrapper, speculation=None) -> i
             yield tok, lp, False
 
     try:
-        code = print_generation(args, stream_generate(tokens(), wrapper, len(ids), args.max_tokens,
-                                                      mx.get_peak_memory))
+        code = print_generation(args, stream_responses(tokens(), wrapper, len(ids), args.max_tokens,
+                                                       mx.get_peak_memory))
         command(group, OP_EXIT)  # the other ranks exit
         watch.finish()
         if speculation is not None and args.verbose:

@@ -212,7 +212,8 @@ class LocalCluster:
         `plan_stages`' split, activations and wire in `dtype`. Returns (transport, stages);
         the caller calls `transport.shutdown()`. Raises AssertionError naming the refused
         nodes."""
-        from kimi_mlx.cluster.head.pipeline import check_nodes, plan_stages
+        from kimi_mlx.cluster.net.nodes import check_nodes
+        from kimi_mlx.cluster.head.plan import plan_stages
         from kimi_mlx.cluster.head.transport import GrpcTransport
 
         t = GrpcTransport(self.secret, peer_timeout=peer_timeout)
@@ -230,7 +231,7 @@ class LocalCluster:
         """Sessions stage process i holds now (its Health RPC)."""
         from kimi_mlx.cluster.net import stage_pb2 as pb
         from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
-        from kimi_mlx.cluster.node.service import make_channel
+        from kimi_mlx.cluster.net.channel import make_channel
 
         stub = pb_grpc.StageStub(make_channel(self.procs[i].address, self.secret))
         return stub.Health(pb.HealthRequest(), timeout=5).sessions
