@@ -151,7 +151,7 @@ def main(model, draft_spec, tokens: int, ks: List[int], repeats: int, n_prompts:
     from kimi_mlx.bench.spec import load_drafts, workload_prompts
 
     spec = resolve_model_arg(model)
-    from kimi_mlx.cluster.cli import _tokenizers
+    from kimi_mlx.cluster.launch import tokenizers as _tokenizers
 
     wrapper, tok = _tokenizers(Path(spec))  # the head holds no target weights
     try:

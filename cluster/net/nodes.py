@@ -5,8 +5,10 @@ rest named with the reason (`Rejected`). Both strategies start here."""
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import grpc
@@ -153,3 +155,106 @@ def held_checkpoints(reply: pb.HealthReply) -> str:
         names = [""] * len(reply.fingerprints)
     return ", ".join(f"{n} ({fp})" if n else fp
                      for n, fp in zip(names, reply.fingerprints)) or "none"
+
+
+def check_browse_time(flag: str, seconds: float) -> None:
+    """ValueError (a one-line reason naming `flag`) for a browse too short to hear any node."""
+    from kimi_mlx.cluster.net.discovery import MIN_BROWSE_S
+
+    if not seconds >= MIN_BROWSE_S:
+        raise ValueError(f"{flag} {seconds:g} is too short to hear any node: mDNS queries go "
+                         "out after a random 20-120 ms and answers take up to 120 ms more "
+                         f"(RFC 6762); give at least {MIN_BROWSE_S:g} s")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """How a head finds and trusts its nodes (`cluster launch` / `cluster server` flags).
+
+    nodes: "auto" (zeroconf) or "host[:port],..." in pipeline order. discover_timeout:
+    seconds to browse (auto). interface: where to browse (name or IPv4; None: all).
+    check_version: refuse nodes with another kimi-mlx version. replan: carry on over the
+    nodes left when a named node is unusable or a stage is lost. secret_file / tls: the
+    cluster secret and whether to use its TLS certificate. peer_timeout: seconds of
+    silence before a stage or rank is reported lost.
+    """
+
+    secret_file: Path
+    nodes: str = "auto"
+    discover_timeout: float = 3.0
+    interface: Optional[str] = None
+    check_version: bool = True
+    replan: bool = False
+    tls: bool = False
+    peer_timeout: float = 5.0
+
+    @property
+    def tls_secret_path(self) -> Optional[Path]:
+        """The secret path whose certificate enables TLS, or None without --tls."""
+        return self.secret_file if self.tls else None
+
+
+class NodeFinder:
+    """Discovery -> checks, repeatable (a replan excludes lost nodes): the nodes a head may
+    use for checkpoint `fp` (folder `model_dir`), found with `settings`. Both strategies
+    start here: the pipeline's `head.cluster.Cluster` plans and loads over them, a tensor
+    group (`tensor.launch.form_group`) starts a rank on each.
+
+    `excluded`: node ids left out from now on. `checked`: an `accepted()` answer kept for
+    its next call (the parallel choice asks first, then the launch uses the same nodes).
+    """
+
+    def __init__(self, settings: NodeSettings, secret: bytes, model_dir: Path, fp: str):
+        self.settings, self.secret, self.model_dir, self.fp = settings, secret, model_dir, fp
+        self.excluded: set = set()
+        self.checked = None
+
+    def candidates(self) -> List[NodeInfo]:
+        """The nodes to check: zeroconf's (RuntimeError when none answers) or --nodes'."""
+        from kimi_mlx.cluster.net.discovery import DEFAULT_PORT, browse, interface_addresses
+
+        a = self.settings
+        if a.nodes == "auto":
+            nodes = browse(a.discover_timeout, interface_addresses(a.interface))
+            if not nodes:
+                raise RuntimeError(f"no kimi-mlx nodes found in {a.discover_timeout:g} s "
+                                   "(is `kimi-mlx cluster serve` running on each Mac, on this network?)")
+            return nodes
+        out = []
+        for spec in a.nodes.split(","):
+            if spec.strip():
+                host, port = parse_address(spec, DEFAULT_PORT)
+                out.append(NodeInfo(node_id=spec.strip(), host=host, port=port))
+        return out
+
+    def accepted(self, transport) -> List[Tuple[NodeInfo, pb.HealthReply]]:
+        """[(NodeInfo, HealthReply)] of the usable nodes, asked through `transport`'s
+        `stub_for` / `channel_for` (a `net.control.ControlClient`); RuntimeError when
+        --nodes names one that is not usable, or none is."""
+        if self.checked is not None:
+            accepted, self.checked = self.checked, None
+            return accepted
+        a = self.settings
+        accepted, rejected = check_nodes(self.candidates(), transport.stub_for, self.fp,
+                                         name=self.model_dir.name,
+                                         check_version=a.check_version,
+                                         channel_for=transport.channel_for)
+        named = a.nodes != "auto"
+        if named and rejected and not a.replan and not self.excluded:
+            # --nodes fixes the stages' order: run on exactly those, or say which one is not usable
+            down = sum(r.unreachable for r in rejected)  # "start it" helps only these
+            fix = ("start it" if down == len(rejected) else "fix it as said" if not down
+                   else "start or fix them as said")
+            raise RuntimeError("; ".join(f"node {r.address} (named in --nodes) is not usable: "
+                                         f"{r.reason}" for r in rejected)
+                               + f"; {fix}, leave it out of --nodes, or pass --replan to "
+                                 "continue on the others")
+        for r in rejected:
+            where = r.address if r.node_id == r.address else f"{r.node_id} at {r.address}"
+            print(f"[cluster] skipping node {where}: {r.reason}", file=sys.stderr)
+        accepted = [(n, r) for n, r in accepted if n.node_id not in self.excluded]
+        if not accepted:
+            raise RuntimeError("no usable nodes")
+        if a.nodes == "auto":
+            accepted.sort(key=lambda x: x[0].node_id)
+        return accepted
