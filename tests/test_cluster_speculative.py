@@ -1,4 +1,4 @@
-"""Speculative decoding through the pipeline (`cluster.speculative`): three stage processes
+"""Speculative decoding through the pipeline (`cluster.head.speculative`): three stage processes
 on loopback serving the shipped micro checkpoint, drafted by the shipped micro-draft.
 
 References are independent of the code under test: mlx-lm's `generate_step` in one

@@ -25,7 +25,7 @@ from one run:
   checkpoint split in 3, in this process, one BLAS thread), per decode token and per
   prefill chunk, so a reader can tell transport from compute.
 
-A null stage keeps the wire layouts of `runner.StageRunner`: the first stage writes each
+A null stage keeps the wire layouts of `node.runner.StageRunner`: the first stage writes each
 token id into feature 0 of an otherwise zero hidden state, a middle stage passes its input
 on unchanged (the AttnRes banks it would add are copies of the partial sum, as identity
 layers would leave them), and the last stage "samples" feature 0 of the last position:

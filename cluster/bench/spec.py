@@ -4,7 +4,7 @@ Three `kimi-mlx cluster serve` processes on loopback hold the target's layers (e
 one BLAS thread: each stands for one Mac); the head, this process, runs the draft. For
 each k it times greedy generation of the same prompts through the same loaded stages,
 plain (`Pipeline.generate_step`: one round trip through every stage per token) and
-speculative (`cluster.speculative`: one round trip per verify step of up to k + 1
+speculative (`cluster.head.speculative`: one round trip per verify step of up to k + 1
 tokens), alternating, and reports medians over repeats with the ratio. Tokens/s counts
 generated tokens over the generation wall time (prefill excluded on both sides), as the
 one-process rows do.

@@ -16,7 +16,7 @@ class Batcher:
     """Batched decode through the pipeline: the decode steps of the sessions in flight
     (`Pipeline.generate_step(batcher=...)`) go through the stages as one message per
     step (`Transport.send_rows`), which every stage runs as one batched forward pass
-    (`runner.StageRunner.run_rows`); each session still receives its own token.
+    (`node.runner.StageRunner.run_rows`); each session still receives its own token.
 
     A sender thread flushes the steps waiting once every session decoding has posted
     its step, or `wait_s` after the first one did (a session that joins, or one slower

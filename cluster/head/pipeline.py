@@ -116,7 +116,7 @@ class Pipeline:
             restore: (prompt-cache key, n): every stage starts from its snapshot of the
                 first n prompt tokens (the head checked they all hold it); the prefill
                 starts at n. A stage that has lost it refuses the session (a
-                `StageFailure` whose message says `prompt_cache.CACHE_MISS`).
+                `StageFailure` whose message says `net.cache_keys.CACHE_MISS`).
             snapshots: {position e: key}: every stage keeps a snapshot of the first e
                 prompt tokens (n < e < len(prompt)) under key; chunks end there.
             batcher: decode through this `Batcher` (one batched message per step for

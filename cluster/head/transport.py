@@ -1,10 +1,10 @@
 """How the head drives a pipeline of stages: one small interface, and its gRPC version.
 
-`Transport` is all the head (`head.Pipeline`, the launcher) knows about the network:
+`Transport` is all the head (`head.pipeline.Pipeline`, the launcher) knows about the network:
 load stages, open a session, send token chunks into the first stage, receive sampled
 tokens from the last stage, close or abort sessions. The planner and the model know
 nothing of it. An `mx.distributed` transport (ring or RDMA over Thunderbolt 5) would
-implement these same methods with each rank running a `runner.StageRunner`, and send the
+implement these same methods with each rank running a `node.runner.StageRunner`, and send the
 same [K + 1, 1, L, D] activations with `mx.distributed.send/recv` instead of gRPC.
 
 `GrpcTransport` holds a `Watch` lease on every stage: heartbeats (a stage silent for

@@ -25,7 +25,7 @@ RPCs (stage.proto):
   their own streams); the stage runs them as one batched forward pass
   (`runner.StageRunner.run_rows`) and the last stage sends each session its token.
 - `Reset`: free sessions by id or by head.
-- `CacheLookup`: which prompt-cache snapshots this stage holds (`prompt_cache`): a
+- `CacheLookup`: which prompt-cache snapshots this stage holds (`node.stage_cache`): a
   session may open from one (`SessionOpen.restore_key`; refused with "prompt cache
   miss" when it is gone), and a chunk may ask for one after it (`snapshot_key`). The
   LRU is bounded by `cache_bytes` and emptied by every new load.
@@ -78,7 +78,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
 
     `stage_loader` (class attribute, default None = `runner.load_stage`): what `Load`
     calls, `(path, spec, progress) -> (runner, report, tensor bytes)`; the hop bench's
-    null stages (`cluster.hop_bench`) set it in a subclass. `load_bar` (None, or
+    null stages (`cluster.bench.hop`) set it in a subclass. `load_bar` (None, or
     `(description) -> progress callback`, e.g. `checkpoint.loader.byte_bar`): a bar on the
     node's own terminal while a stage loads (`cluster serve` sets it unless --quiet).
 

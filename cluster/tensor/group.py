@@ -12,7 +12,7 @@ checkpoint the node finds by fingerprint in its own models folder.
 
 Rank 0 runs the request loop (mlx-lm's `generate_step`, or a speculative loop with the
 draft on rank 0) over a stand-in model that sends every forward pass to the other ranks
-as a command (`cluster.tensor_step`): they run the same passes on their shards in the
+as a command (`tensor.step`): they run the same passes on their shards in the
 same order, and only rank 0 decides anything. An EXIT command ends the followers
 (exit 0).
 
@@ -51,9 +51,9 @@ __all__ = ["RANK_PORT_OFFSET", "TensorSetupError", "available_backends", "choose
 def choose_backend(backends: Dict[str, Sequence[str]], forced: Optional[str] = None,
                    reports: Optional[Sequence["jaccl.NodeReport"]] = None) -> str:
     """The backend for a group of these ranks ({name: backends its MLX has}; `reports`:
-    each rank's `jaccl.NodeReport`, same order): `forced`, or (None / "auto") `jaccl`
+    each rank's `net.jaccl.NodeReport`, same order): `forced`, or (None / "auto") `jaccl`
     when the reports show every pair of Macs cabled with RDMA on and jaccl in every MLX
-    (`jaccl.choose`), else `ring` (TCP).
+    (`net.jaccl.choose`), else `ring` (TCP).
 
     Raises TensorSetupError naming the ranks that lack the backend, and for a forced
     `jaccl`, the nodes that cannot join and why (no RDMA, a pair not cabled, ...).

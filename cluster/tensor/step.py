@@ -13,7 +13,7 @@ in different collectives.
 
 Speculative decoding (the draft on rank 0 only): post-prefill forward passes are verify
 steps on every rank (`kimi_mlx.speculative.rollback.begin_verify` before the pass). The
-loop's own rollback trims the stand-in cache (as `cluster.speculative.PipelineTarget`
+loop's own rollback trims the stand-in cache (as `head.speculative.PipelineTarget`
 does for the pipeline); how many positions of the step it keeps rides on the next
 command (`keep`), and every rank then rolls its real caches back exactly (KDA states
 replayed from the recorded inputs, DSA caches trimmed: `rollback` + `end_verify`), in
