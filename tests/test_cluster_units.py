@@ -223,3 +223,31 @@ def test_cluster_flags_out_of_range_are_refused_before_anything_starts(capsys, a
 
     assert cli.main(["cluster", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cluster_flags_become_typed_settings_once(tmp_path):
+    """`cluster launch` / `serve` flags reach the libraries as frozen settings, each field
+    the flag's meaning (not an argparse Namespace the libraries could read or change)."""
+    import argparse
+    import dataclasses
+
+    from kimi_mlx.cluster import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    key = tmp_path / "k"
+    a = p.parse_args(["launch", "--prompt", "hi", "--nodes", "h1:5,h2", "--allow-version-mismatch",
+                      "--tls", "--secret-file", str(key), "--peer-timeout", "7", "--replan",
+                      "--sequences", "3", "--wire-dtype", "bfloat16", "--prefill-chunk", "64"])
+    n, pl = cli.node_settings(a), cli.pipeline_settings(a)
+    assert (n.nodes, n.check_version, n.replan, n.peer_timeout, n.tls_secret_path) == \
+        ("h1:5,h2", False, True, 7.0, key)
+    assert (pl.sequences, pl.wire_dtype, pl.activation_dtype, pl.prefill_chunk, pl.force_load) == \
+        (3, "bfloat16", "auto", 64, False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        n.replan = False
+    s = cli.serve_settings(p.parse_args(["serve", "--no-advertise", "--port", "0",
+                                         "--cache-bytes", "8GB", "--secret-file", str(key)]))
+    assert (s.advertise, s.port, s.cache_bytes, s.tls, s.max_sessions) == (False, 0, "8GB", False, 16)
+    no_tls = cli.node_settings(p.parse_args(["server", "--secret-file", str(key)]))
+    assert no_tls.tls_secret_path is None and no_tls.nodes == "auto" and no_tls.check_version

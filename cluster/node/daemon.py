@@ -39,7 +39,7 @@ def _err(e) -> None:
     print(f"kimi-mlx cluster serve: error: {e}", file=sys.stderr)
 
 
-def serve(args: ServeSettings) -> int:
+def serve(settings: ServeSettings) -> int:
     """Run the node until SIGINT / SIGTERM. 2 for bad settings (naming the flag), 1 when
     it cannot listen or advertise, 0 when stopped."""
     from kimi_mlx.cluster.net.auth import AuthError, load_secret
@@ -49,39 +49,39 @@ def serve(args: ServeSettings) -> int:
     from kimi_mlx.cluster.node.service import StageService
 
     try:
-        if args.port is not None and not 0 <= args.port <= 65535:
-            raise ValueError(f"--port must be in 0..65535 (0 = any free port), got {args.port}")
-        if args.max_sessions < 1 or args.idle_timeout <= 0 or args.max_message_mb < 1:
+        if settings.port is not None and not 0 <= settings.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535 (0 = any free port), got {settings.port}")
+        if settings.max_sessions < 1 or settings.idle_timeout <= 0 or settings.max_message_mb < 1:
             raise ValueError("--max-sessions and --max-message-mb must be >= 1 and "
                              "--idle-timeout > 0")
-        models = Path(args.models).expanduser()
+        models = Path(settings.models).expanduser()
         if models.exists() and not models.is_dir():
             raise ValueError(f"--models {models}: not a folder")
-        if not models.exists() and args.models != DEFAULT_MODELS:
+        if not models.exists() and settings.models != DEFAULT_MODELS:
             raise ValueError(f"--models {models}: no such folder")
-        secret = load_secret(args.secret_file)
-        addresses = interface_addresses(args.interface)
-        usable = parse_bytes(args.usable_memory) if args.usable_memory else None
-        cache_bytes = (parse_bytes(args.cache_bytes, default_unit="B") if args.cache_bytes is not None
+        secret = load_secret(settings.secret_file)
+        addresses = interface_addresses(settings.interface)
+        usable = parse_bytes(settings.usable_memory) if settings.usable_memory else None
+        cache_bytes = (parse_bytes(settings.cache_bytes, default_unit="B") if settings.cache_bytes is not None
                        else None)
-        if args.tls:  # fail before scanning the models folder, with auth's own message
+        if settings.tls:  # fail before scanning the models folder, with auth's own message
             from kimi_mlx.cluster.net.auth import server_credentials
 
-            server_credentials(args.secret_file)
+            server_credentials(settings.secret_file)
     except (AuthError, ValueError) as e:
         _err(e)
         return 2
-    node_id = args.node_id or socket.gethostname().split(".")[0]
-    listen = addresses if (args.interface or sys.platform == "darwin") else ["0.0.0.0"]
-    port = DEFAULT_PORT if args.port is None else args.port
-    tls = args.secret_file if args.tls else None
+    node_id = settings.node_id or socket.gethostname().split(".")[0]
+    listen = addresses if (settings.interface or sys.platform == "darwin") else ["0.0.0.0"]
+    port = DEFAULT_PORT if settings.port is None else settings.port
+    tls = settings.secret_file if settings.tls else None
     service = StageService(
-        node_id, Path(args.models).expanduser(), secret, tls_secret_path=tls,
-        idle_timeout=args.idle_timeout, max_sessions=args.max_sessions,
-        max_message=args.max_message_mb << 20, usable_memory=usable,
-        bandwidth=int(args.bandwidth_gbs * 1e9) if args.bandwidth_gbs else None,
+        node_id, Path(settings.models).expanduser(), secret, tls_secret_path=tls,
+        idle_timeout=settings.idle_timeout, max_sessions=settings.max_sessions,
+        max_message=settings.max_message_mb << 20, usable_memory=usable,
+        bandwidth=int(settings.bandwidth_gbs * 1e9) if settings.bandwidth_gbs else None,
         cache_bytes=cache_bytes)
-    if not args.quiet:
+    if not settings.quiet:
         import tqdm  # noqa: F401  (now: a load should read checkpoint bytes only)
 
         from kimi_mlx.checkpoint.loader import byte_bar
@@ -94,7 +94,7 @@ def serve(args: ServeSettings) -> int:
         _err(f"cannot listen on port {port} ({e})")
         return 1
     try:
-        if args.advertise:
+        if settings.advertise:
             server.advertise(addresses, tls=bool(tls))
     except Exception as e:  # zeroconf: name conflict, no multicast route
         server.stop(0)
@@ -113,7 +113,7 @@ def serve(args: ServeSettings) -> int:
     print(f"kimi-mlx cluster serve: node {node_id} listening on "
           f"{', '.join(f'{a}:{server.port}' for a in addresses)} "
           f"({len(fps)} checkpoint(s): {', '.join(named(f, service.catalog) for f in fps) or 'none'}; "
-          f"{'advertised' if args.advertise else 'not advertised'})", flush=True)
+          f"{'advertised' if settings.advertise else 'not advertised'})", flush=True)
     stop.wait()
     server.stop(1.0)
     return 0

@@ -41,12 +41,12 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from kimi_mlx.cluster.net.ranks import RANK_PORT_OFFSET, TensorSetupError, available_backends
+from kimi_mlx.cluster.net.ranks import TensorSetupError
 
 log = logging.getLogger("kimi_mlx.cluster.tensor")
 
-__all__ = ["RANK_PORT_OFFSET", "TensorSetupError", "available_backends", "choose_backend",
-           "hosts_json", "local_address_towards", "free_port", "TensorGroup"]
+__all__ = ["TensorSetupError", "choose_backend", "hosts_json", "local_address_towards",
+           "free_port", "TensorGroup"]
 
 def choose_backend(backends: Dict[str, Sequence[str]], forced: Optional[str] = None,
                    reports: Optional[Sequence["jaccl.NodeReport"]] = None) -> str:

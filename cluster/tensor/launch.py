@@ -13,9 +13,9 @@ import mlx.core as mx
 
 from kimi_mlx.cluster.net import jaccl
 from kimi_mlx.cluster.net.nodes import NodeFinder
-from kimi_mlx.cluster.tensor.group import (RANK_PORT_OFFSET, TensorGroup, TensorSetupError,
-                                     available_backends, choose_backend, free_port, hosts_json,
-                                     local_address_towards)
+from kimi_mlx.cluster.net.ranks import RANK_PORT_OFFSET, available_backends
+from kimi_mlx.cluster.tensor.group import (TensorGroup, TensorSetupError, choose_backend, free_port,
+                                           hosts_json, local_address_towards)
 
 
 def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto"):
