@@ -136,11 +136,11 @@ micro-vision: install
 bench-spec: install
 	$(BIN)/kimi-mlx bench spec
 
-# The proto's import path is kimi_mlx/cluster/ so the generated stub imports the installed package.
+# The proto's import path is kimi_mlx/cluster/net/ so the generated stub imports the installed package.
 proto: install
 	rm -rf build/proto && mkdir -p build/proto
-	$(BIN)/python -m grpc_tools.protoc -Ikimi_mlx/cluster=cluster --python_out=build/proto --grpc_python_out=build/proto cluster/stage.proto
-	cp build/proto/kimi_mlx/cluster/stage_pb2.py build/proto/kimi_mlx/cluster/stage_pb2_grpc.py cluster/
+	$(BIN)/python -m grpc_tools.protoc -Ikimi_mlx/cluster/net=cluster/net --python_out=build/proto --grpc_python_out=build/proto cluster/net/stage.proto
+	cp build/proto/kimi_mlx/cluster/net/stage_pb2.py build/proto/kimi_mlx/cluster/net/stage_pb2_grpc.py cluster/net/
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

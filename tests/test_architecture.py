@@ -61,6 +61,22 @@ def test_a_broken_contract_names_the_offending_import(tmp_path):
     assert "kimi_mlx.model._planted -> kimi_mlx.server.app" in out.stdout
 
 
+@pytest.mark.parametrize("planted, module, imported", [
+    # a pipeline's head reaching into the tensor group: the roles share only cluster.net
+    ("head", "kimi_mlx.cluster.head._planted", "kimi_mlx.cluster.tensor.group"),
+    # the node daemon importing the head (the head's transport once imported the daemon)
+    ("node", "kimi_mlx.cluster.node._planted", "kimi_mlx.cluster.head.transport"),
+    # the shared wire layer importing a role above it
+    ("net", "kimi_mlx.cluster.net._planted", "kimi_mlx.cluster.node.service"),
+])
+def test_a_broken_cluster_role_contract_names_the_import(tmp_path, planted, module, imported):
+    tree = _lay_out(tmp_path)
+    (tree / "kimi_mlx" / "cluster" / planted / "_planted.py").write_text(f"import {imported}\n")
+    out = _lint(tree)
+    assert out.returncode != 0
+    assert f"{module} -> {imported}" in out.stdout
+
+
 def _cycles(tree: Path):
     """Strongly connected components (size > 1) of the module import graph (grimp,
     imports inside functions included), by Tarjan's algorithm."""

@@ -35,7 +35,7 @@ def ours_generate(micro, prompt):
 
 def cluster_head(micro, prompt):
     """`kimi-mlx cluster launch`: its own tokenizer loading, then build_prompt."""
-    from kimi_mlx.cluster.cli import _tokenizers
+    from kimi_mlx.cluster.launch import tokenizers as _tokenizers
 
     _, tok = _tokenizers(default_model())
     return build_prompt(tok, prompt, None, False, "max")

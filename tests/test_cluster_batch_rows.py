@@ -7,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from kimi_mlx.sampling import Sampling
-from kimi_mlx.cluster.runner import Refused, StageSpec, load_stage
+from kimi_mlx.cluster.node.runner import Refused, StageSpec, load_stage
 from kimi_mlx.testing.cluster import reference_checkpoint
 
 PROMPTS = [list(range(10, 30)), list(range(40, 47)), list(range(5, 18))]
@@ -16,7 +16,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def stages(tmp_path_factory):
-    from kimi_mlx.cluster.fingerprint import fingerprint
+    from kimi_mlx.cluster.net.fingerprint import fingerprint
 
     path = reference_checkpoint(tmp_path_factory.mktemp("rows"))
     fp = fingerprint(path)

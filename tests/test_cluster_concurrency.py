@@ -14,14 +14,14 @@ import grpc
 import mlx.core as mx
 import pytest
 
-from kimi_mlx.cluster import stage_pb2 as pb
-from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-from kimi_mlx.cluster.head import Pipeline
+from kimi_mlx.cluster.net import stage_pb2 as pb
+from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+from kimi_mlx.cluster.head.pipeline import Pipeline
 from kimi_mlx.sampling import Sampling
-from kimi_mlx.cluster.service import make_channel
+from kimi_mlx.cluster.net.channel import make_channel
 from kimi_mlx.testing.cluster import LocalCluster
-from kimi_mlx.cluster.transport import StageFailure
-from kimi_mlx.cluster.wire import to_tensor
+from kimi_mlx.cluster.head.transport import StageFailure
+from kimi_mlx.cluster.net.wire import to_tensor
 
 HEADS = 8
 FLAGS = ["--prompt", "The licence grants you the right to", "--max-tokens", "6", "--temp", "0",

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from kimi_mlx.cluster.auth import init_secret, key_id, load_secret
-from kimi_mlx.cluster.discovery import browse
-from kimi_mlx.cluster.fingerprint import fingerprint
+from kimi_mlx.cluster.net.auth import init_secret, key_id, load_secret
+from kimi_mlx.cluster.net.discovery import browse
+from kimi_mlx.cluster.net.fingerprint import fingerprint
 from kimi_mlx.testing.cluster import reference_checkpoint, start_stages, stop_all
-from kimi_mlx.cluster.wire import PROTOCOL_VERSION, package_versions
+from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION, package_versions
 
 LO = ["127.0.0.1"]
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.head import Pipeline
+from kimi_mlx.cluster.net.discovery import NodeInfo
+from kimi_mlx.cluster.head.pipeline import Pipeline
 from kimi_mlx.sampling import Sampling
 from kimi_mlx.testing.cluster import LocalCluster
-from kimi_mlx.cluster.transport import GrpcTransport, StageAssignment, StageFailure
+from kimi_mlx.cluster.head.transport import GrpcTransport, StageAssignment, StageFailure
 
 PREFILL_CHUNK = "4"
 

@@ -25,7 +25,7 @@ def test_every_floor_variant_delivers_its_messages(tmp_path):
 
 
 def test_a_wrong_reply_is_reported():
-    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2 as pb
 
     m = pb.Activation(seq=3)
     m.tensor.data = bytes(10)

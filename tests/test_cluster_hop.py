@@ -5,12 +5,14 @@ service and transport echo every token they are sent (values asserted; no timing
 import mlx.core as mx
 import numpy as np
 
-from kimi_mlx.cluster.head import Pipeline, check_nodes
+from kimi_mlx.cluster.head.pipeline import Pipeline
+
+from kimi_mlx.cluster.net.nodes import check_nodes
 from kimi_mlx.cluster.bench.hop import NullCluster, NullRunner
 from kimi_mlx.sampling import Sampling
-from kimi_mlx.cluster.runner import StageSpec
+from kimi_mlx.cluster.node.runner import StageSpec
 from kimi_mlx.testing.cluster import reference_checkpoint
-from kimi_mlx.cluster.transport import GrpcTransport
+from kimi_mlx.cluster.head.transport import GrpcTransport
 from kimi_mlx.model.config import ModelArgs, read_config
 
 

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from kimi_mlx.cluster.auth import init_secret
+from kimi_mlx.cluster.net.auth import init_secret
 from kimi_mlx.testing.cluster import StageProc, reference_checkpoint, stop_all
 
 SUBNET = "10.213.77"

@@ -9,8 +9,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from kimi_mlx.cluster.head import Pipeline
-from kimi_mlx.cluster.speculative import speculative_pipeline_step
+from kimi_mlx.cluster.head.pipeline import Pipeline
+from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 from kimi_mlx.speculative.loop import SpecStats
 from kimi_mlx.speculative.ngram import NgramDraft
 from kimi_mlx.testing.cluster import LocalCluster

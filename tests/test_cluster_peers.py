@@ -13,12 +13,13 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection
 
-from kimi_mlx.cluster.auth import ServerAuth
-from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.head import check_nodes
-from kimi_mlx.cluster.service import STAGE_SERVICE
-from kimi_mlx.cluster.transport import GrpcTransport, list_services
-from kimi_mlx.cluster.wire import PROTOCOL_VERSION
+from kimi_mlx.cluster.net.auth import ServerAuth
+from kimi_mlx.cluster.net.discovery import NodeInfo
+from kimi_mlx.cluster.net.nodes import check_nodes
+from kimi_mlx.cluster.net.channel import STAGE_SERVICE
+from kimi_mlx.cluster.head.transport import GrpcTransport
+from kimi_mlx.cluster.net.control import list_services
+from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION
 
 SECRET = b"a" * 64
 OTHER_SECRET = b"b" * 64
@@ -96,7 +97,7 @@ def test_each_unusable_node_is_told_apart(nodes):
 
 
 def test_launch_names_the_fix_not_start_it(nodes, tmp_path):
-    from kimi_mlx.cluster.auth import init_secret
+    from kimi_mlx.cluster.net.auth import init_secret
 
     secret_file = init_secret(tmp_path / "cluster.key")
     with open(secret_file, "w") as f:  # the secret the fake next-version node accepts
@@ -114,7 +115,8 @@ def test_launch_names_the_fix_not_start_it(nodes, tmp_path):
 
 
 def test_a_stage_lists_its_service_for_heads_of_other_versions():
-    from kimi_mlx.cluster.service import StageServer, StageService
+    from kimi_mlx.cluster.node.server import StageServer
+    from kimi_mlx.cluster.node.service import StageService
 
     service = StageService("reflect", None, SECRET)
     server = StageServer(service, ["127.0.0.1"], 0, SECRET).start()
@@ -128,7 +130,7 @@ def test_a_stage_lists_its_service_for_heads_of_other_versions():
 def test_a_node_out_of_call_threads_is_named_busy_not_down():
     import threading
 
-    from kimi_mlx.cluster.transport import _rpc_reason
+    from kimi_mlx.cluster.net.control import rpc_reason
 
     release = threading.Event()
     server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[ServerAuth(SECRET)],
@@ -145,13 +147,13 @@ def test_a_node_out_of_call_threads_is_named_busy_not_down():
     server.start()
     try:
         stub = GrpcTransport(SECRET).stub_for(f"127.0.0.1:{port}")
-        from kimi_mlx.cluster import stage_pb2 as pb
+        from kimi_mlx.cluster.net import stage_pb2 as pb
 
         first = stub.Health.future(pb.HealthRequest(), timeout=10)
         time.sleep(0.3)  # the first call holds the only slot
         with pytest.raises(grpc.RpcError) as e:
             stub.Health(pb.HealthRequest(), timeout=5)
-        reason = _rpc_reason(e.value)
+        reason = rpc_reason(e.value)
         assert reason.startswith("busy:") and "too many heads at once" in reason
         release.set()
         first.result(10)  # the held call ends normally

@@ -16,14 +16,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx.cluster import stage_pb2 as pb
-from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
+from kimi_mlx.cluster.net import stage_pb2 as pb
+from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+from kimi_mlx.cluster.head.pipeline import Pipeline
+from kimi_mlx.cluster.net.nodes import check_nodes
+from kimi_mlx.cluster.head.plan import plan_stages
 from kimi_mlx.sampling import Sampling
-from kimi_mlx.cluster.service import STAGE_SERVICE, make_channel
+from kimi_mlx.cluster.net.channel import STAGE_SERVICE, make_channel
 from kimi_mlx.testing.cluster import LocalCluster
-from kimi_mlx.cluster.transport import GrpcTransport
-from kimi_mlx.cluster.wire import to_tensor
+from kimi_mlx.cluster.head.transport import GrpcTransport
+from kimi_mlx.cluster.net.wire import to_tensor
 
 MAX_MESSAGE_MB = 8
 

@@ -8,8 +8,10 @@ import random
 import mlx.core as mx
 import pytest
 
-from kimi_mlx.cluster.head import prefill_chunks
-from kimi_mlx.cluster.prompt_cache import HeadCacheIndex, StageCache, key_length, prefix_key
+from kimi_mlx.cluster.head.pipeline import prefill_chunks
+from kimi_mlx.cluster.head.cache_index import HeadCacheIndex
+from kimi_mlx.cluster.node.stage_cache import StageCache
+from kimi_mlx.cluster.net.cache_keys import key_length, prefix_key
 
 
 def test_prefill_chunks_end_at_every_stop():

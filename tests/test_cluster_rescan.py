@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from kimi_mlx.cluster.auth import init_secret, load_secret
-from kimi_mlx.cluster.discovery import NodeInfo
-from kimi_mlx.cluster.fingerprint import fingerprint
-from kimi_mlx.cluster.head import check_nodes
-from kimi_mlx.cluster.transport import GrpcTransport
+from kimi_mlx.cluster.net.auth import init_secret, load_secret
+from kimi_mlx.cluster.net.discovery import NodeInfo
+from kimi_mlx.cluster.net.fingerprint import fingerprint
+from kimi_mlx.cluster.net.nodes import check_nodes
+from kimi_mlx.cluster.head.transport import GrpcTransport
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.testing.checkpoints import build_checkpoint
 from kimi_mlx.testing.cluster import start_stages, stop_all

@@ -1,4 +1,4 @@
-"""Speculative decoding through the pipeline (`cluster.speculative`): three stage processes
+"""Speculative decoding through the pipeline (`cluster.head.speculative`): three stage processes
 on loopback serving the shipped micro checkpoint, drafted by the shipped micro-draft.
 
 References are independent of the code under test: mlx-lm's `generate_step` in one
@@ -18,12 +18,12 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from kimi_mlx.cluster.head import Pipeline
+from kimi_mlx.cluster.head.pipeline import Pipeline
 from kimi_mlx.sampling import Sampling
-from kimi_mlx.cluster.runner import Refused, StageSpec, load_stage
-from kimi_mlx.cluster.speculative import speculative_pipeline_step
+from kimi_mlx.cluster.node.runner import Refused, StageSpec, load_stage
+from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 from kimi_mlx.testing.cluster import LocalCluster
-from kimi_mlx.cluster.transport import StageFailure
+from kimi_mlx.cluster.head.transport import StageFailure
 from kimi_mlx.speculative.loop import SpecStats, load_draft
 
 from test_speculative import ROUNDING, cache_tensors, plain_decode, worst_mismatch
@@ -193,7 +193,7 @@ class _Recorder:
                               keep=keep))
 
     def receive(self, session, timeout=None):
-        from kimi_mlx.cluster.transport import TokenResult
+        from kimi_mlx.cluster.head.transport import TokenResult
 
         m = self.sent[-1]
         rows = [self.answers[m["offset"] + i] for i in range(len(m["tokens"]))]

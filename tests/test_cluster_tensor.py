@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_mlx.cluster.tensor import TensorSetupError, choose_backend, hosts_json
+from kimi_mlx.cluster.tensor.group import TensorSetupError, choose_backend, hosts_json
 from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.testing.tensor_parallel import free_ports
 

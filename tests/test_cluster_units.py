@@ -9,14 +9,15 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kimi_mlx.cluster import stage_pb2 as pb
-from kimi_mlx.cluster.auth import AuthError, Verifier, init_secret, key_id, load_secret, sign
-from kimi_mlx.cluster.discovery import NodeInfo, from_properties, interface_addresses, to_properties
-from kimi_mlx.cluster.fingerprint import fingerprint, scan
-from kimi_mlx.cluster.head import parse_address, prefill_chunks
+from kimi_mlx.cluster.net import stage_pb2 as pb
+from kimi_mlx.cluster.net.auth import AuthError, Verifier, init_secret, key_id, load_secret, sign
+from kimi_mlx.cluster.net.discovery import NodeInfo, from_properties, interface_addresses, to_properties
+from kimi_mlx.cluster.net.fingerprint import fingerprint, scan
+from kimi_mlx.cluster.net.nodes import parse_address
+from kimi_mlx.cluster.head.pipeline import prefill_chunks
 from kimi_mlx.sampling import Sampling
-from kimi_mlx.cluster.runner import Refused, StageRunner, StageSpec
-from kimi_mlx.cluster.wire import WireError, from_tensor, to_tensor
+from kimi_mlx.cluster.node.runner import Refused, StageRunner, StageSpec
+from kimi_mlx.cluster.net.wire import WireError, from_tensor, to_tensor
 
 
 # -- wire ------------------------------------------------------------------------------
@@ -122,7 +123,7 @@ def test_runners_compose_to_the_full_model_bitwise_and_refuse_bad_order(tiny_ckp
     """Three StageRunners with hops through the wire format give generate_step's logprobs."""
     from mlx_lm.generate import generate_step
 
-    from kimi_mlx.cluster.runner import load_stage
+    from kimi_mlx.cluster.node.runner import load_stage
     from kimi_mlx.checkpoint.loader import load_model
 
     fp = fingerprint(tiny_ckpt)
@@ -164,9 +165,11 @@ def test_runners_compose_to_the_full_model_bitwise_and_refuse_bad_order(tiny_ckp
 def test_tls_service_refuses_plaintext(tmp_path):
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-    from kimi_mlx.cluster.auth import init_tls
-    from kimi_mlx.cluster.service import StageServer, StageService, make_channel
+    from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+    from kimi_mlx.cluster.net.auth import init_tls
+    from kimi_mlx.cluster.net.channel import make_channel
+    from kimi_mlx.cluster.node.server import StageServer
+    from kimi_mlx.cluster.node.service import StageService
 
     key = init_secret(tmp_path / "cluster.key")
     crt, tls_key = init_tls(key)
@@ -221,3 +224,31 @@ def test_cluster_flags_out_of_range_are_refused_before_anything_starts(capsys, a
 
     assert cli.main(["cluster", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_cluster_flags_become_typed_settings_once(tmp_path):
+    """`cluster launch` / `serve` flags reach the libraries as frozen settings, each field
+    the flag's meaning (not an argparse Namespace the libraries could read or change)."""
+    import argparse
+    import dataclasses
+
+    from kimi_mlx.cluster import cli
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    key = tmp_path / "k"
+    a = p.parse_args(["launch", "--prompt", "hi", "--nodes", "h1:5,h2", "--allow-version-mismatch",
+                      "--tls", "--secret-file", str(key), "--peer-timeout", "7", "--replan",
+                      "--sequences", "3", "--wire-dtype", "bfloat16", "--prefill-chunk", "64"])
+    n, pl = cli.node_settings(a), cli.pipeline_settings(a)
+    assert (n.nodes, n.check_version, n.replan, n.peer_timeout, n.tls_secret_path) == \
+        ("h1:5,h2", False, True, 7.0, key)
+    assert (pl.sequences, pl.wire_dtype, pl.activation_dtype, pl.prefill_chunk, pl.force_load) == \
+        (3, "bfloat16", "auto", 64, False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        n.replan = False
+    s = cli.serve_settings(p.parse_args(["serve", "--no-advertise", "--port", "0",
+                                         "--cache-bytes", "8GB", "--secret-file", str(key)]))
+    assert (s.advertise, s.port, s.cache_bytes, s.tls, s.max_sessions) == (False, 0, "8GB", False, 16)
+    no_tls = cli.node_settings(p.parse_args(["server", "--secret-file", str(key)]))
+    assert no_tls.tls_secret_path is None and no_tls.nodes == "auto" and no_tls.check_version

@@ -11,8 +11,8 @@ import subprocess
 
 import pytest
 
-from kimi_mlx.cluster import jaccl
-from kimi_mlx.cluster.jaccl import JacclError, NodeReport, Port
+from kimi_mlx.cluster.net import jaccl
+from kimi_mlx.cluster.net.jaccl import JacclError, NodeReport, Port
 
 IBV_DEVICES = """    device          \t   node GUID
     ------          \t----------------
@@ -211,7 +211,7 @@ def test_rank_env_writes_the_device_file_mlx_reads(tmp_path):
 def test_choose_backend_takes_the_reports():
     """The launcher's choice (`cluster.tensor.choose_backend`): auto is jaccl only with a
     full RDMA mesh and jaccl in every MLX; a forced jaccl names the node that cannot join."""
-    from kimi_mlx.cluster.tensor import TensorSetupError, choose_backend
+    from kimi_mlx.cluster.tensor.group import TensorSetupError, choose_backend
 
     both = {"this head": ["ring", "jaccl"], "node mac-1": ["ring", "jaccl"]}
     reports = mesh_reports(2)
@@ -228,7 +228,7 @@ def test_choose_backend_takes_the_reports():
 def test_rank_process_gets_jaccl_s_environment(tmp_path, monkeypatch):
     """A node's rank for a jaccl group starts with MLX_RANK, MLX_JACCL_COORDINATOR and
     MLX_IBV_DEVICES (the device file removed when the rank is killed)."""
-    from kimi_mlx.cluster import tensor
+    from kimi_mlx.cluster.node import rank as tensor
 
     seen = {}
 

@@ -188,9 +188,9 @@ def test_eviction_under_a_small_cache_bytes(tmp_path, one_process):
     """Stage 1 keeps ~150 kB of snapshots: about one of these conversations' (its KDA
     state is 42 kB a snapshot, its DSA layer 448 B a token). Conversation B's snapshots
     evict A's there; A's next turn restores nothing, and is still correct."""
-    from kimi_mlx.cluster import stage_pb2 as pb
-    from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-    from kimi_mlx.cluster.service import make_channel
+    from kimi_mlx.cluster.net import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+    from kimi_mlx.cluster.net.channel import make_channel
 
     ref_url, _ = one_process
     small = [[], ["--cache-bytes", "150000"], []]
@@ -231,10 +231,13 @@ def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(tmp_path):
     import mlx.core as mx
 
     from kimi_mlx.checkpoint.loader import load_model
-    from kimi_mlx.cluster.api import ClusterEngine
-    from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
-    from kimi_mlx.cluster.prompt_cache import HeadCacheIndex, prefix_key
-    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.head.engine import ClusterEngine
+    from kimi_mlx.cluster.head.pipeline import Pipeline
+    from kimi_mlx.cluster.net.nodes import check_nodes
+    from kimi_mlx.cluster.head.plan import plan_stages
+    from kimi_mlx.cluster.head.cache_index import HeadCacheIndex
+    from kimi_mlx.cluster.net.cache_keys import prefix_key
+    from kimi_mlx.cluster.head.transport import GrpcTransport
     from kimi_mlx.server.jobs import Finished, Job, TokenOut
     from kimi_mlx.server.metrics import Metrics
     from kimi_mlx.text.tokenizer import KimiTokenizer

@@ -459,7 +459,7 @@ def test_bench_rows_have_the_figures(target, draft):
 def test_cluster_launch_refuses_a_draft_with_another_tokenizer_before_contacting_nodes(
         tiny_ckpt, other_tokenizer_ckpt, tmp_path, capsys):
     from kimi_mlx.commands import main as cli
-    from kimi_mlx.cluster.auth import init_secret
+    from kimi_mlx.cluster.net.auth import init_secret
 
     secret = init_secret(tmp_path / "cluster.key")
     rc = cli.main(["cluster", "launch", "--model", str(tiny_ckpt), "--draft-model",

@@ -23,7 +23,7 @@ server processes spent per one-way message.
 
 A pipeline hop is more than one message: a stage process receives on one stream and
 sends on another. So the bench also builds chains of 3 bare relay processes (sync grpcio
-with a queue-fed downstream stream, as `service._Downstream`; and grpc.aio), the last of
+with a queue-fed downstream stream, as `node.sessions.Downstream`; and grpc.aio), the last of
 which hands each message to the head's `Watch`-like stream, and measures one more hop =
 (round trip through 3 relays - through 1) / 2, with and without a hand-off of each message
 to a compute thread (sync: which puts it into the downstream queue while the handler
@@ -59,7 +59,7 @@ RELAY_KINDS = ("relay-sync", "relay-aio")
 def _handlers(aio: bool):
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2 as pb
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     if aio:
@@ -93,13 +93,13 @@ def _identity(m):
 
 def _relay_handlers_sync(next_address: str):
     """Sync relay: `Forward` passes each message to the next relay's `Forward` (a
-    queue-fed stream, as `service._Downstream`), or, on the last relay, to `Watch`.
+    queue-fed stream, as `node.sessions.Downstream`), or, on the last relay, to `Watch`.
     A stream whose messages carry session 'handoff' hands each message to a compute
     thread, which passes it on while the handler waits (as `StageService.Forward`)."""
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
-    from kimi_mlx.cluster.compute import ComputeThread
+    from kimi_mlx.cluster.net import stage_pb2 as pb
+    from kimi_mlx.cluster.node.compute import ComputeThread
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     watch_q: "queue.Queue" = queue.Queue()
@@ -141,7 +141,7 @@ def _relay_handlers_aio(next_address: str):
 
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2 as pb
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     watch_q: "asyncio.Queue" = asyncio.Queue()
@@ -315,7 +315,7 @@ def _variants(ports: Dict[str, int], payload: int, loop):
     server kind), and a close(); aio calls run on `loop`."""
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2 as pb
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     data = bytes(payload)
@@ -422,7 +422,7 @@ def _relay_variants(heads: Dict[str, List[int]], payload: int, loop):
     3 enters at its first relay, a chain of 1 at its last. Returns (variants, close)."""
     import grpc
 
-    from kimi_mlx.cluster import stage_pb2 as pb
+    from kimi_mlx.cluster.net import stage_pb2 as pb
 
     ser, des = pb.Activation.SerializeToString, pb.Activation.FromString
     data = bytes(payload)

@@ -25,7 +25,7 @@ from one run:
   checkpoint split in 3, in this process, one BLAS thread), per decode token and per
   prefill chunk, so a reader can tell transport from compute.
 
-A null stage keeps the wire layouts of `runner.StageRunner`: the first stage writes each
+A null stage keeps the wire layouts of `node.runner.StageRunner`: the first stage writes each
 token id into feature 0 of an otherwise zero hidden state, a middle stage passes its input
 on unchanged (the AttnRes banks it would add are copies of the partial sum, as identity
 layers would leave them), and the last stage "samples" feature 0 of the last position:
@@ -49,10 +49,10 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from kimi_mlx.cluster.runner import Output, Refused, Session, StageRunner, StageSpec
+from kimi_mlx.cluster.node.runner import Output, Refused, Session, StageRunner, StageSpec
 from kimi_mlx.testing.cluster import StageProc
 from kimi_mlx.cluster.bench.grpc_floor import FloorBench
-from kimi_mlx.cluster.wire import mx_dtype
+from kimi_mlx.cluster.net.wire import mx_dtype
 
 
 class NullRunner(StageRunner):
@@ -135,8 +135,9 @@ def null_loader(ms_per_token: float):
 def serve(argv: Sequence[str]) -> int:
     """`python -m kimi_mlx.cluster.bench.hop serve ...`: a stage process whose Load builds
     `NullRunner`s; prints 'listening on HOST:PORT' and serves until SIGTERM."""
-    from kimi_mlx.cluster.auth import load_secret
-    from kimi_mlx.cluster.service import StageServer, StageService
+    from kimi_mlx.cluster.net.auth import load_secret
+    from kimi_mlx.cluster.node.server import StageServer
+    from kimi_mlx.cluster.node.service import StageService
 
     p = argparse.ArgumentParser(prog="hop_bench serve")
     p.add_argument("--models", required=True)
@@ -187,8 +188,8 @@ class NullCluster:
     def __init__(self, workdir: Path, ckpt: Path, ms_per_token: Sequence[float], env=None):
         from kimi_mlx.model.config import ModelArgs, read_config
 
-        from kimi_mlx.cluster.auth import init_secret, load_secret
-        from kimi_mlx.cluster.fingerprint import fingerprint
+        from kimi_mlx.cluster.net.auth import init_secret, load_secret
+        from kimi_mlx.cluster.net.fingerprint import fingerprint
         from kimi_mlx.testing.cluster import stop_all
 
         self.workdir = Path(workdir)
@@ -214,13 +215,13 @@ class NullCluster:
 
     def nodes(self):
         """`NodeInfo` of each process, in order."""
-        from kimi_mlx.cluster.discovery import NodeInfo
+        from kimi_mlx.cluster.net.discovery import NodeInfo
 
         return [NodeInfo(p.node_id, p.host, p.port) for p in self.procs]
 
     def plan(self, which: Sequence[int]):
         """`StageAssignment`s splitting the layers evenly over processes `which`."""
-        from kimi_mlx.cluster.transport import StageAssignment
+        from kimi_mlx.cluster.head.transport import StageAssignment
 
         nodes, L, n = self.nodes(), self.args.num_hidden_layers, len(which)
         cut = [round(i * L / n) for i in range(n + 1)]
@@ -289,9 +290,10 @@ def _median_gap(gen, n: int) -> float:
 
 
 def _run(args, tmp: Path) -> int:
-    from kimi_mlx.cluster.head import Pipeline, check_nodes
+    from kimi_mlx.cluster.head.pipeline import Pipeline
+    from kimi_mlx.cluster.net.nodes import check_nodes
     from kimi_mlx.sampling import Sampling
-    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.head.transport import GrpcTransport
 
     if args.model:
         ckpt = Path(args.model)
@@ -399,7 +401,7 @@ def _run(args, tmp: Path) -> int:
 def _compute_figures(ckpt: Path, fp: str, a, chunk: int, decode: int = 16) -> None:
     """Print each of 3 stages' real compute (StageRunner.run in this process)."""
     from kimi_mlx.sampling import Sampling
-    from kimi_mlx.cluster.runner import load_stage
+    from kimi_mlx.cluster.node.runner import load_stage
 
     L = a.num_hidden_layers
     cut = [round(i * L / 3) for i in range(4)]

@@ -56,10 +56,14 @@ def _run(args, tmp: Path) -> int:
 
     from kimi_mlx.checkpoint.loader import load_model
 
-    from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages, prefill_chunks
+    from kimi_mlx.cluster.head.pipeline import Pipeline, prefill_chunks
+
+    from kimi_mlx.cluster.net.nodes import check_nodes
+
+    from kimi_mlx.cluster.head.plan import plan_stages
     from kimi_mlx.sampling import Sampling
     from kimi_mlx.testing.cluster import LocalCluster
-    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.head.transport import GrpcTransport
 
     if args.model:
         ckpt = Path(args.model)
@@ -81,7 +85,7 @@ def _run(args, tmp: Path) -> int:
         if len(stages) < 3:  # a model small enough for one node: split it evenly
             from kimi_mlx.model.config import ModelArgs, read_config
 
-            from kimi_mlx.cluster.transport import StageAssignment
+            from kimi_mlx.cluster.head.transport import StageAssignment
 
             L = ModelArgs.from_config(read_config(ckpt)).num_hidden_layers
             cut = [0, L // 3, 2 * L // 3, L]

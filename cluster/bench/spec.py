@@ -4,7 +4,7 @@ Three `kimi-mlx cluster serve` processes on loopback hold the target's layers (e
 one BLAS thread: each stands for one Mac); the head, this process, runs the draft. For
 each k it times greedy generation of the same prompts through the same loaded stages,
 plain (`Pipeline.generate_step`: one round trip through every stage per token) and
-speculative (`cluster.speculative`: one round trip per verify step of up to k + 1
+speculative (`cluster.head.speculative`: one round trip per verify step of up to k + 1
 tokens), alternating, and reports medians over repeats with the ratio. Tokens/s counts
 generated tokens over the generation wall time (prefill excluded on both sides), as the
 one-process rows do.
@@ -58,7 +58,7 @@ def bench_rows(pipe, draft, model_args, prompts: List[List[int]], tokens: int,
     from kimi_mlx.speculative.loop import SpecStats
 
     from kimi_mlx.sampling import Sampling
-    from kimi_mlx.cluster.speculative import speculative_pipeline_step
+    from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 
     def plain(p):
         return pipe.generate_step(p, Sampling(), tokens)
@@ -104,9 +104,11 @@ def bench_pipeline_jobs(ckpt: Path, model_args, jobs: List[Tuple], tokens: int, 
     Raises:
         RuntimeError: a stage did not start or was not usable; StageFailure: lost.
     """
-    from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
+    from kimi_mlx.cluster.head.pipeline import Pipeline
+    from kimi_mlx.cluster.net.nodes import check_nodes
+    from kimi_mlx.cluster.head.plan import plan_stages
     from kimi_mlx.testing.cluster import LocalCluster
-    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.head.transport import GrpcTransport
 
     with tempfile.TemporaryDirectory(prefix="kimi-mlx-spec-bench-") as tmp:
         cluster = LocalCluster(Path(tmp), stages, prefix="specbench", ckpt=ckpt, env=STAGE_ENV)
@@ -149,7 +151,7 @@ def main(model, draft_spec, tokens: int, ks: List[int], repeats: int, n_prompts:
     from kimi_mlx.bench.spec import load_drafts, workload_prompts
 
     spec = resolve_model_arg(model)
-    from kimi_mlx.cluster.cli import _tokenizers
+    from kimi_mlx.cluster.launch import tokenizers as _tokenizers
 
     wrapper, tok = _tokenizers(Path(spec))  # the head holds no target weights
     try:

@@ -146,10 +146,12 @@ def single_process(model_dir: Path, prompts, max_tokens, concurrency, rounds) ->
 
 def cluster(model_dir: Path, prompts, max_tokens, concurrency, rounds,
             batch: bool = True) -> List[str]:
-    from kimi_mlx.cluster.api import ClusterEngine
-    from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
+    from kimi_mlx.cluster.head.engine import ClusterEngine
+    from kimi_mlx.cluster.head.pipeline import Pipeline
+    from kimi_mlx.cluster.net.nodes import check_nodes
+    from kimi_mlx.cluster.head.plan import plan_stages
     from kimi_mlx.testing.cluster import LocalCluster
-    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.head.transport import GrpcTransport
     from kimi_mlx.checkpoint.loader import load_for_generation
 
     from kimi_mlx.server.serving import make_service
@@ -225,10 +227,12 @@ def cluster_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 204
     pipeline, another engine). Interleaved rounds, a fresh conversation each; the ratio
     is taken within a round."""
     from kimi_mlx.checkpoint.loader import load_for_generation
-    from kimi_mlx.cluster.api import ClusterEngine
-    from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages
-    from kimi_mlx.cluster.prompt_cache import HeadCacheIndex
-    from kimi_mlx.cluster.transport import GrpcTransport
+    from kimi_mlx.cluster.head.engine import ClusterEngine
+    from kimi_mlx.cluster.head.pipeline import Pipeline
+    from kimi_mlx.cluster.net.nodes import check_nodes
+    from kimi_mlx.cluster.head.plan import plan_stages
+    from kimi_mlx.cluster.head.cache_index import HeadCacheIndex
+    from kimi_mlx.cluster.head.transport import GrpcTransport
     from kimi_mlx.server.serving import make_service
     from kimi_mlx.testing.cluster import LocalCluster
 

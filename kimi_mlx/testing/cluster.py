@@ -185,8 +185,8 @@ class LocalCluster:
                  **stage_kw):
         from kimi_mlx.model.config import ModelArgs, read_config
 
-        from kimi_mlx.cluster.auth import init_secret, load_secret
-        from kimi_mlx.cluster.fingerprint import fingerprint
+        from kimi_mlx.cluster.net.auth import init_secret, load_secret
+        from kimi_mlx.cluster.net.fingerprint import fingerprint
 
         self.workdir = Path(workdir)
         self.ckpt = Path(ckpt) if ckpt is not None else reference_checkpoint(self.workdir)
@@ -202,7 +202,7 @@ class LocalCluster:
 
     def nodes(self):
         """`NodeInfo` of every stage process, in order."""
-        from kimi_mlx.cluster.discovery import NodeInfo
+        from kimi_mlx.cluster.net.discovery import NodeInfo
 
         return [NodeInfo(p.node_id, p.host, p.port) for p in self.procs]
 
@@ -212,8 +212,9 @@ class LocalCluster:
         `plan_stages`' split, activations and wire in `dtype`. Returns (transport, stages);
         the caller calls `transport.shutdown()`. Raises AssertionError naming the refused
         nodes."""
-        from kimi_mlx.cluster.head import check_nodes, plan_stages
-        from kimi_mlx.cluster.transport import GrpcTransport
+        from kimi_mlx.cluster.net.nodes import check_nodes
+        from kimi_mlx.cluster.head.plan import plan_stages
+        from kimi_mlx.cluster.head.transport import GrpcTransport
 
         t = GrpcTransport(self.secret, peer_timeout=peer_timeout)
         try:
@@ -228,9 +229,9 @@ class LocalCluster:
 
     def sessions(self, i: int) -> int:
         """Sessions stage process i holds now (its Health RPC)."""
-        from kimi_mlx.cluster import stage_pb2 as pb
-        from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-        from kimi_mlx.cluster.service import make_channel
+        from kimi_mlx.cluster.net import stage_pb2 as pb
+        from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+        from kimi_mlx.cluster.net.channel import make_channel
 
         stub = pb_grpc.StageStub(make_channel(self.procs[i].address, self.secret))
         return stub.Health(pb.HealthRequest(), timeout=5).sessions

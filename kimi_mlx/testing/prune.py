@@ -65,7 +65,7 @@ def cluster_and_generate(model, workdir, stages: int = 2, prompt: str = "def f(x
     import subprocess
     import sys
 
-    from kimi_mlx.cluster.auth import init_secret
+    from kimi_mlx.cluster.net.auth import init_secret
     from kimi_mlx.testing.cluster import start_stages
 
     workdir = Path(workdir)

@@ -55,7 +55,7 @@ def to_tensor(x: mx.array, dtype: Optional[str] = None, out=None):
 
     Evaluates `x`. The bytes are a copy in C order.
     """
-    from kimi_mlx.cluster.stage_pb2 import Tensor
+    from kimi_mlx.cluster.net.stage_pb2 import Tensor
 
     if dtype is not None and dtype_name(x.dtype) != dtype:
         x = x.astype(mx_dtype(dtype))

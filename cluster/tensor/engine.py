@@ -133,7 +133,7 @@ class TensorEngine(BaseEngine):
 
     def _worker_done(self) -> None:
         if self.lost is None:
-            from kimi_mlx.cluster.tensor_step import OP_EXIT, command
+            from kimi_mlx.cluster.tensor.step import OP_EXIT, command
 
             try:
                 command(self.group, OP_EXIT)
@@ -143,7 +143,7 @@ class TensorEngine(BaseEngine):
 
     def _generate(self, job):
         """(token, logprobs [vocab]) of `job` through the group."""
-        from kimi_mlx.cluster.tensor_step import group_stream, plain_run, speculative_run
+        from kimi_mlx.cluster.tensor.step import group_stream, plain_run, speculative_run
 
         if self.speculates(job):
             return self._speculate(job, lambda spec: group_stream(
@@ -165,20 +165,23 @@ class TensorEngine(BaseEngine):
         stream_to_job(job, gen, self.eos_ids, tic, self.metrics)  # closing gen: END on every rank
 
 
-def start_tensor_engine(args, cluster, eos_ids, metrics, speculation) -> TensorEngine:
-    """Form the group (`tensor_launch.form_group`: this head rank 0, the nodes' ranks
-    started through `StartRank`) and start a `TensorEngine` on it. Raises what
-    `form_group` raises (the server then ends, naming it)."""
-    from kimi_mlx.cluster.tensor import TensorGroup
-    from kimi_mlx.cluster.tensor_launch import form_group
+def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: int,
+                        max_concurrency: int = 1, backend: str = "auto") -> TensorEngine:
+    """Form the group (`tensor.launch.form_group` over `cluster`, a `net.nodes.NodeFinder`:
+    this head rank 0, the nodes' ranks started through `StartRank`; `backend` "auto",
+    "ring" or "jaccl") and start a `TensorEngine` on it (`max_queue` waiting requests;
+    `max_concurrency` above 1 is only warned about). Raises what `form_group` raises (the
+    server then ends, naming it)."""
+    from kimi_mlx.cluster.tensor.group import TensorGroup
+    from kimi_mlx.cluster.tensor.launch import form_group
 
-    watch = TensorGroup(args.peer_timeout, exit=lambda code: None)
-    transport, group, model = form_group(args, cluster, watch)
+    watch = TensorGroup(cluster.settings.peer_timeout, exit=lambda code: None)
+    transport, group, model = form_group(cluster, watch, backend)
     ranks = [(i + 1, name) for i, name in enumerate(watch.names)]
-    if args.max_concurrency != 1:
+    if max_concurrency != 1:
         log.warning("--parallel tensor serves one request at a time (the group runs one "
                     "sequence); others queue")
     log.warning("serving through a tensor-parallel group of %d: rank 0 this head, %s",
                 group.size(), ", ".join(f"rank {r} node {n}" for r, n in ranks))
-    return TensorEngine(group, model, watch, transport, eos_ids, args.max_queue, metrics,
+    return TensorEngine(group, model, watch, transport, eos_ids, max_queue, metrics,
                         speculation, ranks).start()

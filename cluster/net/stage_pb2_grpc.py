@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kimi_mlx.cluster import stage_pb2 as kimi__mlx_dot_cluster_dot_stage__pb2
+from kimi_mlx.cluster.net import stage_pb2 as kimi__mlx_dot_cluster_dot_net_dot_stage__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in kimi_mlx/cluster/stage_pb2_grpc.py depends on'
+        + ' but the generated code in kimi_mlx/cluster/net/stage_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,38 +36,38 @@ class StageStub:
         """
         self.Health = channel.unary_unary(
                 '/kimimlx.stage.v5.Stage/Health',
-                request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.HealthRequest.SerializeToString,
-                response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.HealthReply.FromString,
+                request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthRequest.SerializeToString,
+                response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthReply.FromString,
                 _registered_method=True)
         self.Load = channel.unary_stream(
                 '/kimimlx.stage.v5.Stage/Load',
-                request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.LoadRequest.SerializeToString,
-                response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.LoadProgress.FromString,
+                request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadRequest.SerializeToString,
+                response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadProgress.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/kimimlx.stage.v5.Stage/Watch',
-                request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.WatchRequest.SerializeToString,
-                response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
+                request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.WatchRequest.SerializeToString,
+                response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
         self.Forward = channel.stream_stream(
                 '/kimimlx.stage.v5.Stage/Forward',
-                request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.Activation.SerializeToString,
-                response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
+                request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Activation.SerializeToString,
+                response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/kimimlx.stage.v5.Stage/Reset',
-                request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.ResetRequest.SerializeToString,
-                response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.ResetReply.FromString,
+                request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetRequest.SerializeToString,
+                response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetReply.FromString,
                 _registered_method=True)
         self.CacheLookup = channel.unary_unary(
                 '/kimimlx.stage.v5.Stage/CacheLookup',
-                request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupRequest.SerializeToString,
-                response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupReply.FromString,
+                request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupRequest.SerializeToString,
+                response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupReply.FromString,
                 _registered_method=True)
         self.StartRank = channel.unary_stream(
                 '/kimimlx.stage.v5.Stage/StartRank',
-                request_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.RankRequest.SerializeToString,
-                response_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
+                request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.RankRequest.SerializeToString,
+                response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
 
 
@@ -124,38 +124,38 @@ def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.HealthRequest.FromString,
-                    response_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.HealthReply.SerializeToString,
+                    request_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthRequest.FromString,
+                    response_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthReply.SerializeToString,
             ),
             'Load': grpc.unary_stream_rpc_method_handler(
                     servicer.Load,
-                    request_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.LoadRequest.FromString,
-                    response_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.LoadProgress.SerializeToString,
+                    request_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadRequest.FromString,
+                    response_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadProgress.SerializeToString,
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
-                    request_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.WatchRequest.FromString,
-                    response_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.SerializeToString,
+                    request_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.WatchRequest.FromString,
+                    response_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.SerializeToString,
             ),
             'Forward': grpc.stream_stream_rpc_method_handler(
                     servicer.Forward,
-                    request_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.Activation.FromString,
-                    response_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.SerializeToString,
+                    request_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Activation.FromString,
+                    response_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
-                    request_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.ResetRequest.FromString,
-                    response_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.ResetReply.SerializeToString,
+                    request_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetRequest.FromString,
+                    response_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetReply.SerializeToString,
             ),
             'CacheLookup': grpc.unary_unary_rpc_method_handler(
                     servicer.CacheLookup,
-                    request_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupRequest.FromString,
-                    response_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupReply.SerializeToString,
+                    request_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupRequest.FromString,
+                    response_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupReply.SerializeToString,
             ),
             'StartRank': grpc.unary_stream_rpc_method_handler(
                     servicer.StartRank,
-                    request_deserializer=kimi__mlx_dot_cluster_dot_stage__pb2.RankRequest.FromString,
-                    response_serializer=kimi__mlx_dot_cluster_dot_stage__pb2.Event.SerializeToString,
+                    request_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.RankRequest.FromString,
+                    response_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -183,8 +183,8 @@ class Stage:
             request,
             target,
             '/kimimlx.stage.v5.Stage/Health',
-            kimi__mlx_dot_cluster_dot_stage__pb2.HealthRequest.SerializeToString,
-            kimi__mlx_dot_cluster_dot_stage__pb2.HealthReply.FromString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthRequest.SerializeToString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -210,8 +210,8 @@ class Stage:
             request,
             target,
             '/kimimlx.stage.v5.Stage/Load',
-            kimi__mlx_dot_cluster_dot_stage__pb2.LoadRequest.SerializeToString,
-            kimi__mlx_dot_cluster_dot_stage__pb2.LoadProgress.FromString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadRequest.SerializeToString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadProgress.FromString,
             options,
             channel_credentials,
             insecure,
@@ -237,8 +237,8 @@ class Stage:
             request,
             target,
             '/kimimlx.stage.v5.Stage/Watch',
-            kimi__mlx_dot_cluster_dot_stage__pb2.WatchRequest.SerializeToString,
-            kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.WatchRequest.SerializeToString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
             options,
             channel_credentials,
             insecure,
@@ -264,8 +264,8 @@ class Stage:
             request_iterator,
             target,
             '/kimimlx.stage.v5.Stage/Forward',
-            kimi__mlx_dot_cluster_dot_stage__pb2.Activation.SerializeToString,
-            kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Activation.SerializeToString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
             options,
             channel_credentials,
             insecure,
@@ -291,8 +291,8 @@ class Stage:
             request,
             target,
             '/kimimlx.stage.v5.Stage/Reset',
-            kimi__mlx_dot_cluster_dot_stage__pb2.ResetRequest.SerializeToString,
-            kimi__mlx_dot_cluster_dot_stage__pb2.ResetReply.FromString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetRequest.SerializeToString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -318,8 +318,8 @@ class Stage:
             request,
             target,
             '/kimimlx.stage.v5.Stage/CacheLookup',
-            kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupRequest.SerializeToString,
-            kimi__mlx_dot_cluster_dot_stage__pb2.CacheLookupReply.FromString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupRequest.SerializeToString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -345,8 +345,8 @@ class Stage:
             request,
             target,
             '/kimimlx.stage.v5.Stage/StartRank',
-            kimi__mlx_dot_cluster_dot_stage__pb2.RankRequest.SerializeToString,
-            kimi__mlx_dot_cluster_dot_stage__pb2.Event.FromString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.RankRequest.SerializeToString,
+            kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
             options,
             channel_credentials,
             insecure,

@@ -172,7 +172,7 @@ def interface_addresses(interface: Optional[str]) -> List[str]:
 
 def to_properties(info: NodeInfo) -> Dict[str, str]:
     """TXT properties for a node (see the module doc)."""
-    from kimi_mlx.cluster.wire import python_version
+    from kimi_mlx.cluster.net.wire import python_version
 
     props = {
         "id": info.node_id, "proto": str(info.protocol), "ver": info.version,

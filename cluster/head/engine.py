@@ -23,16 +23,14 @@ tokens); `cached_tokens` reports the prefix restored (`cluster.prompt_cache`).
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 from kimi_mlx.sampling import Sampling
 from kimi_mlx.server.engine_base import BaseEngine
 
-from kimi_mlx.cluster.speculative import speculative_pipeline_step
+from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 
 log = logging.getLogger("kimi_mlx.cluster.api")
 
@@ -90,7 +88,7 @@ class ClusterEngine(BaseEngine):
         on the head), else None."""
         if not job.images:
             return None
-        from kimi_mlx.cluster.head import media_rows
+        from kimi_mlx.cluster.head.pipeline import media_rows
 
         return media_rows(self.vision, job.images, self.pad_id, self._vision_lock)
 
@@ -126,7 +124,7 @@ class ClusterEngine(BaseEngine):
                 for i, a in enumerate(t.stages)]
 
     def _failed(self, job, e: Exception) -> None:
-        from kimi_mlx.cluster.transport import StageFailure
+        from kimi_mlx.cluster.head.transport import StageFailure
 
         if isinstance(e, StageFailure) and e.lost:
             if self.keeper is not None:
@@ -177,7 +175,7 @@ class ClusterEngine(BaseEngine):
         pipeline (after a recovery) gets a new one."""
         if not self.batch:
             return None
-        from kimi_mlx.cluster.head import Batcher
+        from kimi_mlx.cluster.head.batcher import Batcher
 
         with self._lock:
             pipeline = self.pipeline
@@ -213,8 +211,8 @@ class ClusterEngine(BaseEngine):
         tokens restored. A stage that lost the snapshot since the lookup refuses the
         session before any token: then the prompt is prefilled in full, on the same
         pipeline."""
-        from kimi_mlx.cluster.prompt_cache import CACHE_MISS
-        from kimi_mlx.cluster.transport import StageFailure
+        from kimi_mlx.cluster.net.cache_keys import CACHE_MISS
+        from kimi_mlx.cluster.head.transport import StageFailure
 
         key = job.cache_key  # the ids, with image pads tagged by their image's digest
         restore, cached = self._restore_point(key)
@@ -268,151 +266,3 @@ def head_chooser(job):
         return token.item(), x[0]
 
     return choose
-
-
-def make_keeper(args, cluster, fp: str, pipeline):
-    """A `recovery.PipelineKeeper` for the server's pipeline: it reconnects through
-    `cluster.connect()` (the launcher's discovery, checks, plan and load) with the nodes
-    it excludes, and asks lost nodes for the checkpoint `fp` with `head.check_nodes`."""
-    from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-    from kimi_mlx.cluster.head import check_nodes
-    from kimi_mlx.cluster.recovery import PipelineKeeper
-
-    def reconnect(excluded):
-        cluster.excluded = set(excluded)
-        return cluster.connect()
-
-    def probe(nodes):
-        t, channels = cluster.transport, []
-
-        def stub_for(address):
-            channels.append(t.channel_for(address))
-            return pb_grpc.StageStub(channels[-1])
-
-        try:
-            return check_nodes(nodes, stub_for, fp, check_version=not args.allow_version_mismatch,
-                               channel_for=t.channel_for)
-        finally:
-            for ch in channels:
-                ch.close()
-
-    return PipelineKeeper(pipeline, reconnect, probe, replan=args.replan)
-
-
-def add_arguments(q) -> None:
-    """Flags of `kimi-mlx cluster server`: the model, `cluster launch`'s node flags (added
-    by the caller) and the HTTP flags of `kimi-mlx server`."""
-    from kimi_mlx.server.serving import add_server_arguments
-
-    q.add_argument("--model", default=None,
-                   help="checkpoint folder (default: the shipped micro model); the nodes "
-                        "need the same files")
-    from kimi_mlx.generation.request import add_draft_arguments, add_mtp_argument
-
-    add_server_arguments(q, log_level=False)
-    q.add_argument("--max-concurrency", type=int, default=None,
-                   help="requests in flight through the pipeline at once (default 4, or 1 "
-                        "with --draft-model or --draft, the only value allowed there)")
-    q.add_argument("--no-prompt-cache", action="store_true",
-                   help="prefill every prompt in full (default: the stages keep snapshots "
-                        "of their caches, bounded by each stage's `cluster serve "
-                        "--cache-bytes`, and a request restores the longest prefix all hold)")
-    q.add_argument("--no-batch", action="store_true",
-                   help="one message per request per token (default: the decode steps of the "
-                        "requests in flight go through the stages as one batched message)")
-    q.add_argument("--prompt-cache-every", type=int, default=1024,
-                   help="also snapshot every this many prefill tokens, besides message ends "
-                        "(default 1024; 0 = message ends only)")
-    add_draft_arguments(q, note=" (loaded on this head, which drafts; the stages verify): "
-                        "one request at a time, every request speculatively (requests with "
-                        "penalties or logit_bias decode plainly)", mtp=True)
-    add_mtp_argument(q)  # --draft ngram: prompt lookup on the head (--draft mtp is refused, named)
-
-
-def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
-    """`kimi-mlx cluster server`: start HTTP at once, connect and load the pipeline in the
-    background (/health answers 503 until then); when that fails the command ends with
-    status 1, naming what failed (`kimi_mlx.server.serving.serve`).
-
-    cluster_factory(args, secret, model_dir, fingerprint, context) -> object with
-    `connect()` -> Pipeline and `transport`; tokenizers(model_dir) -> (wrapper, tok);
-    choose_parallel(cluster) -> "pipeline" | "tensor" (None: the pipeline): with "tensor"
-    the requests run through one tensor-parallel group (`cluster.tensor_server`)."""
-    from kimi_mlx.model.config import ModelArgs, read_config
-    from kimi_mlx.generation.request import (InputError, generation_defaults, resolve_model_arg,
-                                             serving_context)
-    from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.serving import (check_draft_server_arguments, check_server_arguments,
-                                         make_service, resolve_api_key, serve)
-
-    from kimi_mlx.speculative.factory import PIPELINE, TENSOR, check_draft_target
-
-    from kimi_mlx.cluster.auth import AuthError, load_secret
-    from kimi_mlx.cluster.fingerprint import FingerprintError, fingerprint, is_checkpoint
-
-    try:
-        drafts = check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
-        check_draft_target(drafts, PIPELINE if args.parallel != "tensor" else TENSOR)
-        check_server_arguments(args)
-        if args.prompt_cache_every < 0:
-            raise InputError(f"--prompt-cache-every must be >= 0, got {args.prompt_cache_every}")
-        spec = resolve_model_arg(args.model)
-        model_dir = Path(spec).expanduser()
-        if not is_checkpoint(model_dir):
-            raise InputError(f"{spec}: cluster server needs the checkpoint folder on this machine too")
-        key = resolve_api_key(args)
-        secret = load_secret(args.secret_file)
-        margs = ModelArgs.from_config(read_config(model_dir))
-        fp = fingerprint(model_dir)
-        wrapper, tok = tokenizers(model_dir)
-        defaults = generation_defaults(model_dir)
-    except (InputError, FileNotFoundError, ValueError, AuthError, FingerprintError) as e:
-        print(f"kimi-mlx cluster server: error: {e}", file=sys.stderr)
-        return 2
-    context = serving_context(margs.max_position_embeddings, args.max_kv_size)[0]
-    args.sequences = args.max_concurrency
-    args.context = args.context or context
-    svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)
-    svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
-    svc.vocab_size = margs.vocab_size
-    from kimi_mlx.server.images import image_settings
-
-    # images: this head runs the tower (from the checkpoint folder here, on first use)
-    svc.images = image_settings(model_dir, tok, read_config(model_dir), args.allow_image_urls,
-                                args.max_images)
-    cluster = cluster_factory(args, secret, model_dir, fp, args.context)
-
-    def load():
-        from kimi_mlx.speculative.factory import PIPELINE, TENSOR, build_speculation
-
-        tensor = choose_parallel is not None and choose_parallel(cluster) == "tensor"
-        # before the stages load: a wrong draft fails fast
-        speculation = build_speculation(drafts, where=TENSOR if tensor else PIPELINE,
-                                        target_wrapper=wrapper, target_name=spec)
-        if tensor:
-            from kimi_mlx.cluster.tensor_server import start_tensor_engine
-
-            svc.engine = start_tensor_engine(args, cluster, tok.eos_token_ids, svc.metrics,
-                                             speculation)
-            return
-        pipeline = cluster.connect()
-        keeper = make_keeper(args, cluster, fp, pipeline)
-        from kimi_mlx.cluster.prompt_cache import HeadCacheIndex
-
-        index = None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every)
-        engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,
-                               args.max_queue, svc.metrics, keeper, speculation,
-                               margs, index, batch=not args.no_batch)
-        engine.vision, engine.pad_id = svc.images.vision, svc.images.pad_id
-        svc.engine = engine.start()
-        log.info("serving %s through the pipeline", svc.model_ids[0])
-
-    def cleanup():
-        if svc.engine is not None:
-            svc.engine.stop(2.0)
-        if cluster.transport is not None:
-            cluster.transport.shutdown()
-
-    return serve(svc, create_app(svc), args.host, args.port, args.log_level or "WARNING",
-                 f"kimi-mlx cluster server (model {svc.model_ids[0]})",
-                 "kimi-mlx cluster server", load, "loading the pipeline", cleanup)

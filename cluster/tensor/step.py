@@ -13,7 +13,7 @@ in different collectives.
 
 Speculative decoding (the draft on rank 0 only): post-prefill forward passes are verify
 steps on every rank (`kimi_mlx.speculative.rollback.begin_verify` before the pass). The
-loop's own rollback trims the stand-in cache (as `cluster.speculative.PipelineTarget`
+loop's own rollback trims the stand-in cache (as `head.speculative.PipelineTarget`
 does for the pipeline); how many positions of the step it keeps rides on the next
 command (`keep`), and every rank then rolls its real caches back exactly (KDA states
 replayed from the recorded inputs, DSA caches trimmed: `rollback` + `end_verify`), in
@@ -30,7 +30,7 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
-from kimi_mlx.cluster.remote_cache import RemoteCache
+from kimi_mlx.speculative.remote_cache import RemoteCache
 
 OP_EXIT, OP_BEGIN, OP_FORWARD, OP_END = 0, 1, 2, 3
 RECORD, LOGITS = 1, 2  # flags: record for rollback (a verify step), compute the logits

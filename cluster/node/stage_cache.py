@@ -1,4 +1,5 @@
-"""The cluster's prompt cache: snapshots on the stages, keys and choices on the head.
+"""The cluster's prompt cache: snapshots on the stages (here), keys (`net.cache_keys`) and
+choices on the head (`head.cache_index`).
 
 Each stage keeps snapshots of its own layers' caches (`kimi_mlx.model.cache.snapshot`:
 references to the append-only DSA arrays, the KDA conv / recurrent state as it was) in a
@@ -16,44 +17,12 @@ head prefills in full.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
-
-import numpy as np
-
-CACHE_MISS = "prompt cache miss"
-
-__all__ = ["CACHE_MISS", "prefix_key", "StageCache", "HeadCacheIndex"]
+from typing import Any, Iterable, List, Optional, Tuple
 
 
-def prefix_key(ids: Sequence) -> str:
-    """The key of the snapshot holding exactly the tokens `ids`: '<length>-<sha256 of
-    the int32 little-endian ids, 32 hex digits>'. A prompt with images gives its
-    `server.images.cache_key`, whose pads are (pad id, image digest) pairs: each is
-    hashed as the pad id then the digest's bytes, so the same text with another image
-    has another key from the first image on."""
-    ids = list(ids)
-    if all(isinstance(t, int) for t in ids):
-        data = np.asarray(ids, dtype="<i4").tobytes()
-    else:
-        h = hashlib.sha256()
-        for t in ids:
-            if isinstance(t, tuple):
-                h.update(np.asarray([t[0]], dtype="<i4").tobytes() + bytes.fromhex(t[1]))
-            else:
-                h.update(np.asarray([t], dtype="<i4").tobytes())
-        return f"{len(ids)}-{h.hexdigest()[:32]}"
-    return f"{len(ids)}-{hashlib.sha256(data).hexdigest()[:32]}"
-
-
-def key_length(key: str) -> int:
-    """Positions a snapshot key holds (ValueError when it is not a `prefix_key`)."""
-    n, _, digest = key.partition("-")
-    if not n.isdigit() or len(digest) != 32:
-        raise ValueError(f"prompt cache key {key[:80]!r} is not '<length>-<32 hex digits>'")
-    return int(n)
+__all__ = ["StageCache"]
 
 
 class StageCache:
@@ -119,49 +88,4 @@ class StageCache:
                 if k in self._entries:
                     self._entries.move_to_end(k)
                     out.append(k)
-        return out
-
-
-class HeadCacheIndex:
-    """The head's record of the prefixes it asked the stages to snapshot (token tuples,
-    the newest `max_entries`); the stages' own LRUs decide what is still there.
-
-    Args:
-        every: snapshot every this many prefill tokens too (0: only at message ends).
-        max_entries: prefixes remembered.
-    """
-
-    def __init__(self, every: int = 1024, max_entries: int = 4096):
-        self.every = every
-        self.max_entries = max_entries
-        self._prefixes: "OrderedDict[Tuple[int, ...], str]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def candidates(self, ids: Sequence[int]) -> List[Tuple[int, str]]:
-        """(length, key) of the remembered prefixes of ids[:-1] (the last prompt token
-        always runs), longest first."""
-        out = []
-        with self._lock:
-            for p, key in self._prefixes.items():
-                n = len(p)
-                if n < len(ids) and tuple(ids[:n]) == p:
-                    out.append((n, key))
-        return sorted(out, reverse=True)
-
-    def plan(self, ids: Sequence[int], start: int, segment_ends: Sequence[int]) -> Dict[int, str]:
-        """{position e: key} of the snapshots to take while prefilling ids from `start`
-        (`snapshot_points`), remembered from now on."""
-        from kimi_mlx.server.prompt_cache import snapshot_points
-
-        points = snapshot_points(len(ids), start, segment_ends, self.every)
-        out = {}
-        with self._lock:
-            for e in points:
-                p = tuple(ids[:e])
-                key = self._prefixes.get(p) or prefix_key(p)
-                self._prefixes[p] = key
-                self._prefixes.move_to_end(p)
-                out[e] = key
-            while len(self._prefixes) > self.max_entries:
-                self._prefixes.popitem(last=False)
         return out

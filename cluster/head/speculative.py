@@ -28,8 +28,8 @@ from typing import Any, Generator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from kimi_mlx.cluster.head import Pipeline
-from kimi_mlx.cluster.remote_cache import RemoteCache
+from kimi_mlx.cluster.head.pipeline import Pipeline
+from kimi_mlx.speculative.remote_cache import RemoteCache
 from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
 from kimi_mlx.speculative.loop import loop_for
 from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS

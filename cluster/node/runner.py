@@ -35,7 +35,7 @@ import mlx.core as mx
 from kimi_mlx.model.attn_res import Banks
 from kimi_mlx.sampling import Sampling
 
-from kimi_mlx.cluster.wire import mx_dtype
+from kimi_mlx.cluster.net.wire import mx_dtype
 
 MAX_CHUNK = 16384  # positions per message
 

@@ -1,6 +1,6 @@
 """Keep `kimi-mlx cluster server`'s pipeline serving: notice a lost stage, bring it back.
 
-`PipelineKeeper` owns the `head.Pipeline` the server generates through. A watch thread
+`PipelineKeeper` owns the `head.pipeline.Pipeline` the server generates through. A watch thread
 asks the pipeline's transport every `interval` seconds which stages are lost
 (`Transport.losses()`: a broken `Watch` lease, or heartbeats silent for the transport's
 peer timeout), so a loss shows in `/health` within about `peer_timeout + interval`
@@ -9,7 +9,7 @@ seconds even when no request is running. Requests on the lost pipeline fail (the
 
 Then it keeps trying, every `retry` seconds:
 
-1. Ask the lost stages' nodes (`head.check_nodes`, an authenticated Health call) whether
+1. Ask the lost stages' nodes (`net.nodes.check_nodes`, an authenticated Health call) whether
    they answer with the checkpoint's fingerprint. If they all do, reconnect over the same
    nodes: the stages that survived answer "already loaded", the restarted ones load
    again ("reloading stage N on node X").
@@ -38,11 +38,11 @@ class PipelineKeeper:
     """Holds the serving pipeline and recovers it (see the module doc).
 
     Args:
-        pipeline: the loaded `head.Pipeline`.
+        pipeline: the loaded `head.pipeline.Pipeline`.
         reconnect: (excluded node ids) -> a new loaded Pipeline over the nodes that answer,
             without the excluded ones (raises when it cannot: the error is shown in
             /health and the keeper tries again later).
-        probe: ([NodeInfo]) -> (accepted, rejected) as `head.check_nodes` with the
+        probe: ([NodeInfo]) -> (accepted, rejected) as `net.nodes.check_nodes` with the
             checkpoint's fingerprint.
         replan: re-plan over the nodes left when a lost node does not answer.
         interval: seconds between checks while serving. retry: seconds between recovery

@@ -1,10 +1,10 @@
 """How the head drives a pipeline of stages: one small interface, and its gRPC version.
 
-`Transport` is all the head (`head.Pipeline`, the launcher) knows about the network:
+`Transport` is all the head (`head.pipeline.Pipeline`, the launcher) knows about the network:
 load stages, open a session, send token chunks into the first stage, receive sampled
 tokens from the last stage, close or abort sessions. The planner and the model know
 nothing of it. An `mx.distributed` transport (ring or RDMA over Thunderbolt 5) would
-implement these same methods with each rank running a `runner.StageRunner`, and send the
+implement these same methods with each rank running a `node.runner.StageRunner`, and send the
 same [K + 1, 1, L, D] activations with `mx.distributed.send/recv` instead of gRPC.
 
 `GrpcTransport` holds a `Watch` lease on every stage: heartbeats (a stage silent for
@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import logging
 import queue
-import re
 import threading
 import time
-import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -30,12 +28,14 @@ import grpc
 import mlx.core as mx
 import numpy as np
 
-from kimi_mlx.cluster import stage_pb2 as pb
-from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
-from kimi_mlx.cluster.discovery import NodeInfo
+from kimi_mlx.cluster.net import stage_pb2 as pb
+from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+from kimi_mlx.cluster.net.discovery import NodeInfo
 from kimi_mlx.sampling import Sampling
-from kimi_mlx.cluster.service import DEFAULT_MAX_MESSAGE, STAGE_SERVICE, make_channel
-from kimi_mlx.cluster.wire import PROTOCOL_VERSION, from_tensor, sampling_to_pb, to_tensor
+from kimi_mlx.cluster.net.channel import DEFAULT_MAX_MESSAGE, make_channel
+from kimi_mlx.cluster.head.leases import StageLeases
+from kimi_mlx.cluster.net.control import ControlClient, rpc_reason
+from kimi_mlx.cluster.net.wire import from_tensor, sampling_to_pb, to_tensor
 
 log = logging.getLogger("kimi_mlx.cluster.transport")
 
@@ -198,7 +198,7 @@ class _HeadSession:
         return iter(self.out.get, None)
 
 
-class GrpcTransport(Transport):
+class GrpcTransport(ControlClient, StageLeases, Transport):
     """`Transport` over the gRPC stage service (see the module doc).
 
     Args:
@@ -212,14 +212,11 @@ class GrpcTransport(Transport):
                  peer_timeout: float = 5.0, rpc_timeout: float = 2.0,
                  load_timeout: float = 4 * 3600.0, session_deadline: float = 24 * 3600.0,
                  max_message: int = DEFAULT_MAX_MESSAGE):
-        self.secret = secret
-        self.tls = tls_secret_path
+        ControlClient.__init__(self, secret, tls_secret_path, max_message)
         self.peer_timeout = peer_timeout
         self.rpc_timeout = rpc_timeout
         self.load_timeout = load_timeout
         self.session_deadline = session_deadline
-        self.max_message = max_message
-        self.head_id = f"head-{uuid.uuid4().hex[:12]}"
         self.stages: List[StageAssignment] = []
         self._channels: List[grpc.Channel] = []
         self._stubs: List[pb_grpc.StageStub] = []
@@ -234,14 +231,6 @@ class GrpcTransport(Transport):
         self._fingerprint = ""
 
     # -- connections ---------------------------------------------------------------------
-    def channel_for(self, address: str) -> grpc.Channel:
-        """A new authenticated channel (for one-off calls such as Health)."""
-        return make_channel(address, self.secret, self.tls, self.max_message)
-
-    def stub_for(self, address: str) -> pb_grpc.StageStub:
-        """A stub on a new authenticated channel (for one-off calls such as Health)."""
-        return pb_grpc.StageStub(self.channel_for(address))
-
     def _connect(self, stages: List[StageAssignment]) -> None:
         self._drop_watches()
         for ch in self._channels:
@@ -286,7 +275,7 @@ class GrpcTransport(Transport):
                 if i not in results:
                     errors[i] = "load ended without finishing"
             except grpc.RpcError as e:
-                errors[i] = _rpc_reason(e, "Load", self._channels[i], self.rpc_timeout)
+                errors[i] = rpc_reason(e, "Load", self._channels[i], self.rpc_timeout)
 
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
         for t in threads:
@@ -299,56 +288,6 @@ class GrpcTransport(Transport):
             raise StageFailure(msg, failed, lost=False)
         self._start_watches()
         return [results[i] for i in range(n)]
-
-    def _start_watches(self) -> None:
-        ready = [threading.Event() for _ in self.stages]
-        self._watches = []
-        self._generation += 1
-        for i, stub in enumerate(self._stubs):
-            call = stub.Watch(pb.WatchRequest(head=self.head_id), timeout=self.session_deadline)
-            t = threading.Thread(target=self._watch, args=(i, call, ready[i], self._generation),
-                                 daemon=True, name=f"watch-{i}")
-            self._watches.append(call)
-            t.start()
-        deadline = time.monotonic() + self.peer_timeout
-        for i, ev in enumerate(ready):
-            if not ev.wait(max(0.0, deadline - time.monotonic())) and i not in self.lost:
-                self.lost[i] = f"no heartbeat within {self.peer_timeout:.0f} s of loading"
-        if self.lost:
-            raise self._failure(None)
-
-    def _watch(self, i: int, call, ready: threading.Event, generation: int) -> None:
-        try:
-            for ev in call:
-                self._last_seen[i] = time.monotonic()
-                if ev.peak_memory:
-                    self._peak[i] = max(self._peak[i], ev.peak_memory)
-                ready.set()
-                if ev.kind in (pb.Event.TOKEN, pb.Event.ERROR):
-                    s = self._sessions.get(ev.session)
-                    if s is not None:
-                        s.events.put(ev)
-                    elif ev.kind == pb.Event.ERROR:  # about a session already ended here
-                        log.info("%s", ev.message if ev.message.startswith(f"stage {i} (")
-                                 else f"{self.describe(i)}: {ev.message}")
-            reason = "lease ended by the stage (service stopped?)"
-        except grpc.RpcError as e:
-            reason = _rpc_reason(e)
-        if not self._closing and generation == self._generation:  # not a replaced lease
-            self.lost.setdefault(i, reason)
-            # INFO: the caller reports the loss (StageFailure) once, with what to do next
-            log.info("%s lost: %s", self.describe(i), reason)
-            self._wake_all()
-
-    def _wake_all(self) -> None:
-        for s in list(self._sessions.values()):
-            s.events.put(None)
-
-    def _drop_watches(self) -> None:
-        self._generation += 1
-        for call in self._watches:
-            call.cancel()
-        self._watches = []
 
     # -- sessions ------------------------------------------------------------------------
     def open_batch(self, group):
@@ -408,7 +347,7 @@ class GrpcTransport(Transport):
             if e.code() != grpc.StatusCode.CANCELLED or not s.closed.is_set():
                 s.events.put(pb.Event(kind=pb.Event.ERROR, session=s.sid, stage=0,
                                       node_id=self.stages[0].node.node_id,
-                                      message=f"{self.describe(0)}: {_rpc_reason(e)}"))
+                                      message=f"{self.describe(0)}: {rpc_reason(e)}"))
         finally:
             s.closed.set()
 
@@ -451,17 +390,6 @@ class GrpcTransport(Transport):
                 return TokenResult(session, ev.seq, ev.token, lp, logits)
             raise self._failure(ev)
 
-    def _check_alive(self) -> None:
-        if self.losses():
-            raise self._failure(None)
-
-    def losses(self) -> Dict[int, str]:
-        now = time.monotonic()
-        for i, t in enumerate(self._last_seen):
-            if i not in self.lost and now - t > self.peer_timeout:
-                self.lost[i] = (f"no heartbeat for {now - t:.1f} s (hung, or off the network)")
-        return dict(self.lost)
-
     def _failure(self, ev) -> StageFailure:
         """Name the failed stage(s): those lost (died / hung / unreachable) first, else
         the one that refused `ev`."""
@@ -482,20 +410,6 @@ class GrpcTransport(Transport):
         i = ev.stage if 0 <= ev.stage < len(self.stages) else 0
         return StageFailure(ev.message or f"{self.describe(i)} failed", [(i, ev.node_id, ev.message)],
                             lost=False)
-
-    def _probe(self) -> None:
-        def one(i):
-            try:
-                self._stubs[i].Health(pb.HealthRequest(), timeout=self.rpc_timeout)
-            except grpc.RpcError as e:
-                self.lost.setdefault(i, f"not answering: {_rpc_reason(e)}")
-
-        threads = [threading.Thread(target=one, args=(i,), daemon=True)
-                   for i in range(len(self.stages)) if i not in self.lost]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(self.rpc_timeout + 1)
 
     def close(self, session):
         s = self._sessions.get(session)
@@ -553,7 +467,7 @@ class GrpcTransport(Transport):
                                                timeout=self.rpc_timeout)
                 held[i] = set(r.held)
             except grpc.RpcError as e:
-                log.warning("%s: prompt cache lookup failed: %s", self.describe(i), _rpc_reason(e))
+                log.warning("%s: prompt cache lookup failed: %s", self.describe(i), rpc_reason(e))
 
         threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(self.stages))]
         for t in threads:
@@ -593,75 +507,3 @@ class GrpcTransport(Transport):
         for ch in self._channels:
             ch.close()
         self._channels, self._stubs = [], []
-
-
-STAGE_SERVICE_RE = re.compile(r"^kimimlx\.stage\.v(\d+)\.Stage$")
-
-
-def list_services(channel: grpc.Channel, timeout: float = 2.0) -> Optional[List[str]]:
-    """Full names of the gRPC services a node serves (gRPC server reflection, which
-    every stage serves); None when it answers without a list.
-
-    Raises:
-        grpc.RpcError: the node refused or did not answer (UNIMPLEMENTED: no reflection).
-    """
-    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    request = reflection_pb2.ServerReflectionRequest(list_services="")
-    for reply in stub.ServerReflectionInfo(iter([request]), timeout=timeout):
-        if reply.HasField("list_services_response"):
-            return [s.name for s in reply.list_services_response.service]
-        return None
-    return None
-
-
-def protocol_mismatch(method: str, services: Optional[List[str]], advertised: int = 0) -> str:
-    """Why a node answered UNIMPLEMENTED to `method` ('Health', 'Load', ...): the stage
-    protocol(s) it serves (from `list_services`) against this head's, or what it is
-    instead. `advertised`: the protocol its zeroconf record claims (0 unknown)."""
-    ours = f"stage protocol {PROTOCOL_VERSION} ({STAGE_SERVICE})"
-    theirs = [m for m in (STAGE_SERVICE_RE.match(s) for s in services or []) if m]
-    if theirs:
-        names = ", ".join(f"{int(m.group(1))} ({m.group(0)})" for m in theirs)
-        return (f"speaks stage protocol {names}, this head {ours}: install the same kimi-mlx "
-                "version on both")
-    said = f"; its zeroconf record says stage protocol {advertised}" if advertised else ""
-    if services is not None:
-        return (f"serves no kimi-mlx stage protocol (it serves: {', '.join(services) or 'nothing'}"
-                f"{said}), this head {ours}: another program on that port, or another "
-                "kimi-mlx version")
-    return (f"does not serve {STAGE_SERVICE}/{method} (this head speaks {ours}) and does not "
-            f"list its services{said}: another program on that port, or another kimi-mlx "
-            "version; install the same version on both")
-
-
-def _rpc_reason(e: grpc.RpcError, method: str = "", channel: Optional[grpc.Channel] = None,
-                timeout: float = 2.0, advertised: int = 0) -> str:
-    """A failed call in words. UNIMPLEMENTED with a `channel`: asks the node which
-    services it serves and names both protocol versions (`protocol_mismatch`)."""
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return f"connection lost or refused (process died or network down): {details}"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"no answer before the deadline (hung or unreachable): {details}"
-    if code == grpc.StatusCode.UNAUTHENTICATED:
-        if "wrong cluster secret" in (details or ""):
-            return (f"uses another cluster secret (it refused ours: {details}): copy the "
-                    "secret file from the Mac that ran `kimi-mlx cluster init` to it")
-        return f"refused our credentials ({details}): is the cluster secret the same?"
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and "Concurrent RPC limit" in (details or ""):
-        return (f"busy: it serves as many calls at once as it has threads for ({details}); "
-                "too many heads at once, try again (or raise its --max-sessions)")
-    if code == grpc.StatusCode.UNIMPLEMENTED and channel is not None:
-        try:
-            services = list_services(channel, timeout)
-        except grpc.RpcError as e2:
-            services = None
-            if e2.code() == grpc.StatusCode.UNAUTHENTICATED:  # asking needs the secret
-                return (f"{protocol_mismatch(method or '?', None, advertised)}; asked which "
-                        f"services it serves, it refused our credentials ({e2.details()}): it "
-                        "uses another cluster secret, too")
-        return protocol_mismatch(method or "?", services, advertised)
-    return f"{code.name if code else 'error'}: {details}"

@@ -1,0 +1,83 @@
+"""Forming a tensor-parallel group from its head (`cluster launch` / `cluster server
+--parallel tensor`): this head is rank 0, each node starts a rank (`node.rank`, which runs
+`tensor.rank`)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+
+import mlx.core as mx
+
+from kimi_mlx.cluster.net import jaccl
+from kimi_mlx.cluster.net.nodes import NodeFinder
+from kimi_mlx.cluster.net.ranks import RANK_PORT_OFFSET, available_backends
+from kimi_mlx.cluster.tensor.group import (TensorGroup, TensorSetupError, choose_backend, free_port,
+                                           hosts_json, local_address_towards)
+
+
+def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto"):
+    """Form the group (this head rank 0, the accepted nodes ranks 1..N, each started by its
+    node's `StartRank` under `watch`) and load this head's slices.
+
+    `cluster`: the nodes and the checkpoint (`net.nodes.NodeFinder`: its settings' secret
+    file and TLS, the fingerprint and folder). `backend`: "auto", "ring" or "jaccl".
+    Returns (transport, group, model); raises TensorSetupError (naming the node),
+    RuntimeError, ValueError or OSError after closing what it opened.
+    """
+    from kimi_mlx.checkpoint.ranged import load_sharded
+    from kimi_mlx.cluster.net import stage_pb2 as pb
+    from kimi_mlx.cluster.net.control import ControlClient
+    from kimi_mlx.cluster.net.wire import package_versions
+
+    transport = ControlClient(cluster.secret, cluster.settings.tls_secret_path)
+    try:
+        accepted = cluster.accepted(transport)
+        mine = package_versions()[1]
+        wrong = [f"node {n.node_id} runs MLX {r.mlx_version}" for n, r in accepted
+                 if r.mlx_version != mine]
+        if wrong:
+            raise TensorSetupError("; ".join(wrong) + f", this head MLX {mine}: one group needs "
+                                   "the same MLX on every rank")
+        reports = [jaccl.NodeReport.from_json(jaccl.local_report_json("this head"), "this head")] + [
+            jaccl.NodeReport.from_json(r.rdma_report, f"node {n.node_id}") if r.rdma_report
+            else jaccl.NodeReport(f"node {n.node_id}", problem="its kimi-mlx sends no RDMA report")
+            for n, r in accepted]
+        backend = choose_backend(
+            {"this head": available_backends(),
+             **{f"node {n.node_id}": list(r.backends) for n, r in accepted}},
+            None if backend == "auto" else backend, reports)
+        me = local_address_towards(accepted[0][0].host)
+        addresses = [(me, free_port(me))] + [(socket.gethostbyname(n.host), n.port + RANK_PORT_OFFSET)
+                                             for n, _ in accepted]
+        hosts = (jaccl.hosts_payload(jaccl.device_matrix(reports), f"{me}:{addresses[0][1]}")
+                 if backend == "jaccl" else hosts_json(addresses))
+        print(f"[cluster] tensor parallel, {backend} group of {len(addresses)}: rank 0 this head "
+              f"({me}:{addresses[0][1]}), " + ", ".join(
+                  f"rank {i + 1} node {n.node_id} ({h}:{p})"
+                  for i, ((n, _), (h, p)) in enumerate(zip(accepted, addresses[1:]))),
+              file=sys.stderr, flush=True)
+        watch.start([(n.node_id, transport.stub_for(n.address)) for n, _ in accepted],
+                    [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),
+                                    backend=backend, hosts=hosts, head=transport.head_id)
+                     for i in range(len(accepted))])
+        if backend == "jaccl":  # rank 0 is the coordinator the other ranks connect to
+            group_env, hostfile = jaccl.rank_env(hosts, 0)
+            os.environ.update(group_env)
+        else:
+            fd, hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(hosts)
+            os.environ.update(MLX_RANK="0", MLX_HOSTFILE=hostfile)
+        try:
+            group = mx.distributed.init(backend=backend, strict=True)
+        finally:
+            os.unlink(hostfile)
+        model, _ = load_sharded(cluster.model_dir, group)
+    except BaseException:
+        watch.close()
+        transport.shutdown()
+        raise
+    return transport, group, model

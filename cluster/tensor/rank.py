@@ -1,0 +1,58 @@
+"""A node's rank process of a tensor-parallel group (`python -m kimi_mlx.cluster.tensor.rank`,
+started by the node's `StartRank`, see `node.rank`): join the group, load this rank's
+slices, follow rank 0's commands (`tensor.step`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+import mlx.core as mx
+
+from kimi_mlx.cluster.net.ranks import BACKENDS
+
+
+def _remove_group_files() -> None:
+    """Remove the host / device file the node wrote for this rank (MLX has read it in
+    `init`), so none is left in the temp folder when the node itself is killed later."""
+    for var in ("MLX_HOSTFILE", "MLX_IBV_DEVICES"):
+        path = os.environ.get(var, "")
+        if os.path.basename(path).startswith(("kimi-mlx-hosts-", "kimi-mlx-ibv-")):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def rank_main(argv: Optional[Sequence[str]] = None) -> int:
+    """A node's rank process (`python -m kimi_mlx.cluster.tensor.rank --model PATH`, with
+    MLX_RANK / MLX_HOSTFILE set): join the group, load this rank's slices, follow rank 0."""
+    p = argparse.ArgumentParser(description="one tensor-parallel rank of a kimi-mlx cluster")
+    p.add_argument("--model", required=True)
+    p.add_argument("--backend", default="ring", choices=BACKENDS)
+    p.add_argument("--name", default="", help="node name for messages")
+    a = p.parse_args(argv)
+    who = f"rank {os.environ.get('MLX_RANK', '?')}" + (f" on node {a.name}" if a.name else "")
+    from kimi_mlx.checkpoint.ranged import load_sharded
+
+    from kimi_mlx.cluster.tensor.step import follow_commands
+
+    try:
+        group = mx.distributed.init(backend=a.backend, strict=True)
+        _remove_group_files()
+        print(f"[tensor] {who}: joined a {a.backend} group of {group.size()}", file=sys.stderr,
+              flush=True)
+        model, _ = load_sharded(a.model, group)
+        print(f"[tensor] {who}: loaded its slices of {a.model}", file=sys.stderr, flush=True)
+        n = follow_commands(model, group)
+    except Exception as e:  # a lost peer, a bad checkpoint: say who, exit non-zero
+        print(f"[tensor] {who}: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"[tensor] {who}: done after {n} request(s)", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())
