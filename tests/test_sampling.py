@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
-from kimi_mlx.cluster.wire import sampling_from_pb, sampling_to_pb
+from kimi_mlx.cluster.net.wire import sampling_from_pb, sampling_to_pb
 from kimi_mlx.sampling import InputError, Sampling
 
 V = 64

@@ -168,7 +168,7 @@ def sampling_to_pb(sampling):
     the wire (`sampling_from_pb` is its inverse)."""
     from dataclasses import fields
 
-    from kimi_mlx.cluster.stage_pb2 import Sampling as PbSampling
+    from kimi_mlx.cluster.net.stage_pb2 import Sampling as PbSampling
 
     wire = PbSampling.DESCRIPTOR.fields_by_name
     values = {f.name: getattr(sampling, f.name) for f in fields(sampling)
