@@ -6,18 +6,21 @@ call ids (`functions.NAME:IDX`) so they survive being sent back as tool_result."
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any, Dict, List, Optional
 
-from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
-from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
-                                    sampling_from, stop_list, submit)
+from kimi_mlx.server.common import (ANTHROPIC_PING, APIError, Service, budget, check_tool_name,
+                                    effort_of, guarded_stream, reply_events, sampling_from,
+                                    stop_list, submit)
 from kimi_mlx.server.images import allow_urls, anthropic_ref, job_images, request_images, setter
 from kimi_mlx.server.images import prepare as off_loop
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder
 from kimi_mlx.server.schemas import MessagesRequest
+
+log = logging.getLogger("kimi_mlx.server")
 
 _STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -51,6 +54,22 @@ def _text(content, where: str) -> str:
             raise APIError(400, f"{where}: content block type {block.get('type')!r} is not "
                            "supported here (text only)", param="messages")
     return "".join(parts)
+
+
+# Claude Code's first system block: `x-anthropic-billing-header: cc_version=...; ...`. It
+# changes with versions (in some releases per request) and means nothing to the model:
+# left in, it would change the prompt's first tokens and miss the whole prompt cache.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def system_text(system, where: str = "system") -> str:
+    """The text of a system prompt (a string or text blocks, joined), without Claude
+    Code's billing-header lines (`BILLING_HEADER`), which would defeat the prompt cache."""
+    text = _text(system, where)
+    if BILLING_HEADER not in text:
+        return text
+    lines = text.splitlines(keepends=True)
+    return "".join(line for line in lines if not line.lstrip().startswith(BILLING_HEADER))
 
 
 def _user_parts(blocks, where: str, refs: list, allow: bool) -> List[Dict[str, Any]]:
@@ -90,10 +109,17 @@ def to_chat_messages(req: MessagesRequest, refs: Optional[list] = None,
     refs = [] if refs is None else refs
     out: List[Dict[str, Any]] = []
     if req.system:
-        out.append({"role": "system", "content": _text(req.system, "system")})
+        text = system_text(req.system)
+        if text:
+            out.append({"role": "system", "content": text})
     names: Dict[str, str] = {}
     for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
+        if m.role == "system":
+            # mid-conversation system message (beta mid-conversation-system-2026-04-07):
+            # a system message at this point, as the reference encoder renders one
+            out.append({"role": "system", "content": system_text(m.content, where)})
+            continue
         if isinstance(m.content, str):
             out.append({"role": m.role, "content": m.content})
             continue
@@ -154,20 +180,25 @@ def to_chat_messages(req: MessagesRequest, refs: Optional[list] = None,
     return out
 
 
-_TOOL_CHOICE = {"auto": None, "any": "required", "none": "none"}
+_TOOL_CHOICE = {"auto": None, "any": "required", "none": "none", "tool": None}
 
 
 def _tools(req: MessagesRequest):
-    """(tools in OpenAI form or None, encode_chat options) of a messages request."""
+    """(tools in OpenAI form or None, encode_chat options) of a messages request.
+    tool_choice auto / any (-> "required") / none / tool: a named tool reaches the model
+    as Moonshot's reference encoder passes one, i.e. as auto (see
+    `openai_api.chat_options`); APIError 400 when it names no tool of the request."""
     choice = (req.tool_choice or {}).get("type", "auto")
     if not isinstance(choice, str) or choice not in _TOOL_CHOICE:
         raise APIError(400, f"tool_choice {choice!r} is not supported: use one of "
                        f"{', '.join(_TOOL_CHOICE)}", param="tool_choice")
-    if not req.tools:
-        return None, {}
     tools = [{"type": "function", "function": {"name": t.name,
               "description": t.description or "", "parameters": t.input_schema}}
-             for t in req.tools]
+             for t in req.tools] if req.tools else None
+    if choice == "tool":
+        check_tool_name(req.tool_choice.get("name"), tools)
+    if not tools:
+        return None, {}
     return tools, ({"tool_choice": _TOOL_CHOICE[choice]} if _TOOL_CHOICE[choice] else {})
 
 
@@ -193,19 +224,25 @@ def thinking_enabled(req) -> bool:
 
 
 def _effort(req) -> str:
-    """The K3.1 thinking effort of a messages request. K3.1 always thinks (its encoding
-    has no non-thinking mode, chat_format), so `thinking: {"type": "disabled"}` is
-    honoured as the lowest effort, "low", with the thinking block left out of the reply;
-    asking for another effort at the same time is a 400."""
-    try:
-        effort = resolve_effort(req.reasoning_effort)
-    except ValueError as e:
-        raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
+    """The K3.1 thinking effort of a messages request: `reasoning_effort` or Anthropic's
+    `output_config.effort`, mapped as `common.effort_of` maps OpenAI's names (default
+    max). K3.1 always thinks (its encoding has no non-thinking mode, chat_format), so
+    `thinking: {"type": "disabled"}` is honoured as the lowest effort, "low", with the
+    thinking block left out of the reply; asking for a higher effort at the same time is
+    a 400."""
+    given = req.reasoning_effort
+    param = "reasoning_effort"
+    config = req.output_config or {}
+    if given is None and config.get("effort") is not None:
+        given, param = config.get("effort"), "output_config.effort"
+        if not isinstance(given, str):
+            raise APIError(400, f"output_config.effort must be a string, got {given!r}",
+                           param=param)
+    effort = effort_of(given, param)
     if not thinking_enabled(req):
-        if req.reasoning_effort not in (None, "low"):
+        if given is not None and effort != "low":
             raise APIError(400, f"thinking disabled asks for the lowest effort (low); it "
-                           f"contradicts reasoning_effort {req.reasoning_effort!r}",
-                           param="thinking")
+                           f"contradicts {param} {given!r}", param="thinking")
         effort = "low"
     return effort
 
@@ -226,7 +263,7 @@ def _prompt(svc: Service, req):
 
 def prepare(svc: Service, req: MessagesRequest) -> Job:
     ids, ends, images = _prompt(svc, req)
-    return Job(ids, budget(svc, len(ids), req.max_tokens),
+    return Job(ids, budget(svc, len(ids), req.max_tokens, anthropic=True),
                sampling_from(svc, req.temperature, req.top_p, req.top_k, None, req.seed),
                None, ends, **job_images(svc, ids, images))
 
@@ -325,7 +362,9 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
             "usage": _usage(job, b.n_tokens, done.cached_tokens if done else cached)})
         yield _event("message_stop", {})
 
-    return guarded_stream(svc, job, body(), "/v1/messages", _error_event)
+    # message_start is the first event (it goes out at admission); pings only after it
+    return guarded_stream(svc, job, body(), "/v1/messages", _error_event, ANTHROPIC_PING,
+                          ping_first=False)
 
 
 def _error_event(kind: str, message: str) -> str:

@@ -29,7 +29,8 @@ from kimi_mlx.server.schemas import (ChatRequest, CompletionRequest, CountTokens
 log = logging.getLogger("kimi_mlx.server")
 
 _ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
-           "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/", "/openapi.json"}
+           "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/", "/openapi.json",
+           "/tokenize", "/detokenize"}
 WEB = Path(__file__).with_name("web")  # the chat page (index.html, app.js, vendor/)
 # the page runs only its own files and talks only to this server; model output it shows is
 # sanitized (DOMPurify), and this policy stops what might slip through from running
@@ -41,14 +42,22 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                     429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 
 
+def is_anthropic(path: str) -> bool:
+    """Whether `path` answers in Anthropic's dialect (errors, 401 wording)."""
+    return path.startswith("/v1/messages")
+
+
 def error_response(path: str, status: int, message: str, kind: str = "invalid_request_error",
-                   param=None, headers=None) -> JSONResponse:
-    if path.startswith("/v1/messages"):
+                   param=None, headers=None, code=None) -> JSONResponse:
+    """The error body in the dialect of `path`; `code` (OpenAI's error code) defaults to
+    `kind` for statuses other than 400 and to null for a 400."""
+    if is_anthropic(path):
         body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, kind),
                                            "message": message}}
     else:
-        body = {"error": {"message": message, "type": kind, "param": param,
-                          "code": kind if status != 400 else None}}
+        if code is None and status != 400:
+            code = kind
+        body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -80,18 +89,32 @@ def check_json(request: Request) -> None:
 
 def check_key(svc: Service, request: Request) -> None:
     """401 unless the request carries the API key (Authorization: Bearer KEY, or
-    x-api-key as Anthropic clients send it); compared in constant time."""
+    x-api-key as Anthropic clients send it); compared in constant time. The wording is
+    the dialect's own, which clients match on: Anthropic's `invalid x-api-key` (type
+    authentication_error) on /v1/messages, OpenAI's `Incorrect API key provided: ...`
+    (code invalid_api_key) elsewhere; a missing key says how to send one in both."""
     if svc.api_key is None:
         return
     given = request.headers.get("x-api-key")
     auth = request.headers.get("authorization", "")
     if given is None and auth.lower().startswith("bearer "):
         given = auth[7:].strip()
+    anthropic = is_anthropic(request.url.path)
     if given is None:
-        raise APIError(401, "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                       "authentication_error")
+        raise APIError(401, "missing API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+                       if not anthropic else "x-api-key header is required (missing API key)",
+                       "authentication_error", code=None if anthropic else "invalid_api_key")
     if not hmac.compare_digest(given.encode(), svc.api_key.encode()):
-        raise APIError(401, "invalid API key", "authentication_error")
+        if anthropic:
+            raise APIError(401, "invalid x-api-key", "authentication_error")
+        raise APIError(401, f"Incorrect API key provided: {_masked(given)}. This server's key "
+                       "is set with --api-key / --api-key-file (invalid API key).",
+                       "invalid_request_error", code="invalid_api_key")
+
+
+def _masked(key: str) -> str:
+    """A wrong key as OpenAI echoes it: its first and last characters only."""
+    return key[:3] + "*" * 4 + key[-4:] if len(key) > 10 else "*" * len(key)
 
 
 class _CountRequests:
@@ -158,7 +181,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(request.url.path, e.status, e.message, e.kind, e.param, e.headers)
+        return error_response(request.url.path, e.status, e.message, e.kind, e.param, e.headers,
+                              e.code)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
@@ -248,6 +272,11 @@ def _add_page(app: FastAPI) -> None:
     """GET / is the chat page (no key: it asks for one when the API answers 401); its
     scripts and styles are under /web/."""
 
+    @app.head("/", include_in_schema=False)
+    async def page_head():
+        # clients probe the base URL at start (Claude Code sends HEAD /): a 200, no body
+        return Response(status_code=200, media_type="text/html")
+
     @app.get("/", include_in_schema=False)
     async def page():
         return FileResponse(WEB / "index.html", media_type="text/html",
@@ -269,6 +298,8 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
     app.post("/v1/messages")(generation_endpoint(
         svc, MessagesRequest, anthropic_api.messages_response, anthropic_api.messages_stream))
 
+    _add_tokenize_routes(app, svc)
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         check_key(svc, request)
@@ -278,3 +309,49 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
         if svc.tok is None:
             raise APIError(503, "not ready: the model is loading", "overloaded_error")
         return await anthropic_api.count_tokens(svc, req)
+
+
+def _add_tokenize_routes(app: FastAPI, svc: Service) -> None:
+    """llama-server's POST /tokenize and /detokenize (tools/server README), which some
+    clients call to count or show tokens.
+
+    /tokenize: `content` (string, required), `add_special` (default false; K3.1 adds no
+    BOS/EOS around text, so it changes nothing), `parse_special` (default true: special
+    token text such as `<|open|>` becomes its id), `with_pieces` (default false) ->
+    `{"tokens": [id, ...]}`, or with pieces `{"tokens": [{"id", "piece"}, ...]}` where a
+    piece is its text, or its byte values when it is not valid UTF-8 on its own.
+    /detokenize: `tokens` (ids in the vocabulary) -> `{"content": text}`."""
+    from kimi_mlx.server.schemas import DetokenizeRequest, TokenizeRequest
+
+    async def body_of(request: Request, schema):
+        check_key(svc, request)
+        check_json(request)
+        req = parse_body(await read_body(request, svc.max_body_bytes), schema, svc.max_body_bytes)
+        if svc.tok is None:
+            raise APIError(503, "not ready: the model is loading", "overloaded_error")
+        return req
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = await body_of(request, TokenizeRequest)
+        ids = svc.tok.encode(req.content, allow_special=req.parse_special)
+        if not req.with_pieces:
+            return {"tokens": ids}
+        pieces = []
+        for t in ids:
+            raw = svc.tok.decode_bytes([t])
+            try:
+                piece = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(raw)
+            pieces.append({"id": t, "piece": piece})
+        return {"tokens": pieces}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = await body_of(request, DetokenizeRequest)
+        n = len(svc.tok)
+        bad = [t for t in req.tokens if not 0 <= t < n]
+        if bad:
+            raise APIError(400, f"tokens: ids must be in [0, {n}), got {bad[:3]}", param="tokens")
+        return {"content": svc.tok.decode(req.tokens)}

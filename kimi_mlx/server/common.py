@@ -12,7 +12,8 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 
 from pydantic import BaseModel, ValidationError
 
-from kimi_mlx.generation.request import InputError, SamplingParams, check_context_strict
+from kimi_mlx.generation.request import InputError, SamplingParams
+from kimi_mlx.text.chat_format import api_effort
 from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, Started, TokenOut
 from kimi_mlx.server.reply import Event, ReplyBuilder
 
@@ -21,13 +22,20 @@ log = logging.getLogger("kimi_mlx.server")
 
 class APIError(Exception):
     """An error answered to the client. status: HTTP status; kind: OpenAI error type
-    (invalid_request_error, authentication_error, not_found_error, ...)."""
+    (invalid_request_error, authentication_error, not_found_error, ...); code: the OpenAI
+    error `code` clients parse (context_length_exceeded, invalid_api_key; None: the
+    default, `kind` for statuses other than 400)."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 param: Optional[str] = None, headers: Optional[Dict[str, str]] = None):
+                 param: Optional[str] = None, headers: Optional[Dict[str, str]] = None,
+                 code: Optional[str] = None):
         super().__init__(message)
         self.status, self.message, self.kind, self.param = status, message, kind, param
         self.headers = headers or {}
+        self.code = code
+
+
+KEEPALIVE_S = 10.0  # seconds of silence after which a stream sends a ping
 
 
 class ClientGone(Exception):
@@ -61,6 +69,7 @@ class Service:
     vocab_size: int = 0
     responses: Any = None  # responses_api.ResponseStore (previous_response_id), made on first use
     images: Any = None  # server.images.ImageSettings (vision tower, URL policy, limits); None: no images
+    keepalive_s: float = KEEPALIVE_S  # a streamed reply says something at least this often
 
     @property
     def ready(self) -> bool:
@@ -265,20 +274,53 @@ def logits_processors(svc: "Service", req) -> Optional[list]:
 
 
 def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
-           field: str = "max_tokens") -> int:
-    """max_tokens for the job: as asked (APIError 400 naming both numbers and the
-    request's `field` when prompt + max_tokens exceeds the context), or the room left
-    when not given."""
+           field: str = "max_tokens", prompt_param: str = "messages",
+           anthropic: bool = False) -> int:
+    """max_tokens for the job, in the wording and codes the API's clients parse.
+
+    A prompt that does not fit: APIError 400, Anthropic's `prompt is too long: N tokens >
+    M maximum`, or OpenAI's message with code `context_length_exceeded` and param
+    `prompt_param` ("messages", "input" on /v1/responses, "prompt"). A prompt that fits
+    but whose max_tokens passes the context: Anthropic answers 400 `input length and
+    max_tokens exceed context limit: P + M > C, ...` (Claude Code retries with a
+    smaller max_tokens, as with Anthropic's API); OpenAI endpoints cut the reply at the
+    context instead (finish_reason "length", as vLLM-style servers do: Qwen Code sends
+    max_tokens 8000 whatever the context). No max_tokens: the room left."""
     if n_prompt >= svc.context:
-        raise APIError(400, f"the prompt is {n_prompt} tokens; this model's context is "
-                       f"{svc.context} tokens", param="messages")
+        if anthropic:
+            raise APIError(400, f"prompt is too long: {n_prompt} tokens > {svc.context - 1} "
+                           "maximum", param=prompt_param)
+        raise APIError(400, f"This model's maximum context length is {svc.context} tokens. "
+                       f"However, your {prompt_param} resulted in {n_prompt} tokens. Please "
+                       f"reduce the length of the {prompt_param}.", param=prompt_param,
+                       code="context_length_exceeded")
+    room = svc.context - n_prompt
     if max_tokens is None:
-        return svc.context - n_prompt
+        return room
+    if max_tokens > room and anthropic:
+        raise APIError(400, f"input length and `{field}` exceed context limit: {n_prompt} + "
+                       f"{max_tokens} > {svc.context}, decrease input length or `{field}` "
+                       "and try again", param=field)
+    return min(max_tokens, room)
+
+
+def effort_of(value, param: str = "reasoning_effort") -> str:
+    """K3.1's thinking effort for an API effort name (`chat_format.api_effort`: none,
+    minimal and low think low; medium and high, high; xhigh and max, max; None: max);
+    APIError 400 naming `param` and the accepted names otherwise."""
     try:
-        check_context_strict(n_prompt, max_tokens, svc.context)
-    except InputError as e:
-        raise APIError(400, str(e).replace(" max_tokens)", f" {field})"), param=field) from None
-    return max_tokens
+        return api_effort(value)
+    except ValueError as e:
+        raise APIError(400, f"{param}: {e}", param=param) from None
+
+
+def check_tool_name(name: str, tools) -> None:
+    """APIError 400 (param tool_choice) unless a tool of `tools` (chat form) is `name`."""
+    names = [t.get("function", {}).get("name") for t in tools or ()]
+    if name not in names:
+        raise APIError(400, f"tool_choice names the tool {name!r}, which is not among the "
+                       f"request's tools ({', '.join(map(repr, names)) or 'none given'})",
+                       param="tool_choice")
 
 
 def stop_list(stop: Union[None, str, Sequence[str]]) -> List[str]:
@@ -339,27 +381,53 @@ async def reply_events(job: Job, builder: ReplyBuilder, request=None,
         job.cancel()  # no-op after Finished; frees the slot when the consumer left early
 
 
+# an SSE comment: every SSE parser skips it; proxies and clients see the stream alive
+PING = ": ping\n\n"
+ANTHROPIC_PING = 'event: ping\ndata: {"type": "ping"}\n\n'  # what Anthropic's API sends
+
+
 async def guarded_stream(svc: Service, job: Job, body: AsyncIterator[str], endpoint: str,
-                         error_event: Callable[[str, str], str]) -> AsyncIterator[str]:
+                         error_event: Callable[[str, str], str],
+                         ping: str = PING, ping_first: bool = True) -> AsyncIterator[str]:
     """A streamed reply's bytes after its 200: `body`'s chunks, and when generation fails
     after the stream started (a Failed job, a lost stage, an internal error) one last
     chunk `error_event(kind, message)` in the endpoint's dialect, counted in /metrics
     (kimi_mlx_stream_errors_total{endpoint}). Every check that can refuse a request ran
     before the 200; this is what can still go wrong. The job is cancelled on the way out
-    (done, failed, or the client left), freeing its slot."""
+    (done, failed, or the client left), freeing its slot.
+
+    Signs of life: `ping` (an SSE comment; Anthropic's ping event on /v1/messages) goes
+    out first when `ping_first`, and again whenever `body` has said nothing for
+    `svc.keepalive_s` seconds (a long queue wait or prefill: a 40k-token prompt takes
+    minutes), so that proxies and clients with read timeouts keep the stream."""
+    it = body.__aiter__()
+    pending: Optional[asyncio.Future] = None
     try:
         try:
-            async for s in body:
+            if ping_first:
+                yield ping
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(it.__anext__())
+                done, _ = await asyncio.wait({pending}, timeout=svc.keepalive_s)
+                if not done:
+                    yield ping
+                    continue
+                task, pending = pending, None
+                try:
+                    s = task.result()
+                except StopAsyncIteration:
+                    return
                 yield s
         except APIError as e:
             kind, message = e.kind, e.message
         except Exception as e:  # noqa: BLE001 - a stream ends with an error event, not a cut
             log.exception("streamed reply failed")
             kind, message = "server_error", f"internal error: {type(e).__name__}: {e}"
-        else:
-            return
         if svc.metrics is not None:
             svc.metrics.stream_errors.labels(endpoint).inc()
         yield error_event(kind, message)
     finally:
+        if pending is not None:
+            pending.cancel()
         job.cancel()

@@ -8,10 +8,10 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
-from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
-from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, logits_processors,
-                                    reply_events, sampling_from, stop_list, submit)
+from kimi_mlx.server.common import (APIError, Service, budget, check_tool_name, effort_of,
+                                    guarded_stream, logits_processors, reply_events,
+                                    sampling_from, stop_list, submit)
 from kimi_mlx.server.images import allow_urls, job_images, openai_refs, prepare, request_images
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
@@ -66,11 +66,33 @@ _TOOL_CHOICES = ("auto", "required", "none")
 
 
 def chat_options(tools, choice, response_format) -> dict:
-    """encode_chat options for OpenAI tool_choice / response_format; 400 for a named
-    function (the model cannot be forced to one tool)."""
+    """encode_chat options for a tool_choice / response_format, in every form the APIs
+    define: "auto" / "required" / "none"; a named function as chat (`{"type":
+    "function", "function": {"name"}}`) and Responses (`{"type": "function", "name"}`)
+    send it; Responses' `{"type": "allowed_tools", "mode"}`. Moonshot's reference encoder
+    renders a block for "required" and "none" only: a named function reaches the model as
+    the reference passes it, i.e. as "auto" (enforcing it is constrained decoding, not
+    done here). APIError 400 for another form, or a name that is not among `tools`."""
+    name = None
+    if isinstance(choice, dict):
+        kind = choice.get("type")
+        if kind == "function":
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else choice.get("name")
+            if not isinstance(name, str) or not name:
+                raise APIError(400, "tool_choice: a function tool_choice needs the function's "
+                               "name", param="tool_choice")
+            choice = "auto"
+        elif kind == "allowed_tools":
+            choice = choice.get("mode", "auto")
+        else:
+            raise APIError(400, f"tool_choice type {kind!r} is not supported: use auto, "
+                           "required, none or a function", param="tool_choice")
     if choice not in (None, *_TOOL_CHOICES):
         raise APIError(400, f"tool_choice {choice!r} is not supported: use one of "
-                       f"{', '.join(_TOOL_CHOICES)}", param="tool_choice")
+                       f"{', '.join(_TOOL_CHOICES)} or a function", param="tool_choice")
+    if name is not None:
+        check_tool_name(name, tools)
     opts = {}
     if tools and choice in ("required", "none"):
         opts["tool_choice"] = choice
@@ -82,10 +104,7 @@ def chat_options(tools, choice, response_format) -> dict:
 def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     svc.check_model(req.model)
     _unsupported(req, chat=True)
-    try:
-        effort = resolve_effort(req.reasoning_effort)
-    except ValueError as e:
-        raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
+    effort = effort_of(req.reasoning_effort)
     messages = chat_messages(req)
     images = request_images(svc, openai_refs(messages, allow_urls(svc)))
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -120,7 +139,7 @@ def prepare_completion(svc: Service, req: CompletionRequest) -> Job:
         if not ids or bad:
             raise APIError(400, f"prompt: token ids must be in [0, {len(svc.tok)}), got "
                            f"{bad[:3] or 'none'}", param="prompt")
-    return Job(ids, budget(svc, len(ids), req.max_tokens),
+    return Job(ids, budget(svc, len(ids), req.max_tokens, prompt_param="prompt"),
                sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
                req.logprobs, (), logits_processors(svc, req))
 

@@ -59,7 +59,11 @@ class ReplyBuilder:
     Args:
         tokenizer: mlx-lm TokenizerWrapper (its `detokenizer` gives a fresh streaming
             detokenizer per call).
-        stops: stop strings (matched on the decoded text, markup included).
+        stops: stop strings. In chat mode they are matched in the visible answer only
+            (the content channel), never inside the reasoning or tool-call markup, as
+            OpenAI-compatible servers with reasoning parsers do: a "\n\n" meant for the
+            answer does not end the reply while the model thinks. In raw mode
+            (completions) on all the decoded text.
         chat: True to split the K3.1 reply into channels (chat / messages APIs); False
             for raw text (completions API: everything is `content`).
 
@@ -104,16 +108,20 @@ class ReplyBuilder:
         return self._text(self.detok.last_segment, final=True)
 
     def _text(self, text: str, final: bool) -> Event:
+        if self.parser is None:
+            safe = self._visible(text, final)
+            self.content += safe
+            return Event(content=safe)
+        return self._channels(text, final)
+
+    def _visible(self, text: str, final: bool) -> str:
+        """The answer's text after the stop strings (matched in the answer only)."""
         safe, stopped = self.stop.feed(text)
         if stopped:
             self.stopped = True
-            final = True
         elif final:
             safe += self.stop.flush()
-        if self.parser is None:
-            self.content += safe
-            return Event(content=safe)
-        return self._channels(safe, final)
+        return safe
 
     def _channels(self, text: str, final: bool) -> Event:
         p = self.parser
@@ -128,7 +136,17 @@ class ReplyBuilder:
             if channel == "reasoning":
                 ev.reasoning += t
             else:
-                ev.content += t
+                ev.content += self._visible(t, False)
+                if self.stopped:
+                    break
+        if final and not self.stopped:
+            ev.content += self._visible("", True)
+        if self.stopped:
+            # the reply ends at the stop string: text after it, and the tool calls of a
+            # section not yet closed, are dropped
+            self.reasoning += ev.reasoning
+            self.content += ev.content
+            return ev
         self.reasoning += ev.reasoning
         self.content += ev.content
         # a tools section closed (or generation ended inside one): its calls are complete

@@ -7,8 +7,12 @@ Input items map onto chat_format messages: a message item by its role (developer
 system), `function_call` -> an assistant tool call, `function_call_output` -> a tool
 message, `reasoning` -> the next assistant message's reasoning_content (so thinking is
 sent back whole). The reply comes out as a `reasoning` item (the K3.1 thinking as
-`reasoning_text` content), a `message` item (`output_text`) and one `function_call` item per
-call, whose `call_id` is the model's own id (`functions.NAME:IDX`).
+`reasoning_text` content, and with `reasoning.summary` asked the same text as its one
+`summary_text` part, streamed as reasoning_summary_text deltas: K3.1 writes no shorter
+summary), a `message` item (`output_text`) and one `function_call` item per call, whose
+`call_id` is the model's own id (`functions.NAME:IDX`). Tools: function tools, the
+function tools inside a `namespace` tool (their calls name the namespace), and hosted
+tools (web_search, ...) left out of the prompt with a log line.
 
 `previous_response_id` continues a response this server still holds: `ResponseStore`
 keeps the last `capacity` conversations (LRU, in memory); an id it does not hold is a 404.
@@ -18,22 +22,25 @@ As in OpenAI's API, the earlier `instructions` and `tools` are not carried over.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 import uuid
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional
 
-from kimi_mlx.text.chat_format import media_in_order, resolve_effort
+from kimi_mlx.text.chat_format import media_in_order
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.images import (allow_urls, job_images, lean_messages, prepare, request_images,
                                     responses_ref, setter, stored_refs)
-from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
-                                    sampling_from, submit)
+from kimi_mlx.server.common import (APIError, Service, budget, effort_of, guarded_stream,
+                                    reply_events, sampling_from, submit)
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.openai_api import chat_options
 from kimi_mlx.server.reply import ReplyBuilder
 from kimi_mlx.server.schemas import ResponsesRequest
+
+log = logging.getLogger("kimi_mlx.server")
 
 
 class ResponseStore:
@@ -179,19 +186,49 @@ def input_messages(items, refs: Optional[list] = None, allow_urls: bool = False)
     return out
 
 
+# tools OpenAI runs on its side (or the client's built-ins tied to OpenAI's models): the
+# model here cannot run them, so they are left out of its prompt, with a log line
+HOSTED_TOOLS = ("web_search", "web_search_preview", "web_search_preview_2025_03_11",
+                "file_search", "code_interpreter", "image_generation", "computer_use_preview",
+                "computer_use", "mcp", "local_shell", "tool_search")
+
+
 def _tools(req: ResponsesRequest):
-    """Responses function tools -> chat tools (None without tools); 400 for other kinds."""
+    """Responses tools -> (chat tools or None, {function name: namespace}). Function
+    tools are taken as they are; a `namespace` tool (Codex wraps its function tools in
+    one) gives its function tools, whose calls come back naming the namespace; hosted
+    tools (`HOSTED_TOOLS`, which OpenAI runs on its side) are dropped with a log line.
+    APIError 400 for a function without a name or another tool type."""
     if not req.tools:
-        return None
-    out = []
-    for i, t in enumerate(req.tools):
-        if t.get("type") != "function" or not t.get("name"):
-            raise APIError(400, f"tools[{i}]: only function tools with a name are supported, "
-                           f"got type {t.get('type')!r}", param="tools")
+        return None, {}
+    out, spaces = [], {}
+
+    def function(t, where: str, space: Optional[str] = None):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str) \
+                or not t["name"]:
+            raise APIError(400, f"{where}: only function tools with a name are supported (in a "
+                           f"namespace too), got type {t.get('type') if isinstance(t, dict) else t!r}",
+                           param="tools")
         out.append({"type": "function", "function": {
             "name": t["name"], "description": t.get("description") or "",
             "parameters": t.get("parameters") or {"type": "object", "properties": {}}}})
-    return out
+        if space is not None:
+            spaces[t["name"]] = space
+
+    for i, t in enumerate(req.tools):
+        kind = t.get("type")
+        if kind == "namespace":
+            inner = t.get("tools")
+            if not isinstance(inner, list):
+                raise APIError(400, f"tools[{i}]: a namespace tool needs a list of tools",
+                               param="tools")
+            for k, sub in enumerate(inner):
+                function(sub, f"tools[{i}].tools[{k}]", str(t.get("name") or ""))
+        elif kind in HOSTED_TOOLS:
+            log.info("tools[%d]: hosted tool %r dropped (this server cannot run it)", i, kind)
+        else:
+            function(t, f"tools[{i}]")
+    return out or None, spaces
 
 
 def _response_format(req: ResponsesRequest):
@@ -209,10 +246,21 @@ def _response_format(req: ResponsesRequest):
 
 
 def _effort(req: ResponsesRequest) -> str:
-    try:
-        return resolve_effort(req.reasoning.effort if req.reasoning else None)
-    except ValueError as e:
-        raise APIError(400, f"reasoning.effort: {e}", param="reasoning.effort") from None
+    return effort_of(req.reasoning.effort if req.reasoning else None, "reasoning.effort")
+
+
+_SUMMARIES = ("auto", "concise", "detailed")
+
+
+def _summary(req: ResponsesRequest) -> Optional[str]:
+    """reasoning.summary (None: none asked); APIError 400 for a value OpenAI does not
+    define. K3.1 writes no separate summary: the reasoning text itself is given as the
+    summary (`summary_text`), whichever of the three is asked."""
+    summary = req.reasoning.summary if req.reasoning else None
+    if summary is not None and summary not in _SUMMARIES:
+        raise APIError(400, f"reasoning.summary must be one of {', '.join(_SUMMARIES)}; got "
+                       f"{summary!r}", param="reasoning.summary")
+    return summary
 
 
 class _Turn:
@@ -226,10 +274,8 @@ class _Turn:
             raise APIError(400, "top_logprobs is not supported on /v1/responses (use "
                            "/v1/chat/completions with logprobs=true)", param="top_logprobs")
         choice = req.tool_choice
-        if isinstance(choice, dict):
-            raise APIError(400, "tool_choice naming a function is not supported: use one of "
-                           "auto, required, none", param="tool_choice")
         self.effort = _effort(req)
+        self.summary = _summary(req)
         history: List[Dict[str, Any]] = []
         if req.previous_response_id:
             found = store_of(svc).get(req.previous_response_id)
@@ -248,14 +294,14 @@ class _Turn:
         if not any(m["role"] != "system" for m in messages):
             raise APIError(400, "input is empty: give text or at least one message item",
                            param="input")
-        tools = _tools(req)
+        tools, self.namespaces = _tools(req)
         options = chat_options(tools, choice, _response_format(req))
         try:
             ids, ends = build_chat_prompt_with_ends(svc.tok, messages, self.effort, tools, **options)
         except InputError as e:
             raise APIError(400, str(e), param="input") from None
         self.svc, self.req = svc, req
-        self.job = Job(ids, budget(svc, len(ids), req.max_output_tokens, "max_output_tokens"),
+        self.job = Job(ids, budget(svc, len(ids), req.max_output_tokens, "max_output_tokens", "input"),
                        sampling_from(svc, req.temperature, req.top_p, req.top_k, req.min_p, req.seed),
                        None, ends, **job_images(svc, ids, media_in_order(messages)))
         self.builder = ReplyBuilder(svc.wrapper, (), chat=True)
@@ -280,17 +326,24 @@ class _Turn:
     # ------------------------------------------------------------ response shapes
 
     def reasoning_item(self, text: Optional[str], status: str = "completed") -> dict:
-        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+        """The reasoning output item; with reasoning.summary asked, its `summary` holds the
+        reasoning text as one summary_text part (K3.1 writes no shorter summary)."""
+        summary = [{"type": "summary_text", "text": text}] if self.summary and text is not None else []
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": summary, "status": status,
                 "content": [] if text is None else [{"type": "reasoning_text", "text": text}]}
 
     def message_item(self, text: Optional[str], status: str = "completed") -> dict:
         return {"type": "message", "id": self.message_id, "role": "assistant", "status": status,
                 "content": [] if text is None else [_text_part(text)]}
 
-    @staticmethod
-    def call_item(call, item_id: str, arguments: str, status: str = "completed") -> dict:
-        return {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
+    def call_item(self, call, item_id: str, arguments: str, status: str = "completed") -> dict:
+        """A function_call output item; a function of a namespace tool names it, as
+        OpenAI's API does."""
+        item = {"type": "function_call", "id": item_id, "call_id": call.id, "name": call.name,
                 "arguments": arguments, "status": status}
+        if self.namespaces.get(call.name):
+            item["namespace"] = self.namespaces[call.name]
+        return item
 
     def response(self, status: str, output: List[dict], done=None) -> dict:
         r = self.req
@@ -303,7 +356,7 @@ class _Turn:
             "max_output_tokens": r.max_output_tokens, "model": r.model, "output": output,
             "parallel_tool_calls": r.parallel_tool_calls is not False,
             "previous_response_id": r.previous_response_id,
-            "reasoning": {"effort": self.effort, "summary": None},
+            "reasoning": {"effort": self.effort, "summary": self.summary},
             "store": r.store, "temperature": r.temperature, "top_p": r.top_p,
             "text": r.text or {"format": {"type": "text"}},
             "tool_choice": r.tool_choice or "auto", "tools": r.tools or [],
@@ -377,6 +430,12 @@ async def responses_stream(svc: Service, req: ResponsesRequest, request):
                                  output_index=idx, content_index=0, text=text))
                 out.append(event("response.content_part.done", item_id=t.reasoning_id,
                                  output_index=idx, content_index=0, part=part))
+                if t.summary:
+                    out.append(event("response.reasoning_summary_text.done", item_id=t.reasoning_id,
+                                     output_index=idx, summary_index=0, text=text))
+                    out.append(event("response.reasoning_summary_part.done", item_id=t.reasoning_id,
+                                     output_index=idx, summary_index=0,
+                                     part={"type": "summary_text", "text": text}))
                 output[idx] = t.reasoning_item(text)
             elif open_kind == "message":
                 out.append(event("response.output_text.done", item_id=t.message_id,
@@ -403,6 +462,10 @@ async def responses_stream(svc: Service, req: ResponsesRequest, request):
             out.append(event("response.output_item.added", output_index=idx, item=output[idx]))
             out.append(event("response.content_part.added", item_id=item_id, output_index=idx,
                              content_index=0, part=part))
+            if kind == "reasoning" and t.summary:
+                out.append(event("response.reasoning_summary_part.added", item_id=item_id,
+                                 output_index=idx, summary_index=0,
+                                 part={"type": "summary_text", "text": ""}))
             return out
 
         done, n_calls = None, 0
@@ -414,6 +477,9 @@ async def responses_stream(svc: Service, req: ResponsesRequest, request):
                 text += ev.reasoning
                 yield event("response.reasoning_text.delta", item_id=t.reasoning_id,
                             output_index=len(output) - 1, content_index=0, delta=ev.reasoning)
+                if t.summary:  # what Codex shows while the model thinks
+                    yield event("response.reasoning_summary_text.delta", item_id=t.reasoning_id,
+                                output_index=len(output) - 1, summary_index=0, delta=ev.reasoning)
             if ev.content:
                 if open_kind != "message":
                     for s in open_("message"):

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from typing_extensions import Annotated
 
-from kimi_mlx.text.chat_format import EFFORTS
+from kimi_mlx.text.chat_format import API_EFFORTS
 
 
 def _integral(v):
@@ -27,9 +27,9 @@ def Int(**bounds):
 
 
 def _effort():
-    """reasoning_effort: a string checked by chat_format.resolve_effort (whose 400 names
-    the efforts); the OpenAPI document lists them."""
-    return Field(None, json_schema_extra={"enum": [*EFFORTS, None]})
+    """reasoning_effort: a string checked by chat_format.api_effort (whose 400 names
+    the efforts; each maps onto one of K3.1's); the OpenAPI document lists them."""
+    return Field(None, json_schema_extra={"enum": [*API_EFFORTS, None]})
 
 # mx.random.key takes a uint64
 SEED_RANGE = dict(ge=0, lt=2 ** 64)
@@ -129,7 +129,9 @@ class CompletionRequest(_Sampling):
 
 
 class AnthropicMessage(_Model):
-    role: Literal["user", "assistant"]
+    # "system" inside messages: Anthropic's beta mid-conversation-system-2026-04-07
+    # (Claude Code sends its agent and skills list so)
+    role: Literal["user", "assistant", "system"]
     content: Union[str, List[Dict[str, Any]]]
 
 
@@ -148,6 +150,7 @@ class MessagesRequest(_Model):
     thinking: Optional[Dict[str, Any]] = None
     metadata: Optional[Dict[str, Any]] = None
     reasoning_effort: Optional[str] = _effort()
+    output_config: Optional[Dict[str, Any]] = None  # {"effort": ...}: Anthropic's effort
     seed: Optional[Int(**SEED_RANGE)] = None
 
 
@@ -185,3 +188,18 @@ class ResponsesRequest(_Model):
     text: Optional[Dict[str, Any]] = None
     metadata: Optional[Dict[str, Any]] = None
     user: Optional[str] = None
+
+
+class TokenizeRequest(_Model):
+    """llama-server's POST /tokenize body."""
+
+    content: str
+    add_special: bool = False
+    parse_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Model):
+    """llama-server's POST /detokenize body."""
+
+    tokens: List[Int(ge=0)]

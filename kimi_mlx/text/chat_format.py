@@ -65,6 +65,13 @@ IMAGE_PART_TYPES = ("image", "image_url")
 
 EFFORTS = ("low", "high", "max")
 DEFAULT_EFFORT = "max"
+# The effort names the OpenAI (reasoning_effort, reasoning.effort) and Anthropic
+# (output_config.effort) APIs define, onto K3.1's three (the reference encoder accepts
+# only EFFORTS; its prompt text also names `medium`, which it refuses): no thinking is
+# not a K3.1 mode, so none/minimal think as little as it does (low); medium, OpenAI's
+# usual default, is high; xhigh is max.
+API_EFFORTS = {"none": "low", "minimal": "low", "low": "low", "medium": "high",
+               "high": "high", "xhigh": "max", "max": "max"}
 
 THINK_START = f"{OPEN}think{SEP}"
 THINK_END = f"{CLOSE}think{SEP}"
@@ -125,6 +132,16 @@ def resolve_effort(reasoning_effort: str | None = None, thinking_effort: str | N
             f"thinking effort must be one of {', '.join(EFFORTS)}; got {effort!r}"
         )
     return effort
+
+
+def api_effort(value: str | None) -> str:
+    """K3.1's effort (one of EFFORTS) for an API's effort name (a key of API_EFFORTS;
+    None: DEFAULT_EFFORT). Raises ``ValueError`` naming the accepted names."""
+    if value is None:
+        return DEFAULT_EFFORT
+    if value not in API_EFFORTS:
+        raise ValueError(f"must be one of {', '.join(API_EFFORTS)}; got {value!r}")
+    return API_EFFORTS[value]
 
 
 def _text(s: Any) -> list[Segment]:
