@@ -30,6 +30,8 @@ TOOLS_BIN = ROOT / ".venv-tools" / "bin"
 AIDER_BIN = ROOT / ".venv-aider" / "bin"
 API_KEY = "sk-kimi-mlx-test"
 PROMPT = "Reply with one word: hello."
+MAX_TOKENS = 48    # each client's own output cap where it has one (micro: ~30 tokens/s here)
+CONTEXT = 65536    # the context the tests serve micro with (--max-kv-size)
 
 
 @dataclass
@@ -69,7 +71,7 @@ def claude(home: Path, work: Path, base_url: str, model: str, prompt: str = PROM
                 "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
                 "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
                 "CLAUDE_CODE_DISABLE_TERMINAL_TITLE": "1", "DISABLE_COST_WARNINGS": "1",
-                "API_TIMEOUT_MS": "1800000", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "64"})
+                "API_TIMEOUT_MS": "1800000", "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(MAX_TOKENS)})
     argv = [str(NODE_BIN / "claude"), "-p", prompt, "--model", model,
             "--output-format", "json", *(extra or [])]
     return Run("claude", argv, env, work, NODE_BIN / "claude")
@@ -84,6 +86,7 @@ def codex(home: Path, work: Path, base_url: str, model: str, prompt: str = PROMP
         model = "{model}"
         model_provider = "kimi"
         check_for_update_on_startup = false
+        model_context_window = {CONTEXT}
 
         [model_providers.kimi]
         name = "kimi-mlx"
@@ -116,7 +119,9 @@ def opencode(home: Path, work: Path, base_url: str, model: str, prompt: str = PR
            "share": "disabled", "model": f"kimi/{model}", "small_model": f"kimi/{model}",
            "provider": {"kimi": {"npm": "@ai-sdk/openai-compatible", "name": "kimi-mlx",
                                  "options": {"baseURL": f"{base_url}/v1", "apiKey": API_KEY},
-                                 "models": {model: {"name": model}}}}}
+                                 "models": {model: {"name": model,
+                                                    "limit": {"context": CONTEXT,
+                                                              "output": MAX_TOKENS}}}}}}
     (work / "opencode.json").write_text(json.dumps(cfg, indent=2))
     env.update({"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
                 "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "OPENCODE_DISABLE_DEFAULT_PLUGINS": "1",
@@ -134,7 +139,10 @@ def qwen(home: Path, work: Path, base_url: str, model: str, prompt: str = PROMPT
         "security": {"auth": {"selectedType": "openai"}},
         "privacy": {"usageStatisticsEnabled": False},
         "telemetry": {"enabled": False},
-        "general": {"disableAutoUpdate": True, "disableUpdateNag": True}}, indent=2))
+        "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
+        "model": {"name": model,
+                  "generationConfig": {"samplingParams": {"max_tokens": MAX_TOKENS}}}},
+        indent=2))
     env.update({"OPENAI_BASE_URL": f"{base_url}/v1", "OPENAI_API_KEY": API_KEY,
                 "OPENAI_MODEL": model})
     argv = [str(NODE_BIN / "qwen"), "-p", prompt, "--auth-type", "openai", "--model", model]
@@ -144,6 +152,17 @@ def qwen(home: Path, work: Path, base_url: str, model: str, prompt: str = PROMPT
 def aider(home: Path, work: Path, base_url: str, model: str, prompt: str = PROMPT) -> Run:
     """aider `aider --message` through litellm's openai/ provider."""
     env = base_env(home)
+    (work / ".aider.model.settings.yml").write_text(textwrap.dedent(f"""\
+        - name: openai/{model}
+          edit_format: whole
+          use_repo_map: false
+          extra_params:
+            max_tokens: {MAX_TOKENS}
+        """))
+    (work / ".aider.model.metadata.json").write_text(json.dumps({f"openai/{model}": {
+        "max_input_tokens": CONTEXT, "max_output_tokens": MAX_TOKENS,
+        "max_tokens": MAX_TOKENS, "litellm_provider": "openai", "mode": "chat",
+        "input_cost_per_token": 0, "output_cost_per_token": 0}}))
     env.update({"OPENAI_API_BASE": f"{base_url}/v1", "OPENAI_API_KEY": API_KEY,
                 "LITELLM_LOCAL_MODEL_COST_MAP": "True", "AIDER_ANALYTICS": "false",
                 "AIDER_CHECK_UPDATE": "false"})
@@ -151,7 +170,9 @@ def aider(home: Path, work: Path, base_url: str, model: str, prompt: str = PROMP
             "--no-git", "--yes-always", "--no-check-update", "--analytics-disable",
             "--no-show-model-warnings", "--no-auto-commits", "--no-pretty", "--no-stream",
             "--no-detect-urls", "--no-show-release-notes", "--map-tokens", "0",
-            "--edit-format", "whole"]
+            "--edit-format", "whole",
+            "--model-settings-file", str(work / ".aider.model.settings.yml"),
+            "--model-metadata-file", str(work / ".aider.model.metadata.json")]
     return Run("aider", argv, env, work, AIDER_BIN / "aider")
 
 
@@ -168,7 +189,8 @@ def llm(home: Path, work: Path, base_url: str, model: str, prompt: str = PROMPT)
         """))
     (user / "keys.json").write_text(json.dumps({"kimi": API_KEY}))
     env["LLM_USER_PATH"] = str(user)
-    argv = [str(TOOLS_BIN / "llm"), "-m", "kimi-micro", "--no-log", prompt]
+    argv = [str(TOOLS_BIN / "llm"), "-m", "kimi-micro", "--no-log",
+            "-o", "max_tokens", str(MAX_TOKENS), prompt]
     return Run("llm", argv, env, work, TOOLS_BIN / "llm")
 
 
@@ -177,6 +199,7 @@ AGENTS_SCRIPT = '''\
 import sys
 from agents import (Agent, ModelSettings, Runner, function_tool, set_default_openai_api,
                     set_default_openai_client, set_tracing_disabled)
+from agents.exceptions import ModelBehaviorError
 from openai import AsyncOpenAI
 
 base_url, model, api, key = sys.argv[1:5]
@@ -194,8 +217,13 @@ set_tracing_disabled(True)
 set_default_openai_client(AsyncOpenAI(base_url=base_url + "/v1", api_key=key), use_for_tracing=False)
 set_default_openai_api(api)
 agent = Agent(name="adder", instructions="Use the add tool to add numbers.", model=model,
-              tools=[add], model_settings=ModelSettings(tool_choice="add", max_tokens=48))
-result = Runner.run_sync(agent, "What is 2 + 3?", max_turns=4)
+              tools=[add], model_settings=ModelSettings(tool_choice="add", max_tokens=int(sys.argv[5])))
+try:
+    result = Runner.run_sync(agent, "What is 2 + 3?", max_turns=4)
+except ModelBehaviorError as e:  # e.g. a reply cut at max_tokens with no output at all
+    print("tool calls:", calls)
+    print("ModelBehaviorError:", e)
+    sys.exit(3)
 print("tool calls:", calls)
 print("final:", repr(result.final_output))
 '''
@@ -209,7 +237,8 @@ def agents(home: Path, work: Path, base_url: str, model: str, prompt: str = PROM
     script = work / "agent_run.py"
     script.write_text(AGENTS_SCRIPT)
     env["OPENAI_AGENTS_DISABLE_TRACING"] = "1"
-    argv = [str(TOOLS_BIN / "python"), str(script), base_url, model, api, API_KEY]
+    argv = [str(TOOLS_BIN / "python"), str(script), base_url, model, api, API_KEY,
+            str(MAX_TOKENS)]
     return Run("agents", argv, env, work, TOOLS_BIN / "python")
 
 
