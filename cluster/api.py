@@ -432,7 +432,8 @@ def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
     choose_parallel(cluster) -> "pipeline" | "tensor" (None: the pipeline): with "tensor"
     the requests run through one tensor-parallel group (`cluster.tensor_server`)."""
     from kimi_mlx.model.config import ModelArgs, read_config
-    from kimi_mlx.generation.request import InputError, generation_defaults, resolve_model_arg
+    from kimi_mlx.generation.request import (InputError, generation_defaults, resolve_model_arg,
+                                             serving_context)
     from kimi_mlx.server.app import create_app
     from kimi_mlx.server.serving import (check_draft_server_arguments, check_server_arguments,
                                          make_service, resolve_api_key, serve)
@@ -458,9 +459,7 @@ def run(args, cluster_factory, tokenizers, choose_parallel=None) -> int:
     except (InputError, FileNotFoundError, ValueError, AuthError, FingerprintError) as e:
         print(f"kimi-mlx cluster server: error: {e}", file=sys.stderr)
         return 2
-    context = margs.max_position_embeddings
-    if args.max_kv_size:
-        context = min(context, args.max_kv_size)
+    context = serving_context(margs.max_position_embeddings, args.max_kv_size)[0]
     args.sequences = args.max_concurrency
     args.context = args.context or context
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)

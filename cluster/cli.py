@@ -531,7 +531,7 @@ def _launch_inputs(args) -> _LaunchInputs:
     from kimi_mlx.model.config import ModelArgs, read_config
     from kimi_mlx.generation.generate import check_draft_arguments, load_speculation
     from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_model_arguments,
-                                             resolve_model_arg)
+                                             resolve_model_arg, serving_context)
 
     from kimi_mlx.cluster.auth import load_secret
     from kimi_mlx.cluster.fingerprint import fingerprint, is_checkpoint
@@ -560,9 +560,7 @@ def _launch_inputs(args) -> _LaunchInputs:
     images, vision = _launch_images(args, model_dir)
     ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
                        args.reasoning_effort, images)
-    context, source = margs.max_position_embeddings, "max_position_embeddings in config.json"
-    if args.max_kv_size:
-        context, source = min(context, args.max_kv_size), "--max-kv-size"
+    context, source = serving_context(margs.max_position_embeddings, args.max_kv_size)
     if images:
         source += (f"; {len(images)} image(s) take {sum(im.num_tokens for im in images)} of "
                    "the prompt's tokens")

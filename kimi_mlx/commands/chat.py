@@ -20,7 +20,8 @@ from kimi_mlx.generation.generate import load_speculation, use_color
 from kimi_mlx.generation.request import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
                                          add_mtp_argument, add_quiet_argument, check_draft_arguments,
                                          check_model_arguments,
-                                         micro_note, resolve_model_arg, token_budget)
+                                         micro_note, resolve_model_arg, serving_context,
+                                         token_budget)
 
 
 def add_arguments(p) -> None:
@@ -203,7 +204,7 @@ def run(args) -> int:
     sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
     conv = Conversation(args.system_prompt)
     effort = args.reasoning_effort
-    context = min(model.args.max_position_embeddings, args.max_kv_size or 1 << 62)
+    context = serving_context(model.args.max_position_embeddings, args.max_kv_size)[0]
     dim = use_color()
 
     def show(channel, text):

@@ -15,7 +15,8 @@ from kimi_mlx.generation.images import Vision, media_pad_id, prompt_embeddings
 from kimi_mlx.generation.generate import add_arguments as add_generate_arguments
 from kimi_mlx.generation.generate import load_speculation, print_generation, stream
 from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_draft_arguments,
-                                         check_model_arguments, micro_note, resolve_model_arg)
+                                         check_model_arguments, micro_note, resolve_model_arg,
+                                         serving_context)
 
 __all__ = ["add_arguments", "run", "main"]
 
@@ -51,10 +52,7 @@ def run(args) -> int:
         model, wrapper, tok, config = load_for_generation(spec, progress=not args.quiet)
         ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
                            args.reasoning_effort, images)
-        context = model.args.max_position_embeddings
-        source = "max_position_embeddings in config.json"
-        if args.max_kv_size:
-            context, source = min(context, args.max_kv_size), "--max-kv-size"
+        context, source = serving_context(model.args.max_position_embeddings, args.max_kv_size)
         if images:
             n_img = sum(im.num_tokens for im in images)
             source += f"; {len(images)} image(s) take {n_img} of the prompt's tokens"

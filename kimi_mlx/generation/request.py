@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +115,26 @@ def check_max_kv_size(value: Optional[int]) -> None:
     if value is not None and value < MIN_KV_SIZE:
         raise InputError(f"--max-kv-size must be >= {MIN_KV_SIZE} tokens (one prompt token "
                          f"and one generated token), got {value}")
+
+
+def serving_context(trained: int, max_kv_size: Optional[int]) -> Tuple[int, str]:
+    """(context in tokens, where it comes from) for a checkpoint trained on `trained`
+    tokens (config max_position_embeddings) and a --max-kv-size (None: not given).
+
+    --max-kv-size sets the context either way: below `trained` it caps it; above, it
+    serves a longer context than the checkpoint declares (agent CLIs' first prompts are
+    9k-40k tokens, longer than the micro model's 4096), with one warning naming both
+    lengths: positions past `trained` were never seen in training, so quality there is
+    not known (nothing runs out: K3.1 has no rotary embedding, dsa.py, and KDA state is
+    position-free)."""
+    if not max_kv_size:
+        return trained, "max_position_embeddings in config.json"
+    if max_kv_size > trained:
+        logging.getLogger("kimi_mlx").warning(
+            "--max-kv-size %d is past the checkpoint's trained context of %d tokens "
+            "(max_position_embeddings): serving %d tokens; output past %d positions is "
+            "out of what the model was trained on", max_kv_size, trained, max_kv_size, trained)
+    return max_kv_size, "--max-kv-size"
 
 
 def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = False) -> None:

@@ -65,6 +65,9 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 def system_text(system, where: str = "system") -> str:
     """The text of a system prompt (a string or text blocks, joined), without Claude
     Code's billing-header lines (`BILLING_HEADER`), which would defeat the prompt cache."""
+    if isinstance(system, list):  # a block of its own (Claude Code's first) goes whole
+        system = [b for b in system if not (isinstance(b, dict) and isinstance(b.get("text"), str)
+                                            and b["text"].lstrip().startswith(BILLING_HEADER))]
     text = _text(system, where)
     if BILLING_HEADER not in text:
         return text

@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, Tuple
 
-from kimi_mlx.generation.request import InputError, check_draft_arguments, check_max_kv_size
+from kimi_mlx.generation.request import (InputError, check_draft_arguments, check_max_kv_size,
+                                         serving_context)
 
 log = logging.getLogger("kimi_mlx.server")
 
@@ -54,7 +55,9 @@ def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> 
     p.add_argument("--max-body-bytes", type=int, default=8 << 20,
                    help="largest request body (default 8 MiB); larger ones get 413")
     p.add_argument("--max-kv-size", type=int, default=None,
-                   help="cap on prompt + generated tokens (default: max_position_embeddings)")
+                   help="context: prompt + generated tokens (default: the checkpoint's "
+                        "max_position_embeddings; a larger value serves a longer context "
+                        "than it was trained on, with a warning)")
     p.add_argument("--allow-image-urls", action="store_true",
                    help="fetch http(s) image URLs in requests (at most 20 MiB, 10 s each); "
                         "without it only data URLs / base64 images are taken and a URL is a 400")
@@ -174,8 +177,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
         speculation = Speculation(NgramDraft(*ngram), num_draft_tokens)
     svc.wrapper, svc.tok = wrapper, tok
     svc.vocab_size = model.args.vocab_size
-    context = model.args.max_position_embeddings
-    svc.context = min(context, max_kv_size) if max_kv_size else context
+    svc.context = serving_context(model.args.max_position_embeddings, max_kv_size)[0]
     pc = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
     engine = Engine(model, tok.eos_token_ids, max_queue=max_queue,
                     max_concurrency=max_concurrency, prompt_cache=pc,
