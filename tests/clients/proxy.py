@@ -55,7 +55,12 @@ def make_app(upstream: str, log_path: Path, default_max_tokens: int | None = Non
     async def forward(request: Request):
         body = await request.body()
         t0 = time.monotonic()
-        capped = False
+        capped = rewritten = False
+        rewrite = log_path.with_name(log_path.name + ".rewrite.json")
+        if rewrite.exists() and body:
+            for old, new in json.loads(rewrite.read_text()):
+                if old.encode() in body:
+                    body, rewritten = body.replace(old.encode(), new.encode()), True
         field = _CAP_FIELD.get(request.url.path)
         if default_max_tokens and request.method == "POST" and field and body:
             try:
@@ -78,7 +83,7 @@ def make_app(upstream: str, log_path: Path, default_max_tokens: int | None = Non
                  "query": str(request.query_params),
                  "headers": {k: v for k, v in headers.items()
                              if k.lower() not in ("authorization", "x-api-key")},
-                 "body": parsed, "capped": capped, "status": resp.status_code, "ttfb_s": None, "total_s": None}
+                 "body": parsed, "capped": capped, "rewritten": rewritten, "status": resp.status_code, "ttfb_s": None, "total_s": None}
         chunks: list[bytes] = []
 
         async def relay():
