@@ -91,11 +91,12 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# The real clients end to end against kimi-mlx server on micro (slow: minutes; excluded
-# from `make test` by pyproject's addopts). Each test skips with the reason where its
-# program is missing (`make clients`).
+# The real clients end to end against kimi-mlx server on micro: every test marked
+# `clients` (tests/test_clients.py and the lm-eval ones; ~10 min on 2 busy cores;
+# excluded from `make test` by pyproject's addopts). Each test skips with the reason
+# where its program is missing (`make clients`).
 test-clients: install
-	$(BIN)/python -m pytest -q -m clients tests/test_clients.py
+	$(BIN)/python -m pytest -q -m clients
 
 # K3.1 Pro's real widths on this machine: a 2-layer real-width slice (~2.4 GB, in a temp
 # folder) through prefill past index_topk and decode, the kernels in the emulator, and

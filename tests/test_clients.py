@@ -346,3 +346,47 @@ def test_openai_agents_sdk_function_tool(stack, tmp_path, api):
     model_reqs = [r for r in m["reqs"] if r["path"] in MODEL_PATHS]
     assert model_reqs[0]["body"]["tool_choice"] not in (None, "auto", "required")
     assert m["rc"] in (0, 3) and ("final:" in m["stdout"]) == (m["rc"] == 0), m["stdout"]
+
+
+def _stdlib_text(n_chars: int) -> str:
+    """Python standard-library source (what micro was trained on), about `n_chars` long."""
+    import inspect as mod_inspect
+    import argparse as mod_argparse
+    text = ""
+    while len(text) < n_chars:
+        for m in (mod_inspect, mod_argparse):
+            text += Path(m.__file__).read_text()
+    return text[:n_chars]
+
+
+def test_ttfb_streaming_openai_20k_prompt(stack):
+    """Time to first byte and to the first token of a streamed OpenAI chat request with a
+    20k-token prompt on micro: the server shows life at once (an SSE comment) while the
+    prefill runs (issue 32 item 8)."""
+    tok = httpx.post(f"{stack.base_url}/tokenize", json={"content": _stdlib_text(200_000)},
+                     timeout=120).json()["tokens"]
+    text = httpx.post(f"{stack.base_url}/detokenize", json={"tokens": tok[:20_000]},
+                      timeout=120).json()["content"]
+    body = {"model": "micro", "messages": [{"role": "user", "content": text}], "stream": True,
+            "max_tokens": 4, "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    first_byte = first_token = None
+    usage = {}
+    with httpx.stream("POST", f"{stack.base_url}/v1/chat/completions", json=body,
+                      timeout=httpx.Timeout(1800)) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            now = time.monotonic() - t0
+            if first_byte is None:
+                first_byte = now
+            if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                d = json.loads(line[5:])
+                usage = d.get("usage") or usage
+                delta = (d.get("choices") or [{}])[0].get("delta") or {}
+                if first_token is None and (delta.get("content") or delta.get("reasoning_content")):
+                    first_token = now
+    total = time.monotonic() - t0
+    print(f"\n20k-token stream: prompt {usage.get('prompt_tokens')} tokens, first byte "
+          f"{first_byte:.3f} s, first token {first_token:.1f} s, total {total:.1f} s")
+    assert usage.get("prompt_tokens", 0) >= 20_000, usage
+    assert first_byte < 5, first_byte
