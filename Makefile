@@ -53,6 +53,12 @@ clients: $(CLIENTS_NPM) $(CLIENTS_TOOLS) $(CLIENTS_AIDER)
 	@if grep -q '^lmeval-tools:' Makefile; then $(MAKE) --no-print-directory lmeval-tools; fi
 
 $(CLIENTS_NPM): tests/clients/package.json tests/clients/package-lock.json
+	@if [ "$$(uname -s)" = Linux ] && ! command -v npm >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	    command -v apt-get >/dev/null; then \
+	  (apt-get install -y -q nodejs npm >/dev/null 2>&1 || \
+	   (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nodejs npm >/dev/null 2>&1)) || \
+	  echo "note: nodejs/npm not installed"; \
+	fi
 	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
 	  mkdir -p .clients && cp tests/clients/package.json tests/clients/package-lock.json .clients/ && \
 	  cd .clients && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error && touch .installed; \

@@ -131,6 +131,16 @@ def _program_or_skip(run: drivers.Run) -> None:
     for need in run.needs:
         if shutil.which(need) is None:
             pytest.skip(f"{run.name} needs {need} (Debian: apt-get install nodejs npm)")
+    here = run.program.resolve().parent  # the package's folder or its bin/
+    pkg = next((d / "package.json" for d in (here, here.parent) if (d / "package.json").exists()),
+               None)
+    want = json.loads(pkg.read_text()).get("engines", {}).get("node", "") \
+        if pkg and "node" in run.needs else ""
+    if want.startswith(">="):
+        have = subprocess.run(["node", "--version"], capture_output=True, text=True).stdout
+        major = int(have.strip().lstrip("v").split(".")[0] or 0)
+        if major < int(want[2:].split(".")[0]):
+            pytest.skip(f"{run.name} needs node {want}; this node is {have.strip()}")
 
 
 def _reply_text(entry: dict) -> str:
