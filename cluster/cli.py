@@ -499,7 +499,7 @@ class _Cluster:
         bars = _Bars(assignments, quiet=getattr(a, "quiet", False))
         try:
             transport.load(self.fp, assignments, compute, wire, progress=bars.update,
-                           force=a.force_load)
+                           force=a.force_load, max_positions=self.context)
         except Exception:
             transport.shutdown()
             raise

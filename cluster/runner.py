@@ -115,6 +115,9 @@ class StageRunner:
         self.model = model
         self.spec = spec
         self.args = model.args
+        # positions a session may reach: the checkpoint's trained context, or the head's
+        # longer one (LoadRequest.max_positions, from --max-kv-size)
+        self.max_positions = self.args.max_position_embeddings
         self.compute = mx_dtype(spec.compute_dtype)
         self.wire = mx_dtype(spec.wire_dtype)
         model.activation_dtype = self.compute
@@ -178,7 +181,7 @@ class StageRunner:
                           f"{expected}")
         if not 1 <= length <= MAX_CHUNK:
             raise Refused(f"session {s.session}: chunk of {length} positions (allowed 1..{MAX_CHUNK})")
-        limit = self.args.max_position_embeddings
+        limit = self.max_positions
         if offset + length > limit:
             raise Refused(f"session {s.session}: positions up to {offset + length} exceed the "
                           f"model's context of {limit}")

@@ -457,16 +457,24 @@ class StageService(pb_grpc.StageServicer):
                     self._free(live, "replaced by a new load")
             if self.runner is not None and self.spec == spec:
                 self.next_address = request.next_address
+                self._set_positions(request.max_positions)
                 tensor_bytes, disk, secs = self.load_stats
                 yield pb.LoadProgress(bytes_done=1, bytes_total=1, phase="ready",
                                       message="already loaded", tensor_bytes=tensor_bytes,
                                       disk_read_bytes=disk, seconds=secs)
                 return
-            yield from self._load(spec, path, request.next_address)
+            yield from self._load(spec, path, request.next_address, request.max_positions)
         finally:
             self.load_lock.release()
 
-    def _load(self, spec: StageSpec, path: Path, next_address: str):
+    def _set_positions(self, head_context: int) -> None:
+        """The loaded runner's position limit: the model's max_position_embeddings, or a
+        head's longer context (`kimi-mlx cluster server --max-kv-size` past it)."""
+        if self.runner is not None:
+            self.runner.max_positions = max(self.runner.args.max_position_embeddings,
+                                            int(head_context))
+
+    def _load(self, spec: StageSpec, path: Path, next_address: str, head_context: int = 0):
         self.state, self.runner, self.spec = "loading", None, None
         self.prompt_cache.clear()  # snapshots of the layers held before
         yield pb.LoadProgress(phase="resolving", message=str(path.name))
@@ -523,6 +531,7 @@ class StageService(pb_grpc.StageServicer):
                 disk = b - r0 if r0 >= 0 and b >= 0 else -1
                 secs = time.monotonic() - t0
                 self.runner, self.spec, self.next_address = runner, spec, next_address
+                self._set_positions(head_context)  # before "ready": sessions may follow at once
                 if self.cache_bytes is None:
                     self.prompt_cache.max_bytes = max(self.usable_memory - mx.get_active_memory(), 0) // 4
                 self.load_stats = (report.bytes_loaded, disk, secs)
@@ -664,7 +673,7 @@ class StageService(pb_grpc.StageServicer):
                 n = key_length(o.restore_key)
             except ValueError as e:
                 raise Refused(str(e)) from None
-            if n != o.restore_length or not 0 < n < runner.args.max_position_embeddings:
+            if n != o.restore_length or not 0 < n < runner.max_positions:
                 raise Refused(f"restore key {o.restore_key!r} holds {n} positions, the session "
                               f"says {o.restore_length}")
         if o.batch:  # its rows' sessions hold the state

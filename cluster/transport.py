@@ -259,7 +259,8 @@ class GrpcTransport(Transport):
         return self.stages[i].describe(i)
 
     # -- load ----------------------------------------------------------------------------
-    def load(self, fingerprint, stages, compute_dtype, wire_dtype, progress=None, force=False):
+    def load(self, fingerprint, stages, compute_dtype, wire_dtype, progress=None, force=False,
+             max_positions: int = 0):
         self._connect(stages)
         self._fingerprint = fingerprint
         n = len(stages)
@@ -271,7 +272,7 @@ class GrpcTransport(Transport):
                 fingerprint=fingerprint, start=stages[i].start, end=stages[i].end, stage=i,
                 num_stages=n, next_address=stages[i + 1].node.address if i + 1 < n else "",
                 compute_dtype=compute_dtype, wire_dtype=wire_dtype, plan_id=self.head_id,
-                force=force)
+                force=force, max_positions=max_positions)
             try:
                 for p in self._stubs[i].Load(req, timeout=self.load_timeout):
                     if progress is not None:

@@ -113,6 +113,45 @@ def test_responses_api_through_the_pipeline(served):
         c.responses.create(model="micro", input="x", previous_response_id="resp_gone")
 
 
+def test_agents_requests_through_the_pipeline_past_the_trained_context(served):
+    """The cluster server shares the one-process server's app (issue 32): Claude Code's
+    HEAD / and mid-conversation system message, Codex's namespace and web_search tools,
+    and --max-kv-size past micro's trained 4096 positions, which the stages accept (the
+    head sends its context in LoadRequest.max_positions): a 4.2k-token prompt runs."""
+    import anthropic
+
+    from kimi_mlx.text.chat_format import encode_chat
+    from kimi_mlx.text.tokenizer import KimiTokenizer
+
+    cluster, _ = served
+    tok = KimiTokenizer.from_pretrained(cluster.ckpt)
+    server = ServerProc(cluster, free_ports(1)[0], "--max-kv-size", "4400", "--prefill-chunk", "512")
+    try:
+        assert "4096" in server.log_text() and "4400" in server.log_text()  # the warning
+        assert httpx.head(server.url + "/").status_code == 200
+        a = anthropic.Anthropic(base_url=server.url, api_key="x", timeout=120, max_retries=0)
+        msgs = [{"role": "user", "content": "hi"}, {"role": "system", "content": "Agents: none."}]
+        r = a.messages.create(model="micro", max_tokens=1, messages=msgs)
+        assert r.usage.input_tokens + r.usage.cache_read_input_tokens == len(encode_chat(tok, msgs))
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", timeout=300, max_retries=0)
+        fn = {"name": "f", "parameters": {"type": "object", "properties": {}}}
+        r = c.responses.create(model="micro", input="x", max_output_tokens=1, tools=[
+            {"type": "namespace", "name": "n", "tools": [{"type": "function", **fn}]},
+            {"type": "web_search"}])
+        assert r.usage.input_tokens == len(encode_chat(tok, [{"role": "user", "content": "x"}],
+                                                       tools=[{"type": "function", "function": {
+                                                           "name": "f", "description": "",
+                                                           "parameters": fn["parameters"]}}]))
+        text = "hello world " * 840
+        n = len(encode_chat(tok, [{"role": "user", "content": text}]))
+        assert 4096 < n < 4400
+        r = c.chat.completions.create(model="micro", max_tokens=1,
+                                      messages=[{"role": "user", "content": text}])
+        assert r.usage.prompt_tokens == n and r.choices[0].finish_reason == "length"
+    finally:
+        server.stop()
+
+
 def test_health_lists_the_stages(served):
     """/health names the 3 stages, where they run and their layers, in order."""
     cluster, url = served

@@ -88,9 +88,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="min-p sampling (default 0 = off)")
     p.add_argument("--seed", type=int, default=None, help="PRNG seed")
     p.add_argument("--max-kv-size", type=int, default=None,
-                   help="cap on prompt + generated tokens (generation stops there, with a "
+                   help="context: prompt + generated tokens (generation stops there, with a "
                         "note; unlike mlx-lm's rotating cache, since KDA state cannot rotate). "
-                        "KDA state is constant, DSA caches grow per token")
+                        "KDA state is constant, DSA caches grow per token. Past the checkpoint's "
+                        "max_position_embeddings it serves a longer context, with a warning")
     p.add_argument("--reasoning-effort", choices=EFFORTS, default="max",
                    help="K3.1 thinking effort in the chat encoding (default max)")
 

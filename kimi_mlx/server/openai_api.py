@@ -83,8 +83,9 @@ def chat_options(tools, choice, response_format) -> dict:
                 raise APIError(400, "tool_choice: a function tool_choice needs the function's "
                                "name", param="tool_choice")
             choice = "auto"
-        elif kind == "allowed_tools":
-            choice = choice.get("mode", "auto")
+        elif kind == "allowed_tools":  # Responses: mode at the top; chat: under allowed_tools
+            inner = choice.get("allowed_tools")
+            choice = choice.get("mode") or (inner.get("mode") if isinstance(inner, dict) else None) or "auto"
         else:
             raise APIError(400, f"tool_choice type {kind!r} is not supported: use auto, "
                            "required, none or a function", param="tool_choice")
