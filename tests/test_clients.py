@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -99,9 +100,11 @@ class Stack:
         return read_log(self.requests)[mark:]
 
     def server_errors(self, start: int) -> list[str]:
-        """Tracebacks / ERROR lines the server logged after byte offset `start`."""
+        """Tracebacks, ERROR lines and 4xx/5xx access-log lines (uvicorn's `"POST /path
+        HTTP/1.1" 400 Bad Request`) the server logged after byte offset `start`."""
         text = self.server_log.read_text()[start:]
-        return [ln for ln in text.splitlines() if "Traceback" in ln or " ERROR " in ln]
+        return [ln for ln in text.splitlines() if "Traceback" in ln or " ERROR " in ln
+                or re.search(r'HTTP/[\d.]+" [45]\d\d ', ln)]
 
     def close(self) -> None:
         for p in reversed(self.procs):
