@@ -106,7 +106,7 @@ test: install
 # excluded from `make test` by pyproject's addopts). Each test skips with the reason
 # where its program is missing (`make clients`).
 test-clients: install
-	$(BIN)/python -m pytest -q -m clients
+	$(BIN)/python -m pytest -q -rP -m clients
 
 # K3.1 Pro's real widths on this machine: a 2-layer real-width slice (~2.4 GB, in a temp
 # folder) through prefill past index_topk and decode, the kernels in the emulator, and
