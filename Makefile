@@ -44,8 +44,9 @@ $(STAMP): pyproject.toml setup.py
 # Claude Code, Codex, opencode, Qwen Code into .clients/node_modules (exact versions and
 # the lock in tests/clients/; `npm install`, not `npm ci`: a registry mirror that holds
 # only this platform's optional binaries cannot give a lock with the others, which npm
-# ci demands; install scripts off: the native binaries run without them; node without
-# the OpenBLAS LD_PRELOAD, which breaks its threads), llm + the OpenAI Agents SDK into .venv-tools and aider into
+# ci demands; Claude Code's and opencode's install scripts put their platform's native
+# binary in place, offline; node without the OpenBLAS LD_PRELOAD, which breaks its
+# threads), llm + the OpenAI Agents SDK into .venv-tools and aider into
 # .venv-aider (aider pins openai 2.x, llm needs 3.x). Skips npm without node/npm.
 CLIENTS_NPM   := .clients/.installed
 CLIENTS_TOOLS := .venv-tools/.installed
@@ -64,7 +65,7 @@ $(CLIENTS_NPM): tests/clients/package.json tests/clients/package-lock.json
 	@if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then \
 	  mkdir -p .clients && cp tests/clients/package.json tests/clients/package-lock.json .clients/ && \
 	  cd .clients && rm -rf node_modules && \
-	  env -u LD_PRELOAD npm install --ignore-scripts --no-audit --no-fund --loglevel=error && \
+	  env -u LD_PRELOAD npm install --no-audit --no-fund --loglevel=error && \
 	  touch .installed; \
 	else echo "note: node/npm not found (Debian: apt-get install nodejs npm); the npm clients' tests will be skipped"; fi
 

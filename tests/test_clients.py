@@ -131,6 +131,10 @@ def stack(tmp_path_factory):
 def _program_or_skip(run: drivers.Run) -> None:
     if not run.program.exists():
         pytest.skip(f"{run.program.relative_to(ROOT)} is not installed (make clients)")
+    real = run.program.resolve()
+    if real.stat().st_size < 4096 and not real.read_bytes().startswith(b"#!"):
+        pytest.skip(f"{real} is npm's placeholder: its install script, which puts the native "
+                    "binary there, did not run (rm .clients/.installed; make clients)")
     for need in run.needs:
         if shutil.which(need) is None:
             pytest.skip(f"{run.name} needs {need} (Debian: apt-get install nodejs npm)")
