@@ -72,7 +72,8 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
     context = serving_context(margs.max_position_embeddings, args.max_kv_size)[0]
     args.context = args.context or context
     pipeline_settings = replace(pipeline_settings, sequences=args.max_concurrency)
-    svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)
+    svc = make_service(spec, key, args.served_model_name, args.max_body_bytes,
+                       args.max_tokens)
     svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
     svc.vocab_size = margs.vocab_size
     from kimi_mlx.server.images import image_settings

@@ -74,7 +74,8 @@ class Stack:
         with self.server_log.open("w") as f:
             self.procs.append(subprocess.Popen(
                 [str(KIMI), "server", "--port", str(sport), "--max-kv-size",
-                 str(drivers.CONTEXT), "--quiet"], stdout=f, stderr=subprocess.STDOUT,
+                 str(drivers.CONTEXT), "--max-tokens", str(drivers.MAX_TOKENS), "--quiet"],
+                stdout=f, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True))
         # /health is 503 until the model has loaded
         _wait_ready(f"http://127.0.0.1:{sport}/health", self.procs[0], self.server_log, 300)
@@ -84,7 +85,7 @@ class Stack:
             self.procs.append(subprocess.Popen(
                 [sys.executable, str(ROOT / "tests" / "clients" / "proxy.py"), "--upstream",
                  f"http://127.0.0.1:{sport}", "--port", str(pport), "--log",
-                 str(self.requests), "--default-max-tokens", str(drivers.MAX_TOKENS)],
+                 str(self.requests)],
                 stdout=f, stderr=subprocess.STDOUT, env=penv, start_new_session=True))
         _wait_ready(f"http://127.0.0.1:{pport}/v1/models", self.procs[1], plog, 60)
         self.base_url = f"http://127.0.0.1:{pport}"
@@ -321,7 +322,8 @@ def test_claude_code_two_turns_read_the_cache(stack, tmp_path):
 
 def test_codex_exec(stack, tmp_path):
     """`codex exec` on the Responses API (namespace tools, reasoning summaries). Codex 0.171
-    sends no max_output_tokens; the proxy adds one (drivers.MAX_TOKENS)."""
+    sends no max_output_tokens; the server's --max-tokens (drivers.MAX_TOKENS) caps it, as a
+    user would start it."""
     home, work = _dirs(tmp_path)
     _report(_check(stack, drivers.codex(home, work, stack.base_url, "micro"),
                    cut_says="Incomplete response returned, reason: max_output_tokens"))

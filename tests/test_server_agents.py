@@ -254,6 +254,26 @@ def test_4_openai_replies_are_cut_at_the_context(server):
         srv.stop()
 
 
+def test_server_max_tokens_caps_a_request_that_sets_none(server):
+    """`kimi-mlx server --max-tokens N` (Codex 0.171 sends no max_output_tokens): a request
+    without a budget gets N tokens (finish length, Responses incomplete); one that sets
+    its own keeps it."""
+    real = server[1]
+    srv, svc = _sibling(real, context=real.context)
+    svc.default_max_tokens = 3
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=60, max_retries=0)
+        r = c.chat.completions.create(model="micro", messages=MSGS, temperature=0)
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 3)
+        r = c.responses.create(model="micro", input=MSGS[1:], temperature=0)
+        assert (r.status, r.usage.output_tokens) == ("incomplete", 3)
+        # greedy: the same first 3 tokens, so its own budget shows as more than 3
+        r = c.chat.completions.create(model="micro", messages=MSGS, max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens > 3, r.usage
+    finally:
+        srv.stop()
+
+
 def test_5_named_tool_choice_in_every_form(server, oai, ant):
     """A named tool_choice (chat, Responses, Anthropic `tool`, and `any`) is accepted and
     reaches the prompt as Moonshot's reference encoder passes it: a name renders no block

@@ -49,7 +49,8 @@ def run(args) -> int:
         return 2
     from kimi_mlx.server.app import create_app
 
-    svc = make_service(spec, key, args.served_model_name, args.max_body_bytes)
+    svc = make_service(spec, key, args.served_model_name, args.max_body_bytes,
+                       args.max_tokens)
 
     def load():
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,

@@ -70,6 +70,7 @@ class Service:
     vocab_size: int = 0
     responses: Any = None  # responses_api.ResponseStore (previous_response_id), made on first use
     images: Any = None  # server.images.ImageSettings (vision tower, URL policy, limits); None: no images
+    default_max_tokens: Optional[int] = None  # a request's budget when it sets none (--max-tokens)
     keepalive_s: float = KEEPALIVE_S  # a streamed reply says something at least this often
 
     @property
@@ -235,7 +236,8 @@ def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
     max_tokens exceed context limit: P + M > C, ...` (Claude Code retries with a
     smaller max_tokens, as with Anthropic's API); OpenAI endpoints cut the reply at the
     context instead (finish_reason "length", as vLLM-style servers do: Qwen Code sends
-    max_tokens 8000 whatever the context). No max_tokens: the room left."""
+    max_tokens 8000 whatever the context). No max_tokens: the server's --max-tokens
+    (`svc.default_max_tokens`), else the room left."""
     if n_prompt >= svc.context:
         if anthropic:
             raise APIError(400, f"prompt is too long: {n_prompt} tokens > {svc.context - 1} "
@@ -245,8 +247,8 @@ def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
                        f"reduce the length of the {prompt_param}.", param=prompt_param,
                        code="context_length_exceeded")
     room = svc.context - n_prompt
-    if max_tokens is None:
-        return room
+    if max_tokens is None:  # --max-tokens, else the room left (OpenAI's rule)
+        return min(room, svc.default_max_tokens or room)
     if max_tokens > room and anthropic:
         raise APIError(400, f"input length and `{field}` exceed context limit: {n_prompt} + "
                        f"{max_tokens} > {svc.context}, decrease input length or `{field}` "

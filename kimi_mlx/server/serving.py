@@ -59,6 +59,10 @@ def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> 
                    help="context: prompt + generated tokens (default: the checkpoint's "
                         "max_position_embeddings; a larger value serves a longer context "
                         "than it was trained on, with a warning)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="reply budget for a request that sets none (OpenAI max_tokens / "
+                        "max_completion_tokens / max_output_tokens; Codex sends none): "
+                        "default the rest of the context, as OpenAI's API")
     p.add_argument("--allow-image-urls", action="store_true",
                    help="fetch http(s) image URLs in requests (at most 20 MiB, 10 s each); "
                         "without it only data URLs / base64 images are taken and a URL is a 400")
@@ -122,6 +126,8 @@ def check_server_arguments(args) -> None:
     if getattr(args, "max_images", 1) < 0:
         raise InputError(f"--max-images must be >= 0, got {args.max_images}")
     check_max_kv_size(args.max_kv_size)
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
 
 
 def check_draft_server_arguments(args) -> Optional[DraftSettings]:
@@ -184,11 +190,15 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
 
 def make_service(spec: str, api_key: Optional[str], served_name: Optional[str],
-                 max_body_bytes: int):
+                 max_body_bytes: int, default_max_tokens: Optional[int] = None):
+    """The `Service` of a server: its model id (`served_name` or the checkpoint folder's
+    name), key, body limit, metrics, and the reply budget of a request that sets none
+    (`default_max_tokens`; None: the rest of the context)."""
     from kimi_mlx.server.common import Service
     from kimi_mlx.server.metrics import Metrics
 
-    svc = Service(api_key=api_key, max_body_bytes=max_body_bytes, created=int(time.time()))
+    svc = Service(api_key=api_key, max_body_bytes=max_body_bytes, created=int(time.time()),
+                  default_max_tokens=default_max_tokens)
     # the id only: the checkpoint's path is neither accepted as a model id nor told to
     # clients (a 404 lists the served ids)
     svc.model_ids = [served_name or Path(spec.rstrip("/")).name or "model"]
