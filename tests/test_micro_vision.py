@@ -10,7 +10,8 @@ import pytest
 
 from kimi_mlx.commands.main import main
 from kimi_mlx.micro.vision_train import COLOURS, SHAPES, SIZE, answer, draw, reply_segments
-from kimi_mlx.text.chat_format import encode_segments, parse_reply
+from kimi_mlx.text.chat_format import encode_segments
+from kimi_mlx.text.reply_parse import parse_reply
 from kimi_mlx.text.tokenizer import KimiTokenizer
 
 ASSET = Path(__file__).resolve().parents[1] / "kimi_mlx" / "assets" / "micro-vision"

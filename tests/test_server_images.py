@@ -26,7 +26,7 @@ from kimi_mlx.generation.request import build_chat_prompt_with_ends, build_promp
 from kimi_mlx.testing.servers import start_server, stop_server
 from kimi_mlx.testing.checkpoints import (argmax_margin, build_checkpoint, model_tolerance,
                                           tiny_text_config, tiny_vision_config)
-from kimi_mlx.text.chat_format import ReplyStream
+from kimi_mlx.text.reply_parse import ReplyStream
 from kimi_mlx.vision.preprocess import token_count
 
 KEY = "sk-test"

@@ -15,7 +15,7 @@ from kimi_mlx.generation.images import Vision
 from kimi_mlx.generation.request import build_prompt
 from kimi_mlx.testing.checkpoints import (argmax_margin, build_checkpoint, model_tolerance,
                                           tiny_text_config, tiny_vision_config)
-from kimi_mlx.text.chat_format import ReplyStream
+from kimi_mlx.text.reply_parse import ReplyStream
 from kimi_mlx.text.tokenizer import KimiTokenizer
 from kimi_mlx.vision.preprocess import token_count
 

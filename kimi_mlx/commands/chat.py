@@ -84,7 +84,8 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
     """
     from mlx_lm.generate import stream_generate
 
-    from kimi_mlx.text.chat_format import ReplyStream, encode_chat
+    from kimi_mlx.text.chat_format import encode_chat
+    from kimi_mlx.text.reply_parse import ReplyStream
     from kimi_mlx.generation.turn_cache import checkpoint, rollback, tokens_in_cache
 
     n_messages = len(conv.messages)

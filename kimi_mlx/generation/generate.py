@@ -76,7 +76,7 @@ def print_generation(responses, verbose: bool = True, raw: bool = False) -> int:
     """Stream mlx-lm GenerationResponses to stdout as `kimi-mlx generate` does (reasoning
     dimmed on a terminal unless `raw`: --ignore-chat-template), then mlx_lm.generate's
     timing and peak-memory lines when `verbose`. Shared with `kimi-mlx cluster launch`."""
-    from kimi_mlx.text.chat_format import ReplyStream
+    from kimi_mlx.text.reply_parse import ReplyStream
 
     pretty = ReplyStream() if not raw else None
     dim = use_color()

@@ -366,7 +366,7 @@ def evaluate(ckpt: Path, n: int, seed: int, max_tokens: int = 24, log=print) -> 
     from kimi_mlx.checkpoint.loader import load_for_generation
     from kimi_mlx.generation.images import Vision, media_pad_id, prompt_embeddings
     from kimi_mlx.generation.request import build_prompt
-    from kimi_mlx.text.chat_format import parse_reply
+    from kimi_mlx.text.reply_parse import parse_reply
     from kimi_mlx.vision.preprocess import preprocess
 
     model, wrapper, tok, config = load_for_generation(str(ckpt))

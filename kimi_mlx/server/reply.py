@@ -1,7 +1,7 @@
 """From generated token ids to what an API returns: text that never splits a UTF-8
 character (mlx-lm's streaming detokenizer), stop strings matched across token boundaries
 (`request.StopMatcher`), the K3.1 reply split into reasoning / content / tool calls
-(`chat_format.ReplyStream` and mlx-lm's kimi_k3 tool parser) and the token counts that
+(`reply_parse.ReplyStream` and mlx-lm's kimi_k3 tool parser) and the token counts that
 `usage` reports.
 
 One `ReplyBuilder` serves streamed and non-streamed responses alike, so both carry the
@@ -14,8 +14,8 @@ import re
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.text.chat_format import (STRUCTURE_TOKENS, TOOLS_END, TOOLS_START, ReplyStream,
-                                       parse_tool_section)
+from kimi_mlx.text.chat_format import STRUCTURE_TOKENS, TOOLS_END, TOOLS_START
+from kimi_mlx.text.reply_parse import ReplyStream, parse_tool_section
 from kimi_mlx.generation.request import StopMatcher
 
 _CALL_ATTRS = re.compile(r'<\|open\|>call((?:(?!<\|sep\|>).)*)<\|sep\|>', re.DOTALL)
