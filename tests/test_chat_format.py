@@ -7,13 +7,8 @@ import pytest
 import tiktoken
 from mlx_lm.tool_parsers.kimi_k3 import parse_tool_call
 
-from kimi_mlx.text.chat_format import (
-    ReplyStream,
-    encode_chat,
-    iter_reply_events,
-    parse_reply,
-    render_chat,
-)
+from kimi_mlx.text.chat_format import encode_chat, render_chat
+from kimi_mlx.text.reply_parse import ReplyStream, iter_reply_events, parse_reply
 from kimi_mlx.text.tokenizer import KimiTokenizer, kimi_special_tokens
 
 EFFORT_HIGH = (
