@@ -69,6 +69,7 @@ class NullRunner(StageRunner):
         self.model = None
         self.spec = spec
         self.args = args
+        self.max_positions = args.max_position_embeddings  # as StageRunner's
         self.compute = mx_dtype(spec.compute_dtype)
         self.wire = mx_dtype(spec.wire_dtype)
         self.is_first = spec.start == 0
