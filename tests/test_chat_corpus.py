@@ -12,9 +12,9 @@ from kimi_mlx.text.chat_format import (
     chat_segments,
     encode_chat,
     encode_segments,
-    parse_reply,
     render_chat,
 )
+from kimi_mlx.text.reply_parse import parse_reply
 from kimi_mlx.generation.generate import default_model
 from kimi_mlx.text.tokenizer import KimiTokenizer
 
