@@ -185,9 +185,10 @@ def test_echo_logprobs_equal_a_forward_pass(node):
             print(f"max |difference| to one process (max_tokens {max_tokens}): {diff:.2e}")
             assert diff < 1e-4
             for i, top in enumerate(lp.top_logprobs[1:len(ids)]):
-                best = mx.argsort(-logp[i])[:2].tolist()
-                assert sorted(top.values(), reverse=True) == list(top.values())
-                assert abs(list(top.values())[0] - logp[i, best[0]].item()) < 1e-4
+                want = sorted(logp[i].tolist(), reverse=True)[:2]
+                # distinct tokens may decode to the same text (one key, the last value)
+                assert 1 <= len(top) <= 2
+                assert max(min(abs(g - w) for w in want) for g in top.values()) < 1e-4
         # the generated token after scoring is the greedy one
         plain = c.completions.create(model="micro", prompt=[ids], max_tokens=1, temperature=0)
         assert lp.tokens[-1] == plain.choices[0].text
