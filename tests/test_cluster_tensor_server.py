@@ -156,3 +156,41 @@ def test_rank_lost_while_serving(node, sig, why):
                 pass
         srv.stop()
     assert node.procs[0].alive()
+
+
+def test_echo_logprobs_equal_a_forward_pass(node):
+    """Scoring through the group (lm-eval's request: `[[ids]]`, echo, logprobs, max_tokens
+    0 and 1) equals an independent float32 forward pass of the whole checkpoint in this
+    process to 1e-4, top alternatives included."""
+    import mlx.core as mx
+
+    from kimi_mlx.checkpoint.loader import load
+
+    model = load(node.ckpt)[0]
+    ids = list(range(20, 40)) + list(range(300, 345))  # 65 tokens
+    logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ref = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    srv = server(node)
+    try:
+        c = client(srv)
+        for max_tokens in (0, 1):
+            r = c.completions.create(model="micro", prompt=[ids], max_tokens=max_tokens,
+                                     echo=True, logprobs=2, temperature=0)
+            lp = r.choices[0].logprobs
+            assert len(lp.token_logprobs) == len(ids) + max_tokens
+            assert lp.token_logprobs[0] is None
+            got = lp.token_logprobs[1:len(ids)]
+            diff = max(abs(a - b) for a, b in zip(got, ref))
+            print(f"max |difference| to one process (max_tokens {max_tokens}): {diff:.2e}")
+            assert diff < 1e-4
+            for i, top in enumerate(lp.top_logprobs[1:len(ids)]):
+                want = sorted(logp[i].tolist(), reverse=True)[:2]
+                # distinct tokens may decode to the same text (one key, the last value)
+                assert 1 <= len(top) <= 2
+                assert max(min(abs(g - w) for w in want) for g in top.values()) < 1e-4
+        # the generated token after scoring is the greedy one
+        plain = c.completions.create(model="micro", prompt=[ids], max_tokens=1, temperature=0)
+        assert lp.tokens[-1] == plain.choices[0].text
+    finally:
+        srv.stop()

@@ -157,6 +157,15 @@ def test_runners_compose_to_the_full_model_bitwise_and_refuse_bad_order(tiny_ckp
     with pytest.raises(Refused, match="token id out of range"):
         runners[0].run(sessions[0], 3, 8, mx.array([[100000]], dtype=mx.int32), False)
     assert sessions[0].next_seq == 3  # refused messages change nothing
+    # a scored chunk: one target per position, a prefill chunk, ids in the vocabulary
+    h = mx.zeros(runners[2].input_spec(1)[0])
+    with pytest.raises(Refused, match="needs 1 score targets and score_top in 0..20, got 2"):
+        runners[2].run(sessions[2], 3, 8, h, False, score=([1, 2], 3))
+    with pytest.raises(Refused, match="a scored chunk is a prefill chunk"):
+        runners[2].run(sessions[2], 3, 8, h, True, score=([1], 3))
+    with pytest.raises(Refused, match="score targets must be token ids"):
+        runners[2].run(sessions[2], 3, 8, h, False, score=([10**6], 3))
+    assert sessions[2].next_seq == 3
 
 
 # -- TLS (in-process service) --------------------------------------------------------------

@@ -153,17 +153,57 @@ def test_agents_requests_through_the_pipeline_past_the_trained_context(served):
 
 
 def test_completions_echo_through_the_pipeline(served):
-    """echo without logprobs returns the prompt before the text; scoring the prompt
-    (echo + logprobs) is not done by a pipeline yet: a 400 naming `echo`, not wrong numbers."""
+    """echo without logprobs returns the prompt before the text."""
     _, url = served
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
     plain = c.completions.create(model="micro", prompt="Once upon", max_tokens=3, temperature=0)
     echo = c.completions.create(model="micro", prompt="Once upon", max_tokens=3, temperature=0,
                                 echo=True)
     assert echo.choices[0].text == "Once upon" + plain.choices[0].text
-    r = httpx.post(url + "/v1/completions", timeout=60, json={
-        "model": "micro", "prompt": [[5, 6, 7]], "echo": True, "logprobs": 1, "max_tokens": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
+def test_scoring_through_the_pipeline_equals_a_forward_pass(served):
+    """Scoring a prompt through 3 stages (lm-eval's request: `[[ids]]`, echo, logprobs,
+    max_tokens 0 and 1; a prompt of 3 prefill chunks) equals an independent float32
+    forward pass of the whole checkpoint in this process to 1e-4, top alternatives
+    included; the token generated after the scores is the greedy one."""
+    import mlx.core as mx
+
+    from kimi_mlx.checkpoint.loader import load
+
+    cluster, url = served
+    model = load(cluster.ckpt)[0]
+    ids = [(7 * i + 11) % 1000 + 5 for i in range(300)]  # 3 chunks of <= 128 positions
+    logits = model(mx.array(ids)[None])[0].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ref = [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    c = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
+    for max_tokens in (0, 1):
+        r = c.completions.create(model="micro", prompt=[ids], max_tokens=max_tokens,
+                                 echo=True, logprobs=3, temperature=0)
+        lp = r.choices[0].logprobs
+        assert len(lp.token_logprobs) == len(ids) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        diff = max(abs(a - b) for a, b in zip(lp.token_logprobs[1:len(ids)], ref))
+        print(f"max |difference| to one process (max_tokens {max_tokens}): {diff:.2e}")
+        assert diff < 1e-4
+        tdiff = 0.0
+        for i, top in enumerate(lp.top_logprobs[1:len(ids)]):
+            want = sorted(logp[i].tolist(), reverse=True)[:3]
+            got = list(top.values())
+            # distinct tokens may decode to the same text (one key, the last one's value)
+            assert 1 <= len(got) <= 3
+            tdiff = max([tdiff] + [min(abs(g - w) for w in want) for g in got])
+        print(f"max |difference| of the top alternatives: {tdiff:.2e}")
+        assert tdiff < 1e-4
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == max_tokens
+    plain = c.completions.create(model="micro", prompt=[ids], max_tokens=1, temperature=0)
+    assert lp.tokens[-1] == plain.choices[0].text
+    # top 0 and a one-token prompt (nothing to score)
+    r = c.completions.create(model="micro", prompt=[ids[:5], ids[:1]], max_tokens=0, echo=True,
+                             logprobs=0)
+    assert abs(r.choices[0].logprobs.token_logprobs[1] - ref[0]) < 1e-4
+    assert r.choices[1].logprobs.token_logprobs == [None]
 
 
 def test_health_lists_the_stages(served):

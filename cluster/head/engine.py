@@ -44,6 +44,8 @@ class ClusterEngine(BaseEngine):
     # returns only log-probabilities (a 400 names this)
     unsupported_penalties = ("repetition_penalty",)
     supports_batching = True
+    # the last stage scores a prompt's positions (`Pipeline.generate_step`'s `score`)
+    supports_scoring = True
     target = "the pipeline"
 
     def __init__(self, pipeline, eos_ids: Sequence[int], max_concurrency: int = 4,
@@ -142,7 +144,11 @@ class ClusterEngine(BaseEngine):
         sampling = Sampling() if choose else job.sampling
         tic = time.perf_counter()
         start = {"cached": 0}
-        if self.speculates(job):
+        if job.score is not None:
+            gen = self._scored(job, sampling, want_lp or choose is not None, choose, tic)
+            if gen is None:
+                return
+        elif self.speculates(job):
             gen = self._speculate(job, lambda spec: speculative_pipeline_step(
                 self.pipeline, job.ids, spec.draft, self.model_args,
                 num_draft_tokens=spec.num_draft_tokens, max_tokens=job.max_tokens,
@@ -164,6 +170,29 @@ class ClusterEngine(BaseEngine):
         # every stage
         stream_to_job(job, gen, self.eos_ids, tic, self.metrics, cached=lambda: start["cached"],
                       on_first=lambda: job.emit(Started(start["cached"])))
+
+    def _scored(self, job, sampling, return_logprobs, choose, tic):
+        """A job with `score` (echo + logprobs): its prompt scored by the last stage, in
+        full (no prompt-cache prefix: a restored prefix has no logits; no draft: it
+        decodes plainly). Returns the generator of its reply, after which
+        `job.prompt_scores` is filled before the first token; or None when it is score
+        only (max_tokens 0: scored and finished here)."""
+        from kimi_mlx.server.jobs import Started
+        from kimi_mlx.server.scoring import finish_scored
+
+        scores: list = []
+        extra = {"batcher": self.batcher()} if self.batch and job.max_tokens else {}
+        gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
+                                          return_logprobs=return_logprobs, choose=choose,
+                                          score=job.score, scores=scores, **extra)
+        job.prompt_scores = scores
+        if job.max_tokens:
+            return gen
+        for _ in gen:  # max_tokens 0: scores the prompt, yields nothing
+            pass
+        job.emit(Started(0))
+        finish_scored(job, tic, self.metrics)
+        return None
 
     def _batched(self):
         b = self._batcher

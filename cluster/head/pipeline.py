@@ -99,6 +99,7 @@ class Pipeline:
                       snapshots: Optional[Dict[int, str]] = None,
                       batcher: Optional["Batcher"] = None,
                       media: Optional[Tuple[int, object]] = None,
+                      score: Optional[int] = None, scores: Optional[list] = None,
                       ) -> Iterator[Tuple[int, Optional[object]]]:
         """Yield (token, logprobs or None), like mlx-lm's `generate_step`.
 
@@ -124,6 +125,13 @@ class Pipeline:
             media: (pad id, rows mx.array [P, hidden]): the prompt's images, the vision
                 projector's rows for its P `<|media_pad|>` tokens in order (`media_rows`);
                 each prefill chunk carries the rows of its own pads to stage 0.
+            score: score the prompt's own tokens too (`/v1/completions` echo + logprobs)
+                with this many top alternatives (0..20): every prefill chunk asks the last
+                stage for its positions' scores (their next prompt token's log-probability
+                and the top alternatives, not the logits), which are appended to `scores`
+                (one `server.jobs.TokenOut` per token of prompt[1:]) before the first token
+                is yielded. Then max_tokens may be 0: the prompt is scored, nothing is
+                generated (the last prompt token is not sent). Not with `restore`.
         Raises:
             StageFailure: a stage was lost or refused (the session is freed everywhere
                 reachable before this propagates out of the caller's `abort`).
@@ -133,6 +141,10 @@ class Pipeline:
             raise ValueError("the prompt is empty")
         if choose is not None and not return_logprobs:
             raise ValueError("head-side sampling (choose) needs return_logprobs")
+        if score is not None and (restore or scores is None):
+            raise ValueError("scoring needs a `scores` list and a full prefill (no restore)")
+        if max_tokens == 0 and score is None:
+            raise ValueError("max_tokens 0 generates nothing; it needs `score`")
         t = self.transport
         sampling = sampling or Sampling()
         sid = session or f"s-{uuid.uuid4().hex[:16]}"
@@ -145,7 +157,8 @@ class Pipeline:
         ok = False
         try:
             seq = 0
-            for off, n in prefill_chunks(len(prompt), self.prefill_chunk, start, list(snapshots)):
+            chunks = prefill_chunks(len(prompt), self.prefill_chunk, start, list(snapshots))
+            for off, n in chunks:
                 extra = {}
                 key = snapshots.get(off + n)
                 if key:
@@ -153,10 +166,22 @@ class Pipeline:
                 rows = chunk_media(media, prompt, off, n)
                 if rows is not None:
                     extra["media"] = rows
-                t.send(sid, seq, off, prompt[off:off + n], sample=not pipelined, **extra)
+                if score is not None:
+                    extra["score"] = (prompt[off + 1:off + n + 1], score)
+                t.send(sid, seq, off, prompt[off:off + n],
+                       sample=not pipelined and score is None, **extra)
                 seq += 1
                 if not pipelined:
-                    t.receive(sid, self.step_timeout)
+                    r = t.receive(sid, self.step_timeout)
+                    if score is not None:
+                        scores.extend(_score_outs(r, prompt[off + 1:off + n + 1]))
+            if score is not None and pipelined:
+                for off, n in chunks:  # the chunks' answers, in order
+                    r = t.receive(sid, self.step_timeout)
+                    scores.extend(_score_outs(r, prompt[off + 1:off + n + 1]))
+            if max_tokens == 0:
+                ok = True
+                return
             offset = len(prompt) - 1
             t.send(sid, seq, offset, prompt[-1:], sample=True)
             n = 0
@@ -185,6 +210,18 @@ class Pipeline:
                 t.close(sid) if ok else t.cancel(sid)  # never wait on a failed pipeline
             except Exception as e:
                 log.debug("close %s: %s", sid, e)
+
+
+def _score_outs(r, targets: Sequence[int]) -> list:
+    """The `server.jobs.TokenOut`s of a scored chunk's answer `r` (a `TokenResult`) for its
+    `targets`. Raises StageFailure when the last stage answered something else."""
+    from kimi_mlx.server.jobs import TokenOut
+
+    if r.scores is None or len(r.scores) != len(targets):
+        got = "nothing" if r.scores is None else f"{len(r.scores)} positions"
+        raise StageFailure(f"the last stage answered a scored chunk of {len(targets)} "
+                           f"positions with {got} (an older kimi-mlx on that node?)", [], False)
+    return [TokenOut(int(t), lp, top) for t, (lp, top) in zip(targets, r.scores)]
 
 
 def stream_generate(tokens: Iterator[Tuple], tokenizer, n_prompt: int,

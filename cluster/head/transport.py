@@ -59,13 +59,17 @@ class TokenResult:
     """A token sampled by the last stage for message `seq` of `session`.
 
     logprobs: float32 [vocab] when the session asked for them, else None.
-    logits: the answer to a verify chunk instead: float32 [length, vocab] (token is 0)."""
+    logits: the answer to a verify chunk instead: float32 [length, vocab] (token is 0).
+    scores: the answer to a scored chunk instead (token is 0): per position of the chunk,
+    (its target's log-probability, [(id, log-probability)] of the top alternatives, best
+    first)."""
 
     session: str
     seq: int
     token: int
     logprobs: Optional[mx.array] = None
     logits: Optional[mx.array] = None
+    scores: Optional[list] = None
 
 
 @dataclass
@@ -116,7 +120,7 @@ class Transport(ABC):
     @abstractmethod
     def send(self, session: str, seq: int, offset: int, tokens: Sequence[int], sample: bool,
              verify: bool = False, keep: Optional[int] = None, snapshot_key: str = "",
-             media=None) -> None:
+             media=None, score: Optional[Tuple[Sequence[int], int]] = None) -> None:
         """Queue token ids for positions [offset, offset + len) into the first stage
         (non-blocking); with `sample`, the last stage returns a token for them. With
         `verify` (speculative decoding) every stage records the chunk for rollback and the
@@ -124,7 +128,9 @@ class Transport(ABC):
         `keep`, the positions of that chunk to keep. With `snapshot_key`, every stage
         keeps a prompt-cache snapshot after the chunk. `media` (pad id, rows [P, hidden]):
         the image rows of the chunk's P `<|media_pad|>` tokens, in order (stage 0 puts
-        them in place of those tokens' embeddings)."""
+        them in place of those tokens' embeddings). `score` (targets, top_k), on a prefill
+        chunk: targets[i] is the token after position offset + i; the last stage answers
+        with their scores (`TokenResult.scores`) instead of nothing."""
 
     def open_batch(self, group: str) -> None:
         """Open a stream of batched decode steps (`send_rows`); NotImplementedError where
@@ -352,11 +358,14 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
             s.closed.set()
 
     def send(self, session, seq, offset, tokens, sample, verify=False, keep=None,
-             snapshot_key="", media=None):
+             snapshot_key="", media=None, score=None):
         s = self._sessions[session]
         ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         msg = pb.Activation(session=session, seq=seq, offset=offset, length=ids.shape[1],
                             sample=sample, verify=verify, keep=keep, snapshot_key=snapshot_key)
+        if score is not None:
+            msg.score_targets[:] = [int(t) for t in score[0]]
+            msg.score_top = int(score[1])
         msg.tensor.data = ids.tobytes()
         msg.tensor.shape[:] = list(ids.shape)
         msg.tensor.dtype = "int32"
@@ -387,7 +396,8 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
                     lp = from_tensor(ev.logprobs, (None,), "float32", "logprobs")
                 if ev.HasField("logits"):
                     logits = from_tensor(ev.logits, (None, None), "float32", "logits")
-                return TokenResult(session, ev.seq, ev.token, lp, logits)
+                scores = _scores(ev) if ev.HasField("scores") else None
+                return TokenResult(session, ev.seq, ev.token, lp, logits, scores)
             raise self._failure(ev)
 
     def _failure(self, ev) -> StageFailure:
@@ -507,3 +517,14 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
         for ch in self._channels:
             ch.close()
         self._channels, self._stubs = [], []
+
+
+def _scores(ev) -> list:
+    """`TokenResult.scores` of a scored chunk's answer (`Event.scores` float32
+    [length, 1 + k], `Event.score_ids` int32 [length, k], absent when k is 0). Raises
+    WireError on a malformed answer."""
+    vals = from_tensor(ev.scores, (None, None), "float32", "scores").tolist()
+    k = len(vals[0]) - 1
+    ids = (from_tensor(ev.score_ids, (len(vals), k), "int32", "score_ids").tolist()
+           if k else [[] for _ in vals])
+    return [(row[0], list(zip(top, row[1:]))) for row, top in zip(vals, ids)]

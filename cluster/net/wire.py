@@ -17,7 +17,9 @@ import numpy as np
 
 # Bump on any incompatible change to stage.proto or to what a message means; peers with
 # another protocol refuse each other by name. 5: image rows into stage 0 (Activation.media).
-PROTOCOL_VERSION = 5
+# 6: scored prefill chunks (Activation.score_targets: a last stage that ignored them would
+# leave the head waiting for their answer, Event.scores).
+PROTOCOL_VERSION = 6
 
 # dtype name -> (MLX dtype, NumPy dtype of the bytes, bytes per element). bfloat16 travels
 # as its uint16 bit pattern (NumPy has no bfloat16).

@@ -219,13 +219,16 @@ class ForwardRPC:
                               + (" (and is a verify chunk)" if msg.verify else ""))
         if msg.HasField("media"):
             spec["media"] = self._media(msg, runner, x)
+        if msg.score_targets:  # a scored prefill chunk (only then: the plain signature)
+            spec["score"] = (list(msg.score_targets), msg.score_top)
         out = runner.run(s, msg.seq, msg.offset, x, msg.sample, **spec)
         if msg.snapshot_key:
             self.prompt_cache.store(msg.snapshot_key, s.offset, s.cache)
         if out.hidden is not None:
             nxt = pb.Activation(session=msg.session, seq=msg.seq, offset=msg.offset,
                                 length=msg.length, sample=msg.sample, verify=msg.verify,
-                                keep=keep, snapshot_key=msg.snapshot_key)
+                                keep=keep, snapshot_key=msg.snapshot_key,
+                                score_targets=msg.score_targets, score_top=msg.score_top)
             to_tensor(out.hidden, out=nxt.tensor)
             if msg.seq == 0:
                 nxt.open.CopyFrom(msg.open)
@@ -234,6 +237,15 @@ class ForwardRPC:
             ev = self._event(pb.Event.TOKEN, msg.session, msg.seq,
                              peak_memory=mx.get_peak_memory())
             to_tensor(out.logits, out=ev.logits)
+            return ev
+        if out.scores is not None:  # a scored chunk's answer: per position, not [T, vocab]
+            ev = self._event(pb.Event.TOKEN, msg.session, msg.seq,
+                             peak_memory=mx.get_peak_memory())
+            to_tensor(mx.array([[o.logprob] + [lp for _, lp in o.top] for o in out.scores],
+                               mx.float32), out=ev.scores)
+            if msg.score_top:
+                to_tensor(mx.array([[i for i, _ in o.top] for o in out.scores], mx.int32),
+                          out=ev.score_ids)
             return ev
         if out.token is not None:
             ev = self._event(pb.Event.TOKEN, msg.session, msg.seq, token=out.token,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -84,12 +84,14 @@ class Session:
 class Output:
     """What a processed chunk produced: `hidden` for the next stage, or (last stage,
     sampled chunk) `token` with optional `logprobs` float32 [vocab], or (last stage,
-    verify chunk) `logits` float32 [length, vocab]."""
+    verify chunk) `logits` float32 [length, vocab], or (last stage, scored chunk) `scores`:
+    one `server.jobs.TokenOut` per position (`server.scoring.score_logits`)."""
 
     hidden: Optional[mx.array] = None
     token: Optional[int] = None
     logprobs: Optional[mx.array] = None
     logits: Optional[mx.array] = None
+    scores: Optional[list] = None
 
 
 class StageRunner:
@@ -172,7 +174,8 @@ class StageRunner:
 
     def run(self, s: Session, seq: int, offset: int, x: mx.array, sample: bool,
             verify: bool = False, keep: Optional[int] = None,
-            media: Optional[Tuple[int, mx.array]] = None) -> Output:
+            media: Optional[Tuple[int, mx.array]] = None,
+            score: Optional[Tuple[Sequence[int], int]] = None) -> Output:
         """Process one checked chunk; advances the session.
 
         Args:
@@ -185,12 +188,30 @@ class StageRunner:
             media: first stage only: (pad id, rows [P, hidden]) of the chunk's P
                 `<|media_pad|>` tokens (images; the head ran the tower), which replace
                 those tokens' embeddings (`TextModel.embed_with_media`).
+            score: (targets, top_k): a scored prefill chunk (`/v1/completions` echo +
+                logprobs): targets[i] is the token after position i (one per position);
+                the last stage scores them from every position's logits
+                (`server.scoring.score_logits`, as one process does).
         Raises:
-            Refused: out-of-order chunk, bad token ids or a missing/extra keep (the session
-                is unchanged).
+            Refused: out-of-order chunk, bad token ids, a missing/extra keep, or a bad
+                score (sampled or verify chunk, targets not one per position, top_k out
+                of 0..20) (the session is unchanged).
         """
         length = x.shape[-1] if self.is_first else x.shape[2]
         self.check(s, seq, offset, length, sample, verify, keep)
+        if score is not None:
+            targets, top = score
+            if sample or verify:
+                raise Refused(f"session {s.session}: a scored chunk is a prefill chunk (not "
+                              "sampled, not a verify chunk)")
+            if len(targets) != length or not 0 <= top <= 20:
+                raise Refused(f"session {s.session}: a scored chunk of {length} positions needs "
+                              f"{length} score targets and score_top in 0..20, got "
+                              f"{len(targets)} and {top}")
+            vocab = self.args.vocab_size
+            if any(not 0 <= t < vocab for t in targets):
+                raise Refused(f"session {s.session}: score targets must be token ids in "
+                              f"[0, {vocab})")
         with self.lock:
             text = self.model.text
             eps = self.args.rms_norm_eps
@@ -212,6 +233,12 @@ class StageRunner:
                 logits = self.model.language_model.logits(text.finish(h, banks))[0]
                 out.logits = logits.astype(mx.float32)
                 mx.eval(out.logits, states)
+            elif score is not None:
+                from kimi_mlx.server.scoring import score_logits
+
+                logits = self.model.language_model.logits(text.finish(h, banks))[0]
+                mx.eval(logits, states)
+                out.scores = score_logits(logits, score[0], score[1])
             elif sample:
                 if h.shape[1] > 1:  # only the last position's logits are needed
                     h = h[:, -1:]

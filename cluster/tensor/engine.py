@@ -47,6 +47,7 @@ class TensorEngine(BaseEngine):
     # logits processors are applied on rank 0, which samples; the group runs one
     # sequence and text only
     supports_images = False
+    supports_scoring = True  # rank 0 holds the logits (`_score`)
     images_refusal = ("images do not work with --parallel tensor yet (the group runs text "
                       "only); use --parallel pipeline")
     target = "the tensor group"
@@ -154,6 +155,23 @@ class TensorEngine(BaseEngine):
         return group_stream(self.model, self.group, job.ids, plain_run(
             job.ids, job.max_tokens, job.sampling.sampler(), job.logits_processors))
 
+    def _score(self, job, tic: float):
+        """Score the prompt of a job with `score` (`tensor.step.score_prompt`: its logits
+        on rank 0, scored as one process scores them); returns the generator of its reply,
+        or None when it is score only (finished here). A scored request decodes plainly
+        (no draft: the prompt is already in the group's caches)."""
+        from kimi_mlx.cluster.tensor.step import group_stream, plain_run, score_prompt
+        from kimi_mlx.server.scoring import finish_scored
+
+        job.prompt_scores, target = score_prompt(self.model, self.group, job.ids, job.score)
+        if job.max_tokens == 0:
+            target.end()
+            finish_scored(job, tic, self.metrics)
+            return None
+        return group_stream(self.model, self.group, job.ids[-1:], plain_run(
+            job.ids[-1:], job.max_tokens, job.sampling.sampler(), job.logits_processors),
+            target=target)
+
     def _run(self, job) -> None:
         from kimi_mlx.server.jobs import Started, stream_to_job
 
@@ -161,7 +179,12 @@ class TensorEngine(BaseEngine):
             self._current = job
         tic = time.perf_counter()
         job.emit(Started(0))
-        gen = self._generate(job)
+        if job.score is not None:
+            gen = self._score(job, tic)
+            if gen is None:
+                return
+        else:
+            gen = self._generate(job)
         stream_to_job(job, gen, self.eos_ids, tic, self.metrics)  # closing gen: END on every rank
 
 

@@ -204,16 +204,52 @@ class GroupTarget:
         self._runner.end(keep)
 
 
-def group_stream(model, group, prompt: Sequence[int], run, record: bool = False):
-    """Yield what `run(target)` yields (a generator over a `GroupTarget` for `prompt`),
+def group_stream(model, group, prompt: Sequence[int], run, record: bool = False,
+                 target: Optional[GroupTarget] = None):
+    """Yield what `run(target)` yields (a generator over a `GroupTarget` for `prompt`, or
+    over `target` when given: one that `score_prompt` has already run the prompt through),
     ending the request on every rank when it ends, is closed, or raises."""
-    target = GroupTarget(model, group, len(prompt) - 1, record)
+    if target is None:
+        target = GroupTarget(model, group, len(prompt) - 1, record)
     gen = run(target)
     try:
         yield from gen
     finally:
         gen.close()
         target.end()
+
+
+def score_prompt(model, group, ids: Sequence[int], top_k: int, step: Optional[int] = None):
+    """Score a prompt's own tokens through the group (`/v1/completions` echo + logprobs).
+
+    Begins a request on every rank and runs ids[:-1] through it in chunks of `step`
+    positions (default `server.scoring.SCORE_STEP`) with their logits kept on rank 0 (a
+    `GroupTarget` whose prompt is all decode positions), scored by
+    `server.scoring.score_logits`, the one-process computation.
+
+    Returns:
+        (scores, target): one `TokenOut` per token of ids[1:], and the `GroupTarget`
+        holding ids[:-1], from which the reply goes on (`group_stream(..., target=)`
+        with the prompt's last token) or which the caller ends (`target.end()`).
+    Raises:
+        what the forward pass raises (RuntimeError: a collective failed); the request is
+        ended on every rank first unless the group is broken.
+    """
+    from kimi_mlx.server.scoring import SCORE_STEP, score_logits
+
+    step = step or SCORE_STEP
+    ids = [int(t) for t in ids]
+    target = GroupTarget(model, group, 0)
+    out: list = []
+    try:
+        for pos in range(0, len(ids) - 1, step):
+            chunk = ids[pos:min(pos + step, len(ids) - 1)]
+            logits = target(mx.array(chunk)[None])
+            out.extend(score_logits(logits[0], ids[pos + 1:pos + len(chunk) + 1], top_k))
+    except BaseException:
+        target.end()
+        raise
+    return out, target
 
 
 def plain_run(prompt: Sequence[int], max_tokens: int, sampler=None, logits_processors=None,

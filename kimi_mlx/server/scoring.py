@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 
 from kimi_mlx.server.jobs import FLOOR_LOGPROB, Finished, Job, TokenOut
 
-__all__ = ["score_prefill", "finish_scored", "SCORE_STEP"]
+__all__ = ["score_prefill", "score_logits", "finish_scored", "SCORE_STEP"]
 
 # Prompt tokens per forward pass while scoring: bounds the float32 logits held at once
 # ([SCORE_STEP, vocab]: 1 GiB for K3.1's 163840-token vocabulary at 1536).
@@ -59,14 +59,32 @@ def score_prefill(engine, ids: Sequence[int], cache, top_k: int, segment_ends: S
                 y = model(x, cache=part)
                 if i == 0:
                     logits = y
-            logits = logits[0].astype(mx.float32)
-            logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            mx.eval(logp, [c.state for c in cache])
-            out.extend(_rows(logp, ids[pos + 1:pos + n + 1], top_k))
+            mx.eval(logits, [c.state for c in cache])
+            out.extend(score_logits(logits[0], ids[pos + 1:pos + n + 1], top_k))
             pos += n
         if engine.prompt_cache is not None and end in snaps:
             engine.prompt_cache.store(key[:end], cache)
     return out
+
+
+def score_logits(logits, targets: Sequence[int], top_k: int) -> List[TokenOut]:
+    """The scores of `targets` from the logits that predict them.
+
+    Args:
+        logits: [len(targets), vocab] (any float dtype): row i predicts targets[i].
+        targets: the token ids scored.
+        top_k: alternatives to report per token (0..20).
+    Returns:
+        One `TokenOut` per target: its id, log-probability (natural log, float32
+        log-softmax of its row) and the `top_k` most likely (id, log-probability) pairs,
+        best first (infinities as `FLOOR_LOGPROB`). The one computation of a score: the
+        one-process engine, the tensor group's rank 0 and a pipeline's last stage use it.
+    """
+    import mlx.core as mx
+
+    logits = logits.astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    return _rows(logp, list(targets), top_k)
 
 
 def finish_scored(job: Job, tic: float, metrics=None) -> Finished:
