@@ -92,6 +92,10 @@ class BaseEngine:
     def refusal(self, job: Job) -> Optional[Tuple[str, str]]:
         """(API field, why) when this engine cannot run `job`'s sampling, else None."""
         s = job.sampling
+        if s.constraint is not None and not self.supports_logits_processors:
+            return (s.constraint.field, "structured output (response_format json / a forced "
+                    "tool) is enforced by a logits processor, which this server does not "
+                    "apply; send the request without it")
         if s.has_processors and not self.supports_logits_processors:
             return ("logit_bias" if s.logit_bias else "presence_penalty",
                     "presence_penalty, frequency_penalty, repetition_penalty and logit_bias "

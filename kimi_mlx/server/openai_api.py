@@ -12,6 +12,7 @@ from kimi_mlx.text.chat_format import resolve_effort
 from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream,
                                     reply_events, sampling_from, stop_list, submit)
+from kimi_mlx.server.structured import constrained, prompt_tool_choice
 from kimi_mlx.server.images import allow_urls, job_images, openai_refs, prepare, request_images
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
@@ -66,11 +67,10 @@ _TOOL_CHOICES = ("auto", "required", "none")
 
 
 def chat_options(tools, choice, response_format) -> dict:
-    """encode_chat options for OpenAI tool_choice / response_format; 400 for a named
-    function (the model cannot be forced to one tool)."""
-    if choice not in (None, *_TOOL_CHOICES):
-        raise APIError(400, f"tool_choice {choice!r} is not supported: use one of "
-                       f"{', '.join(_TOOL_CHOICES)}", param="tool_choice")
+    """encode_chat options for OpenAI tool_choice / response_format (a named function is
+    told as "required"; the grammar, `server.structured`, enforces the name); 400 for a
+    tool_choice form we do not know."""
+    choice = prompt_tool_choice(choice)
     opts = {}
     if tools and choice in ("required", "none"):
         opts["tool_choice"] = choice
@@ -95,8 +95,10 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return Job(ids, budget(svc, len(ids), max_tokens),
-               sampling_from(svc, req),
+    sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
+                           response_format=req.response_format, tool_choice=req.tool_choice,
+                           think_budget=req.thinking_budget)
+    return Job(ids, budget(svc, len(ids), max_tokens), sampling,
                (req.top_logprobs or 0) if req.logprobs else None, ends, None,
                **job_images(svc, ids, images))
 

@@ -30,6 +30,7 @@ from kimi_mlx.server.images import (allow_urls, job_images, lean_messages, prepa
                                     responses_ref, setter, stored_refs)
 from kimi_mlx.server.common import (APIError, Service, budget, guarded_stream, reply_events,
                                     sampling_from, submit)
+from kimi_mlx.server.structured import constrained
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.openai_api import chat_options
 from kimi_mlx.server.reply import ReplyBuilder
@@ -226,9 +227,6 @@ class _Turn:
             raise APIError(400, "top_logprobs is not supported on /v1/responses (use "
                            "/v1/chat/completions with logprobs=true)", param="top_logprobs")
         choice = req.tool_choice
-        if isinstance(choice, dict):
-            raise APIError(400, "tool_choice naming a function is not supported: use one of "
-                           "auto, required, none", param="tool_choice")
         self.effort = _effort(req)
         history: List[Dict[str, Any]] = []
         if req.previous_response_id:
@@ -255,8 +253,11 @@ class _Turn:
         except InputError as e:
             raise APIError(400, str(e), param="input") from None
         self.svc, self.req = svc, req
+        sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
+                               response_format=_response_format(req), tool_choice=choice,
+                               think_budget=req.thinking_budget)
         self.job = Job(ids, budget(svc, len(ids), req.max_output_tokens, "max_output_tokens"),
-                       sampling_from(svc, req),
+                       sampling,
                        None, ends, **job_images(svc, ids, media_in_order(messages)))
         self.builder = ReplyBuilder(svc.wrapper, (), chat=True)
         self.id = "resp_" + uuid.uuid4().hex
