@@ -178,7 +178,7 @@ class GrammarProcessor:
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         if self.matcher.is_error():
             raise RuntimeError(f"grammar failed: {self.matcher.get_error()}")
-        return np.unpackbits(words, bitorder="little").astype(bool)
+        return np.unpackbits(words, bitorder="little").view(bool)
 
     def __call__(self, tokens, logits):
         import mlx.core as mx
@@ -207,8 +207,14 @@ def _tok(tok, text: str) -> str:
     return f"<[{tok.special_tokens[text]}]>"
 
 
+# JSON whitespace a reply may use: compact, one-space separators or pretty-printed (a
+# newline and up to 32 spaces of indent); bounded, so a model cannot loop on blanks
+JSON_WHITESPACE = r"(\n[ \t]{0,32}|[ \t]{0,2})"
+
+
 def _json_rule(schema: Any, strict: bool) -> str:
-    opts = {"whitespace_flexible": False, "lenient": not strict}
+    opts = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE,
+            "lenient": not strict}
     body = dict(schema) if isinstance(schema, Mapping) else schema
     if isinstance(body, dict):
         body = {**body, "x-guidance": {**opts, **(body.get("x-guidance") or {})}}
