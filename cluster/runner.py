@@ -357,5 +357,5 @@ def default_compute_dtype() -> str:
     return "float32" if mx.default_device() == mx.cpu else ""
 
 
-__all__ = ["StageRunner", "StageSpec", "Sampling", "Session", "Output", "Refused",
+__all__ = ["StageRunner", "StageSpec", "Session", "Output", "Refused",
            "load_stage", "default_compute_dtype"]

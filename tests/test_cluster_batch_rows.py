@@ -6,7 +6,8 @@ key), and a bad batch is refused before any compute."""
 import mlx.core as mx
 import pytest
 
-from kimi_mlx.cluster.runner import Refused, Sampling, StageSpec, load_stage
+from kimi_mlx.sampling import Sampling
+from kimi_mlx.cluster.runner import Refused, StageSpec, load_stage
 from kimi_mlx.testing.cluster import reference_checkpoint
 
 PROMPTS = [list(range(10, 30)), list(range(40, 47)), list(range(5, 18))]

@@ -17,7 +17,7 @@ import pytest
 from kimi_mlx.cluster import stage_pb2 as pb
 from kimi_mlx.cluster import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.head import Pipeline
-from kimi_mlx.cluster.runner import Sampling
+from kimi_mlx.sampling import Sampling
 from kimi_mlx.cluster.service import make_channel
 from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.transport import StageFailure

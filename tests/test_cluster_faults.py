@@ -14,7 +14,7 @@ import pytest
 
 from kimi_mlx.cluster.discovery import NodeInfo
 from kimi_mlx.cluster.head import Pipeline
-from kimi_mlx.cluster.runner import Sampling
+from kimi_mlx.sampling import Sampling
 from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.transport import GrpcTransport, StageAssignment, StageFailure
 

@@ -7,7 +7,8 @@ import numpy as np
 
 from kimi_mlx.cluster.head import Pipeline, check_nodes
 from kimi_mlx.cluster.bench.hop import NullCluster, NullRunner
-from kimi_mlx.cluster.runner import Sampling, StageSpec
+from kimi_mlx.sampling import Sampling
+from kimi_mlx.cluster.runner import StageSpec
 from kimi_mlx.testing.cluster import reference_checkpoint
 from kimi_mlx.cluster.transport import GrpcTransport
 from kimi_mlx.model.config import ModelArgs, read_config

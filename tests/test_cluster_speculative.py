@@ -19,7 +19,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from kimi_mlx.cluster.head import Pipeline
-from kimi_mlx.cluster.runner import Refused, Sampling, StageSpec, load_stage
+from kimi_mlx.sampling import Sampling
+from kimi_mlx.cluster.runner import Refused, StageSpec, load_stage
 from kimi_mlx.cluster.speculative import speculative_pipeline_step
 from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.transport import StageFailure

@@ -14,7 +14,8 @@ from kimi_mlx.cluster.auth import AuthError, Verifier, init_secret, key_id, load
 from kimi_mlx.cluster.discovery import NodeInfo, from_properties, interface_addresses, to_properties
 from kimi_mlx.cluster.fingerprint import fingerprint, scan
 from kimi_mlx.cluster.head import parse_address, prefill_chunks
-from kimi_mlx.cluster.runner import Refused, Sampling, StageRunner, StageSpec
+from kimi_mlx.sampling import Sampling
+from kimi_mlx.cluster.runner import Refused, StageRunner, StageSpec
 from kimi_mlx.cluster.wire import WireError, from_tensor, to_tensor
 
 

@@ -19,6 +19,7 @@ import openai
 import pytest
 from PIL import Image
 
+from kimi_mlx.speculative.settings import DraftSettings
 from kimi_mlx.commands.main import main
 from kimi_mlx.generation.images import Vision
 from kimi_mlx.generation.request import build_chat_prompt_with_ends, build_prompt
@@ -412,7 +413,8 @@ def test_responses_continuation_keeps_the_image(server, oai):
 
 
 def test_images_with_a_draft_are_refused_by_name(vckpt):
-    srv, svc = _serve(vckpt, max_concurrency=1, ngram=(3, 1))
+    srv, svc = _serve(vckpt, max_concurrency=1,
+                      drafts=DraftSettings(kind="ngram", ngram_max=3, ngram_min=1))
     try:
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, timeout=60, max_retries=0)
         msg = _error(lambda: c.chat.completions.create(model="tiny", max_tokens=2, messages=[

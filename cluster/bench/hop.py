@@ -290,7 +290,7 @@ def _median_gap(gen, n: int) -> float:
 
 def _run(args, tmp: Path) -> int:
     from kimi_mlx.cluster.head import Pipeline, check_nodes
-    from kimi_mlx.cluster.runner import Sampling
+    from kimi_mlx.sampling import Sampling
     from kimi_mlx.cluster.transport import GrpcTransport
 
     if args.model:
@@ -398,7 +398,8 @@ def _run(args, tmp: Path) -> int:
 
 def _compute_figures(ckpt: Path, fp: str, a, chunk: int, decode: int = 16) -> None:
     """Print each of 3 stages' real compute (StageRunner.run in this process)."""
-    from kimi_mlx.cluster.runner import Sampling, load_stage
+    from kimi_mlx.sampling import Sampling
+    from kimi_mlx.cluster.runner import load_stage
 
     L = a.num_hidden_layers
     cut = [round(i * L / 3) for i in range(4)]

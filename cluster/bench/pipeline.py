@@ -57,7 +57,7 @@ def _run(args, tmp: Path) -> int:
     from kimi_mlx.checkpoint.loader import load_model
 
     from kimi_mlx.cluster.head import Pipeline, check_nodes, plan_stages, prefill_chunks
-    from kimi_mlx.cluster.runner import Sampling
+    from kimi_mlx.sampling import Sampling
     from kimi_mlx.testing.cluster import LocalCluster
     from kimi_mlx.cluster.transport import GrpcTransport
 

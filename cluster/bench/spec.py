@@ -57,7 +57,7 @@ def bench_rows(pipe, draft, model_args, prompts: List[List[int]], tokens: int,
     (greedy; one warm-up generation of each kind first)."""
     from kimi_mlx.speculative.loop import SpecStats
 
-    from kimi_mlx.cluster.runner import Sampling
+    from kimi_mlx.sampling import Sampling
     from kimi_mlx.cluster.speculative import speculative_pipeline_step
 
     def plain(p):

@@ -325,7 +325,6 @@ def generation_defaults(model_dir: Path) -> Sampling:
     top_p, top_k, min_p); greedy where a key is absent. ValueError for a file that is
     not a JSON object or a value of the wrong type, naming the file and key."""
     path = Path(model_dir) / "generation_config.json"
-    params: dict = {}
     if not path.exists():
         return Sampling()
     try:
@@ -334,6 +333,7 @@ def generation_defaults(model_dir: Path) -> Sampling:
         raise ValueError(f"{path}: not readable JSON ({e})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
+    params: dict = {}
     for key, attr, kind in (("temperature", "temp", float), ("top_p", "top_p", float),
                             ("top_k", "top_k", int), ("min_p", "min_p", float)):
         if key in data and data[key] is not None:

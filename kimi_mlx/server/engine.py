@@ -1,13 +1,13 @@
-"""Generation for the server: a worker thread that owns the model and runs requests
-(`Job`s) through mlx-lm's generate loop, streaming token events back to the asyncio
-handlers that wait on them.
+"""The one-process deployment of the engine contract (`engine_base.BaseEngine`): a
+worker thread that owns the model and runs requests (`Job`s) through mlx-lm's generate
+loop, streaming token events back to the asyncio handlers that wait on them.
 
 One thread touches MLX, so requests never share mutable state; a job that is cancelled
 (client gone, stop string matched) stops within one decode step and its cache is dropped.
 With `max_concurrency` > 1 the worker runs mlx-lm's `BatchGenerator` (continuous
 batching) over our batchable caches (`kimi_mlx.model.cache`); with 1 it runs `generate_step`,
-or, given a draft model (`speculation`), `kimi_mlx.speculative.loop.speculative_generate_step`
-with the draft's caches kept beside the target's (in the prompt cache too).
+or, given a draft (`speculation`), the loop `Speculation.step` picks, with the draft's
+caches kept beside the target's (in the prompt cache too).
 """
 
 from __future__ import annotations

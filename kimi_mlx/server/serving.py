@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional
 
 from kimi_mlx.generation.request import InputError, check_max_kv_size, draft_settings
 from kimi_mlx.speculative.settings import DraftSettings
