@@ -60,9 +60,15 @@ TOOLS = [
 SCHEMA_OF = {t["name"]: t["parameters"] for t in TOOLS}
 
 
-@pytest.fixture(scope="module", params=[4, 1], ids=["batched", "one-process"])
+@pytest.fixture(scope="module", params=["batched", "one-process", "ngram-draft"])
 def server(request):
-    srv, svc = start_server(MICRO, None, "micro", 1 << 20, max_concurrency=request.param)
+    """The one-process server: batched (4 at once), one at a time, and with `--draft
+    ngram` (a constrained request decodes without the draft, as one with penalties)."""
+    from kimi_mlx.speculative.settings import DraftSettings
+
+    kw = {"batched": dict(max_concurrency=4), "one-process": dict(max_concurrency=1),
+          "ngram-draft": dict(max_concurrency=1, drafts=DraftSettings(kind="ngram"))}[request.param]
+    srv, svc = start_server(MICRO, None, "micro", 1 << 20, **kw)
     yield svc, srv
     stop_server(srv, svc)
 

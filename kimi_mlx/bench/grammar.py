@@ -80,7 +80,7 @@ def measure(tok, kind: str, batch: int) -> dict:
     t_tok = time.perf_counter() - t
     prompt = tok.encode("<|open|>think<|sep|>", allow_special=True)
     if kind == "json":
-        text = (f"x<|close|>think<|sep|><|open|>response<|sep|>{json.dumps(REPLY, indent=2)}"
+        text = (f"x<|close|>think<|sep|><|open|>response<|sep|>{json.dumps(REPLY)}"
                 "<|close|>response<|sep|><|close|>message<|sep|>")
         kw = {"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA,
                                                                          "strict": True}}}

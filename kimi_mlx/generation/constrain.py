@@ -207,9 +207,11 @@ def _tok(tok, text: str) -> str:
     return f"<[{tok.special_tokens[text]}]>"
 
 
-# JSON whitespace a reply may use: compact, one-space separators or pretty-printed (a
-# newline and up to 32 spaces of indent); bounded, so a model cannot loop on blanks
-JSON_WHITESPACE = r"(\n[ \t]{0,32}|[ \t]{0,2})"
+# JSON whitespace a reply may use between tokens: none or one space (`{"a":1}` and
+# json.dumps' `{"a": 1, "b": 2}`), never a run of blanks or newlines: a model that
+# likes whitespace (micro does) would otherwise spend its max_tokens on indentation and
+# leave the JSON unfinished
+JSON_WHITESPACE = r"[ ]?"
 
 
 def _json_rule(schema: Any, strict: bool) -> str:
