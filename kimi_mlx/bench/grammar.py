@@ -13,6 +13,11 @@ reports per generated token:
 * at batch 8: eight sequences' processors one after another (what the batched engine's
   step runs), per step, and llguidance's parallel executor filling the 8 masks at once.
 
+With `--clients N` it also serves the shipped micro model (batched, N at a time) and
+reports aggregate generated tokens/s for N concurrent json_schema requests against the
+same requests without the schema (interleaved rounds, median): the grammar's cost in
+the batched engine's step.
+
 Median and mean over the reply's tokens (the first step, which warms llguidance's lexer
 caches, is in the mean). The tokenizer's one-off conversion and the grammar's compile
 time are printed too. Synthetic tokens are not K3.1's, but the mask's cost scales with the
@@ -125,9 +130,50 @@ def measure(tok, kind: str, batch: int) -> dict:
                 mask=masks, step=steps[-len(masks):], par=par)
 
 
+def server_cost(clients: int, rounds: int = 3, max_tokens: int = 48) -> tuple:
+    """(median tokens/s constrained, median tokens/s free) for `clients` concurrent chat
+    requests on the micro model's batched server, interleaved over `rounds`."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from kimi_mlx.generation.generate import default_model
+    from kimi_mlx.testing.servers import served
+
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}}},
+        "required": ["name", "tags"]}
+    with served(str(default_model()), max_concurrency=clients) as (srv, _svc):
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=600, max_retries=0)
+
+        def one(i, enforce):
+            kw = {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "o", "schema": schema}}} if enforce else {}
+            r = client.chat.completions.create(
+                model="micro", messages=[{"role": "user", "content": f"Record {i}."}],
+                max_tokens=max_tokens, temperature=0.9, seed=i,
+                extra_body={"thinking_budget": 0}, **kw)
+            return r.usage.completion_tokens
+
+        def rate(enforce):
+            t = time.perf_counter()
+            with ThreadPoolExecutor(clients) as pool:
+                n = sum(pool.map(lambda i: one(i, enforce), range(clients)))
+            return n / (time.perf_counter() - t)
+
+        rate(True), rate(False)  # warm-up
+        on, off = [], []
+        for _ in range(rounds):
+            on.append(rate(True))
+            off.append(rate(False))
+    return statistics.median(on), statistics.median(off)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="kimi-mlx bench grammar", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
+    p.add_argument("--clients", type=int, default=0,
+                   help="also measure N concurrent clients on the micro server (0 = skip)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         t = time.perf_counter()
@@ -143,6 +189,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"    processors, whole step     {_stats(r['step'])}")
                 if b > 1:
                     print(f"    {b} masks, parallel executor {_stats(r['par'])}")
+    if args.clients:
+        on, off = server_cost(args.clients)
+        print(f"micro server, {args.clients} clients: {on:.1f} tok/s with json_schema, "
+              f"{off:.1f} tok/s without ({on / off:.2f}x)")
     return 0
 
 

@@ -117,6 +117,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "token for a json_schema reply and a forced tool call "
                        "(kimi_mlx.bench.grammar).")
     g.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
+    g.add_argument("--clients", type=int, default=0,
+                   help="also N concurrent clients on the micro server, with and without a schema")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -166,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "grammar":
         from kimi_mlx.bench.grammar import main as grammar_main
 
-        return grammar_main(["--batches", args.batches])
+        return grammar_main(["--batches", args.batches, "--clients", str(args.clients)])
     if args.what == "kernels":
         on_mac = mx.metal.is_available()
         prefill = args.prefill or (2048 if on_mac else 512)
