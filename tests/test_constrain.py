@@ -122,3 +122,38 @@ def test_sampling_carries_the_constraint_to_processors_not_the_wire(tok):
     assert sampling_to_pb(s) == sampling_to_pb(Sampling(temp=0.5))
     assert build_constraint(tok, [1, 2], tools=TOOLS, tool_choice="none") is None
     assert build_constraint(tok, [1, 2]) is None
+
+
+@pytest.mark.parametrize("draft", ["ngram", "micro-draft"])
+def test_speculative_drafts_are_checked_against_the_grammar(tok, draft):
+    """Greedy decoding under a grammar with drafts (n-gram lookup, the micro-draft model)
+    gives the tokens of mlx-lm's plain `generate_step` with the same grammar processor:
+    a draft the grammar forbids is rejected like any mismatch."""
+    from mlx_lm.generate import generate_step
+
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.speculative.loop import SpecStats, speculative_generate_step
+    from kimi_mlx.speculative.ngram import NgramDraft
+
+    model = load_model(default_model(), verbose=False)[0]
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"enum": ["ab", "cd", "abcd"]}, "maxItems": 12}},
+        "required": ["tags"]}
+    prompt = tok.encode("Tags: ab, cd, ab, cd, ab, cd.<|close|>think<|sep|>", allow_special=True)
+    c = build_constraint(tok, prompt, response_format={"type": "json_schema", "json_schema": {
+        "schema": schema, "strict": True}})
+    assert c.trigger == "now"
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40,
+                                            logits_processors=[c.processor()])]
+    stats = SpecStats()
+    if draft == "ngram":
+        gen = NgramDraft().generate_step(prompt, model, None, num_draft_tokens=3, max_tokens=40,
+                                         sampling=Sampling(constraint=c), stats=stats)
+    else:
+        dm = load_model(default_model().parent / "micro-draft", verbose=False)[0]
+        gen = speculative_generate_step(prompt, model, dm, num_draft_tokens=3, max_tokens=40,
+                                        sampling=Sampling(constraint=c), stats=stats)
+    got = [int(t) for t, _, _ in gen]
+    assert got == ref, (tok.decode(got), tok.decode(ref))
+    assert stats.steps > 0 and stats.accepted > 0
+    assert stats.accepted < stats.drafted or draft == "ngram"

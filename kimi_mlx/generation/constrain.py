@@ -22,7 +22,10 @@ The grammar engine is llguidance (Microsoft's, Rust, no torch): per-token masks 
 K3.1's 163,840-token vocabulary take ~20 us median on one CPU core
 (`kimi_mlx/bench/grammar.py`). The mask is applied as a logits processor (disallowed
 tokens -> -inf) through `Sampling.constraint`, so every engine that honours logits
-processors (one process, batched, pipeline head, tensor rank 0) enforces it.
+processors (one process, batched, pipeline head, tensor rank 0) enforces it. The
+speculative loops that verify on this process (draft model, n-gram) mask each verify row
+with the grammar advanced over the drafts before it (`GrammarProcessor.verify_logits`),
+so a forbidden draft is rejected like any mismatch.
 """
 
 from __future__ import annotations
@@ -179,6 +182,43 @@ class GrammarProcessor:
         if self.matcher.is_error():
             raise RuntimeError(f"grammar failed: {self.matcher.get_error()}")
         return np.unpackbits(words, bitorder="little").view(bool)
+
+    def copy(self) -> "GrammarProcessor":
+        """An independent processor in this one's state (the matcher deep-copied)."""
+        c = GrammarProcessor.__new__(GrammarProcessor)
+        c.__dict__.update(self.__dict__)
+        c.forced = list(self.forced)
+        c.matcher = None if self.matcher is None else self.matcher.deep_copy()
+        return c
+
+    def verify_logits(self, logits, drafts: Sequence[int]):
+        """Speculative decoding's verify step: target logits [k+1, V] at [y, d1..dk] with
+        row i masked by the grammar advanced over d1..di (this processor's state is left
+        as it is: it has consumed every token emitted before y's logits). Rows past the
+        first draft the grammar forbids are left unmasked: that draft is rejected by the
+        masked row before it (its logit is -inf there), so no later row is ever used. The
+        caller then `feed`s the tokens it emits. Unchanged logits when nothing is
+        constrained at any row."""
+        import mlx.core as mx
+        import numpy as np
+
+        sim = self.copy()
+        rows = []
+        for i in range(len(drafts) + 1):
+            ok = sim.allowed()
+            rows.append(ok)
+            if i == len(drafts) or (ok is not None and not ok[drafts[i]]):
+                break
+            sim.feed(int(drafts[i]))
+        if all(r is None for r in rows):
+            return logits
+        width = logits.shape[-1]
+        mask = np.ones((logits.shape[0], width), bool)
+        for i, ok in enumerate(rows):
+            if ok is not None:
+                mask[i] = False
+                mask[i, :min(width, ok.shape[0])] = ok[:width]
+        return mx.where(mx.array(mask), logits, mx.array(-mx.inf, logits.dtype))
 
     def __call__(self, tokens, logits):
         import mlx.core as mx

@@ -44,6 +44,7 @@ class Engine(BaseEngine):
     """
 
     supports_batching = True
+    grammar_drafts = True  # the draft-model and n-gram loops check drafts against a grammar
 
     def __init__(self, model, eos_ids: Sequence[int], max_queue: int = 64,
                  max_concurrency: int = 1, prompt_cache=None, metrics=None,
