@@ -94,7 +94,7 @@ class Constraint:
 
     grammar: llguidance Lark text; trigger: "think_end" (starts after the model closes
     its thinking), "tools" (starts after the model opens a tools section) or "now";
-    tokenizer: the `LLTokenizer`; marker: token bytes that end the trigger marker;
+    tokenizer: the `LLTokenizer`; decode: ids -> bytes (to spot the trigger marker);
     sep_id: `<|sep|>`'s id (every marker ends with it); field: the API field that asked
     for it; think_budget: with trigger "think_end", the reasoning tokens after which the
     model is made to close its thinking (`think_end_ids` forced one by one), None for no
@@ -110,6 +110,7 @@ class Constraint:
     think_end_ids: tuple = ()  # `<|close|>think<|sep|>` as token ids (forced at the budget)
 
     def processor(self) -> "GrammarProcessor":
+        """A fresh processor (own matcher state) for one sequence."""
         return GrammarProcessor(self)
 
 
