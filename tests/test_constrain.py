@@ -157,3 +157,14 @@ def test_speculative_drafts_are_checked_against_the_grammar(tok, draft):
     assert got == ref, (tok.decode(got), tok.decode(ref))
     assert stats.steps > 0 and stats.accepted > 0
     assert stats.accepted < stats.drafted or draft == "ngram"
+
+
+def test_one_call_when_parallel_calls_are_off(tok):
+    prompt = tok.encode(THINK_START, allow_special=True)
+    call = ('<|open|>call tool="add" index="1"<|sep|><|open|>json type="object"<|sep|>{"a": 1}'
+            '<|close|>json<|sep|><|close|>call<|sep|>')
+    two = "x<|close|>think<|sep|><|open|>tools<|sep|>" + call + call + "<|close|>tools<|sep|>"
+    many = build_constraint(tok, prompt, tools=TOOLS, tool_choice="required")
+    one = build_constraint(tok, prompt, tools=TOOLS, tool_choice="required", parallel=False)
+    assert _walk(tok, many, two, prompt[-1]) is None
+    assert _walk(tok, one, two, prompt[-1]) == len(tok.encode(two.rsplit(call, 1)[0], allow_special=True))

@@ -228,6 +228,8 @@ class GrammarProcessor:
         if self.calls:
             self.feed(int(tokens[-1].item()))
         self.calls += 1
+        if self.matcher is not None or self.forced:
+            mx.async_eval(logits)  # the forward pass runs while the mask is computed
         ok = self.allowed()
         if ok is None:
             return logits
@@ -271,7 +273,7 @@ def _tool_schema(tool: Mapping) -> tuple:
     return name, params
 
 
-def _calls_grammar(tok, tools: Sequence[Mapping], only: Optional[str]) -> list:
+def _calls_grammar(tok, tools: Sequence[Mapping], only: Optional[str], parallel: bool = True) -> list:
     o, c, s = _tok(tok, OPEN), _tok(tok, CLOSE), _tok(tok, SEP)
     rules, alts = [], []
     for i, tool in enumerate(tools):
@@ -284,14 +286,15 @@ def _calls_grammar(tok, tools: Sequence[Mapping], only: Optional[str]) -> list:
         rules.append(f"args_{i}: {_json_rule(params, strict=True)}")
         alts.append(f"call_{i}")
     rules.append(f'call: {o} "call tool=\\"" ({" | ".join(alts)})')
-    rules.append(f'calls: call+ {c} "tools" {s} {c} "message" {s}')
+    rules.append(f'calls: call{"+" if parallel else ""} {c} "tools" {s} {c} "message" {s}')
     rules.append('INDEX: /[1-9][0-9]{0,2}/')
     return rules
 
 
 def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = None,
                      tools: Optional[Sequence[Mapping]] = None, tool_choice: Any = None,
-                     think_budget: Optional[int] = None) -> Optional[Constraint]:
+                     think_budget: Optional[int] = None, parallel: bool = True,
+                     ) -> Optional[Constraint]:
     """The grammar a request asks for, or None when it asks for nothing to enforce.
 
     Args:
@@ -305,6 +308,8 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
             ("named", NAME)).
         think_budget: reasoning tokens allowed before the constraint closes the think
             block itself (None: the model closes it when it will).
+        parallel: False allows one call per tools section (OpenAI
+            `parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`).
     Raises:
         InputError: param "response_format" or "tools" when the schema cannot be
             compiled (the message names the construct llguidance refused), or
@@ -322,7 +327,7 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
     o, c, s = _tok(tok, OPEN), _tok(tok, CLOSE), _tok(tok, SEP)
     rules = []
     if forced:
-        rules = [f'start: {o} "tools" {s} calls'] + _calls_grammar(tok, tools, named)
+        rules = [f'start: {o} "tools" {s} calls'] + _calls_grammar(tok, tools, named, parallel)
         trigger, param = "think_end", "tools"
     elif kind in ("json_object", "json_schema"):
         if kind == "json_schema":
@@ -339,12 +344,12 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
                 f"value: {_json_rule(schema, strict)}")
         if use_tools:
             rules = [f'start: response {c} "message" {s} | {o} "tools" {s} calls', resp] \
-                + _calls_grammar(tok, tools, None)
+                + _calls_grammar(tok, tools, None, parallel)
         else:
             rules = [f'start: response {c} "message" {s}', resp]
         trigger, param = "think_end", "response_format"
     elif use_tools:
-        rules = ["start: calls"] + _calls_grammar(tok, tools, None)
+        rules = ["start: calls"] + _calls_grammar(tok, tools, None, parallel)
         trigger, param = "tools", "tools"
     else:
         return None

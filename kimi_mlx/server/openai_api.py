@@ -97,7 +97,7 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     max_tokens = req.max_completion_tokens or req.max_tokens
     sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
                            response_format=req.response_format, tool_choice=req.tool_choice,
-                           think_budget=req.thinking_budget)
+                           think_budget=req.thinking_budget, parallel=req.parallel_tool_calls)
     return Job(ids, budget(svc, len(ids), max_tokens), sampling,
                (req.top_logprobs or 0) if req.logprobs else None, ends, None,
                **job_images(svc, ids, images))

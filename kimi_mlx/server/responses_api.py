@@ -255,7 +255,8 @@ class _Turn:
         self.svc, self.req = svc, req
         sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
                                response_format=_response_format(req), tool_choice=choice,
-                               think_budget=req.thinking_budget)
+                               think_budget=req.thinking_budget,
+                               parallel=req.parallel_tool_calls)
         self.job = Job(ids, budget(svc, len(ids), req.max_output_tokens, "max_output_tokens"),
                        sampling,
                        None, ends, **job_images(svc, ids, media_in_order(messages)))

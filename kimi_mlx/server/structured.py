@@ -29,15 +29,20 @@ def prompt_tool_choice(choice: Any) -> Any:
 
 def constrained(svc, sampling: Sampling, ids: Sequence[int], *, response_format: Any = None,
                 tools: Optional[Sequence[Mapping]] = None, tool_choice: Any = None,
-                think_budget: Optional[int] = None) -> Sampling:
+                think_budget: Optional[int] = None, parallel: Optional[bool] = None) -> Sampling:
     """`sampling` with the request's structured-output constraint (unchanged when it asks
     for none); `think_budget`: reasoning tokens before the grammar closes the thinking
     itself (the request's `thinking_budget`, Anthropic's `thinking.budget_tokens`; None:
-    unlimited). APIError 400 naming response_format / tools / tool_choice when the schema
+    unlimited); `parallel` False: one tool call per reply (`parallel_tool_calls`;
+    Anthropic's `tool_choice.disable_parallel_tool_use` is read from `tool_choice`).
+    APIError 400 naming response_format / tools / tool_choice when the schema
     cannot be compiled or the named tool is not among the tools."""
+    if isinstance(tool_choice, Mapping) and tool_choice.get("disable_parallel_tool_use") is True:
+        parallel = False
     try:
         c = build_constraint(svc.tok, ids, response_format=response_format, tools=tools,
-                             tool_choice=tool_choice_of(tool_choice), think_budget=think_budget)
+                             tool_choice=tool_choice_of(tool_choice), think_budget=think_budget,
+                             parallel=parallel is not False)
     except InputError as e:
         raise APIError(400, str(e), param=e.param) from None
     return sampling if c is None else replace(sampling, constraint=c)
