@@ -119,6 +119,8 @@ class Sampling:
         not checked here (`check`)."""
         values = {}
         for f in fields(cls):
+            if f.name == "constraint":  # built from response_format / tool_choice, never sent
+                continue
             v = getattr(req, "temperature" if f.name == "temp" else f.name, None)
             if v is not None:
                 values[f.name] = v

@@ -168,3 +168,10 @@ def test_one_call_when_parallel_calls_are_off(tok):
     one = build_constraint(tok, prompt, tools=TOOLS, tool_choice="required", parallel=False)
     assert _walk(tok, many, two, prompt[-1]) is None
     assert _walk(tok, one, two, prompt[-1]) == len(tok.encode(two.rsplit(call, 1)[0], allow_special=True))
+
+
+def test_a_request_cannot_send_a_constraint_itself():
+    from types import SimpleNamespace
+
+    s = Sampling.from_request(SimpleNamespace(constraint="x", temperature=0.5))
+    assert s.constraint is None and s.temp == 0.5 and not s.has_processors
