@@ -12,7 +12,25 @@ from kimi_mlx.generation.constrain import build_constraint, tool_choice_of
 from kimi_mlx.sampling import InputError, Sampling
 from kimi_mlx.server.common import APIError
 
-__all__ = ["constrained", "prompt_tool_choice"]
+__all__ = ["constrained", "prompt_tool_choice", "warm_grammar_tokenizer"]
+
+
+def warm_grammar_tokenizer(tok) -> None:
+    """Build llguidance's view of `tok` (`grammar_tokenizer`, seconds at K3.1's 163,840
+    tokens) on a daemon thread, so the first structured request need not; a failure is
+    only logged (the request that needs it then raises it as a 500 naming it)."""
+    import logging
+    import threading
+
+    from kimi_mlx.generation.constrain import grammar_tokenizer
+
+    def build():
+        try:
+            grammar_tokenizer(tok)
+        except Exception as e:  # noqa: BLE001 - logged; a structured request retries it
+            logging.getLogger("kimi_mlx.server").warning("grammar tokenizer: %s", e)
+
+    threading.Thread(target=build, daemon=True, name="kimi-mlx-grammar-tokenizer").start()
 
 
 def prompt_tool_choice(choice: Any) -> Any:
