@@ -23,11 +23,13 @@ TOOL = {"name": "add", "description": "Add two numbers", "parameters": {
     "required": ["a", "b"], "additionalProperties": False}}
 
 
-@pytest.fixture(scope="module", params=["pipeline", "tensor"])
+@pytest.fixture(scope="module", params=["pipeline", "pipeline-ngram", "tensor"])
 def server(request, tmp_path_factory):
-    if request.param == "pipeline":
+    """`cluster server` over 2 pipeline stages (with `--draft ngram`: a constrained
+    request decodes without the draft there), or a tensor group of this head and 1 rank."""
+    if request.param.startswith("pipeline"):
         cluster = LocalCluster(tmp_path_factory.mktemp("sp"), n=2, prefix="sp")
-        extra = ()
+        extra = ("--draft", "ngram") if request.param.endswith("ngram") else ()
     else:
         grpc_port, _ = free_ports(2, consecutive=True)
         cluster = LocalCluster(tmp_path_factory.mktemp("st"), n=1, prefix="st", ports=[grpc_port])
