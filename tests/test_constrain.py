@@ -175,3 +175,17 @@ def test_a_request_cannot_send_a_constraint_itself():
 
     s = Sampling.from_request(SimpleNamespace(constraint="x", temperature=0.5))
     assert s.constraint is None and s.temp == 0.5 and not s.has_processors
+
+
+def test_tool_schemas_strict_only_when_they_say_so(tok):
+    """A tool schema with a keyword llguidance lacks: ignored (non-strict tools), a 400
+    when forced with `strict: true`, and never an error for tools left on auto."""
+    prompt = tok.encode(THINK_START, allow_special=True)
+    odd = {"type": "object", "properties": {"u": {"type": "string", "format": "uri-template"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": odd}}]
+    strict = [{"type": "function", "function": {"name": "f", "parameters": odd, "strict": True}}]
+    assert build_constraint(tok, prompt, tools=tools, tool_choice="required") is not None
+    with pytest.raises(InputError) as e:
+        build_constraint(tok, prompt, tools=strict, tool_choice="required")
+    assert e.value.param == "tools" and "uri-template" in str(e.value)
+    assert build_constraint(tok, prompt, tools=strict) is None

@@ -31,6 +31,7 @@ so a forbidden draft is rejected like any mismatch.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -41,6 +42,7 @@ from kimi_mlx.text.chat_format import CLOSE, OPEN, SEP, THINK_END, THINK_START, 
 __all__ = ["Constraint", "GrammarProcessor", "build_constraint", "grammar_tokenizer",
            "tool_choice_of"]
 
+log = logging.getLogger("kimi_mlx.generation")
 _TOKENIZERS: dict = {}
 _LOCK = threading.Lock()
 
@@ -283,7 +285,10 @@ def _calls_grammar(tok, tools: Sequence[Mapping], only: Optional[str], parallel:
         attr = name.replace("&", "&amp;").replace('"', "&quot;")
         rules.append(f'call_{i}: {_lit(attr)} "\\" index=\\"" INDEX "\\"" {s} {o} '
                      f'"json type=\\"object\\"" {s} args_{i} {c} "json" {s} {c} "call" {s}')
-        rules.append(f"args_{i}: {_json_rule(params, strict=True)}")
+        # a tool's schema is held to every keyword only when it says `strict: true`
+        # (OpenAI's flag); otherwise keywords llguidance lacks are ignored, not refused
+        strict = (tool.get("function", tool) if isinstance(tool, Mapping) else {}).get("strict") is True
+        rules.append(f"args_{i}: {_json_rule(params, strict=strict)}")
         alts.append(f"call_{i}")
     rules.append(f'call: {o} "call tool=\\"" ({" | ".join(alts)})')
     rules.append(f'calls: call{"+" if parallel else ""} {c} "tools" {s} {c} "message" {s}')
@@ -313,7 +318,9 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
     Raises:
         InputError: param "response_format" or "tools" when the schema cannot be
             compiled (the message names the construct llguidance refused), or
-            "tool_choice" when it names a tool that is not in `tools`.
+            "tool_choice" when it names a tool that is not in `tools`. With tools and
+            nothing forced, a tool schema that cannot be compiled is no error: the
+            calls are then left unconstrained (None, logged), as before.
     """
     tools = [t for t in tools or () if isinstance(_tool_schema(t)[0], str)]
     kind = (response_format or {}).get("type") if isinstance(response_format, Mapping) else None
@@ -355,7 +362,13 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
         return None
     grammar = "\n".join(rules)
     ll = grammar_tokenizer(tok)
-    _check(grammar, ll, param)
+    try:
+        _check(grammar, ll, param)
+    except InputError:
+        if trigger == "tools":  # nothing was forced: the request runs as it did before
+            log.warning("tool schemas cannot be enforced; tool calls are not constrained")
+            return None
+        raise
     tail = tok.decode_bytes(list(prompt_ids[-8:]))
     if trigger == "think_end" and not tail.endswith(THINK_START.encode()):
         trigger = "now"  # the prompt left the think block (no thinking)
