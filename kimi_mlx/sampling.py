@@ -51,7 +51,10 @@ class Sampling:
     (None: MLX's global random stream). repetition_penalty: > 0, divides positive /
     multiplies negative logits of tokens in the last `repetition_context_size` (>= 1,
     mlx-lm's default 20); presence_penalty / frequency_penalty: subtracted per seen token
-    (once / per occurrence, over the last 20); logit_bias: {token id: added logit}.
+    (once / per occurrence, over the last 20); logit_bias: {token id: added logit};
+    constraint: a structured-output grammar (`generation.constrain.Constraint`, built by
+    the server from response_format / tool_choice, never read from a request), whose
+    processor masks the tokens it forbids to -inf after the penalties.
     Raises nothing when built: `check` validates.
     """
 
@@ -65,6 +68,10 @@ class Sampling:
     presence_penalty: Optional[float] = None
     frequency_penalty: Optional[float] = None
     logit_bias: Optional[Mapping[int, float]] = field(default=None, hash=False)
+    # structured output (`generation.constrain.Constraint`, duck-typed here: anything with
+    # `processor()` -> a fresh per-sequence logits processor); runs on the head like the
+    # penalties, never on the wire
+    constraint: Optional[Any] = field(default=None, hash=False, compare=False)
 
     # ------------------------------------------------------------------ checks
 
@@ -115,6 +122,8 @@ class Sampling:
         not checked here (`check`)."""
         values = {}
         for f in fields(cls):
+            if f.name == "constraint":  # built from response_format / tool_choice, never sent
+                continue
             v = getattr(req, "temperature" if f.name == "temp" else f.name, None)
             if v is not None:
                 values[f.name] = v
@@ -137,13 +146,13 @@ class Sampling:
     def has_processors(self) -> bool:
         """Whether this asks for logits processors (a penalty or a logit_bias)."""
         return bool(self.logit_bias or self.repetition_penalty or self.presence_penalty
-                    or self.frequency_penalty)
+                    or self.frequency_penalty or self.constraint is not None)
 
     def without_processors(self) -> "Sampling":
         """The same sampler settings, no penalties or bias (what a stage that samples
         with the head applying the processors must see)."""
         return replace(self, repetition_penalty=None, presence_penalty=None,
-                       frequency_penalty=None, logit_bias=None)
+                       frequency_penalty=None, logit_bias=None, constraint=None)
 
     def sampler(self):
         """mlx-lm's `make_sampler` for these settings: logprobs [B, vocab] -> token ids [B].
@@ -169,16 +178,21 @@ class Sampling:
         return seeded
 
     def logits_processors(self) -> list:
-        """mlx-lm's `make_logits_processors` for the penalties and logit_bias ([] when
-        none is asked for): each (tokens [n], logits [B, vocab]) -> logits."""
+        """mlx-lm's `make_logits_processors` for the penalties and logit_bias, then the
+        structured-output constraint's processor (fresh state: call once per sequence)
+        last, so its -inf mask is what the sampler sees ([] when none is asked for): each
+        (tokens [n], logits [B, vocab]) -> logits."""
         if not self.has_processors:
             return []
         from mlx_lm.sample_utils import make_logits_processors
 
-        return make_logits_processors(self.logit_bias or None, self.repetition_penalty,
-                                      self.repetition_context_size,
-                                      presence_penalty=self.presence_penalty,
-                                      frequency_penalty=self.frequency_penalty)
+        procs = make_logits_processors(self.logit_bias or None, self.repetition_penalty,
+                                       self.repetition_context_size,
+                                       presence_penalty=self.presence_penalty,
+                                       frequency_penalty=self.frequency_penalty)
+        if self.constraint is not None:
+            procs.append(self.constraint.processor())
+        return procs
 
     def log_probs(self, logits):
         """The sampling log-distribution [..., V] float32 for logits [..., V] (what the

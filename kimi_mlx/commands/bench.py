@@ -111,6 +111,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--concurrency", type=int, default=8, help="--max-concurrency (default 8)")
     v.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     v.add_argument("--skip-cluster", action="store_true", help="only the single process")
+    g = sub.add_parser("grammar", help="structured output: grammar mask time per token on "
+                       "K3.1's 163,840-token vocabulary, batch 1 and 8",
+                       description="llguidance's mask and the whole logits processor per "
+                       "token for a json_schema reply and a forced tool call "
+                       "(kimi_mlx.bench.grammar).")
+    g.add_argument("--batches", default="1,8", help="batch sizes (default 1,8)")
+    g.add_argument("--clients", type=int, default=0,
+                   help="also N concurrent clients on the micro server, with and without a schema")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -157,6 +165,10 @@ def run(args: argparse.Namespace) -> int:
                               str(args.max_tokens), "--concurrency", str(args.concurrency),
                               "--rounds", str(args.rounds)]
                            + (["--skip-cluster"] if args.skip_cluster else []))
+    if args.what == "grammar":
+        from kimi_mlx.bench.grammar import main as grammar_main
+
+        return grammar_main(["--batches", args.batches, "--clients", str(args.clients)])
     if args.what == "kernels":
         on_mac = mx.metal.is_available()
         prefill = args.prefill or (2048 if on_mac else 512)
@@ -164,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         rows = kernel_rows(prefill, args.context, args.repeats, on_mac)
         print_kernels(ratio, rows, on_mac)
         return 0
-    print("usage: kimi-mlx bench {kernels,model,spec,tensor,hop,server} [options]  (see kimi-mlx bench -h)")
+    print("usage: kimi-mlx bench {kernels,model,spec,tensor,hop,server,grammar} [options]  (see kimi-mlx bench -h)")
     return 2
 
 

@@ -14,6 +14,7 @@ from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (ANTHROPIC_PING, APIError, Service, budget, check_tool_name,
                                     effort_of, guarded_stream, reply_events, sampling_from,
                                     stop_list, submit)
+from kimi_mlx.server.structured import constrained
 from kimi_mlx.server.images import allow_urls, anthropic_ref, job_images, request_images, setter
 from kimi_mlx.server.images import prepare as off_loop
 from kimi_mlx.server.jobs import Job
@@ -264,10 +265,24 @@ def _prompt(svc: Service, req):
     return ids, ends, images
 
 
+def _budget(req) -> Optional[int]:
+    """`thinking.budget_tokens` of an enabled thinking block (None when absent); 0 when
+    thinking is disabled. A constrained request closes its thinking there."""
+    if not thinking_enabled(req):
+        return 0
+    n = (req.thinking or {}).get("budget_tokens")
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+        raise APIError(400, f"thinking.budget_tokens must be an integer >= 0, got {n!r}",
+                       param="thinking")
+    return n
+
+
 def prepare(svc: Service, req: MessagesRequest) -> Job:
     ids, ends, images = _prompt(svc, req)
-    return Job(ids, budget(svc, len(ids), req.max_tokens, anthropic=True),
-               sampling_from(svc, req),
+    tools = [{"name": t.name, "parameters": t.input_schema} for t in req.tools or ()]
+    sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
+                           tool_choice=req.tool_choice, think_budget=_budget(req))
+    return Job(ids, budget(svc, len(ids), req.max_tokens, anthropic=True), sampling,
                None, ends, **job_images(svc, ids, images))
 
 

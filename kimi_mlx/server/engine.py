@@ -46,6 +46,7 @@ class Engine(BaseEngine):
     # scores a prompt's own tokens (`Job.score`, `server.scoring`)
     supports_scoring = True
     supports_batching = True
+    grammar_drafts = True  # the draft-model and n-gram loops check drafts against a grammar
 
     def __init__(self, model, eos_ids: Sequence[int], max_queue: int = 64,
                  max_concurrency: int = 1, prompt_cache=None, metrics=None,

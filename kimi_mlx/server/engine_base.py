@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from dataclasses import replace
 from typing import Callable, Iterator, Optional, Sequence, Tuple
 
 from kimi_mlx.server.jobs import (Busy, Failed, Job, cancelled_in_queue, enqueue, reseed_random,
@@ -93,6 +94,10 @@ class BaseEngine:
     def refusal(self, job: Job) -> Optional[Tuple[str, str]]:
         """(API field, why) when this engine cannot run `job`'s sampling, else None."""
         s = job.sampling
+        if s.constraint is not None and not self.supports_logits_processors:
+            return (s.constraint.field, "structured output (response_format json / a forced "
+                    "tool) is enforced by a logits processor, which this server does not "
+                    "apply; send the request without it")
         if s.has_processors and not self.supports_logits_processors:
             return ("logit_bias" if s.logit_bias else "presence_penalty",
                     "presence_penalty, frequency_penalty, repetition_penalty and logit_bias "
@@ -198,10 +203,21 @@ class BaseEngine:
 
     # ---------------------------------------------------------------- drafts
 
+    # whether this deployment's speculative loops run the draft loop's own verify on this
+    # process (the one-process engine), so a loop that checks drafts against a request's
+    # grammar (`Speculation.checks_grammar`) can; the cluster's loops do not
+    grammar_drafts = False
+
     def speculates(self, job: Job) -> bool:
         """Whether `job` decodes speculatively: with a draft and no logits processors
-        (the verify step does not apply them; those requests decode plainly)."""
-        return self.speculation is not None and not job.logits_processors
+        (the verify step does not apply them; those requests decode plainly), except a
+        structured-output constraint alone where the loop checks drafts against it."""
+        if self.speculation is None:
+            return False
+        s = job.sampling
+        if s.constraint is not None and not replace(s, constraint=None).has_processors:
+            return self.grammar_drafts and self.speculation.checks_grammar
+        return not job.logits_processors
 
     def _speculate(self, job: Job, start: Callable[..., Iterator]) -> Iterator:
         """(token, logprobs) of `job` from `start(speculation)`, the speculative loop's

@@ -12,6 +12,7 @@ from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, check_tool_name, effort_of,
                                     guarded_stream, reply_events, sampling_from, stop_list,
                                     submit)
+from kimi_mlx.server.structured import constrained
 from kimi_mlx.server.images import allow_urls, job_images, openai_refs, prepare, request_images
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
@@ -57,8 +58,9 @@ def chat_messages(req: ChatRequest) -> List[Dict[str, Any]]:
     return out
 
 
-# K3.1 is told these in its prompt, as Moonshot's reference encoder does (no constrained
-# decoding): "text" changes nothing, the JSON kinds add the reference's system block
+# K3.1 is told these in its prompt, as Moonshot's reference encoder does; the grammar
+# (`server.structured`) then enforces them: "text" changes nothing, the JSON kinds add the
+# reference's system block
 _RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 _TOOL_CHOICES = ("auto", "required", "none")
 
@@ -69,8 +71,8 @@ def chat_options(tools, choice, response_format) -> dict:
     "function", "function": {"name"}}`) and Responses (`{"type": "function", "name"}`)
     send it; Responses' `{"type": "allowed_tools", "mode"}`. Moonshot's reference encoder
     renders a block for "required" and "none" only: a named function reaches the model as
-    the reference passes it, i.e. as "auto" (enforcing it is constrained decoding, not
-    done here). APIError 400 for another form, or a name that is not among `tools`."""
+    the reference passes it, i.e. as "auto" (the grammar, `server.structured`, enforces
+    the name). APIError 400 for another form, or a name that is not among `tools`."""
     name = None
     if isinstance(choice, dict):
         kind = choice.get("type")
@@ -113,8 +115,10 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None
     max_tokens = req.max_completion_tokens or req.max_tokens
-    return Job(ids, budget(svc, len(ids), max_tokens),
-               sampling_from(svc, req),
+    sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
+                           response_format=req.response_format, tool_choice=req.tool_choice,
+                           think_budget=req.thinking_budget, parallel=req.parallel_tool_calls)
+    return Job(ids, budget(svc, len(ids), max_tokens), sampling,
                (req.top_logprobs or 0) if req.logprobs else None, ends, None,
                **job_images(svc, ids, images))
 

@@ -35,6 +35,7 @@ from kimi_mlx.server.images import (allow_urls, job_images, lean_messages, prepa
                                     responses_ref, setter, stored_refs)
 from kimi_mlx.server.common import (APIError, Service, budget, effort_of, guarded_stream,
                                     reply_events, sampling_from, submit)
+from kimi_mlx.server.structured import constrained
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.openai_api import chat_options
 from kimi_mlx.server.reply import ReplyBuilder
@@ -301,8 +302,12 @@ class _Turn:
         except InputError as e:
             raise APIError(400, str(e), param="input") from None
         self.svc, self.req = svc, req
+        sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
+                               response_format=_response_format(req), tool_choice=choice,
+                               think_budget=req.thinking_budget,
+                               parallel=req.parallel_tool_calls)
         self.job = Job(ids, budget(svc, len(ids), req.max_output_tokens, "max_output_tokens", "input"),
-                       sampling_from(svc, req),
+                       sampling,
                        None, ends, **job_images(svc, ids, media_in_order(messages)))
         self.builder = ReplyBuilder(svc.wrapper, (), chat=True)
         self.id = "resp_" + uuid.uuid4().hex

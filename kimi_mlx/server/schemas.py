@@ -114,6 +114,8 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: Optional[bool] = None
     reasoning_effort: Optional[str] = _effort()
     response_format: Optional[Dict[str, Any]] = None
+    # reasoning tokens before a constrained request's grammar closes the thinking itself
+    thinking_budget: Optional[Int(ge=0)] = None
 
 
 def _prompt_shape(v):
@@ -218,6 +220,7 @@ class ResponsesRequest(_Model):
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
+    thinking_budget: Optional[Int(ge=0)] = None  # as ChatRequest's
     max_output_tokens: Optional[Int(ge=1)] = None
     temperature: Optional[float] = Field(None, ge=0, le=2)
     top_p: Optional[float] = Field(None, gt=0, le=1)

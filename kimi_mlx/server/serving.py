@@ -176,6 +176,9 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     speculation = build_speculation(drafts, where=ONE_PROCESS, target_wrapper=wrapper,
                                     target_name=spec, model=model)
     svc.wrapper, svc.tok = wrapper, tok
+    from kimi_mlx.server.structured import warm_grammar_tokenizer
+
+    warm_grammar_tokenizer(tok)  # the first structured request does not wait for it
     svc.vocab_size = model.args.vocab_size
     svc.context = serving_context(model.args.max_position_embeddings, max_kv_size)[0]
     pc = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None

@@ -115,6 +115,8 @@ class OwnLoop:
     restore its caches from a prompt cache."""
 
     prefills_itself = False
+    # whether its loop checks drafts against a request's grammar (`grammar_guide`)
+    checks_grammar = False
 
     def generate_step(self, prompt, model, draft_model, **kwargs):
         raise NotImplementedError
@@ -148,6 +150,12 @@ class Speculation:
     @property
     def prefills_itself(self) -> bool:
         return isinstance(self.draft, OwnLoop) and self.draft.prefills_itself
+
+    @property
+    def checks_grammar(self) -> bool:
+        """Whether the loop masks its verify steps with a request's structured-output
+        grammar (`speculative_generate_step` and the n-gram loop do; the MTP's does not)."""
+        return not isinstance(self.draft, OwnLoop) or self.draft.checks_grammar
 
     def kwargs(self) -> dict:
         """Keyword arguments for `stream_speculative` / `speculative_generate_step`."""
@@ -336,18 +344,29 @@ def judge_verify(logits: mx.array, drafts: mx.array, q_lps: List[mx.array],
     return n, token, d_list, logprobs
 
 
+def grammar_guide(sampling: Sampling):
+    """The structured-output processor a speculative loop checks its drafts with
+    (`generation.constrain.GrammarProcessor`: `verify_logits` masks the verify step's
+    rows, `feed` takes each emitted token), or None for a request without a constraint."""
+    c = getattr(sampling, "constraint", None)
+    return None if c is None else c.processor()
+
+
 def emit_accepted(n: int, token: int, d_list: List[int], logprobs: mx.array, emitted: List[int],
-                  stats: SpecStats, left: int) -> Iterator[Tuple[int, mx.array, bool]]:
+                  stats: SpecStats, left: int, guide=None) -> Iterator[Tuple[int, mx.array, bool]]:
     """Yield one verify step's tokens, (token, logprobs [V] float32, from_draft): the n
     accepted drafts `d_list[:n]`, then the target's own `token`; `judge_verify`'s outputs.
 
     Each token is appended to `emitted` before it is yielded, so a caller that settles its
     caches in a `finally` (the consumer stopped the generator mid-step) rolls back to
     exactly what was handed out. Stops after `left` tokens (negative: no limit), the rest
-    of `max_tokens`. Shared by the draft-model, MTP and n-gram loops."""
+    of `max_tokens`. `guide`: the request's grammar processor (`grammar_guide`), fed each
+    token as it is emitted. Shared by the draft-model, MTP and n-gram loops."""
     for i in range(n + 1):
         tok = d_list[i] if i < n else token
         emitted.append(tok)
+        if guide is not None:
+            guide.feed(tok)
         stats.emitted += 1
         yield tok, logprobs[i], i < n
         if 0 <= left <= len(emitted):
@@ -438,6 +457,7 @@ def speculative_generate_step(
 
     vocab = model_vocab(model)
     chain = _GreedyChain.of(draft_model, vocab) if sampling.greedy else None
+    guide = grammar_guide(sampling)
     y = prompt[-1]  # last token, not yet fed to the target
     draft_in: List[int] = [y]  # tokens not yet fed to the draft (ends with y)
     ntoks = 0
@@ -466,12 +486,14 @@ def speculative_generate_step(
             verify = begin_verify(model_cache)
             x = mx.concatenate([mx.array([y], mx.uint32), d_arr])
             logits = model(x[None], cache=model_cache)[0].astype(mx.float32)  # [k+1, V]
+            if guide is not None:
+                logits = guide.verify_logits(logits, d_arr.tolist())
             n, token, d_list, logprobs = judge_verify(logits, d_arr, q_lps, sampling, stats)
 
             emitted: List[int] = []
             step = (verify, snaps, d_list, emitted)
             yield from emit_accepted(n, token, d_list, logprobs, emitted, stats,
-                                     max_tokens - ntoks if max_tokens >= 0 else -1)
+                                     max_tokens - ntoks if max_tokens >= 0 else -1, guide)
             ntoks += len(emitted)
             draft_in = settle(step, len(emitted))
             step = None

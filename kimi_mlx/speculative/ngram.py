@@ -58,8 +58,8 @@ from mlx_lm.models.cache import ArraysCache
 
 from kimi_mlx.sampling import DEFAULT_MAX_TOKENS
 from kimi_mlx.speculative.settings import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, DEFAULT_NUM_DRAFT_TOKENS
-from kimi_mlx.speculative.loop import (OwnLoop, Sampling, SpecStats, emit_accepted, judge_verify,
-                                       prefill_chunks)
+from kimi_mlx.speculative.loop import (OwnLoop, Sampling, SpecStats, emit_accepted, grammar_guide,
+                                       judge_verify, prefill_chunks)
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
 
 __all__ = ["NgramDraft", "NgramIndex", "ngram_generate_step", "DEFAULT_NGRAM_MAX",
@@ -150,6 +150,8 @@ class NgramDraft(OwnLoop):
         ValueError: sizes outside 1 <= n_min <= n_max.
     """
 
+    checks_grammar = True  # its loop masks the verify rows with a request's grammar
+
     def __init__(self, n_max: int = DEFAULT_NGRAM_MAX, n_min: int = DEFAULT_NGRAM_MIN):
         NgramIndex((), n_max, n_min)  # checks the sizes
         self.n_max, self.n_min = n_max, n_min
@@ -239,6 +241,7 @@ def ngram_generate_step(
     seen = held[0].tolist() if held[0] is not None else []
     prefill_chunks(model, cache, prompt[:-1], prefill_step_size)
     index = draft.index(seen + prompt)  # the context, y (not yet fed) included
+    guide = grammar_guide(sampling)  # structured output: masks every row the target scores
 
     y = prompt[-1]
     ntoks = 0
@@ -254,6 +257,8 @@ def ngram_generate_step(
         before = snapshot(cache)
         x = tok.reshape(1, 1) if isinstance(tok, mx.array) else mx.array([[tok]], mx.uint32)
         logits = model(x, cache=cache)[0, -1]
+        if guide is not None:
+            logits = guide.verify_logits(logits[None], [])[0]
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if sampling.greedy:
             nxt = mx.argmax(logprobs)  # as mlx-lm's sampler: ties break alike
@@ -276,8 +281,12 @@ def ngram_generate_step(
                 # token is read (undone at the end if its token is never yielded).
                 tok, logprobs, _ = inflight
                 last = max_tokens >= 0 and ntoks + 1 >= max_tokens
-                inflight = plain_step(tok) if not last and not index.occurrences() else None
+                # (with a grammar the next step's mask needs this token first: no overlap)
+                inflight = (plain_step(tok) if guide is None and not last
+                            and not index.occurrences() else None)
                 y = tok.item()
+                if guide is not None:
+                    guide.feed(y)
                 stats.plain += 1
                 ntoks += 1
                 stats.emitted += 1
@@ -288,13 +297,15 @@ def ngram_generate_step(
             verify = begin_verify(cache)
             x = mx.array([y] + drafts, mx.uint32)
             logits = model(x[None], cache=cache)[0].astype(mx.float32)  # [m+1, V]
+            if guide is not None:
+                logits = guide.verify_logits(logits, drafts)
             q_lps = [] if sampling.greedy else _one_hot_log(drafts, logits.shape[-1])
             n, token, d_list, logprobs = judge_verify(
                 logits, mx.array(drafts, mx.uint32), q_lps, sampling, stats)
             emitted: List[int] = []
             pending = (verify, emitted)
             yield from emit_accepted(n, token, d_list, logprobs, emitted, stats,
-                                     max_tokens - ntoks if max_tokens >= 0 else -1)
+                                     max_tokens - ntoks if max_tokens >= 0 else -1, guide)
             ntoks += len(emitted)
             settle(verify, len(emitted))
             pending = None

@@ -1,0 +1,394 @@
+"""Structured output by constrained decoding: `Constraint` (one request's grammar) and
+`GrammarProcessor` (the logits processor that enforces it).
+
+A request that asks for JSON (`response_format` json_object / json_schema) or forces a
+tool (`tool_choice` required / a named function, Anthropic `any` / `tool`) gets a
+grammar, in llguidance's Lark dialect, over what K3.1 writes *after* its thinking::
+
+    <|open|>response<|sep|>JSON<|close|>response<|sep|><|close|>message<|sep|>       (JSON)
+    <|open|>tools<|sep|>CALL+<|close|>tools<|sep|><|close|>message<|sep|>            (tools)
+    CALL = <|open|>call tool="NAME" index="N"<|sep|>
+           <|open|>json type="object"<|sep|>ARGS<|close|>json<|sep|><|close|>call<|sep|>
+
+with NAME one of the request's tools (or the named one) and ARGS valid against that
+tool's `parameters` JSON schema (the single raw-JSON argument block that K3's format and
+mlx-lm's `kimi_k3` tool parser accept). A request with tools and no forcing is left
+free until the model itself opens `<|open|>tools<|sep|>`; from there its calls follow
+the same CALL grammar. The reasoning section is never constrained: the grammar starts
+once the model closes its thinking (`<|close|>think<|sep|>`), or at once when the
+prompt already left the think block.
+
+The grammar engine is llguidance (Microsoft's, Rust, no torch): per-token masks for
+K3.1's 163,840-token vocabulary take ~20 us median on one CPU core
+(`kimi_mlx/bench/grammar.py`). The mask is applied as a logits processor (disallowed
+tokens -> -inf) through `Sampling.constraint`, so every engine that honours logits
+processors (one process, batched, pipeline head, tensor rank 0) enforces it. The
+speculative loops that verify on this process (draft model, n-gram) mask each verify row
+with the grammar advanced over the drafts before it (`GrammarProcessor.verify_logits`),
+so a forbidden draft is rejected like any mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+from kimi_mlx.sampling import InputError
+from kimi_mlx.text.chat_format import CLOSE, OPEN, SEP, THINK_END, THINK_START, TOOLS_START
+
+__all__ = ["Constraint", "GrammarProcessor", "build_constraint", "grammar_tokenizer",
+           "tool_choice_of"]
+
+log = logging.getLogger("kimi_mlx.generation")
+_TOKENIZERS: dict = {}
+_LOCK = threading.Lock()
+
+
+def grammar_tokenizer(tok):
+    """llguidance's `LLTokenizer` for our `KimiTokenizer` `tok` (its tiktoken ranks,
+    pre-tokenizer regex and special tokens), cached per tokenizer: building it takes
+    ~1-4 s for 163,840 tokens. EOS tokens: `<|end_of_msg|>` and `[EOS]` when present."""
+    enc = tok.model
+    with _LOCK:
+        hit = _TOKENIZERS.get(id(enc))
+        if hit is not None and hit[0] is enc:
+            return hit[1]
+        import llguidance
+
+        eos = [tok.special_tokens[n] for n in ("<|end_of_msg|>", "[EOS]") if n in tok.special_tokens]
+        ll = llguidance.LLTokenizer.from_tiktoken(
+            encoder=enc._mergeable_ranks, special_tokens=enc._special_tokens,
+            pattern=enc._pat_str, eos_token=eos or None, n_vocab=enc.n_vocab)
+        _TOKENIZERS[id(enc)] = (enc, ll)
+        return ll
+
+
+def tool_choice_of(choice: Any, api: str = "openai") -> Any:
+    """A request's tool_choice in one form: None/"auto", "none", "required" or
+    ("named", NAME). Takes OpenAI chat's `{"type": "function", "function": {"name": N}}`,
+    the Responses API's `{"type": "function", "name": N}`, Anthropic's
+    `{"type": "auto" | "any" | "tool" | "none", "name": N}`, and `allowed_tools` (its mode;
+    the subset itself is not enforced). InputError (param
+    tool_choice) for a form it does not know."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, Mapping):
+        kind = choice.get("type")
+        if kind == "function":
+            fn = choice.get("function") if isinstance(choice.get("function"), Mapping) else choice
+            if isinstance(fn.get("name"), str) and fn["name"]:
+                return ("named", fn["name"])
+        elif kind in ("auto", "none"):
+            return kind
+        elif kind == "any":
+            return "required"
+        elif kind == "tool" and isinstance(choice.get("name"), str) and choice["name"]:
+            return ("named", choice["name"])
+        elif kind == "allowed_tools":  # Responses: mode at the top; chat: under allowed_tools
+            inner = choice.get("allowed_tools")
+            mode = choice.get("mode") or (inner.get("mode") if isinstance(inner, Mapping) else None)
+            if mode in (None, "auto", "required"):
+                return mode or "auto"
+    raise InputError(f"tool_choice {choice!r} is not understood: use auto, none, required or a "
+                     "named function", "tool_choice")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """One request's grammar (immutable, shared by the processors made from it).
+
+    grammar: llguidance Lark text; trigger: "think_end" (starts after the model closes
+    its thinking), "tools" (starts after the model opens a tools section) or "now";
+    tokenizer: the `LLTokenizer`; decode: ids -> bytes (to spot the trigger marker);
+    sep_id: `<|sep|>`'s id (every marker ends with it); field: the API field that asked
+    for it; think_budget: with trigger "think_end", the reasoning tokens after which the
+    model is made to close its thinking (`think_end_ids` forced one by one), None for no
+    limit. `processor()` makes the stateful logits processor for one sequence."""
+
+    grammar: str
+    trigger: str
+    tokenizer: Any
+    decode: Any  # ids -> bytes (the KimiTokenizer's decode_bytes)
+    sep_id: int
+    field: str = "response_format"  # the API field that asked for it (for refusals)
+    think_budget: Optional[int] = None  # reasoning tokens before the think block is closed
+    think_end_ids: tuple = ()  # `<|close|>think<|sep|>` as token ids (forced at the budget)
+
+    def processor(self) -> "GrammarProcessor":
+        """A fresh processor (own matcher state) for one sequence."""
+        return GrammarProcessor(self)
+
+
+class GrammarProcessor:
+    """mlx-lm logits processor (tokens [n], logits [1, V]) -> logits enforcing a
+    `Constraint` on one sequence. Stateful: made per sequence (`Constraint.processor`).
+
+    Called once per generated token, first with the last prompt token as `tokens[-1]`
+    and then with the previous step's token last (mlx-lm's generate_step, its
+    BatchGenerator, the pipeline head's chooser): each call after the first consumes
+    `tokens[-1]`. Until the trigger marker the logits pass unchanged; after it, tokens
+    the grammar forbids get -inf. RuntimeError when a token the grammar forbade was
+    chosen anyway (a processor after this one undid the mask)."""
+
+    def __init__(self, constraint: Constraint):
+        self.c = constraint
+        self.calls = 0
+        self.tail = b""
+        self.matcher = None
+        self.done = False
+        self.thought = 0  # reasoning tokens seen
+        self.forced: list = []  # marker ids still to force (budget reached)
+        if constraint.trigger == "now":
+            self._start()
+
+    def _start(self):
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(self.c.tokenizer, self.c.grammar, log_level=0)
+        if self.matcher.is_error():
+            raise RuntimeError(f"grammar failed: {self.matcher.get_error()}")
+
+    def feed(self, token: int) -> None:
+        """Advance over one generated token."""
+        if self.done:
+            return
+        if self.matcher is None:
+            if self.forced:
+                if token != self.forced[0]:
+                    raise RuntimeError(f"token {token} is not the forced end of thinking "
+                                       f"({self.forced[0]})")
+                self.forced.pop(0)
+            self.thought += 1
+            self.tail = (self.tail + self.c.decode([token]))[-64:]
+            marker = (THINK_END if self.c.trigger == "think_end" else TOOLS_START).encode()
+            if token == self.c.sep_id and self.tail.endswith(marker):
+                self._start()
+            return
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"token {token} breaks the request's grammar: "
+                               f"{self.matcher.get_error()}")
+        if self.matcher.is_stopped():
+            self.done = True
+
+    def allowed(self):
+        """numpy bool [tokenizer vocab]: the tokens the grammar allows next, or None
+        when it does not constrain this step."""
+        import numpy as np
+
+        if self.matcher is None and self.c.trigger == "think_end" and not self.forced \
+                and self.c.think_budget is not None and self.thought >= self.c.think_budget:
+            self.forced = list(self.c.think_end_ids)
+        if self.forced:
+            ok = np.zeros(self.c.tokenizer.vocab_size, bool)
+            ok[self.forced[0]] = True
+            return ok
+        if self.matcher is None or self.done:
+            return None
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():
+            raise RuntimeError(f"grammar failed: {self.matcher.get_error()}")
+        return np.unpackbits(words, bitorder="little").view(bool)
+
+    def copy(self) -> "GrammarProcessor":
+        """An independent processor in this one's state (the matcher deep-copied)."""
+        c = GrammarProcessor.__new__(GrammarProcessor)
+        c.__dict__.update(self.__dict__)
+        c.forced = list(self.forced)
+        c.matcher = None if self.matcher is None else self.matcher.deep_copy()
+        return c
+
+    def verify_logits(self, logits, drafts: Sequence[int]):
+        """Speculative decoding's verify step: target logits [k+1, V] at [y, d1..dk] with
+        row i masked by the grammar advanced over d1..di (this processor's state is left
+        as it is: it has consumed every token emitted before y's logits). Rows past the
+        first draft the grammar forbids are left unmasked: that draft is rejected by the
+        masked row before it (its logit is -inf there), so no later row is ever used. The
+        caller then `feed`s the tokens it emits. Unchanged logits when nothing is
+        constrained at any row."""
+        import mlx.core as mx
+        import numpy as np
+
+        sim = self.copy()
+        rows = []
+        for i in range(len(drafts) + 1):
+            ok = sim.allowed()
+            rows.append(ok)
+            if i == len(drafts) or (ok is not None and not ok[drafts[i]]):
+                break
+            sim.feed(int(drafts[i]))
+        if all(r is None for r in rows):
+            return logits
+        width = logits.shape[-1]
+        mask = np.ones((logits.shape[0], width), bool)
+        for i, ok in enumerate(rows):
+            if ok is not None:
+                mask[i] = False
+                mask[i, :min(width, ok.shape[0])] = ok[:width]
+        return mx.where(mx.array(mask), logits, mx.array(-mx.inf, logits.dtype))
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+        import numpy as np
+
+        if self.calls:
+            self.feed(int(tokens[-1].item()))
+        self.calls += 1
+        if self.matcher is not None or self.forced:
+            mx.async_eval(logits)  # the forward pass runs while the mask is computed
+        ok = self.allowed()
+        if ok is None:
+            return logits
+        width = logits.shape[-1]
+        if ok.shape[0] < width:
+            ok = np.concatenate([ok, np.zeros(width - ok.shape[0], bool)])
+        return mx.where(mx.array(ok[:width]), logits, mx.array(-mx.inf, logits.dtype))
+
+
+# ------------------------------------------------------------------ grammar text
+
+
+def _lit(s: str) -> str:
+    return json.dumps(s)
+
+
+def _tok(tok, text: str) -> str:
+    return f"<[{tok.special_tokens[text]}]>"
+
+
+# JSON whitespace a reply may use between tokens: none or one space (`{"a":1}` and
+# json.dumps' `{"a": 1, "b": 2}`), never a run of blanks or newlines: a model that
+# likes whitespace (micro does) would otherwise spend its max_tokens on indentation and
+# leave the JSON unfinished
+JSON_WHITESPACE = r"[ ]?"
+
+
+def _json_rule(schema: Any, strict: bool) -> str:
+    opts = {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE,
+            "lenient": not strict}
+    body = dict(schema) if isinstance(schema, Mapping) else schema
+    if isinstance(body, dict):
+        body = {**body, "x-guidance": {**opts, **(body.get("x-guidance") or {})}}
+    return "%json " + json.dumps(body)
+
+
+def _tool_schema(tool: Mapping) -> tuple:
+    fn = tool.get("function", tool) if isinstance(tool, Mapping) else {}
+    name = fn.get("name")
+    params = fn.get("parameters", fn.get("input_schema")) or {"type": "object"}
+    return name, params
+
+
+def _calls_grammar(tok, tools: Sequence[Mapping], only: Optional[str], parallel: bool = True) -> list:
+    o, c, s = _tok(tok, OPEN), _tok(tok, CLOSE), _tok(tok, SEP)
+    rules, alts = [], []
+    for i, tool in enumerate(tools):
+        name, params = _tool_schema(tool)
+        if not isinstance(name, str) or (only is not None and name != only):
+            continue
+        attr = name.replace("&", "&amp;").replace('"', "&quot;")
+        rules.append(f'call_{i}: {_lit(attr)} "\\" index=\\"" INDEX "\\"" {s} {o} '
+                     f'"json type=\\"object\\"" {s} args_{i} {c} "json" {s} {c} "call" {s}')
+        # a tool's schema is held to every keyword only when it says `strict: true`
+        # (OpenAI's flag); otherwise keywords llguidance lacks are ignored, not refused
+        strict = (tool.get("function", tool) if isinstance(tool, Mapping) else {}).get("strict") is True
+        rules.append(f"args_{i}: {_json_rule(params, strict=strict)}")
+        alts.append(f"call_{i}")
+    rules.append(f'call: {o} "call tool=\\"" ({" | ".join(alts)})')
+    rules.append(f'calls: call{"+" if parallel else ""} {c} "tools" {s} {c} "message" {s}')
+    rules.append('INDEX: /[1-9][0-9]{0,2}/')
+    return rules
+
+
+def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = None,
+                     tools: Optional[Sequence[Mapping]] = None, tool_choice: Any = None,
+                     think_budget: Optional[int] = None, parallel: bool = True,
+                     ) -> Optional[Constraint]:
+    """The grammar a request asks for, or None when it asks for nothing to enforce.
+
+    Args:
+        tok: our `KimiTokenizer`.
+        prompt_ids: the prompt (to see whether it leaves the model inside its thinking).
+        response_format: OpenAI's `{"type": "json_object"}` or `{"type": "json_schema",
+            "json_schema": {"schema": ..., "strict": bool}}` ("text"/None: nothing).
+        tools: the request's tools (OpenAI `{"type": "function", "function": {name,
+            parameters}}`, or Anthropic `{name, input_schema}`).
+        tool_choice: `tool_choice_of`'s form (None/"auto", "none", "required",
+            ("named", NAME)).
+        think_budget: reasoning tokens allowed before the constraint closes the think
+            block itself (None: the model closes it when it will).
+        parallel: False allows one call per tools section (OpenAI
+            `parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`).
+    Raises:
+        InputError: param "response_format" or "tools" when the schema cannot be
+            compiled (the message names the construct llguidance refused), or
+            "tool_choice" when it names a tool that is not in `tools`. With tools and
+            nothing forced, a tool schema that cannot be compiled is no error: the
+            calls are then left unconstrained (None, logged), as before.
+    """
+    tools = [t for t in tools or () if isinstance(_tool_schema(t)[0], str)]
+    kind = (response_format or {}).get("type") if isinstance(response_format, Mapping) else None
+    named = tool_choice[1] if isinstance(tool_choice, tuple) else None
+    if named is not None and named not in [_tool_schema(t)[0] for t in tools]:
+        raise InputError(f"tool_choice names the function {named!r}, which is not in tools "
+                         f"({', '.join(repr(_tool_schema(t)[0]) for t in tools) or 'none given'})",
+                         "tool_choice")
+    forced = bool(tools) and (tool_choice == "required" or named is not None)
+    use_tools = bool(tools) and tool_choice != "none"
+    o, c, s = _tok(tok, OPEN), _tok(tok, CLOSE), _tok(tok, SEP)
+    rules = []
+    if forced:
+        rules = [f'start: {o} "tools" {s} calls'] + _calls_grammar(tok, tools, named, parallel)
+        trigger, param = "think_end", "tools"
+    elif kind in ("json_object", "json_schema"):
+        if kind == "json_schema":
+            spec = response_format.get("json_schema") or {}
+            schema = spec.get("schema") if isinstance(spec, Mapping) else None
+            schema = schema if schema is not None else {"type": "object"}
+            strict = bool(spec.get("strict")) if isinstance(spec, Mapping) else False
+        else:
+            schema, strict = {"type": "object"}, True
+        if not isinstance(schema, (Mapping, bool)):
+            raise InputError("response_format.json_schema.schema must be a JSON schema object",
+                             "response_format")
+        resp = (f'response: {o} "response" {s} value {c} "response" {s}\n'
+                f"value: {_json_rule(schema, strict)}")
+        if use_tools:
+            rules = [f'start: response {c} "message" {s} | {o} "tools" {s} calls', resp] \
+                + _calls_grammar(tok, tools, None, parallel)
+        else:
+            rules = [f'start: response {c} "message" {s}', resp]
+        trigger, param = "think_end", "response_format"
+    elif use_tools:
+        rules = ["start: calls"] + _calls_grammar(tok, tools, None, parallel)
+        trigger, param = "tools", "tools"
+    else:
+        return None
+    grammar = "\n".join(rules)
+    ll = grammar_tokenizer(tok)
+    try:
+        _check(grammar, ll, param)
+    except InputError:
+        if trigger == "tools":  # nothing was forced: the request runs as it did before
+            log.warning("tool schemas cannot be enforced; tool calls are not constrained")
+            return None
+        raise
+    tail = tok.decode_bytes(list(prompt_ids[-8:]))
+    if trigger == "think_end" and not tail.endswith(THINK_START.encode()):
+        trigger = "now"  # the prompt left the think block (no thinking)
+    field = "response_format" if param == "response_format" else "tool_choice"
+    return Constraint(grammar, trigger, ll, tok.decode_bytes, tok.special_tokens[SEP], field,
+                      think_budget, tuple(tok.encode(THINK_END, allow_special=True)))
+
+
+def _check(grammar: str, ll, param: str) -> None:
+    import llguidance
+
+    err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), ll)
+    if err and not err.startswith("WARNING"):
+        first = err.splitlines()[0]
+        why = first.split("failed to compile JSON schema: ", 1)[-1]
+        raise InputError(f"{param}: the schema cannot be enforced by constrained decoding: "
+                         f"{why}", param)

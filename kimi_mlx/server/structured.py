@@ -1,0 +1,66 @@
+"""Structured output for the API handlers: a request's `response_format` / `tool_choice`
+/ tools -> its `Sampling` with the grammar that enforces them
+(`generation.constrain`), or a 400 naming the field and the construct that cannot be
+enforced. Shared by the chat, Responses and Anthropic handlers."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Mapping, Optional, Sequence
+
+from kimi_mlx.generation.constrain import build_constraint, tool_choice_of
+from kimi_mlx.sampling import InputError, Sampling
+from kimi_mlx.server.common import APIError
+
+__all__ = ["constrained", "prompt_tool_choice", "warm_grammar_tokenizer"]
+
+
+def warm_grammar_tokenizer(tok) -> None:
+    """Build llguidance's view of `tok` (`grammar_tokenizer`, seconds at K3.1's 163,840
+    tokens) on a daemon thread, so the first structured request need not; a failure is
+    only logged (the request that needs it then raises it as a 500 naming it)."""
+    import logging
+    import threading
+
+    from kimi_mlx.generation.constrain import grammar_tokenizer
+
+    def build():
+        try:
+            grammar_tokenizer(tok)
+        except Exception as e:  # noqa: BLE001 - logged; a structured request retries it
+            logging.getLogger("kimi_mlx.server").warning("grammar tokenizer: %s", e)
+
+    threading.Thread(target=build, daemon=True, name="kimi-mlx-grammar-tokenizer").start()
+
+
+def prompt_tool_choice(choice: Any) -> Any:
+    """What the prompt encoder is told for a tool_choice (its `tool_choice` option: None,
+    "required" or "none"): a named function or Anthropic's any / tool is "required"
+    (the grammar then restricts the call to the named tool). APIError 400 for a form
+    `tool_choice_of` does not know."""
+    try:
+        c = tool_choice_of(choice)
+    except InputError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return "required" if isinstance(c, tuple) else (None if c == "auto" else c)
+
+
+def constrained(svc, sampling: Sampling, ids: Sequence[int], *, response_format: Any = None,
+                tools: Optional[Sequence[Mapping]] = None, tool_choice: Any = None,
+                think_budget: Optional[int] = None, parallel: Optional[bool] = None) -> Sampling:
+    """`sampling` with the request's structured-output constraint (unchanged when it asks
+    for none); `think_budget`: reasoning tokens before the grammar closes the thinking
+    itself (the request's `thinking_budget`, Anthropic's `thinking.budget_tokens`; None:
+    unlimited); `parallel` False: one tool call per reply (`parallel_tool_calls`;
+    Anthropic's `tool_choice.disable_parallel_tool_use` is read from `tool_choice`).
+    APIError 400 naming response_format / tools / tool_choice when the schema
+    cannot be compiled or the named tool is not among the tools."""
+    if isinstance(tool_choice, Mapping) and tool_choice.get("disable_parallel_tool_use") is True:
+        parallel = False
+    try:
+        c = build_constraint(svc.tok, ids, response_format=response_format, tools=tools,
+                             tool_choice=tool_choice_of(tool_choice), think_budget=think_budget,
+                             parallel=parallel is not False)
+    except InputError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    return sampling if c is None else replace(sampling, constraint=c)
