@@ -12,7 +12,8 @@ import pytest
 from kimi_mlx.generation.constrain import build_constraint, tool_choice_of
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.sampling import InputError, Sampling
-from kimi_mlx.text.chat_format import THINK_START, parse_reply
+from kimi_mlx.text.chat_format import THINK_START
+from kimi_mlx.text.reply_parse import parse_reply
 from kimi_mlx.text.tokenizer import KimiTokenizer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "y"]}},
@@ -111,7 +112,7 @@ def test_tool_choice_forms():
 
 
 def test_sampling_carries_the_constraint_to_processors_not_the_wire(tok):
-    from kimi_mlx.cluster.wire import sampling_to_pb
+    from kimi_mlx.cluster.net.wire import sampling_to_pb
 
     c = build_constraint(tok, tok.encode(THINK_START, allow_special=True), tools=TOOLS,
                          tool_choice="required")
