@@ -17,75 +17,12 @@ head prefills in full.
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-from typing import Any, Iterable, List, Optional, Tuple
+from kimi_mlx.server.prompt_cache import KeyedSnapshotCache
 
 
 __all__ = ["StageCache"]
 
 
-class StageCache:
+class StageCache(KeyedSnapshotCache):
     """One stage's LRU of (key -> snapshot of its layers' caches, positions held), at most
-    `max_bytes` bytes of arrays (`snapshot_nbytes`). Thread-safe; snapshots and restores
-    run on the stage's MLX thread."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max(int(max_bytes), 0)
-        self.nbytes = 0
-        self.evictions = 0
-        self._entries: "OrderedDict[str, Tuple[Any, int, int]]" = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self.nbytes = 0
-
-    def store(self, key: str, length: int, cache: List[Any]) -> bool:
-        """Keep a snapshot of `cache` (holding `length` positions) under `key`, dropping
-        the least recently used ones for room; False when one snapshot alone is larger
-        than the bound (nothing is kept)."""
-        from kimi_mlx.model.cache import snapshot, snapshot_nbytes
-
-        with self._lock:
-            if key in self._entries:
-                self._entries.move_to_end(key)
-                return True
-        snap = snapshot(cache)
-        size = snapshot_nbytes(snap)
-        if size > self.max_bytes:
-            return False
-        with self._lock:
-            self._entries[key] = (snap, length, size)
-            self.nbytes += size
-            while self.nbytes > self.max_bytes:
-                _, (_, _, n) = self._entries.popitem(last=False)
-                self.nbytes -= n
-                self.evictions += 1
-        return True
-
-    def restore(self, key: str, length: int) -> Optional[List[Any]]:
-        """A fresh cache from the snapshot under `key` (None when not held, or when it holds
-        another number of positions)."""
-        from kimi_mlx.model.cache import restore
-
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None or entry[1] != length:
-                return None
-            self._entries.move_to_end(key)
-        return restore(entry[0])
-
-    def held(self, keys: Iterable[str]) -> List[str]:
-        """The keys of `keys` held now (marked recently used)."""
-        out = []
-        with self._lock:
-            for k in keys:
-                if k in self._entries:
-                    self._entries.move_to_end(k)
-                    out.append(k)
-        return out
+    `max_bytes` bytes of arrays (`server.prompt_cache.KeyedSnapshotCache`)."""

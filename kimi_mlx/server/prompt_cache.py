@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 from kimi_mlx.model.cache import restore, snapshot, snapshot_nbytes
 
@@ -79,3 +79,67 @@ class PromptCache:
             snap = self._entries[best][0]
             self.hits += 1
         return restore(snap), len(best)
+
+
+class KeyedSnapshotCache:
+    """An LRU of (string key -> snapshot of a model's caches or of its part: a stage's
+    layers, a tensor rank's shard; positions held), at most `max_bytes` bytes of arrays
+    (`snapshot_nbytes`). Whoever names the snapshots (a pipeline's head, a tensor group's
+    rank 0) decides where they are taken; this holds them. Thread-safe; snapshots and
+    restores run on the caller's MLX thread."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max(int(max_bytes), 0)
+        self.nbytes = 0
+        self.evictions = 0
+        self._entries: "OrderedDict[str, Tuple[Any, int, int]]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.nbytes = 0
+
+    def store(self, key: str, length: int, cache: List[Any]) -> bool:
+        """Keep a snapshot of `cache` (holding `length` positions) under `key`, dropping
+        the least recently used ones for room; False when one snapshot alone is larger
+        than the bound (nothing is kept)."""
+        with self._lock:
+            if key in self._entries:
+                self._entries.move_to_end(key)
+                return True
+        snap = snapshot(cache)
+        size = snapshot_nbytes(snap)
+        if size > self.max_bytes:
+            return False
+        with self._lock:
+            self._entries[key] = (snap, length, size)
+            self.nbytes += size
+            while self.nbytes > self.max_bytes:
+                _, (_, _, n) = self._entries.popitem(last=False)
+                self.nbytes -= n
+                self.evictions += 1
+        return True
+
+    def restore(self, key: str, length: int) -> Optional[List[Any]]:
+        """A fresh cache from the snapshot under `key` (None when not held, or when it holds
+        another number of positions)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry[1] != length:
+                return None
+            self._entries.move_to_end(key)
+        return restore(entry[0])
+
+    def held(self, keys: Iterable[str]) -> List[str]:
+        """The keys of `keys` held now (marked recently used)."""
+        out = []
+        with self._lock:
+            for k in keys:
+                if k in self._entries:
+                    self._entries.move_to_end(k)
+                    out.append(k)
+        return out
