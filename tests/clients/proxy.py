@@ -32,19 +32,11 @@ _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive
         "accept-encoding"}
 
 
-# where each API takes its output cap (a test harness concern, see make_app)
-_CAP_FIELD = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
-              "/v1/responses": "max_output_tokens"}
-
-
-def make_app(upstream: str, log_path: Path, default_max_tokens: int | None = None) -> Starlette:
+def make_app(upstream: str, log_path: Path) -> Starlette:
     """A Starlette app forwarding every method and path to `upstream` (a base URL such as
     http://127.0.0.1:8080) and appending one JSON record per request to `log_path`.
-
-    `default_max_tokens`: put this output cap into OpenAI requests that carry none (the
-    record says `"capped": true`). Codex 0.171 sends no max_output_tokens and has no
-    setting for it; without a cap micro's reply runs to the context (minutes at ~30
-    tokens/s here). Requests that carry a cap are forwarded byte for byte."""
+    Bodies are forwarded byte for byte, except for the (old, new) string pairs a test puts
+    in `<log>.rewrite.json` (the record then says `"rewritten": true`)."""
     client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None))
     lock = threading.Lock()
 
@@ -55,22 +47,12 @@ def make_app(upstream: str, log_path: Path, default_max_tokens: int | None = Non
     async def forward(request: Request):
         body = await request.body()
         t0 = time.monotonic()
-        capped = rewritten = False
+        rewritten = False
         rewrite = log_path.with_name(log_path.name + ".rewrite.json")
         if rewrite.exists() and body:
             for old, new in json.loads(rewrite.read_text()):
                 if old.encode() in body:
                     body, rewritten = body.replace(old.encode(), new.encode()), True
-        field = _CAP_FIELD.get(request.url.path)
-        if default_max_tokens and request.method == "POST" and field and body:
-            try:
-                doc = json.loads(body)
-            except ValueError:
-                doc = None
-            if (isinstance(doc, dict) and doc.get(field) is None
-                    and doc.get("max_completion_tokens") is None):
-                doc[field] = default_max_tokens
-                body, capped = json.dumps(doc).encode(), True
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
         up = client.build_request(request.method, request.url.path, params=request.query_params,
                                   headers=headers, content=body)
@@ -83,7 +65,8 @@ def make_app(upstream: str, log_path: Path, default_max_tokens: int | None = Non
                  "query": str(request.query_params),
                  "headers": {k: v for k, v in headers.items()
                              if k.lower() not in ("authorization", "x-api-key")},
-                 "body": parsed, "capped": capped, "rewritten": rewritten, "status": resp.status_code, "ttfb_s": None, "total_s": None}
+                 "body": parsed, "rewritten": rewritten, "status": resp.status_code,
+                 "ttfb_s": None, "total_s": None}
         chunks: list[bytes] = []
 
         async def relay():
@@ -122,10 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--log", type=Path, required=True, help="JSON-lines file to append to")
-    p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="output cap put into OpenAI requests that carry none")
     a = p.parse_args(argv)
-    uvicorn.run(make_app(a.upstream, a.log, a.default_max_tokens), host=a.host, port=a.port, log_level="warning")
+    uvicorn.run(make_app(a.upstream, a.log), host=a.host, port=a.port, log_level="warning")
     return 0
 
 
