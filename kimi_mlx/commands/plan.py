@@ -77,6 +77,11 @@ def _gb(n: int) -> str:
     return f"{n / GB:.1f}"
 
 
+def _size(n: int) -> str:
+    """'1.8 GB', or '350.2 MB' below a GB."""
+    return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.1f} MB"
+
+
 def _describe_model(name: str, model: ModelBytes) -> List[str]:
     kinds = [l.kind for l in model.layers]
     counts = ", ".join(f"{kinds.count(k)} {k.upper()}" for k in ("kda", "dsa", "mla") if kinds.count(k))
@@ -140,6 +145,19 @@ def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: 
             "cache (references); at "
             f"{plan.context} tokens: "
             f"{' / '.join(_gb(a + b * plan.context) for a, b in zip(state, token))} GB")
+    if used and (dsa or kda):
+        snap = [sum(l.cache_bytes(plan.context, 1) for l in model.layers[st.start:st.end])
+                for st in used]
+        from kimi_mlx.server.serving import DEFAULT_DISK_BYTES
+
+        lines.append(
+            f"prompt-cache snapshot on disk (--prompt-cache-dir; one file per snapshot, "
+            f"KDA state + DSA cache of one sequence, bf16) at {plan.context} tokens: "
+            + (f"{' / '.join(_size(b) for b in snap)} per stage" if len(snap) > 1
+               else _size(snap[0]))
+            + f"; the default --prompt-cache-disk-bytes ({DEFAULT_DISK_BYTES / GiB:.0f} GiB) "
+            f"holds {DEFAULT_DISK_BYTES // max(max(snap), 1)} of them"
+            + (" on the fullest stage" if len(snap) > 1 else ""))
     lines += vision_lines(plan, model)
     unused = plan.unused_nodes
     if unused:
