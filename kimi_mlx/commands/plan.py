@@ -77,9 +77,10 @@ def _gb(n: int) -> str:
     return f"{n / GB:.1f}"
 
 
-def _size(n: int) -> str:
-    """'1.8 GB', or '350.2 MB' below a GB."""
-    return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.1f} MB"
+def _sizes(ns: List[int]) -> str:
+    """'0.4 / 1.8 GB', or in MB when the largest is below a GB."""
+    unit, name = (GB, "GB") if max(ns) >= GB else (1e6, "MB")
+    return " / ".join(f"{n / unit:.1f}" for n in ns) + f" {name}"
 
 
 def _describe_model(name: str, model: ModelBytes) -> List[str]:
@@ -153,8 +154,7 @@ def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: 
         lines.append(
             f"prompt-cache snapshot on disk (--prompt-cache-dir; one file per snapshot, "
             f"KDA state + DSA cache of one sequence, bf16) at {plan.context} tokens: "
-            + (f"{' / '.join(_size(b) for b in snap)} per stage" if len(snap) > 1
-               else _size(snap[0]))
+            + _sizes(snap) + (" per stage" if len(snap) > 1 else "")
             + f"; the default --prompt-cache-disk-bytes ({DEFAULT_DISK_BYTES / GiB:.0f} GiB) "
             f"holds {DEFAULT_DISK_BYTES // max(max(snap), 1)} of them"
             + (" on the fullest stage" if len(snap) > 1 else ""))
