@@ -65,6 +65,12 @@ def test_stages_restarted_restore_from_their_disks(tmp_path):
                           {"role": "user", "content": "And functools.reduce?"}]
         got, usage = chat(server.url, second)
         assert usage["prompt_tokens_details"]["cached_tokens"] > 150  # from the disks
+        chat(server.url, second, 1)  # one more lookup: the stages report their reads
+        hits = {}
+        for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
+            if line.startswith("kimi_mlx_cluster_stage_prompt_cache_disk_hits_total{"):
+                hits[line.split('"')[1]] = float(line.split()[-1])
+        assert hits == {"0": 1.0, "1": 1.0, "2": 1.0}
     finally:
         if server is not None:
             server.stop()

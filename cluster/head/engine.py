@@ -82,6 +82,7 @@ class ClusterEngine(BaseEngine):
                 "shorter (a stage had lost it: a shorter prefix all held), miss (none held "
                 "by all: full prefill), refused (lost between lookup and open: full prefill)",
                 ["result"], registry=metrics.registry)
+            metrics.registry.register(_StageDiskCollector(self))
         self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
         self._vision_lock = threading.Lock()
 
@@ -295,3 +296,36 @@ def head_chooser(job):
         return token.item(), x[0]
 
     return choose
+
+
+class _StageDiskCollector:
+    """/metrics of the stages' prompt-cache disk tiers (`cluster serve
+    --prompt-cache-dir`), as each stage reported them in its last `CacheLookup` reply:
+    kimi_mlx_cluster_stage_prompt_cache_disk_{hits,misses,read_seconds,write_seconds,
+    ignored}_total and _bytes, by stage."""
+
+    FIELDS = (("hits", "snapshots a stage read back from its disk", True),
+              ("misses", "restores that found no usable file on a stage's disk", True),
+              ("read_seconds", "seconds a stage spent reading snapshot files", True),
+              ("write_seconds", "seconds a stage's background writer spent writing", True),
+              ("ignored", "files a stage did not use (another checkpoint, split or "
+                          "version, or a failed checksum)", True),
+              ("bytes", "bytes of snapshot files on a stage's disk", False))
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        pipeline = getattr(self.engine, "pipeline", None)
+        stats = dict(getattr(getattr(pipeline, "transport", None), "cache_stats", None) or {})
+        for name, doc, counter in self.FIELDS:
+            kind = CounterMetricFamily if counter else GaugeMetricFamily
+            m = kind(f"kimi_mlx_cluster_stage_prompt_cache_disk_{name}", doc, labels=["stage"])
+            for i, r in sorted(stats.items()):
+                m.add_metric([str(i)], getattr(r, f"disk_{name}"))
+            yield m

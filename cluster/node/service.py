@@ -351,6 +351,14 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{self.who}: {len(request.keys)} keys in one CacheLookup (at most 65536)")
         c = self.prompt_cache
+        disk = {}
+        if c.disk is not None:
+            st = c.disk.stats()
+            disk = dict(disk_hits=st["hits"], disk_misses=st["misses"], disk_bytes=st["bytes"],
+                        disk_read_seconds=st["read_seconds"],
+                        disk_write_seconds=st["write_seconds"],
+                        disk_ignored=st["ignored_foreign"] + st["ignored_corrupt"])
         return pb.CacheLookupReply(held=c.held(request.keys), bytes=c.nbytes,
-                                   max_bytes=c.max_bytes, entries=len(c), evictions=c.evictions)
+                                   max_bytes=c.max_bytes, entries=len(c), evictions=c.evictions,
+                                   **disk)
 
