@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from kimi_mlx.model.cache import restore, snapshot, snapshot_nbytes
-from kimi_mlx.server.disk_cache import DiskSnapshotStore, checkpoint_identity, token_key
+from kimi_mlx.server.disk_cache import DiskSnapshotStore, checkpoint_identity, prefix_keys, token_key
 from kimi_mlx.server.prompt_cache import KeyedSnapshotCache, PromptCache
 
 FP = {"checkpoint": "abc", "layers": [0, 4], "dtypes": ["bfloat16"], "role": "test"}
@@ -284,6 +284,9 @@ def test_token_key_reads_every_id_and_digest():
     keys = {token_key(ids), token_key([1, 2, 3, 5]), token_key([1, 2, 3]),
             token_key([1, (PAD, a), 3, 4]), token_key([1, (PAD, b), 3, 4])}
     assert len(keys) == 5
+    mixed = [1, (PAD, a), (PAD, a), 4, 5]
+    for seq in (ids, mixed):  # the one-pass hashing of several prefixes agrees with one at a time
+        assert prefix_keys(seq, [1, 3, 4]) == {n: token_key(seq[:n]) for n in (1, 3, 4)}
 
 
 # ------------------------------------------------------------------ one-process server
@@ -338,3 +341,17 @@ def test_server_restarted_on_the_same_folder_continues_from_disk(tmp_path):
     with served(model, prompt_cache_bytes=0) as (ref, _):
         want, ref_usage = _chat(ref.url, second)
     assert got == want and ref_usage["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_disk_read_is_chosen_only_when_faster_than_recomputing(model, tmp_path):
+    """`worth_reading`: bytes / measured read speed against tokens / prompt speed. At an
+    absurd prompt speed recomputing wins (the disk is not read); at none given, it is."""
+    ids = ids_of(10, 80)
+    disk = store(tmp_path)
+    PromptCache(64 << 20, disk=disk).store(ids[:70], prefilled(model, ids[:70]))
+    disk.flush()
+    disk.prompt_tps = 1e15
+    assert PromptCache(64 << 20, disk=disk).fetch(ids) == (None, 0) and disk.hits == 0
+    disk.prompt_tps = 10.0  # 70 tokens: 7 s to recompute, a 0.3 MB read is faster
+    assert PromptCache(64 << 20, disk=disk).fetch(ids)[1] == 70 and disk.hits == 1
+    disk.close()

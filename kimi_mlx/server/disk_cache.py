@@ -41,14 +41,14 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 log = logging.getLogger("kimi_mlx.server.disk_cache")
 
-__all__ = ["FORMAT_VERSION", "DiskSnapshotStore", "checkpoint_identity", "token_key"]
+__all__ = ["FORMAT_VERSION", "DiskSnapshotStore", "checkpoint_identity", "prefix_keys", "token_key"]
 
 FORMAT_VERSION = 1  # of the snapshot files: bump when snapshot()'s layout changes
 DEFAULT_READ_BPS = 1e9  # bytes/s assumed before the first read is measured
@@ -61,13 +61,29 @@ def token_key(ids: Sequence) -> str:
     digest hex) pair (`server.images.cache_key`) hashes as the pad id then the digest's
     bytes (the cluster's `prefix_key` scheme), so the same text with another image has
     another key."""
-    h = hashlib.sha256()
-    for t in ids:
-        if isinstance(t, tuple):
-            h.update(np.asarray([t[0]], dtype="<i4").tobytes() + bytes.fromhex(t[1]))
-        else:
-            h.update(np.asarray([t], dtype="<i4").tobytes())
-    return f"{len(ids)}-{h.hexdigest()[:32]}"
+    return prefix_keys(ids, [len(ids)])[len(ids)]
+
+
+def prefix_keys(ids: Sequence, lengths: Iterable[int]) -> Dict[int, str]:
+    """{n: token_key(ids[:n])} for each n in `lengths` (0 <= n <= len(ids)), hashed in
+    one pass over the ids (a prompt of 100k tokens and hundreds of lengths costs one
+    sha256 over 400 kB)."""
+    ids = list(ids)
+    if all(isinstance(t, int) for t in ids):
+        data = np.asarray(ids, dtype="<i4").tobytes()
+        offsets = None
+    else:
+        parts = [np.asarray([t[0]], dtype="<i4").tobytes() + bytes.fromhex(t[1])
+                 if isinstance(t, tuple) else np.asarray([t], dtype="<i4").tobytes() for t in ids]
+        data = b"".join(parts)
+        offsets = np.concatenate([[0], np.cumsum([len(b) for b in parts])]).tolist()
+    h, at, out = hashlib.sha256(), 0, {}
+    for n in sorted(set(lengths)):
+        end = 4 * n if offsets is None else offsets[n]
+        h.update(data[at:end])
+        at = end
+        out[n] = f"{n}-{h.copy().hexdigest()[:32]}"
+    return out
 
 
 def checkpoint_identity(folder) -> str:

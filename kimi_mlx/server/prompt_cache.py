@@ -24,7 +24,7 @@ from collections import OrderedDict
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 from kimi_mlx.model.cache import restore, snapshot, snapshot_nbytes
-from kimi_mlx.server.disk_cache import token_key
+from kimi_mlx.server.disk_cache import prefix_keys, token_key
 
 
 def snapshot_points(n_ids: int, start: int, segment_ends: Sequence[int], every: int) -> List[int]:
@@ -120,8 +120,9 @@ class PromptCache:
         for key, n, nbytes in self.disk.entries():
             if have < n < len(ids):
                 by_length.setdefault(n, {})[key] = nbytes
+        keys = prefix_keys(ids, by_length)
         for n in sorted(by_length, reverse=True):
-            key = token_key(ids[:n])
+            key = keys[n]
             if key not in by_length[n]:
                 continue
             if not self.disk.worth_reading(by_length[n][key], n - have):
