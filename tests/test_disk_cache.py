@@ -190,7 +190,7 @@ CRASH = textwrap.dedent("""
         time.sleep(600)
     if where == "rename":  # the new file written in full under its temporary name
         real = os.replace
-        dc.os.replace = lambda a, b: hang() if str(a).endswith(".tmp") and "safetensors" in str(a) else real(a, b)
+        dc.os.replace = lambda a, b: hang() if ".tmp" in str(a) and str(b).endswith(".safetensors") else real(a, b)
     else:  # the file renamed, the index not yet saved
         dc.DiskSnapshotStore._save_index = lambda self: hang()
     d.put("killed", 40, *snap(2))

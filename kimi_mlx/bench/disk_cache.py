@@ -7,7 +7,9 @@ memory cache empty), and the disk tier's write / read speeds.
 Each round: a server with a fresh folder answers turn 1 (its snapshots are written in
 the background and flushed when it stops); a new server on the same folder answers
 turn 2 (the TTFT measured: a max_tokens=1 request's latency); a server without any
-prompt cache answers turn 2 cold. Prints the medians and the ratio.
+prompt cache answers turn 2 cold. Prints the medians and the ratio. Then the stall
+check: the largest gap between small MLX steps on this thread (a stand-in for decode
+steps) alone and while the background writer writes a 512 MB snapshot.
 """
 
 from __future__ import annotations
@@ -28,6 +30,42 @@ def _ask(url: str, messages, n: int = 1):
     r.raise_for_status()
     body = r.json()
     return dt, body["usage"], body["choices"][0]["message"]
+
+
+def _gaps(n: int = 300):
+    """(median, 99th percentile, max) seconds between n small MLX steps on this thread."""
+    import mlx.core as mx
+
+    x, gaps, t = mx.ones((256, 256)), [], time.perf_counter()
+    for _ in range(n):
+        x = mx.tanh(x @ x * 1e-3)
+        mx.eval(x)
+        now = time.perf_counter()
+        gaps.append(now - t)
+        t = now
+    gaps.sort()
+    return statistics.median(gaps), gaps[int(0.99 * (n - 1))], gaps[-1]
+
+
+def stall_check(mb: int = 512) -> str:
+    """The step gaps alone and while `mb` MB of snapshot are written in the background."""
+    import mlx.core as mx
+
+    from kimi_mlx.server.disk_cache import DiskSnapshotStore
+
+    arrays = [mx.random.normal((mb // 8, 1024, 1024)).astype(mx.bfloat16) for _ in range(4)]
+    mx.eval(arrays)
+    with tempfile.TemporaryDirectory() as d:
+        store = DiskSnapshotStore(d, 8 << 30, {"bench": 1})
+        alone = _gaps(1000)
+        store.put("k", 1, [("arrays", arrays)], mb << 20)
+        busy = _gaps(1000)
+        store.close()
+        st = store.stats()
+    fmt = lambda g: "median {:.2f}, p99 {:.1f}, max {:.1f} ms".format(*(x * 1e3 for x in g))
+    return (f"step gaps alone: {fmt(alone)}; while writing {mb} MB: {fmt(busy)} "
+            f"(the write took {st['write_seconds']:.2f} s, "
+            f"{st['written_bytes'] / max(st['write_seconds'], 1e-9) / 1e6:.0f} MB/s)")
 
 
 def main(argv=None) -> int:
@@ -75,6 +113,7 @@ def main(argv=None) -> int:
     print(f"disk: {writes[0][0] / 1e6:.1f} MB written per turn 1 ({wb / 1e6:.0f} MB/s in the "
           f"background writer), {reads[0][0] / 1e6:.1f} MB read per restore "
           f"({rb / 1e6:.0f} MB/s, checksum and load included)")
+    print(stall_check())
     return 0
 
 

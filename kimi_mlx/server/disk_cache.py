@@ -13,9 +13,10 @@ folders of other fingerprints are never read (their files are counted as
 id, key and positions in its safetensors metadata, checked on load.
 
 Writes are write-behind on one background thread (`put` only queues references to the
-snapshot's immutable arrays, so a reply's tokens never wait for the disk): the file is
-written to a temporary name, fsynced, renamed, the folder fsynced, then the index is
-replaced the same way. A crash at any point leaves either no entry or a whole one:
+snapshot's immutable arrays, so a reply's tokens never wait for the disk): MLX writes the
+file under a temporary name (`mx.save_safetensors`, without the GIL), it is read back for
+its sha256, fsynced, renamed, the folder fsynced, then the index is replaced the same
+way. A crash at any point leaves either no entry or a whole one:
 temporary files and files the index does not name are deleted when the folder is
 opened, and every read checks the file's sha256 (a mismatch is ignored, counted in
 `ignored_corrupt`, and the entry dropped). The folder holds at most `max_bytes` of
@@ -239,7 +240,7 @@ class DiskSnapshotStore:
         self.nbytes = sum(e["nbytes"] for e in entries.values())
         named = {e["file"] for e in entries.values()}
         for p in self.dir.iterdir():
-            if p.name.endswith(".tmp") or (p.suffix == ".safetensors" and p.name not in named):
+            if ".tmp" in p.name or (p.suffix == ".safetensors" and p.name not in named):
                 p.unlink(missing_ok=True)
         for other in self.root.iterdir():
             if other.is_dir() and other.name != self.fp_id:
@@ -371,24 +372,36 @@ class DiskSnapshotStore:
                     self._idle.notify_all()
 
     def _write(self, key: str, length: int, arrays: Dict[str, Any], layout: list) -> None:
+        # MLX writes the file itself (into a Python BytesIO it would hold the GIL for the
+        # whole copy, stalling the engine thread: 230 ms gaps measured against 28 ms), then
+        # the file is read back in chunks for its checksum (hashlib and reads release it)
         t0 = time.perf_counter()
-        buf = io.BytesIO()
-        mx.save_safetensors(buf, arrays, metadata={
+        name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".safetensors"
+        tmp = self.dir / f".{name[:-12]}.{os.getpid()}.tmp.safetensors"
+        mx.save_safetensors(str(tmp), arrays, metadata={
             "format": str(FORMAT_VERSION), "fingerprint": self.fp_id, "key": key,
             "length": str(length), "layout": json.dumps(layout)})
-        data = buf.getvalue()
-        del buf, arrays
-        name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".safetensors"
-        _write_atomic(self.dir / name, data)
-        entry = {"file": name, "length": int(length), "nbytes": len(data),
-                 "sha256": hashlib.sha256(data).hexdigest(), "used": time.time()}
+        del arrays
+        h = hashlib.sha256()
+        with open(tmp, "rb+") as f:
+            while True:
+                chunk = f.read(16 << 20)
+                if not chunk:
+                    break
+                h.update(chunk)
+            size = f.tell()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / name)
+        _fsync_dir(self.dir)
+        entry = {"file": name, "length": int(length), "nbytes": size,
+                 "sha256": h.hexdigest(), "used": time.time()}
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self.nbytes -= old["nbytes"]
             self._entries[key] = entry
-            self.nbytes += len(data)
-            self.written_bytes += len(data)
+            self.nbytes += size
+            self.written_bytes += size
             self.write_seconds += time.perf_counter() - t0
         self._evict()
 
