@@ -51,32 +51,49 @@ def test_stages_restarted_restore_from_their_disks(tmp_path):
         while not (len(indexed(folder)) == 3 and all(indexed(folder).values())):
             assert time.monotonic() < end, indexed(folder)
             time.sleep(0.1)
+        server.stop()  # the head too: it remembers no prefix now, the stages' disks do
         for p in cluster.procs:
             p.signal(signal.SIGKILL)
         for p in cluster.procs:
             p.proc.wait(10)
-        server.wait_health(503, 10)
         for p in cluster.procs:
             p.start()
         for p in cluster.procs:
             p.wait_ready(60)
-        server.wait_health(200, 60)
+        server = ServerProc(cluster, free_ports(1)[0])
         second = first + [{"role": "assistant", "content": reply[0], "reasoning_content": reply[1]},
                           {"role": "user", "content": "And functools.reduce?"}]
         got, usage = chat(server.url, second)
         assert usage["prompt_tokens_details"]["cached_tokens"] > 150  # from the disks
         chat(server.url, second, 1)  # one more lookup: the stages report their reads
-        hits = {}
+        hits, lookups = {}, {}
         for line in httpx.get(server.url + "/metrics", timeout=10).text.splitlines():
             if line.startswith("kimi_mlx_cluster_stage_prompt_cache_disk_hits_total{"):
                 hits[line.split('"')[1]] = float(line.split()[-1])
+            if line.startswith("kimi_mlx_cluster_prompt_cache_lookups_total{"):
+                lookups[line.split('"')[1]] = float(line.split()[-1])
         assert hits == {"0": 1.0, "1": 1.0, "2": 1.0}
+        assert lookups == {"disk": 1.0, "hit": 1.0}  # the restarted head's first, then remembered
     finally:
         if server is not None:
             server.stop()
         cluster.stop()
     with served(str(default_model()), prompt_cache_bytes=0) as (ref, _):
         assert got == chat(ref.url, second)[0]
+
+
+def test_the_heads_policy_keys_are_the_stages_keys():
+    """A restarted head asks for the policy's prefixes by `server.disk_cache.prefix_keys`
+    (one pass); the stages stored them under `net.cache_keys.prefix_key`: the same key
+    for every prefix, with and without images."""
+    from kimi_mlx.cluster.head.cache_index import HeadCacheIndex
+    from kimi_mlx.cluster.net.cache_keys import prefix_key
+
+    ids = [5 + i % 97 for i in range(3000)]
+    ids[40:44] = [(9, "ab" * 32)] * 4
+    cands = HeadCacheIndex(every=1024).policy_candidates(ids, [30, 700])
+    assert [n for n, _ in cands] == [2048, 1024, 700, 30]
+    assert all(key == prefix_key(ids[:n]) for n, key in cands)
 
 
 def test_stage_fingerprint_names_checkpoint_layers_and_dtype(tmp_path):

@@ -80,7 +80,9 @@ class ClusterEngine(BaseEngine):
                 "kimi_mlx_cluster_prompt_cache_lookups", "requests that found remembered "
                 "prompt prefixes, by result: hit (the longest restored on every stage), "
                 "shorter (a stage had lost it: a shorter prefix all held), miss (none held "
-                "by all: full prefill), refused (lost between lookup and open: full prefill)",
+                "by all: full prefill), refused (lost between lookup and open: full prefill), "
+                "disk (none remembered, e.g. after a restart, but the stages held one of the "
+                "policy's prefixes: on their disks)",
                 ["result"], registry=metrics.registry)
             metrics.registry.register(_StageDiskCollector(self))
         self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
@@ -217,18 +219,25 @@ class ClusterEngine(BaseEngine):
                 self._batcher, self._batcher_of = Batcher(pipeline.transport), pipeline
             return self._batcher
 
-    def _restore_point(self, ids):
+    def _restore_point(self, ids, segment_ends=()):
         """((key, n) of the longest remembered prefix of ids that every stage still holds,
-        or None; n, 0 without one), counted in /metrics."""
-        cands = self.prompt_cache.candidates(ids)
+        or None; n, 0 without one), counted in /metrics. When the head remembers none of
+        the prompt's prefixes (it restarted, or forgot them), the points where the policy
+        would have snapshotted them are asked for instead: stages with
+        `--prompt-cache-dir` may hold them from before (counted as "disk" when found,
+        not counted otherwise: a new prompt is no miss)."""
+        cands, guessed = self.prompt_cache.candidates(ids), False
+        if not cands:
+            cands, guessed = self.prompt_cache.policy_candidates(ids, segment_ends), True
         if not cands:
             return None, 0
         held = set(self.pipeline.transport.cache_lookup([k for _, k in cands]) or ())
         for i, (n, key) in enumerate(cands):
             if key in held:
-                self._count("hit" if i == 0 else "shorter")
+                self._count("disk" if guessed else "hit" if i == 0 else "shorter")
                 return (key, n), n
-        self._count("miss")
+        if not guessed:
+            self._count("miss")
         return None, 0
 
     def _count(self, result: str) -> None:
@@ -245,7 +254,7 @@ class ClusterEngine(BaseEngine):
         from kimi_mlx.cluster.head.transport import StageFailure
 
         key = job.cache_key  # the ids, with image pads tagged by their image's digest
-        restore, cached = self._restore_point(key)
+        restore, cached = self._restore_point(key, job.segment_ends)
         media = self._media(job)
         extra = {} if media is None else {"media": media}
         while True:
