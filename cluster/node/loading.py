@@ -146,6 +146,7 @@ class LoadRPC:
     def _load(self, spec: StageSpec, path: Path, next_address: str, head_context: int = 0):
         self.state, self.runner, self.spec = "loading", None, None
         self.prompt_cache.clear()  # snapshots of the layers held before
+        self.prompt_cache.attach_disk(None)  # their folder too (queued writes finish)
         yield pb.LoadProgress(phase="resolving", message=str(path.name))
         if fingerprint(path) != spec.fingerprint:
             self.catalog = scan(self.models_dir)

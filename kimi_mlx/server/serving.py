@@ -141,7 +141,7 @@ def add_disk_cache_arguments(p) -> None:
                    help="also keep prompt-cache snapshots in this folder, so that they "
                         "survive a restart (written in the background; a folder per "
                         "checkpoint, layer range and format; default: memory only)")
-    p.add_argument("--prompt-cache-disk-bytes", default=str(DEFAULT_DISK_BYTES),
+    p.add_argument("--prompt-cache-disk-bytes", default=str(DEFAULT_DISK_BYTES), metavar="N",
                    help="bytes of snapshot files kept in --prompt-cache-dir, least "
                         "recently used dropped first, e.g. 100GB (default 32 GiB)")
 
