@@ -103,12 +103,13 @@ def test_stage_fingerprint_names_checkpoint_layers_and_dtype(tmp_path):
 
     spec = StageSpec("f" * 24, 0, 2, 0, 2, "float32", "float32")
     ids = set()
-    for change in ({}, {"fingerprint": "e" * 24}, {"start": 1}, {"end": 3},
-                   {"compute_dtype": "bfloat16"}):
-        d = DiskSnapshotStore(tmp_path, 1 << 20, stage_fingerprint(dataclasses.replace(spec, **change)))
+    for change, files in (({}, "a"), ({"fingerprint": "e" * 24}, "a"), ({"start": 1}, "a"),
+                          ({"end": 3}, "a"), ({"compute_dtype": "bfloat16"}, "a"), ({}, "b")):
+        fp = stage_fingerprint(dataclasses.replace(spec, **change), files)
+        d = DiskSnapshotStore(tmp_path, 1 << 20, fp)
         ids.add(d.fp_id)
         d.close()
-    assert len(ids) == 5
+    assert len(ids) == 6
     # the stage index and the wire dtype do not change what a snapshot holds
     same = dataclasses.replace(spec, index=1, num_stages=3, wire_dtype="bfloat16")
     assert stage_fingerprint(same) == stage_fingerprint(spec)

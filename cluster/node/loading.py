@@ -117,7 +117,7 @@ class LoadRPC:
         finally:
             self.load_lock.release()
 
-    def _attach_disk_cache(self, spec: StageSpec) -> None:
+    def _attach_disk_cache(self, spec: StageSpec, path: Path) -> None:
         """With `cluster serve --prompt-cache-dir`: the prompt cache's disk tier for the
         layers just loaded (`stage_cache.stage_fingerprint` names its folder); a folder
         that cannot be used is logged and the stage runs with memory only."""
@@ -125,10 +125,11 @@ class LoadRPC:
         if self.cache_dir is None:
             return
         from kimi_mlx.cluster.node.stage_cache import stage_fingerprint
-        from kimi_mlx.server.disk_cache import DiskSnapshotStore
+        from kimi_mlx.server.disk_cache import DiskSnapshotStore, checkpoint_identity
 
         try:
-            disk = DiskSnapshotStore(self.cache_dir, self.cache_disk_bytes, stage_fingerprint(spec))
+            fp = stage_fingerprint(spec, checkpoint_identity(path))
+            disk = DiskSnapshotStore(self.cache_dir, self.cache_disk_bytes, fp)
         except (OSError, RuntimeError) as e:
             log.warning("%s: prompt cache on disk off: %s", self.who, e)
             return
@@ -204,7 +205,7 @@ class LoadRPC:
                 self._set_positions(head_context)  # before "ready": sessions may follow at once
                 if self.cache_bytes is None:
                     self.prompt_cache.max_bytes = max(self.usable_memory - mx.get_active_memory(), 0) // 4
-                self._attach_disk_cache(spec)
+                self._attach_disk_cache(spec, path)
                 self.load_stats = (report.bytes_loaded, disk, secs)
                 self.state = "ready"
                 log.info("%s: loaded %s in %.1f s (%d tensor bytes, %d bytes read from files)",

@@ -28,13 +28,16 @@ from kimi_mlx.server.prompt_cache import KeyedSnapshotCache
 __all__ = ["StageCache", "stage_fingerprint"]
 
 
-def stage_fingerprint(spec) -> dict:
+def stage_fingerprint(spec, files: str = "") -> dict:
     """What a stage's disk snapshots depend on besides their tokens (`server.disk_cache`):
     the checkpoint's fingerprint (`net.fingerprint`: config, index and every shard's
-    header), the layer range [start, end) and the compute dtype of a `runner.StageSpec`.
-    Another checkpoint, split or dtype reads and writes another folder."""
-    return {"checkpoint": spec.fingerprint, "layers": [int(spec.start), int(spec.end)],
-            "dtype": spec.compute_dtype, "role": "pipeline stage"}
+    header), `files` (`server.disk_cache.checkpoint_identity`: the shards' sizes and
+    mtimes, which a retrained checkpoint of the same shapes changes), the layer range
+    [start, end) and the compute dtype of a `runner.StageSpec`. Another checkpoint,
+    split or dtype reads and writes another folder."""
+    return {"checkpoint": spec.fingerprint, "files": files,
+            "layers": [int(spec.start), int(spec.end)], "dtype": spec.compute_dtype,
+            "role": "pipeline stage"}
 
 
 class StageCache(KeyedSnapshotCache):
