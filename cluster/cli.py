@@ -66,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of prompt-cache snapshots of this stage's layers kept for the "
                         "head, e.g. 8GB (default: a quarter of the usable memory left after "
                         "loading; 0 = none)")
+    from kimi_mlx.server.serving import add_disk_cache_arguments
+
+    add_disk_cache_arguments(q)  # this stage's snapshots on disk, a folder per layer range
     q.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bar while a stage loads (shown only on a terminal)")
     _common(q)
@@ -212,7 +215,9 @@ def serve_settings(args) -> "ServeSettings":
                          advertise=not args.no_advertise, usable_memory=args.usable_memory,
                          bandwidth_gbs=args.bandwidth_gbs, idle_timeout=args.idle_timeout,
                          max_sessions=args.max_sessions, max_message_mb=args.max_message_mb,
-                         cache_bytes=args.cache_bytes, quiet=args.quiet, tls=args.tls)
+                         cache_bytes=args.cache_bytes, prompt_cache_dir=args.prompt_cache_dir,
+                         prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
+                         quiet=args.quiet, tls=args.tls)
 
 
 def run(args) -> int:

@@ -96,3 +96,30 @@ def test_num_draft_tokens_without_a_draft_is_an_error(capsys):
 
     assert main(["chat", "--num-draft-tokens", "5"]) == 2
     assert "--num-draft-tokens needs --draft-model" in capsys.readouterr().err
+
+
+def test_a_resumed_conversation_continues_from_the_cache_on_disk(tiny_ckpt, monkeypatch, capsys, tmp_path):
+    """`chat --conversation F --prompt-cache-dir D`, quit, started again: the next turn
+    reads the conversation's cache back from disk (told on stderr) and replies what the
+    same resumed conversation replies without any cache."""
+    import io
+    import shutil
+
+    from kimi_mlx.commands import main as cli
+
+    def run(lines, *flags):
+        monkeypatch.setattr("sys.stdin", io.StringIO("".join(l + "\n" for l in lines)))
+        rc = cli.main(["chat", "--model", str(tiny_ckpt), "--max-tokens", "6",
+                       "--system-prompt", "You explain the Python standard library. " * 8, *flags])
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        return out.out, out.err
+
+    conv, disk = str(tmp_path / "conv.json"), ["--prompt-cache-dir", str(tmp_path / "pc")]
+    run(["What is functools.partial?"], "--conversation", conv, *disk)
+    shutil.copy(conv, tmp_path / "copy.json")
+    got, err = run(["And reduce?"], "--conversation", conv, *disk)
+    assert "[resumed 3 messages" in err and "prompt tokens from the cache on disk]" in err
+    want, err = run(["And reduce?"], "--conversation", str(tmp_path / "copy.json"))
+    assert "from the cache on disk" not in err
+    assert got == want

@@ -94,7 +94,9 @@ def test_server_images_and_cache_isolation(cluster):
             return c.chat.completions.create(model="micro", max_tokens=5, temperature=0,
                                              logprobs=True, messages=msgs(raw))
 
-        ra, rb, ra2 = ask(a), ask(b), ask(a)
+        # A, B, A, then B again: the fourth restores B's snapshots past the image, which
+        # a stage key without the images' digests would have answered from A's (issue 34)
+        ra, rb, ra2, rb2 = ask(a), ask(b), ask(a), ask(b)
         model, _, _ = load_model(cluster.ckpt, verbose=False)
         tok = KimiTokenizer.from_pretrained(cluster.ckpt)
         vision = Vision(cluster.ckpt)
@@ -117,5 +119,8 @@ def test_server_images_and_cache_isolation(cluster):
         assert ra2.usage.prompt_tokens_details.cached_tokens > first_pad
         assert [e.bytes for e in ra2.choices[0].logprobs.content] == \
             [e.bytes for e in ra.choices[0].logprobs.content]
+        assert rb2.usage.prompt_tokens_details.cached_tokens > first_pad
+        assert [e.bytes for e in rb2.choices[0].logprobs.content] == \
+            [e.bytes for e in rb.choices[0].logprobs.content]
     finally:
         srv.stop()

@@ -19,3 +19,7 @@ def test_plan_states_snapshot_bytes_per_stage(capsys):
     at_context = [float(x) for x in re.search(r"at 131072 tokens: ([\d. /]+) GB", line).group(1).split(" / ")]
     cache_gb = [float(r.split()[-4]) for r in out.splitlines() if re.match(r"^\d\s+mac\d", r)]
     assert len(at_context) == 4 and at_context == cache_gb
+    # the disk tier's files hold the same arrays: the same bytes per stage
+    disk = next(l for l in out.splitlines() if l.startswith("prompt-cache snapshot on disk"))
+    per_file = [float(x) for x in re.search(r"tokens: ([\d. /]+) GB per stage", disk).group(1).split(" / ")]
+    assert per_file == at_context

@@ -36,6 +36,19 @@ class HeadCacheIndex:
                     out.append((n, key))
         return sorted(out, reverse=True)
 
+    def policy_candidates(self, ids: Sequence, segment_ends: Sequence[int]) -> List[Tuple[int, str]]:
+        """(length, key) of every prefix of ids[:-1] the snapshot policy would have taken
+        (`snapshot_points` from 0: message ends and multiples of `every`), longest first,
+        whether remembered or not: what stages that keep snapshots on disk may hold from
+        before this head started. Keys hashed in one pass (`server.disk_cache.prefix_keys`,
+        the `prefix_key` scheme)."""
+        from kimi_mlx.server.disk_cache import prefix_keys
+        from kimi_mlx.server.prompt_cache import snapshot_points
+
+        points = snapshot_points(len(ids), 0, segment_ends, self.every)
+        keys = prefix_keys(ids, points)
+        return sorted(((n, keys[n]) for n in points), reverse=True)
+
     def plan(self, ids: Sequence[int], start: int, segment_ends: Sequence[int]) -> Dict[int, str]:
         """{position e: key} of the snapshots to take while prefilling ids from `start`
         (`snapshot_points`), remembered from now on."""

@@ -80,8 +80,11 @@ class ClusterEngine(BaseEngine):
                 "kimi_mlx_cluster_prompt_cache_lookups", "requests that found remembered "
                 "prompt prefixes, by result: hit (the longest restored on every stage), "
                 "shorter (a stage had lost it: a shorter prefix all held), miss (none held "
-                "by all: full prefill), refused (lost between lookup and open: full prefill)",
+                "by all: full prefill), refused (lost between lookup and open: full prefill), "
+                "disk (none remembered, e.g. after a restart, but the stages held one of the "
+                "policy's prefixes: on their disks)",
                 ["result"], registry=metrics.registry)
+            metrics.registry.register(_StageDiskCollector(self))
         self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
         self._vision_lock = threading.Lock()
 
@@ -216,18 +219,25 @@ class ClusterEngine(BaseEngine):
                 self._batcher, self._batcher_of = Batcher(pipeline.transport), pipeline
             return self._batcher
 
-    def _restore_point(self, ids):
+    def _restore_point(self, ids, segment_ends=()):
         """((key, n) of the longest remembered prefix of ids that every stage still holds,
-        or None; n, 0 without one), counted in /metrics."""
-        cands = self.prompt_cache.candidates(ids)
+        or None; n, 0 without one), counted in /metrics. When the head remembers none of
+        the prompt's prefixes (it restarted, or forgot them), the points where the policy
+        would have snapshotted them are asked for instead: stages with
+        `--prompt-cache-dir` may hold them from before (counted as "disk" when found,
+        not counted otherwise: a new prompt is no miss)."""
+        cands, guessed = self.prompt_cache.candidates(ids), False
+        if not cands:
+            cands, guessed = self.prompt_cache.policy_candidates(ids, segment_ends), True
         if not cands:
             return None, 0
         held = set(self.pipeline.transport.cache_lookup([k for _, k in cands]) or ())
         for i, (n, key) in enumerate(cands):
             if key in held:
-                self._count("hit" if i == 0 else "shorter")
+                self._count("disk" if guessed else "hit" if i == 0 else "shorter")
                 return (key, n), n
-        self._count("miss")
+        if not guessed:
+            self._count("miss")
         return None, 0
 
     def _count(self, result: str) -> None:
@@ -244,7 +254,7 @@ class ClusterEngine(BaseEngine):
         from kimi_mlx.cluster.head.transport import StageFailure
 
         key = job.cache_key  # the ids, with image pads tagged by their image's digest
-        restore, cached = self._restore_point(key)
+        restore, cached = self._restore_point(key, job.segment_ends)
         media = self._media(job)
         extra = {} if media is None else {"media": media}
         while True:
@@ -295,3 +305,36 @@ def head_chooser(job):
         return token.item(), x[0]
 
     return choose
+
+
+class _StageDiskCollector:
+    """/metrics of the stages' prompt-cache disk tiers (`cluster serve
+    --prompt-cache-dir`), as each stage reported them in its last `CacheLookup` reply:
+    kimi_mlx_cluster_stage_prompt_cache_disk_{hits,misses,read_seconds,write_seconds,
+    ignored}_total and _bytes, by stage."""
+
+    FIELDS = (("hits", "snapshots a stage read back from its disk", True),
+              ("misses", "restores that found no usable file on a stage's disk", True),
+              ("read_seconds", "seconds a stage spent reading snapshot files", True),
+              ("write_seconds", "seconds a stage's background writer spent writing", True),
+              ("ignored", "files a stage did not use (another checkpoint, split or "
+                          "version, or a failed checksum)", True),
+              ("bytes", "bytes of snapshot files on a stage's disk", False))
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        pipeline = getattr(self.engine, "pipeline", None)
+        stats = dict(getattr(getattr(pipeline, "transport", None), "cache_stats", None) or {})
+        for name, doc, counter in self.FIELDS:
+            kind = CounterMetricFamily if counter else GaugeMetricFamily
+            m = kind(f"kimi_mlx_cluster_stage_prompt_cache_disk_{name}", doc, labels=["stage"])
+            for i, r in sorted(stats.items()):
+                m.add_metric([str(i)], getattr(r, f"disk_{name}"))
+            yield m

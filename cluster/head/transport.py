@@ -235,6 +235,7 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
         self._closing = False
         self._generation = 0
         self._fingerprint = ""
+        self.cache_stats: Dict[int, "pb.CacheLookupReply"] = {}  # stage -> last reply
 
     # -- connections ---------------------------------------------------------------------
     def _connect(self, stages: List[StageAssignment]) -> None:
@@ -247,6 +248,7 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
         self._stubs = [pb_grpc.StageStub(ch) for ch in self._channels]
         self._last_seen = [time.monotonic()] * len(stages)
         self._peak = [0] * len(stages)
+        self.cache_stats = {}
         self.lost = {}
 
     def describe(self, i: int) -> str:
@@ -465,7 +467,8 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
 
     def cache_lookup(self, keys):
         """The keys every stage holds (asked in parallel); a stage that does not answer
-        within rpc_timeout holds none."""
+        within rpc_timeout holds none. Each stage's reply (its cache's counters, disk
+        tier included) is kept in `cache_stats[i]` for /metrics."""
         keys = list(keys)
         if not keys or not self.stages:
             return []
@@ -476,6 +479,7 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
                 r = self._stubs[i].CacheLookup(pb.CacheLookupRequest(keys=keys),
                                                timeout=self.rpc_timeout)
                 held[i] = set(r.held)
+                self.cache_stats[i] = r
             except grpc.RpcError as e:
                 log.warning("%s: prompt cache lookup failed: %s", self.describe(i), rpc_reason(e))
 

@@ -31,6 +31,8 @@ class ServeSettings:
     max_sessions: int = 16
     max_message_mb: int = 256
     cache_bytes: Optional[str] = None
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_disk_bytes: Optional[str] = None
     quiet: bool = False
     tls: bool = False
 
@@ -64,6 +66,13 @@ def serve(settings: ServeSettings) -> int:
         usable = parse_bytes(settings.usable_memory) if settings.usable_memory else None
         cache_bytes = (parse_bytes(settings.cache_bytes, default_unit="B") if settings.cache_bytes is not None
                        else None)
+        from kimi_mlx.server.serving import DEFAULT_DISK_BYTES
+
+        disk_bytes = (parse_bytes(settings.prompt_cache_disk_bytes, default_unit="B")
+                      if settings.prompt_cache_disk_bytes is not None else DEFAULT_DISK_BYTES)
+        cache_dir = Path(settings.prompt_cache_dir).expanduser() if settings.prompt_cache_dir else None
+        if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
+            raise ValueError(f"--prompt-cache-dir {cache_dir}: not a folder")
         if settings.tls:  # fail before scanning the models folder, with auth's own message
             from kimi_mlx.cluster.net.auth import server_credentials
 
@@ -80,7 +89,7 @@ def serve(settings: ServeSettings) -> int:
         idle_timeout=settings.idle_timeout, max_sessions=settings.max_sessions,
         max_message=settings.max_message_mb << 20, usable_memory=usable,
         bandwidth=int(settings.bandwidth_gbs * 1e9) if settings.bandwidth_gbs else None,
-        cache_bytes=cache_bytes)
+        cache_bytes=cache_bytes, cache_dir=cache_dir, cache_disk_bytes=disk_bytes)
     if not settings.quiet:
         import tqdm  # noqa: F401  (now: a load should read checkpoint bytes only)
 

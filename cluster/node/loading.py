@@ -117,6 +117,26 @@ class LoadRPC:
         finally:
             self.load_lock.release()
 
+    def _attach_disk_cache(self, spec: StageSpec, path: Path) -> None:
+        """With `cluster serve --prompt-cache-dir`: the prompt cache's disk tier for the
+        layers just loaded (`stage_cache.stage_fingerprint` names its folder); a folder
+        that cannot be used is logged and the stage runs with memory only."""
+        self.prompt_cache.attach_disk(None)
+        if self.cache_dir is None:
+            return
+        from kimi_mlx.cluster.node.stage_cache import stage_fingerprint
+        from kimi_mlx.server.disk_cache import DiskSnapshotStore, checkpoint_identity
+
+        try:
+            fp = stage_fingerprint(spec, checkpoint_identity(path))
+            disk = DiskSnapshotStore(self.cache_dir, self.cache_disk_bytes, fp)
+        except (OSError, RuntimeError) as e:
+            log.warning("%s: prompt cache on disk off: %s", self.who, e)
+            return
+        self.prompt_cache.attach_disk(disk)
+        log.info("%s: prompt cache on disk in %s (%d snapshots, %d bytes)", self.who,
+                 disk.dir, len(disk), disk.nbytes)
+
     def _set_positions(self, head_context: int) -> None:
         """The loaded runner's position limit: the model's max_position_embeddings, or a
         head's longer context (`kimi-mlx cluster server --max-kv-size` past it)."""
@@ -127,6 +147,7 @@ class LoadRPC:
     def _load(self, spec: StageSpec, path: Path, next_address: str, head_context: int = 0):
         self.state, self.runner, self.spec = "loading", None, None
         self.prompt_cache.clear()  # snapshots of the layers held before
+        self.prompt_cache.attach_disk(None)  # their folder too (queued writes finish)
         yield pb.LoadProgress(phase="resolving", message=str(path.name))
         if fingerprint(path) != spec.fingerprint:
             self.catalog = scan(self.models_dir)
@@ -184,6 +205,7 @@ class LoadRPC:
                 self._set_positions(head_context)  # before "ready": sessions may follow at once
                 if self.cache_bytes is None:
                     self.prompt_cache.max_bytes = max(self.usable_memory - mx.get_active_memory(), 0) // 4
+                self._attach_disk_cache(spec, path)
                 self.load_stats = (report.bytes_loaded, disk, secs)
                 self.state = "ready"
                 log.info("%s: loaded %s in %.1f s (%d tensor bytes, %d bytes read from files)",

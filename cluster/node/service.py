@@ -92,6 +92,9 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
         usable_memory/bandwidth: overrides of the detected figures (bytes, bytes/s).
         cache_bytes: bound of the prompt-cache LRU (None: a quarter of the usable memory
             left after each load; 0: no prompt cache).
+        cache_dir / cache_disk_bytes: the prompt cache's disk tier (`server.disk_cache`,
+            None: memory only), a folder per loaded checkpoint, layer range and dtype
+            (`stage_cache.stage_fingerprint`), attached at each load.
     """
 
     stage_loader = None
@@ -102,7 +105,8 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
                  heartbeat_s: float = 1.0, max_sessions: int = 16,
                  stream_deadline: float = 24 * 3600.0, max_message: int = DEFAULT_MAX_MESSAGE,
                  usable_memory: Optional[int] = None, bandwidth: Optional[int] = None,
-                 cache_bytes: Optional[int] = None):
+                 cache_bytes: Optional[int] = None, cache_dir: Optional[Path] = None,
+                 cache_disk_bytes: int = 0):
         from kimi_mlx.cluster.net.discovery import local_chip, local_memory
 
         self.node_id = node_id
@@ -134,6 +138,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
         self.sessions: Dict[str, Live] = {}
         self.cache_bytes = cache_bytes
         self.prompt_cache = StageCache(cache_bytes or 0)
+        self.cache_dir, self.cache_disk_bytes = cache_dir, cache_disk_bytes
         self.watchers: Dict[str, Watcher] = {}
         self.lock = threading.Lock()
         self.load_lock = threading.Lock()  # one load at a time; later Loads wait for it
@@ -223,6 +228,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
         for ch in self._channels.values():
             ch.close()
         self.compute.stop(timeout)
+        self.prompt_cache.attach_disk(None)  # queued snapshot writes finish first
 
     # -- RPCs ----------------------------------------------------------------------------
     def refresh_catalog(self) -> Dict[str, Path]:
@@ -345,6 +351,14 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"{self.who}: {len(request.keys)} keys in one CacheLookup (at most 65536)")
         c = self.prompt_cache
+        disk = {}
+        if c.disk is not None:
+            st = c.disk.stats()
+            disk = dict(disk_hits=st["hits"], disk_misses=st["misses"], disk_bytes=st["bytes"],
+                        disk_read_seconds=st["read_seconds"],
+                        disk_write_seconds=st["write_seconds"],
+                        disk_ignored=st["ignored_foreign"] + st["ignored_corrupt"])
         return pb.CacheLookupReply(held=c.held(request.keys), bytes=c.nbytes,
-                                   max_bytes=c.max_bytes, entries=len(c), evictions=c.evictions)
+                                   max_bytes=c.max_bytes, entries=len(c), evictions=c.evictions,
+                                   **disk)
 

@@ -13,6 +13,11 @@ hold. A snapshot evicted on any stage, or a stage restarted (its cache empty), o
 shortens the prefix restored, down to a full prefill; never a wrong answer, since every
 stage restores the same prefix or the session is refused ("prompt cache miss") and the
 head prefills in full.
+
+With `cluster serve --prompt-cache-dir`, the snapshots also go to disk
+(`server.disk_cache.DiskSnapshotStore`, write-behind) in a folder named by
+`stage_fingerprint`, so a restarted stage still holds them: `held` counts what is on
+disk, and a restore reads it back.
 """
 
 from __future__ import annotations
@@ -20,7 +25,19 @@ from __future__ import annotations
 from kimi_mlx.server.prompt_cache import KeyedSnapshotCache
 
 
-__all__ = ["StageCache"]
+__all__ = ["StageCache", "stage_fingerprint"]
+
+
+def stage_fingerprint(spec, files: str = "") -> dict:
+    """What a stage's disk snapshots depend on besides their tokens (`server.disk_cache`):
+    the checkpoint's fingerprint (`net.fingerprint`: config, index and every shard's
+    header), `files` (`server.disk_cache.checkpoint_identity`: the shards' sizes and
+    mtimes, which a retrained checkpoint of the same shapes changes), the layer range
+    [start, end) and the compute dtype of a `runner.StageSpec`. Another checkpoint,
+    split or dtype reads and writes another folder."""
+    return {"checkpoint": spec.fingerprint, "files": files,
+            "layers": [int(spec.start), int(spec.end)], "dtype": spec.compute_dtype,
+            "role": "pipeline stage"}
 
 
 class StageCache(KeyedSnapshotCache):

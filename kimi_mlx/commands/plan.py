@@ -77,6 +77,12 @@ def _gb(n: int) -> str:
     return f"{n / GB:.1f}"
 
 
+def _sizes(ns: List[int]) -> str:
+    """'0.4 / 1.8 GB', or in MB when the largest is below a GB."""
+    unit, name = (GB, "GB") if max(ns) >= GB else (1e6, "MB")
+    return " / ".join(f"{n / unit:.1f}" for n in ns) + f" {name}"
+
+
 def _describe_model(name: str, model: ModelBytes) -> List[str]:
     kinds = [l.kind for l in model.layers]
     counts = ", ".join(f"{kinds.count(k)} {k.upper()}" for k in ("kda", "dsa", "mla") if kinds.count(k))
@@ -140,6 +146,18 @@ def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: 
             "cache (references); at "
             f"{plan.context} tokens: "
             f"{' / '.join(_gb(a + b * plan.context) for a, b in zip(state, token))} GB")
+    if used and (dsa or kda):
+        snap = [sum(l.cache_bytes(plan.context, 1) for l in model.layers[st.start:st.end])
+                for st in used]
+        from kimi_mlx.server.serving import DEFAULT_DISK_BYTES
+
+        lines.append(
+            f"prompt-cache snapshot on disk (--prompt-cache-dir; one file per snapshot, "
+            f"KDA state + DSA cache of one sequence, bf16) at {plan.context} tokens: "
+            + _sizes(snap) + (" per stage" if len(snap) > 1 else "")
+            + f"; the default --prompt-cache-disk-bytes ({DEFAULT_DISK_BYTES / GiB:.0f} GiB) "
+            f"holds {DEFAULT_DISK_BYTES // max(max(snap), 1)} of them"
+            + (" on the fullest stage" if len(snap) > 1 else ""))
     lines += vision_lines(plan, model)
     unused = plan.unused_nodes
     if unused:

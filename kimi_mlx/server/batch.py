@@ -150,6 +150,9 @@ def run_batched(engine) -> None:
                 if s.t_first is None:
                     s.t_first = time.perf_counter()
                     s.prompt_tps = (len(s.job.ids) - s.cached) / max(s.t_first - s.t0, 1e-9)
+                    if engine.prompt_cache is not None:
+                        engine.prompt_cache.note_prompt_speed(len(s.job.ids) - s.cached,
+                                                              s.t_first - s.t0)
                 if r.finish_reason == "stop" and r.token in engine.eos_ids:
                     if s.job.score is not None and s.job.logprobs is not None:
                         s.job.stop_token = TokenOut(r.token, *top_logprobs(

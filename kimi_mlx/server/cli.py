@@ -10,7 +10,7 @@ import sys
 
 from kimi_mlx.generation.request import (InputError, add_draft_arguments, add_mtp_argument,
                                          add_quiet_argument, micro_note, resolve_model_arg)
-from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_server_arguments, check_draft_server_arguments,
+from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_disk_cache_arguments, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
                                      serve)
 
@@ -29,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "value allowed there; 1 = one request at a time)")
     p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
                    help="bytes of cache snapshots kept across requests (default 1 GiB; 0 = off)")
+    add_disk_cache_arguments(p)
     add_draft_arguments(p, note=": the server then runs one request at a time "
                         "(--max-concurrency 1), every request speculatively (requests with "
                         "penalties or logit_bias decode plainly)", mtp=True)
@@ -55,7 +56,9 @@ def run(args) -> int:
     def load():
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
                      args.max_queue, args.max_kv_size, drafts=drafts, progress=not args.quiet,
-                     allow_image_urls=args.allow_image_urls, max_images=args.max_images)
+                     allow_image_urls=args.allow_image_urls, max_images=args.max_images,
+                     prompt_cache_dir=args.prompt_cache_dir,
+                     prompt_cache_disk_bytes=args.prompt_cache_disk_bytes)
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
         if micro_note(spec):
             log.info(micro_note(spec))

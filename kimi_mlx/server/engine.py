@@ -59,6 +59,12 @@ class Engine(BaseEngine):
         self.model = model
         self.prompt_cache = prompt_cache
 
+    def _after_stop(self) -> None:
+        super()._after_stop()
+        disk = getattr(self.prompt_cache, "disk", None)
+        if disk is not None:  # the queued snapshot writes finish, the folder is released
+            disk.close()
+
     def _serve(self) -> None:
         if self.max_concurrency > 1:
             from kimi_mlx.server.batch import run_batched

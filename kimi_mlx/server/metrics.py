@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for app.py)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series: clutter for a single-process server
 
@@ -47,6 +48,13 @@ class Metrics:
         self.accepted = Counter("kimi_mlx_speculative_accepted_tokens", "speculative "
                                 "decoding: draft tokens the target accepted", registry=r)
 
+    def watch_disk_cache(self, disk) -> None:
+        """Export a prompt-cache disk tier's counters (`server.disk_cache.DiskSnapshotStore
+        .stats`): kimi_mlx_prompt_cache_disk_{hits,misses,read_bytes,written_bytes,
+        read_seconds,write_seconds,evictions}_total, _ignored_total{reason=foreign|corrupt},
+        and the gauge kimi_mlx_prompt_cache_disk_bytes (files held now)."""
+        self.registry.register(_DiskCollector(disk))
+
     def speculated(self, steps: int, drafted: int, accepted: int) -> None:
         """Account one request's speculative decoding (verify steps, drafted and accepted
         draft tokens); accepted / steps is the mean accepted per target pass."""
@@ -69,3 +77,35 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _DiskCollector:
+    """/metrics of a prompt-cache disk tier, read from its `stats()` at each scrape."""
+
+    COUNTERS = (("hits", "snapshots read back from disk"),
+                ("misses", "disk lookups that found no usable snapshot"),
+                ("read_bytes", "bytes of snapshot files read"),
+                ("written_bytes", "bytes of snapshot files written"),
+                ("read_seconds", "seconds spent reading and checking snapshot files"),
+                ("write_seconds", "seconds the background writer spent writing snapshots"),
+                ("evictions", "snapshot files dropped for room"))
+
+    def __init__(self, disk):
+        self.disk = disk
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        st = self.disk.stats()
+        for name, doc in self.COUNTERS:
+            yield CounterMetricFamily(f"kimi_mlx_prompt_cache_disk_{name}", doc, value=st[name])
+        ign = CounterMetricFamily("kimi_mlx_prompt_cache_disk_ignored", "snapshot files "
+                                  "not used: of another checkpoint, shard or version "
+                                  "(foreign), or failing their checksum (corrupt)",
+                                  labels=["reason"])
+        ign.add_metric(["foreign"], st["ignored_foreign"])
+        ign.add_metric(["corrupt"], st["ignored_corrupt"])
+        yield ign
+        yield GaugeMetricFamily("kimi_mlx_prompt_cache_disk_bytes", "bytes of snapshot "
+                                "files in --prompt-cache-dir", value=st["bytes"])

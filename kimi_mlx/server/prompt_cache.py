@@ -6,6 +6,15 @@ KDA state cannot be trimmed, so a request can only start from a snapshot whose t
 a prefix of its prompt; the longest such prefix wins. A hit restores a fresh cache from
 the snapshot (`kimi_mlx.model.cache.restore`), so a request never sees another's state, and at
 least the last prompt token always runs (it gives the first token's logits).
+
+Both caches here take an optional disk tier (`server.disk_cache.DiskSnapshotStore`,
+`--prompt-cache-dir`). Policy: write-behind of every snapshot stored (segment ends and
+every-N points alike), so that a restart, a crash or an eviction from the memory LRU
+finds it on disk; the memory LRU then drops evicted snapshots as before (they are on
+disk already, or were dropped by a full write queue). A lookup that finds nothing in
+memory, or a shorter prefix than disk holds, reads the disk's longest usable prefix
+(when `DiskSnapshotStore.worth_reading` says a read beats recomputing) and keeps it in
+memory too.
 """
 
 from __future__ import annotations
@@ -15,6 +24,7 @@ from collections import OrderedDict
 from typing import Any, Iterable, List, Optional, Sequence, Tuple
 
 from kimi_mlx.model.cache import restore, snapshot, snapshot_nbytes
+from kimi_mlx.server.disk_cache import prefix_keys, token_key
 
 
 def snapshot_points(n_ids: int, start: int, segment_ends: Sequence[int], every: int) -> List[int]:
@@ -31,11 +41,14 @@ def snapshot_points(n_ids: int, start: int, segment_ends: Sequence[int], every: 
 class PromptCache:
     """LRU of (token prefix -> cache snapshot), at most `max_bytes` of arrays.
 
-    Thread-safe (the engine thread stores and fetches; /metrics reads counters)."""
+    Thread-safe (the engine thread stores and fetches; /metrics reads counters).
+    `disk`: an optional `DiskSnapshotStore` (module doc: write-behind, read fallback),
+    keyed by `disk_cache.token_key` of the prefix (its image pads' digests included)."""
 
-    def __init__(self, max_bytes: int, every: int = 1024):
+    def __init__(self, max_bytes: int, every: int = 1024, disk=None):
         self.max_bytes = max_bytes
         self.every = every  # also snapshot every this many prefill tokens (long prompts)
+        self.disk = disk
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
@@ -54,6 +67,18 @@ class PromptCache:
                 return
         snap = snapshot(cache)
         size = snapshot_nbytes(snap)
+        if self.disk is not None:
+            self.disk.put(token_key(key), len(key), snap, size)
+        self._keep(key, snap, size)
+
+    def note_prompt_speed(self, tokens: int, seconds: float) -> None:
+        """A prefill of `tokens` tokens took `seconds`: the disk tier's read-or-recompute
+        choice uses the fastest prompt speed seen over prefills of 64 tokens or more
+        (shorter ones are dominated by fixed costs)."""
+        if self.disk is not None and tokens >= 64 and seconds > 0:
+            self.disk.prompt_tps = max(self.disk.prompt_tps or 0.0, tokens / seconds)
+
+    def _keep(self, key: Tuple, snap, size: int) -> None:
         if size > self.max_bytes:
             return
         with self._lock:
@@ -65,14 +90,22 @@ class PromptCache:
 
     def fetch(self, ids: Sequence[int]) -> Tuple[Optional[List[Any]], int]:
         """(fresh cache restored from the longest stored prefix of ids[:-1], its length),
-        or (None, 0) on a miss."""
+        or (None, 0) on a miss. Memory first; then the disk, for a longer prefix."""
         best = None
         with self._lock:
             for key in self._entries:
                 n = len(key)
                 if n < len(ids) and (best is None or n > len(best)) and tuple(ids[:n]) == key:
                     best = key
-            if best is None:
+        have = len(best) if best is not None else 0
+        if self.disk is not None:
+            got = self._fetch_disk(ids, have)
+            if got is not None:
+                with self._lock:
+                    self.hits += 1
+                return restore(got[0]), got[1]
+        with self._lock:
+            if best is None or best not in self._entries:
                 self.misses += 1
                 return None, 0
             self._entries.move_to_end(best)
@@ -80,25 +113,59 @@ class PromptCache:
             self.hits += 1
         return restore(snap), len(best)
 
+    def _fetch_disk(self, ids: Sequence, have: int):
+        """(snapshot, length) of the longest prefix of ids[:-1] on disk longer than
+        `have`, when reading it beats recomputing its extra tokens; else None."""
+        by_length: dict = {}
+        for key, n, nbytes in self.disk.entries():
+            if have < n < len(ids):
+                by_length.setdefault(n, {})[key] = nbytes
+        keys = prefix_keys(ids, by_length)
+        for n in sorted(by_length, reverse=True):
+            key = keys[n]
+            if key not in by_length[n]:
+                continue
+            if not self.disk.worth_reading(by_length[n][key], n - have):
+                break
+            snap = self.disk.get(key, n)
+            if snap is None:
+                continue
+            self._keep(tuple(ids[:n]), snap, snapshot_nbytes(snap))
+            return snap, n
+        self.disk.miss()
+        return None
+
 
 class KeyedSnapshotCache:
     """An LRU of (string key -> snapshot of a model's caches or of its part: a stage's
     layers, a tensor rank's shard; positions held), at most `max_bytes` bytes of arrays
     (`snapshot_nbytes`). Whoever names the snapshots (a pipeline's head, a tensor group's
     rank 0) decides where they are taken; this holds them. Thread-safe; snapshots and
-    restores run on the caller's MLX thread."""
+    restores run on the caller's MLX thread. `disk` (or `attach_disk`): an optional
+    `DiskSnapshotStore` under the same keys (module doc: write-behind, read fallback;
+    `held` counts what is on disk as held)."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, disk=None):
         self.max_bytes = max(int(max_bytes), 0)
         self.nbytes = 0
         self.evictions = 0
+        self.disk = disk
         self._entries: "OrderedDict[str, Tuple[Any, int, int]]" = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def attach_disk(self, disk) -> None:
+        """Use `disk` (a `DiskSnapshotStore`, or None) from now on, closing the one used
+        before (its queued writes finish first)."""
+        old, self.disk = self.disk, disk
+        if old is not None and old is not disk:
+            old.close()
+
     def clear(self) -> None:
+        """Forget the snapshots in memory (the disk's stay: they belong to their
+        fingerprint's folder)."""
         with self._lock:
             self._entries.clear()
             self.nbytes = 0
@@ -113,6 +180,12 @@ class KeyedSnapshotCache:
                 return True
         snap = snapshot(cache)
         size = snapshot_nbytes(snap)
+        disk = self.disk
+        if disk is not None:
+            disk.put(key, length, snap, size)
+        return self._keep(key, length, snap, size) or disk is not None
+
+    def _keep(self, key: str, length: int, snap, size: int) -> bool:
         if size > self.max_bytes:
             return False
         with self._lock:
@@ -129,17 +202,27 @@ class KeyedSnapshotCache:
         another number of positions)."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is None or entry[1] != length:
-                return None
-            self._entries.move_to_end(key)
-        return restore(entry[0])
+            if entry is not None and entry[1] == length:
+                self._entries.move_to_end(key)
+                return restore(entry[0])
+        disk = self.disk
+        if disk is None:
+            return None
+        snap = disk.get(key, length)
+        if snap is None:
+            return None
+        self._keep(key, length, snap, snapshot_nbytes(snap))
+        return restore(snap)
 
     def held(self, keys: Iterable[str]) -> List[str]:
-        """The keys of `keys` held now (marked recently used)."""
+        """The keys of `keys` held now, in memory or on disk (marked recently used)."""
         out = []
+        disk = self.disk
         with self._lock:
             for k in keys:
                 if k in self._entries:
                     self._entries.move_to_end(k)
+                    out.append(k)
+                elif disk is not None and disk.has(k):
                     out.append(k)
         return out

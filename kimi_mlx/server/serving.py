@@ -123,11 +123,60 @@ def check_server_arguments(args) -> None:
         raise InputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if getattr(args, "prompt_cache_bytes", 0) < 0:
         raise InputError(f"--prompt-cache-bytes must be >= 0, got {args.prompt_cache_bytes}")
+    check_disk_cache_arguments(args)
     if getattr(args, "max_images", 1) < 0:
         raise InputError(f"--max-images must be >= 0, got {args.max_images}")
     check_max_kv_size(args.max_kv_size)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+
+
+DEFAULT_DISK_BYTES = 32 << 30
+
+
+def add_disk_cache_arguments(p) -> None:
+    """--prompt-cache-dir / --prompt-cache-disk-bytes (`kimi-mlx server`, `chat`,
+    `cluster serve`): the prompt cache's disk tier (`server.disk_cache`)."""
+    p.add_argument("--prompt-cache-dir", default=None, metavar="DIR",
+                   help="also keep prompt-cache snapshots in this folder, so that they "
+                        "survive a restart (written in the background; a folder per "
+                        "checkpoint, layer range and format; default: memory only)")
+    p.add_argument("--prompt-cache-disk-bytes", default=str(DEFAULT_DISK_BYTES), metavar="N",
+                   help="bytes of snapshot files kept in --prompt-cache-dir, least "
+                        "recently used dropped first, e.g. 100GB (default 32 GiB)")
+
+
+def check_disk_cache_arguments(args) -> None:
+    """Parse --prompt-cache-disk-bytes in place (an int afterwards); InputError naming the
+    flag for a bad size or a --prompt-cache-dir that is a file."""
+    from kimi_mlx.placement.planner import parse_bytes
+
+    raw = getattr(args, "prompt_cache_disk_bytes", None)
+    if raw is None:
+        return
+    try:
+        n = parse_bytes(str(raw), default_unit="B")
+    except ValueError as e:
+        raise InputError(f"--prompt-cache-disk-bytes: {e}") from None
+    if n < 0:
+        raise InputError(f"--prompt-cache-disk-bytes must be >= 0, got {raw}")
+    args.prompt_cache_disk_bytes = n
+    d = getattr(args, "prompt_cache_dir", None)
+    if d is not None and Path(d).expanduser().exists() and not Path(d).expanduser().is_dir():
+        raise InputError(f"--prompt-cache-dir {d}: not a folder")
+
+
+def model_cache_fingerprint(model_dir, model, role: str = "one process") -> dict:
+    """The disk tier's fingerprint of a whole model loaded from `model_dir`: the weights'
+    identity (`disk_cache.checkpoint_identity`), its layer count, the dtypes of its
+    parameters (quantization shows as uint32 weights, and in config.json) and `role`."""
+    from mlx.utils import tree_flatten
+
+    from kimi_mlx.server.disk_cache import checkpoint_identity
+
+    dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
+    return {"checkpoint": checkpoint_identity(model_dir), "layers": [0, len(model.layers)],
+            "dtypes": dtypes, "role": role}
 
 
 def check_draft_server_arguments(args) -> Optional[DraftSettings]:
@@ -150,7 +199,9 @@ def check_draft_server_arguments(args) -> Optional[DraftSettings]:
 def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
                  max_queue: int, max_kv_size: Optional[int],
                  drafts: Optional[DraftSettings] = None, progress: bool = False,
-                 allow_image_urls: bool = False, max_images: int = 32) -> None:
+                 allow_image_urls: bool = False, max_images: int = 32,
+                 prompt_cache_dir: Optional[str] = None,
+                 prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES) -> None:
     """Load the checkpoint (and the draft `drafts` asks for, through the speculation
     factory) into `svc` (sets tokenizers, context, defaults, engine); `progress`: a
     loading bar on a terminal; `allow_image_urls` / `max_images`: the image policy
@@ -181,7 +232,15 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     warm_grammar_tokenizer(tok)  # the first structured request does not wait for it
     svc.vocab_size = model.args.vocab_size
     svc.context = serving_context(model.args.max_position_embeddings, max_kv_size)[0]
-    pc = PromptCache(prompt_cache_bytes) if prompt_cache_bytes else None
+    disk = None
+    if prompt_cache_dir is not None and speculation is None:
+        from kimi_mlx.server.disk_cache import DiskSnapshotStore
+
+        disk = DiskSnapshotStore(prompt_cache_dir, prompt_cache_disk_bytes,
+                                 model_cache_fingerprint(model_dir, model))
+    pc = PromptCache(prompt_cache_bytes, disk=disk) if prompt_cache_bytes or disk else None
+    if disk is not None and svc.metrics is not None:
+        svc.metrics.watch_disk_cache(disk)
     engine = Engine(model, tok.eos_token_ids, max_queue=max_queue,
                     max_concurrency=max_concurrency, prompt_cache=pc,
                     metrics=svc.metrics, speculation=speculation)
