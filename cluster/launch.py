@@ -180,15 +180,16 @@ def run(args, nodes: NodeSettings, pipeline: PipelineSettings) -> int:
 
 
 def recommended(finder: NodeFinder, context: int, sequences: int) -> str:
-    """`kimi_mlx.placement.tensor_parallel.recommend` for these nodes: the pipeline over
-    the nodes vs a tensor group of this head and the nodes (the slowest node's bandwidth,
-    the TCP ring's latency: the group runs over the ring). Says so when it is tensor.
-    The nodes it checked are kept for the launch that follows (`finder.checked`)."""
+    """`kimi_mlx.placement.tensor_parallel.choose_for_server` for these nodes: the pipeline
+    over the nodes at `sequences` requests at once vs a tensor group of this head and the
+    nodes (the slowest node's bandwidth, the TCP ring's latency: the group runs over the
+    ring), by predicted aggregate decode; says which and why in one line. The nodes it
+    checked are kept for the launch that follows (`finder.checked`)."""
     from kimi_mlx.cluster.head.plan import plan_stages
     from kimi_mlx.cluster.net.control import ControlClient
     from kimi_mlx.model.shard import ShardError
     from kimi_mlx.placement.planner import PlanError
-    from kimi_mlx.placement.tensor_parallel import (TCP_LATENCY_S, recommend,
+    from kimi_mlx.placement.tensor_parallel import (TCP_LATENCY_S, choose_for_server,
                                                    tensor_plan_for, tensors_of)
 
     transport = ControlClient(finder.secret, finder.settings.tls_secret_path)
@@ -203,18 +204,16 @@ def recommended(finder: NodeFinder, context: int, sequences: int) -> str:
     except PlanError:
         pipeline = 0.0
     tp, fits = None, False
-    if sequences == 1:
-        try:
-            targs, tensors = tensors_of(str(finder.model_dir))
-            bw = [n.bandwidth_bytes_per_s for n in nodes]
-            tp = tensor_plan_for(tensors, targs, bw + [min(bw)], context)
-            fits = all(max(tp.load_bytes) + tp.cache_bytes <= n.usable_bytes for n in nodes)
-        except (ShardError, ValueError):  # heads or experts that do not split so
-            pass
-    choice = recommend(pipeline, tp, TCP_LATENCY_S, fits)
-    if choice == "tensor":  # pipeline stays today's default, said nowhere
-        print(f"[cluster] --parallel {choice} (the planner's recommendation for {len(nodes)} "
-              f"node(s); --parallel pipeline|tensor to choose)", file=sys.stderr)
+    try:
+        targs, tensors = tensors_of(str(finder.model_dir))
+        bw = [n.bandwidth_bytes_per_s for n in nodes]
+        tp = tensor_plan_for(tensors, targs, bw + [min(bw)], context)
+        fits = all(max(tp.load_bytes) + tp.cache_bytes <= n.usable_bytes for n in nodes)
+    except (ShardError, ValueError):  # heads or experts that do not split so
+        pass
+    choice, why = choose_for_server(pipeline, sequences, tp, TCP_LATENCY_S, fits, sequences)
+    print(f"[cluster] --parallel auto chose {choice}: {why} ({len(nodes)} node(s); "
+          "--parallel pipeline|tensor to choose)", file=sys.stderr)
     return choice
 
 
