@@ -32,7 +32,8 @@ def test_restored_request_equals_a_full_forward_and_the_key_holds_ids_and_images
     from mlx_lm.models.cache import make_prompt_cache
 
     from kimi_mlx.cluster.net.cache_index import HeadCacheIndex
-    from kimi_mlx.cluster.tensor.prompt_cache import decode_keys, encode_keys, open_request
+    from kimi_mlx.cluster.tensor.prefill import open_request
+    from kimi_mlx.cluster.tensor.prompt_cache import decode_keys, encode_keys
     from kimi_mlx.server.prompt_cache import KeyedSnapshotCache
 
     model = _model()

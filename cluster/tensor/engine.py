@@ -168,7 +168,7 @@ class TensorEngine(BaseEngine):
     def _cached_generate(self, job):
         """`_generate` through `prompt_cache.open_request` (restore, snapshots, image
         rows), then plain decoding from the last prompt token."""
-        from kimi_mlx.cluster.tensor.prompt_cache import open_request
+        from kimi_mlx.cluster.tensor.prefill import open_request
         from kimi_mlx.cluster.tensor.step import group_stream, plain_run
 
         media = None
