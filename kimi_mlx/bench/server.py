@@ -278,6 +278,65 @@ def cluster_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 204
             f"{ratios[0]:.2f}-{ratios[-1]:.2f}; target <= 0.25x)"]
 
 
+def tensor_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 2048) -> List[str]:
+    """Time to first token of turn 3 of a conversation with a `history_tokens`-token
+    history through a 2-rank tensor group on loopback (`cluster server --parallel tensor`,
+    this process's child as rank 0, one node's rank 1): with the ranks' prompt cache
+    (turns 1 and 2 ran first) against the same request on a second group started with
+    --no-prompt-cache. Interleaved rounds, a fresh conversation each, the ratio taken
+    within a round; every turn-3 reply is checked against the one-process server's
+    (no prompt cache) greedy reply."""
+    from kimi_mlx.checkpoint.loader import load_for_generation
+    from kimi_mlx.server.serving import load_service, make_service
+    from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+    from kimi_mlx.testing.tensor_parallel import free_ports
+
+    text = (model_dir / "heldout" / "prose.txt").read_text()
+    tok = load_for_generation(str(model_dir))[2]
+    ref = make_service(str(model_dir), None, "micro", 1 << 22)
+    load_service(ref, str(model_dir), 1, 0, 64, None)
+    runs, same = [], 0
+    with tempfile.TemporaryDirectory() as tmp, _serving(ref) as ref_url:
+        nodes, servers = [], []
+        try:
+            for i, extra in enumerate(((), ("--no-prompt-cache",))):
+                nodes.append(LocalCluster(Path(tmp) / f"n{i}", n=1, prefix=f"tc{i}",
+                                          ckpt=model_dir,
+                                          ports=[free_ports(2, consecutive=True)[0]]))
+                servers.append(ServerProc(nodes[-1], free_ports(1)[0], "--parallel", "tensor",
+                                          "--max-concurrency", "1", *extra, timeout=300))
+            cached_url, plain_url = (s.url for s in servers)
+            for url in (cached_url, plain_url):
+                _chat_ttft(url, "micro", [{"role": "user", "content": "warm up"}])
+            for r in range(rounds):
+                users = _conversation(text, r + 1, tok, history_tokens)
+                msgs: list = []
+                for u in users[:2]:  # turns 1 and 2 on the cached server
+                    msgs.append(u)
+                    msgs.append(_chat_ttft(cached_url, "micro", msgs)[2])
+                msgs.append(users[2])
+                cold, _, cold_reply, n = _chat_ttft(plain_url, "micro", msgs, 8)
+                warm, cached, warm_reply, _ = _chat_ttft(cached_url, "micro", msgs, 8)
+                want = _chat_ttft(ref_url, "micro", msgs, 8)[2]
+                same += warm_reply == want == cold_reply
+                runs.append((warm, cold, cached))
+        finally:
+            for s in servers:
+                s.stop()
+            for c in nodes:
+                c.stop()
+    ratios = sorted(w / c for w, c, _ in runs)
+    return [f"2-rank tensor group on loopback, turn 3 of a conversation with a ~{history_tokens}"
+            f"-token history ({n} prompt tokens in the last round), median of {rounds} "
+            "interleaved rounds:",
+            f"  time to first token: {statistics.median(w for w, _, _ in runs) * 1e3:.0f} ms "
+            f"from the ranks' prompt cache ({statistics.median(c for _, _, c in runs):.0f} "
+            f"tokens restored), {statistics.median(c for _, c, _ in runs) * 1e3:.0f} ms "
+            f"prefilling it all: {statistics.median(ratios):.2f}x (rounds "
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f}; target <= 0.25x); replies equal to one "
+            f"process (cached and full) in {same} of {rounds} rounds"]
+
+
 def main(argv=None) -> int:
     from kimi_mlx.generation.request import default_model
 
@@ -295,7 +354,13 @@ def main(argv=None) -> int:
                    help="the cluster without batched decode (one message per session per token)")
     p.add_argument("--only-cache", action="store_true",
                    help="only the cluster prompt-cache time to first token")
+    p.add_argument("--only-tensor-cache", action="store_true",
+                   help="only the 2-rank tensor group's prompt-cache time to first token")
     a = p.parse_args(argv)
+    if a.only_tensor_cache:
+        for line in tensor_prompt_cache(Path(a.model or default_model()), a.rounds):
+            print(line, flush=True)
+        return 0
     if a.only_cache:
         for line in cluster_prompt_cache(Path(a.model or default_model()), a.rounds):
             print(line, flush=True)
