@@ -173,11 +173,14 @@ class TensorEngine(BaseEngine):
 
         media = None
         if job.images and self.pad_id in job.ids[:-1]:
-            import mlx.core as mx
+            def media():  # the tower, on rank 0, when pads are left after the restore
+                import mlx.core as mx
 
-            rows = self.vision.features(job.images)  # the tower, on rank 0
-            mx.eval(rows)
-            media = (self.pad_id, rows)
+                rows = self.vision.features(job.images)
+                mx.eval(rows)
+                return rows
+
+            media.pad_id = self.pad_id
         count = self._lookups.labels if self._lookups is not None else None
         target = open_request(self.model, self.group, job.ids, key=job.cache_key,
                               index=self.prompt_cache, store=self.store,

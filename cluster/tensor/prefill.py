@@ -17,7 +17,9 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
     longest remembered prefix every rank still holds (`index`, a
     `net.cache_index.HeadCacheIndex`; `agree_restore`), taking snapshots on every rank
     where the policy says (`index.plan`), with image rows placed in the chunks that hold
-    pads (`media`: (pad id, rows [pads in ids, hidden]) from rank 0's tower).
+    pads (`media`: (pad id, rows [pads in ids, hidden]) from rank 0's tower, or a
+    callable with a `pad_id` attribute returning the rows, called only when a chunk left
+    to prefill holds pads).
 
     Args:
         ids: the prompt's token ids. key: its cache key (`Job.cache_key`: ids with image
@@ -47,7 +49,10 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
         if index is not None and count is not None:
             count("hit" if cands and cached == cands[0][0] else "shorter" if cached else "miss")
         snaps = index.plan(key, cached, segment_ends) if index is not None else {}
-        pad, rows = media if media is not None else (None, None)
+        if callable(media):  # the tower runs only when a chunk to prefill holds pads
+            pad, rows = media.pad_id, None
+        else:
+            pad, rows = media if media is not None else (None, None)
         before = ids[:cached].count(pad) if pad is not None else 0  # rows already cached
         pos = cached
         for end in sorted(set(snaps) | {len(ids) - 1}):
@@ -56,6 +61,8 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
                 part = None
                 n_pad = chunk.count(pad) if pad is not None else 0
                 if n_pad:
+                    if rows is None:
+                        rows = media()
                     part = (pad, rows[before:before + n_pad])
                     before += n_pad
                 target.prefill(chunk, part)

@@ -300,6 +300,7 @@ def tensor_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 2048
         nodes, servers = [], []
         try:
             for i, extra in enumerate(((), ("--no-prompt-cache",))):
+                (Path(tmp) / f"n{i}").mkdir()
                 nodes.append(LocalCluster(Path(tmp) / f"n{i}", n=1, prefix=f"tc{i}",
                                           ckpt=model_dir,
                                           ports=[free_ports(2, consecutive=True)[0]]))
