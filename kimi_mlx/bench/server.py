@@ -280,12 +280,14 @@ def cluster_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 204
 
 def tensor_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 2048) -> List[str]:
     """Time to first token of turn 3 of a conversation with a `history_tokens`-token
-    history through a 2-rank tensor group on loopback (`cluster server --parallel tensor`,
-    this process's child as rank 0, one node's rank 1): with the ranks' prompt cache
-    (turns 1 and 2 ran first) against the same request on a second group started with
-    --no-prompt-cache. Interleaved rounds, a fresh conversation each, the ratio taken
-    within a round; every turn-3 reply is checked against the one-process server's
-    (no prompt cache) greedy reply."""
+    history through a 2-rank tensor group on loopback (`cluster server --parallel tensor`
+    as a child process, rank 0, and one node's rank 1): with the ranks' prompt cache
+    (turns 1 and 2 ran first, as an agent's would) against the same request on a group
+    started with --no-prompt-cache. One group at a time (an idle rank polls its next
+    command on a core of its own, which would slow the other group on a small machine),
+    the two alternating in each round, a fresh conversation each round, the ratio taken
+    within a round; every turn-3 reply is checked against the one-process server's (no
+    prompt cache) greedy reply."""
     from kimi_mlx.checkpoint.loader import load_for_generation
     from kimi_mlx.server.serving import load_service, make_service
     from kimi_mlx.testing.cluster import LocalCluster, ServerProc
@@ -295,41 +297,37 @@ def tensor_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 2048
     tok = load_for_generation(str(model_dir))[2]
     ref = make_service(str(model_dir), None, "micro", 1 << 22)
     load_service(ref, str(model_dir), 1, 0, 64, None)
-    runs, same = [], 0
+    runs, same, n = [], 0, 0
     with tempfile.TemporaryDirectory() as tmp, _serving(ref) as ref_url:
-        nodes, servers = [], []
+        node = LocalCluster(Path(tmp), n=1, prefix="tc", ckpt=model_dir,
+                            ports=[free_ports(2, consecutive=True)[0]])
         try:
-            for i, extra in enumerate(((), ("--no-prompt-cache",))):
-                (Path(tmp) / f"n{i}").mkdir()
-                nodes.append(LocalCluster(Path(tmp) / f"n{i}", n=1, prefix=f"tc{i}",
-                                          ckpt=model_dir,
-                                          ports=[free_ports(2, consecutive=True)[0]]))
-                servers.append(ServerProc(nodes[-1], free_ports(1)[0], "--parallel", "tensor",
-                                          "--max-concurrency", "1", *extra, timeout=300))
-            cached_url, plain_url = (s.url for s in servers)
-            for url in (cached_url, plain_url):
-                _chat_ttft(url, "micro", [{"role": "user", "content": "warm up"}])
             for r in range(rounds):
                 users = _conversation(text, r + 1, tok, history_tokens)
-                msgs: list = []
-                for u in users[:2]:  # turns 1 and 2 on the cached server
-                    msgs.append(u)
-                    msgs.append(_chat_ttft(cached_url, "micro", msgs)[2])
-                msgs.append(users[2])
-                cold, _, cold_reply, n = _chat_ttft(plain_url, "micro", msgs, 8)
-                warm, cached, warm_reply, _ = _chat_ttft(cached_url, "micro", msgs, 8)
-                want = _chat_ttft(ref_url, "micro", msgs, 8)[2]
-                same += warm_reply == want == cold_reply
+                out = {}
+                for cached_mode, extra in ((True, ()), (False, ("--no-prompt-cache",))):
+                    srv = ServerProc(node, free_ports(1)[0], "--parallel", "tensor",
+                                     "--max-concurrency", "1", *extra, timeout=300)
+                    try:
+                        _chat_ttft(srv.url, "micro", [{"role": "user", "content": "warm up"}])
+                        if cached_mode:  # turns 1 and 2 first, as an agent's would
+                            msgs: list = []
+                            for u in users[:2]:
+                                msgs.append(u)
+                                msgs.append(_chat_ttft(srv.url, "micro", msgs)[2])
+                            out["msgs"] = msgs + [users[2]]
+                        out[cached_mode] = _chat_ttft(srv.url, "micro", out["msgs"], 8)
+                    finally:
+                        srv.stop()
+                warm, cached, warm_reply, n = out[True]
+                cold, _, cold_reply, _ = out[False]
+                same += warm_reply == _chat_ttft(ref_url, "micro", out["msgs"], 8)[2] == cold_reply
                 runs.append((warm, cold, cached))
         finally:
-            for s in servers:
-                s.stop()
-            for c in nodes:
-                c.stop()
+            node.stop()
     ratios = sorted(w / c for w, c, _ in runs)
     return [f"2-rank tensor group on loopback, turn 3 of a conversation with a ~{history_tokens}"
-            f"-token history ({n} prompt tokens in the last round), median of {rounds} "
-            "interleaved rounds:",
+            f"-token history ({n} prompt tokens in the last round), median of {rounds} rounds:",
             f"  time to first token: {statistics.median(w for w, _, _ in runs) * 1e3:.0f} ms "
             f"from the ranks' prompt cache ({statistics.median(c for _, _, c in runs):.0f} "
             f"tokens restored), {statistics.median(c for _, c, _ in runs) * 1e3:.0f} ms "
