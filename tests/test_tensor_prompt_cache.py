@@ -6,7 +6,8 @@
 - `cluster server --parallel tensor` with 2 loopback ranks (this head rank 0, one node
   rank 1): turn 3 of a conversation restores its prefix on both ranks (cached_tokens > 0,
   Anthropic's cache_read_input_tokens too, hits in /metrics) and equals the cold
-  one-process server's greedy reply; an image request equals a cache-free one-process
+  one-process server's greedy reply; a rank that lost the snapshots makes the whole
+  group prefill in full, still right; an image request equals a cache-free one-process
   forward pass, and another image never shares the prefix past its pads.
 Every process has a hard timeout; ports are chosen free at run time.
 """
@@ -86,10 +87,10 @@ def one_process():
     svc.engine.stop()
 
 
-def _node(tmp_path_factory, name, ckpt=None):
+def _node(tmp_path_factory, name, ckpt=None, extra=()):
     grpc_port, _ = free_ports(2, consecutive=True)
     return LocalCluster(tmp_path_factory.mktemp(name), n=1, prefix=name, ports=[grpc_port],
-                        ckpt=ckpt)
+                        ckpt=ckpt, extra=list(extra))
 
 
 def _server(node, *extra):
@@ -145,6 +146,32 @@ def test_turn_three_is_cached_on_both_ranks_and_equals_one_process(tmp_path_fact
         assert r.json()["usage"]["cache_read_input_tokens"] > 0
         seen = _lookups(srv.url)
         assert seen.get("hit", 0) >= 2 and seen.get("miss", 0) >= 1, seen
+    finally:
+        if srv is not None:
+            srv.stop()
+        node.stop()
+
+
+def test_a_rank_without_the_snapshot_means_a_full_prefill_on_every_rank(tmp_path_factory,
+                                                                        one_process):
+    """The node's rank keeps no snapshot (`cluster serve --cache-bytes 1`) while rank 0
+    keeps them all: the group agrees on a full prefill (cached_tokens 0, counted as a
+    miss) and the reply is still the one-process reply (a rank 0 that restored alone
+    would decode from states rank 1 does not have)."""
+    node = _node(tmp_path_factory, "tmnode", extra=["--cache-bytes", "1"])
+    srv = None
+    try:
+        srv = _server(node)
+        messages = [SYSTEM]
+        for turn, q in enumerate(QUESTIONS[:2]):
+            messages = messages + [{"role": "user", "content": q}]
+            got, usage = _chat(srv.url, messages)
+            assert got == _chat(one_process, messages)[0], f"turn {turn + 1}"
+            assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+            messages = messages + [{"role": "assistant", "content": got[0],
+                                    "reasoning_content": got[1]}]
+        seen = _lookups(srv.url)
+        assert seen.get("miss", 0) == 2 and not seen.get("hit") and not seen.get("shorter")
     finally:
         if srv is not None:
             srv.stop()
