@@ -60,7 +60,10 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
         if getattr(args, "cache_bytes", None) is not None:
             from kimi_mlx.placement.planner import parse_bytes
 
-            cache_bytes = parse_bytes(args.cache_bytes, default_unit="B")
+            try:
+                cache_bytes = parse_bytes(args.cache_bytes, default_unit="B")
+            except ValueError as e:
+                raise InputError(f"--cache-bytes: {e}") from None
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):
