@@ -93,8 +93,9 @@ def launch_inputs(args) -> LaunchInputs:
 
 def launch_images(args, model_dir: Path):
     """(preprocessed images, `generation.images.Vision`) of `cluster launch --image`, or
-    ([], None). InputError for a draft, a raw prompt, --parallel tensor, a checkpoint
-    without vision weights, or an unreadable image (naming it)."""
+    ([], None). InputError for a draft, a raw prompt, a checkpoint without vision
+    weights, or an unreadable image (naming it). The tower runs on this head, for a
+    pipeline's stage 0 or a tensor group's ranks (`launch_tensor`)."""
     from kimi_mlx.generation.request import InputError
 
     if not args.image:
@@ -104,9 +105,6 @@ def launch_images(args, model_dir: Path):
                          "--draft-model / --draft")
     if args.ignore_chat_template:
         raise InputError("--image needs the chat encoding: drop --ignore-chat-template")
-    if args.parallel == "tensor":
-        raise InputError("--image runs through the pipeline only: use --parallel pipeline")
-    args.parallel = "pipeline"  # the tower's rows go to stage 0 of a pipeline
     from kimi_mlx.generation.images import Vision
 
     vision = Vision(model_dir)
@@ -147,7 +145,8 @@ def run(args, nodes: NodeSettings, pipeline: PipelineSettings) -> int:
             _err(e)
             return 1
     if parallel == "tensor":
-        code = launch_tensor(args, finder, inputs.ids, inputs.wrapper, inputs.speculation)
+        code = launch_tensor(args, finder, inputs.ids, inputs.wrapper, inputs.speculation,
+                             inputs.media)
         # Once a ring group was joined, interpreter exit can block on the backend's
         # threads (seen once in tests after the last token); nothing is left to clean up.
         sys.stdout.flush()
@@ -217,10 +216,13 @@ def recommended(finder: NodeFinder, context: int, sequences: int) -> str:
     return choice
 
 
-def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation=None) -> int:
+def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation=None,
+                  media=None) -> int:
     """`cluster launch --parallel tensor`: form the group (`form_group`), generate `ids`'
     continuation on rank 0 (plain, or speculatively with `speculation`'s draft on this
-    head: `tensor.step`) and print it as `kimi-mlx generate` does.
+    head: `tensor.step`) and print it as `kimi-mlx generate` does. `media`: (pad id,
+    image rows) of `--image` (the tower ran on this head): the rows go to every rank with
+    the prefill chunks holding their pads (`tensor.prefill.open_request`).
 
     Returns the exit status; a rank lost mid-generation ends the process through
     `TensorGroup.fail`.
@@ -254,8 +256,15 @@ def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation
                 ids, speculation.draft, max_tokens=args.max_tokens, **speculation.kwargs()),
                 record=True)
             return
-        for tok, lp in group_stream(model, group, ids,
-                                    plain_run(ids, args.max_tokens, sampler)):
+        if media is not None:
+            from kimi_mlx.cluster.tensor.prefill import open_request
+
+            target = open_request(model, group, ids, media=media)
+            stream = group_stream(model, group, ids[-1:], plain_run(
+                ids[-1:], args.max_tokens, sampler), target=target)
+        else:
+            stream = group_stream(model, group, ids, plain_run(ids, args.max_tokens, sampler))
+        for tok, lp in stream:
             yield tok, lp, False
 
     try:

@@ -181,7 +181,8 @@ def test_a_rank_without_the_snapshot_means_a_full_prefill_on_every_rank(tmp_path
 def test_image_request_equals_one_process_and_generate(tmp_path_factory, tmp_path):
     """micro-vision (it names a picture's colour and shape) through 2 ranks: the greedy
     tokens of a cache-free one-process forward pass and the text of `kimi-mlx generate
-    --image`; the second picture shares no cached prefix past its first pad."""
+    --image`, from the server and from `cluster launch --parallel tensor --image`; the
+    second picture shares no cached prefix past its first pad."""
     import subprocess
     import sys
     from pathlib import Path
@@ -219,6 +220,15 @@ def test_image_request_equals_one_process_and_generate(tmp_path_factory, tmp_pat
                 messages=msgs({"type": "image_url", "image_url": {"url": data_url(raw[k])}}))
 
         ra, rb, ra2 = ask("a"), ask("b"), ask("a")
+        srv.stop()
+        srv = None
+        launch = subprocess.run(  # `cluster launch --parallel tensor --image` too
+            [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "launch", "--parallel",
+             "tensor", "--nodes", node.procs[0].address, "--secret-file",
+             str(node.secret_file), "--model", str(ckpt), "--image", str(paths["a"]),
+             "--prompt", question, "--temp", "0", "--max-tokens", str(n)],
+            capture_output=True, text=True, timeout=HARD_TIMEOUT)
+        assert launch.returncode == 0, launch.stderr
     finally:
         if srv is not None:
             srv.stop()
@@ -243,6 +253,8 @@ def test_image_request_equals_one_process_and_generate(tmp_path_factory, tmp_pat
         assert gen.returncode == 0, gen.stderr
         assert f"Prompt: {len(ids)} tokens" in gen.stdout
         assert gen.stdout.split("=" * 10)[1].strip() == r.choices[0].message.content.strip()
+        if k == "a":
+            assert launch.stdout.split("=" * 10)[1] == gen.stdout.split("=" * 10)[1]
     first_pad = ids.index(pad)
     assert got["a"] != got["b"]  # the picture matters
     assert rb.usage.prompt_tokens_details.cached_tokens <= first_pad
