@@ -66,7 +66,7 @@ def command(group, op: int = OP_EXIT, tokens: Sequence[int] = (), keep: int = -1
     return op, ids, keep, flags
 
 
-def _media(group, model, media=None):
+def _media(group, media=None):
     """(pad id, rows float32 [n, hidden]) on every rank: rank 0's `media` (pad id, rows
     [n, hidden]) in two broadcasts (the shape, then the rows); ranks 1.. pass None."""
     if group.rank() == 0:
@@ -84,9 +84,10 @@ class _Runner:
     """One rank's caches for the request in flight and its pending verify step; `store`:
     this rank's prompt-cache snapshots (`KeyedSnapshotCache`, or None)."""
 
-    def __init__(self, model, store=None):
+    def __init__(self, model, store=None, rank: int = 0):
         self.model = model
         self.store = store
+        self.rank = rank
         self.cache: Optional[List[Any]] = None
         self.verify = None
 
@@ -109,11 +110,18 @@ class _Runner:
 
     def snapshot(self, key: str) -> None:
         """Keep this rank's caches under `key` (its length the positions held; no pending
-        verify step: snapshots are taken during prefill). Nothing without a store."""
+        verify step: snapshots are taken during prefill). Nothing without a store; a store
+        that fails only leaves this rank without it (a later restore is agreed)."""
+        import sys
+
         from kimi_mlx.cluster.net.cache_keys import key_length
 
         if self.store is not None and self.cache is not None:
-            self.store.store(key, key_length(key), self.cache)
+            try:
+                self.store.store(key, key_length(key), self.cache)
+            except Exception as e:  # noqa: BLE001 - a miss later, never a wrong state
+                print(f"[tensor] rank {self.rank}: prompt-cache snapshot {key} not kept: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def settle(self, keep: int) -> None:
         """Roll the pending verify step back to its first `keep` positions (-1: none pending)."""
@@ -140,7 +148,7 @@ class _Runner:
             self.verify = begin_verify(self.cache)
         x = mx.array(list(ids), mx.uint32)
         if flags & MEDIA:
-            pad, rows = _media(group, self.model, media)
+            pad, rows = _media(group, media)
             emb = self.model.embed_with_media(x, rows, pad)
             out = self.model(x[None], cache=self.cache, input_embeddings=emb[None])
         else:
@@ -162,7 +170,7 @@ def follow_commands(model, group, store=None) -> int:
     (`KeyedSnapshotCache`) or None (it then misses every restore)."""
     from kimi_mlx.cluster.tensor.prompt_cache import decode_keys
 
-    runner, done = _Runner(model, store), 0
+    runner, done = _Runner(model, store, group.rank()), 0
     while True:
         op, ids, keep, flags = command(group)
         if op == OP_EXIT:
