@@ -169,6 +169,11 @@ def _server_arguments(q) -> None:
                    help="prefill every prompt in full (default: the stages keep snapshots "
                         "of their caches, bounded by each stage's `cluster serve "
                         "--cache-bytes`, and a request restores the longest prefix all hold)")
+    q.add_argument("--cache-bytes", default=None,
+                   help="--parallel tensor: bytes of prompt-cache snapshots of this head's "
+                        "shard (rank 0), e.g. 8GB (default: a quarter of the memory left "
+                        "after loading it; the nodes' ranks take their `cluster serve "
+                        "--cache-bytes`, with the same default)")
     q.add_argument("--no-batch", action="store_true",
                    help="one message per request per token (default: the decode steps of the "
                         "requests in flight go through the stages as one batched message)")

@@ -93,8 +93,9 @@ def launch_inputs(args) -> LaunchInputs:
 
 def launch_images(args, model_dir: Path):
     """(preprocessed images, `generation.images.Vision`) of `cluster launch --image`, or
-    ([], None). InputError for a draft, a raw prompt, --parallel tensor, a checkpoint
-    without vision weights, or an unreadable image (naming it)."""
+    ([], None). InputError for a draft, a raw prompt, a checkpoint without vision
+    weights, or an unreadable image (naming it). The tower runs on this head, for a
+    pipeline's stage 0 or a tensor group's ranks (`launch_tensor`)."""
     from kimi_mlx.generation.request import InputError
 
     if not args.image:
@@ -104,9 +105,6 @@ def launch_images(args, model_dir: Path):
                          "--draft-model / --draft")
     if args.ignore_chat_template:
         raise InputError("--image needs the chat encoding: drop --ignore-chat-template")
-    if args.parallel == "tensor":
-        raise InputError("--image runs through the pipeline only: use --parallel pipeline")
-    args.parallel = "pipeline"  # the tower's rows go to stage 0 of a pipeline
     from kimi_mlx.generation.images import Vision
 
     vision = Vision(model_dir)
@@ -147,7 +145,8 @@ def run(args, nodes: NodeSettings, pipeline: PipelineSettings) -> int:
             _err(e)
             return 1
     if parallel == "tensor":
-        code = launch_tensor(args, finder, inputs.ids, inputs.wrapper, inputs.speculation)
+        code = launch_tensor(args, finder, inputs.ids, inputs.wrapper, inputs.speculation,
+                             inputs.media)
         # Once a ring group was joined, interpreter exit can block on the backend's
         # threads (seen once in tests after the last token); nothing is left to clean up.
         sys.stdout.flush()
@@ -180,15 +179,16 @@ def run(args, nodes: NodeSettings, pipeline: PipelineSettings) -> int:
 
 
 def recommended(finder: NodeFinder, context: int, sequences: int) -> str:
-    """`kimi_mlx.placement.tensor_parallel.recommend` for these nodes: the pipeline over
-    the nodes vs a tensor group of this head and the nodes (the slowest node's bandwidth,
-    the TCP ring's latency: the group runs over the ring). Says so when it is tensor.
-    The nodes it checked are kept for the launch that follows (`finder.checked`)."""
+    """`kimi_mlx.placement.tensor_parallel.choose_for_server` for these nodes: the pipeline
+    over the nodes at `sequences` requests at once vs a tensor group of this head and the
+    nodes (the slowest node's bandwidth, the TCP ring's latency: the group runs over the
+    ring), by predicted aggregate decode; says which and why in one line. The nodes it
+    checked are kept for the launch that follows (`finder.checked`)."""
     from kimi_mlx.cluster.head.plan import plan_stages
     from kimi_mlx.cluster.net.control import ControlClient
     from kimi_mlx.model.shard import ShardError
     from kimi_mlx.placement.planner import PlanError
-    from kimi_mlx.placement.tensor_parallel import (TCP_LATENCY_S, recommend,
+    from kimi_mlx.placement.tensor_parallel import (TCP_LATENCY_S, choose_for_server,
                                                    tensor_plan_for, tensors_of)
 
     transport = ControlClient(finder.secret, finder.settings.tls_secret_path)
@@ -203,25 +203,26 @@ def recommended(finder: NodeFinder, context: int, sequences: int) -> str:
     except PlanError:
         pipeline = 0.0
     tp, fits = None, False
-    if sequences == 1:
-        try:
-            targs, tensors = tensors_of(str(finder.model_dir))
-            bw = [n.bandwidth_bytes_per_s for n in nodes]
-            tp = tensor_plan_for(tensors, targs, bw + [min(bw)], context)
-            fits = all(max(tp.load_bytes) + tp.cache_bytes <= n.usable_bytes for n in nodes)
-        except (ShardError, ValueError):  # heads or experts that do not split so
-            pass
-    choice = recommend(pipeline, tp, TCP_LATENCY_S, fits)
-    if choice == "tensor":  # pipeline stays today's default, said nowhere
-        print(f"[cluster] --parallel {choice} (the planner's recommendation for {len(nodes)} "
-              f"node(s); --parallel pipeline|tensor to choose)", file=sys.stderr)
+    try:
+        targs, tensors = tensors_of(str(finder.model_dir))
+        bw = [n.bandwidth_bytes_per_s for n in nodes]
+        tp = tensor_plan_for(tensors, targs, bw + [min(bw)], context)
+        fits = all(max(tp.load_bytes) + tp.cache_bytes <= n.usable_bytes for n in nodes)
+    except (ShardError, ValueError):  # heads or experts that do not split so
+        pass
+    choice, why = choose_for_server(pipeline, sequences, tp, TCP_LATENCY_S, fits, sequences)
+    print(f"[cluster] --parallel auto chose {choice}: {why} ({len(nodes)} node(s); "
+          "--parallel pipeline|tensor to choose)", file=sys.stderr)
     return choice
 
 
-def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation=None) -> int:
+def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation=None,
+                  media=None) -> int:
     """`cluster launch --parallel tensor`: form the group (`form_group`), generate `ids`'
     continuation on rank 0 (plain, or speculatively with `speculation`'s draft on this
-    head: `tensor.step`) and print it as `kimi-mlx generate` does.
+    head: `tensor.step`) and print it as `kimi-mlx generate` does. `media`: (pad id,
+    image rows) of `--image` (the tower ran on this head): the rows go to every rank with
+    the prefill chunks holding their pads (`tensor.prefill.open_request`).
 
     Returns the exit status; a rank lost mid-generation ends the process through
     `TensorGroup.fail`.
@@ -255,8 +256,15 @@ def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation
                 ids, speculation.draft, max_tokens=args.max_tokens, **speculation.kwargs()),
                 record=True)
             return
-        for tok, lp in group_stream(model, group, ids,
-                                    plain_run(ids, args.max_tokens, sampler)):
+        if media is not None:
+            from kimi_mlx.cluster.tensor.prefill import open_request
+
+            target = open_request(model, group, ids, media=media)
+            stream = group_stream(model, group, ids[-1:], plain_run(
+                ids[-1:], args.max_tokens, sampler), target=target)
+        else:
+            stream = group_stream(model, group, ids, plain_run(ids, args.max_tokens, sampler))
+        for tok, lp in stream:
             yield tok, lp, False
 
     try:

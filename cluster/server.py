@@ -56,6 +56,14 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
         check_server_arguments(args)
         if args.prompt_cache_every < 0:
             raise InputError(f"--prompt-cache-every must be >= 0, got {args.prompt_cache_every}")
+        cache_bytes = None
+        if getattr(args, "cache_bytes", None) is not None:
+            from kimi_mlx.placement.planner import parse_bytes
+
+            try:
+                cache_bytes = parse_bytes(args.cache_bytes, default_unit="B")
+            except ValueError as e:
+                raise InputError(f"--cache-bytes: {e}") from None
         spec = resolve_model_arg(args.model)
         model_dir = Path(spec).expanduser()
         if not is_checkpoint(model_dir):
@@ -97,14 +105,18 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
         if tensor:
             from kimi_mlx.cluster.tensor.engine import start_tensor_engine
 
-            svc.engine = start_tensor_engine(finder, tok.eos_token_ids, svc.metrics,
-                                             speculation, max_queue=args.max_queue,
-                                             max_concurrency=args.max_concurrency,
-                                             backend=args.backend)
+            from kimi_mlx.cluster.net.cache_index import HeadCacheIndex
+
+            svc.engine = start_tensor_engine(
+                finder, tok.eos_token_ids, svc.metrics, speculation, max_queue=args.max_queue,
+                max_concurrency=args.max_concurrency, backend=args.backend,
+                prompt_cache=None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every),
+                cache_bytes=cache_bytes)
+            svc.engine.vision, svc.engine.pad_id = svc.images.vision, svc.images.pad_id
             return
         pipeline = cluster.connect()
         keeper = cluster.keeper(pipeline)
-        from kimi_mlx.cluster.head.cache_index import HeadCacheIndex
+        from kimi_mlx.cluster.net.cache_index import HeadCacheIndex
 
         index = None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every)
         engine = ClusterEngine(pipeline, tok.eos_token_ids, args.max_concurrency,

@@ -86,7 +86,7 @@ def test_the_heads_policy_keys_are_the_stages_keys():
     """A restarted head asks for the policy's prefixes by `server.disk_cache.prefix_keys`
     (one pass); the stages stored them under `net.cache_keys.prefix_key`: the same key
     for every prefix, with and without images."""
-    from kimi_mlx.cluster.head.cache_index import HeadCacheIndex
+    from kimi_mlx.cluster.net.cache_index import HeadCacheIndex
     from kimi_mlx.cluster.net.cache_keys import prefix_key
 
     ids = [5 + i % 97 for i in range(3000)]

@@ -235,7 +235,7 @@ def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(tmp_path):
     from kimi_mlx.cluster.head.pipeline import Pipeline
     from kimi_mlx.cluster.net.nodes import check_nodes
     from kimi_mlx.cluster.head.plan import plan_stages
-    from kimi_mlx.cluster.head.cache_index import HeadCacheIndex
+    from kimi_mlx.cluster.net.cache_index import HeadCacheIndex
     from kimi_mlx.cluster.net.cache_keys import prefix_key
     from kimi_mlx.cluster.head.transport import GrpcTransport
     from kimi_mlx.server.jobs import Finished, Job, TokenOut

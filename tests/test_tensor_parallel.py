@@ -272,6 +272,30 @@ def test_plan_prints_pipeline_versus_tensor(capsys):
 
 
 
+def test_plan_says_what_a_server_chooses_at_its_concurrency(capsys):
+    """`kimi-mlx plan --max-concurrency N` says which mode `cluster server --parallel auto`
+    takes, by aggregate decode: the planner's pipeline at N sequences against the tensor
+    group's one sequence at a time; micro over 2 Macs over JACCL: tensor for 1 client,
+    pipeline for 16. The snapshot bytes per rank are printed."""
+    from kimi_mlx.commands.main import main
+    from kimi_mlx.placement.layer_bytes import model_bytes
+    from kimi_mlx.placement.planner import StagePlanner, parse_macs
+
+    args, tensors = tensors_of(str(MICRO))
+    tp = plan_tensor(tensors, args, 2, 819 * 10**9, 4096)
+    for n, want in ((1, "tensor"), (16, "pipeline")):
+        assert main(["plan", "--model", str(MICRO), "--macs", "2x8GB", "--context", "4096",
+                     "--max-concurrency", str(n)]) == 0
+        out = capsys.readouterr().out
+        pp = StagePlanner().plan(model_bytes(str(MICRO)), parse_macs("2x8GB"), 4096, n)
+        line = [l for l in out.splitlines() if l.startswith("cluster server --parallel auto "
+                                                            "over JACCL")][0]
+        assert line.startswith(f"cluster server --parallel auto over JACCL: {want} ")
+        assert f"{tp.tokens_per_s(50e-6):.1f} tok/s for the tensor group" in line
+        assert f"{pp.aggregate_tokens_per_s:.1f} for the pipeline" in line
+        assert "prompt-cache snapshot per tensor rank" in out
+
+
 def test_three_ranks_match_one_process(tmp_path):
     """3 ranks on loopback (free ports, hard timeout), each loading only its slices, on a
     conditioned random model sized to split 3 ways (3 KDA and 3 MLA heads, routed and

@@ -60,7 +60,8 @@ class RankProcess:
     process's kill by pid.
     """
 
-    def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str):
+    def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str,
+                 cache_bytes: Optional[int] = None):
         self.rank, self.node_id = rank, node_id
         if backend == "jaccl":  # MLX_RANK, MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES
             from kimi_mlx.cluster.net.jaccl import rank_env
@@ -74,7 +75,9 @@ class RankProcess:
             env = dict(os.environ, MLX_RANK=str(rank), MLX_HOSTFILE=self.hostfile)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kimi_mlx.cluster.tensor.rank", "--model", str(model_path),
-             "--backend", backend, "--name", node_id], env=env, stdin=subprocess.DEVNULL)
+             "--backend", backend, "--name", node_id]
+            + ([] if cache_bytes is None else ["--cache-bytes", str(cache_bytes)]),
+            env=env, stdin=subprocess.DEVNULL)
         self._stopped_seen = 0
         self._lock = threading.Lock()
         self.killed_by_node: Optional[str] = None  # why this node killed it, once it did

@@ -308,7 +308,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
             log.warning("refused StartRank from %s: %s", context.peer(), e)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         rank = RankProcess(path, request.rank, request.size, request.backend, request.hosts,
-                           self.node_id)
+                           self.node_id, cache_bytes=self.cache_bytes)
         context.add_callback(lambda: rank.kill("the head's lease ended: stream cancelled or "
                                                "its connection lost"))
         log.info("tensor rank %d of %d (%s) for head %s: started, pid %d", request.rank,

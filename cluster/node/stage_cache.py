@@ -1,5 +1,5 @@
 """The cluster's prompt cache: snapshots on the stages (here), keys (`net.cache_keys`) and
-choices on the head (`head.cache_index`).
+choices on the head (`net.cache_index`).
 
 Each stage keeps snapshots of its own layers' caches (`kimi_mlx.model.cache.snapshot`:
 references to the append-only DSA arrays, the KDA conv / recurrent state as it was) in a

@@ -6,6 +6,14 @@ stop rules, streaming); the nodes' ranks are started through their control plane
 (`StartRank`, `tensor_launch.form_group`) and follow rank 0's commands
 (`cluster.tensor_step`). `TensorEngine` is a `server.engine_base.BaseEngine`.
 
+Prompt cache (issue 33, `tensor.prompt_cache`): with `prompt_cache` (rank 0's
+`net.cache_index.HeadCacheIndex`) every rank keeps its shard of the snapshots rank 0 names
+(bounded per rank), a request restores the longest prefix every rank holds (agreed by the
+group) and reports it as `cached_tokens`; hits and misses are counted in /metrics.
+Images: the tower runs on rank 0 (this head), the projector rows are broadcast with the
+prefill chunks that hold their pads (`step.MEDIA`). A draft turns the prompt cache off
+(as in the pipeline); a scored prompt runs in full.
+
 One request at a time: the group runs one sequence (no batching through it); further
 requests queue (up to --max-queue, then 503 + Retry-After as every engine). With a draft
 (`--draft-model`, `--draft ngram`) each request decodes speculatively, the draft on this
@@ -45,18 +53,26 @@ class TensorEngine(BaseEngine):
     """
 
     # logits processors are applied on rank 0, which samples; the group runs one
-    # sequence and text only
-    supports_images = False
+    # sequence; images: the tower on rank 0, the rows broadcast (`step.MEDIA`)
+    supports_images = True
     supports_scoring = True  # rank 0 holds the logits (`_score`)
-    images_refusal = ("images do not work with --parallel tensor yet (the group runs text "
-                      "only); use --parallel pipeline")
     target = "the tensor group"
 
     def __init__(self, group, model, watch, transport, eos_ids: Sequence[int],
-                 max_queue: int = 64, metrics=None, speculation=None, ranks=()):
+                 max_queue: int = 64, metrics=None, speculation=None, ranks=(),
+                 prompt_cache=None, store=None):
         super().__init__(eos_ids, max_queue, 1, metrics, speculation, name="kimi-mlx-tensor-rank0")
         self.group, self.model, self.watch, self.transport = group, model, watch, transport
         self.ranks = list(ranks)
+        # prompt cache: rank 0's index of snapshot prefixes and its own shard's snapshots
+        # (`KeyedSnapshotCache`); a draft decodes without it, as in the pipeline
+        self.prompt_cache = prompt_cache if speculation is None else None
+        self.store = store if self.prompt_cache is not None else None
+        self._lookups = None
+        if self.prompt_cache is not None and metrics is not None:
+            from kimi_mlx.cluster.tensor.prompt_cache import lookup_counter
+
+            self._lookups = lookup_counter(metrics.registry)
         self._current = None  # the job in flight
         self._failed_ids: set = set()  # ids of jobs failed by the watch
         watch.exit = lambda code: self.group_lost(watch.failed or "the tensor group failed")
@@ -143,7 +159,38 @@ class TensorEngine(BaseEngine):
                 log.warning("ending the tensor group: %s", e)
 
     def _generate(self, job):
-        """(token, logprobs [vocab]) of `job` through the group."""
+        """(token, logprobs [vocab]) of `job` through the group, and the prompt tokens
+        restored from the prompt cache."""
+        if not self.speculates(job) and (self.prompt_cache is not None or job.images):
+            return self._cached_generate(job)
+        return self._plain_generate(job), 0
+
+    def _cached_generate(self, job):
+        """`_generate` through `prompt_cache.open_request` (restore, snapshots, image
+        rows), then plain decoding from the last prompt token."""
+        from kimi_mlx.cluster.tensor.prefill import open_request
+        from kimi_mlx.cluster.tensor.step import group_stream, plain_run
+
+        media = None
+        if job.images and self.pad_id in job.ids[:-1]:
+            def media():  # the tower, on rank 0, when pads are left after the restore
+                import mlx.core as mx
+
+                rows = self.vision.features(job.images)
+                mx.eval(rows)
+                return rows
+
+            media.pad_id = self.pad_id
+        count = self._lookups.labels if self._lookups is not None else None
+        target = open_request(self.model, self.group, job.ids, key=job.cache_key,
+                              index=self.prompt_cache, store=self.store,
+                              segment_ends=job.segment_ends, media=media,
+                              count=(lambda r: count(r).inc()) if count else None)
+        return group_stream(self.model, self.group, job.ids[-1:], plain_run(
+            job.ids[-1:], job.max_tokens, job.sampling.sampler(), job.logits_processors),
+            target=target), target.cached
+
+    def _plain_generate(self, job):
         from kimi_mlx.cluster.tensor.step import group_stream, plain_run, speculative_run
 
         if self.speculates(job):
@@ -178,23 +225,30 @@ class TensorEngine(BaseEngine):
         with self._lock:
             self._current = job
         tic = time.perf_counter()
-        job.emit(Started(0))
+        cached = 0
         if job.score is not None:
+            job.emit(Started(0))
             gen = self._score(job, tic)
             if gen is None:
                 return
         else:
-            gen = self._generate(job)
-        stream_to_job(job, gen, self.eos_ids, tic, self.metrics)  # closing gen: END on every rank
+            gen, cached = self._generate(job)
+            job.emit(Started(cached))
+        # closing gen: END on every rank
+        stream_to_job(job, gen, self.eos_ids, tic, self.metrics, cached=lambda: cached)
 
 
 def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: int,
-                        max_concurrency: int = 1, backend: str = "auto") -> TensorEngine:
+                        max_concurrency: int = 1, backend: str = "auto", prompt_cache=None,
+                        cache_bytes=None) -> TensorEngine:
     """Form the group (`tensor.launch.form_group` over `cluster`, a `net.nodes.NodeFinder`:
     this head rank 0, the nodes' ranks started through `StartRank`; `backend` "auto",
     "ring" or "jaccl") and start a `TensorEngine` on it (`max_queue` waiting requests;
-    `max_concurrency` above 1 is only warned about). Raises what `form_group` raises (the
-    server then ends, naming it)."""
+    `max_concurrency` above 1 is only warned about). `prompt_cache`: rank 0's
+    `HeadCacheIndex` (None: no prompt cache); `cache_bytes`: the bound of rank 0's own
+    snapshots (None: `prompt_cache.default_cache_bytes`; the nodes' ranks take their
+    node's `cluster serve --cache-bytes`). Raises what `form_group` raises (the server
+    then ends, naming it)."""
     from kimi_mlx.cluster.tensor.group import TensorGroup
     from kimi_mlx.cluster.tensor.launch import form_group
 
@@ -206,5 +260,14 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
                     "sequence); others queue")
     log.warning("serving through a tensor-parallel group of %d: rank 0 this head, %s",
                 group.size(), ", ".join(f"rank {r} node {n}" for r, n in ranks))
+    store = None
+    if prompt_cache is not None and speculation is None:
+        from kimi_mlx.cluster.tensor.prompt_cache import make_store
+
+        store = make_store(cache_bytes)
+        log.warning("prompt cache on every rank; rank 0 (this head) keeps up to %.1f GB",
+                    (store.max_bytes if store is not None else 0) / 1e9)
+    if store is None:
+        prompt_cache = None
     return TensorEngine(group, model, watch, transport, eos_ids, max_queue, metrics,
-                        speculation, ranks).start()
+                        speculation, ranks, prompt_cache, store).start()

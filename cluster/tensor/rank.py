@@ -33,6 +33,9 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--backend", default="ring", choices=BACKENDS)
     p.add_argument("--name", default="", help="node name for messages")
+    p.add_argument("--cache-bytes", type=int, default=None,
+                   help="bytes of prompt-cache snapshots of this rank's shard (default: a "
+                        "quarter of the memory left after loading; 0: none)")
     a = p.parse_args(argv)
     who = f"rank {os.environ.get('MLX_RANK', '?')}" + (f" on node {a.name}" if a.name else "")
     from kimi_mlx.checkpoint.ranged import load_sharded
@@ -46,7 +49,10 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
               flush=True)
         model, _ = load_sharded(a.model, group)
         print(f"[tensor] {who}: loaded its slices of {a.model}", file=sys.stderr, flush=True)
-        n = follow_commands(model, group)
+        from kimi_mlx.cluster.tensor.prompt_cache import make_store
+
+        store = make_store(a.cache_bytes)
+        n = follow_commands(model, group, store)
     except Exception as e:  # a lost peer, a bad checkpoint: say who, exit non-zero
         print(f"[tensor] {who}: {e}", file=sys.stderr, flush=True)
         return 1

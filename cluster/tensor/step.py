@@ -22,6 +22,13 @@ lockstep. Greedy output is therefore the plain output token for token; `--draft 
 
 Cost: one small extra all_sum per forward pass (the command); the token sampled by rank
 0 travels in the next command instead of an all_sum of its own.
+
+Prompt cache (issue 33, `tensor.prompt_cache`): RESTORE begins a request from the longest
+of the offered snapshot keys every rank holds (agreed by all_sums, else a full prefill on
+every rank); SNAPSHOT (after a prefill chunk) has every rank keep its shard of the caches
+under the key rank 0 names. Images (MEDIA, a prefill chunk holding image pads): rank 0
+ran the tower; the chunk's projector rows follow the command in one float32 broadcast,
+and every rank embeds them as one process does (`embed_with_media`).
 """
 
 from __future__ import annotations
@@ -32,8 +39,9 @@ import mlx.core as mx
 
 from kimi_mlx.speculative.remote_cache import RemoteCache
 
-OP_EXIT, OP_BEGIN, OP_FORWARD, OP_END = 0, 1, 2, 3
-RECORD, LOGITS = 1, 2  # flags: record for rollback (a verify step), compute the logits
+OP_EXIT, OP_BEGIN, OP_FORWARD, OP_END, OP_RESTORE, OP_SNAPSHOT = 0, 1, 2, 3, 4, 5
+# flags: record for rollback (a verify step), compute the logits, image rows follow
+RECORD, LOGITS, MEDIA = 1, 2, 4
 INLINE = 12  # token ids carried in the command itself
 HEADER = 4
 
@@ -58,11 +66,28 @@ def command(group, op: int = OP_EXIT, tokens: Sequence[int] = (), keep: int = -1
     return op, ids, keep, flags
 
 
-class _Runner:
-    """One rank's caches for the request in flight and its pending verify step."""
+def _media(group, media=None):
+    """(pad id, rows float32 [n, hidden]) on every rank: rank 0's `media` (pad id, rows
+    [n, hidden]) in two broadcasts (the shape, then the rows); ranks 1.. pass None."""
+    if group.rank() == 0:
+        pad, rows = media
+        rows = rows.astype(mx.float32)
+        head = [int(pad), int(rows.shape[0]), int(rows.shape[1])]
+    head = broadcast(mx.array(head if group.rank() == 0 else [0, 0, 0], mx.int32), group).tolist()
+    pad, n, hidden = head
+    if group.rank() != 0:
+        rows = mx.zeros((n, hidden), mx.float32)
+    return pad, broadcast(rows, group)
 
-    def __init__(self, model):
+
+class _Runner:
+    """One rank's caches for the request in flight and its pending verify step; `store`:
+    this rank's prompt-cache snapshots (`KeyedSnapshotCache`, or None)."""
+
+    def __init__(self, model, store=None, rank: int = 0):
         self.model = model
+        self.store = store
+        self.rank = rank
         self.cache: Optional[List[Any]] = None
         self.verify = None
 
@@ -70,6 +95,33 @@ class _Runner:
         from mlx_lm.models.cache import make_prompt_cache
 
         self.cache, self.verify = make_prompt_cache(self.model), None
+
+    def restore(self, keys: Sequence[str], group) -> int:
+        """Begin from the longest of `keys` every rank holds (`prompt_cache.agree_restore`,
+        collectives on every rank), else fresh; returns the positions restored."""
+        from kimi_mlx.cluster.tensor.prompt_cache import agree_restore
+
+        cache, n = agree_restore(self.store, keys, group)
+        if cache is None:
+            self.begin()
+        else:
+            self.cache, self.verify = cache, None
+        return n
+
+    def snapshot(self, key: str) -> None:
+        """Keep this rank's caches under `key` (its length the positions held; no pending
+        verify step: snapshots are taken during prefill). Nothing without a store; a store
+        that fails only leaves this rank without it (a later restore is agreed)."""
+        import sys
+
+        from kimi_mlx.cluster.net.cache_keys import key_length
+
+        if self.store is not None and self.cache is not None:
+            try:
+                self.store.store(key, key_length(key), self.cache)
+            except Exception as e:  # noqa: BLE001 - a miss later, never a wrong state
+                print(f"[tensor] rank {self.rank}: prompt-cache snapshot {key} not kept: "
+                      f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def settle(self, keep: int) -> None:
         """Roll the pending verify step back to its first `keep` positions (-1: none pending)."""
@@ -81,9 +133,12 @@ class _Runner:
             end_verify(self.cache)
             self.verify = None
 
-    def forward(self, ids: Sequence[int], keep: int, flags: int):
+    def forward(self, ids: Sequence[int], keep: int, flags: int, group=None, media=None):
         """Settle, then run `ids` through the sharded model; evaluates the caches (and the
-        logits [1, T, V] when flags has LOGITS, which it returns; else None)."""
+        logits [1, T, V] when flags has LOGITS, which it returns; else None). With MEDIA
+        in flags the chunk's image rows are broadcast first (`_media`: `group`, and on
+        rank 0 `media` = (pad id, rows [pads in ids, hidden])) and embedded in place of
+        the pads."""
         from kimi_mlx.speculative.rollback import begin_verify
 
         if self.cache is None:
@@ -91,7 +146,13 @@ class _Runner:
         self.settle(keep)
         if flags & RECORD:
             self.verify = begin_verify(self.cache)
-        out = self.model(mx.array(list(ids), mx.uint32)[None], cache=self.cache)
+        x = mx.array(list(ids), mx.uint32)
+        if flags & MEDIA:
+            pad, rows = _media(group, media)
+            emb = self.model.embed_with_media(x, rows, pad)
+            out = self.model(x[None], cache=self.cache, input_embeddings=emb[None])
+        else:
+            out = self.model(x[None], cache=self.cache)
         if flags & LOGITS:
             mx.eval(out, [c.state for c in self.cache])
             return out
@@ -103,18 +164,25 @@ class _Runner:
         self.cache = None
 
 
-def follow_commands(model, group) -> int:
+def follow_commands(model, group, store=None) -> int:
     """The loop of ranks 1..N-1: run rank 0's commands until EXIT; returns the number of
-    requests (BEGIN .. END) run."""
-    runner, done = _Runner(model), 0
+    requests (BEGIN .. END) run. `store`: this rank's prompt-cache snapshots
+    (`KeyedSnapshotCache`) or None (it then misses every restore)."""
+    from kimi_mlx.cluster.tensor.prompt_cache import decode_keys
+
+    runner, done = _Runner(model, store, group.rank()), 0
     while True:
         op, ids, keep, flags = command(group)
         if op == OP_EXIT:
             return done
         if op == OP_BEGIN:
             runner.begin()
+        elif op == OP_RESTORE:
+            runner.restore(decode_keys(ids), group)
+        elif op == OP_SNAPSHOT:
+            runner.snapshot(decode_keys(ids)[0])
         elif op == OP_FORWARD:
-            runner.forward(ids, keep, flags)
+            runner.forward(ids, keep, flags, group)
         elif op == OP_END:
             runner.end(keep)
             done += 1
@@ -136,18 +204,62 @@ class GroupTarget:
         model: rank 0's sharded model. group: the MLX group (this process rank 0).
         n_prefill: prompt tokens that are prefill (len(prompt) - 1).
         record: verify steps with rollback (speculative decoding); False for plain decoding.
+        restore: prompt-cache keys (`prefix_key`s of prompt prefixes, longest first) to
+            begin from: the longest every rank holds is restored on every rank and
+            `offset` starts there (`cached`), else every rank begins fresh.
+        store: rank 0's `KeyedSnapshotCache` (its shard's snapshots), or None.
     """
 
-    def __init__(self, model, group, n_prefill: int, record: bool = False):
+    def __init__(self, model, group, n_prefill: int, record: bool = False,
+                 restore: Sequence[str] = (), store=None):
         self.model, self.group, self.n_prefill, self.record = model, group, n_prefill, record
         self.args = getattr(model, "args", None)  # vocab_size for the speculative loops
         self.layers = [None]  # one stand-in cache (mlx-lm's target/draft cache split)
         self.offset = 0
         self.broken = False
         self._pending: Optional[int] = None  # start of the last step, while trimmable
-        self._runner = _Runner(model)
-        self._send(OP_BEGIN)
-        self._runner.begin()
+        self._runner = _Runner(model, store)
+        if restore:
+            from kimi_mlx.cluster.tensor.prompt_cache import encode_keys
+
+            self._send(OP_RESTORE, encode_keys(restore))
+            try:
+                self.offset = self._runner.restore(restore, group)
+            except BaseException:
+                self.broken = True
+                raise
+        else:
+            self._send(OP_BEGIN)
+            self._runner.begin()
+        self.cached = self.offset  # prompt positions restored from the prompt cache
+
+    def snapshot(self, key: str) -> None:
+        """Every rank keeps its shard of the caches under `key` (a `prefix_key` of the
+        `offset` positions run so far; prefill only)."""
+        from kimi_mlx.cluster.net.cache_keys import key_length
+        from kimi_mlx.cluster.tensor.prompt_cache import encode_keys
+
+        if key_length(key) != self.offset or self._pending is not None:
+            raise ValueError(f"snapshot {key} asked at position {self.offset}")
+        self._send(OP_SNAPSHOT, encode_keys([key]))
+        self._runner.snapshot(key)
+
+    def prefill(self, ids: Sequence[int], media=None) -> None:
+        """Run prompt positions `ids` (from `offset`, all before `n_prefill`) through the
+        group; `media` (pad id, rows [pads in ids, hidden]) when the chunk holds image
+        pads (MEDIA: the rows are broadcast to every rank)."""
+        ids = [int(t) for t in ids]
+        if self.offset + len(ids) > self.n_prefill:
+            raise ValueError(f"prefill of {len(ids)} tokens at {self.offset} passes the "
+                             f"prompt's {self.n_prefill} prefill positions")
+        flags = MEDIA if media is not None else 0
+        self._send(OP_FORWARD, ids, self._keep(), flags)
+        try:
+            self._runner.forward(ids, -1, flags, self.group, media)
+        except BaseException:
+            self.broken = True
+            raise
+        self.offset += len(ids)
 
     def make_cache(self) -> List[Any]:
         return [RemoteCache(self)]

@@ -231,7 +231,7 @@ def cluster_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 204
     from kimi_mlx.cluster.head.pipeline import Pipeline
     from kimi_mlx.cluster.net.nodes import check_nodes
     from kimi_mlx.cluster.head.plan import plan_stages
-    from kimi_mlx.cluster.head.cache_index import HeadCacheIndex
+    from kimi_mlx.cluster.net.cache_index import HeadCacheIndex
     from kimi_mlx.cluster.head.transport import GrpcTransport
     from kimi_mlx.server.serving import make_service
     from kimi_mlx.testing.cluster import LocalCluster
@@ -278,6 +278,64 @@ def cluster_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 204
             f"{ratios[0]:.2f}-{ratios[-1]:.2f}; target <= 0.25x)"]
 
 
+def tensor_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 2048) -> List[str]:
+    """Time to first token of turn 3 of a conversation with a `history_tokens`-token
+    history through a 2-rank tensor group on loopback (`cluster server --parallel tensor`
+    as a child process, rank 0, and one node's rank 1): with the ranks' prompt cache
+    (turns 1 and 2 ran first, as an agent's would) against the same request on a group
+    started with --no-prompt-cache. One group at a time (an idle rank polls its next
+    command on a core of its own, which would slow the other group on a small machine),
+    the two alternating in each round, a fresh conversation each round, the ratio taken
+    within a round; every turn-3 reply is checked against the one-process server's (no
+    prompt cache) greedy reply."""
+    from kimi_mlx.checkpoint.loader import load_for_generation
+    from kimi_mlx.server.serving import load_service, make_service
+    from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+    from kimi_mlx.testing.tensor_parallel import free_ports
+
+    text = (model_dir / "heldout" / "prose.txt").read_text()
+    tok = load_for_generation(str(model_dir))[2]
+    ref = make_service(str(model_dir), None, "micro", 1 << 22)
+    load_service(ref, str(model_dir), 1, 0, 64, None)
+    runs, same, n = [], 0, 0
+    with tempfile.TemporaryDirectory() as tmp, _serving(ref) as ref_url:
+        node = LocalCluster(Path(tmp), n=1, prefix="tc", ckpt=model_dir,
+                            ports=[free_ports(2, consecutive=True)[0]])
+        try:
+            for r in range(rounds):
+                users = _conversation(text, r + 1, tok, history_tokens)
+                out = {}
+                for cached_mode, extra in ((True, ()), (False, ("--no-prompt-cache",))):
+                    srv = ServerProc(node, free_ports(1)[0], "--parallel", "tensor",
+                                     "--max-concurrency", "1", *extra, timeout=300)
+                    try:
+                        _chat_ttft(srv.url, "micro", [{"role": "user", "content": "warm up"}])
+                        if cached_mode:  # turns 1 and 2 first, as an agent's would
+                            msgs: list = []
+                            for u in users[:2]:
+                                msgs.append(u)
+                                msgs.append(_chat_ttft(srv.url, "micro", msgs)[2])
+                            out["msgs"] = msgs + [users[2]]
+                        out[cached_mode] = _chat_ttft(srv.url, "micro", out["msgs"], 8)
+                    finally:
+                        srv.stop()
+                warm, cached, warm_reply, n = out[True]
+                cold, _, cold_reply, _ = out[False]
+                same += warm_reply == _chat_ttft(ref_url, "micro", out["msgs"], 8)[2] == cold_reply
+                runs.append((warm, cold, cached))
+        finally:
+            node.stop()
+    ratios = sorted(w / c for w, c, _ in runs)
+    return [f"2-rank tensor group on loopback, turn 3 of a conversation with a ~{history_tokens}"
+            f"-token history ({n} prompt tokens in the last round), median of {rounds} rounds:",
+            f"  time to first token: {statistics.median(w for w, _, _ in runs) * 1e3:.0f} ms "
+            f"from the ranks' prompt cache ({statistics.median(c for _, _, c in runs):.0f} "
+            f"tokens restored), {statistics.median(c for _, c, _ in runs) * 1e3:.0f} ms "
+            f"prefilling it all: {statistics.median(ratios):.2f}x (rounds "
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f}; target <= 0.25x); replies equal to one "
+            f"process (cached and full) in {same} of {rounds} rounds"]
+
+
 def main(argv=None) -> int:
     from kimi_mlx.generation.request import default_model
 
@@ -295,7 +353,13 @@ def main(argv=None) -> int:
                    help="the cluster without batched decode (one message per session per token)")
     p.add_argument("--only-cache", action="store_true",
                    help="only the cluster prompt-cache time to first token")
+    p.add_argument("--only-tensor-cache", action="store_true",
+                   help="only the 2-rank tensor group's prompt-cache time to first token")
     a = p.parse_args(argv)
+    if a.only_tensor_cache:
+        for line in tensor_prompt_cache(Path(a.model or default_model()), a.rounds):
+            print(line, flush=True)
+        return 0
     if a.only_cache:
         for line in cluster_prompt_cache(Path(a.model or default_model()), a.rounds):
             print(line, flush=True)

@@ -13,8 +13,10 @@ from typing import List
 from kimi_mlx.model.config import QUANT_DEFAULT_GROUP, QUANT_EXPERT_BITS, QUANT_GROUP_SIZES, QUANT_TRUNK_BITS
 
 from kimi_mlx.placement.layer_bytes import DEFAULT_MODEL_ID, BuildSpec, ModelBytes, model_bytes
-from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S, recommend,
-                                               tensor_plan_for, tensors_of)
+from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S,
+                                               choose_for_server, recommend,
+                                               snapshot_bytes_per_rank, tensor_plan_for,
+                                               tensors_of)
 from kimi_mlx.placement.planner import (
     DEFAULT_CHIP, DEFAULT_CONTEXT, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
     StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs, planned_context,
@@ -38,6 +40,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"tokens per sequence (default {DEFAULT_CONTEXT}, or the model's "
                         "max_position_embeddings when smaller)")
     p.add_argument("--sequences", type=int, default=1, help="concurrent sequences (default 1)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="plan for `cluster server --max-concurrency N` (N sequences at once, "
+                        "in place of --sequences): also says which mode `--parallel auto` "
+                        "chooses for that server, and why")
     p.add_argument("--headroom", default="0.1",
                    help="kept free per Mac: a fraction of usable memory (0.1) or a size (8GB); "
                         "default 0.1, at least 2 GiB")
@@ -207,6 +213,9 @@ def vision_lines(plan: Plan, model: ModelBytes) -> List[str]:
 
 
 def run(args) -> int:
+    server = getattr(args, "max_concurrency", None)
+    if server is not None:
+        args.sequences = server
     try:
         if (args.context is not None and args.context < 1) or args.sequences < 1:
             raise ValueError(f"--context and --sequences must be >= 1 (got {args.context}, "
@@ -300,4 +309,16 @@ def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> Lis
     for link, lat in (("JACCL (every pair of Macs cabled, RDMA on)", jaccl),
                       ("TCP ring (Thunderbolt bridge)", tcp)):
         lines.append(f"recommended over {link}: {recommend(plan.tokens_per_s, tp, lat, fits)}")
+    if tp is not None:
+        state, per_token = snapshot_bytes_per_rank(targs, tp.ranks)
+        lines.append(
+            "prompt-cache snapshot per tensor rank (cluster server --parallel tensor; counted "
+            f"against each rank's --cache-bytes): {state / 1e6:.0f} MB of KDA state (its "
+            f"heads, copied) + {per_token / 1e3:.1f} KB per token of DSA cache (replicated, "
+            f"references); at {plan.context} tokens: {_gb(state + per_token * plan.context)} GB")
+    if getattr(args, "max_concurrency", None) is not None:
+        for link, lat in (("JACCL", jaccl), ("TCP ring", tcp)):
+            choice, why = choose_for_server(plan.tokens_per_s, plan.sequences, tp, lat, fits,
+                                            args.max_concurrency)
+            lines.append(f"cluster server --parallel auto over {link}: {choice} ({why})")
     return lines

@@ -284,3 +284,45 @@ def recommend(pipeline_tokens_per_s: float, tensor: Optional[TensorPlan], latenc
     if tensor is None or not tensor_fits:
         return "pipeline"
     return "tensor" if tensor.tokens_per_s(latency_s) > pipeline_tokens_per_s else "pipeline"
+
+
+def snapshot_bytes_per_rank(args: ModelArgs, ranks: int, rank: int = 0) -> Tuple[int, int]:
+    """(bytes of KDA state, bytes per token of DSA cache) in one prompt-cache snapshot of
+    rank `rank`'s shard (`cluster.tensor.prompt_cache`): the recurrent + conv states of
+    its share of the KDA heads (copied into the snapshot), and the DSA latent, rope key
+    and index key, replicated on every rank (kept by reference)."""
+    heads = args.linear_attn_config["num_heads"]
+    a, b = split_range(heads, ranks, rank)
+    state = per_token = 0
+    for i in range(args.num_hidden_layers):
+        t, _, s = cache_bytes(args, i)
+        per_token += t
+        state += s * (b - a) // heads
+    return state, per_token
+
+
+# sequences a tensor group's server decodes in one forward pass (`cluster.tensor.engine`:
+# one request at a time, the others queue)
+TENSOR_SERVER_ROWS = 1
+
+
+def choose_for_server(pipeline_tokens_per_s: float, pipeline_sequences: int,
+                      tensor: Optional[TensorPlan], latency_s: float, tensor_fits: bool,
+                      concurrency: int, tensor_rows: int = TENSOR_SERVER_ROWS) -> Tuple[str, str]:
+    """("tensor" | "pipeline", why in one line) for a server of `concurrency` requests at
+    once: the higher predicted aggregate decode wins, the pipeline's with
+    `pipeline_sequences` (= concurrency) sequences per step at `pipeline_tokens_per_s`
+    each, the tensor group's min(concurrency, `tensor_rows`) sequences at its own speed
+    (one at a time today: batching through the group is not built). A tie, no tensor plan
+    or one that does not fit keeps the pipeline."""
+    if tensor is None:
+        return "pipeline", "a tensor group is not possible here (heads or memory)"
+    if not tensor_fits:
+        return "pipeline", "a tensor group does not fit in the Macs' memory"
+    rows = max(1, min(concurrency, tensor_rows))
+    tp = tensor.tokens_per_s(latency_s) * rows
+    pp = pipeline_tokens_per_s * pipeline_sequences
+    choice = "tensor" if tp > pp else "pipeline"
+    return choice, (f"at --max-concurrency {concurrency} the planner predicts {tp:.1f} tok/s "
+                    f"for the tensor group ({rows} sequence(s) per step) vs {pp:.1f} for the "
+                    f"pipeline ({pipeline_sequences} at {pipeline_tokens_per_s:.1f} each)")

@@ -1,5 +1,6 @@
-"""The head's side of the cluster's prompt cache: which prefixes it asked the stages to
-snapshot, and where to take the next ones (see `node.stage_cache`)."""
+"""The deciding side of the cluster's prompt cache (a pipeline's head, a tensor group's
+rank 0): which prefixes it asked the stages / ranks to snapshot, and where to take the
+next ones (see `node.stage_cache`, `tensor.prompt_cache`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from kimi_mlx.cluster.net.cache_keys import prefix_key
 
 
 class HeadCacheIndex:
-    """The head's record of the prefixes it asked the stages to snapshot (token tuples,
-    the newest `max_entries`); the stages' own LRUs decide what is still there.
+    """The head's (or rank 0's) record of the prefixes it asked the stages (ranks) to
+    snapshot (token tuples, the newest `max_entries`); their own LRUs decide what is still
+    there.
 
     Args:
         every: snapshot every this many prefill tokens too (0: only at message ends).

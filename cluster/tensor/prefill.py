@@ -1,0 +1,76 @@
+"""A request's start on a tensor group with the prompt cache and images (issue 33):
+`open_request` restores the longest prefix every rank holds (`prompt_cache.
+agree_restore`), prefills the rest with snapshots where the policy says and image rows in
+the chunks that hold their pads, and hands back the `step.GroupTarget` for decoding."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from kimi_mlx.cluster.tensor.prompt_cache import MAX_CANDIDATES
+
+
+def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = None,
+                 index=None, store=None, segment_ends: Sequence[int] = (), media=None,
+                 step: int = 2048, count=None):
+    """Begin a request on every rank and prefill its prompt but the last token: from the
+    longest remembered prefix every rank still holds (`index`, a
+    `net.cache_index.HeadCacheIndex`; `agree_restore`), taking snapshots on every rank
+    where the policy says (`index.plan`), with image rows placed in the chunks that hold
+    pads (`media`: (pad id, rows [pads in ids, hidden]) from rank 0's tower, or a
+    callable with a `pad_id` attribute returning the rows, called only when a chunk left
+    to prefill holds pads).
+
+    Args:
+        ids: the prompt's token ids. key: its cache key (`Job.cache_key`: ids with image
+            pads as (pad id, digest)); default the ids.
+        index / store: rank 0's record of snapshot prefixes and its own shard's
+            `KeyedSnapshotCache`; None / None: no prompt cache.
+        step: prefill tokens per forward command.
+        count: called with "hit" (the longest remembered prefix restored), "shorter" (a
+            rank had lost it: a shorter one all held) or "miss" (full prefill: none
+            remembered, none held by every rank, or a rank failed to restore it), for
+            /metrics.
+    Returns:
+        the `step.GroupTarget` (its `cached` the positions restored) at position
+        len(ids) - 1: decode goes on from the last prompt token (`group_stream` with
+        `target=`). The caller ends it; it is ended here when the prefill raises.
+    """
+    from kimi_mlx.cluster.net.cache_keys import prefix_key
+    from kimi_mlx.cluster.tensor.step import GroupTarget
+
+    ids = [int(t) for t in ids]
+    key = ids if key is None else list(key)
+    cands = [] if index is None else index.candidates(key)[:MAX_CANDIDATES]
+    target = GroupTarget(model, group, len(ids) - 1, restore=[k for _, k in cands],
+                         store=store)
+    try:
+        cached = target.cached
+        if index is not None and count is not None:
+            count("hit" if cands and cached == cands[0][0] else "shorter" if cached else "miss")
+        snaps = index.plan(key, cached, segment_ends) if index is not None else {}
+        if callable(media):  # the tower runs only when a chunk to prefill holds pads
+            pad, rows = media.pad_id, None
+        else:
+            pad, rows = media if media is not None else (None, None)
+        before = ids[:cached].count(pad) if pad is not None else 0  # rows already cached
+        pos = cached
+        for end in sorted(set(snaps) | {len(ids) - 1}):
+            while pos < end:
+                chunk = ids[pos:min(pos + step, end)]
+                part = None
+                n_pad = chunk.count(pad) if pad is not None else 0
+                if n_pad:
+                    if rows is None:
+                        rows = media()
+                    part = (pad, rows[before:before + n_pad])
+                    before += n_pad
+                target.prefill(chunk, part)
+                pos += len(chunk)
+            if end in snaps:
+                target.snapshot(snaps[end] if snaps[end] else prefix_key(key[:end]))
+    except BaseException:
+        target.end()
+        raise
+    return target
+
