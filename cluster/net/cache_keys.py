@@ -4,31 +4,20 @@ with `CACHE_MISS` in its message (see `node.stage_cache`)."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Sequence
-
-import numpy as np
 
 CACHE_MISS = "prompt cache miss"
 
 def prefix_key(ids: Sequence) -> str:
     """The key of the snapshot holding exactly the tokens `ids`: '<length>-<sha256 of
-    the int32 little-endian ids, 32 hex digits>'. A prompt with images gives its
-    `server.images.cache_key`, whose pads are (pad id, image digest) pairs: each is
-    hashed as the pad id then the digest's bytes, so the same text with another image
-    has another key from the first image on."""
-    ids = list(ids)
-    if all(isinstance(t, int) for t in ids):
-        data = np.asarray(ids, dtype="<i4").tobytes()
-    else:
-        h = hashlib.sha256()
-        for t in ids:
-            if isinstance(t, tuple):
-                h.update(np.asarray([t[0]], dtype="<i4").tobytes() + bytes.fromhex(t[1]))
-            else:
-                h.update(np.asarray([t], dtype="<i4").tobytes())
-        return f"{len(ids)}-{h.hexdigest()[:32]}"
-    return f"{len(ids)}-{hashlib.sha256(data).hexdigest()[:32]}"
+    the int32 little-endian ids, 32 hex digits>', the one scheme of every prompt cache
+    (`server.disk_cache.token_key`, which the disk tier and one process use too). A prompt
+    with images gives its `server.images.cache_key`, whose pads are (pad id, image digest)
+    pairs: each is hashed as the pad id then the digest's bytes, so the same text with
+    another image has another key from the first image on."""
+    from kimi_mlx.server.disk_cache import token_key
+
+    return token_key(ids)
 
 
 def key_length(key: str) -> int:
