@@ -174,6 +174,9 @@ def _server_arguments(q) -> None:
                         "shard (rank 0), e.g. 8GB (default: a quarter of the memory left "
                         "after loading it; the nodes' ranks take their `cluster serve "
                         "--cache-bytes`, with the same default)")
+    from kimi_mlx.server.serving import add_disk_cache_arguments
+
+    add_disk_cache_arguments(q)  # --parallel tensor: rank 0's; the stages / ranks take their node's
     q.add_argument("--no-batch", action="store_true",
                    help="one message per request per token (default: the decode steps of the "
                         "requests in flight go through the stages as one batched message)")

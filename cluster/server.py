@@ -43,8 +43,9 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
     from kimi_mlx.generation.request import (InputError, generation_defaults, resolve_model_arg,
                                              serving_context)
     from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.serving import (check_draft_server_arguments, check_server_arguments,
-                                         make_service, resolve_api_key, serve)
+    from kimi_mlx.server.serving import (check_disk_cache_arguments, check_draft_server_arguments,
+                                         check_server_arguments, make_service, resolve_api_key,
+                                         serve)
     from kimi_mlx.speculative.factory import PIPELINE, TENSOR, build_speculation, check_draft_target
 
     from kimi_mlx.cluster.net.auth import AuthError, load_secret
@@ -54,6 +55,7 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
         drafts = check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
         check_draft_target(drafts, PIPELINE if args.parallel != "tensor" else TENSOR)
         check_server_arguments(args)
+        check_disk_cache_arguments(args)
         if args.prompt_cache_every < 0:
             raise InputError(f"--prompt-cache-every must be >= 0, got {args.prompt_cache_every}")
         cache_bytes = None
@@ -111,9 +113,13 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
                 finder, tok.eos_token_ids, svc.metrics, speculation, max_queue=args.max_queue,
                 max_concurrency=args.max_concurrency, backend=args.backend,
                 prompt_cache=None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every),
-                cache_bytes=cache_bytes)
+                cache_bytes=cache_bytes, cache_dir=args.prompt_cache_dir,
+                cache_disk_bytes=args.prompt_cache_disk_bytes)
             svc.engine.vision, svc.engine.pad_id = svc.images.vision, svc.images.pad_id
             return
+        if args.prompt_cache_dir:
+            log.warning("--prompt-cache-dir is rank 0's under --parallel tensor; a pipeline's "
+                        "snapshots are on its stages: give `cluster serve --prompt-cache-dir`")
         pipeline = cluster.connect()
         keeper = cluster.keeper(pipeline)
         from kimi_mlx.cluster.net.cache_index import HeadCacheIndex

@@ -9,6 +9,9 @@
   one-process server's greedy reply; a rank that lost the snapshots makes the whole
   group prefill in full, still right; an image request equals a cache-free one-process
   forward pass, and another image never shares the prefix past its pads.
+- With `--prompt-cache-dir` on the node (`cluster serve`, its rank) and the server (rank
+  0), the node and the server both restarted: the next turn restores from the ranks'
+  disks and equals the cold one-process reply.
 Every process has a hard timeout; ports are chosen free at run time.
 """
 
@@ -261,3 +264,78 @@ def test_image_request_equals_one_process_and_generate(tmp_path_factory, tmp_pat
     assert ra2.usage.prompt_tokens_details.cached_tokens > first_pad
     assert [e.bytes for e in ra2.choices[0].logprobs.content] == \
         [e.bytes for e in ra.choices[0].logprobs.content]
+
+
+def _indexed(folder):
+    """Snapshot entries in each fingerprint subfolder's index.json."""
+    import json
+
+    return {p.parent.name: len(json.loads(p.read_text())["entries"])
+            for p in folder.glob("*/index.json")}
+
+
+def test_ranks_restarted_restore_from_their_disks(tmp_path_factory, tmp_path, one_process):
+    import signal
+    import time
+
+    head_dir, node_dir = tmp_path / "head-pc", tmp_path / "node-pc"
+    node = _node(tmp_path_factory, "tdnode", extra=["--prompt-cache-dir", str(node_dir)])
+    srv = None
+    try:
+        srv = _server(node, "--prompt-cache-dir", str(head_dir))
+        first = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+        reply, usage = _chat(srv.url, first)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        end = time.monotonic() + 30  # both ranks write in the background
+        while not (_indexed(head_dir) and _indexed(node_dir)
+                   and all(_indexed(head_dir).values()) and all(_indexed(node_dir).values())):
+            assert time.monotonic() < end, (_indexed(head_dir), _indexed(node_dir))
+            time.sleep(0.1)
+        srv.stop()
+        srv = None
+        for p in node.procs:  # the node (and so its rank) killed, then started again
+            p.signal(signal.SIGKILL)
+            p.proc.wait(10)
+            p.start()
+            p.wait_ready(60)
+        srv = _server(node, "--prompt-cache-dir", str(head_dir))
+        second = first + [{"role": "assistant", "content": reply[0], "reasoning_content": reply[1]},
+                          {"role": "user", "content": QUESTIONS[1]}]
+        got, usage = _chat(srv.url, second)
+        want, _ = _chat(one_process, second)
+        assert got == want
+        assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+        assert _lookups(srv.url).get("disk") == 1.0
+    finally:
+        if srv is not None:
+            srv.stop()
+        node.stop()
+
+
+def test_rank_disk_folders_are_named_by_rank_and_group_size(tmp_path):
+    """A snapshot a rank wrote is read back by the same rank of a group of the same size
+    only: another rank or group size holds other slices (`rank_fingerprint`)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kimi_mlx.cluster.net.cache_keys import prefix_key
+    from kimi_mlx.cluster.tensor.prompt_cache import make_store, rank_fingerprint
+    from kimi_mlx.generation.request import default_model
+
+    model = _model()
+    ids = list(range(100, 120))
+    cache = make_prompt_cache(model)
+    model(mx.array(ids)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    key = prefix_key(ids)
+
+    def store(rank, size):
+        fp = rank_fingerprint(default_model(), model, rank, size)
+        return make_store(1 << 30, tmp_path, 1 << 30, fp)
+
+    s = store(0, 2)
+    assert s.store(key, len(ids), cache)
+    s.attach_disk(None)  # written and closed
+    for rank, size, held in [(0, 2, True), (1, 2, False), (0, 4, False)]:
+        s = store(rank, size)
+        assert bool(s.held([key])) is held, (rank, size)
+        s.attach_disk(None)

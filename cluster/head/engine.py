@@ -74,16 +74,9 @@ class ClusterEngine(BaseEngine):
         self.prompt_cache = prompt_cache if speculation is None else None
         self._lookups = None
         if self.prompt_cache is not None and metrics is not None:
-            from prometheus_client import Counter
+            from kimi_mlx.cluster.net.cache_index import lookup_counter
 
-            self._lookups = Counter(
-                "kimi_mlx_cluster_prompt_cache_lookups", "requests that found remembered "
-                "prompt prefixes, by result: hit (the longest restored on every stage), "
-                "shorter (a stage had lost it: a shorter prefix all held), miss (none held "
-                "by all: full prefill), refused (lost between lookup and open: full prefill), "
-                "disk (none remembered, e.g. after a restart, but the stages held one of the "
-                "policy's prefixes: on their disks)",
-                ["result"], registry=metrics.registry)
+            self._lookups = lookup_counter(metrics.registry)
             metrics.registry.register(_StageDiskCollector(self))
         self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
         self._vision_lock = threading.Lock()

@@ -68,3 +68,17 @@ class HeadCacheIndex:
             while len(self._prefixes) > self.max_entries:
                 self._prefixes.popitem(last=False)
         return out
+
+
+def lookup_counter(registry):
+    """The /metrics counter of prompt-cache lookups by result, one for the pipeline's head
+    and a tensor group's rank 0: kimi_mlx_cluster_prompt_cache_lookups_total{result}."""
+    from prometheus_client import Counter
+
+    return Counter(
+        "kimi_mlx_cluster_prompt_cache_lookups", "requests that found remembered prompt "
+        "prefixes, by result: hit (the longest restored on every stage / rank), shorter (a "
+        "stage or rank had lost it: a shorter prefix all held), miss (none held by all: full "
+        "prefill), refused (pipeline: lost between lookup and open: full prefill), disk "
+        "(none remembered, e.g. after a restart, but every stage / rank held one of the "
+        "policy's prefixes: on their disks)", ["result"], registry=registry)

@@ -58,10 +58,13 @@ class RankProcess:
     ends) is reported as such, with the rank's peak resident memory and the memory the
     machine had left: the signature of the kernel's OOM killer (see `dmesg`), or of another
     process's kill by pid.
+
+    `cache_bytes`, `cache_dir`, `cache_disk_bytes`: the node's `cluster serve --cache-bytes /
+    --prompt-cache-dir / --prompt-cache-disk-bytes`, handed to the rank's prompt cache.
     """
 
     def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str,
-                 cache_bytes: Optional[int] = None):
+                 cache_bytes: Optional[int] = None, cache_dir=None, cache_disk_bytes: int = 0):
         self.rank, self.node_id = rank, node_id
         if backend == "jaccl":  # MLX_RANK, MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES
             from kimi_mlx.cluster.net.jaccl import rank_env
@@ -76,7 +79,9 @@ class RankProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kimi_mlx.cluster.tensor.rank", "--model", str(model_path),
              "--backend", backend, "--name", node_id]
-            + ([] if cache_bytes is None else ["--cache-bytes", str(cache_bytes)]),
+            + ([] if cache_bytes is None else ["--cache-bytes", str(cache_bytes)])
+            + ([] if cache_dir is None else ["--prompt-cache-dir", str(cache_dir),
+                                             "--prompt-cache-disk-bytes", str(cache_disk_bytes)]),
             env=env, stdin=subprocess.DEVNULL)
         self._stopped_seen = 0
         self._lock = threading.Lock()

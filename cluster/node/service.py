@@ -308,7 +308,8 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
             log.warning("refused StartRank from %s: %s", context.peer(), e)
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         rank = RankProcess(path, request.rank, request.size, request.backend, request.hosts,
-                           self.node_id, cache_bytes=self.cache_bytes)
+                           self.node_id, cache_bytes=self.cache_bytes,
+                           cache_dir=self.cache_dir, cache_disk_bytes=self.cache_disk_bytes)
         context.add_callback(lambda: rank.kill("the head's lease ended: stream cancelled or "
                                                "its connection lost"))
         log.info("tensor rank %d of %d (%s) for head %s: started, pid %d", request.rank,

@@ -70,7 +70,7 @@ class TensorEngine(BaseEngine):
         self.store = store if self.prompt_cache is not None else None
         self._lookups = None
         if self.prompt_cache is not None and metrics is not None:
-            from kimi_mlx.cluster.tensor.prompt_cache import lookup_counter
+            from kimi_mlx.cluster.net.cache_index import lookup_counter
 
             self._lookups = lookup_counter(metrics.registry)
         self._current = None  # the job in flight
@@ -82,6 +82,8 @@ class TensorEngine(BaseEngine):
         close the leases."""
         self.watch.close()
         self.transport.shutdown()
+        if self.store is not None:
+            self.store.attach_disk(None)  # rank 0's queued snapshot writes finish
 
     def stages(self) -> list:
         """The group's ranks for /health: [{"rank", "node", "ok", "reason"}]."""
@@ -240,15 +242,16 @@ class TensorEngine(BaseEngine):
 
 def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: int,
                         max_concurrency: int = 1, backend: str = "auto", prompt_cache=None,
-                        cache_bytes=None) -> TensorEngine:
+                        cache_bytes=None, cache_dir=None, cache_disk_bytes: int = 0) -> TensorEngine:
     """Form the group (`tensor.launch.form_group` over `cluster`, a `net.nodes.NodeFinder`:
     this head rank 0, the nodes' ranks started through `StartRank`; `backend` "auto",
     "ring" or "jaccl") and start a `TensorEngine` on it (`max_queue` waiting requests;
     `max_concurrency` above 1 is only warned about). `prompt_cache`: rank 0's
     `HeadCacheIndex` (None: no prompt cache); `cache_bytes`: the bound of rank 0's own
     snapshots (None: `prompt_cache.default_cache_bytes`; the nodes' ranks take their
-    node's `cluster serve --cache-bytes`). Raises what `form_group` raises (the server
-    then ends, naming it)."""
+    node's `cluster serve --cache-bytes`); `cache_dir` / `cache_disk_bytes`: rank 0's disk
+    tier (`cluster server --prompt-cache-dir`; the nodes' ranks take their node's).
+    Raises what `form_group` raises (the server then ends, naming it)."""
     from kimi_mlx.cluster.tensor.group import TensorGroup
     from kimi_mlx.cluster.tensor.launch import form_group
 
@@ -262,9 +265,13 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
                 group.size(), ", ".join(f"rank {r} node {n}" for r, n in ranks))
     store = None
     if prompt_cache is not None and speculation is None:
-        from kimi_mlx.cluster.tensor.prompt_cache import make_store
+        from kimi_mlx.cluster.tensor.prompt_cache import make_store, rank_fingerprint
 
-        store = make_store(cache_bytes)
+        fp = (rank_fingerprint(cluster.model_dir, model, 0, group.size())
+              if cache_dir is not None else None)
+        store = make_store(cache_bytes, cache_dir, cache_disk_bytes, fp, "rank 0 (this head)")
+        if store is not None and store.disk is not None and metrics is not None:
+            metrics.watch_disk_cache(store.disk)
         log.warning("prompt cache on every rank; rank 0 (this head) keeps up to %.1f GB",
                     (store.max_bytes if store is not None else 0) / 1e9)
     if store is None:

@@ -28,8 +28,9 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
             `KeyedSnapshotCache`; None / None: no prompt cache.
         step: prefill tokens per forward command.
         count: called with "hit" (the longest remembered prefix restored), "shorter" (a
-            rank had lost it: a shorter one all held) or "miss" (full prefill: none
-            remembered, none held by every rank, or a rank failed to restore it), for
+            rank had lost it: a shorter one all held), "miss" (full prefill: none
+            remembered, none held by every rank, or a rank failed to restore it) or "disk"
+            (none remembered, a policy prefix restored from the ranks' disk tiers), for
             /metrics.
     Returns:
         the `step.GroupTarget` (its `cached` the positions restored) at position
@@ -42,12 +43,22 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
     ids = [int(t) for t in ids]
     key = ids if key is None else list(key)
     cands = [] if index is None else index.candidates(key)[:MAX_CANDIDATES]
+    guessed = False
+    if index is not None and not cands and getattr(store, "disk", None) is not None:
+        # rank 0 remembers none of this prompt's prefixes (it restarted, or forgot them):
+        # offer where the policy would have snapshotted them; ranks with a disk tier may
+        # hold them from before (counted as "disk" when restored, not counted otherwise)
+        cands, guessed = index.policy_candidates(key, segment_ends)[:MAX_CANDIDATES], True
     target = GroupTarget(model, group, len(ids) - 1, restore=[k for _, k in cands],
                          store=store)
     try:
         cached = target.cached
         if index is not None and count is not None:
-            count("hit" if cands and cached == cands[0][0] else "shorter" if cached else "miss")
+            if guessed:
+                if cached:
+                    count("disk")
+            else:
+                count("hit" if cands and cached == cands[0][0] else "shorter" if cached else "miss")
         snaps = index.plan(key, cached, segment_ends) if index is not None else {}
         if callable(media):  # the tower runs only when a chunk to prefill holds pads
             pad, rows = media.pad_id, None

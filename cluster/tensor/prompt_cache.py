@@ -19,11 +19,14 @@ continues from a state another rank does not share.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from kimi_mlx.cluster.net.cache_keys import key_length
+
+log = logging.getLogger("kimi_mlx.cluster.tensor")
 
 WORDS = 5  # int32 per key: length, then the 32 hex digits as 4 x 32 bits
 MAX_CANDIDATES = 32  # remembered prefixes offered per restore, longest first
@@ -96,21 +99,36 @@ def default_cache_bytes(usable_bytes: Optional[int] = None) -> int:
     return max(int(usable_bytes) - mx.get_active_memory(), 0) // 4
 
 
-def make_store(max_bytes: Optional[int]):
+def make_store(max_bytes: Optional[int], disk_dir=None, disk_bytes: int = 0,
+               fingerprint: Optional[dict] = None, who: str = "tensor rank"):
     """This rank's `KeyedSnapshotCache` bounded by `max_bytes` (None: `default_cache_bytes`;
-    0: no prompt cache, None returned)."""
+    0: no prompt cache, None returned). With `disk_dir` (`--prompt-cache-dir`) its
+    snapshots also go to disk (`server.disk_cache.DiskSnapshotStore`, at most `disk_bytes`)
+    in the folder of `fingerprint` (`rank_fingerprint`), so a restarted rank still holds
+    them; a folder that cannot be used (locked by another process, unwritable) is logged
+    and the rank keeps its memory cache only."""
     from kimi_mlx.server.prompt_cache import KeyedSnapshotCache
 
     bound = default_cache_bytes() if max_bytes is None else int(max_bytes)
-    return KeyedSnapshotCache(bound) if bound > 0 else None
+    if bound <= 0:
+        return None
+    disk = None
+    if disk_dir is not None:
+        from kimi_mlx.server.disk_cache import DiskSnapshotStore
+
+        try:
+            disk = DiskSnapshotStore(disk_dir, disk_bytes, fingerprint or {})
+        except (OSError, RuntimeError) as e:
+            log.warning("%s: prompt cache on disk off: %s", who, e)
+    return KeyedSnapshotCache(bound, disk=disk)
 
 
-def lookup_counter(registry):
-    """The /metrics counter of prompt-cache lookups by result (hit, shorter, miss), named
-    as the pipeline's (`kimi_mlx_cluster_prompt_cache_lookups`)."""
-    from prometheus_client import Counter
+def rank_fingerprint(model_dir, model, rank: int, size: int) -> dict:
+    """What a tensor rank's disk snapshots depend on besides their tokens: the weights
+    (`server.serving.model_cache_fingerprint`: the checkpoint's identity, layer count and
+    parameter dtypes of this rank's slices) and the shard, rank `rank` of a group of
+    `size` (`model.shard` splits heads and expert columns by both). Another checkpoint,
+    rank, group size or dtype reads and writes another folder."""
+    from kimi_mlx.server.serving import model_cache_fingerprint
 
-    return Counter("kimi_mlx_cluster_prompt_cache_lookups", "requests by what the prompt "
-                   "cache gave: hit (the longest remembered prefix restored on every rank), "
-                   "shorter (a rank had lost it: a shorter prefix all held), miss (full "
-                   "prefill)", ["result"], registry=registry)
+    return model_cache_fingerprint(model_dir, model, role=f"tensor rank {int(rank)} of {int(size)}")

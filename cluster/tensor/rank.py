@@ -36,6 +36,11 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--cache-bytes", type=int, default=None,
                    help="bytes of prompt-cache snapshots of this rank's shard (default: a "
                         "quarter of the memory left after loading; 0: none)")
+    p.add_argument("--prompt-cache-dir", default=None,
+                   help="also keep this rank's snapshots in this folder (its node's "
+                        "`cluster serve --prompt-cache-dir`)")
+    p.add_argument("--prompt-cache-disk-bytes", type=int, default=0,
+                   help="bytes of snapshot files kept there")
     a = p.parse_args(argv)
     who = f"rank {os.environ.get('MLX_RANK', '?')}" + (f" on node {a.name}" if a.name else "")
     from kimi_mlx.checkpoint.ranged import load_sharded
@@ -49,10 +54,14 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
               flush=True)
         model, _ = load_sharded(a.model, group)
         print(f"[tensor] {who}: loaded its slices of {a.model}", file=sys.stderr, flush=True)
-        from kimi_mlx.cluster.tensor.prompt_cache import make_store
+        from kimi_mlx.cluster.tensor.prompt_cache import make_store, rank_fingerprint
 
-        store = make_store(a.cache_bytes)
+        fp = (rank_fingerprint(a.model, model, group.rank(), group.size())
+              if a.prompt_cache_dir else None)
+        store = make_store(a.cache_bytes, a.prompt_cache_dir, a.prompt_cache_disk_bytes, fp, who)
         n = follow_commands(model, group, store)
+        if store is not None:
+            store.attach_disk(None)  # queued snapshot writes finish before the rank exits
     except Exception as e:  # a lost peer, a bad checkpoint: say who, exit non-zero
         print(f"[tensor] {who}: {e}", file=sys.stderr, flush=True)
         return 1
