@@ -315,7 +315,8 @@ def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> Lis
             "prompt-cache snapshot per tensor rank (cluster server --parallel tensor; counted "
             f"against each rank's --cache-bytes): {state / 1e6:.0f} MB of KDA state (its "
             f"heads, copied) + {per_token / 1e3:.1f} KB per token of DSA cache (replicated, "
-            f"references); at {plan.context} tokens: {_gb(state + per_token * plan.context)} GB")
+            f"references); at {plan.context} tokens: {_gb(state + per_token * plan.context)} GB, "
+            "and as much per file on each rank's disk with --prompt-cache-dir")
     if getattr(args, "max_concurrency", None) is not None:
         for link, lat in (("JACCL", jaccl), ("TCP ring", tcp)):
             choice, why = choose_for_server(plan.tokens_per_s, plan.sequences, tp, lat, fits,
