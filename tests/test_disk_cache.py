@@ -372,3 +372,43 @@ def test_a_disk_read_is_chosen_only_when_faster_than_recomputing(model, tmp_path
     disk.prompt_tps = 10.0  # 70 tokens: 7 s to recompute, a 0.3 MB read is faster
     assert PromptCache(64 << 20, disk=disk).fetch(ids)[1] == 70 and disk.hits == 1
     disk.close()
+
+
+def test_sigterm_is_a_clean_stop_that_keeps_the_snapshots(tmp_path):
+    """`kimi-mlx server` stopped with SIGTERM (kill, systemd, a container's stop) runs its
+    cleanup like Ctrl-C: exit status 0, the engine stopped, the queued snapshot writes on
+    disk and the index saved (uvicorn raises SIGTERM again once it has shut down, which
+    used to end the process before the cleanup)."""
+    import time
+
+    import httpx
+
+    from kimi_mlx.generation.request import default_model
+    from kimi_mlx.testing.ports import free_ports
+
+    port = free_ports(1)[0]
+    folder = tmp_path / "pc"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kimi_mlx.commands.main", "server", "--model",
+         str(default_model()), "--port", str(port), "--prompt-cache-dir", str(folder)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read1(8000)
+            time.sleep(0.2)
+        _chat(url, [LONG_SYSTEM, {"role": "user", "content": "What is functools.partial?"}], 2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    (index,) = folder.glob("*/index.json")
+    assert json.loads(index.read_text())["entries"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -328,6 +329,14 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _Terminated(Exception):
+    """SIGTERM, raised again by uvicorn once it has shut down (see `serve`)."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
+
+
 def serve(svc, app, host: str, port: int, log_level: str, banner: str, prog: str,
           load: Callable[[], None], what: str, cleanup: Callable[[], None] = lambda: None) -> int:
     """Run a server command: bind host:port, print the URL on stderr, call `load()` on a
@@ -369,10 +378,20 @@ def serve(svc, app, host: str, port: int, log_level: str, banner: str, prog: str
                 mx.clear_streams()  # this thread ran MLX (see engine.run_mlx_thread)
 
         threading.Thread(target=loader, name="kimi-mlx-load", daemon=True).start()
+        # uvicorn shuts down on SIGINT / SIGTERM, then raises the signal again with the
+        # handler it found: SIGTERM's default would end the process before `cleanup()`
+        # (the engine's stop, the prompt cache's queued disk writes). Ours makes it a
+        # normal stop, as Ctrl-C's KeyboardInterrupt is.
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _terminated)
         try:
             server.run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on: a normal stop
+        except (KeyboardInterrupt, _Terminated):  # the signal uvicorn shut down on: a normal stop
             pass
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         if failed:
             print(f"{prog}: error: {failed[0]}", file=sys.stderr)
             return 1
