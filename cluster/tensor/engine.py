@@ -15,16 +15,27 @@ Faults: `TensorGroup` watches every node's rank. A rank that exits, is killed or
 (SIGSTOP), or a node that stops answering: /health answers 503 naming the rank and node
 (within the node's poll, ~0.5 s, or --peer-timeout), the request in flight fails with
 that message (also when rank 0 is blocked in a collective: the failure is sent from the
-watch), queued ones fail too, every node kills its rank (lease cancelled) and this head
-drops its shard. The server keeps answering (503) until restarted.
+watch), queued ones fail too, every node kills its rank (lease cancelled) and rank 0's
+process is killed.
+
+Healing (issue 33): rank 0 runs in a child process (`tensor.relay`: MLX cannot form a
+second group in one process), so this server forms the group again by itself. Every
+`retry` s it asks the lost node for its Health through the control plane (a new channel
+each time, with the checkpoint's fingerprint, `net.nodes.check_nodes`); once it answers,
+the group is formed again over the same nodes (new leases, a new rank 0 process on a new
+port: the group's epoch goes up and nothing of the old group can reach the new one; a
+late report of an old group's watch is ignored). With --replan, a lost node that does
+not answer is left out and the group is formed over the nodes left, when the model loads
+there (else it waits for the node). /health says which of these it is doing.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from kimi_mlx.server.engine_base import BaseEngine
 
@@ -42,6 +53,11 @@ class TensorEngine(BaseEngine):
         eos_ids: ids that end a reply. max_queue: waiting requests before 503.
         metrics: the server's `Metrics` or None. speculation: a `Speculation` or None.
         ranks: [(rank, node name)] of the node ranks, for /health.
+        reform: (excluded node names, epoch) -> (transport, group, model, watch, ranks), a
+            new group (`start_tensor_engine`); None: a lost group stays lost.
+        probe: ([NodeInfo]) -> (accepted, rejected), `net.nodes.check_nodes` for the
+            checkpoint. replan: form the group without a lost node that does not answer.
+        retry: seconds between recovery attempts (and between checks of rank 0's process).
     """
 
     # logits processors are applied on rank 0, which samples; the group runs one
@@ -53,19 +69,52 @@ class TensorEngine(BaseEngine):
     target = "the tensor group"
 
     def __init__(self, group, model, watch, transport, eos_ids: Sequence[int],
-                 max_queue: int = 64, metrics=None, speculation=None, ranks=()):
+                 max_queue: int = 64, metrics=None, speculation=None, ranks=(),
+                 reform=None, probe=None, replan: bool = False, retry: float = 0.5):
         super().__init__(eos_ids, max_queue, 1, metrics, speculation, name="kimi-mlx-tensor-rank0")
         self.group, self.model, self.watch, self.transport = group, model, watch, transport
         self.ranks = list(ranks)
         self._current = None  # the job in flight
         self._failed_ids: set = set()  # ids of jobs failed by the watch
-        watch.exit = lambda code: self.group_lost(watch.failed or "the tensor group failed")
+        self.reform, self.probe, self.replan, self.retry = reform, probe, replan, retry
+        self.epoch = 0  # the group's number: a report from an older group's watch is ignored
+        self.excluded: set = set()  # nodes left out by --replan
+        self.recoveries = 0
+        self._lost_nodes: list = []  # NodeInfo of the nodes whose rank was lost
+        self._doing = ""  # what the recovery is doing (for /health)
+        self._bind(watch)
+        self._healer = (threading.Thread(target=self._heal_loop, daemon=True,
+                                         name="kimi-mlx-tensor-heal") if reform else None)
+
+    def _bind(self, watch) -> None:
+        """Route `watch`'s teardown to `group_lost` for the current epoch only."""
+        epoch = self.epoch
+        watch.exit = lambda code: self.group_lost(watch.failed or "the tensor group failed",
+                                                  epoch, watch)
+
+    def start(self) -> "TensorEngine":
+        super().start()
+        if self._healer is not None:
+            self._healer.start()
+        return self
+
+    def health(self) -> Optional[str]:
+        """None while serving; else the loss (naming rank and node) and what the recovery
+        is doing about it."""
+        with self._lock:
+            if self.lost is None:
+                return None
+            return f"{self.lost}; {self._doing}" if self._doing else self.lost
 
     def _after_stop(self) -> None:
         """End the group: EXIT to the other ranks (when it is whole, `_worker_done`),
-        close the leases."""
-        self.watch.close()
-        self.transport.shutdown()
+        close the leases, kill rank 0's process; end the recovery."""
+        if self._healer is not None and self._healer.ident is not None:
+            self._healer.join(5)
+        with self._lock:
+            watch, transport = self.watch, self.transport
+        watch.close()
+        transport.shutdown()
 
     def stages(self) -> list:
         """The group's ranks for /health: [{"rank", "node", "ok", "reason"}]."""
@@ -75,16 +124,21 @@ class TensorEngine(BaseEngine):
             out.append({"rank": rank, "node": node, "ok": self.lost is None, "reason": bad})
         return out
 
-    def group_lost(self, reason: str) -> None:
+    def group_lost(self, reason: str, epoch: Optional[int] = None, watch=None) -> None:
         """The watch's end of the group (a rank lost / stopped, a node silent): say so on
         /health, fail the request in flight and the queued ones; the leases are already
-        cancelled (the nodes kill their ranks)."""
+        cancelled (the nodes kill their ranks) and rank 0's process killed. A report
+        about an older group (`epoch` below the current one) is ignored."""
         from kimi_mlx.server.jobs import Failed
 
         with self._lock:
-            if self.lost is not None:
+            if self.lost is not None or (epoch is not None and epoch != self.epoch):
                 return
             self.lost = f"tensor group lost: {reason}"
+            node = watch.nodes.get(watch.failed_node) if watch is not None else None
+            self._lost_nodes = [node] if node is not None else []
+            self._doing = ("forming the group again when the lost node answers"
+                           if self.reform else "restart the server to form it again")
             job = self._current
             if job is not None:
                 self._failed_ids.add(id(job))
@@ -126,21 +180,96 @@ class TensorEngine(BaseEngine):
     def _after_job(self) -> None:
         with self._lock:
             self._current = None
-        if self.lost:
+            drop = self.lost is not None and self.reform is None
+        if drop:
             import mlx.core as mx
 
             self.model = None  # this head's shard: freed with the group
             mx.clear_cache()
 
     def _worker_done(self) -> None:
-        if self.lost is None:
+        with self._lock:
+            lost, group, watch = self.lost, self.group, self.watch
+        if lost is None:
             from kimi_mlx.cluster.tensor.step import OP_EXIT, command
 
             try:
-                command(self.group, OP_EXIT)
-                self.watch.finish()
+                command(group, OP_EXIT)
+                watch.finish()
             except RuntimeError as e:
                 log.warning("ending the tensor group: %s", e)
+
+    # ---------------------------------------------------------------- healing
+
+    def _heal_loop(self) -> None:
+        """Every `retry` s: notice rank 0's process ending on its own (idle), and while the
+        group is lost, try to form it again (`_heal`)."""
+        while not self._stopping.wait(self.retry):
+            try:
+                with self._lock:
+                    lost, busy, group, watch = (self.lost, self._current is not None,
+                                                self.group, self.watch)
+                if lost is None:
+                    if not busy and hasattr(group, "alive") and not group.alive():
+                        watch.fail(f"rank 0 (this head's rank process) ended (exit status "
+                                   f"{group.proc.returncode})")
+                    continue
+                if not busy:  # the request on the old group has failed and ended
+                    self._heal()
+            except Exception as e:  # noqa: BLE001 - the recovery must keep trying
+                log.exception("tensor group recovery")
+                with self._lock:
+                    self._doing = f"recovery failed, trying again: {type(e).__name__}: {e}"
+
+    def _heal(self) -> None:
+        """One attempt: ask the lost node(s) for Health; all answer: form the group again
+        over the same nodes; else with --replan, without them; else keep waiting."""
+        lost = self._lost_nodes
+        excluded = set(self.excluded)
+        if lost:
+            accepted, rejected = self.probe(lost)
+            names = ", ".join(f"{n.node_id} at {n.address}" for n in lost)
+            if not rejected:
+                doing = f"forming the group again (node {names} answers)"
+            elif self.replan:
+                gone = {r.node_id for r in rejected}
+                why = "; ".join(f"{r.node_id}: {r.reason}" for r in rejected)
+                doing = f"re-forming the group without node {', '.join(sorted(gone))} ({why})"
+                excluded |= gone
+            else:
+                why = "; ".join(f"node {r.node_id} at {r.address}: {r.reason}" for r in rejected)
+                with self._lock:
+                    self._doing = f"waiting for it to answer again ({why})"
+                return
+        else:
+            doing = "forming the group again"
+        with self._lock:
+            self._doing = doing
+        t0 = time.monotonic()
+        try:
+            self.transport.shutdown()
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.debug("shutdown: %s", e)
+        try:
+            transport, group, model, watch, ranks = self.reform(excluded, self.epoch + 1)
+        except Exception as e:  # noqa: BLE001 - shown in /health, tried again
+            with self._lock:
+                self._doing = f"{doing}: failed, trying again: {type(e).__name__}: {e}"
+            log.warning("tensor group recovery: %s", self._doing)
+            return
+        with self._lock:
+            if self._stopping.is_set():
+                watch.close()
+                return
+            self.epoch += 1
+            self._bind(watch)
+            self.transport, self.group, self.model, self.watch = transport, group, model, watch
+            self.ranks, self.excluded = list(ranks), excluded
+            self.recoveries += 1
+            self._failed_ids.clear()
+            was, self.lost, self._doing, self._lost_nodes = self.lost, None, "", []
+        log.warning("serving again through a tensor-parallel group of %d (epoch %d, formed in "
+                    "%.1f s) after %s", group.size(), self.epoch, time.monotonic() - t0, was)
 
     def _generate(self, job):
         """(token, logprobs [vocab]) of `job` through the group."""
@@ -189,22 +318,51 @@ class TensorEngine(BaseEngine):
 
 
 def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: int,
-                        max_concurrency: int = 1, backend: str = "auto") -> TensorEngine:
+                        max_concurrency: int = 1, backend: str = "auto",
+                        retry: float = 0.5) -> TensorEngine:
     """Form the group (`tensor.launch.form_group` over `cluster`, a `net.nodes.NodeFinder`:
-    this head rank 0, the nodes' ranks started through `StartRank`; `backend` "auto",
-    "ring" or "jaccl") and start a `TensorEngine` on it (`max_queue` waiting requests;
-    `max_concurrency` above 1 is only warned about). Raises what `form_group` raises (the
-    server then ends, naming it)."""
+    rank 0 this head's child process (`tensor.relay`), the nodes' ranks started through
+    `StartRank`; `backend` "auto", "ring" or "jaccl") and start a `TensorEngine` on it
+    (`max_queue` waiting requests; `max_concurrency` above 1 is only warned about) that
+    forms it again after a loss (every `retry` s; --replan from `cluster.settings`).
+    Raises what `form_group` raises (the server then ends, naming it)."""
     from kimi_mlx.cluster.tensor.group import TensorGroup
     from kimi_mlx.cluster.tensor.launch import form_group
 
-    watch = TensorGroup(cluster.settings.peer_timeout, exit=lambda code: None)
-    transport, group, model = form_group(cluster, watch, backend)
-    ranks = [(i + 1, name) for i, name in enumerate(watch.names)]
+    def form(excluded, epoch):
+        cluster.excluded = set(excluded)
+        watch = TensorGroup(cluster.settings.peer_timeout, exit=lambda code: None)
+        transport, group, model = form_group(cluster, watch, backend, relay=True, epoch=epoch)
+        ranks = [(i + 1, name) for i, name in enumerate(watch.names)]
+        return transport, group, model, watch, ranks
+
+    def probe(nodes):
+        from kimi_mlx.cluster.net.control import ControlClient
+        from kimi_mlx.cluster.net.nodes import check_nodes
+
+        t, channels = ControlClient(cluster.secret, cluster.settings.tls_secret_path), []
+
+        def stub_for(address):  # a new channel per probe: no reconnect backoff to wait out
+            from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+
+            channels.append(t.channel_for(address))
+            return pb_grpc.StageStub(channels[-1])
+
+        try:
+            return check_nodes(nodes, stub_for, cluster.fp, timeout=1.0,
+                               check_version=cluster.settings.check_version,
+                               name=cluster.model_dir.name)
+        finally:
+            for ch in channels:
+                ch.close()
+
+    transport, group, model, watch, ranks = form(set(), 0)
     if max_concurrency != 1:
         log.warning("--parallel tensor serves one request at a time (the group runs one "
                     "sequence); others queue")
-    log.warning("serving through a tensor-parallel group of %d: rank 0 this head, %s",
-                group.size(), ", ".join(f"rank {r} node {n}" for r, n in ranks))
+    log.warning("serving through a tensor-parallel group of %d: rank 0 this head's rank "
+                "process (pid %d), %s", group.size(), group.proc.pid,
+                ", ".join(f"rank {r} node {n}" for r, n in ranks))
     return TensorEngine(group, model, watch, transport, eos_ids, max_queue, metrics,
-                        speculation, ranks).start()
+                        speculation, ranks, reform=form, probe=probe,
+                        replan=cluster.settings.replan, retry=retry).start()

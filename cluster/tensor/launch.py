@@ -18,14 +18,18 @@ from kimi_mlx.cluster.tensor.group import (TensorGroup, TensorSetupError, choose
                                            hosts_json, local_address_towards)
 
 
-def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto"):
+def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
+               relay: bool = False, epoch: int = 0):
     """Form the group (this head rank 0, the accepted nodes ranks 1..N, each started by its
     node's `StartRank` under `watch`) and load this head's slices.
 
     `cluster`: the nodes and the checkpoint (`net.nodes.NodeFinder`: its settings' secret
     file and TLS, the fingerprint and folder). `backend`: "auto", "ring" or "jaccl".
-    Returns (transport, group, model); raises TensorSetupError (naming the node),
-    RuntimeError, ValueError or OSError after closing what it opened.
+    `relay`: run rank 0 in a child process (`tensor.relay.Rank0Process`, the server's
+    groups, which can be formed again after a loss); `epoch` names that group in messages.
+    Returns (transport, group, model): with `relay`, group is the `Rank0Process` and model
+    a stand-in carrying only the checkpoint's `args`. Raises TensorSetupError (naming the
+    node), RuntimeError, ValueError or OSError after closing what it opened.
     """
     from kimi_mlx.checkpoint.ranged import load_sharded
     from kimi_mlx.cluster.net import stage_pb2 as pb
@@ -59,18 +63,21 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto"):
                   f"rank {i + 1} node {n.node_id} ({h}:{p})"
                   for i, ((n, _), (h, p)) in enumerate(zip(accepted, addresses[1:]))),
               file=sys.stderr, flush=True)
+        watch.nodes = {n.node_id: n for n, _ in accepted}
         watch.start([(n.node_id, transport.stub_for(n.address)) for n, _ in accepted],
                     [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),
                                     backend=backend, hosts=hosts, head=transport.head_id)
                      for i in range(len(accepted))])
         if backend == "jaccl":  # rank 0 is the coordinator the other ranks connect to
             group_env, hostfile = jaccl.rank_env(hosts, 0)
-            os.environ.update(group_env)
         else:
             fd, hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
             with os.fdopen(fd, "w") as f:
                 f.write(hosts)
-            os.environ.update(MLX_RANK="0", MLX_HOSTFILE=hostfile)
+            group_env = dict(MLX_RANK="0", MLX_HOSTFILE=hostfile)
+        if relay:
+            return (transport,) + _relay_rank0(cluster, watch, backend, group_env, hostfile, epoch)
+        os.environ.update(group_env)
         try:
             group = mx.distributed.init(backend=backend, strict=True)
         finally:
@@ -81,3 +88,28 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto"):
         transport.shutdown()
         raise
     return transport, group, model
+
+
+def _relay_rank0(cluster: NodeFinder, watch: TensorGroup, backend: str, group_env: dict,
+                 hostfile: str, epoch: int):
+    """(Rank0Process, stand-in model) for `form_group(relay=True)`: rank 0's child joined
+    and loaded (the host file is removed here whatever happens); RuntimeError naming the
+    failure (the watch's, when a node's rank failed meanwhile)."""
+    from types import SimpleNamespace
+
+    from kimi_mlx.cluster.tensor.relay import Rank0Process
+    from kimi_mlx.model.config import ModelArgs, read_config
+
+    try:
+        rank0 = Rank0Process(cluster.model_dir, backend, group_env, epoch)
+        watch.rank0 = rank0  # killed by the watch's teardown
+        try:
+            rank0.wait_ready(max(watch.peer_timeout + 5, 120.0), cancelled=lambda: watch.failed is not None)
+        except RuntimeError as e:
+            raise RuntimeError(watch.failed or str(e)) from None
+    finally:
+        try:
+            os.unlink(hostfile)
+        except OSError:
+            pass
+    return rank0, SimpleNamespace(args=ModelArgs.from_config(read_config(cluster.model_dir)))

@@ -45,7 +45,11 @@ def broadcast(x: mx.array, group) -> mx.array:
 
 def command(group, op: int = OP_EXIT, tokens: Sequence[int] = (), keep: int = -1,
             flags: int = 0):
-    """Send (rank 0) or receive (others) one command: returns (op, token ids, keep, flags)."""
+    """Send (rank 0) or receive (others) one command: returns (op, token ids, keep, flags).
+    `group` may be a `tensor.relay.Rank0Process` (rank 0 in a child process: the server's
+    groups), which sends it and does rank 0's share there."""
+    if hasattr(group, "relay_command"):
+        return group.relay_command(op, tokens, keep, flags)
     tokens = [int(t) for t in tokens]
     T = len(tokens)
     buf = [op, T, keep, flags] + tokens[:INLINE] + [0] * (INLINE - min(T, INLINE))
@@ -145,7 +149,8 @@ class GroupTarget:
         self.offset = 0
         self.broken = False
         self._pending: Optional[int] = None  # start of the last step, while trimmable
-        self._runner = _Runner(model)
+        self._runner = (group.make_runner(model) if hasattr(group, "make_runner")
+                        else _Runner(model))  # rank 0 in a child: it does the work
         self._send(OP_BEGIN)
         self._runner.begin()
 

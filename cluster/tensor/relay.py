@@ -1,0 +1,297 @@
+"""Rank 0 of a server's tensor group in a child process, so that the group can be formed
+again after a rank is lost (issue 33, part 5).
+
+Why a child. MLX keeps the distributed group it formed for the whole life of the process:
+`mx.distributed.init` caches it per backend in a function-local static map
+(`mlx/distributed/distributed.cpp`, `init`: "Already initialized so return the group"),
+and the ring backend has no `split`. Checked with MLX 0.32 and two local processes: after
+rank 1 was killed, a second `init(backend="ring")` with a new host file in rank 0's
+process returned at once with the dead group, and its first all_sum raised "[ring]
+connection to a peer was lost" (the new rank 1 was never connected). So a server that
+must form a new group without restarting cannot hold rank 0 itself. `cluster server
+--parallel tensor` therefore runs rank 0's share (its slices of the checkpoint, its
+caches, its part of every collective) in this child, one per group, and keeps the
+request path (tokenizer, sampling, drafts, stop rules, streaming) in the server process,
+which never joins an MLX group. A lost group is ended by killing the child (and the
+nodes' ranks, through their leases); a new group gets a new child, whose fresh process
+and fresh listening port no rank of the old group can reach (the fence against a rank
+that was stopped and resumes). The alternative, re-executing the whole server, would drop
+the HTTP listener and every waiting client.
+
+Protocol over a socket pair (`multiprocessing.connection.Connection` framing):
+the server sends one command [op, keep, flags, T, ids...] (int32, `tensor.step`'s ops);
+the child broadcasts it to the group (`step.command`), does its own share (`step._Runner`,
+as `follow_commands` on the other ranks) and answers b"O" + a header + the logits bytes
+(when the command asked for them), or b"E" + a message (the group is then broken and the
+child exits 1). On start it answers b"R" + the group size once it joined the group and
+loaded its slices (or b"E" + why). Logits keep their dtype (bfloat16 travels as its bits).
+Cost per forward pass: one round trip on a local socket plus a copy of the logits
+([T, vocab] of the model dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence
+
+log = logging.getLogger("kimi_mlx.cluster.tensor")
+
+__all__ = ["Rank0Process", "relay_main"]
+
+
+def _encode_command(op: int, tokens: Sequence[int], keep: int, flags: int) -> bytes:
+    ids = [int(t) for t in tokens]
+    return struct.pack(f"<4i{len(ids)}i", op, keep, flags, len(ids), *ids)
+
+
+def _decode_command(buf: bytes):
+    op, keep, flags, T = struct.unpack_from("<4i", buf)
+    ids = list(struct.unpack_from(f"<{T}i", buf, 16))
+    return op, ids, keep, flags
+
+
+def _encode_array(x) -> bytes:
+    """b"O" + header length + JSON {dtype, shape} + raw bytes of mx array `x` (or b"O")."""
+    import mlx.core as mx
+    import numpy as np
+
+    if x is None:
+        return b"O"
+    name = str(x.dtype).rsplit(".", 1)[-1]
+    raw = np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x).tobytes()
+    head = json.dumps({"dtype": name, "shape": list(x.shape)}).encode()
+    return b"O" + struct.pack("<I", len(head)) + head + raw
+
+
+def _decode_array(buf: bytes):
+    import mlx.core as mx
+    import numpy as np
+
+    if len(buf) == 1:
+        return None
+    (n,) = struct.unpack_from("<I", buf, 1)
+    head = json.loads(buf[5:5 + n])
+    raw = memoryview(buf)[5 + n:]
+    if head["dtype"] == "bfloat16":
+        return mx.array(np.frombuffer(raw, np.uint16).reshape(head["shape"])).view(mx.bfloat16)
+    return mx.array(np.frombuffer(raw, np.dtype(head["dtype"])).reshape(head["shape"]))
+
+
+class _RelayRunner:
+    """The server's stand-in for rank 0's `step._Runner`: the child did the work when the
+    command went out (`Rank0Process.command`); `forward` returns the logits it sent back."""
+
+    def __init__(self, rank0: "Rank0Process"):
+        self.rank0 = rank0
+
+    def begin(self) -> None:
+        pass
+
+    def forward(self, ids, keep, flags):
+        return self.rank0.last
+
+    def end(self, keep: int) -> None:
+        pass
+
+
+class Rank0Process:
+    """Rank 0 of one tensor group, run by a child process (module doc); passed to
+    `tensor.step` in place of an MLX group (`rank()`, `size()`, `relay_command`,
+    `make_runner`).
+
+    Args:
+        model_dir: the checkpoint folder (rank 0 loads its slices from it).
+        backend: "ring" or "jaccl". env: the group's environment for rank 0 (MLX_RANK,
+            MLX_HOSTFILE or the jaccl variables); a host file named there is removed by
+            the child once read.
+        epoch: the group's number in this server (for messages).
+    Raises (from `wait_ready`): RuntimeError naming the child's failure or its exit.
+    """
+
+    def __init__(self, model_dir, backend: str, env: dict, epoch: int = 0):
+        from multiprocessing.connection import Connection
+
+        self.epoch = epoch
+        mine, theirs = socket.socketpair()
+        self.conn = Connection(os.dup(mine.fileno()))
+        mine.close()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kimi_mlx.cluster.tensor.relay", "--model", str(model_dir),
+             "--backend", backend, "--fd", str(theirs.fileno()), "--parent", str(os.getpid())],
+            env=dict(os.environ, **env), stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
+        theirs.close()
+        self._size = 0
+        self.last = None  # the logits of the last command (None when it asked for none)
+        self.broken: Optional[str] = None
+        self._lock = threading.Lock()
+
+    # -- as an MLX group for tensor.step ------------------------------------------------
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return self._size
+
+    def make_runner(self, model) -> _RelayRunner:
+        return _RelayRunner(self)
+
+    def relay_command(self, op: int, tokens: Sequence[int] = (), keep: int = -1, flags: int = 0):
+        """Have the child send command `op` to the group and do its share; returns
+        (op, ids, keep, flags) as `step.command`. RuntimeError when the group broke or the
+        child is gone."""
+        if self.broken:
+            raise RuntimeError(self.broken)
+        try:
+            self.conn.send_bytes(_encode_command(op, tokens, keep, flags))
+            reply = self.conn.recv_bytes()
+        except (EOFError, OSError) as e:
+            self.broken = self._gone(e)
+            raise RuntimeError(self.broken) from None
+        if reply[:1] == b"E":
+            self.broken = reply[1:].decode(errors="replace")
+            raise RuntimeError(self.broken)
+        self.last = _decode_array(reply)
+        return op, [int(t) for t in tokens], keep, flags
+
+    # -- lifetime ---------------------------------------------------------------------
+    def wait_ready(self, timeout: float, cancelled=lambda: False) -> "Rank0Process":
+        """Wait (up to `timeout` s, or until `cancelled()`) until the child joined the
+        group and loaded its slices. RuntimeError (the child killed) otherwise."""
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.1):
+            if self.proc.poll() is not None or cancelled() or time.monotonic() > deadline:
+                why = ("cancelled" if cancelled() else
+                       f"exited with status {self.proc.returncode}" if self.proc.returncode is not None
+                       else f"not ready after {timeout:.0f} s")
+                self.kill()
+                raise RuntimeError(f"rank 0 (this head's rank process): {why}")
+        try:
+            reply = self.conn.recv_bytes()
+        except (EOFError, OSError) as e:
+            self.kill()
+            raise RuntimeError(self._gone(e)) from None
+        if reply[:1] != b"R":
+            self.kill()
+            raise RuntimeError(f"rank 0 (this head's rank process): {reply[1:].decode(errors='replace')}")
+        self._size = int(reply[1:].decode())
+        return self
+
+    def _gone(self, e) -> str:
+        code = self.proc.poll()
+        return (f"rank 0 (this head's rank process) ended ({'exit status ' + str(code) if code is not None else e})")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the child (if it runs), reap it, close the socket; safe to repeat."""
+        with self._lock:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                log.error("rank 0's process %d did not end after SIGKILL", self.proc.pid)
+            try:
+                self.conn.close()
+            except OSError:
+                pass
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """EXIT the group (the child exits 0 after sending it), then reap the child."""
+        try:
+            self.relay_command(0)
+            self.proc.wait(timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            log.warning("ending the tensor group: %s", e)
+        self.kill()
+
+
+def _die_with_parent(parent: int) -> None:
+    """End this process (exit 1) as soon as the server `parent` that started it is gone
+    (it is then no longer our parent), also while the main thread is blocked in a
+    collective, so that a killed server leaves no rank 0 behind. (Not prctl's
+    PR_SET_PDEATHSIG: it fires when the *thread* that started the child ends, and the
+    server starts it from a passing thread.)"""
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def relay_main(argv: Optional[List[str]] = None) -> int:
+    """The child (`python -m kimi_mlx.cluster.tensor.relay --model DIR --backend B --fd N`,
+    with the group's environment for rank 0): join, load rank 0's slices, then relay the
+    server's commands until EXIT (0), a broken group (1) or the server's end (0)."""
+    from multiprocessing.connection import Connection
+
+    p = argparse.ArgumentParser(description="rank 0 of a kimi-mlx server's tensor group")
+    p.add_argument("--model", required=True)
+    p.add_argument("--backend", default="ring")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--parent", type=int, default=0, help="the server's pid")
+    a = p.parse_args(argv)
+    if a.parent:
+        _die_with_parent(a.parent)
+    conn = Connection(a.fd)
+    import mlx.core as mx
+
+    from kimi_mlx.checkpoint.ranged import load_sharded
+    from kimi_mlx.cluster.tensor.rank import _remove_group_files
+    from kimi_mlx.cluster.tensor.step import (OP_BEGIN, OP_END, OP_EXIT, OP_FORWARD, _Runner,
+                                              command)
+
+    try:
+        group = mx.distributed.init(backend=a.backend, strict=True)
+        _remove_group_files()
+        model, _ = load_sharded(a.model, group)
+    except Exception as e:  # noqa: BLE001 - said to the server, which names it
+        conn.send_bytes(b"E" + f"rank 0 (this head's rank process): {e}".encode())
+        return 1
+    conn.send_bytes(b"R" + str(group.size()).encode())
+    runner = _Runner(model)
+    while True:
+        try:
+            buf = conn.recv_bytes()
+        except (EOFError, OSError):
+            return 0  # the server closed the group without EXIT (it is going away)
+        op, ids, keep, flags = _decode_command(buf)
+        try:
+            command(group, op, ids, keep, flags)
+            out = None
+            if op == OP_BEGIN:
+                runner.begin()
+            elif op == OP_FORWARD:
+                out = runner.forward(ids, keep, flags)
+            elif op == OP_END:
+                runner.end(keep)
+            elif op != OP_EXIT:
+                raise RuntimeError(f"unknown command {op}")
+            reply = _encode_array(out)
+        except Exception as e:  # noqa: BLE001 - a lost peer: the group is broken
+            conn.send_bytes(b"E" + f"rank 0 (this head's rank process): {e}".encode())
+            return 1
+        conn.send_bytes(reply)
+        if op == OP_EXIT:
+            return 0
+
+
+if __name__ == "__main__":
+    # as the nodes' ranks: once a ring group was joined, interpreter exit can block on
+    # the backend's threads
+    code = relay_main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
