@@ -269,7 +269,8 @@ class TensorEngine(BaseEngine):
             self._failed_ids.clear()
             was, self.lost, self._doing, self._lost_nodes = self.lost, None, "", []
         log.warning("serving again through a tensor-parallel group of %d (epoch %d, formed in "
-                    "%.1f s) after %s", group.size(), self.epoch, time.monotonic() - t0, was)
+                    "%.1f s; rank 0 process pid %d) after %s", group.size(), self.epoch,
+                    time.monotonic() - t0, group.proc.pid, was)
 
     def _generate(self, job):
         """(token, logprobs [vocab]) of `job` through the group."""
