@@ -100,7 +100,7 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
             svc.engine = start_tensor_engine(finder, tok.eos_token_ids, svc.metrics,
                                              speculation, max_queue=args.max_queue,
                                              max_concurrency=args.max_concurrency,
-                                             backend=args.backend)
+                                             backend=args.backend, context=args.context)
             return
         pipeline = cluster.connect()
         keeper = cluster.keeper(pipeline)

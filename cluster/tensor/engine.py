@@ -269,8 +269,8 @@ class TensorEngine(BaseEngine):
             self._failed_ids.clear()
             was, self.lost, self._doing, self._lost_nodes = self.lost, None, "", []
         log.warning("serving again through a tensor-parallel group of %d (epoch %d, formed in "
-                    "%.1f s; rank 0 process pid %d) after %s", group.size(), self.epoch,
-                    time.monotonic() - t0, group.proc.pid, was)
+                    "%.1f s; rank 0 process pid %s) after %s", group.size(), self.epoch,
+                    time.monotonic() - t0, getattr(getattr(group, "proc", None), "pid", "?"), was)
 
     def _generate(self, job):
         """(token, logprobs [vocab]) of `job` through the group."""
@@ -320,20 +320,23 @@ class TensorEngine(BaseEngine):
 
 def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: int,
                         max_concurrency: int = 1, backend: str = "auto",
-                        retry: float = 0.5) -> TensorEngine:
+                        retry: float = 0.5, context: int = 4096) -> TensorEngine:
     """Form the group (`tensor.launch.form_group` over `cluster`, a `net.nodes.NodeFinder`:
     rank 0 this head's child process (`tensor.relay`), the nodes' ranks started through
     `StartRank`; `backend` "auto", "ring" or "jaccl") and start a `TensorEngine` on it
     (`max_queue` waiting requests; `max_concurrency` above 1 is only warned about) that
-    forms it again after a loss (every `retry` s; --replan from `cluster.settings`).
-    Raises what `form_group` raises (the server then ends, naming it)."""
+    forms it again after a loss (every `retry` s; --replan from `cluster.settings`: over
+    fewer nodes only when the model splits and fits there for `context` tokens,
+    `tensor.launch.check_fits`). Raises what `form_group` raises (the server then ends, naming it)."""
     from kimi_mlx.cluster.tensor.group import TensorGroup
-    from kimi_mlx.cluster.tensor.launch import form_group
+    from kimi_mlx.cluster.tensor.launch import check_fits, form_group
 
     def form(excluded, epoch):
         cluster.excluded = set(excluded)
         watch = TensorGroup(cluster.settings.peer_timeout, exit=lambda code: None)
-        transport, group, model = form_group(cluster, watch, backend, relay=True, epoch=epoch)
+        check = (lambda accepted: check_fits(cluster.model_dir, accepted, context)) if excluded else None
+        transport, group, model = form_group(cluster, watch, backend, relay=True, epoch=epoch,
+                                             check=check)
         ranks = [(i + 1, name) for i, name in enumerate(watch.names)]
         return transport, group, model, watch, ranks
 

@@ -253,10 +253,15 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
     from kimi_mlx.cluster.tensor.step import (OP_BEGIN, OP_END, OP_EXIT, OP_FORWARD, _Runner,
                                               command)
 
+    t0 = time.monotonic()
     try:
         group = mx.distributed.init(backend=a.backend, strict=True)
         _remove_group_files()
+        t1 = time.monotonic()
         model, _ = load_sharded(a.model, group)
+        print(f"[tensor] rank 0 (this head's rank process, pid {os.getpid()}): joined a "
+              f"{a.backend} group of {group.size()} in {t1 - t0:.1f} s, loaded its slices in "
+              f"{time.monotonic() - t1:.1f} s", file=sys.stderr, flush=True)
     except Exception as e:  # noqa: BLE001 - said to the server, which names it
         conn.send_bytes(b"E" + f"rank 0 (this head's rank process): {e}".encode())
         return 1
