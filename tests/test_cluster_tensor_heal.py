@@ -184,8 +184,14 @@ def lose(srv, node, what, during, ref, timings):
     assert not alive(old_rank)
 
 
-def finish(srv, node, before_shm):
+def finish(srv, node, before_shm, kill=False):
+    """Stop the server (SIGTERM, or SIGKILL: then rank 0's process notices its parent
+    gone and the node its lease broken); no rank process may be left, nor shared memory."""
     ranks = children(node.procs[0].proc.pid) + children(srv.proc.pid)
+    assert len(ranks) == 2, ranks
+    if kill:
+        srv.proc.kill()
+        srv.proc.wait(10)
     srv.stop()
     end = time.monotonic() + 10
     while any(alive(p) for p in ranks) and time.monotonic() < end:
@@ -195,6 +201,7 @@ def finish(srv, node, before_shm):
     assert shm() - before_shm == set()
 
 
+@pytest.mark.slow  # ~35 s: four losses and recoveries
 def test_heals_after_a_rank_is_lost(tmp_path_factory, ref):
     """A rank killed / stopped, idle and during a request: each time the server forms the
     group again (the node answers at once) and the reply equals one process."""
@@ -215,10 +222,12 @@ def test_heals_after_a_rank_is_lost(tmp_path_factory, ref):
     print(timings)
 
 
+@pytest.mark.slow  # ~30 s
 def test_heals_when_its_node_returns(tmp_path_factory, ref):
     """The node's whole process group killed (then started again on its port) and stopped
     (then resumed, its stale rank with it): /health waits for the node, the group is
-    formed again within 10 s of its return, the stale rank cannot touch it."""
+    formed again within 10 s of its return, the stale rank cannot touch it. Then the
+    server is SIGKILLed: its rank 0 process and the node's rank end by themselves."""
     node = make_node(tmp_path_factory, "hrnode")
     before = shm()
     (port,) = free_ports(1)
@@ -228,7 +237,7 @@ def test_heals_when_its_node_returns(tmp_path_factory, ref):
         assert ask(srv) == ref
         lose(srv, node, "node-kill", False, ref, timings)
         lose(srv, node, "node-stop", True, ref, timings)
-        finish(srv, node, before)
+        finish(srv, node, before, kill=True)
     finally:
         srv.stop()
         node.stop()
