@@ -139,6 +139,9 @@ def lose(srv, node, what, during, ref, timings):
     elif what == "stop":
         os.kill(old_rank, signal.SIGSTOP)
         named = "rank 1 on node {n} is stopped (SIGSTOP)"
+    elif what == "rank0-kill":
+        os.kill(old_rank0, signal.SIGKILL)
+        named = "rank 0 (this head's rank process) was killed by SIGKILL"
     elif what == "node-kill":
         node.procs[0].signal(signal.SIGKILL)
         named = "node {n}"
@@ -201,10 +204,11 @@ def finish(srv, node, before_shm, kill=False):
     assert shm() - before_shm == set()
 
 
-@pytest.mark.slow  # ~35 s: four losses and recoveries
+@pytest.mark.slow  # ~45 s: six losses and recoveries
 def test_heals_after_a_rank_is_lost(tmp_path_factory, ref):
-    """A rank killed / stopped, idle and during a request: each time the server forms the
-    group again (the node answers at once) and the reply equals one process."""
+    """A node's rank killed / stopped, or this head's rank 0 process killed, idle and
+    during a request: each time the server forms the group again (the node answers at
+    once) and the reply equals one process."""
     node = make_node(tmp_path_factory, "hlnode")
     before = shm()
     (port,) = free_ports(1)
@@ -212,9 +216,10 @@ def test_heals_after_a_rank_is_lost(tmp_path_factory, ref):
     timings: list = []
     try:
         assert ask(srv) == ref
-        for what, during in [("kill", False), ("kill", True), ("stop", False), ("stop", True)]:
+        for what, during in [("kill", False), ("kill", True), ("stop", False), ("stop", True),
+                             ("rank0-kill", False), ("rank0-kill", True)]:
             lose(srv, node, what, during, ref, timings)
-        assert len(re.findall("serving again through a tensor-parallel group", srv.log_text())) == 4
+        assert len(re.findall("serving again through a tensor-parallel group", srv.log_text())) == 6
         finish(srv, node, before)
     finally:
         srv.stop()

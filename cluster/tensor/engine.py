@@ -131,11 +131,17 @@ class TensorEngine(BaseEngine):
         about an older group (`epoch` below the current one) is ignored."""
         from kimi_mlx.server.jobs import Failed
 
+        own = getattr(getattr(watch, "rank0", None), "state", lambda: None)()
         with self._lock:
             if self.lost is not None or (epoch is not None and epoch != self.epoch):
                 return
+            if own is not None and not reason.startswith("rank 0"):
+                # rank 0's process died first: the nodes' ranks then lost their peer
+                reason = f"rank 0 (this head's rank process) {own} (then: {reason})"
+                node = None
+            else:
+                node = watch.nodes.get(watch.failed_node) if watch is not None else None
             self.lost = f"tensor group lost: {reason}"
-            node = watch.nodes.get(watch.failed_node) if watch is not None else None
             self._lost_nodes = [node] if node is not None else []
             self._doing = ("forming the group again when the lost node answers"
                            if self.reform else "restart the server to form it again")
@@ -163,6 +169,9 @@ class TensorEngine(BaseEngine):
     def _failed(self, job, e: Exception) -> None:
         from kimi_mlx.server.jobs import Failed, reseed_random
 
+        own = getattr(self.group, "state", lambda: None)()
+        if own is not None and self.lost is None:  # rank 0's own process ended
+            self.watch.fail(f"rank 0 (this head's rank process) {own}")
         if isinstance(e, RuntimeError) and self.lost is None:
             # a collective failed: a peer is gone; its node names it through the watch
             deadline = time.monotonic() + self.watch.peer_timeout + 2
@@ -210,9 +219,9 @@ class TensorEngine(BaseEngine):
                     lost, busy, group, watch = (self.lost, self._current is not None,
                                                 self.group, self.watch)
                 if lost is None:
-                    if not busy and hasattr(group, "alive") and not group.alive():
-                        watch.fail(f"rank 0 (this head's rank process) ended (exit status "
-                                   f"{group.proc.returncode})")
+                    own = getattr(group, "state", lambda: None)()
+                    if not busy and own is not None:
+                        watch.fail(f"rank 0 (this head's rank process) {own}")
                     continue
                 if not busy:  # the request on the old group has failed and ended
                     self._heal()

@@ -132,6 +132,7 @@ class Rank0Process:
         self._size = 0
         self.last = None  # the logits of the last command (None when it asked for none)
         self.broken: Optional[str] = None
+        self.killed = False  # this server killed it (`kill`)
         self._lock = threading.Lock()
 
     # -- as an MLX group for tensor.step ------------------------------------------------
@@ -192,10 +193,23 @@ class Rank0Process:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def state(self) -> Optional[str]:
+        """None while it runs or after this server killed it; else how it ended on its
+        own ("was killed by SIGKILL", "exited with status 1")."""
+        code = self.proc.poll()
+        if code is None or self.killed:
+            return None
+        if code < 0:
+            import signal
+
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
     def kill(self) -> None:
         """SIGKILL the child (if it runs), reap it, close the socket; safe to repeat."""
         with self._lock:
             if self.proc.poll() is None:
+                self.killed = True
                 self.proc.kill()
             try:
                 self.proc.wait(10)
