@@ -1,10 +1,12 @@
 """`kimi-mlx cluster server --parallel tensor`: the OpenAI + Anthropic API over one
 tensor-parallel group (issue 21).
 
-This head is rank 0 and runs the request path (tokenizer, sampling, logits processors,
-stop rules, streaming); the nodes' ranks are started through their control plane
-(`StartRank`, `tensor_launch.form_group`) and follow rank 0's commands
-(`cluster.tensor_step`). `TensorEngine` is a `server.engine_base.BaseEngine`.
+This head runs the request path (tokenizer, sampling, logits processors, stop rules,
+streaming) and rank 0, whose share of the group (its slices, caches and collectives) runs
+in a child process of this server (`tensor.relay.Rank0Process`, see "Healing" below); the
+nodes' ranks are started through their control plane (`StartRank`,
+`tensor.launch.form_group`) and follow rank 0's commands (`tensor.step`). `TensorEngine`
+is a `server.engine_base.BaseEngine`.
 
 One request at a time: the group runs one sequence (no batching through it); further
 requests queue (up to --max-queue, then 503 + Retry-After as every engine). With a draft
