@@ -106,7 +106,8 @@ class Streaming:
     def wait_tokens(self, n, srv):
         end = time.monotonic() + HARD_TIMEOUT
         while self.tokens < n:
-            assert time.monotonic() < end and self.thread.is_alive(), (self.error, srv.log_text()[-3000:])
+            assert time.monotonic() < end and self.thread.is_alive(), \
+                (self.error, srv.log_text()[-3000:])
             time.sleep(0.02)
 
 
@@ -142,6 +143,9 @@ def lose(srv, node, what, during, ref, timings):
     elif what == "rank0-kill":
         os.kill(old_rank0, signal.SIGKILL)
         named = "rank 0 (this head's rank process) was killed by SIGKILL"
+    elif what == "rank0-stop":
+        os.kill(old_rank0, signal.SIGSTOP)
+        named = "rank 0 (this head's rank process) is stopped (SIGSTOP)"
     elif what == "node-kill":
         node.procs[0].signal(signal.SIGKILL)
         named = "node {n}"
@@ -204,11 +208,11 @@ def finish(srv, node, before_shm, kill=False):
     assert shm() - before_shm == set()
 
 
-@pytest.mark.slow  # ~45 s: six losses and recoveries
+@pytest.mark.slow  # ~50 s: seven losses and recoveries
 def test_heals_after_a_rank_is_lost(tmp_path_factory, ref):
-    """A node's rank killed / stopped, or this head's rank 0 process killed, idle and
-    during a request: each time the server forms the group again (the node answers at
-    once) and the reply equals one process."""
+    """A node's rank killed / stopped, or this head's rank 0 process killed or stopped,
+    idle and during a request: each time the server forms the group again (the node
+    answers at once) and the reply equals one process."""
     node = make_node(tmp_path_factory, "hlnode")
     before = shm()
     (port,) = free_ports(1)
@@ -217,9 +221,9 @@ def test_heals_after_a_rank_is_lost(tmp_path_factory, ref):
     try:
         assert ask(srv) == ref
         for what, during in [("kill", False), ("kill", True), ("stop", False), ("stop", True),
-                             ("rank0-kill", False), ("rank0-kill", True)]:
+                             ("rank0-kill", False), ("rank0-kill", True), ("rank0-stop", True)]:
             lose(srv, node, what, during, ref, timings)
-        assert len(re.findall("serving again through a tensor-parallel group", srv.log_text())) == 6
+        assert len(re.findall("serving again through a tensor-parallel group", srv.log_text())) == 7
         finish(srv, node, before)
     finally:
         srv.stop()
@@ -325,7 +329,10 @@ def test_check_fits_splits_and_memory(tmp_path):
     ckpt = Path(reference_checkpoint(tmp_path))
     heads = json.loads((ckpt / "config.json").read_text())
     heads = heads.get("text_config", heads)["num_attention_heads"]
-    big = lambda name: (NodeInfo(name, "h", 1, usable_memory=2**34, total_memory=2**35), None)  # noqa: E731
+
+    def big(name):
+        return NodeInfo(name, "h", 1, usable_memory=2**34, total_memory=2**35), None
+
     assert heads % 2 == 0 and heads % 3
     check_fits(ckpt, [big("n0")], 256)
     with pytest.raises(TensorSetupError, match="does not split over 3 ranks"):

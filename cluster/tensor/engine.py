@@ -213,16 +213,18 @@ class TensorEngine(BaseEngine):
     # ---------------------------------------------------------------- healing
 
     def _heal_loop(self) -> None:
-        """Every `retry` s: notice rank 0's process ending on its own (idle), and while the
-        group is lost, try to form it again (`_heal`)."""
+        """Every `retry` s: notice rank 0's process ending or stopped on its own, and while
+        the group is lost, try to form it again (`_heal`)."""
         while not self._stopping.wait(self.retry):
             try:
                 with self._lock:
                     lost, busy, group, watch = (self.lost, self._current is not None,
                                                 self.group, self.watch)
                 if lost is None:
+                    # rank 0's process ended or stopped on its own (idle or mid-request:
+                    # a stopped one blocks the request and the nodes' ranks in a collective)
                     own = getattr(group, "state", lambda: None)()
-                    if not busy and own is not None:
+                    if own is not None:
                         watch.fail(f"rank 0 (this head's rank process) {own}")
                     continue
                 if not busy:  # the request on the old group has failed and ended
@@ -338,14 +340,16 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
     (`max_queue` waiting requests; `max_concurrency` above 1 is only warned about) that
     forms it again after a loss (every `retry` s; --replan from `cluster.settings`: over
     fewer nodes only when the model splits and fits there for `context` tokens,
-    `tensor.launch.check_fits`). Raises what `form_group` raises (the server then ends, naming it)."""
+    `tensor.launch.check_fits`). Raises what `form_group` raises (the server then ends,
+    naming it)."""
     from kimi_mlx.cluster.tensor.group import TensorGroup
     from kimi_mlx.cluster.tensor.launch import check_fits, form_group
 
     def form(excluded, epoch):
         cluster.excluded = set(excluded)
         watch = TensorGroup(cluster.settings.peer_timeout, exit=lambda code: None)
-        check = (lambda accepted: check_fits(cluster.model_dir, accepted, context)) if excluded else None
+        check = ((lambda accepted: check_fits(cluster.model_dir, accepted, context))
+                 if excluded else None)
         transport, group, model = form_group(cluster, watch, backend, relay=True, epoch=epoch,
                                              check=check)
         ranks = [(i + 1, name) for i, name in enumerate(watch.names)]

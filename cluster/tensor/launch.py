@@ -34,7 +34,8 @@ def check_fits(model_dir, accepted, context: int) -> None:
     try:
         tp = tensor_plan_for(tensors, targs, bw + [min(bw)], context)
     except (ShardError, ValueError) as e:
-        raise TensorSetupError(f"the model does not split over {len(nodes) + 1} ranks: {e}") from None
+        raise TensorSetupError(f"the model does not split over {len(nodes) + 1} ranks: "
+                               f"{e}") from None
     need = max(tp.load_bytes) + tp.cache_bytes
     short = [f"node {n.name} has {n.usable_bytes / 2**30:.1f} GiB usable" for n in nodes
              if need > n.usable_bytes]

@@ -133,6 +133,7 @@ class Rank0Process:
         self.last = None  # the logits of the last command (None when it asked for none)
         self.broken: Optional[str] = None
         self.killed = False  # this server killed it (`kill`)
+        self._stopped_seen = 0
         self._lock = threading.Lock()
 
     # -- as an MLX group for tensor.step ------------------------------------------------
@@ -170,9 +171,9 @@ class Rank0Process:
         deadline = time.monotonic() + timeout
         while not self.conn.poll(0.1):
             if self.proc.poll() is not None or cancelled() or time.monotonic() > deadline:
-                why = ("cancelled" if cancelled() else
-                       f"exited with status {self.proc.returncode}" if self.proc.returncode is not None
-                       else f"not ready after {timeout:.0f} s")
+                code = self.proc.returncode
+                why = ("cancelled" if cancelled() else f"exited with status {code}"
+                       if code is not None else f"not ready after {timeout:.0f} s")
                 self.kill()
                 raise RuntimeError(f"rank 0 (this head's rank process): {why}")
         try:
@@ -182,22 +183,32 @@ class Rank0Process:
             raise RuntimeError(self._gone(e)) from None
         if reply[:1] != b"R":
             self.kill()
-            raise RuntimeError(f"rank 0 (this head's rank process): {reply[1:].decode(errors='replace')}")
+            why = reply[1:].decode(errors="replace")
+            raise RuntimeError(f"rank 0 (this head's rank process): {why}")
         self._size = int(reply[1:].decode())
         return self
 
     def _gone(self, e) -> str:
         code = self.proc.poll()
-        return (f"rank 0 (this head's rank process) ended ({'exit status ' + str(code) if code is not None else e})")
+        how = f"exit status {code}" if code is not None else str(e)
+        return f"rank 0 (this head's rank process) ended ({how})"
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def state(self) -> Optional[str]:
         """None while it runs or after this server killed it; else how it ended on its
-        own ("was killed by SIGKILL", "exited with status 1")."""
+        own ("was killed by SIGKILL", "exited with status 1") or that it is stopped
+        (SIGSTOP, seen on two calls in a row, as a node sees its rank)."""
+        from kimi_mlx.cluster.net.ranks import process_stopped
+
         code = self.proc.poll()
-        if code is None or self.killed:
+        if self.killed:
+            return None
+        if code is None:
+            self._stopped_seen = self._stopped_seen + 1 if process_stopped(self.proc.pid) else 0
+            if self._stopped_seen >= 2:
+                return "is stopped (SIGSTOP): it blocks the group's collectives"
             return None
         if code < 0:
             import signal
