@@ -120,7 +120,8 @@ class TensorEngine(BaseEngine):
 
     def stages(self) -> list:
         """The group's ranks for /health: [{"rank", "node", "ok", "reason"}]."""
-        out = [{"rank": 0, "node": "this head", "ok": self.lost is None, "reason": None}]
+        own = self.lost if self.lost and "lost: rank 0 (this head" in self.lost else None
+        out = [{"rank": 0, "node": "this head", "ok": self.lost is None, "reason": own}]
         for rank, node in self.ranks:
             bad = self.lost if self.lost and f"node {node}" in self.lost else None
             out.append({"rank": rank, "node": node, "ok": self.lost is None, "reason": bad})
