@@ -22,8 +22,8 @@ Protocol over a socket pair (`multiprocessing.connection.Connection` framing):
 the server sends one command [op, keep, flags, T, ids...] (int32, `tensor.step`'s ops);
 the child broadcasts it to the group (`step.command`), does its own share (`step._Runner`,
 as `follow_commands` on the other ranks) and answers b"O" + a header + the logits bytes
-(when the command asked for them), or b"E" + a message (the group is then broken and the
-child exits 1). On start it answers b"R" + the group size once it joined the group and
+(when the command asked for them), or b"E" + a message (the group is then broken: the
+child answers so until the server kills it or closes the socket, then exits 1). On start it answers b"R" + the group size once it joined the group and
 loaded its slices (or b"E" + why). Logits keep their dtype (bfloat16 travels as its bits).
 Cost per forward pass: one round trip on a local socket plus a copy of the logits
 ([T, vocab] of the model dtype).
@@ -256,6 +256,20 @@ def _die_with_parent(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
+def _broken(conn, why: str) -> int:
+    """The group broke (a peer lost): say so, then answer every further command with the
+    same and wait for the server to kill this process or close the socket (exit 1).
+    Staying alive keeps the cause clear: a rank 0 process that ends by itself is a fault
+    of its own (`Rank0Process.state`), not the consequence of another rank's."""
+    msg = b"E" + why.encode()
+    while True:
+        try:
+            conn.send_bytes(msg)
+            conn.recv_bytes()
+        except (EOFError, OSError):
+            return 1
+
+
 def relay_main(argv: Optional[List[str]] = None) -> int:
     """The child (`python -m kimi_mlx.cluster.tensor.relay --model DIR --backend B --fd N`,
     with the group's environment for rank 0): join, load rank 0's slices, then relay the
@@ -311,8 +325,7 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
                 raise RuntimeError(f"unknown command {op}")
             reply = _encode_array(out)
         except Exception as e:  # noqa: BLE001 - a lost peer: the group is broken
-            conn.send_bytes(b"E" + f"rank 0 (this head's rank process): {e}".encode())
-            return 1
+            return _broken(conn, f"rank 0 (this head's rank process): {e}")
         conn.send_bytes(reply)
         if op == OP_EXIT:
             return 0
