@@ -55,8 +55,9 @@ class TensorEngine(BaseEngine):
         eos_ids: ids that end a reply. max_queue: waiting requests before 503.
         metrics: the server's `Metrics` or None. speculation: a `Speculation` or None.
         ranks: [(rank, node name)] of the node ranks, for /health.
-        reform: (excluded node names, epoch) -> (transport, group, model, watch, ranks), a
-            new group (`start_tensor_engine`); None: a lost group stays lost.
+        reform: (excluded node names, epoch, cancelled) -> (transport, group, model, watch,
+            ranks), a new group (`start_tensor_engine`), given up (raising) once
+            `cancelled()` (the server stops); None: a lost group stays lost.
         probe: ([NodeInfo]) -> (accepted, rejected), `net.nodes.check_nodes` for the
             checkpoint. replan: form the group without a lost node that does not answer.
         retry: seconds between recovery attempts (and between checks of rank 0's process).
@@ -265,7 +266,8 @@ class TensorEngine(BaseEngine):
         except Exception as e:  # noqa: BLE001 - best effort
             log.debug("shutdown: %s", e)
         try:
-            transport, group, model, watch, ranks = self.reform(excluded, self.epoch + 1)
+            transport, group, model, watch, ranks = self.reform(excluded, self.epoch + 1,
+                                                                self._stopping.is_set)
         except Exception as e:  # noqa: BLE001 - shown in /health, tried again
             with self._lock:
                 self._doing = f"{doing}: failed, trying again: {type(e).__name__}: {e}"
@@ -346,13 +348,13 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
     from kimi_mlx.cluster.tensor.group import TensorGroup
     from kimi_mlx.cluster.tensor.launch import check_fits, form_group
 
-    def form(excluded, epoch):
+    def form(excluded, epoch, cancelled=lambda: False):
         cluster.excluded = set(excluded)
         watch = TensorGroup(cluster.settings.peer_timeout, exit=lambda code: None)
         check = ((lambda accepted: check_fits(cluster.model_dir, accepted, context))
                  if excluded else None)
         transport, group, model = form_group(cluster, watch, backend, relay=True, epoch=epoch,
-                                             check=check)
+                                             check=check, cancelled=cancelled)
         ranks = [(i + 1, name) for i, name in enumerate(watch.names)]
         return transport, group, model, watch, ranks
 

@@ -45,7 +45,7 @@ def check_fits(model_dir, accepted, context: int) -> None:
 
 
 def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
-               relay: bool = False, epoch: int = 0, check=None):
+               relay: bool = False, epoch: int = 0, check=None, cancelled=lambda: False):
     """Form the group (this head rank 0, the accepted nodes ranks 1..N, each started by its
     node's `StartRank` under `watch`) and load this head's slices.
 
@@ -54,6 +54,8 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
     `relay`: run rank 0 in a child process (`tensor.relay.Rank0Process`, the server's
     groups, which can be formed again after a loss); `epoch` names that group in messages.
     `check`: called with the accepted nodes before anything starts (e.g. `check_fits`).
+    `cancelled`: with `relay`, give up (RuntimeError, everything closed, the host file
+    removed) once it returns True while rank 0 joins and loads (a server stopping).
     Returns (transport, group, model): with `relay`, group is the `Rank0Process` and model
     a stand-in carrying only the checkpoint's `args`. Raises TensorSetupError (naming the
     node), RuntimeError, ValueError or OSError after closing what it opened.
@@ -94,6 +96,8 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
               file=sys.stderr, flush=True)
         if backend == "jaccl":  # rank 0 is the coordinator the other ranks connect to
             group_env, hostfile = jaccl.rank_env(hosts, 0)
+        elif relay:  # the host list goes to rank 0's process in a file no path names
+            group_env, hostfile = dict(MLX_RANK="0"), ""
         else:
             fd, hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
             with os.fdopen(fd, "w") as f:
@@ -103,14 +107,15 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
         if relay:  # rank 0's process starts (imports) while the nodes start theirs
             from kimi_mlx.cluster.tensor.relay import Rank0Process
 
-            watch.rank0 = Rank0Process(cluster.model_dir, backend, group_env, epoch)
+            watch.rank0 = Rank0Process(cluster.model_dir, backend, group_env, epoch,
+                                       hosts=None if backend == "jaccl" else hosts)
         try:
             watch.start([(n.node_id, transport.stub_for(n.address)) for n, _ in accepted],
                         [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),
                                         backend=backend, hosts=hosts, head=transport.head_id)
                          for i in range(len(accepted))])
             if relay:
-                return (transport,) + _relay_rank0(cluster, watch)
+                return (transport,) + _relay_rank0(cluster, watch, cancelled)
         except BaseException:
             _unlink(hostfile)
             raise
@@ -131,13 +136,15 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
 
 
 def _unlink(path: str) -> None:
+    if not path:
+        return
     try:
         os.unlink(path)
     except OSError:
         pass
 
 
-def _relay_rank0(cluster: NodeFinder, watch: TensorGroup):
+def _relay_rank0(cluster: NodeFinder, watch: TensorGroup, cancelled):
     """(Rank0Process, stand-in model) for `form_group(relay=True)` once `watch.rank0`, the
     child, joined and loaded; RuntimeError naming the failure (the watch's, when a node's
     rank failed meanwhile)."""
@@ -147,7 +154,7 @@ def _relay_rank0(cluster: NodeFinder, watch: TensorGroup):
 
     try:
         watch.rank0.wait_ready(max(watch.peer_timeout + 5, 120.0),
-                               cancelled=lambda: watch.failed is not None)
+                               cancelled=lambda: watch.failed is not None or cancelled())
     except RuntimeError as e:
         raise RuntimeError(watch.failed or str(e)) from None
     return watch.rank0, SimpleNamespace(args=ModelArgs.from_config(read_config(cluster.model_dir)))

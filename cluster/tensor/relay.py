@@ -41,11 +41,16 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence
 
 log = logging.getLogger("kimi_mlx.cluster.tensor")
 
 __all__ = ["Rank0Process", "relay_main"]
+
+# every rank 0 process is started from this one thread, which lives as long as the server:
+# the child's PR_SET_PDEATHSIG fires when the thread that started it ends (`_die_with_parent`)
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimi-mlx-rank0-spawner")
 
 
 def _encode_command(op: int, tokens: Sequence[int], keep: int, flags: int) -> bytes:
@@ -86,6 +91,22 @@ def _decode_array(buf: bytes):
     return mx.array(np.frombuffer(raw, np.dtype(head["dtype"])).reshape(head["shape"]))
 
 
+def _anonymous_file(data: bytes) -> int:
+    """A readable fd (at offset 0) of a file holding `data` that no path names: a memfd on
+    Linux, else a temporary file removed at once. Given to rank 0's process as
+    MLX_HOSTFILE=/dev/fd/N, it cannot be left behind by a server that dies."""
+    import tempfile
+
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("kimi-mlx-hosts")  # close-on-exec: pass_fds makes it inheritable
+    else:
+        fd, path = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
+        os.unlink(path)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
 class _RelayRunner:
     """The server's stand-in for rank 0's `step._Runner`: the child did the work when the
     command went out (`Rank0Process.command`); `forward` returns the logits it sent back."""
@@ -114,21 +135,37 @@ class Rank0Process:
             MLX_HOSTFILE or the jaccl variables); a host file named there is removed by
             the child once read.
         epoch: the group's number in this server (for messages).
+        hosts: the ring's host list (JSON), handed over as MLX_HOSTFILE=/dev/fd/N of a
+            file no path names (`_anonymous_file`), so that none is left on disk.
     Raises (from `wait_ready`): RuntimeError naming the child's failure or its exit.
     """
 
-    def __init__(self, model_dir, backend: str, env: dict, epoch: int = 0):
+    def __init__(self, model_dir, backend: str, env: dict, epoch: int = 0,
+                 hosts: Optional[str] = None):
         from multiprocessing.connection import Connection
 
         self.epoch = epoch
         mine, theirs = socket.socketpair()
         self.conn = Connection(os.dup(mine.fileno()))
         mine.close()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kimi_mlx.cluster.tensor.relay", "--model", str(model_dir),
-             "--backend", backend, "--fd", str(theirs.fileno()), "--parent", str(os.getpid())],
-            env=dict(os.environ, **env), stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),))
-        theirs.close()
+        fds = [theirs.fileno()]
+        env = dict(env)
+        if hosts is not None:  # the host list in a file that is on no disk (module doc)
+            hosts_fd = _anonymous_file(hosts.encode())
+            fds.append(hosts_fd)
+            env["MLX_HOSTFILE"] = f"/dev/fd/{hosts_fd}"
+        try:
+            self.proc = _SPAWNER.submit(
+                subprocess.Popen,
+                [sys.executable, "-m", "kimi_mlx.cluster.tensor.relay", "--model",
+                 str(model_dir), "--backend", backend, "--fd", str(theirs.fileno()),
+                 "--parent", str(os.getpid())],
+                env=dict(os.environ, **env), stdin=subprocess.DEVNULL,
+                pass_fds=tuple(fds)).result()
+        finally:
+            theirs.close()
+            for fd in fds[1:]:
+                os.close(fd)
         self._size = 0
         self.last = None  # the logits of the last command (None when it asked for none)
         self.broken: Optional[str] = None
@@ -242,15 +279,32 @@ class Rank0Process:
 
 
 def _die_with_parent(parent: int) -> None:
-    """End this process (exit 1) as soon as the server `parent` that started it is gone
-    (it is then no longer our parent), also while the main thread is blocked in a
-    collective, so that a killed server leaves no rank 0 behind. (Not prctl's
-    PR_SET_PDEATHSIG: it fires when the *thread* that started the child ends, and the
-    server starts it from a passing thread.)"""
+    """End this process as soon as the server `parent` that started it is gone, so that a
+    killed server (or one ended by SIGTERM, after which its clean-up does not run) leaves
+    no rank 0 behind. On Linux the kernel does it (prctl PR_SET_PDEATHSIG, SIGKILL: it
+    fires when the *thread* that started this process ends, so the server starts every
+    rank 0 from one thread that lives as long as it does, `_SPAWNER`); this matters
+    because MLX holds the GIL inside `mx.distributed.init`, which waits for its peers
+    without a timeout, so no thread of ours runs meanwhile. Elsewhere a thread polls the
+    parent pid (effective once `init` returned) and removes the host file first."""
+    from kimi_mlx.cluster.tensor.rank import _remove_group_files
+
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # gone before the prctl
+        _remove_group_files()
+        os._exit(1)
 
     def watch():
         while os.getppid() == parent:
             time.sleep(0.5)
+        _remove_group_files()
         os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="parent-watch").start()
@@ -294,8 +348,10 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
 
     t0 = time.monotonic()
     try:
-        group = mx.distributed.init(backend=a.backend, strict=True)
-        _remove_group_files()
+        try:
+            group = mx.distributed.init(backend=a.backend, strict=True)
+        finally:  # read by now (MLX holds the GIL in init: the parent watch waits for it)
+            _remove_group_files()
         t1 = time.monotonic()
         model, _ = load_sharded(a.model, group)
         print(f"[tensor] rank 0 (this head's rank process, pid {os.getpid()}): joined a "
