@@ -365,3 +365,25 @@ def test_check_fits_splits_and_memory(tmp_path):
     small = (NodeInfo("tiny", "h", 1, usable_memory=1000, total_memory=2000), None)
     with pytest.raises(TensorSetupError, match="node tiny has 0.0 GiB usable"):
         check_fits(ckpt, [small], 256)
+
+
+def test_relay_command_carries_image_rows_as_float32():
+    """A MEDIA command to rank 0's process: the ids, keep, flags, pad id and the rows
+    (bfloat16 here) arrive as NumPy's float32 of the rows; a command without rows has
+    none; rows of the wrong size are refused by name."""
+    import mlx.core as mx
+    import numpy as np
+
+    from kimi_mlx.cluster.tensor.relay import _decode_command, _encode_command
+    from kimi_mlx.cluster.tensor.step import MEDIA, OP_FORWARD
+
+    rows = mx.random.normal((3, 8)).astype(mx.bfloat16)
+    want = np.array(rows.astype(mx.float32))  # bfloat16 -> float32 is exact
+    buf = _encode_command(OP_FORWARD, [5, 163, 163, 163, 7], -1, MEDIA, (163, rows))
+    op, ids, keep, flags, media = _decode_command(buf)
+    assert (op, ids, keep, flags) == (OP_FORWARD, [5, 163, 163, 163, 7], -1, MEDIA)
+    assert media[0] == 163 and media[1].dtype == mx.float32
+    assert np.array_equal(np.array(media[1]), want)
+    assert _decode_command(_encode_command(OP_FORWARD, [1, 2], 3, 0))[1:] == ([1, 2], 3, 0, None)
+    with pytest.raises(ValueError, match="expected 3 x 8 float32"):
+        _decode_command(buf[:-4])
