@@ -142,13 +142,16 @@ class TensorEngine(BaseEngine):
 
     def _after_stop(self) -> None:
         """End the group: EXIT to the other ranks (when it is whole, `_worker_done`),
-        close the leases, kill rank 0's process; end the recovery."""
+        close the leases, kill rank 0's process (which finished its disk writes on EXIT);
+        end the recovery."""
         if self._healer is not None and self._healer.ident is not None:
             self._healer.join(5)
         with self._lock:
             watch, transport = self.watch, self.transport
         watch.close()
         transport.shutdown()
+        if self._store is not None and hasattr(self._store, "attach_disk"):
+            self._store.attach_disk(None)  # an in-process rank 0's queued snapshot writes
 
     def stages(self) -> list:
         """The group's ranks for /health: [{"rank", "node", "ok", "reason"}]."""
