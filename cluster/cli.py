@@ -134,7 +134,8 @@ def _node_arguments(q, context_default: str) -> None:
     q.add_argument("--peer-timeout", type=float, default=5.0,
                    help="seconds of silence before a stage is reported lost (default 5)")
     q.add_argument("--replan", action="store_true",
-                   help="when a stage is lost, continue on the nodes left if the model fits")
+                   help="when a stage or a tensor rank is lost and its node does not answer, "
+                        "continue on the nodes left if the model fits there")
     q.add_argument("--allow-version-mismatch", action="store_true",
                    help="use nodes that run another kimi-mlx version (same stage protocol)")
     q.add_argument("--force-load", action="store_true",

@@ -114,7 +114,7 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
                 max_concurrency=args.max_concurrency, backend=args.backend,
                 prompt_cache=None if args.no_prompt_cache else HeadCacheIndex(args.prompt_cache_every),
                 cache_bytes=cache_bytes, cache_dir=args.prompt_cache_dir,
-                cache_disk_bytes=args.prompt_cache_disk_bytes)
+                cache_disk_bytes=args.prompt_cache_disk_bytes, context=args.context)
             svc.engine.vision, svc.engine.pad_id = svc.images.vision, svc.images.pad_id
             return
         if args.prompt_cache_dir:

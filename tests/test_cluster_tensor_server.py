@@ -80,6 +80,9 @@ def test_greedy_equals_one_process(node, extra):
     start = len(node.procs[0].log_text())
     srv = server(node, *extra)
     try:
+        deadline = time.monotonic() + 10  # the log reader thread may lag behind /health
+        while "tensor-parallel group of 2" not in srv.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert "tensor-parallel group of 2" in srv.log_text()
         c = client(srv)
         got = c.completions.create(model="micro", prompt=PROMPT, max_tokens=20, temperature=0)

@@ -11,7 +11,8 @@
   forward pass, and another image never shares the prefix past its pads.
 - With `--prompt-cache-dir` on the node (`cluster serve`, its rank) and the server (rank
   0), the node and the server both restarted: the next turn restores from the ranks'
-  disks and equals the cold one-process reply.
+  disks and equals the cold one-process reply; so does the next turn after the group
+  healed from a killed rank.
 Every process has a hard timeout; ports are chosen free at run time.
 """
 
@@ -306,6 +307,48 @@ def test_ranks_restarted_restore_from_their_disks(tmp_path_factory, tmp_path, on
         assert got == want
         assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
         assert _lookups(srv.url).get("disk") == 1.0
+    finally:
+        if srv is not None:
+            srv.stop()
+        node.stop()
+
+
+def test_a_healed_group_restores_from_the_disks_its_dead_ranks_wrote(tmp_path_factory,
+                                                                     tmp_path, one_process):
+    """The node's rank killed after a turn whose snapshots both ranks wrote to disk: the
+    server forms the group again (a new rank 0 process with an empty memory store, a new
+    node rank), and the next turn restores from the folders the dead ranks used (their
+    locks went with them) and equals the cold one-process reply."""
+    import os
+    import signal
+    import time
+
+    from test_cluster_tensor_heal import node_rank, server_rank0
+
+    head_dir, node_dir = tmp_path / "head-pc", tmp_path / "node-pc"
+    node = _node(tmp_path_factory, "thnode", extra=["--prompt-cache-dir", str(node_dir)])
+    srv = None
+    try:
+        srv = _server(node, "--prompt-cache-dir", str(head_dir))
+        first = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
+        reply, usage = _chat(srv.url, first)
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        end = time.monotonic() + 30  # both ranks write in the background
+        while not (_indexed(head_dir) and _indexed(node_dir)
+                   and all(_indexed(head_dir).values()) and all(_indexed(node_dir).values())):
+            assert time.monotonic() < end, (_indexed(head_dir), _indexed(node_dir))
+            time.sleep(0.1)
+        old_rank0 = server_rank0(srv)
+        os.kill(node_rank(node), signal.SIGKILL)
+        assert "was killed by SIGKILL" in srv.wait_health(503, 20)
+        srv.wait_health(200, 60)
+        assert server_rank0(srv) != old_rank0
+        second = first + [{"role": "assistant", "content": reply[0], "reasoning_content": reply[1]},
+                          {"role": "user", "content": QUESTIONS[1]}]
+        got, usage = _chat(srv.url, second)
+        want, _ = _chat(one_process, second)
+        assert got == want
+        assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
     finally:
         if srv is not None:
             srv.stop()

@@ -16,22 +16,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from kimi_mlx.cluster.net.ranks import TensorSetupError, available_backends
+from kimi_mlx.cluster.net.ranks import TensorSetupError, available_backends, process_stopped
 
 log = logging.getLogger("kimi_mlx.cluster.tensor")
-
-
-def process_stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP / SIGTSTP): /proc on Linux, ps elsewhere."""
-    try:
-        if sys.platform.startswith("linux"):
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-        out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)], capture_output=True,
-                             text=True, timeout=2).stdout.strip()
-        return out.startswith("T")
-    except (OSError, IndexError, subprocess.SubprocessError):
-        return False
 
 
 def check_rank_request(r, node_id: str) -> None:

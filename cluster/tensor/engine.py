@@ -1,17 +1,22 @@
 """`kimi-mlx cluster server --parallel tensor`: the OpenAI + Anthropic API over one
 tensor-parallel group (issue 21).
 
-This head is rank 0 and runs the request path (tokenizer, sampling, logits processors,
-stop rules, streaming); the nodes' ranks are started through their control plane
-(`StartRank`, `tensor_launch.form_group`) and follow rank 0's commands
-(`cluster.tensor_step`). `TensorEngine` is a `server.engine_base.BaseEngine`.
+This head runs the request path (tokenizer, sampling, logits processors, stop rules,
+streaming) and rank 0, whose share of the group (its slices, caches and collectives) runs
+in a child process of this server (`tensor.relay.Rank0Process`, see "Healing" below); the
+nodes' ranks are started through their control plane (`StartRank`,
+`tensor.launch.form_group`) and follow rank 0's commands (`tensor.step`). `TensorEngine`
+is a `server.engine_base.BaseEngine`.
 
 Prompt cache (issue 33, `tensor.prompt_cache`): with `prompt_cache` (rank 0's
 `net.cache_index.HeadCacheIndex`) every rank keeps its shard of the snapshots rank 0 names
 (bounded per rank), a request restores the longest prefix every rank holds (agreed by the
 group) and reports it as `cached_tokens`; hits and misses are counted in /metrics.
-Images: the tower runs on rank 0 (this head), the projector rows are broadcast with the
-prefill chunks that hold their pads (`step.MEDIA`). A draft turns the prompt cache off
+Rank 0's own shard of the snapshots is kept by its child process (`tensor.relay`: it
+runs the agreement and the snapshots; a re-formed group's child starts with an empty
+memory store and the same disk folder). Images: the tower runs in this server process,
+the projector rows go to rank 0's process over its socket and are broadcast from there
+with the prefill chunks that hold their pads (`step.MEDIA`). A draft turns the prompt cache off
 (as in the pipeline); a scored prompt runs in full.
 
 One request at a time: the group runs one sequence (no batching through it); further
@@ -23,16 +28,27 @@ Faults: `TensorGroup` watches every node's rank. A rank that exits, is killed or
 (SIGSTOP), or a node that stops answering: /health answers 503 naming the rank and node
 (within the node's poll, ~0.5 s, or --peer-timeout), the request in flight fails with
 that message (also when rank 0 is blocked in a collective: the failure is sent from the
-watch), queued ones fail too, every node kills its rank (lease cancelled) and this head
-drops its shard. The server keeps answering (503) until restarted.
+watch), queued ones fail too, every node kills its rank (lease cancelled) and rank 0's
+process is killed.
+
+Healing (issue 33): rank 0 runs in a child process (`tensor.relay`: MLX cannot form a
+second group in one process), so this server forms the group again by itself. Every
+`retry` s it asks the lost node for its Health through the control plane (a new channel
+each time, with the checkpoint's fingerprint, `net.nodes.check_nodes`); once it answers,
+the group is formed again over the same nodes (new leases, a new rank 0 process on a new
+port: the group's epoch goes up and nothing of the old group can reach the new one; a
+late report of an old group's watch is ignored). With --replan, a lost node that does
+not answer is left out and the group is formed over the nodes left, when the model loads
+there (else it waits for the node). /health says which of these it is doing.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 from kimi_mlx.server.engine_base import BaseEngine
 
@@ -50,6 +66,15 @@ class TensorEngine(BaseEngine):
         eos_ids: ids that end a reply. max_queue: waiting requests before 503.
         metrics: the server's `Metrics` or None. speculation: a `Speculation` or None.
         ranks: [(rank, node name)] of the node ranks, for /health.
+        prompt_cache: rank 0's `net.cache_index.HeadCacheIndex` (None: no prompt cache).
+        store: rank 0's own `KeyedSnapshotCache` when `group` is an MLX group in this
+            process; with a `tensor.relay.Rank0Process` its child keeps it (`store`).
+        reform: (excluded node names, epoch, cancelled) -> (transport, group, model, watch,
+            ranks), a new group (`start_tensor_engine`), given up (raising) once
+            `cancelled()` (the server stops); None: a lost group stays lost.
+        probe: ([NodeInfo]) -> (accepted, rejected), `net.nodes.check_nodes` for the
+            checkpoint. replan: form the group without a lost node that does not answer.
+        retry: seconds between recovery attempts (and between checks of rank 0's process).
     """
 
     # logits processors are applied on rank 0, which samples; the group runs one
@@ -60,14 +85,16 @@ class TensorEngine(BaseEngine):
 
     def __init__(self, group, model, watch, transport, eos_ids: Sequence[int],
                  max_queue: int = 64, metrics=None, speculation=None, ranks=(),
-                 prompt_cache=None, store=None):
+                 prompt_cache=None, store=None, reform=None, probe=None, replan: bool = False,
+                 retry: float = 0.5):
         super().__init__(eos_ids, max_queue, 1, metrics, speculation, name="kimi-mlx-tensor-rank0")
         self.group, self.model, self.watch, self.transport = group, model, watch, transport
         self.ranks = list(ranks)
         # prompt cache: rank 0's index of snapshot prefixes and its own shard's snapshots
-        # (`KeyedSnapshotCache`); a draft decodes without it, as in the pipeline
+        # (in rank 0's child process, `store`); a draft decodes without it, as in the
+        # pipeline
         self.prompt_cache = prompt_cache if speculation is None else None
-        self.store = store if self.prompt_cache is not None else None
+        self._store = store if self.prompt_cache is not None else None
         self._lookups = None
         if self.prompt_cache is not None and metrics is not None:
             from kimi_mlx.cluster.net.cache_index import lookup_counter
@@ -75,34 +102,87 @@ class TensorEngine(BaseEngine):
             self._lookups = lookup_counter(metrics.registry)
         self._current = None  # the job in flight
         self._failed_ids: set = set()  # ids of jobs failed by the watch
-        watch.exit = lambda code: self.group_lost(watch.failed or "the tensor group failed")
+        self.reform, self.probe, self.replan, self.retry = reform, probe, replan, retry
+        self.epoch = 0  # the group's number: a report from an older group's watch is ignored
+        self.excluded: set = set()  # nodes left out by --replan
+        self.recoveries = 0
+        self._lost_nodes: list = []  # NodeInfo of the nodes whose rank was lost
+        self._doing = ""  # what the recovery is doing (for /health)
+        self._bind(watch)
+        self._healer = (threading.Thread(target=self._heal_loop, daemon=True,
+                                         name="kimi-mlx-tensor-heal") if reform else None)
+
+    @property
+    def store(self):
+        """Rank 0's snapshot store: the current group's child's (`relay.ChildStore`: it
+        keeps them; a new group's starts empty) or the `KeyedSnapshotCache` given."""
+        if self.prompt_cache is None:
+            return None
+        return getattr(self.group, "store", None) or self._store
+
+    def _bind(self, watch) -> None:
+        """Route `watch`'s teardown to `group_lost` for the current epoch only."""
+        epoch = self.epoch
+        watch.exit = lambda code: self.group_lost(watch.failed or "the tensor group failed",
+                                                  epoch, watch)
+
+    def start(self) -> "TensorEngine":
+        super().start()
+        if self._healer is not None:
+            self._healer.start()
+        return self
+
+    def health(self) -> Optional[str]:
+        """None while serving; else the loss (naming rank and node) and what the recovery
+        is doing about it."""
+        with self._lock:
+            if self.lost is None:
+                return None
+            return f"{self.lost}; {self._doing}" if self._doing else self.lost
 
     def _after_stop(self) -> None:
         """End the group: EXIT to the other ranks (when it is whole, `_worker_done`),
-        close the leases."""
-        self.watch.close()
-        self.transport.shutdown()
-        if self.store is not None:
-            self.store.attach_disk(None)  # rank 0's queued snapshot writes finish
+        close the leases, kill rank 0's process (which finished its disk writes on EXIT);
+        end the recovery."""
+        if self._healer is not None and self._healer.ident is not None:
+            self._healer.join(5)
+        with self._lock:
+            watch, transport = self.watch, self.transport
+        watch.close()
+        transport.shutdown()
+        if self._store is not None and hasattr(self._store, "attach_disk"):
+            self._store.attach_disk(None)  # an in-process rank 0's queued snapshot writes
 
     def stages(self) -> list:
         """The group's ranks for /health: [{"rank", "node", "ok", "reason"}]."""
-        out = [{"rank": 0, "node": "this head", "ok": self.lost is None, "reason": None}]
+        own = self.lost if self.lost and "lost: rank 0 (this head" in self.lost else None
+        out = [{"rank": 0, "node": "this head", "ok": self.lost is None, "reason": own}]
         for rank, node in self.ranks:
             bad = self.lost if self.lost and f"node {node}" in self.lost else None
             out.append({"rank": rank, "node": node, "ok": self.lost is None, "reason": bad})
         return out
 
-    def group_lost(self, reason: str) -> None:
+    def group_lost(self, reason: str, epoch: Optional[int] = None, watch=None) -> None:
         """The watch's end of the group (a rank lost / stopped, a node silent): say so on
         /health, fail the request in flight and the queued ones; the leases are already
-        cancelled (the nodes kill their ranks)."""
+        cancelled (the nodes kill their ranks) and rank 0's process killed. A report
+        about an older group (`epoch` below the current one) is ignored."""
         from kimi_mlx.server.jobs import Failed
 
+        own = getattr(getattr(watch, "rank0", None), "state", lambda: None)()
         with self._lock:
-            if self.lost is not None:
+            if self.lost is not None or (epoch is not None and epoch != self.epoch):
                 return
+            if own is not None and not reason.startswith("rank 0"):
+                # rank 0's process died first: the nodes' ranks then lost their peer
+                reason = f"rank 0 (this head's rank process) {own} (then: {reason})"
+                node = None
+            else:
+                node = watch.nodes.get(watch.failed_node) if watch is not None else None
             self.lost = f"tensor group lost: {reason}"
+            self._lost_nodes = [node] if node is not None else []
+            self._doing = ("forming the group again when the lost node answers"
+                           if self.reform else "restart the server to form it again")
             job = self._current
             if job is not None:
                 self._failed_ids.add(id(job))
@@ -127,6 +207,9 @@ class TensorEngine(BaseEngine):
     def _failed(self, job, e: Exception) -> None:
         from kimi_mlx.server.jobs import Failed, reseed_random
 
+        own = getattr(self.group, "state", lambda: None)()
+        if own is not None and self.lost is None:  # rank 0's own process ended
+            self.watch.fail(f"rank 0 (this head's rank process) {own}")
         if isinstance(e, RuntimeError) and self.lost is None:
             # a collective failed: a peer is gone; its node names it through the watch
             deadline = time.monotonic() + self.watch.peer_timeout + 2
@@ -144,21 +227,100 @@ class TensorEngine(BaseEngine):
     def _after_job(self) -> None:
         with self._lock:
             self._current = None
-        if self.lost:
+            drop = self.lost is not None and self.reform is None
+        if drop:
             import mlx.core as mx
 
             self.model = None  # this head's shard: freed with the group
             mx.clear_cache()
 
     def _worker_done(self) -> None:
-        if self.lost is None:
+        with self._lock:
+            lost, group, watch = self.lost, self.group, self.watch
+        if lost is None:
             from kimi_mlx.cluster.tensor.step import OP_EXIT, command
 
             try:
-                command(self.group, OP_EXIT)
-                self.watch.finish()
+                command(group, OP_EXIT)
+                watch.finish()
             except RuntimeError as e:
                 log.warning("ending the tensor group: %s", e)
+
+    # ---------------------------------------------------------------- healing
+
+    def _heal_loop(self) -> None:
+        """Every `retry` s: notice rank 0's process ending or stopped on its own, and while
+        the group is lost, try to form it again (`_heal`)."""
+        while not self._stopping.wait(self.retry):
+            try:
+                with self._lock:
+                    lost, busy, group, watch = (self.lost, self._current is not None,
+                                                self.group, self.watch)
+                if lost is None:
+                    # rank 0's process ended or stopped on its own (idle or mid-request:
+                    # a stopped one blocks the request and the nodes' ranks in a collective)
+                    own = getattr(group, "state", lambda: None)()
+                    if own is not None:
+                        watch.fail(f"rank 0 (this head's rank process) {own}")
+                    continue
+                if not busy:  # the request on the old group has failed and ended
+                    self._heal()
+            except Exception as e:  # noqa: BLE001 - the recovery must keep trying
+                log.exception("tensor group recovery")
+                with self._lock:
+                    self._doing = f"recovery failed, trying again: {type(e).__name__}: {e}"
+
+    def _heal(self) -> None:
+        """One attempt: ask the lost node(s) for Health; all answer: form the group again
+        over the same nodes; else with --replan, without them; else keep waiting."""
+        lost = self._lost_nodes
+        excluded = set(self.excluded)
+        if lost:
+            accepted, rejected = self.probe(lost)
+            names = ", ".join(f"{n.node_id} at {n.address}" for n in lost)
+            if not rejected:
+                doing = f"forming the group again (node {names} answers)"
+            elif self.replan:
+                gone = {r.node_id for r in rejected}
+                why = "; ".join(f"{r.node_id}: {r.reason}" for r in rejected)
+                doing = f"re-forming the group without node {', '.join(sorted(gone))} ({why})"
+                excluded |= gone
+            else:
+                why = "; ".join(f"node {r.node_id} at {r.address}: {r.reason}" for r in rejected)
+                with self._lock:
+                    self._doing = f"waiting for it to answer again ({why})"
+                return
+        else:
+            doing = "forming the group again"
+        with self._lock:
+            self._doing = doing
+        t0 = time.monotonic()
+        try:
+            self.transport.shutdown()
+        except Exception as e:  # noqa: BLE001 - best effort
+            log.debug("shutdown: %s", e)
+        try:
+            transport, group, model, watch, ranks = self.reform(excluded, self.epoch + 1,
+                                                                self._stopping.is_set)
+        except Exception as e:  # noqa: BLE001 - shown in /health, tried again
+            with self._lock:
+                self._doing = f"{doing}: failed, trying again: {type(e).__name__}: {e}"
+            log.warning("tensor group recovery: %s", self._doing)
+            return
+        with self._lock:
+            if self._stopping.is_set():
+                watch.close()
+                return
+            self.epoch += 1
+            self._bind(watch)
+            self.transport, self.group, self.model, self.watch = transport, group, model, watch
+            self.ranks, self.excluded = list(ranks), excluded
+            self.recoveries += 1
+            self._failed_ids.clear()
+            was, self.lost, self._doing, self._lost_nodes = self.lost, None, "", []
+        log.warning("serving again through a tensor-parallel group of %d (epoch %d, formed in "
+                    "%.1f s; rank 0 process pid %s) after %s", group.size(), self.epoch,
+                    time.monotonic() - t0, getattr(getattr(group, "proc", None), "pid", "?"), was)
 
     def _generate(self, job):
         """(token, logprobs [vocab]) of `job` through the group, and the prompt tokens
@@ -242,39 +404,71 @@ class TensorEngine(BaseEngine):
 
 def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: int,
                         max_concurrency: int = 1, backend: str = "auto", prompt_cache=None,
-                        cache_bytes=None, cache_dir=None, cache_disk_bytes: int = 0) -> TensorEngine:
+                        cache_bytes=None, cache_dir=None, cache_disk_bytes: int = 0,
+                        retry: float = 0.5, context: int = 4096) -> TensorEngine:
     """Form the group (`tensor.launch.form_group` over `cluster`, a `net.nodes.NodeFinder`:
-    this head rank 0, the nodes' ranks started through `StartRank`; `backend` "auto",
-    "ring" or "jaccl") and start a `TensorEngine` on it (`max_queue` waiting requests;
-    `max_concurrency` above 1 is only warned about). `prompt_cache`: rank 0's
-    `HeadCacheIndex` (None: no prompt cache); `cache_bytes`: the bound of rank 0's own
-    snapshots (None: `prompt_cache.default_cache_bytes`; the nodes' ranks take their
-    node's `cluster serve --cache-bytes`); `cache_dir` / `cache_disk_bytes`: rank 0's disk
-    tier (`cluster server --prompt-cache-dir`; the nodes' ranks take their node's).
-    Raises what `form_group` raises (the server then ends, naming it)."""
+    rank 0 this head's child process (`tensor.relay`), the nodes' ranks started through
+    `StartRank`; `backend` "auto", "ring" or "jaccl") and start a `TensorEngine` on it
+    (`max_queue` waiting requests; `max_concurrency` above 1 is only warned about) that
+    forms it again after a loss (every `retry` s; --replan from `cluster.settings`: over
+    fewer nodes only when the model splits and fits there for `context` tokens,
+    `tensor.launch.check_fits`). `prompt_cache`: this head's `HeadCacheIndex` (None: no
+    prompt cache; a draft turns it off); rank 0's own snapshots are kept by its child
+    process, bounded by `cache_bytes` (None: `prompt_cache.default_cache_bytes` there;
+    the nodes' ranks take their node's `cluster serve --cache-bytes`), with a disk tier
+    in `cache_dir` of at most `cache_disk_bytes` (`cluster server --prompt-cache-dir`; the
+    nodes' ranks take their node's). Raises what `form_group` raises (the server then
+    ends, naming it)."""
     from kimi_mlx.cluster.tensor.group import TensorGroup
-    from kimi_mlx.cluster.tensor.launch import form_group
+    from kimi_mlx.cluster.tensor.launch import check_fits, form_group
 
-    watch = TensorGroup(cluster.settings.peer_timeout, exit=lambda code: None)
-    transport, group, model = form_group(cluster, watch, backend)
-    ranks = [(i + 1, name) for i, name in enumerate(watch.names)]
+    rank0_cache = (dict(cache_bytes=cache_bytes, cache_dir=cache_dir, disk_bytes=cache_disk_bytes)
+                   if prompt_cache is not None and speculation is None else None)
+
+    def form(excluded, epoch, cancelled=lambda: False):
+        cluster.excluded = set(excluded)
+        watch = TensorGroup(cluster.settings.peer_timeout, exit=lambda code: None)
+        check = ((lambda accepted: check_fits(cluster.model_dir, accepted, context))
+                 if excluded else None)
+        transport, group, model = form_group(cluster, watch, backend, relay=True, epoch=epoch,
+                                             check=check, cancelled=cancelled, store=rank0_cache)
+        ranks = [(i + 1, name) for i, name in enumerate(watch.names)]
+        return transport, group, model, watch, ranks
+
+    def probe(nodes):
+        from kimi_mlx.cluster.net.control import ControlClient
+        from kimi_mlx.cluster.net.nodes import check_nodes
+
+        t, channels = ControlClient(cluster.secret, cluster.settings.tls_secret_path), []
+
+        def stub_for(address):  # a new channel per probe: no reconnect backoff to wait out
+            from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
+
+            channels.append(t.channel_for(address))
+            return pb_grpc.StageStub(channels[-1])
+
+        try:
+            return check_nodes(nodes, stub_for, cluster.fp, timeout=1.0,
+                               check_version=cluster.settings.check_version,
+                               name=cluster.model_dir.name)
+        finally:
+            for ch in channels:
+                ch.close()
+
+    transport, group, model, watch, ranks = form(set(), 0)
     if max_concurrency != 1:
         log.warning("--parallel tensor serves one request at a time (the group runs one "
                     "sequence); others queue")
-    log.warning("serving through a tensor-parallel group of %d: rank 0 this head, %s",
-                group.size(), ", ".join(f"rank {r} node {n}" for r, n in ranks))
-    store = None
+    log.warning("serving through a tensor-parallel group of %d: rank 0 this head's rank "
+                "process (pid %d), %s", group.size(), group.proc.pid,
+                ", ".join(f"rank {r} node {n}" for r, n in ranks))
     if prompt_cache is not None and speculation is None:
-        from kimi_mlx.cluster.tensor.prompt_cache import make_store, rank_fingerprint
-
-        fp = (rank_fingerprint(cluster.model_dir, model, 0, group.size())
-              if cache_dir is not None else None)
-        store = make_store(cache_bytes, cache_dir, cache_disk_bytes, fp, "rank 0 (this head)")
-        if store is not None and store.disk is not None and metrics is not None:
-            metrics.watch_disk_cache(store.disk)
-        log.warning("prompt cache on every rank; rank 0 (this head) keeps up to %.1f GB",
-                    (store.max_bytes if store is not None else 0) / 1e9)
-    if store is None:
-        prompt_cache = None
+        store = group.store
+        log.warning("prompt cache on every rank; rank 0 (this head's rank process) keeps up "
+                    "to %.1f GB%s", (store.max_bytes if store is not None else 0) / 1e9,
+                    " (and a disk tier)" if store is not None and store.disk else "")
+        if store is None:
+            prompt_cache = None
     return TensorEngine(group, model, watch, transport, eos_ids, max_queue, metrics,
-                        speculation, ranks, prompt_cache, store).start()
+                        speculation, ranks, prompt_cache, reform=form, probe=probe,
+                        replan=cluster.settings.replan, retry=retry).start()

@@ -122,6 +122,9 @@ class TensorGroup:
         self._lock = threading.Lock()
         self._reported = threading.Event()  # the failure was printed
         self.stubs: Dict[str, object] = {}  # node name -> its control-plane stub (probes)
+        self.nodes: Dict[str, object] = {}  # node name -> its NodeInfo (set by form_group)
+        self.failed_node: Optional[str] = None  # the node `fail` named (None: rank 0 / unknown)
+        self.rank0 = None  # a `tensor.relay.Rank0Process` (the server's groups), killed by `close`
 
     def start(self, stubs: Sequence[Tuple[str, object]], requests: Sequence) -> "TensorGroup":
         from kimi_mlx.cluster.net import stage_pb2 as pb
@@ -163,13 +166,13 @@ class TensorGroup:
                         refused.append(ev.message)
                         started.set()
                         return
-                    self.fail(ev.message)
+                    self.fail(ev.message, name)
                     return
                 if not started.is_set():
                     started.set()
                     timer.start()
             if not self.closing:
-                self.fail(f"node {name} ended its rank's lease")
+                self.fail(f"node {name} ended its rank's lease", name)
         except grpc.RpcError as e:
             if self.closing:
                 return
@@ -178,7 +181,7 @@ class TensorGroup:
                 refused.append(why)
                 started.set()
             else:
-                self.fail(why)
+                self.fail(why, name)
 
     def _heartbeats(self, name: str, last: List[float]) -> None:
         """Fail the group when node `name` is silent for `peer_timeout` s AND does not
@@ -207,21 +210,23 @@ class TensorGroup:
                 if not self.closing:
                     why = e.details() if hasattr(e, "details") else e
                     self.fail(f"node {name} stopped answering (no heartbeat in {silent:.1f} s, "
-                              f"and its Health call failed: {why})")
+                              f"and its Health call failed: {why})", name)
                 return
             log.warning("node %s: no heartbeat for %.1f s but it answers Health (a loaded "
                         "machine?); the group carries on", name, silent)
             last[0] = time.monotonic()
 
-    def fail(self, reason: str) -> None:
-        """Tear the group down: cancel every rank's lease, say why, end this process
-        (`exit`). A second caller (e.g. rank 0's thread, whose collective raised because
-        the watch's teardown killed a peer) waits until the first has said why, so that
-        its own exit cannot cut the message off."""
+    def fail(self, reason: str, node: Optional[str] = None) -> None:
+        """Tear the group down: cancel every rank's lease, kill rank 0's process (when it
+        is a child), say why, end this process (`exit`; the server's engine replaces it).
+        `node`: the node whose rank or connection failed (`failed_node`). A second caller
+        (e.g. rank 0's thread, whose collective raised because the watch's teardown killed
+        a peer) waits until the first has said why, so that its own exit cannot cut the
+        message off."""
         with self._lock:
             first = self.failed is None and not self.closing
             if first:
-                self.failed = reason
+                self.failed, self.failed_node = reason, node
         if not first:
             if self.failed is not None:
                 self._reported.wait(10)
@@ -244,8 +249,10 @@ class TensorGroup:
         self.close()
 
     def close(self) -> None:
-        """End every lease (the nodes kill their ranks)."""
+        """End every lease (the nodes kill their ranks) and kill rank 0's child process."""
         self.closing = True
         for c in self.calls:
             c.cancel()
+        if self.rank0 is not None:
+            self.rank0.kill()
 

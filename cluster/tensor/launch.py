@@ -18,14 +18,49 @@ from kimi_mlx.cluster.tensor.group import (TensorGroup, TensorSetupError, choose
                                            hosts_json, local_address_towards)
 
 
-def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto"):
+def check_fits(model_dir, accepted, context: int) -> None:
+    """Raise TensorSetupError unless the checkpoint splits over this head and the
+    `accepted` nodes ([(NodeInfo, HealthReply)]) and each node's slices plus its cache for
+    `context` tokens fit its usable memory (`placement.tensor_parallel.tensor_plan_for`,
+    as `cluster.launch.recommended` checks). For --replan: a group over fewer nodes."""
+    from kimi_mlx.model.shard import ShardError
+    from kimi_mlx.placement.tensor_parallel import tensor_plan_for, tensors_of
+
+    nodes = [n.planner_node() for n, _ in accepted]
+    if not nodes:
+        raise TensorSetupError("no node left to form a group with")
+    targs, tensors = tensors_of(str(model_dir))
+    bw = [n.bandwidth_bytes_per_s for n in nodes]
+    try:
+        tp = tensor_plan_for(tensors, targs, bw + [min(bw)], context)
+    except (ShardError, ValueError) as e:
+        raise TensorSetupError(f"the model does not split over {len(nodes) + 1} ranks: "
+                               f"{e}") from None
+    need = max(tp.load_bytes) + tp.cache_bytes
+    short = [f"node {n.name} has {n.usable_bytes / 2**30:.1f} GiB usable" for n in nodes
+             if need > n.usable_bytes]
+    if short:
+        raise TensorSetupError(f"the model does not fit {len(nodes) + 1} ranks: a rank needs "
+                               f"{need / 2**30:.1f} GiB, " + ", ".join(short))
+
+
+def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
+               relay: bool = False, epoch: int = 0, check=None, cancelled=lambda: False,
+               store=None):
     """Form the group (this head rank 0, the accepted nodes ranks 1..N, each started by its
     node's `StartRank` under `watch`) and load this head's slices.
 
     `cluster`: the nodes and the checkpoint (`net.nodes.NodeFinder`: its settings' secret
     file and TLS, the fingerprint and folder). `backend`: "auto", "ring" or "jaccl".
-    Returns (transport, group, model); raises TensorSetupError (naming the node),
-    RuntimeError, ValueError or OSError after closing what it opened.
+    `relay`: run rank 0 in a child process (`tensor.relay.Rank0Process`, the server's
+    groups, which can be formed again after a loss); `epoch` names that group in messages.
+    `check`: called with the accepted nodes before anything starts (e.g. `check_fits`).
+    `cancelled`: with `relay`, give up (RuntimeError, everything closed, the host file
+    removed) once it returns True while rank 0 joins and loads (a server stopping).
+    `store`: with `relay`, rank 0's prompt-cache settings for its process (`Rank0Process`).
+    Returns (transport, group, model): with `relay`, group is the `Rank0Process` and model
+    a stand-in carrying only the checkpoint's `args`. Raises TensorSetupError (naming the
+    node), RuntimeError, ValueError or OSError after closing what it opened.
     """
     from kimi_mlx.checkpoint.ranged import load_sharded
     from kimi_mlx.cluster.net import stage_pb2 as pb
@@ -35,6 +70,8 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto"):
     transport = ControlClient(cluster.secret, cluster.settings.tls_secret_path)
     try:
         accepted = cluster.accepted(transport)
+        if check is not None:
+            check(accepted)
         mine = package_versions()[1]
         wrong = [f"node {n.node_id} runs MLX {r.mlx_version}" for n, r in accepted
                  if r.mlx_version != mine]
@@ -59,18 +96,36 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto"):
                   f"rank {i + 1} node {n.node_id} ({h}:{p})"
                   for i, ((n, _), (h, p)) in enumerate(zip(accepted, addresses[1:]))),
               file=sys.stderr, flush=True)
-        watch.start([(n.node_id, transport.stub_for(n.address)) for n, _ in accepted],
-                    [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),
-                                    backend=backend, hosts=hosts, head=transport.head_id)
-                     for i in range(len(accepted))])
         if backend == "jaccl":  # rank 0 is the coordinator the other ranks connect to
             group_env, hostfile = jaccl.rank_env(hosts, 0)
-            os.environ.update(group_env)
+        elif relay:  # the host list goes to rank 0's process in a file no path names
+            group_env, hostfile = dict(MLX_RANK="0"), ""
         else:
             fd, hostfile = tempfile.mkstemp(prefix="kimi-mlx-hosts-", suffix=".json")
             with os.fdopen(fd, "w") as f:
                 f.write(hosts)
-            os.environ.update(MLX_RANK="0", MLX_HOSTFILE=hostfile)
+            group_env = dict(MLX_RANK="0", MLX_HOSTFILE=hostfile)
+        watch.nodes = {n.node_id: n for n, _ in accepted}
+        if relay:  # rank 0's process starts (imports) while the nodes start theirs
+            from kimi_mlx.cluster.tensor.relay import Rank0Process
+
+            watch.rank0 = Rank0Process(cluster.model_dir, backend, group_env, epoch,
+                                       hosts=None if backend == "jaccl" else hosts,
+                                       store=store)
+        try:
+            watch.start([(n.node_id, transport.stub_for(n.address)) for n, _ in accepted],
+                        [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),
+                                        backend=backend, hosts=hosts, head=transport.head_id)
+                         for i in range(len(accepted))])
+            if relay:
+                return (transport,) + _relay_rank0(cluster, watch, cancelled)
+        except BaseException:
+            _unlink(hostfile)
+            raise
+        finally:
+            if relay:  # the child has read it by now, or is dead
+                _unlink(hostfile)
+        os.environ.update(group_env)
         try:
             group = mx.distributed.init(backend=backend, strict=True)
         finally:
@@ -81,3 +136,28 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto"):
         transport.shutdown()
         raise
     return transport, group, model
+
+
+def _unlink(path: str) -> None:
+    if not path:
+        return
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _relay_rank0(cluster: NodeFinder, watch: TensorGroup, cancelled):
+    """(Rank0Process, stand-in model) for `form_group(relay=True)` once `watch.rank0`, the
+    child, joined and loaded; RuntimeError naming the failure (the watch's, when a node's
+    rank failed meanwhile)."""
+    from types import SimpleNamespace
+
+    from kimi_mlx.model.config import ModelArgs, read_config
+
+    try:
+        watch.rank0.wait_ready(max(watch.peer_timeout + 5, 120.0),
+                               cancelled=lambda: watch.failed is not None or cancelled())
+    except RuntimeError as e:
+        raise RuntimeError(watch.failed or str(e)) from None
+    return watch.rank0, SimpleNamespace(args=ModelArgs.from_config(read_config(cluster.model_dir)))

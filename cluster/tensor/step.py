@@ -52,8 +52,14 @@ def broadcast(x: mx.array, group) -> mx.array:
 
 
 def command(group, op: int = OP_EXIT, tokens: Sequence[int] = (), keep: int = -1,
-            flags: int = 0):
-    """Send (rank 0) or receive (others) one command: returns (op, token ids, keep, flags)."""
+            flags: int = 0, media=None):
+    """Send (rank 0) or receive (others) one command: returns (op, token ids, keep, flags).
+    `group` may be a `tensor.relay.Rank0Process` (rank 0 in a child process: the server's
+    groups), which sends it and does rank 0's share there; `media` (pad id, rows [n,
+    hidden]) then travels with a MEDIA command (in-process, rank 0's `_Runner.forward`
+    broadcasts it after the command; ignored here)."""
+    if hasattr(group, "relay_command"):
+        return group.relay_command(op, tokens, keep, flags, media)
     tokens = [int(t) for t in tokens]
     T = len(tokens)
     buf = [op, T, keep, flags] + tokens[:INLINE] + [0] * (INLINE - min(T, INLINE))
@@ -218,7 +224,8 @@ class GroupTarget:
         self.offset = 0
         self.broken = False
         self._pending: Optional[int] = None  # start of the last step, while trimmable
-        self._runner = _Runner(model, store)
+        self._runner = (group.make_runner(model) if hasattr(group, "make_runner")
+                        else _Runner(model, store))  # rank 0 in a child: it does the work
         if restore:
             from kimi_mlx.cluster.tensor.prompt_cache import encode_keys
 
@@ -253,7 +260,7 @@ class GroupTarget:
             raise ValueError(f"prefill of {len(ids)} tokens at {self.offset} passes the "
                              f"prompt's {self.n_prefill} prefill positions")
         flags = MEDIA if media is not None else 0
-        self._send(OP_FORWARD, ids, self._keep(), flags)
+        self._send(OP_FORWARD, ids, self._keep(), flags, media)
         try:
             self._runner.forward(ids, -1, flags, self.group, media)
         except BaseException:
@@ -264,9 +271,9 @@ class GroupTarget:
     def make_cache(self) -> List[Any]:
         return [RemoteCache(self)]
 
-    def _send(self, op, tokens=(), keep=-1, flags=0):
+    def _send(self, op, tokens=(), keep=-1, flags=0, media=None):
         try:
-            return command(self.group, op, tokens, keep, flags)
+            return command(self.group, op, tokens, keep, flags, media)
         except BaseException:
             self.broken = True
             raise
