@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install clients test-clients demo test check-real check-real-tensor bench bench-prune bench-quant bench-server bench-spec micro micro-moe micro-draft micro-mtp micro-vision proto clean
+.PHONY: install clients test-clients test-e2e demo test check-real check-real-tensor bench bench-prune bench-quant bench-server bench-spec micro micro-moe micro-draft micro-mtp micro-vision proto clean
 
 install: $(STAMP)
 
@@ -115,6 +115,11 @@ lmeval-tools: .venv-tools/.lmeval-installed
 # `clients` (tests/test_clients.py and the lm-eval ones; ~10 min on 2 busy cores;
 # excluded from `make test` by pyproject's addopts). Each test skips with the reason
 # where its program is missing (`make clients`).
+# The minute-long fault and recovery runs (marker e2e: a tensor group healing after
+# seven kinds of loss), apart so that `make test` stays near 12 minutes; CI runs them.
+test-e2e: install
+	$(BIN)/python -m pytest -q -m e2e
+
 test-clients: install
 	@# the real agent programs (~1.1 GB, ~3 min); not part of `make install`, so `make demo`
 	@# stays small; never fails here (each test skips with the reason)

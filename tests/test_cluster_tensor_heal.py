@@ -219,7 +219,7 @@ def finish(srv, node, before_shm, tmp, kill=False, healing=False):
     assert not left(), left()
 
 
-@pytest.mark.slow  # ~60 s: seven losses and recoveries
+@pytest.mark.e2e  # ~60-85 s: seven losses and recoveries (make test-e2e)
 def test_heals_after_a_rank_is_lost(tmp_path_factory, ref, monkeypatch):
     """A node's rank killed / stopped, or this head's rank 0 process killed or stopped,
     idle and during a request: each time the server forms the group again (the node
@@ -248,7 +248,7 @@ def test_heals_after_a_rank_is_lost(tmp_path_factory, ref, monkeypatch):
     print(timings)
 
 
-@pytest.mark.slow  # ~50 s
+@pytest.mark.e2e  # ~50 s (make test-e2e)
 def test_heals_when_its_node_returns(tmp_path_factory, ref, monkeypatch):
     """The node's whole process group killed (then started again on its port) and stopped
     (then resumed, its stale rank with it): /health waits for the node, the group is
