@@ -275,9 +275,23 @@ def _indexed(folder):
             for p in folder.glob("*/index.json")}
 
 
+def _first_turn_on_both_disks(url, first, head_dir, node_dir):
+    """Run the conversation's first turn (nothing cached yet) and wait until both ranks'
+    background writers have indexed its snapshots; returns the reply."""
+    import time
+
+    reply, usage = _chat(url, first)
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+    end = time.monotonic() + 30  # both ranks write in the background
+    while not (_indexed(head_dir) and _indexed(node_dir)
+               and all(_indexed(head_dir).values()) and all(_indexed(node_dir).values())):
+        assert time.monotonic() < end, (_indexed(head_dir), _indexed(node_dir))
+        time.sleep(0.1)
+    return reply
+
+
 def test_ranks_restarted_restore_from_their_disks(tmp_path_factory, tmp_path, one_process):
     import signal
-    import time
 
     head_dir, node_dir = tmp_path / "head-pc", tmp_path / "node-pc"
     node = _node(tmp_path_factory, "tdnode", extra=["--prompt-cache-dir", str(node_dir)])
@@ -285,13 +299,7 @@ def test_ranks_restarted_restore_from_their_disks(tmp_path_factory, tmp_path, on
     try:
         srv = _server(node, "--prompt-cache-dir", str(head_dir))
         first = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
-        reply, usage = _chat(srv.url, first)
-        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
-        end = time.monotonic() + 30  # both ranks write in the background
-        while not (_indexed(head_dir) and _indexed(node_dir)
-                   and all(_indexed(head_dir).values()) and all(_indexed(node_dir).values())):
-            assert time.monotonic() < end, (_indexed(head_dir), _indexed(node_dir))
-            time.sleep(0.1)
+        reply = _first_turn_on_both_disks(srv.url, first, head_dir, node_dir)
         srv.stop()
         srv = None
         for p in node.procs:  # the node (and so its rank) killed, then started again
@@ -321,7 +329,6 @@ def test_a_healed_group_restores_from_the_disks_its_dead_ranks_wrote(tmp_path_fa
     locks went with them) and equals the cold one-process reply."""
     import os
     import signal
-    import time
 
     from test_cluster_tensor_heal import node_rank, server_rank0
 
@@ -331,13 +338,7 @@ def test_a_healed_group_restores_from_the_disks_its_dead_ranks_wrote(tmp_path_fa
     try:
         srv = _server(node, "--prompt-cache-dir", str(head_dir))
         first = [SYSTEM, {"role": "user", "content": QUESTIONS[0]}]
-        reply, usage = _chat(srv.url, first)
-        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
-        end = time.monotonic() + 30  # both ranks write in the background
-        while not (_indexed(head_dir) and _indexed(node_dir)
-                   and all(_indexed(head_dir).values()) and all(_indexed(node_dir).values())):
-            assert time.monotonic() < end, (_indexed(head_dir), _indexed(node_dir))
-            time.sleep(0.1)
+        reply = _first_turn_on_both_disks(srv.url, first, head_dir, node_dir)
         old_rank0 = server_rank0(srv)
         os.kill(node_rank(node), signal.SIGKILL)
         assert "was killed by SIGKILL" in srv.wait_health(503, 20)
