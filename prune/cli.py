@@ -16,6 +16,7 @@ from typing import Optional
 from kimi_mlx.prune.calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
 from kimi_mlx.prune.observe import DEFAULT_CHUNK
 from kimi_mlx.prune.observe import GATES
+from kimi_mlx.prune.merge import DEFAULT_TOKENS as DEFAULT_MERGE_TOKENS
 from kimi_mlx.prune.refit import DEFAULT_STEPS as DEFAULT_REFIT_STEPS
 from kimi_mlx.prune.refit import DEFAULT_TOKENS as DEFAULT_REFIT_TOKENS
 from kimi_mlx.prune.quantize import DEFAULT_GROUP, EXPERT_BITS, GROUP_SIZES, TRUNK_BITS, QuantError, QuantSpec
@@ -61,6 +62,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"tokens x hidden x 4 bytes per layer; default {DEFAULT_REFIT_TOKENS})")
     p.add_argument("--refit-steps", type=int, default=DEFAULT_REFIT_STEPS,
                    help=f"with --refit-router: Adam steps per layer (default {DEFAULT_REFIT_STEPS})")
+    p.add_argument("--merge", action="store_true",
+                   help="merge each dropped expert into the kept expert closest to it (router "
+                        "logits and outputs on the calibration tokens; neurons aligned, then "
+                        "averaged weighted by routed tokens; MXFP4 requantized, error in the "
+                        "card) instead of deleting it (REAM-style, kimi_mlx.prune.merge); "
+                        "runs before --refit-router")
+    p.add_argument("--merge-tokens", type=int, default=DEFAULT_MERGE_TOKENS,
+                   help="with --merge: calibration tokens per MoE layer every expert is run on "
+                        f"to compare experts (default {DEFAULT_MERGE_TOKENS})")
     p.add_argument("--seed", type=int, default=0, help="seed for --method random and sampling")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
                    help=f"calibration sequence length, tokens (default {DEFAULT_SEQ_LEN})")
@@ -148,6 +158,8 @@ def run(args) -> int:
                 budgets = dry_run_budgets(args)
             return dry_run(args.model, args.keep, args.experts, args.macs or list(DRY_RUN_MACS),
                            args.context, quant, budgets)
+        if args.merge and args.merge_tokens < 1:
+            raise PruneError(f"--merge-tokens must be >= 1, got {args.merge_tokens}")
         src = _source(args.model)
         _, margs, _ = source_args(src)
         n_keep = experts_to_keep(margs.num_experts, margs.num_experts_per_token,
@@ -170,7 +182,8 @@ def run(args) -> int:
                     force=args.force, quant=quant, budget=args.budget,
                     chunk=args.chunk, activation_budget=budget, progress=not args.quiet,
                     refit_router=args.refit_router, refit_tokens=args.refit_tokens,
-                    refit_steps=args.refit_steps)
+                    refit_steps=args.refit_steps, merge_experts=args.merge,
+                    merge_tokens=args.merge_tokens)
     except (PruneError, CalibError, KeepError) as e:
         print(f"kimi-mlx prune: error: {e}", file=sys.stderr)
         return 2
@@ -184,6 +197,7 @@ def run(args) -> int:
           f"{len(res.selection.kept)} MoE layers ({args.method}"
           + (f", {args.gate} gate" if args.method in ("reap", "reap-sum") else "")
           + (f", {protected} super experts protected" if args.protect_super_experts else "")
+          + (", dropped experts merged" if args.merge else "")
           + (", router rows re-fitted" if args.refit_router else "")
           + ")" + "".join(f"; {q}" for q in _short(quant)))
     return 0

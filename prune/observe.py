@@ -165,9 +165,11 @@ class ExpertRecorder:
     the layer output and `pending()`), which adds them into float64 NumPy totals.
     """
 
-    def __init__(self, moe: nn.Module, stats: LayerStats, input_stride: int = 0):
-        """`input_stride` > 0 also keeps every `input_stride`-th router input (float32
-        NumPy, `inputs()`), for `refit` (--refit-router)."""
+    def __init__(self, moe: nn.Module, stats: LayerStats, input_stride: int = 0,
+                 keep_inputs: bool = True, similarity=None):
+        """`input_stride` > 0 samples every `input_stride`-th router input: kept (float32
+        NumPy, `inputs()`) for `refit` (--refit-router) when `keep_inputs`, and fed to
+        `similarity` (a `merge.SimilarityAccumulator`, --merge) when given."""
         self.moe = moe
         self.stats = stats
         self.scaling = float(getattr(moe, "scaling", 1.0) or 1.0)
@@ -177,6 +179,9 @@ class ExpertRecorder:
         self.input_stride = input_stride
         self._seen = 0
         self._inputs: List[np.ndarray] = []
+        self.keep_inputs = keep_inputs
+        self.similarity = similarity
+        self._switch = None
 
     def inputs(self) -> np.ndarray:
         """The kept router inputs [n, hidden] float32 (empty if none were kept)."""
@@ -187,6 +192,7 @@ class ExpertRecorder:
     def install(self) -> "ExpertRecorder":
         self._route = self.moe.route
         inner_route = self._route
+        self._switch = self.moe.switch_mlp
 
         def route(x):
             if self.input_stride:
@@ -194,7 +200,11 @@ class ExpertRecorder:
                 first = (-self._seen) % self.input_stride
                 self._seen += flat.shape[0]
                 if first < flat.shape[0]:
-                    self._inputs.append(np.array(flat[first::self.input_stride].astype(mx.float32)))
+                    sample = flat[first::self.input_stride]
+                    if self.keep_inputs:
+                        self._inputs.append(np.array(sample.astype(mx.float32)))
+                    if self.similarity is not None:
+                        self.similarity.add(self.moe, self._switch, sample)
             inds, w = inner_route(x)
             # REAP's gate: softmax of the raw logits renormalised over the selected experts
             # = softmax over the selected logits (the other experts' terms cancel).
@@ -236,7 +246,8 @@ class ExpertRecorder:
 
     def pending(self) -> List[mx.array]:
         """The not yet flushed partial sums (to evaluate together with the layer output)."""
-        return [a for part in self._parts for a in part]
+        sim = self.similarity.pending() if self.similarity is not None else []
+        return [a for part in self._parts for a in part] + sim
 
     def flush(self) -> None:
         s = self.stats
@@ -249,6 +260,8 @@ class ExpertRecorder:
             s.softmax_gate_sum += np.array(soft, dtype=np.float64)
             s.softmax_gate_norm_sum += np.array(soft_norm, dtype=np.float64)
         self._parts.clear()
+        if self.similarity is not None:
+            self.similarity.flush()
 
 
 class ActivationStore:
@@ -327,6 +340,8 @@ class ObserveResult:
             `refit` (empty unless `observe(router_inputs=...)`).
         routers: {MoE layer: (router weight float32 [E, hidden], correction bias [E])},
             filled with router_inputs.
+        similarities: {MoE layer: `merge.SimilarityAccumulator`} (empty unless
+            `observe(similarity=True)`).
     """
 
     stats: Dict[int, LayerStats]
@@ -338,6 +353,7 @@ class ObserveResult:
     peak_memory: int = 0
     router_inputs: Dict[int, np.ndarray] = field(default_factory=dict)
     routers: Dict[int, Any] = field(default_factory=dict)
+    similarities: Dict[int, Any] = field(default_factory=dict)
 
 
 def physical_memory() -> int:
@@ -382,6 +398,8 @@ def observe(
     progress: bool = True,
     log: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
     router_inputs: int = 0,
+    keep_router_inputs: bool = True,
+    similarity: bool = False,
 ) -> ObserveResult:
     """Run the calibration sequences through the checkpoint one layer at a time.
 
@@ -399,6 +417,10 @@ def observe(
         router_inputs: keep about this many router inputs per MoE layer (every
             ceil(tokens / router_inputs)-th token, float32 in memory: router_inputs x
             hidden x 4 bytes per MoE layer) and the routers, for `refit`; 0 = none.
+        keep_router_inputs: False: sample the router inputs (for `similarity`) without
+            keeping them.
+        similarity: accumulate the expert similarity sums of `merge` on the sampled
+            tokens (needs router_inputs > 0): every expert runs on every sampled token.
     Returns:
         ObserveResult with a LayerStats per MoE layer.
     Raises:
@@ -423,6 +445,9 @@ def observe(
     kept_inputs: Dict[int, np.ndarray] = {}
     routers: Dict[int, Any] = {}
     stride = -(-tokens // router_inputs) if router_inputs > 0 else 0
+    if similarity and not stride:
+        raise ValueError("observe(similarity=True) needs router_inputs > 0 sampled tokens")
+    sims: Dict[int, Any] = {}
     layer_seconds: List[float] = []
     est = 0
     try:
@@ -439,7 +464,13 @@ def observe(
             recorder = None
             if "block_sparse_moe" in layer:
                 stats[i] = LayerStats(i, args.num_experts, layer.block_sparse_moe.top_k)
-                recorder = ExpertRecorder(layer.block_sparse_moe, stats[i], stride).install()
+                acc = None
+                if similarity:
+                    from kimi_mlx.prune.merge import SimilarityAccumulator
+
+                    acc = sims[i] = SimilarityAccumulator(args.experts_in(i))
+                recorder = ExpertRecorder(layer.block_sparse_moe, stats[i], stride,
+                                          keep_router_inputs, acc).install()
             bar = tqdm(total=tokens, unit="tok", unit_scale=True, leave=True, file=sys.stderr,
                        desc=f"layer {i + 1:>3}/{n_layers}", dynamic_ncols=True,
                        disable=None if progress else True)  # None: on a terminal only
@@ -450,7 +481,7 @@ def observe(
                 bar.close()
                 if recorder is not None:
                     recorder.uninstall()
-            if recorder is not None and stride:
+            if recorder is not None and stride and keep_router_inputs:
                 gate = layer.block_sparse_moe.gate
                 kept_inputs[i] = recorder.inputs()
                 routers[i] = (np.array(gate.weight.astype(mx.float32)),
@@ -464,7 +495,7 @@ def observe(
         if store is not None:
             store.close()
     return ObserveResult(stats, tokens, time.perf_counter() - started, layer_seconds, est,
-                         spilled, mx.get_peak_memory(), kept_inputs, routers)
+                         spilled, mx.get_peak_memory(), kept_inputs, routers, sims)
 
 
 def _embed(model, calib: CalibSet, args: ModelArgs, spill_dir, budget):

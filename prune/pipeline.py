@@ -17,6 +17,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from kimi_mlx.prune.calib import CalibSet, load_calibration
+from kimi_mlx.prune.merge import DEFAULT_TOKENS as DEFAULT_MERGE_TOKENS
+from kimi_mlx.prune.merge import LayerMerge, plan_merges
 from kimi_mlx.prune.quantize import QuantSpec
 from kimi_mlx.prune.observe import LayerStats, ObserveResult, activation_bytes, observe, spills
 from kimi_mlx.prune.refit import DEFAULT_STEPS as DEFAULT_REFIT_STEPS
@@ -73,9 +75,11 @@ def write_with_progress(plan: CheckpointPlan, dest: Path, progress: bool = True)
 
 
 def refit(result: ObserveResult, sel: Selection, top_k: int, *, steps: int = DEFAULT_REFIT_STEPS,
-          log: Optional[Log] = None) -> Dict[int, RefitResult]:
+          log: Optional[Log] = None,
+          merges: Optional[Dict[int, LayerMerge]] = None) -> Dict[int, RefitResult]:
     """Re-fit the kept router rows of `sel` on the router inputs `result` recorded
-    (`observe(..., router_inputs=N)`); see `kimi_mlx.prune.refit`.
+    (`observe(..., router_inputs=N)`); see `kimi_mlx.prune.refit`. With `merges`
+    (`merge`), each dropped expert's gate weight counts for its merge target.
 
     Raises:
         PruneError: the calibration pass kept no router inputs.
@@ -85,7 +89,25 @@ def refit(result: ObserveResult, sel: Selection, top_k: int, *, steps: int = DEF
                          "(--calib data; --method random alone has none)")
     try:
         return refit_routers(result.router_inputs, result.routers, sel.kept, top_k,
-                             steps=steps, log=log)
+                             steps=steps, log=log,
+                             into={l: m.into for l, m in merges.items()} if merges else None)
+    except ValueError as e:
+        raise PruneError(str(e)) from None
+
+
+def merge(result: ObserveResult, sel: Selection) -> Dict[int, LayerMerge]:
+    """The merge plan (`kimi_mlx.prune.merge`) of `sel` from the similarity sums `result`
+    recorded (`observe(..., similarity=True)`).
+
+    Raises:
+        PruneError: the calibration pass recorded no similarity.
+    """
+    if not result.similarities:
+        raise PruneError("--merge needs the expert similarity of a calibration pass "
+                         "(--calib data; --method random alone has none)")
+    try:
+        return plan_merges(result.similarities, {l: s.count for l, s in result.stats.items()},
+                           sel.kept)
     except ValueError as e:
         raise PruneError(str(e)) from None
 
@@ -93,10 +115,12 @@ def refit(result: ObserveResult, sel: Selection, top_k: int, *, steps: int = DEF
 def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Selection,
          *, protect: bool = False, extra_card: Optional[str] = None, log: Log = _stderr,
          quant: Optional[QuantSpec] = None, progress: bool = False,
-         refitted: Optional[Dict[int, RefitResult]] = None) -> Path:
+         refitted: Optional[Dict[int, RefitResult]] = None,
+         merges: Optional[Dict[int, LayerMerge]] = None) -> Path:
     """Write the pruned (and, with `quant`, quantized) checkpoint for `sel` into `out`'s
     temporary folder, then commit. `refitted` (from `refit`): the kept router rows to
-    write instead of the source's.
+    write instead of the source's; `merges` (from `merge`): kept experts written as the
+    merge of their groups.
 
     Raises:
         PruneError: source problems (from `plan_checkpoint`) or a failed write (the
@@ -105,10 +129,12 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
     src = Path(src)
     _, args, _ = source_args(src)
     plan = plan_checkpoint(src, sel.kept, sel.n_keep if sel.uniform else None, quant,
-                           router_rows(refitted) if refitted else None)
+                           router_rows(refitted) if refitted else None,
+                           {l: m.groups for l, m in merges.items()} if merges else None)
     log(f"writing {len(plan.shards)} shard(s), {plan.bytes_out / 1e9:.3f} GB "
         f"(source {plan.bytes_in / 1e9:.3f} GB) to {out.out}")
     write_with_progress(plan, out.tmp, progress)
+    merge_info = _merge_info(merges, plan.merge_errors) if merges else None
     info = {
         "source": str(src),
         "num_experts_before": args.num_experts,
@@ -118,6 +144,7 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
                                    "gate_kl_before": r.kl_before, "gate_kl_after": r.kl_after,
                                    "gate_tv_before": r.tv_before, "gate_tv_after": r.tv_after}
                           for l, r in refitted.items()} if refitted else None),
+        "merge": merge_info,
         "calibration": {
             "description": calib.describe(), "tokens": calib.num_tokens,
             "sequences": len(calib.sequences), "seq_len": calib.seq_len, "files": calib.files,
@@ -148,8 +175,38 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
             "router reproduces the full model's gate renormalised over the kept experts: mean "
             f"gate KL over the MoE layers {kb:.4f} -> {ka:.4f} (details in `saliency.json`, "
             "`router_refit`).\n")
+    if merges:
+        err = merge_info["requant_error"]
+        card = card.rstrip("\n") + (
+            "\n\n## Merging\n\nEach dropped expert was merged into the kept expert closest to "
+            "it (`--merge`, `kimi_mlx.prune.merge`: router-logit correlation and output cosine "
+            "on the calibration tokens; neurons aligned, then averaged weighted by routed "
+            f"tokens): {merge_info['dropped']} dropped experts into {merge_info['merged']} "
+            f"kept ones over {len(merges)} MoE layers, mean similarity "
+            f"{merge_info['mean_similarity']:.3f}. Requantization of the merged weights "
+            f"({merge_info['format']}): relative error mean {err['mean']:.4f}, max "
+            f"{err['max']:.4f} (details in `saliency.json`, `merge`).\n")
     write_report(out.tmp, result.stats, sel, info, card)
     return out.commit()
+
+
+def _merge_info(merges: Dict[int, LayerMerge], errors: Dict[str, float]) -> dict:
+    """The `merge` entry of saliency.json: groups, similarities, requantization errors."""
+    sims = [s for m in merges.values() for s in m.similarity.values()]
+    errs = list(errors.values())
+    return {
+        "dropped": sum(len(m.into) for m in merges.values()),
+        "merged": sum(len(m.groups) for m in merges.values()),
+        "mean_similarity": float(sum(sims) / len(sims)) if sims else 0.0,
+        "format": "merged experts requantized to their stored format (MXFP4 unless "
+                  "--expert-bits)",
+        "requant_error": {"mean": float(sum(errs) / len(errs)) if errs else 0.0,
+                          "max": float(max(errs)) if errs else 0.0, "per_projection": errors},
+        "layers": {str(l): {"groups": {str(k): [[int(e), w] for e, w in g]
+                                       for k, g in m.groups.items()},
+                            "similarity": {str(d): s for d, s in m.similarity.items()}}
+                   for l, m in merges.items()},
+    }
 
 
 def _quant_lines(plan: CheckpointPlan) -> Optional[List[str]]:
@@ -222,22 +279,27 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
           activation_budget: Optional[int] = None, progress: bool = True,
           quant: Optional[QuantSpec] = None, budget: str = "uniform",
           refit_router: bool = False, refit_tokens: int = DEFAULT_REFIT_TOKENS,
-          refit_steps: int = DEFAULT_REFIT_STEPS, log: Log = _stderr) -> PruneResult:
+          refit_steps: int = DEFAULT_REFIT_STEPS, merge_experts: bool = False,
+          merge_tokens: int = DEFAULT_MERGE_TOKENS, log: Log = _stderr) -> PruneResult:
     """Calibrate layer by layer, rank experts, write `out` atomically.
 
     The temporary output folder is made first (so a read-only or full disk fails before
     calibration); spilled activations live inside it and are gone before the rename.
     `refit_router`: keep `refit_tokens` router inputs per MoE layer during calibration and
     re-fit the kept router rows (`refit`, `refit_steps` Adam steps) before writing.
+    `merge_experts`: the pass also sums expert similarities on `merge_tokens` sampled tokens
+    per MoE layer, and each dropped expert is merged into its closest kept one (`merge`;
+    order: select, merge, refit, write).
 
     Raises:
         PruneError: bad source, existing --out, no space, or a failed write; nothing is
             left at `out` or beside it.
     """
     _, args, _ = source_args(src)
-    if not calib.sequences and (method != "random" or protect or refit_router):
+    if not calib.sequences and (method != "random" or protect or refit_router or merge_experts):
         what = " with --protect-super-experts" if protect else ""
         what += " with --refit-router" if refit_router else ""
+        what += " with --merge" if merge_experts else ""
         raise PruneError(f"--method {method}{what} "
                          "needs calibration data (--calib); only --method random runs without")
     itemsize = 4 if mx.default_device() == mx.cpu else 2  # the loader's activation dtype
@@ -248,7 +310,9 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
             log(f"calibrating on {calib.describe()}")
             result = observe(src, calib, chunk=chunk, spill_dir=ao.tmp / ".activations",
                              activation_budget=activation_budget, progress=progress, log=log,
-                             router_inputs=refit_tokens if refit_router else 0)
+                             router_inputs=max(refit_tokens if refit_router else 0,
+                                               merge_tokens if merge_experts else 0),
+                             keep_router_inputs=refit_router, similarity=merge_experts)
             log(f"calibration: {result.tokens:,} tokens x {len(result.layer_seconds)} layers "
                 f"in {result.seconds:.1f} s, peak memory {result.peak_memory / 2**20:.1f} MiB")
         else:  # random selection: no pass over the model, empty statistics
@@ -257,8 +321,10 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
                                    tokens=0, seconds=0.0)
         sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed,
                      gate=gate, budget=budget)
-        refitted = (refit(result, sel, args.num_experts_per_token, steps=refit_steps, log=log)
+        merges = merge(result, sel) if merge_experts else None
+        refitted = (refit(result, sel, args.num_experts_per_token, steps=refit_steps, log=log,
+                          merges=merges)
                     if refit_router else None)
         path = save(ao, src, result, calib, sel, protect=protect, log=log, quant=quant,
-                    progress=progress, refitted=refitted)
+                    progress=progress, refitted=refitted, merges=merges)
     return PruneResult(path, sel, result, calib)

@@ -86,12 +86,25 @@ def _gate(logits: mx.array, bias: mx.array, top_k: int) -> mx.array:
 
 
 def target_gates(x: mx.array, weight: mx.array, bias: mx.array, kept: Sequence[int],
-                 top_k: int) -> Tuple[mx.array, mx.array]:
+                 top_k: int, into: Optional[Mapping[int, int]] = None) -> Tuple[mx.array, mx.array]:
     """(q [n, K] full gate renormalised over the kept experts, valid [N] bool).
 
     x [N, hidden], weight [E, hidden], bias [E]; q holds only the valid tokens' rows.
+    `into` {dropped id: kept id} (`prune --merge`): a dropped expert's gate weight counts
+    for the kept expert it was merged into.
     """
-    g = _gate(x @ weight.T, bias, top_k)[:, mx.array(list(kept))]
+    kept = list(kept)
+    g = _gate(x @ weight.T, bias, top_k)
+    if into:
+        col = {k: c for c, k in enumerate(kept)}
+        fold = np.zeros((weight.shape[0], len(kept)), np.float32)
+        for c, k in enumerate(kept):
+            fold[k, c] = 1.0
+        for d, k in into.items():
+            fold[d, col[k]] = 1.0
+        g = g @ mx.array(fold)
+    else:
+        g = g[:, mx.array(kept)]
     s = g.sum(axis=-1)
     valid = s > 0
     idx = mx.array(np.flatnonzero(np.array(valid)).astype(np.int32))
@@ -118,7 +131,8 @@ def gate_tv(x: mx.array, weight_k: mx.array, bias_k: mx.array, q: mx.array, top_
 
 def refit_layer(x, weight, bias, kept: Sequence[int], top_k: int, *,
                 steps: int = DEFAULT_STEPS, lr: float = DEFAULT_LR, l2: float = DEFAULT_L2,
-                hinge: float = DEFAULT_HINGE, margin: float = DEFAULT_MARGIN) -> RefitResult:
+                hinge: float = DEFAULT_HINGE, margin: float = DEFAULT_MARGIN,
+                into: Optional[Mapping[int, int]] = None) -> RefitResult:
     """Re-fit one layer's kept router rows (see the module docstring).
 
     Args:
@@ -127,6 +141,7 @@ def refit_layer(x, weight, bias, kept: Sequence[int], top_k: int, *,
         kept: sorted kept expert ids (len >= top_k); top_k: num_experts_per_token.
         steps, lr, l2: Adam steps, learning rate, pull toward the old rows.
         hinge, margin: weight and margin of the selection hinge.
+        into: {dropped id: kept id} of `prune --merge` (see `target_gates`).
     Returns:
         RefitResult (old rows unchanged when no token has a target or steps == 0).
     Raises:
@@ -144,7 +159,7 @@ def refit_layer(x, weight, bias, kept: Sequence[int], top_k: int, *,
         raise ValueError(f"router refit: {len(kept)} kept experts, fewer than top_k {top_k}")
     ids = mx.array(kept)
     w0, b_k = weight[ids], bias[ids]
-    q, valid = target_gates(x, weight, bias, kept, top_k)
+    q, valid = target_gates(x, weight, bias, kept, top_k, into)
     n = int(q.shape[0])
     xv = x[mx.array(np.flatnonzero(np.array(valid)).astype(np.int32))]
     before, tv0 = gate_kl(xv, w0, b_k, q, top_k), gate_tv(xv, w0, b_k, q, top_k)
@@ -181,10 +196,12 @@ def refit_layer(x, weight, bias, kept: Sequence[int], top_k: int, *,
 def refit_routers(inputs: Mapping[int, np.ndarray], routers: Mapping[int, Tuple[np.ndarray, np.ndarray]],
                   kept: Mapping[int, Sequence[int]], top_k: int, *, steps: int = DEFAULT_STEPS,
                   lr: float = DEFAULT_LR, l2: float = DEFAULT_L2,
-                  log=None) -> Dict[int, RefitResult]:
+                  log=None, into: Optional[Mapping[int, Mapping[int, int]]] = None
+                  ) -> Dict[int, RefitResult]:
     """`refit_layer` for every MoE layer of `kept` ({layer: ids}); `inputs` {layer:
     [N, hidden]} and `routers` {layer: (weight [E, hidden], bias [E])} from the
-    calibration pass. Raises ValueError when a layer has no recorded inputs."""
+    calibration pass; `into` {layer: {dropped: kept}} with `prune --merge`.
+    Raises ValueError when a layer has no recorded inputs."""
     out: Dict[int, RefitResult] = {}
     for layer in sorted(kept):
         if layer not in inputs or layer not in routers:
@@ -192,7 +209,7 @@ def refit_routers(inputs: Mapping[int, np.ndarray], routers: Mapping[int, Tuple[
                              "(calibrate with router_inputs > 0)")
         w, b = routers[layer]
         out[layer] = r = refit_layer(inputs[layer], w, b, kept[layer], top_k, steps=steps,
-                                     lr=lr, l2=l2)
+                                     lr=lr, l2=l2, into=(into or {}).get(layer))
         if log is not None:
             log(f"layer {layer}: router refit on {r.tokens} tokens ({r.skipped} without a kept "
                 f"expert): gate KL {r.kl_before:.4f} -> {r.kl_after:.4f}, TV {r.tv_before:.3f} "

@@ -148,6 +148,7 @@ class CheckpointPlan:
     notes: List[str] = field(default_factory=list)
     quant: Optional[QuantSpec] = None
     kept_dtype: List[str] = field(default_factory=list)
+    merge_errors: Dict[str, float] = field(default_factory=dict)
 
     @property
     def files_bytes(self) -> int:
@@ -252,7 +253,8 @@ def _rows(start: int, end: int, n_rows: int, keep: Sequence[int]) -> List[Tuple[
 
 def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
                     quant: Optional[QuantSpec] = None,
-                    router_rows: Optional[Mapping[int, Mapping[str, "np.ndarray"]]] = None
+                    router_rows: Optional[Mapping[int, Mapping[str, "np.ndarray"]]] = None,
+                    merges: Optional[Mapping[int, Mapping[int, Sequence[Tuple[int, float]]]]] = None
                     ) -> CheckpointPlan:
     """Work out the output tensors, shards, config and copies (reads headers only).
 
@@ -265,6 +267,12 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
         router_rows: {MoE layer: {"weight": [n, hidden], "e_score_correction_bias": [n]}}
             new values of the kept experts' router tensors (`refit`), written in the
             source tensor's dtype instead of the sliced source rows; None: sliced rows.
+        merges: {MoE layer: {kept id: [(expert id, weight), ...]}} (`merge.LayerMerge
+            .groups`, the kept expert first): each listed kept expert is written as the
+            frequency-weighted merge of its group (`merge.merge_group`), requantized to its
+            source format (MXFP4, or `quant.expert_bits` affine); the relative
+            requantization error of each merged projection lands in the plan's
+            `merge_errors` {"layer.kept.wN": error} as it is written.
     Raises:
         PruneError: a source problem (see `source_args`), a MoE layer without an entry
             in `kept`, a layer whose experts are not exactly 0..num_experts-1, a router
@@ -316,6 +324,8 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
             raise PruneError(str(e)) from None
     located = {name: (src / shard, info) for shard, h in headers.items() for name, info in h.items()}
     kept_dtype: List[str] = []
+    merge_errors: Dict[str, float] = {}
+    groups: Dict[Tuple[int, int], _MergedExpert] = {}
     for shard, header in headers.items():
         path = src / shard
         out: List[OutTensor] = []
@@ -325,8 +335,17 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
                              router_rows)
             if t is None:
                 continue
-            parts = ([t] if quant is None or kind(name, args) != "text"
-                     else _quantized(t, name, path, info, quant, located, kept_dtype))
+            m = EXPERT_RE.match(name)
+            group = (merges or {}).get(int(m["layer"]), {}).get(int(m["e"])) if m else None
+            if group and len(group) > 1 and kind(name, args) == "text":
+                key = (int(m["layer"]), int(m["e"]))
+                if key not in groups:
+                    groups[key] = _MergedExpert(m["moe"], key, group, located, quant,
+                                                merge_errors)
+                parts = groups[key].outputs(t, m["rest"], info)
+            else:
+                parts = ([t] if quant is None or kind(name, args) != "text"
+                         else _quantized(t, name, path, info, quant, located, kept_dtype))
             out.extend(parts)
             bytes_out += sum(p.nbytes for p in parts)
         shards[shard] = (path, out, _metadata(path))
@@ -344,7 +363,131 @@ def plan_checkpoint(src, kept: Mapping[int, Sequence[int]], n_keep: int,
         index_extra = {k: v for k, v in json.loads((src / INDEX_FILE).read_text()).items()
                        if k != "weight_map"}
     return CheckpointPlan(src, new_config, shards, (src / INDEX_FILE).exists(), index_extra,
-                          copies, n_keep, E, bytes_in, bytes_out, notes, quant, kept_dtype)
+                          copies, n_keep, E, bytes_in, bytes_out, notes, quant, kept_dtype,
+                          merge_errors)
+
+
+class _MergedExpert:
+    """One kept expert written as the merge of its group (`plan_checkpoint(merges=...)`):
+    computed on the first request of any of its output tensors, dropped once all were
+    taken. Memory: `merge.merge_group`'s (three experts in float32)."""
+
+    def __init__(self, moe: str, key: Tuple[int, int], group, located, quant, errors):
+        self.moe, self.key, self.group = moe, key, list(group)
+        self.located, self.errors = located, errors
+        self.bits = quant.expert_bits if quant is not None else None
+        self.group_size = quant.expert_group_size if quant is not None else None
+        self.value: Optional[Dict[str, bytes]] = None
+        self.planned = 0
+        self.taken = 0
+
+    def _source(self, e: int, w: str):
+        """(w [out, in] float32, format): format "mxfp4" or the float safetensors dtype."""
+        import numpy as np
+
+        from kimi_mlx.prune.merge import dequantize_mxfp4
+        from kimi_mlx.prune.quantize import from_bytes
+
+        base = f"{self.moe}.experts.{e}.{w}"
+        if base + ".weight_packed" in self.located:
+            (pp, pi), (sp, si) = (self.located.get(base + ".weight_packed"),
+                                  self.located.get(base + ".weight_scale", (None, None)))
+            if si is None:
+                raise PruneError(f"{pp}: {base}.weight_packed has no {base}.weight_scale")
+            packed = np.frombuffer(_read(pp, pi.start, pi.end), np.uint8).reshape(pi.shape)
+            scale = np.frombuffer(_read(sp, si.start, si.end), np.uint8).reshape(si.shape)
+            return dequantize_mxfp4(packed, scale), "mxfp4"
+        if base + ".weight" in self.located:
+            p, i = self.located[base + ".weight"]
+            import mlx.core as mx
+
+            a = from_bytes(_read(p, i.start, i.end), i.dtype, i.shape).astype(mx.float32)
+            return np.array(a), i.dtype
+        raise PruneError(f"--merge: no {base}.weight_packed or {base}.weight in the checkpoint")
+
+    def _compute(self) -> Dict[str, bytes]:
+        import mlx.core as mx
+
+        from kimi_mlx.prune.merge import PROJ, merge_group, quantize_affine, quantize_mxfp4, rel_error
+        from kimi_mlx.prune.quantize import _RAW, to_bytes
+
+        fmt: Dict[str, str] = {}
+
+        class _Lazy:  # experts loaded one at a time by merge_group
+            def __len__(s):
+                return len(self.group)
+
+            def __getitem__(s, j):
+                e = self.group[j][0]
+                out = []
+                for w in PROJ:
+                    arr, f = self._source(e, w)
+                    fmt.setdefault(w, f)
+                    out.append(arr)
+                return tuple(out)
+
+        try:
+            merged = merge_group(_Lazy(), [wt for _, wt in self.group])
+        except ValueError as e:
+            raise PruneError(f"layer {self.key[0]} expert {self.key[1]}: {e}") from None
+        out: Dict[str, bytes] = {}
+        layer, kept = self.key
+        for w, arr in zip(PROJ, merged):
+            if fmt[w] == "mxfp4" and self.bits is None:
+                packed, scale, err = quantize_mxfp4(arr)
+                out[f"{w}.weight_packed"], out[f"{w}.weight_scale"] = packed.tobytes(), scale.tobytes()
+            elif fmt[w] == "mxfp4":
+                q, sc, bi, err = quantize_affine(arr, self.bits, self.group_size)
+                out[f"{w}:weight"], out[f"{w}:scales"], out[f"{w}:biases"] = (
+                    to_bytes(q), to_bytes(sc), to_bytes(bi))
+            else:
+                cast = mx.array(arr).astype(_RAW[fmt[w]][1])
+                err = rel_error(arr, _np_array(cast))
+                out[f"{w}.weight"] = to_bytes(cast)
+            self.errors[f"{layer}.{kept}.{w}"] = err
+        return out
+
+    def part(self, key: str) -> Callable[[], bytes]:
+        self.planned += 1
+
+        def get() -> bytes:
+            if self.value is None:
+                self.value = self._compute()
+            if key not in self.value:
+                raise PruneError(f"--merge: layer {self.key[0]} expert {self.key[1]}: no "
+                                 f"merged output {key!r}")
+            data = self.value[key]
+            self.taken += 1
+            if self.taken == self.planned:
+                self.value = None
+            return data
+        return get
+
+    def outputs(self, t: OutTensor, rest: str, info) -> List[OutTensor]:
+        """The output tensor(s) that replace source tensor `rest` (e.g. "w1.weight_packed")
+        of this kept expert (`t`: its planned, renumbered copy)."""
+        w, _, field_ = rest.partition(".")
+        if field_ == "weight_scale" and self.bits is not None:
+            return []  # folded into the affine outputs of weight_packed
+        if field_ == "weight_packed" and self.bits is not None:
+            prefix = t.name[: -len(".weight_packed")]
+            try:
+                outs = expert_outputs(prefix, info.shape, self.bits, self.group_size)
+            except ValueError as e:
+                raise PruneError(str(e)) from None
+            return [OutTensor(n, dt, shp, [], self.part(f"{w}:{n[len(prefix) + 1:]}"),
+                              _size(dt, shp)) for n, dt, shp in outs]
+        if field_ not in ("weight_packed", "weight_scale", "weight"):
+            raise PruneError(f"--merge: cannot merge {t.name} (only w1/w2/w3 weights)")
+        return [OutTensor(t.name, info.dtype, info.shape, [], self.part(rest),
+                          _size(info.dtype, info.shape))]
+
+
+def _np_array(a):
+    import mlx.core as mx
+    import numpy as np
+
+    return np.array(a.astype(mx.float32))
 
 
 def _check_quantizable(src: Path, wm: Mapping[str, str], quant: QuantSpec) -> None:
