@@ -157,7 +157,9 @@ def run(args) -> int:
             if args.budget != "uniform":
                 budgets = dry_run_budgets(args)
             return dry_run(args.model, args.keep, args.experts, args.macs or list(DRY_RUN_MACS),
-                           args.context, quant, budgets)
+                           args.context, quant, budgets,
+                           memory=(args.calib_tokens or DEFAULT_MAX_TOKENS, args.refit_tokens,
+                                   args.merge_tokens))
         if args.merge and args.merge_tokens < 1:
             raise PruneError(f"--merge-tokens must be >= 1, got {args.merge_tokens}")
         src = _source(args.model)
@@ -237,13 +239,15 @@ def dry_run_budgets(args):
 
 
 def dry_run(model: str, keep, experts, macs, context: Optional[int],
-            quant: QuantSpec = QuantSpec(), budgets=None) -> int:
+            quant: QuantSpec = QuantSpec(), budgets=None, memory=None) -> int:
     """Print per-layer bytes before/after pruning and, for each Mac set, whether the
     planner fits the result (weights + cache at `context` tokens; None: as `kimi-mlx
     plan` chooses, `planner.planned_context`). Writes nothing.
 
     `model` may also be a hub id: sizes then come from the local cache or the shipped
-    config, as for `kimi-mlx plan` (nothing is downloaded).
+    config, as for `kimi-mlx plan` (nothing is downloaded). `memory` (calibration
+    tokens, --refit-tokens, --merge-tokens): also print the prune's own peak memory
+    (`pipeline.peak_memory`) without and with --refit-router / --merge.
     Raises:
         PruneError: the model cannot be sized; KeepError: bad --keep / --experts.
     """
@@ -312,4 +316,44 @@ def dry_run(model: str, keep, experts, macs, context: Optional[int],
         usable = sum(n.usable_bytes for n in nodes)
         print(f"  {spec:>10}: yes ({gb(need)} GB of {gb(usable)} GB usable, "
               f"~{plan.tokens_per_s:.1f} tokens/s decode ceiling)")
+    if memory is not None:
+        print_peak_memory(model, before, *memory)
     return 0
+
+
+def print_peak_memory(model: str, before, calib_tokens: int, refit_tokens: int,
+                      merge_tokens: int) -> None:
+    """The prune's own peak memory (`pipeline.peak_memory`) for `model` sized as `before`
+    (planner `ModelBytes`): plain, with --refit-router, with --merge, with both."""
+    import json
+
+    from kimi_mlx.model.config import ModelArgs, read_config
+    from kimi_mlx.placement.layer_bytes import DEFAULT_MODEL_ID, official_config
+    from kimi_mlx.prune.pipeline import peak_memory
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config = read_config(path)
+    else:
+        shipped = official_config(model) or official_config(DEFAULT_MODEL_ID)
+        config = json.loads(shipped.read_text())
+    args = ModelArgs.from_config(config, "config.json")
+    first = before.layers[0].weight_bytes + before.embed_bytes if before.layers else 0
+    layer = max([first] + [l.weight_bytes for l in before.layers])
+    gb = lambda n: f"{n / 1e9:,.2f} GB"
+    est = lambda r, m: peak_memory(args, layer, calib_tokens, refit_tokens=r, merge_tokens=m)
+    plain, refit, merge, both = est(0, 0), est(refit_tokens, 0), est(0, merge_tokens), \
+        est(refit_tokens, merge_tokens)
+    print(f"prune peak memory (one layer at a time, {calib_tokens:,} calibration tokens, BF16 "
+          "activations):")
+    print(f"  REAP: {gb(plain['peak'])} = largest layer {gb(plain['layer'])} + calibration "
+          f"activations {gb(plain['activations'])} (kept on disk instead when over a quarter "
+          "of RAM)")
+    print(f"  + --refit-router: {gb(refit['peak'])} (router inputs {refit_tokens:,} tokens x "
+          f"hidden x 4 B and the routers of every MoE layer: +{gb(refit['refit'])})")
+    print(f"  + --merge: {gb(merge['peak'])} (during the pass +{gb(merge['merge_pass'])}: "
+          f"each layer's expert similarity, and every expert's outputs on a chunk of the "
+          f"{merge_tokens:,} sampled tokens, never all of them at once; at write time "
+          f"{gb(merge['merge_write'])}: three experts in float32 and one neuron-matching "
+          "score)")
+    print(f"  + both: {gb(both['peak'])}")

@@ -34,10 +34,12 @@ The router rows stay the kept experts' own (the dropped rows go); `--refit-route
 fits the kept rows to the full gate with each dropped expert's weight folded into its
 merge target (`refit.target_gates(into=...)`).
 
-Memory: the pass keeps per MoE layer three E x E float64 sums (E = num_experts) and,
-while a layer runs, the outputs of every expert on a chunk of sampled tokens
-(`SIM_CHUNK_BYTES`); the merge itself holds three experts in float32 (k, the running sum,
-one dropped expert) and one I x I score matrix. `memory_estimate` gives the figures.
+Memory: while a layer runs, three E x E float64 sums (E = num_experts) and the outputs
+of every expert on a chunk of sampled tokens (`SIM_CHUNK_BYTES`; the sampled tokens'
+outputs are never held whole: at K3.1 size, 16,384 tokens x 896 experts x 3584 latent x
+4 bytes = 210 GB a layer); each finished layer keeps its E x E float32 similarity; the
+merge itself, at write time, holds three experts in float32 (k, the running sum, one
+dropped expert) and one I x I score matrix. `memory_estimate` gives the figures.
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ class SimilarityAccumulator:
         self.logit_gram = np.zeros((e, e), np.float64)
         self.out_gram = np.zeros((e, e), np.float64)
         self._parts: List[Tuple[mx.array, mx.array, mx.array]] = []
+        self._sim: Optional[np.ndarray] = None
 
     def add(self, moe, switch, x: mx.array) -> None:
         """x [n, hidden]: router inputs; `switch` the layer's SwitchGLU (unwrapped)."""
@@ -100,12 +103,21 @@ class SimilarityAccumulator:
             self.out_gram += np.array(og, dtype=np.float64)
         self._parts.clear()
 
+    def finish(self) -> None:
+        """Reduce the sums to the [E, E] float32 similarity and free them (the pass calls
+        this when its layer is done, so each finished layer keeps E x E x 4 bytes)."""
+        if self._sim is None and self.tokens:
+            self._sim = self.similarity().astype(np.float32)
+            self.logit_sum = self.logit_gram = self.out_gram = None
+
     def similarity(self) -> np.ndarray:
-        """[E, E] float64 in [-1, 1]: (router logit correlation + output cosine) / 2.
+        """[E, E] in [-1, 1]: (router logit correlation + output cosine) / 2.
 
         Raises:
             ValueError: no token was sampled.
         """
+        if self._sim is not None:
+            return self._sim
         if self.tokens == 0:
             raise ValueError("expert similarity: no calibration token was sampled")
         n = self.tokens
@@ -306,18 +318,21 @@ def memory_estimate(num_experts: int, hidden: int, latent: int, intermediate: in
                     tokens: int = DEFAULT_TOKENS, moe_layers: int = 1) -> Dict[str, int]:
     """Bytes `--merge` adds to a prune, by what holds them (see the module docstring).
 
-    Returns {"sums": E x E float64 x 3 per MoE layer, for all `moe_layers` (kept to the
-    end of the pass); "inputs_one_layer": tokens x hidden float32, the sampled router
-    inputs of the running layer; "outputs_chunk": every expert's output on one chunk of
-    sampled tokens (<= SIM_CHUNK_BYTES); "outputs_all": what the running layer's
-    outputs would take held whole (tokens x E x latent float32, not held); "merge":
-    three experts in float32 plus one I x I float64 score}.
+    Returns {"similarity": E x E float32 per MoE layer, for all `moe_layers` (kept to
+    the end of the pass); "sums": the running layer's three E x E float64 sums;
+    "inputs_one_layer": tokens x hidden float32, what the running layer's sampled router
+    inputs would take held whole (they are used chunk by chunk, not held);
+    "outputs_chunk": every expert's output on one chunk of sampled tokens (<=
+    SIM_CHUNK_BYTES); "outputs_all": what the running layer's outputs would take held
+    whole (tokens x E x latent float32, not held); "merge": three experts in float32
+    plus one I x I float64 score, at write time}.
     """
     per_token = num_experts * latent * 4
     step = max(1, SIM_CHUNK_BYTES // per_token)
     expert = (2 * intermediate * latent + latent * intermediate) * 4
     return {
-        "sums": 3 * num_experts * num_experts * 8 * moe_layers,
+        "similarity": num_experts * num_experts * 4 * moe_layers,
+        "sums": 3 * num_experts * num_experts * 8,
         "inputs_one_layer": tokens * hidden * 4,
         "outputs_chunk": min(step, tokens) * per_token,
         "outputs_all": tokens * per_token,

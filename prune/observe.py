@@ -481,6 +481,8 @@ def observe(
                 bar.close()
                 if recorder is not None:
                     recorder.uninstall()
+            if i in sims:
+                sims[i].finish()
             if recorder is not None and stride and keep_router_inputs:
                 gate = layer.block_sparse_moe.gate
                 kept_inputs[i] = recorder.inputs()

@@ -264,6 +264,44 @@ def convert_card(src: Path, out: Path, plan: CheckpointPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
+def peak_memory(args, layer_bytes: int, calib_tokens: int, *, itemsize: int = 2,
+                refit_tokens: int = 0, merge_tokens: int = 0) -> Dict[str, int]:
+    """Estimated peak bytes of `prune` at one layer at a time (what `prune --dry-run` prints).
+
+    Args:
+        args: the source's ModelArgs; layer_bytes: the largest layer's weights as loaded
+            (first layer: with the embedding), bytes.
+        calib_tokens: calibration tokens; itemsize: activation bytes per element (2 on a
+            GPU: BF16; 4 on the CPU).
+        refit_tokens: --refit-router's router inputs per MoE layer (0: no refit).
+        merge_tokens: --merge's sampled tokens per MoE layer (0: no merge).
+    Returns:
+        {"layer", "activations" (h + AttnRes banks; spilled to disk above a quarter of
+        RAM), "refit" (router inputs float32 x MoE layers + the routers), "merge_pass"
+        (similarities kept + the running layer's sums and output chunk, `merge.
+        memory_estimate`), "merge_write" (three experts float32 + one I x I score),
+        "plain" (layer + activations), "peak" (the largest of the pass with refit and
+        merge and the write)}.
+    """
+    from kimi_mlx.prune.merge import memory_estimate
+
+    moe = sum(1 for i in range(args.num_hidden_layers) if args.is_moe(i))
+    e = args.num_experts
+    act = activation_bytes(args, calib_tokens, itemsize)
+    refit = (refit_tokens * args.hidden_size * 4 + e * args.hidden_size * 4 + e * 4) * moe \
+        if refit_tokens else 0
+    merge_pass = merge_write = 0
+    if merge_tokens:
+        m = memory_estimate(e, args.hidden_size, args.routed_expert_hidden_size or args.hidden_size,
+                            args.moe_intermediate_size, merge_tokens, moe)
+        merge_pass = m["similarity"] + m["sums"] + m["outputs_chunk"]
+        merge_write = m["merge"]
+    plain = layer_bytes + act
+    return {"layer": layer_bytes, "activations": act, "refit": refit, "merge_pass": merge_pass,
+            "merge_write": merge_write, "plain": plain,
+            "peak": max(plain + refit + merge_pass, merge_write)}
+
+
 @dataclass
 class PruneResult:
     """What `prune` did: output folder, selection, calibration statistics."""

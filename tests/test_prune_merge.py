@@ -130,7 +130,7 @@ def test_memory_estimate_at_k31_size():
     m = memory_estimate(896, 7168, 3584, 3072, tokens=16384, moe_layers=92)
     assert m["inputs_one_layer"] == 16384 * 7168 * 4  # 470 MB
     assert m["outputs_all"] == 16384 * 896 * 3584 * 4  # what is not held: 210 GB
-    assert m["outputs_chunk"] <= 1 << 30 and m["sums"] == 3 * 896 * 896 * 8 * 92
+    assert m["outputs_chunk"] <= 1 << 30 and m["similarity"] == 896 * 896 * 4 * 92
 
 
 # --- end to end on the micro-moe test bed ---------------------------------------------
