@@ -249,3 +249,33 @@ def test_merge_build_generates_as_a_reference_model_of_the_merged_weights(merged
         seq_ref.append(int(np.argmax(np.array(ref(mx.array([seq_ref])))[0, -1])))
         seq_got.append(int(np.argmax(np.array(m(mx.array([seq_got])).astype(mx.float32))[0, -1])))
     assert seq_got == seq_ref
+
+
+def test_merge_needs_calibration_and_a_token_count(tmp_path, capsys):
+    from kimi_mlx.commands.main import main as cli_main
+
+    base = ["prune", "--model", str(MICRO_MOE), "--keep", "0.5", "--out", str(tmp_path / "o")]
+    assert cli_main(base + ["--method", "random", "--merge"]) == 2
+    assert "with --merge needs calibration data" in capsys.readouterr().err
+    assert cli_main(base + ["--merge", "--merge-tokens", "0", "--calib",
+                            str(MICRO_MOE / "calib" / "code.txt")]) == 2
+    assert "--merge-tokens must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_dry_run_states_the_peak_memory_at_k31_size(capsys):
+    """`prune --dry-run` on the shipped K3.1 config: the merge's addition is the E x E
+    similarities of 92 MoE layers, one layer's sums and the largest output chunk
+    (arithmetic here), far below holding the sampled outputs (210 GB a layer)."""
+    from kimi_mlx.commands.main import main as cli_main
+
+    assert cli_main(["prune", "--model", "moonshotai/Kimi-K3.1-Pro", "--keep", "0.25",
+                     "--dry-run", "--macs", "1x512GB"]) == 0
+    out = capsys.readouterr().out
+    e, lat, chunk = 896, 3584, (1 << 30) // (896 * 3584 * 4)
+    add = e * e * 4 * 92 + 3 * e * e * 8 + chunk * e * lat * 4
+    assert f"during the pass +{add / 1e9:,.2f} GB" in out
+    act = 131072 * 7168 * 2 * (1 + -(-93 // 12))  # h + AttnRes banks, BF16
+    assert f"calibration activations {act / 1e9:,.2f} GB" in out
+    refit = (16384 * 7168 * 4 + 896 * 7168 * 4 + 896 * 4) * 92
+    assert f"+{refit / 1e9:,.2f} GB)" in out
