@@ -195,6 +195,7 @@ def _features(w1: np.ndarray, w3: np.ndarray, w2: np.ndarray) -> np.ndarray:
     to unit Frobenius norm, the row then to unit length."""
     parts = []
     for m in (w1, w3, w2.T):
+        m = np.asarray(m, np.float32)
         parts.append(m / max(float(np.linalg.norm(m)), 1e-30))
     f = np.concatenate(parts, axis=1)
     return f / np.maximum(np.linalg.norm(f, axis=1, keepdims=True), 1e-30)
@@ -225,7 +226,8 @@ def align(ref: Sequence[np.ndarray], other: Sequence[np.ndarray], method: str = 
     if [np.shape(a) for a in ref] != [np.shape(a) for a in other]:
         raise ValueError(f"merge: expert shapes differ: {[np.shape(a) for a in ref]} vs "
                          f"{[np.shape(a) for a in other]}")
-    score = _features(*ref) @ _features(*other).T  # [I, I]
+    # [I, I]; the product in MLX (the GPU on a Mac: ~1e11 flops at K3.1 size)
+    score = np.array(mx.array(_features(*ref)) @ mx.array(_features(*other)).T, np.float64)
     if method == "auto":
         method = "greedy"
         if score.shape[0] <= HUNGARIAN_MAX:

@@ -28,6 +28,10 @@ logit bias to fit. The router input x is the MoE block's input (the hidden state
 the layer's post-attention norm), recorded by the calibration pass (`observe(...,
 router_inputs=N)`, N tokens per MoE layer, strided over the calibration set).
 
+After `prune --merge` (`kimi_mlx.prune.merge`) the target is the full gate with each
+dropped expert's weight added to the kept expert it was merged into (`target_gates(...,
+into=)`), so the refit sends a dropped expert's tokens to its merge target.
+
 `gate_kl` measures what the refit is for: the mean over target tokens of KL(q || p) with
 p the actual pruned gate (top-k over K, renormalised), smoothed by `eps`; `gate_tv` the
 mean total variation distance between the two. Rows whose KL would be worse than the old
