@@ -16,6 +16,7 @@ from typing import Optional
 from kimi_mlx.prune.calib import DEFAULT_MAX_TOKENS, DEFAULT_SEQ_LEN, CalibError
 from kimi_mlx.prune.observe import DEFAULT_CHUNK
 from kimi_mlx.prune.observe import GATES
+from kimi_mlx.prune.merge import DEFAULT_MIN_SIMILARITY
 from kimi_mlx.prune.merge import DEFAULT_TOKENS as DEFAULT_MERGE_TOKENS
 from kimi_mlx.prune.refit import DEFAULT_STEPS as DEFAULT_REFIT_STEPS
 from kimi_mlx.prune.refit import DEFAULT_TOKENS as DEFAULT_REFIT_TOKENS
@@ -71,6 +72,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--merge-tokens", type=int, default=DEFAULT_MERGE_TOKENS,
                    help="with --merge: calibration tokens per MoE layer every expert is run on "
                         f"to compare experts (default {DEFAULT_MERGE_TOKENS})")
+    p.add_argument("--merge-min-similarity", type=float, default=DEFAULT_MIN_SIMILARITY,
+                   help="with --merge: a dropped expert whose similarity (in [-1, 1]: mean of "
+                        "router-logit correlation and output cosine) to every kept expert is "
+                        "below this is deleted, not merged (default "
+                        f"{DEFAULT_MIN_SIMILARITY}: merge all)")
     p.add_argument("--seed", type=int, default=0, help="seed for --method random and sampling")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN,
                    help=f"calibration sequence length, tokens (default {DEFAULT_SEQ_LEN})")
@@ -185,7 +191,8 @@ def run(args) -> int:
                     chunk=args.chunk, activation_budget=budget, progress=not args.quiet,
                     refit_router=args.refit_router, refit_tokens=args.refit_tokens,
                     refit_steps=args.refit_steps, merge_experts=args.merge,
-                    merge_tokens=args.merge_tokens)
+                    merge_tokens=args.merge_tokens,
+                    merge_min_similarity=args.merge_min_similarity)
     except (PruneError, CalibError, KeepError) as e:
         print(f"kimi-mlx prune: error: {e}", file=sys.stderr)
         return 2

@@ -52,6 +52,7 @@ import numpy as np
 
 DEFAULT_TOKENS = 16384  # sampled calibration tokens per MoE layer (as refit.DEFAULT_TOKENS)
 SIM_CHUNK_BYTES = 1 << 30  # all experts' outputs on one chunk of sampled tokens, float32
+DEFAULT_MIN_SIMILARITY = -1.0  # merge every dropped expert
 HUNGARIAN_MAX = 1024  # neurons; greedy matching above (see the module docstring)
 PROJ = ("w1", "w3", "w2")  # gate, up (rows = neurons), down (columns = neurons)
 
@@ -167,9 +168,12 @@ class LayerMerge:
 
 
 def plan_merges(similarities: Mapping[int, SimilarityAccumulator], counts: Mapping[int, np.ndarray],
-                kept: Mapping[int, Sequence[int]]) -> Dict[int, LayerMerge]:
+                kept: Mapping[int, Sequence[int]], min_similarity: float = DEFAULT_MIN_SIMILARITY
+                ) -> Dict[int, LayerMerge]:
     """`LayerMerge` per MoE layer of `kept` from the calibration pass's sums and the
-    per-expert routed-token counts ({layer: int [E]}).
+    per-expert routed-token counts ({layer: int [E]}). A dropped expert whose best
+    similarity is below `min_similarity` is deleted, not merged (it is in neither
+    `groups` nor `into`).
 
     Raises:
         ValueError: a layer of `kept` without similarity sums (calibrate with
@@ -181,7 +185,7 @@ def plan_merges(similarities: Mapping[int, SimilarityAccumulator], counts: Mappi
             raise ValueError(f"merge: layer {layer} has no expert similarity from the "
                              "calibration pass")
         sim = similarities[layer].similarity()
-        into = assign(sim, ids)
+        into = {d: k for d, k in assign(sim, ids).items() if sim[d, k] >= min_similarity}
         n = np.asarray(counts[layer], dtype=np.float64)
         groups: Dict[int, List[Tuple[int, float]]] = {}
         for d, k in sorted(into.items()):

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from kimi_mlx.prune.calib import CalibSet, load_calibration
 from kimi_mlx.prune.merge import DEFAULT_TOKENS as DEFAULT_MERGE_TOKENS
-from kimi_mlx.prune.merge import LayerMerge, plan_merges
+from kimi_mlx.prune.merge import DEFAULT_MIN_SIMILARITY, LayerMerge, plan_merges
 from kimi_mlx.prune.quantize import QuantSpec
 from kimi_mlx.prune.observe import LayerStats, ObserveResult, activation_bytes, observe, spills
 from kimi_mlx.prune.refit import DEFAULT_STEPS as DEFAULT_REFIT_STEPS
@@ -95,9 +95,11 @@ def refit(result: ObserveResult, sel: Selection, top_k: int, *, steps: int = DEF
         raise PruneError(str(e)) from None
 
 
-def merge(result: ObserveResult, sel: Selection) -> Dict[int, LayerMerge]:
+def merge(result: ObserveResult, sel: Selection,
+          min_similarity: float = DEFAULT_MIN_SIMILARITY) -> Dict[int, LayerMerge]:
     """The merge plan (`kimi_mlx.prune.merge`) of `sel` from the similarity sums `result`
-    recorded (`observe(..., similarity=True)`).
+    recorded (`observe(..., similarity=True)`); dropped experts less similar than
+    `min_similarity` to every kept one are deleted instead.
 
     Raises:
         PruneError: the calibration pass recorded no similarity.
@@ -107,7 +109,7 @@ def merge(result: ObserveResult, sel: Selection) -> Dict[int, LayerMerge]:
                          "(--calib data; --method random alone has none)")
     try:
         return plan_merges(result.similarities, {l: s.count for l, s in result.stats.items()},
-                           sel.kept)
+                           sel.kept, min_similarity)
     except ValueError as e:
         raise PruneError(str(e)) from None
 
@@ -134,7 +136,9 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
     log(f"writing {len(plan.shards)} shard(s), {plan.bytes_out / 1e9:.3f} GB "
         f"(source {plan.bytes_in / 1e9:.3f} GB) to {out.out}")
     write_with_progress(plan, out.tmp, progress)
-    merge_info = _merge_info(merges, plan.merge_errors) if merges else None
+    fmt = (f"MLX affine {plan.quant.expert_bits}-bit, group {plan.quant.expert_group_size}"
+           if plan.quant and plan.quant.expert_bits else "the stored format, MXFP4")
+    merge_info = _merge_info(merges, plan.merge_errors, fmt) if merges else None
     info = {
         "source": str(src),
         "num_experts_before": args.num_experts,
@@ -183,14 +187,14 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
             "on the calibration tokens; neurons aligned, then averaged weighted by routed "
             f"tokens): {merge_info['dropped']} dropped experts into {merge_info['merged']} "
             f"kept ones over {len(merges)} MoE layers, mean similarity "
-            f"{merge_info['mean_similarity']:.3f}. Requantization of the merged weights "
-            f"({merge_info['format']}): relative error mean {err['mean']:.4f}, max "
+            f"{merge_info['mean_similarity']:.3f}. Requantization of the merged weights to "
+            f"{merge_info['format']}: relative error mean {err['mean']:.4f}, max "
             f"{err['max']:.4f} (details in `saliency.json`, `merge`).\n")
     write_report(out.tmp, result.stats, sel, info, card)
     return out.commit()
 
 
-def _merge_info(merges: Dict[int, LayerMerge], errors: Dict[str, float]) -> dict:
+def _merge_info(merges: Dict[int, LayerMerge], errors: Dict[str, float], fmt: str) -> dict:
     """The `merge` entry of saliency.json: groups, similarities, requantization errors."""
     sims = [s for m in merges.values() for s in m.similarity.values()]
     errs = list(errors.values())
@@ -198,8 +202,7 @@ def _merge_info(merges: Dict[int, LayerMerge], errors: Dict[str, float]) -> dict
         "dropped": sum(len(m.into) for m in merges.values()),
         "merged": sum(len(m.groups) for m in merges.values()),
         "mean_similarity": float(sum(sims) / len(sims)) if sims else 0.0,
-        "format": "merged experts requantized to their stored format (MXFP4 unless "
-                  "--expert-bits)",
+        "format": fmt,
         "requant_error": {"mean": float(sum(errs) / len(errs)) if errs else 0.0,
                           "max": float(max(errs)) if errs else 0.0, "per_projection": errors},
         "layers": {str(l): {"groups": {str(k): [[int(e), w] for e, w in g]
@@ -318,7 +321,8 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
           quant: Optional[QuantSpec] = None, budget: str = "uniform",
           refit_router: bool = False, refit_tokens: int = DEFAULT_REFIT_TOKENS,
           refit_steps: int = DEFAULT_REFIT_STEPS, merge_experts: bool = False,
-          merge_tokens: int = DEFAULT_MERGE_TOKENS, log: Log = _stderr) -> PruneResult:
+          merge_tokens: int = DEFAULT_MERGE_TOKENS,
+          merge_min_similarity: float = DEFAULT_MIN_SIMILARITY, log: Log = _stderr) -> PruneResult:
     """Calibrate layer by layer, rank experts, write `out` atomically.
 
     The temporary output folder is made first (so a read-only or full disk fails before
@@ -359,7 +363,7 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
                                    tokens=0, seconds=0.0)
         sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed,
                      gate=gate, budget=budget)
-        merges = merge(result, sel) if merge_experts else None
+        merges = merge(result, sel, merge_min_similarity) if merge_experts else None
         refitted = (refit(result, sel, args.num_experts_per_token, steps=refit_steps, log=log,
                           merges=merges)
                     if refit_router else None)
