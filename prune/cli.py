@@ -2,6 +2,7 @@
 
     kimi-mlx prune --model SRC --calib DATA --keep 0.2 --out DST [--method reap] [--q-bits 4]
     kimi-mlx prune --model SRC --experts 180 --q-bits 6 --dry-run
+    kimi-mlx prune --model SRC --calib DATA --keep 0.25 --merge --refit-router --out DST
 
 Exit status: 0 done, 2 bad input (the message says which file / flag and why).
 """
