@@ -133,6 +133,7 @@ def test_plan_and_dry_run_print_per_layer_budgets(src, spread, capsys, tmp_path)
                      "--dry-run", "--macs", "1x64GB"]) == 0
     out = capsys.readouterr().out
     assert "per-layer budgets (spread): " + ", ".join(f"{l}: {n}" for l, n in per.items()) in out
+    assert "prune peak memory (one layer at a time, 1,200 calibration tokens" in out
     assert not (tmp_path / "out").exists()
 
 

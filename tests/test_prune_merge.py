@@ -264,14 +264,20 @@ def test_merge_needs_calibration_and_a_token_count(tmp_path, capsys):
 
 
 def test_dry_run_states_the_peak_memory_at_k31_size(capsys):
-    """`prune --dry-run` on the shipped K3.1 config: the merge's addition is the E x E
-    similarities of 92 MoE layers, one layer's sums and the largest output chunk
+    """What `prune --dry-run` prints for the shipped K3.1 config (sizes from a stand-in
+    for the planner's ModelBytes, whose sizing takes ~15 s): the merge's addition is the
+    E x E similarities of 92 MoE layers, one layer's sums and the largest output chunk
     (arithmetic here), far below holding the sampled outputs (210 GB a layer)."""
-    from kimi_mlx.commands.main import main as cli_main
+    from types import SimpleNamespace
 
-    assert cli_main(["prune", "--model", "moonshotai/Kimi-K3.1-Pro", "--keep", "0.25",
-                     "--dry-run", "--macs", "1x512GB"]) == 0
+    from kimi_mlx.prune.cli import print_peak_memory
+
+    before = SimpleNamespace(layers=[SimpleNamespace(weight_bytes=10**9),
+                                     SimpleNamespace(weight_bytes=17 * 10**9)],
+                             embed_bytes=2 * 10**9)
+    print_peak_memory("moonshotai/Kimi-K3.1-Pro", before, 131072, 16384, 16384)
     out = capsys.readouterr().out
+    assert "largest layer 17.00 GB" in out
     e, lat, chunk = 896, 3584, (1 << 30) // (896 * 3584 * 4)
     add = e * e * 4 * 92 + 3 * e * e * 8 + chunk * e * lat * 4
     assert f"during the pass +{add / 1e9:,.2f} GB" in out
@@ -279,3 +285,49 @@ def test_dry_run_states_the_peak_memory_at_k31_size(capsys):
     assert f"calibration activations {act / 1e9:,.2f} GB" in out
     refit = (16384 * 7168 * 4 + 896 * 7168 * 4 + 896 * 4) * 92
     assert f"+{refit / 1e9:,.2f} GB)" in out
+
+
+def test_plan_groups_by_similarity_with_a_floor():
+    """plan_merges on hand-made similarities: each dropped expert goes to its most similar
+    kept one with its routed-token count as weight; below the floor it is not merged."""
+    from kimi_mlx.prune.merge import SimilarityAccumulator, plan_merges
+
+    acc = SimilarityAccumulator(4)
+    acc._sim = np.array([[1, .2, .9, .1], [.2, 1, .3, .4], [.9, .3, 1, 0], [.1, .4, 0, 1]])
+    counts = np.array([10, 20, 5, 7])
+    all_ = plan_merges({1: acc}, {1: counts}, {1: [0, 1]})[1]
+    assert all_.into == {2: 0, 3: 1}
+    assert all_.groups == {0: [(0, 10.0), (2, 5.0)], 1: [(1, 20.0), (3, 7.0)]}
+    floor = plan_merges({1: acc}, {1: counts}, {1: [0, 1]}, min_similarity=0.5)[1]
+    assert floor.into == {2: 0} and floor.groups == {0: [(0, 10.0), (2, 5.0)]}
+    with pytest.raises(ValueError, match="no expert similarity"):
+        plan_merges({}, {1: counts}, {1: [0, 1]})
+
+
+def test_similarity_sums_equal_a_numpy_computation():
+    """SimilarityAccumulator on a micro-moe MoE layer against NumPy: router-logit
+    correlation and output cosine of every expert pair over the same tokens."""
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.prune.merge import SimilarityAccumulator
+
+    model, _, _ = load_model(MICRO_MOE, 1, 2, verbose=False)
+    moe = model.layers[0].block_sparse_moe
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((40, 128)).astype(np.float32)
+    acc = SimilarityAccumulator(32)
+    acc.add(moe, moe.switch_mlp, mx.array(x))
+    mx.eval(*acc.pending())
+    acc.flush()
+    f64 = lambda a: np.array(a.astype(mx.float32), np.float64)
+    logits = x @ f64(moe.gate.weight).T
+    z = x @ f64(moe.routed_expert_down_proj.weight).T
+    sw = moe.switch_mlp
+    w = {p: [mxfp4_decode(np.array(getattr(sw, p).weight[e]).view(np.uint8),
+                          np.array(getattr(sw, p).scales[e])) for e in range(32)]
+         for p in ("gate_proj", "up_proj", "down_proj")}
+    outs = np.stack([situ_expert(z, w["gate_proj"][e], w["up_proj"][e], w["down_proj"][e])
+                     for e in range(32)])  # [E, n, latent]
+    corr = np.corrcoef(logits.T)
+    flat = outs.reshape(32, -1)
+    cos = flat @ flat.T / np.outer(np.linalg.norm(flat, axis=1), np.linalg.norm(flat, axis=1))
+    np.testing.assert_allclose(acc.similarity(), (corr + cos) / 2, atol=2e-3)
