@@ -24,7 +24,11 @@ measured) that time scaled by (1 + c k) / (1 + c m) with the prior slope c (the 
 cost of one more verified token; `prior_slope`, which `kimi-mlx plan`'s verify cost
 model can give for a MoE target on a Mac, `placement.verify_cost`). Every
 `explore_every`-th step tries a neighbour of k* (the one measured least) so that the
-times and the acceptance one position deeper stay measured.
+times and the acceptance one position deeper stay measured. k moves at most one step
+from the current k per step (hill climbing: E(k)/T(k) has one peak for acceptances that
+fall with depth and times that grow with k), so noisy first figures cause no jump to a
+far k, and each new k's graphs (a draft chain is compiled per k) are built only when
+the climb reaches it.
 
 Greedy output does not depend on k (each emitted token is the target's argmax), so
 `auto` changes speed only; at temperature > 0 each step's rule is the same exact
@@ -130,6 +134,7 @@ class AutoK:
         self._warm = set()  # m whose first (compiling) step was seen
         self.steps = 0
         self.ks: List[int] = []
+        self._cur = self.start_k
         self._t0: Optional[float] = None
 
     # -- the model --------------------------------------------------------------------
@@ -172,11 +177,11 @@ class AutoK:
             return t * (1 + c * k) / (1 + c * m)
         return None
 
-    def best_k(self) -> int:
-        """argmax_k E(k) / T(k) over 1..max_k (start_k before any time is measured);
-        ties go to the smaller k."""
+    def best_k(self, lo: int = 1, hi: Optional[int] = None) -> int:
+        """argmax_k E(k) / T(k) over lo..hi (default 1..max_k; start_k before any time
+        is measured); ties go to the smaller k."""
         best, best_rate = self.start_k, -1.0
-        for k in range(1, self.max_k + 1):
+        for k in range(max(1, lo), min(hi or self.max_k, self.max_k) + 1):
             t = self.step_time(k)
             if t is None:
                 return self.start_k
@@ -189,7 +194,10 @@ class AutoK:
     def choose(self, left: int) -> int:
         """k for the next step (at most `left`, the rest of max_tokens; 0 when nothing is
         left); starts the step's clock."""
-        k = self.best_k()
+        # one step at a time from the current k (hill climbing on a unimodal rate): no
+        # jump to a far k on the noisy first figures, and each new k's graphs (the draft
+        # chain is compiled per k) are built only when the climb gets there
+        k = self._cur = self.best_k(self._cur - 1, self._cur + 1)
         self.steps += 1
         if self.steps % self.explore_every == 0 and self.max_k > 1:
             near = [j for j in (k - 1, k + 1) if 1 <= j <= self.max_k]

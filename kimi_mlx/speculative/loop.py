@@ -169,7 +169,9 @@ class Speculation:
         s = self.stats
         auto = (f"\n{self.num_draft_tokens.describe()}"
                 if isinstance(self.num_draft_tokens, AutoK) else "")
-        return (f"Speculative: {s.steps} verify steps of up to {self.num_draft_tokens} "
+        up_to = (f"1..{self.num_draft_tokens.max_k} (auto)"
+                 if isinstance(self.num_draft_tokens, AutoK) else f"up to {self.num_draft_tokens}")
+        return (f"Speculative: {s.steps} verify steps of {up_to} "
                 f"drafts, {s.mean_accepted:.2f} accepted per step "
                 f"({100 * s.acceptance_rate:.0f}% of drafted), "
                 f"{s.emitted / max(s.steps + s.plain, 1):.2f} tokens per target pass"
