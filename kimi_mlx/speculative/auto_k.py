@@ -21,8 +21,9 @@ built (timing them apart would need a host sync that removes that overlap). T(k)
 per-k running mean where k has been measured (the first step at each k, which compiles
 its graphs, is left out), else a least-squares line through the measured k, else (one k
 measured) that time scaled by (1 + c k) / (1 + c m) with the prior slope c (the relative
-cost of one more verified token; `prior_slope`, which `kimi-mlx plan`'s verify cost
-model can give for a MoE target on a Mac, `placement.verify_cost`). Every
+cost of one more verified token; `prior_slope`, default 0.15; a caller that knows its
+target, e.g. a MoE on Macs, can set it from `placement.verify_cost.verify_seconds` as
+(T(1) - T(0)) / T(0); only the first steps, before a second k is measured, use it). Every
 `explore_every`-th step tries a neighbour of k* (the one measured least) so that the
 times and the acceptance one position deeper stay measured. k moves at most one step
 from the current k per step (hill climbing: E(k)/T(k) has one peak for acceptances that
