@@ -18,8 +18,8 @@ the 1 is the target's own token every step yields, and T(k) is the measured wall
 of a step that verified k drafts: draft + verify + the acceptance check, measured
 together because with MLX's lazy evaluation the draft computes while the verify graph is
 built (timing them apart would need a host sync that removes that overlap). T(k) is the
-per-k running mean where k has been measured (the first step at each k, which compiles
-its graphs, is left out), else a least-squares line through the measured k, else (one k
+median of the last 15 steps at k where k has been measured (the first step at each k,
+which compiles its graphs, is left out), else a least-squares line through the measured k, else (one k
 measured) that time scaled by (1 + c k) / (1 + c m) with the prior slope c (the relative
 cost of one more verified token; `prior_slope`, default 0.15; a caller that knows its
 target, e.g. a MoE on Macs, can set it from `placement.verify_cost.verify_seconds` as
@@ -38,7 +38,9 @@ speculative sampling for any k, so the output distribution is the target's too.
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from typing import Callable, List, Optional, Union
 
 __all__ = ["AUTO", "DEFAULT_AUTO_MAX", "AutoK", "FixedK", "draft_policy", "parse_num_draft_tokens"]
@@ -46,6 +48,7 @@ __all__ = ["AUTO", "DEFAULT_AUTO_MAX", "AutoK", "FixedK", "draft_policy", "parse
 AUTO = "auto"
 DEFAULT_AUTO_MAX = 8  # largest k `auto` tries unless `auto:N` says otherwise
 DEFAULT_PRIOR_SLOPE = 0.15  # one more verified token costs 15% of a 1-token step (prior)
+RECENT = 15  # step times per k whose median is T(k)
 
 
 def parse_num_draft_tokens(text: Union[str, int]) -> Union[int, str]:
@@ -113,7 +116,7 @@ class AutoK:
     Raises:
         ValueError: an argument out of range.
     State (read freely): steps, ks (k chosen per step), tried / accepted (decayed counts
-    per draft position 1..max_k), times {m: (kept samples, mean seconds)}.
+    per draft position 1..max_k), times {m: [kept samples, median seconds of the last 15]}.
     """
 
     def __init__(self, max_k: int = DEFAULT_AUTO_MAX, start_k: int = 3, explore_every: int = 5,
@@ -133,6 +136,7 @@ class AutoK:
         self.accepted = [0.0] * (max_k + 1)
         self.times = {}  # m -> [kept samples, mean seconds]
         self._warm = set()  # m whose first (compiling) step was seen
+        self._recent = {}  # m -> deque of the last RECENT step times
         self.steps = 0
         self.ks: List[int] = []
         self._cur = self.start_k
@@ -215,10 +219,12 @@ class AutoK:
         self._t0 = None
         if t is not None:
             if drafted in self._warm:
-                n, mean = self.times.get(drafted, [0, 0.0])
-                # running mean over the first 8 samples, then an exponential one
-                w = 1.0 / (n + 1) if n < 8 else 0.125
-                self.times[drafted] = [n + 1, mean + w * (t - mean)]
+                # the median of the last RECENT steps at this k: a burst of load on a
+                # shared machine (or a GC pause) moves it little, a lasting change does
+                recent = self._recent.setdefault(drafted, deque(maxlen=RECENT))
+                recent.append(t)
+                self.times[drafted] = [len(recent) if drafted not in self.times
+                                       else self.times[drafted][0] + 1, statistics.median(recent)]
             else:
                 self._warm.add(drafted)  # a k's first step compiles its graphs
         if drafted <= 0:
