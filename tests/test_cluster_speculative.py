@@ -24,6 +24,7 @@ from kimi_mlx.cluster.node.runner import Refused, StageSpec, load_stage
 from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.head.transport import StageFailure
+from kimi_mlx.speculative.auto_k import AutoK
 from kimi_mlx.speculative.loop import SpecStats, load_draft
 
 from test_speculative import ROUNDING, cache_tensors, plain_decode, worst_mismatch
@@ -86,12 +87,15 @@ def test_greedy_through_three_stages_equals_plain_greedy(cluster, loaded, models
     want = [tok for (tok, _), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n),
                                        range(n))]
     stats = SpecStats()
-    for k in (2, 4):
+    # and --num-draft-tokens auto past index_topk: k changes step to step through the stages
+    auto = AutoK(4, explore_every=2) if prompt_len == 80 else None
+    for k in (2, 4) + ((auto,) if auto else ()):
         got = [tok for tok, _, _ in speculative_pipeline_step(
             Pipeline(t, prefill_chunk=32), prompt, draft, model.args, num_draft_tokens=k,
             max_tokens=n, stats=stats)]
         assert got == want, k
     assert 0 < stats.accepted < stats.drafted  # verify steps both accepted and rejected
+    assert auto is None or len({k for k in auto.ks if k}) >= 2, auto.ks
     assert _wait_no_sessions(cluster, [0, 1, 2]) == [0, 0, 0]
 
 

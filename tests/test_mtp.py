@@ -248,6 +248,21 @@ def test_greedy_mtp_equals_plain_greedy(loaded, plen, ks, monkeypatch):  # index
     assert any(0 < n < k for k, n in steps) and any(n == k for k, n in steps), steps
 
 
+def test_greedy_mtp_with_auto_k_equals_plain_greedy(loaded, monkeypatch):
+    """--num-draft-tokens auto: k changes step to step, the output stays plain greedy."""
+    from kimi_mlx.speculative.auto_k import AutoK
+
+    model, mtp, _ = loaded
+    prompt = [(7 * i + 3) % 250 for i in range(13)]
+    want = plain_greedy(model, prompt, 16)
+    monkeypatch.setattr(mtp, "step", Oracle(mtp, prompt + want, model.args.vocab_size))
+    auto = AutoK(4, explore_every=2)
+    got = [t for t, _, _ in mtp_generate_step(prompt, model, mtp, num_draft_tokens=auto,
+                                              max_tokens=16)]
+    assert got == want
+    assert len({k for k in auto.ks if k}) >= 2, auto.ks
+
+
 def cache_arrays(c):
     if isinstance(c, ArraysCache):
         return {"conv": c[0], "state": c[1]}

@@ -23,7 +23,8 @@ def _serve(ngram, concurrency):
     svc = make_service(MICRO, None, None, 1 << 20)
     load_service(svc, MICRO, max_concurrency=concurrency, prompt_cache_bytes=64 << 20,
                  max_queue=8, max_kv_size=None,
-                 drafts=DraftSettings(kind="ngram", num_draft_tokens=4, ngram_max=ngram[0],
+                 # auto:4: k chosen per step (up to 4) by one AutoK across requests
+                 drafts=DraftSettings(kind="ngram", num_draft_tokens="auto:4", ngram_max=ngram[0],
                                       ngram_min=ngram[1]) if ngram else None)
     srv = BackgroundServer(create_app(svc)).start()
     return svc, srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=120,
@@ -60,6 +61,8 @@ def test_four_concurrent_greedy_requests_equal_the_plain_server(servers):
         for a, b in zip(g.logprobs.content, w.logprobs.content):
             assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-3)
     assert stats.steps > 0 and stats.accepted > 0 and stats.plain > 0
+    auto = svc.engine.speculation.num_draft_tokens
+    assert auto.max_k == 4 and len(auto.ks) >= stats.steps  # --num-draft-tokens auto:4 ran
     m = svc.metrics
     assert m.verify_steps._value.get() == stats.steps
     assert m.accepted._value.get() == stats.accepted

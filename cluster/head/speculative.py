@@ -135,7 +135,8 @@ def speculative_pipeline_step(
         draft_model: the draft, run here on the head (same tokenizer as the target), or
             an `NgramDraft` (prompt lookup on the head, `kimi_mlx.speculative.ngram`).
         model_args: the target checkpoint's `ModelArgs` (its vocab_size).
-        num_draft_tokens: k (>= 1). max_tokens: tokens to yield (-1: no limit).
+        num_draft_tokens: k (>= 1), or "auto" / an `AutoK` (k chosen as it runs,
+            `kimi_mlx.speculative.auto_k`). max_tokens: tokens to yield (-1: no limit).
         sampling: `kimi_mlx.sampling.Sampling` (default greedy).
         stats: `SpecStats` to update.
         session: session id (default: a new one).
@@ -148,8 +149,9 @@ def speculative_pipeline_step(
 
     if len(prompt) == 0:
         raise ValueError("the prompt is empty")
-    if num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    from kimi_mlx.speculative.auto_k import draft_policy
+
+    num_draft_tokens = draft_policy(num_draft_tokens)  # ValueError for k < 1
     t = pipeline.transport
     sid = session or f"s-{uuid.uuid4().hex[:16]}"
     # The stages' own sampler is not used: every token comes from a verify step here.

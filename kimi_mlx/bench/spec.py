@@ -115,16 +115,20 @@ def run_spec(model, draft, prompt: List[int], tokens: int, k: int, stats):
         prompt, model, draft, num_draft_tokens=k, max_tokens=tokens, stats=stats))
 
 
-def bench(model, draft, prompts: List[List[int]], tokens: int, ks: List[int],
+def bench(model, draft, prompts: List[List[int]], tokens: int, ks: List,
           repeats: int, log=None) -> List[Dict]:
     """Rows {k, mean_accepted, plain_tps, spec_tps (medians over repeats), speedup (median
-    of the per-repeat ratios)}; k=0 is not a row."""
+    of the per-repeat ratios)}; k=0 is not a row. A k of "auto" / "auto:N" runs
+    `--num-draft-tokens auto` (one `AutoK` for the row's prompts and repeats, as a server
+    keeps one), its row also saying which k it settled on ("auto")."""
+    from kimi_mlx.speculative.auto_k import AutoK, auto_cap
     from kimi_mlx.speculative.loop import SpecStats
 
     # warm up both paths (compilation of the decode graphs and of each k's draft chain,
     # first-call allocations): one-time costs, left out of both sides alike
     run_plain(model, prompts[0], 4)
-    for k in ks:
+    warm = sorted({j for k in ks for j in (range(1, auto_cap(k) + 1) if auto_cap(k) else [k])})
+    for k in warm:
         run_spec(model, draft, prompts[0], 2 * k + 2, k, SpecStats())
         # and a prompt that repeats itself: an n-gram draft then proposes k tokens, so
         # the k + 1-token verify graphs are compiled here too, not inside a timed run
@@ -132,12 +136,13 @@ def bench(model, draft, prompts: List[List[int]], tokens: int, ks: List[int],
     rows = []
     for k in ks:
         plain_tps, spec_tps, ratios, stats = [], [], [], SpecStats()
+        policy = AutoK(auto_cap(k)) if auto_cap(k) else k
         for _ in range(repeats):
             tp = np_ = ts = ns = 0
             for p in prompts:
                 dt, n = run_plain(model, p, tokens)
                 tp, np_ = tp + dt, np_ + n
-                dt, n = run_spec(model, draft, p, tokens, k, stats)
+                dt, n = run_spec(model, draft, p, tokens, policy, stats)
                 ts, ns = ts + dt, ns + n
             plain_tps.append(np_ / tp)
             spec_tps.append(ns / ts)
@@ -147,6 +152,8 @@ def bench(model, draft, prompts: List[List[int]], tokens: int, ks: List[int],
                    tokens_per_pass=stats.emitted / max(stats.steps + stats.plain, 1),
                    plain_tps=statistics.median(plain_tps), spec_tps=statistics.median(spec_tps),
                    speedup=statistics.median(ratios))
+        if isinstance(policy, AutoK):
+            row["auto"] = policy.describe()
         rows.append(row)
         if log:
             log(row)
@@ -191,6 +198,8 @@ def print_table(title: str, rows: List[Dict], target: str = "1.3x") -> None:
         print(f"{r['k']:>3} {r['mean_accepted']:>14.2f} {100 * share:>11.0f}% "
               f"{r.get('tokens_per_pass', 0):>12.2f} {r['plain_tps']:>12.1f} "
               f"{r['spec_tps']:>11.1f} {r['speedup']:>6.2f}x")
+        if r.get("auto"):
+            print(f"    {r['auto']}")
     best = max(rows, key=lambda r: r["speedup"])
     print(f"best: k={best['k']} at {best['speedup']:.2f}x plain (target >= {target})")
 
@@ -272,6 +281,6 @@ def main(model: Optional[str], draft: Optional[str], tokens: int, ks: List[int],
                         f"{w} prompts ({len(ps)} x {n} tokens, greedy; medians of "
                         "interleaved repeats, ratio: median of per-repeat ratios)", rows)
             print()
-    cost = rollback_cost(max(ks))
+    cost = rollback_cost(max([k for k in ks if isinstance(k, int)] or [6]))
     print_report_cost(cost)
     return 0

@@ -60,7 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="ordinary (held-out code and prose), copy (a block of source code "
                         "followed by its first half again, to be continued); default both")
     s.add_argument("--tokens", type=int, default=48, help="tokens per generation (default 48)")
-    s.add_argument("--ks", default="1,2,3,4,5,6", help="draft counts (default 1,2,3,4,5,6)")
+    s.add_argument("--ks", default="1,2,3,4,5,6",
+                   help="draft counts, auto for --num-draft-tokens auto (one process only; "
+                        "default 1,2,3,4,5,6)")
     s.add_argument("--ngram-ks", default="2,3,4,5,6,7,8",
                    help="draft counts for the n-gram draft (default 2,3,4,5,6,7,8)")
     s.add_argument("--ngram-max", type=int, default=None,
@@ -111,6 +113,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     v.add_argument("--concurrency", type=int, default=8, help="--max-concurrency (default 8)")
     v.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     v.add_argument("--skip-cluster", action="store_true", help="only the single process")
+    r = sub.add_parser("routing", help="distinct routed experts per layer for a block of n "
+                       "tokens, from a MoE checkpoint's routing (writes the curve the verify "
+                       "cost model reads)",
+                       description="Observes micro-moe's (or --model's) routing on its own "
+                       "corpus and writes kimi_mlx/assets/expert_union.json: mean distinct "
+                       "experts per layer for blocks of n = 1..16 consecutive tokens, and the "
+                       "effective-pool fit kimi-mlx plan scales to K3.1 "
+                       "(kimi_mlx.bench.routing).")
+    r.add_argument("--model", default=None, help="MoE checkpoint (default: the shipped micro-moe)")
+    r.add_argument("--chunk", type=int, default=256, help="tokens per chunk (default 256)")
+    r.add_argument("--chunks", type=int, default=24, help="chunks in all (default 24)")
+    r.add_argument("--out", default=None,
+                   help="where to write (default kimi_mlx/assets/expert_union.json)")
+    r.add_argument("--no-write", action="store_true", help="print only")
     g = sub.add_parser("grammar", help="structured output: grammar mask time per token on "
                        "K3.1's 163,840-token vocabulary, batch 1 and 8",
                        description="llguidance's mask and the whole logits processor per "
@@ -130,9 +146,16 @@ def run(args: argparse.Namespace) -> int:
     if args.what == "spec":
         from kimi_mlx.bench.spec import main as spec_main
 
-        ks = [int(k) for k in args.ks.split(",")]
+        from kimi_mlx.speculative.auto_k import parse_num_draft_tokens
+
+        try:
+            ks = [parse_num_draft_tokens(k) for k in args.ks.split(",")]
+            nks = [parse_num_draft_tokens(k) for k in args.ngram_ks.split(",")]
+        except ValueError as e:
+            print(f"kimi-mlx bench spec: --ks / --ngram-ks: {e}")
+            return 2
         more = dict(drafts=args.drafts.split(","), workloads=args.workloads.split(","),
-                    ngram_ks=[int(k) for k in args.ngram_ks.split(",")],
+                    ngram_ks=nks,
                     copy_tokens=args.copy_tokens)
         if args.ngram_max is not None or args.ngram_min is not None:
             from kimi_mlx.speculative.ngram import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN
@@ -146,7 +169,11 @@ def run(args: argparse.Namespace) -> int:
         from kimi_mlx.cluster.bench.spec import main as pipeline_main
 
         print()
-        return pipeline_main(args.model, args.draft_model, args.tokens, ks,
+        fixed = [k for k in ks if isinstance(k, int)]  # the pipeline rows: fixed k only
+        more["ngram_ks"] = [k for k in more["ngram_ks"] if isinstance(k, int)] or fixed
+        if not fixed:
+            return rc
+        return pipeline_main(args.model, args.draft_model, args.tokens, fixed,
                              args.stage_repeats, args.stage_prompts, args.stages, **more)
     if args.what == "tensor":
         from kimi_mlx.bench.tensor import main as tensor_main
@@ -165,6 +192,13 @@ def run(args: argparse.Namespace) -> int:
                               str(args.max_tokens), "--concurrency", str(args.concurrency),
                               "--rounds", str(args.rounds)]
                            + (["--skip-cluster"] if args.skip_cluster else []))
+    if args.what == "routing":
+        from kimi_mlx.bench.routing import main as routing_main
+
+        return routing_main((["--model", args.model] if args.model else [])
+                            + ["--chunk", str(args.chunk), "--chunks", str(args.chunks)]
+                            + (["--out", args.out] if args.out else [])
+                            + (["--no-write"] if args.no_write else []))
     if args.what == "grammar":
         from kimi_mlx.bench.grammar import main as grammar_main
 
@@ -176,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         rows = kernel_rows(prefill, args.context, args.repeats, on_mac)
         print_kernels(ratio, rows, on_mac)
         return 0
-    print("usage: kimi-mlx bench {kernels,model,spec,tensor,hop,server,grammar} [options]  (see kimi-mlx bench -h)")
+    print("usage: kimi-mlx bench {kernels,model,spec,tensor,hop,server,routing,grammar} [options]  (see kimi-mlx bench -h)")
     return 2
 
 

@@ -17,6 +17,8 @@ from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S,
                                                choose_for_server, recommend,
                                                snapshot_bytes_per_rank, tensor_plan_for,
                                                tensors_of)
+from kimi_mlx.placement.verify_cost import (DEFAULT_DRAFT_BLOCK, DSPARK_ACCEPTANCE_LENGTH,
+                                            k_table, parse_acceptance)
 from kimi_mlx.placement.planner import (
     DEFAULT_CHIP, DEFAULT_CONTEXT, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
     StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs, planned_context,
@@ -67,6 +69,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-group-size", type=int, choices=QUANT_GROUP_SIZES,
                    default=QUANT_DEFAULT_GROUP,
                    help=f"with --expert-bits (default {QUANT_DEFAULT_GROUP})")
+    p.add_argument("--draft-acceptance", default=str(DSPARK_ACCEPTANCE_LENGTH),
+                   help="speculative decoding estimate per k: a drafter's mean acceptance "
+                        "length (tokens per verify step, the target's own included; default "
+                        f"{DSPARK_ACCEPTANCE_LENGTH:g}, LithosAI's Kimi-K3.1-Pro-DSpark over "
+                        "10 benchmarks) or per-position acceptances (e.g. 0.8,0.7,0.6)")
+    p.add_argument("--draft-block-size", type=int, default=DEFAULT_DRAFT_BLOCK,
+                   help="positions per block at which a mean acceptance length was measured "
+                        f"(default {DEFAULT_DRAFT_BLOCK}: {DEFAULT_DRAFT_BLOCK - 1} drafts)")
+    p.add_argument("--draft-ms", type=float, default=0.0,
+                   help="the drafter's own time per verify step in ms (default 0: a block "
+                        "drafter's one small pass, next to the target's reads)")
+    p.add_argument("--expert-union", choices=("measured", "uniform"), default="measured",
+                   help="distinct experts a verify block reads: measured (the curve fitted "
+                        "on micro-moe's routing, kimi_mlx/assets/expert_union.json; default) "
+                        "or uniform (independent uniform routing: the upper bound)")
+    p.add_argument("--max-draft-tokens", type=int, default=16,
+                   help="largest k in the speculative table (default 16)")
 
 
 def _planner(args) -> StagePlanner:
@@ -266,8 +285,69 @@ def run(args) -> int:
         print()
         for line in _versus_tensor(args, plan, planner, nodes, build):
             print(line)
+    if model.num_experts and plan.sequences == 1:
+        try:
+            spec = _speculative(args, plan, model, planner)
+        except ValueError as e:
+            print(f"kimi-mlx plan: error: {e}", file=sys.stderr)
+            return 2
+        print()
+        for line in spec:
+            print(line)
     print("fits")
     return 0
+
+
+def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner) -> List[str]:
+    """Predicted tok/s per k of a block drafter on this plan (one sequence through the
+    pipeline): `kimi_mlx.placement.verify_cost`, with the distinct-experts curve of
+    `kimi_mlx.placement.expert_union`.
+
+    Raises:
+        ValueError: a bad --draft-acceptance / --draft-block-size / --max-draft-tokens."""
+    from kimi_mlx.placement.expert_union import UnionCurve, load_curve, union_experts
+
+    if args.draft_block_size < 2 or args.max_draft_tokens < 1:
+        raise ValueError("--draft-block-size must be >= 2 and --max-draft-tokens >= 1")
+    acceptance, how = parse_acceptance(args.draft_acceptance, args.draft_block_size)
+    uniform = args.expert_union == "uniform"
+    curve = UnionCurve.uniform_bound() if uniform else load_curve()
+    plain, rows = k_table(plan, model, acceptance, planner.hop_latency_s,
+                          range(1, args.max_draft_tokens + 1), args.draft_ms / 1e3, curve)
+    E, k0 = model.num_experts, model.experts_per_token
+    lines = [
+        f"speculative decoding, one sequence through the pipeline: {how}"
+        + (f"; drafter {args.draft_ms:g} ms per step" if args.draft_ms else ""),
+        f"verify step of k drafts = one target pass over k + 1 tokens: trunk read once, routed "
+        f"experts x D(k+1) distinct per layer, caches once (kimi_mlx/placement/verify_cost.py)",
+        (f"D(n) = {E} (1 - (1 - {k0}/{E})^n): uniform independent routing, the upper "
+         f"bound (--expert-union uniform)" if uniform else
+         f"D(n) = P (1 - (1 - {k0}/P)^(n^beta)), P = rho x {E}, rho = {curve.rho_mean:.3f} "
+         f"(skew), beta = {curve.beta_mean:.3f} (locality): the fit of the distinct-experts "
+         f"curve measured on micro-moe's routing (E={curve.num_experts}, top-{curve.top_k}, "
+         f"its own corpus; kimi_mlx/assets/expert_union.json, `kimi-mlx bench routing`), "
+         f"assumed to hold at E/top-k = {E / k0:g}; uniform routing would read D(16) = "
+         f"{union_experts(16, E, k0):.0f} (--expert-union uniform)"),
+    ]
+    head = ("k", "tokens/step", "experts/layer", "GB/step", "ms/step", "tok/s", "vs plain")
+    table = [("0 (plain)", "1.00", f"{plain.distinct:.0f}", _gb(int(plain.read_bytes)),
+              f"{plain.seconds * 1e3:.1f}", f"{plain.tokens_per_s:.1f}", "1.00x")]
+    for r in rows:
+        table.append((str(r.k), f"{r.tokens_per_step:.2f}", f"{r.distinct:.0f}",
+                      _gb(int(r.read_bytes)), f"{r.seconds * 1e3:.1f}",
+                      f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x"))
+    widths = [max(len(t[j]) for t in table + [head]) for j in range(len(head))]
+    lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(head, widths)))
+    lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(t, widths)) for t in table]
+    best = max(rows, key=lambda r: r.tokens_per_s)
+    if best.tokens_per_s > plain.tokens_per_s:
+        lines.append(f"best k: {best.k} ({best.tokens_per_s:.1f} tok/s, {best.speedup:.2f}x "
+                     f"plain); `--num-draft-tokens auto` measures acceptance and step times "
+                     f"and picks k as it runs")
+    else:
+        lines.append(f"best: plain decoding ({plain.tokens_per_s:.1f} tok/s); no k pays at "
+                     f"this acceptance")
+    return lines
 
 
 def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> List[str]:

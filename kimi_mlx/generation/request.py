@@ -19,6 +19,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, InputError, Sampling  # noqa: F401  (re-exported)
 from kimi_mlx.speculative.settings import (DEFAULT_NGRAM_MAX as NGRAM_MAX, DEFAULT_NGRAM_MIN as NGRAM_MIN,
                                            DEFAULT_NUM_DRAFT_TOKENS, DRAFT_KINDS, DraftSettings)
+from kimi_mlx.speculative.auto_k import DEFAULT_AUTO_MAX
 
 EFFORTS = ("low", "high", "max")
 # The smallest usable cap on prompt + generated tokens: a prompt holds at least one token
@@ -143,10 +144,30 @@ def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = 
                    help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint or "
                         "any mlx-lm model with the same tokenizer (output stays the model's)"
                         + note)
-    p.add_argument("--num-draft-tokens", type=int, default=None,
+    p.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=None,
                    help=f"tokens the draft proposes per verify step (default "
-                        f"{DEFAULT_NUM_DRAFT_TOKENS}; needs --draft-model"
+                        f"{DEFAULT_NUM_DRAFT_TOKENS}), or auto (auto:N: at most N, default "
+                        f"{DEFAULT_AUTO_MAX}) to choose k as it runs from the measured "
+                        f"acceptance per position and step time per k; needs --draft-model"
                         + (" or --draft)" if mtp else ")"))
+
+
+def _num_draft_tokens(text: str):
+    """argparse type of --num-draft-tokens: an int, "auto" or "auto:N" (values < 1 are
+    refused later, by check_draft_arguments, with the flag's name)."""
+    from kimi_mlx.speculative.auto_k import auto_cap, parse_num_draft_tokens
+
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = parse_num_draft_tokens(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if auto_cap(value) is None:  # pragma: no cover - ints returned above
+        raise argparse.ArgumentTypeError(f"not a number of draft tokens: {text!r}")
+    return value
 
 
 def add_mtp_argument(p: argparse.ArgumentParser) -> None:
@@ -187,7 +208,7 @@ def check_draft_arguments(args) -> None:
         return
     if k is None:
         args.num_draft_tokens = DEFAULT_NUM_DRAFT_TOKENS
-    elif k < 1:
+    elif isinstance(k, int) and k < 1:
         raise InputError(f"--num-draft-tokens must be >= 1, got {k}")
 
 

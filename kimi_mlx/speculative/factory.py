@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Optional
 
 from kimi_mlx.sampling import InputError, Sampling
+from kimi_mlx.speculative.auto_k import draft_policy
 from kimi_mlx.speculative.loop import Speculation, load_draft
 from kimi_mlx.speculative.settings import DraftSettings
 
@@ -64,4 +65,8 @@ def build_speculation(settings: Optional[DraftSettings], *, where: str, target_w
         draft = load_mtp(resolve(target_name), model, depths=1)
     else:
         draft = load_draft(settings.model, target_wrapper, target_name)
-    return Speculation(draft, settings.num_draft_tokens, sampling or Sampling())
+    k = settings.num_draft_tokens
+    # "auto[:N]": one AutoK for the Speculation's life, so a server's requests keep
+    # refining the same acceptance and step-time figures
+    return Speculation(draft, draft_policy(k) if isinstance(k, str) else k,
+                       sampling or Sampling())

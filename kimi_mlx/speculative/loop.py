@@ -40,6 +40,7 @@ from typing import Any, Generator, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
+from kimi_mlx.speculative.auto_k import AutoK, draft_policy
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
 from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS
 
@@ -163,13 +164,18 @@ class Speculation:
                     stats=self.stats)
 
     def summary(self) -> str:
-        """One line of acceptance figures, e.g. for the end of `kimi-mlx generate`."""
+        """One line of acceptance figures, e.g. for the end of `kimi-mlx generate` (and,
+        with `--num-draft-tokens auto`, the k it chose)."""
         s = self.stats
-        return (f"Speculative: {s.steps} verify steps of up to {self.num_draft_tokens} "
+        auto = (f"\n{self.num_draft_tokens.describe()}"
+                if isinstance(self.num_draft_tokens, AutoK) else "")
+        up_to = (f"1..{self.num_draft_tokens.max_k} (auto)"
+                 if isinstance(self.num_draft_tokens, AutoK) else f"up to {self.num_draft_tokens}")
+        return (f"Speculative: {s.steps} verify steps of {up_to} "
                 f"drafts, {s.mean_accepted:.2f} accepted per step "
                 f"({100 * s.acceptance_rate:.0f}% of drafted), "
                 f"{s.emitted / max(s.steps + s.plain, 1):.2f} tokens per target pass"
-                + (f"; {s.plain} plain steps without a draft" if s.plain else ""))
+                + (f"; {s.plain} plain steps without a draft" if s.plain else "") + auto)
 
 
 def _vocab_align(logits: mx.array, vocab: Optional[int]) -> mx.array:
@@ -431,7 +437,9 @@ def speculative_generate_step(
         model: the target (any model whose caches `kimi_mlx.speculative.rollback` handles: our Kimi
             model, or an mlx-lm model with trimmable caches).
         draft_model: the draft (same tokenizer; kimi-mlx or mlx-lm model).
-        num_draft_tokens: k, drafts per verify step (>= 1).
+        num_draft_tokens: k, drafts per verify step (>= 1), or "auto" / an `AutoK` (k
+            chosen per step from measured acceptance and step times,
+            `kimi_mlx.speculative.auto_k`).
         max_tokens: tokens to yield at most (-1: no limit).
         sampling: target sampling settings (default greedy); see the module docstring for
             the acceptance rule.
@@ -447,8 +455,7 @@ def speculative_generate_step(
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt:
         raise ValueError("the prompt is empty")
-    if num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    policy = draft_policy(num_draft_tokens)
     sampling = sampling or Sampling()
     stats = stats if stats is not None else SpecStats()
     model_cache, draft_cache = _split_caches(model, draft_model, prompt_cache)
@@ -478,8 +485,8 @@ def speculative_generate_step(
 
     try:
         while max_tokens < 0 or ntoks < max_tokens:
-            left = num_draft_tokens if max_tokens < 0 else max_tokens - ntoks - 1
-            k = min(num_draft_tokens, left)
+            left = policy.max_k if max_tokens < 0 else max_tokens - ntoks - 1
+            k = policy.choose(left)
             d_arr, snaps, q_lps = _draft(draft_model, draft_cache, draft_in, k, sampling, chain, vocab)
 
             # Verify: the target scores [y, d1..dk] in one pass, recording for rollback.
@@ -489,6 +496,7 @@ def speculative_generate_step(
             if guide is not None:
                 logits = guide.verify_logits(logits, d_arr.tolist())
             n, token, d_list, logprobs = judge_verify(logits, d_arr, q_lps, sampling, stats)
+            policy.record(k, n)
 
             emitted: List[int] = []
             step = (verify, snaps, d_list, emitted)

@@ -62,6 +62,7 @@ from kimi_mlx.model.cache import DSACache
 from kimi_mlx.model.config import ModelArgs, read_config, text_config
 from kimi_mlx.model.model import DecoderLayer
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
+from kimi_mlx.speculative.auto_k import draft_policy
 from kimi_mlx.checkpoint.shards import CheckpointError, weight_map
 from kimi_mlx.sampling import DEFAULT_MAX_TOKENS
 from kimi_mlx.speculative.loop import OwnLoop, Sampling, SpecStats, draw_draft, emit_accepted, judge_verify
@@ -390,7 +391,8 @@ def mtp_generate_step(
         prompt: token ids (list or 1-D mx.array), at least one.
         model: our `Model` (one process); mtp: its bound `MTP`.
         num_draft_tokens: k, drafts per verify step (>= 1): draft 1 from the target's last
-            hidden, drafts 2..k chained on the MTP's own output.
+            hidden, drafts 2..k chained on the MTP's own output; or "auto" / an `AutoK`
+            (`kimi_mlx.speculative.auto_k`).
         prompt_cache: the target's caches followed by `mtp.make_cache()`, used and updated
             in place (new ones when None). When generation ends (or the generator is
             closed), the target holds every token but the last one yielded (as
@@ -405,8 +407,7 @@ def mtp_generate_step(
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt:
         raise ValueError("the prompt is empty")
-    if num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    policy = draft_policy(num_draft_tokens)
     if mtp._trunk is None:
         raise ValueError("the MTP draft is not bound to a target (MTP.bind)")
     sampling = sampling or Sampling()
@@ -431,8 +432,8 @@ def mtp_generate_step(
     st: Optional[_Step] = None
     try:
         while max_tokens < 0 or ntoks < max_tokens:
-            left = num_draft_tokens if max_tokens < 0 else max_tokens - ntoks - 1
-            k = min(num_draft_tokens, left) if len(pend) else 0
+            left = policy.max_k if max_tokens < 0 else max_tokens - ntoks - 1
+            k = policy.choose(left) if len(pend) else 0
             fed = (pend.hidden, pend.tokens)
             d_arr, q_lps, before, after = _draft(mtp, mcache, pend, k, sampling, step_size)
 
@@ -442,6 +443,7 @@ def mtp_generate_step(
             logits = logits[0].astype(mx.float32)  # [k+1, V]
             n, token, d_list, logprobs = judge_verify(logits, d_arr, q_lps, sampling, stats,
                                                       also=(hid,))
+            policy.record(k, n)
 
             st = _Step(verify, before, after, hid, fed)
             yield from emit_accepted(n, token, d_list, logprobs, st.emitted, stats,

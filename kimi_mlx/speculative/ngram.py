@@ -61,6 +61,7 @@ from kimi_mlx.speculative.settings import DEFAULT_NGRAM_MAX, DEFAULT_NGRAM_MIN, 
 from kimi_mlx.speculative.loop import (OwnLoop, Sampling, SpecStats, emit_accepted, grammar_guide,
                                        judge_verify, prefill_chunks)
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, restore, rollback, snapshot
+from kimi_mlx.speculative.auto_k import draft_policy
 
 __all__ = ["NgramDraft", "NgramIndex", "ngram_generate_step", "DEFAULT_NGRAM_MAX",
            "DEFAULT_NGRAM_MIN"]
@@ -205,7 +206,8 @@ def ngram_generate_step(
         model: the target (any model whose caches `kimi_mlx.speculative.rollback` handles,
             or `cluster.speculative.PipelineTarget`).
         draft: the `NgramDraft` (n-gram sizes; default 4..1).
-        num_draft_tokens: k, drafts per verify step at most (>= 1).
+        num_draft_tokens: k, drafts per verify step at most (>= 1), or "auto" / an
+            `AutoK` (`kimi_mlx.speculative.auto_k`).
         max_tokens: tokens to yield at most (-1: no limit).
         sampling: target sampling settings (default greedy); the rule is in the module
             docstring.
@@ -223,8 +225,7 @@ def ngram_generate_step(
     prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
     if not prompt:
         raise ValueError("the prompt is empty")
-    if num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be >= 1, got {num_draft_tokens}")
+    policy = draft_policy(num_draft_tokens)
     draft = draft or NgramDraft()
     sampling = sampling or Sampling()
     stats = stats if stats is not None else SpecStats()
@@ -271,9 +272,10 @@ def ngram_generate_step(
     try:
         while max_tokens < 0 or ntoks < max_tokens:
             if inflight is None:
-                left = num_draft_tokens if max_tokens < 0 else max_tokens - ntoks - 1
-                drafts = index.propose(min(num_draft_tokens, left))
+                left = policy.max_k if max_tokens < 0 else max_tokens - ntoks - 1
+                drafts = index.propose(policy.choose(left))
                 if not drafts:
+                    policy.skip()
                     inflight = plain_step(y)
             if inflight is not None:
                 # A plain decode step: mlx-lm's `generate_step` work and nothing more. As
@@ -302,6 +304,7 @@ def ngram_generate_step(
             q_lps = [] if sampling.greedy else _one_hot_log(drafts, logits.shape[-1])
             n, token, d_list, logprobs = judge_verify(
                 logits, mx.array(drafts, mx.uint32), q_lps, sampling, stats)
+            policy.record(len(drafts), n)
             emitted: List[int] = []
             pending = (verify, emitted)
             yield from emit_accepted(n, token, d_list, logprobs, emitted, stats,

@@ -8,7 +8,9 @@ No MLX here: the command layer reads the defaults without loading anything.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
+
+from kimi_mlx.speculative.auto_k import parse_num_draft_tokens
 
 __all__ = ["DEFAULT_NUM_DRAFT_TOKENS", "DEFAULT_NGRAM_MAX", "DEFAULT_NGRAM_MIN", "DRAFT_KINDS",
            "DraftSettings"]
@@ -24,7 +26,8 @@ class DraftSettings:
 
     model: a draft checkpoint (`--draft-model`: a kimi-mlx checkpoint or an mlx-lm model
     with the target's tokenizer), or None. kind: "mtp" (the target checkpoint's own MTP
-    layers) or "ngram" (prompt lookup), or None with a model. num_draft_tokens: k >= 1.
+    layers) or "ngram" (prompt lookup), or None with a model. num_draft_tokens: k >= 1,
+    or "auto" / "auto:N" (k chosen per step up to N, `kimi_mlx.speculative.auto_k`).
     ngram_max / ngram_min: `--draft ngram`'s sizes, 1 <= min <= max.
     Raises:
         ValueError: neither or both of model and kind, an unknown kind, k < 1, or n-gram
@@ -33,7 +36,7 @@ class DraftSettings:
 
     model: Optional[str] = None
     kind: Optional[str] = None
-    num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS
+    num_draft_tokens: Union[int, str] = DEFAULT_NUM_DRAFT_TOKENS
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
 
@@ -42,8 +45,8 @@ class DraftSettings:
             raise ValueError("give --draft-model or --draft, exactly one")
         if self.kind is not None and self.kind not in DRAFT_KINDS:
             raise ValueError(f"--draft must be one of {', '.join(DRAFT_KINDS)}, got {self.kind!r}")
-        if self.num_draft_tokens < 1:
-            raise ValueError(f"--num-draft-tokens must be >= 1, got {self.num_draft_tokens}")
+        # an int >= 1 or "auto[:N]" (ValueError naming --num-draft-tokens otherwise)
+        object.__setattr__(self, "num_draft_tokens", parse_num_draft_tokens(self.num_draft_tokens))
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"n-gram sizes need 1 <= --ngram-min <= --ngram-max, got "
                              f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}")
