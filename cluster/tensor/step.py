@@ -175,13 +175,17 @@ def follow_commands(model, group, store=None) -> int:
     requests (BEGIN .. END) run. `store`: this rank's prompt-cache snapshots
     (`KeyedSnapshotCache`) or None (it then misses every restore)."""
     from kimi_mlx.cluster.tensor.prompt_cache import decode_keys
+    from kimi_mlx.cluster.tensor.rows import ROW_OPS, RowCaches
 
     runner, done = _Runner(model, store, group.rank()), 0
+    rows = RowCaches(model, store, group.rank())  # the batched rows (`tensor.rows`)
     while True:
         op, ids, keep, flags = command(group)
         if op == OP_EXIT:
             return done
-        if op == OP_BEGIN:
+        if op in ROW_OPS:
+            rows.apply(op, ids, flags, group)
+        elif op == OP_BEGIN:
             runner.begin()
         elif op == OP_RESTORE:
             runner.restore(decode_keys(ids), group)
