@@ -19,10 +19,16 @@ the projector rows go to rank 0's process over its socket and are broadcast from
 with the prefill chunks that hold their pads (`step.MEDIA`). A draft turns the prompt cache off
 (as in the pipeline); a scored prompt runs in full.
 
-One request at a time: the group runs one sequence (no batching through it); further
-requests queue (up to --max-queue, then 503 + Retry-After as every engine). With a draft
-(`--draft-model`, `--draft ngram`) each request decodes speculatively, the draft on this
-head (requests with penalties or logit_bias decode plainly, as in one process).
+Batching (issue 33, part 2): with --max-concurrency N > 1 the one-process server's
+continuous batching (`server.batch.run_batched`, mlx-lm's `BatchGenerator`) runs here over
+the group's rows (`tensor.batched`, `tensor.rows`): up to N sequences per forward command
+(one all_sum per layer for all of them), requests joining between decode steps, a long
+prompt prefilled in chunks of `server.batch.PREFILL_STEP` tokens between the others'
+steps; the prompt cache per row. With N = 1, or with a draft (`--draft-model`, `--draft
+ngram`: speculative decoding runs one sequence), one request at a time; further requests
+queue (up to --max-queue, then 503 + Retry-After as every engine). Each speculative
+request has the draft on this head (requests with penalties or logit_bias decode
+plainly, as in one process).
 
 Faults: `TensorGroup` watches every node's rank. A rank that exits, is killed or stopped
 (SIGSTOP), or a node that stops answering: /health answers 503 naming the rank and node
@@ -56,7 +62,7 @@ log = logging.getLogger("kimi_mlx.cluster.tensor_server")
 
 
 class TensorEngine(BaseEngine):
-    """Runs server `Job`s through a tensor-parallel group, one at a time (module doc);
+    """Runs server `Job`s through a tensor-parallel group, batched or one at a time (module doc);
     `BaseEngine` owns the queue, admission, isolation, capabilities and stop.
 
     Args:
@@ -75,10 +81,11 @@ class TensorEngine(BaseEngine):
         probe: ([NodeInfo]) -> (accepted, rejected), `net.nodes.check_nodes` for the
             checkpoint. replan: form the group without a lost node that does not answer.
         retry: seconds between recovery attempts (and between checks of rank 0's process).
+        max_concurrency: sequences decoded together (> 1: continuous batching through the
+            group; a draft makes it 1).
     """
 
-    # logits processors are applied on rank 0, which samples; the group runs one
-    # sequence; images: the tower on rank 0, the rows broadcast (`step.MEDIA`)
+    # logits processors are applied on rank 0, which samples; images: the tower on rank 0, the rows broadcast (`step.MEDIA`)
     supports_images = True
     supports_scoring = True  # rank 0 holds the logits (`_score`)
     target = "the tensor group"
@@ -448,7 +455,8 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
     """Form the group (`tensor.launch.form_group` over `cluster`, a `net.nodes.NodeFinder`:
     rank 0 this head's child process (`tensor.relay`), the nodes' ranks started through
     `StartRank`; `backend` "auto", "ring" or "jaccl") and start a `TensorEngine` on it
-    (`max_queue` waiting requests; `max_concurrency` above 1 is only warned about) that
+    (`max_queue` waiting requests; `max_concurrency` sequences decoded together, one
+    with a draft) that
     forms it again after a loss (every `retry` s; --replan from `cluster.settings`: over
     fewer nodes only when the model splits and fits there for `context` tokens,
     `tensor.launch.check_fits`). `prompt_cache`: this head's `HeadCacheIndex` (None: no
