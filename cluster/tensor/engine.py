@@ -298,7 +298,9 @@ class TensorEngine(BaseEngine):
             try:
                 with self._lock:
                     lost, group, watch = self.lost, self.group, self.watch
-                    busy = self._current is not None or (self._rows is not None and self.active)
+                    # (the batched rows: a command in flight finishes first, `GroupRows.
+                    # bind`; their caches on the old group are dead)
+                    busy = self._current is not None
                 if lost is None:
                     # rank 0's process ended or stopped on its own (idle or mid-request:
                     # a stopped one blocks the request and the nodes' ranks in a collective)

@@ -159,9 +159,9 @@ class RowCache:
     generator calls (merge, extend, filter, prepare, finalize, extract, deep copy); each
     sends one command. `state` is empty (the ranks evaluate their caches themselves)."""
 
-    def __init__(self, rows: "GroupRows", handle: int):
-        self.rows, self.handle, self.epoch = rows, handle, rows.epoch
-        weakref.finalize(self, rows._dropped, handle, rows.epoch)
+    def __init__(self, rows: "GroupRows", handle: int, epoch: int):
+        self.rows, self.handle, self.epoch = rows, handle, epoch
+        weakref.finalize(self, rows._dropped, handle, epoch)
 
     state: list = []
     nbytes = 0
@@ -170,30 +170,30 @@ class RowCache:
         return False
 
     def merge(self, caches: Sequence["RowCache"]) -> "RowCache":
-        return self.rows._new(OP_ROW_MERGE, [c._h() for c in caches])
+        return self.rows._new(OP_ROW_MERGE, [c._h() for c in caches], self.epoch)
 
     def extend(self, other: "RowCache") -> None:
-        self.rows._send(OP_ROW_EXTEND, [self._h(), other._h()])
+        self.rows._send(OP_ROW_EXTEND, [self._h(), other._h()], epoch=self.epoch)
 
     def filter(self, keep) -> None:
         keep = keep.tolist() if isinstance(keep, mx.array) else [int(i) for i in keep]
-        self.rows._send(OP_ROW_FILTER, [self._h()] + keep)
+        self.rows._send(OP_ROW_FILTER, [self._h()] + keep, epoch=self.epoch)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         if left_padding is not None or lengths is None or right_padding is None:
             raise NotImplementedError("the tensor group's batched rows take right padding "
                                       "with lengths only")
         self.rows._send(OP_ROW_PREPARE, [self._h(), len(lengths)] + [int(n) for n in lengths]
-                        + [int(p) for p in right_padding])
+                        + [int(p) for p in right_padding], epoch=self.epoch)
 
     def finalize(self) -> None:
-        self.rows._send(OP_ROW_FINALIZE, [self._h()])
+        self.rows._send(OP_ROW_FINALIZE, [self._h()], epoch=self.epoch)
 
     def extract(self, idx: int) -> "RowCache":
-        return self.rows._new(OP_ROW_EXTRACT, [self._h(), int(idx)])
+        return self.rows._new(OP_ROW_EXTRACT, [self._h(), int(idx)], self.epoch)
 
     def __deepcopy__(self, memo) -> "RowCache":
-        return self.rows._new(OP_ROW_COPY, [self._h()])
+        return self.rows._new(OP_ROW_COPY, [self._h()], self.epoch)
 
     def _h(self) -> int:
         if self.epoch != self.rows.epoch:
@@ -221,6 +221,7 @@ class GroupRows:
         self.on_error = on_error
         self.epoch = 0
         self._lock = threading.Lock()
+        self._io = threading.Lock()  # one command at a time; `bind` waits for it
         self._freed: List[int] = []
         self._next = 0
         self.bind(model, group, store)
@@ -228,13 +229,14 @@ class GroupRows:
     def bind(self, model, group, store=None) -> None:
         """Use `group` from now on (a group formed again): handles of the old one are dead
         (their stand-ins raise); numbering goes on."""
-        self.epoch += 1
-        self.model, self.group = model, group
-        self.args = getattr(model, "args", None)
-        relay = hasattr(group, "relay_command")
-        self._local = None if relay else RowCaches(model, store, 0)
-        with self._lock:
-            self._freed = []
+        with self._io:
+            self.epoch += 1
+            self.model, self.group = model, group
+            self.args = getattr(model, "args", None)
+            relay = hasattr(group, "relay_command")
+            self._local = None if relay else RowCaches(model, store, 0)
+            with self._lock:
+                self._freed = []
 
     # -- the model API the generator uses ---------------------------------------------
     def make_cache(self) -> List[RowCache]:
@@ -251,7 +253,7 @@ class GroupRows:
         B, L = inputs.shape
         flags = (LOGITS if (L == 1 or logits) else 0) | (MEDIA if media is not None else 0)
         words = [cache[0]._h(), B, L] + [int(t) for t in inputs.reshape(-1).tolist()]
-        return self._send(OP_ROW_FORWARD, words, flags, media)
+        return self._send(OP_ROW_FORWARD, words, flags, media, epoch=cache[0].epoch)
 
     # -- rows ----------------------------------------------------------------------------
     def new_row(self) -> RowCache:
@@ -263,15 +265,15 @@ class GroupRows:
         (`prefix_key`s, longest first) every rank holds, else fresh (0)."""
         from kimi_mlx.cluster.tensor.prompt_cache import encode_keys
 
-        h = self._handle()
-        n = self._send(OP_ROW_RESTORE, [h] + encode_keys(keys))
-        return RowCache(self, h), int(n or 0)
+        h, epoch = self._handle(), self.epoch
+        n = self._send(OP_ROW_RESTORE, [h] + encode_keys(keys), epoch=epoch)
+        return RowCache(self, h, epoch), int(n or 0)
 
     def snapshot_row(self, row: RowCache, key: str) -> None:
         """Every rank keeps its shard of single-sequence cache `row` under `key`."""
         from kimi_mlx.cluster.tensor.prompt_cache import encode_keys
 
-        self._send(OP_ROW_SNAPSHOT, [row._h()] + encode_keys([key]))
+        self._send(OP_ROW_SNAPSHOT, [row._h()] + encode_keys([key]), epoch=row.epoch)
 
     # -- commands ------------------------------------------------------------------------
     def _handle(self) -> int:
@@ -281,25 +283,32 @@ class GroupRows:
                 self._next = 1
             return self._next
 
-    def _new(self, op: int, words: Sequence[int]) -> RowCache:
-        h = self._handle()
-        self._send(op, [h] + list(words))
-        return RowCache(self, h)
+    def _new(self, op: int, words: Sequence[int], epoch: Optional[int] = None) -> RowCache:
+        h, epoch = self._handle(), self.epoch if epoch is None else epoch
+        self._send(op, [h] + list(words), epoch=epoch)
+        return RowCache(self, h, epoch)
 
     def _dropped(self, handle: int, epoch: int) -> None:
         with self._lock:
             if epoch == self.epoch:
                 self._freed.append(handle)
 
-    def _send(self, op: int, words: Sequence[int], flags: int = 0, media=None):
+    def _send(self, op: int, words: Sequence[int], flags: int = 0, media=None,
+              epoch: Optional[int] = None):
+        """One command (after a FREE of the dropped handles); `epoch`: the group the
+        handles in `words` belong to (RuntimeError when it was formed again since)."""
         from kimi_mlx.cluster.tensor.step import command
 
-        with self._lock:
-            freed, self._freed = self._freed, []
         try:
-            if freed:
-                self._one(command, OP_ROW_FREE, freed, 0, None)
-            return self._one(command, op, words, flags, media)
+            with self._io:
+                if epoch is not None and epoch != self.epoch:
+                    raise RuntimeError("the tensor group was formed again: this request's "
+                                       "caches went with the old group")
+                with self._lock:
+                    freed, self._freed = self._freed, []
+                if freed:
+                    self._one(command, OP_ROW_FREE, freed, 0, None)
+                return self._one(command, op, words, flags, media)
         except Exception as e:
             other = self.on_error(e) if self.on_error is not None else None
             if other is not None:
