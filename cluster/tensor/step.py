@@ -29,6 +29,11 @@ every rank); SNAPSHOT (after a prefill chunk) has every rank keep its shard of t
 under the key rank 0 names. Images (MEDIA, a prefill chunk holding image pads): rank 0
 ran the tower; the chunk's projector rows follow the command in one float32 broadcast,
 and every rank embeds them as one process does (`embed_with_media`).
+
+Batched rows (issue 33, part 2, `tensor.rows`): ops 16..27 carry the cache operations and
+the [B, L] forward passes of mlx-lm's `BatchGenerator` on rank 0 (`rows.GroupRows`); every
+rank applies them to its own caches of the rows (`rows.RowCaches`), beside this module's
+one-request caches.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """`make bench-server`: aggregate generation tokens/s and time to first token for 1, 4
 and 8 concurrent clients against the same requests run one at a time, in one run, on one
 process (`kimi-mlx server` engine, continuous batching) and on a 3-stage loopback cluster
-(`kimi-mlx cluster server` engine). Ratios, not absolute times, are the result: the
+(`kimi-mlx cluster server` engine); with --only-tensor, through a 2-rank tensor group
+batching its rows. Ratios, not absolute times, are the result: the
 machine's load changes absolute figures.
 
 Clients are real HTTP clients (httpx, streamed responses) in a process of their own,
