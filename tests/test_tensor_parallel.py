@@ -275,23 +275,31 @@ def test_plan_prints_pipeline_versus_tensor(capsys):
 def test_plan_says_what_a_server_chooses_at_its_concurrency(capsys):
     """`kimi-mlx plan --max-concurrency N` says which mode `cluster server --parallel auto`
     takes, by aggregate decode: the planner's pipeline at N sequences against the tensor
-    group's one sequence at a time; micro over 2 Macs over JACCL: tensor for 1 client,
-    pipeline for 16. The snapshot bytes per rank are printed."""
+    group's N rows decoded together (one step: the weights once, the union of the rows'
+    routed experts, each row's caches); micro over 2 Macs over JACCL: tensor for 1 client,
+    and for 16 whichever predicts more. The snapshot bytes per rank are printed."""
     from kimi_mlx.commands.main import main
     from kimi_mlx.placement.layer_bytes import model_bytes
     from kimi_mlx.placement.planner import StagePlanner, parse_macs
 
     args, tensors = tensors_of(str(MICRO))
     tp = plan_tensor(tensors, args, 2, 819 * 10**9, 4096)
-    for n, want in ((1, "tensor"), (16, "pipeline")):
+    one = tp.tokens_per_s(50e-6)
+    for n in (1, 16):
+        agg = tp.aggregate_tokens_per_s(50e-6, n)
+        # n rows: more than one row's speed (shared weight reads), less than n times it
+        assert agg == pytest.approx(one) if n == 1 else one < agg < n * one
+        pp = StagePlanner().plan(model_bytes(str(MICRO)), parse_macs("2x8GB"), 4096, n)
+        want = "tensor" if agg > pp.aggregate_tokens_per_s else "pipeline"
+        if n == 1:
+            assert want == "tensor"
         assert main(["plan", "--model", str(MICRO), "--macs", "2x8GB", "--context", "4096",
                      "--max-concurrency", str(n)]) == 0
         out = capsys.readouterr().out
-        pp = StagePlanner().plan(model_bytes(str(MICRO)), parse_macs("2x8GB"), 4096, n)
         line = [l for l in out.splitlines() if l.startswith("cluster server --parallel auto "
                                                             "over JACCL")][0]
         assert line.startswith(f"cluster server --parallel auto over JACCL: {want} ")
-        assert f"{tp.tokens_per_s(50e-6):.1f} tok/s for the tensor group" in line
+        assert f"{agg:.1f} tok/s for the tensor group ({n} sequence(s) per step)" in line
         assert f"{pp.aggregate_tokens_per_s:.1f} for the pipeline" in line
         assert "prompt-cache snapshot per tensor rank" in out
 

@@ -7,7 +7,8 @@
   rank 1): turn 3 of a conversation restores its prefix on both ranks (cached_tokens > 0,
   Anthropic's cache_read_input_tokens too, hits in /metrics) and equals the cold
   one-process server's greedy reply; a rank that lost the snapshots makes the whole
-  group prefill in full, still right; an image request equals a cache-free one-process
+  group prefill in full, still right (the conversation through the batched rows,
+  --max-concurrency 4, the others one request at a time); an image request equals a cache-free one-process
   forward pass, and another image never shares the prefix past its pads.
 - With `--prompt-cache-dir` on the node (`cluster serve`, its rank) and the server (rank
   0), the node and the server both restarted: the next turn restores from the ranks'
@@ -130,7 +131,8 @@ def test_turn_three_is_cached_on_both_ranks_and_equals_one_process(tmp_path_fact
     node = _node(tmp_path_factory, "tcnode")
     srv = None
     try:
-        srv = _server(node)
+        # the batched rows (the default: `tensor.batched`): each row restores and snapshots
+        srv = _server(node, "--max-concurrency", "4")
         messages = [SYSTEM]
         for turn, q in enumerate(QUESTIONS):
             messages = messages + [{"role": "user", "content": q}]

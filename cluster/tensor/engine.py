@@ -19,10 +19,16 @@ the projector rows go to rank 0's process over its socket and are broadcast from
 with the prefill chunks that hold their pads (`step.MEDIA`). A draft turns the prompt cache off
 (as in the pipeline); a scored prompt runs in full.
 
-One request at a time: the group runs one sequence (no batching through it); further
-requests queue (up to --max-queue, then 503 + Retry-After as every engine). With a draft
-(`--draft-model`, `--draft ngram`) each request decodes speculatively, the draft on this
-head (requests with penalties or logit_bias decode plainly, as in one process).
+Batching (issue 33, part 2): with --max-concurrency N > 1 the one-process server's
+continuous batching (`server.batch.run_batched`, mlx-lm's `BatchGenerator`) runs here over
+the group's rows (`tensor.batched`, `tensor.rows`): up to N sequences per forward command
+(one all_sum per layer for all of them), requests joining between decode steps, a long
+prompt prefilled in chunks of `server.batch.PREFILL_STEP` tokens between the others'
+steps; the prompt cache per row. With N = 1, or with a draft (`--draft-model`, `--draft
+ngram`: speculative decoding runs one sequence), one request at a time; further requests
+queue (up to --max-queue, then 503 + Retry-After as every engine). Each speculative
+request has the draft on this head (requests with penalties or logit_bias decode
+plainly, as in one process).
 
 Faults: `TensorGroup` watches every node's rank. A rank that exits, is killed or stopped
 (SIGSTOP), or a node that stops answering: /health answers 503 naming the rank and node
@@ -56,7 +62,7 @@ log = logging.getLogger("kimi_mlx.cluster.tensor_server")
 
 
 class TensorEngine(BaseEngine):
-    """Runs server `Job`s through a tensor-parallel group, one at a time (module doc);
+    """Runs server `Job`s through a tensor-parallel group, batched or one at a time (module doc);
     `BaseEngine` owns the queue, admission, isolation, capabilities and stop.
 
     Args:
@@ -75,10 +81,11 @@ class TensorEngine(BaseEngine):
         probe: ([NodeInfo]) -> (accepted, rejected), `net.nodes.check_nodes` for the
             checkpoint. replan: form the group without a lost node that does not answer.
         retry: seconds between recovery attempts (and between checks of rank 0's process).
+        max_concurrency: sequences decoded together (> 1: continuous batching through the
+            group; a draft makes it 1).
     """
 
-    # logits processors are applied on rank 0, which samples; the group runs one
-    # sequence; images: the tower on rank 0, the rows broadcast (`step.MEDIA`)
+    # logits processors are applied on rank 0, which samples; images: the tower on rank 0, the rows broadcast (`step.MEDIA`)
     supports_images = True
     supports_scoring = True  # rank 0 holds the logits (`_score`)
     target = "the tensor group"
@@ -86,8 +93,13 @@ class TensorEngine(BaseEngine):
     def __init__(self, group, model, watch, transport, eos_ids: Sequence[int],
                  max_queue: int = 64, metrics=None, speculation=None, ranks=(),
                  prompt_cache=None, store=None, reform=None, probe=None, replan: bool = False,
-                 retry: float = 0.5):
-        super().__init__(eos_ids, max_queue, 1, metrics, speculation, name="kimi-mlx-tensor-rank0")
+                 retry: float = 0.5, max_concurrency: int = 1):
+        rows = max(1, int(max_concurrency)) if speculation is None else 1
+        super().__init__(eos_ids, max_queue, rows, metrics, speculation,
+                         name="kimi-mlx-tensor-rank0")
+        # several rows per forward command (`tensor.batched`): continuous batching
+        self.supports_batching = rows > 1
+        self._rows = None  # the batched rows' stand-in model (`tensor.rows.GroupRows`)
         self.group, self.model, self.watch, self.transport = group, model, watch, transport
         self.ranks = list(ranks)
         # prompt cache: rank 0's index of snapshot prefixes and its own shard's snapshots
@@ -204,9 +216,9 @@ class TensorEngine(BaseEngine):
                 return
             job.emit(Failed(f"generation failed: {self.lost}"))
 
-    def _failed(self, job, e: Exception) -> None:
-        from kimi_mlx.server.jobs import Failed, reseed_random
-
+    def _name_loss(self, e: Exception) -> None:
+        """After `e` from the group: when rank 0's process ended or a collective failed
+        (RuntimeError), wait for the watch to name the lost rank (`lost`), else say it."""
         own = getattr(self.group, "state", lambda: None)()
         if own is not None and self.lost is None:  # rank 0's own process ended
             self.watch.fail(f"rank 0 (this head's rank process) {own}")
@@ -217,6 +229,37 @@ class TensorEngine(BaseEngine):
                 time.sleep(0.05)
             if self.lost is None:
                 self.watch.fail(f"rank 0 (this head): {e}")
+
+    def _row_error(self, e: Exception) -> Optional[Exception]:
+        """`GroupRows.on_error`: a failed command of the batched rows fails the rows in
+        the step with the loss named (the lost rank and node), as one request would."""
+        if not isinstance(e, RuntimeError):
+            return None
+        self._name_loss(e)
+        return RuntimeError(self.lost) if self.lost else None
+
+    def _serve(self) -> None:
+        """With max_concurrency > 1: the one-process server's continuous batching
+        (`server.batch.run_batched`) over the group's rows (`tensor.batched.BatchHost`);
+        else one job at a time."""
+        if self.max_concurrency == 1:
+            super()._serve()
+            return
+        from kimi_mlx.cluster.tensor.batched import BatchHost
+        from kimi_mlx.cluster.tensor.rows import GroupRows
+        from kimi_mlx.server.batch import run_batched
+
+        with self._lock:
+            relay = hasattr(self.group, "relay_command")
+            self._rows = GroupRows(None if relay else self.model, self.group,
+                                   None if relay else self._store, on_error=self._row_error)
+        run_batched(BatchHost(self, self._rows))
+        self._worker_done()
+
+    def _failed(self, job, e: Exception) -> None:
+        from kimi_mlx.server.jobs import Failed, reseed_random
+
+        self._name_loss(e)
         with self._lock:
             failed = id(job) in self._failed_ids
         if not failed:
@@ -254,8 +297,10 @@ class TensorEngine(BaseEngine):
         while not self._stopping.wait(self.retry):
             try:
                 with self._lock:
-                    lost, busy, group, watch = (self.lost, self._current is not None,
-                                                self.group, self.watch)
+                    lost, group, watch = self.lost, self.group, self.watch
+                    # (the batched rows: a command in flight finishes first, `GroupRows.
+                    # bind`; their caches on the old group are dead)
+                    busy = self._current is not None
                 if lost is None:
                     # rank 0's process ended or stopped on its own (idle or mid-request:
                     # a stopped one blocks the request and the nodes' ranks in a collective)
@@ -314,6 +359,9 @@ class TensorEngine(BaseEngine):
             self.epoch += 1
             self._bind(watch)
             self.transport, self.group, self.model, self.watch = transport, group, model, watch
+            if self._rows is not None:  # the batched rows go on over the new group
+                relay = hasattr(group, "relay_command")
+                self._rows.bind(None if relay else model, group, None if relay else self._store)
             self.ranks, self.excluded = list(ranks), excluded
             self.recoveries += 1
             self._failed_ids.clear()
@@ -409,7 +457,8 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
     """Form the group (`tensor.launch.form_group` over `cluster`, a `net.nodes.NodeFinder`:
     rank 0 this head's child process (`tensor.relay`), the nodes' ranks started through
     `StartRank`; `backend` "auto", "ring" or "jaccl") and start a `TensorEngine` on it
-    (`max_queue` waiting requests; `max_concurrency` above 1 is only warned about) that
+    (`max_queue` waiting requests; `max_concurrency` sequences decoded together, one
+    with a draft) that
     forms it again after a loss (every `retry` s; --replan from `cluster.settings`: over
     fewer nodes only when the model splits and fits there for `context` tokens,
     `tensor.launch.check_fits`). `prompt_cache`: this head's `HeadCacheIndex` (None: no
@@ -456,9 +505,9 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
                 ch.close()
 
     transport, group, model, watch, ranks = form(set(), 0)
-    if max_concurrency != 1:
-        log.warning("--parallel tensor serves one request at a time (the group runs one "
-                    "sequence); others queue")
+    if max_concurrency != 1 and speculation is not None:
+        log.warning("--parallel tensor with a draft serves one request at a time (speculative "
+                    "decoding runs one sequence); others queue")
     log.warning("serving through a tensor-parallel group of %d: rank 0 this head's rank "
                 "process (pid %d), %s", group.size(), group.proc.pid,
                 ", ".join(f"rank {r} node {n}" for r, n in ranks))
@@ -471,4 +520,5 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
             prompt_cache = None
     return TensorEngine(group, model, watch, transport, eos_ids, max_queue, metrics,
                         speculation, ranks, prompt_cache, reform=form, probe=probe,
-                        replan=cluster.settings.replan, retry=retry).start()
+                        replan=cluster.settings.replan, retry=retry,
+                        max_concurrency=max_concurrency).start()

@@ -461,7 +461,10 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
     info = {"size": group.size(), "cache_bytes": store.max_bytes if store is not None else 0,
             "disk": store is not None and store.disk is not None}
     conn.send_bytes(b"R" + json.dumps(info).encode())
+    from kimi_mlx.cluster.tensor.rows import ROW_OPS, RowCaches
+
     runner = _Runner(model, store, 0)
+    rows = RowCaches(model, store, 0)  # the batched rows (`tensor.rows`)
     while True:
         try:
             buf = conn.recv_bytes()
@@ -472,7 +475,10 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
         try:
             command(group, op, ids, keep, flags)
             reply = None
-            if op == OP_BEGIN:
+            if op in ROW_OPS:
+                out = rows.apply(op, ids, flags, group, media)
+                reply = b"N" + str(out).encode() if isinstance(out, int) else _encode_array(out)
+            elif op == OP_BEGIN:
                 runner.begin()
             elif op == OP_RESTORE:
                 reply = b"N" + str(runner.restore(decode_keys(ids), group)).encode()

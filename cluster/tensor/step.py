@@ -29,6 +29,11 @@ every rank); SNAPSHOT (after a prefill chunk) has every rank keep its shard of t
 under the key rank 0 names. Images (MEDIA, a prefill chunk holding image pads): rank 0
 ran the tower; the chunk's projector rows follow the command in one float32 broadcast,
 and every rank embeds them as one process does (`embed_with_media`).
+
+Batched rows (issue 33, part 2, `tensor.rows`): ops 16..27 carry the cache operations and
+the [B, L] forward passes of mlx-lm's `BatchGenerator` on rank 0 (`rows.GroupRows`); every
+rank applies them to its own caches of the rows (`rows.RowCaches`), beside this module's
+one-request caches.
 """
 
 from __future__ import annotations
@@ -175,13 +180,17 @@ def follow_commands(model, group, store=None) -> int:
     requests (BEGIN .. END) run. `store`: this rank's prompt-cache snapshots
     (`KeyedSnapshotCache`) or None (it then misses every restore)."""
     from kimi_mlx.cluster.tensor.prompt_cache import decode_keys
+    from kimi_mlx.cluster.tensor.rows import ROW_OPS, RowCaches
 
     runner, done = _Runner(model, store, group.rank()), 0
+    rows = RowCaches(model, store, group.rank())  # the batched rows (`tensor.rows`)
     while True:
         op, ids, keep, flags = command(group)
         if op == OP_EXIT:
             return done
-        if op == OP_BEGIN:
+        if op in ROW_OPS:
+            rows.apply(op, ids, flags, group)
+        elif op == OP_BEGIN:
             runner.begin()
         elif op == OP_RESTORE:
             runner.restore(decode_keys(ids), group)

@@ -1,7 +1,8 @@
 """`make bench-server`: aggregate generation tokens/s and time to first token for 1, 4
 and 8 concurrent clients against the same requests run one at a time, in one run, on one
 process (`kimi-mlx server` engine, continuous batching) and on a 3-stage loopback cluster
-(`kimi-mlx cluster server` engine). Ratios, not absolute times, are the result: the
+(`kimi-mlx cluster server` engine); with --only-tensor, through a 2-rank tensor group
+batching its rows. Ratios, not absolute times, are the result: the
 machine's load changes absolute figures.
 
 Clients are real HTTP clients (httpx, streamed responses) in a process of their own,
@@ -336,6 +337,55 @@ def tensor_prompt_cache(model_dir: Path, rounds: int, history_tokens: int = 2048
             f"process (cached and full) in {same} of {rounds} rounds"]
 
 
+def _texts(url: str, model: str, prompts: List[str], max_tokens: int, clients: int,
+           extra: dict = None) -> List[str]:
+    """Greedy completion texts of `prompts` from `clients` clients at once."""
+    def one(p):
+        body = {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=dict(body, **(extra or {})), timeout=600)
+        r.raise_for_status()
+        return r.json()["choices"][0]["text"]
+
+    with cf.ThreadPoolExecutor(clients) as ex:
+        return list(ex.map(one, prompts))
+
+
+def tensor_batch(model_dir: Path, prompts, max_tokens, concurrency, rounds,
+                 extra=()) -> List[str]:
+    """Aggregate tokens/s of 1, 4 and 8 clients through a 2-rank tensor group on loopback
+    (`cluster server --parallel tensor --max-concurrency N` as a child process, rank 0,
+    and one node's rank 1: continuous batching through the group), against the same
+    requests one at a time on the same server; then every reply of `concurrency` clients
+    at once checked against the one-process server's (one at a time, no prompt cache)."""
+    from kimi_mlx.server.serving import load_service, make_service
+    from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+    from kimi_mlx.testing.tensor_parallel import free_ports
+
+    ref = make_service(str(model_dir), None, "bench", 1 << 22)
+    load_service(ref, str(model_dir), 1, 0, 64, None)
+    with tempfile.TemporaryDirectory() as tmp:
+        with _serving(ref) as ref_url:
+            want = _texts(ref_url, "bench", prompts, max_tokens, 1)
+        node = LocalCluster(Path(tmp), n=1, prefix="tb", ckpt=model_dir,
+                            ports=[free_ports(2, consecutive=True)[0]])
+        try:
+            srv = ServerProc(node, free_ports(1)[0], "--parallel", "tensor", "--served-model-name",
+                             "bench", "--max-concurrency", str(concurrency), *extra, timeout=600)
+            try:
+                lines = bench(srv.url, "bench", prompts, max_tokens,
+                              f"2-rank tensor group on loopback (--max-concurrency "
+                              f"{concurrency}{' ' + ' '.join(extra) if extra else ''})", rounds)
+                got = _texts(srv.url, "bench", prompts, max_tokens, concurrency)
+            finally:
+                srv.stop()
+        finally:
+            node.stop()
+    same = sum(a == b for a, b in zip(got, want))
+    lines.append(f"  replies of {concurrency} clients at once equal to one process (one at a "
+                 f"time): {same} of {len(prompts)}")
+    return lines
+
+
 def main(argv=None) -> int:
     from kimi_mlx.generation.request import default_model
 
@@ -355,7 +405,17 @@ def main(argv=None) -> int:
                    help="only the cluster prompt-cache time to first token")
     p.add_argument("--only-tensor-cache", action="store_true",
                    help="only the 2-rank tensor group's prompt-cache time to first token")
+    p.add_argument("--only-tensor", action="store_true",
+                   help="only the 2-rank tensor group's batched decode (1/4/8 clients)")
+    p.add_argument("--tensor-extra", default="",
+                   help="(with --only-tensor) more `cluster server` flags, e.g. '--no-prompt-cache'")
     a = p.parse_args(argv)
+    if a.only_tensor:
+        prompts = _prompts(Path(a.model or default_model()), a.requests)
+        for line in tensor_batch(Path(a.model or default_model()), prompts, a.max_tokens,
+                                 a.concurrency, a.rounds, tuple(a.tensor_extra.split())):
+            print(line, flush=True)
+        return 0
     if a.only_tensor_cache:
         for line in tensor_prompt_cache(Path(a.model or default_model()), a.rounds):
             print(line, flush=True)

@@ -185,28 +185,32 @@ def rank_load_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int,
 def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, context: int,
                     lm_head: Optional[bool] = None, act_bytes: int = 2,
                     classes: Optional[Dict[_Class, int]] = None,
-                    layers: Optional[Tuple[int, int]] = None) -> int:
-    """Bytes rank `rank` reads for one decode step of one sequence at `context` tokens:
-    its share of every weight, of the routed experts only the picked ones
-    (experts_per_token / num_experts), one embedding row; its heads' KDA states; the DSA
-    caches whole (the latent and the index keys are replicated). `layers` (start, end):
-    count the caches of those layers only (a checkpoint slice that holds only their
+                    layers: Optional[Tuple[int, int]] = None, sequences: int = 1) -> int:
+    """Bytes rank `rank` reads for one decode step of `sequences` rows (one token each) at
+    `context` tokens: its share of every weight, of the routed experts only the picked
+    ones (the expected union over the rows, `active_experts`: experts_per_token /
+    num_experts for one), one embedding row per row; per row its heads' KDA states and
+    the DSA caches whole (the latent and the index keys are replicated). `layers` (start,
+    end): count the caches of those layers only (a checkpoint slice that holds only their
     tensors, as `make check-real`'s); default all."""
     total = Fraction(0)
-    picked = Fraction(args.num_experts_per_token, max(1, args.num_experts))
+    e, k = max(1, args.num_experts), min(args.num_experts_per_token, max(1, args.num_experts))
+    picked = (Fraction(k, e) if sequences <= 1
+              else Fraction(1.0 - (1.0 - k / e) ** sequences))
     for c, n in (classes or _classes(tensors, args, _lm_head(args, ranks, lm_head))).items():
         b = _share(c, ranks, rank) * c.nbytes * n
         if c.expert:
             b *= picked
         elif c.embed_rows:
-            b /= c.embed_rows
+            b = b * sequences / c.embed_rows
         total += b
     heads = args.linear_attn_config["num_heads"]
     a, b = split_range(heads, ranks, rank)
     for i in range(*(layers or (0, args.num_hidden_layers))):
         per_token, index, state = cache_bytes(args, i, act_bytes)
         attended = min(context, args.index_topk) if args.is_dsa(i) else context
-        total += Fraction(state * (b - a), heads) + index * context + (per_token - index) * attended
+        total += sequences * (Fraction(state * (b - a), heads) + index * context
+                              + (per_token - index) * attended)
     return int(total)
 
 
@@ -230,6 +234,9 @@ class TensorPlan:
     all_sums: int
     all_gathers: int
     bandwidth: int
+    # bytes the largest-read rank reads per decode step of r rows, r = 1.. (index r - 1;
+    # the last entry stands for more rows than listed); () : read_bytes_per_token per row
+    read_bytes_by_rows: Tuple[int, ...] = ()
 
     @property
     def collectives(self) -> int:
@@ -240,6 +247,17 @@ class TensorPlan:
 
     def tokens_per_s(self, latency_s: float) -> float:
         return 1.0 / self.seconds_per_token(latency_s)
+
+    def aggregate_tokens_per_s(self, latency_s: float, rows: int) -> float:
+        """Tokens/s of `rows` sequences decoded together (`cluster server --parallel
+        tensor` batches them: one forward command, the same collectives, for all rows):
+        rows / (one step's reads at `rows` rows / bandwidth + collectives x latency)."""
+        rows = max(1, int(rows))
+        if not self.read_bytes_by_rows:
+            read = self.read_bytes_per_token * rows
+        else:
+            read = self.read_bytes_by_rows[min(rows, len(self.read_bytes_by_rows)) - 1]
+        return rows / (read / self.bandwidth + self.collectives * latency_s)
 
 
 def plan_tensor(tensors: Tensors, args: ModelArgs, ranks: int, bandwidth: int, context: int,
@@ -257,7 +275,10 @@ def plan_tensor(tensors: Tensors, args: ModelArgs, ranks: int, bandwidth: int, c
         a, b = split_range(heads, ranks, 0)
         cache += per_token * context + state * (b - a) // heads
     sums, gathers = collectives_per_token(args, ranks, lm_head)
-    return TensorPlan(ranks, load, read, cache, sums, gathers, bandwidth)
+    by_rows = tuple(max(rank_read_bytes(tensors, args, ranks, r, context, lm_head,
+                                        classes=classes, sequences=rows) for r in range(ranks))
+                    for rows in range(1, MAX_ROWS_PLANNED + 1))
+    return TensorPlan(ranks, load, read, cache, sums, gathers, bandwidth, by_rows)
 
 
 def tensor_plan_for(tensors: Tensors, args: ModelArgs, bandwidths: Sequence[int],
@@ -301,26 +322,31 @@ def snapshot_bytes_per_rank(args: ModelArgs, ranks: int, rank: int = 0) -> Tuple
     return state, per_token
 
 
-# sequences a tensor group's server decodes in one forward pass (`cluster.tensor.engine`:
-# one request at a time, the others queue)
-TENSOR_SERVER_ROWS = 1
+# sequences a tensor group's server decodes in one forward pass: as many as --max-concurrency
+# (`cluster.tensor.batched`: continuous batching through the group); None = no cap of its
+# own. (With a draft it is one: speculative decoding runs one sequence.)
+TENSOR_SERVER_ROWS = None
+# rows whose step reads `plan_tensor` computes (`TensorPlan.read_bytes_by_rows`)
+MAX_ROWS_PLANNED = 64
 
 
 def choose_for_server(pipeline_tokens_per_s: float, pipeline_sequences: int,
                       tensor: Optional[TensorPlan], latency_s: float, tensor_fits: bool,
-                      concurrency: int, tensor_rows: int = TENSOR_SERVER_ROWS) -> Tuple[str, str]:
+                      concurrency: int, tensor_rows: Optional[int] = TENSOR_SERVER_ROWS
+                      ) -> Tuple[str, str]:
     """("tensor" | "pipeline", why in one line) for a server of `concurrency` requests at
     once: the higher predicted aggregate decode wins, the pipeline's with
     `pipeline_sequences` (= concurrency) sequences per step at `pipeline_tokens_per_s`
-    each, the tensor group's min(concurrency, `tensor_rows`) sequences at its own speed
-    (one at a time today: batching through the group is not built). A tie, no tensor plan
-    or one that does not fit keeps the pipeline."""
+    each, the tensor group's min(concurrency, `tensor_rows`) rows decoded together
+    (`TensorPlan.aggregate_tokens_per_s`: one step reads the weights once, the union of
+    the rows' routed experts and each row's caches; `tensor_rows` None: no cap). A tie, no
+    tensor plan or one that does not fit keeps the pipeline."""
     if tensor is None:
         return "pipeline", "a tensor group is not possible here (heads or memory)"
     if not tensor_fits:
         return "pipeline", "a tensor group does not fit in the Macs' memory"
-    rows = max(1, min(concurrency, tensor_rows))
-    tp = tensor.tokens_per_s(latency_s) * rows
+    rows = max(1, concurrency if tensor_rows is None else min(concurrency, tensor_rows))
+    tp = tensor.aggregate_tokens_per_s(latency_s, rows)
     pp = pipeline_tokens_per_s * pipeline_sequences
     choice = "tensor" if tp > pp else "pipeline"
     return choice, (f"at --max-concurrency {concurrency} the planner predicts {tp:.1f} tok/s "
