@@ -55,6 +55,9 @@ class TowerCache:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def __contains__(self, key) -> bool:
+        return key in self._rows
+
     def get(self, key):
         """The rows stored under `key` (now the most recently used), or None."""
         rows = self._rows.get(key)
@@ -131,6 +134,16 @@ class Vision:
             return {"tower_runs": self.tower_runs, "cache_hits": self.cache_hits,
                     "cache_bytes": self.cache.bytes, "cache_images": len(self.cache)}
 
+    @staticmethod
+    def _key(image: ProcessedImage):
+        return (image.digest, tuple(image.grid)) if image.digest else None
+
+    def has_rows(self, image: ProcessedImage) -> bool:
+        """Whether the cache holds this image's rows (`image_rows` would not run the tower)."""
+        key = self._key(image)
+        with self._lock:
+            return key is not None and key in self.cache
+
     def image_rows(self, image: ProcessedImage):
         """Projector rows [image.num_tokens, text hidden] of one image, evaluated: from
         the cache when this image (its digest and grid) ran before, else one tower run
@@ -138,7 +151,7 @@ class Vision:
         never cached. ValueError when the tower's row count is not the image's."""
         import mlx.core as mx
 
-        key = (image.digest, tuple(image.grid)) if image.digest else None
+        key = self._key(image)
         with self._lock:
             rows = self.cache.get(key) if key is not None else None
             if rows is not None:
@@ -165,6 +178,19 @@ class Vision:
             raise ValueError("features() needs at least one image")
         rows = [self.image_rows(im) for im in images]
         return rows[0] if len(rows) == 1 else mx.concatenate(rows)
+
+    @staticmethod
+    def images_from(ids: Sequence[int], images: Sequence[ProcessedImage], pad_id: int,
+                    start: int) -> List[ProcessedImage]:
+        """The images (in order) with a `<|media_pad|>` at or after position `start` of
+        `ids` (their pads in prompt order, each image's num_tokens of them)."""
+        skip = sum(1 for t in ids[:start] if t == pad_id)
+        out, seen = [], 0
+        for im in images:
+            if seen + im.num_tokens > skip:
+                out.append(im)
+            seen += im.num_tokens
+        return out
 
     def rows_from(self, ids: Sequence[int], images: Sequence[ProcessedImage], pad_id: int,
                   start: int):

@@ -11,8 +11,8 @@ prefill. At the end of a segment that is a snapshot point the job's row is extra
 single-sequence cache and stored, so snapshots hold what a B = 1 prefill would hold.
 A job that finishes, is cancelled or whose client left is removed before the next step.
 A prompt with images joins the batched prefill like any other (`_MediaFeed`): the tower
-runs when it is admitted (only on its images not in the tower cache with pads left to
-prefill), and each of its `<|media_pad|>` tokens left to prefill is handed to the
+runs when it is admitted, only on its images with pads left to prefill that are not in
+the tower cache, one image between two of the others' steps (`_admit`), and each of its `<|media_pad|>` tokens left to prefill is handed to the
 generator as a token id past the vocabulary that names its row; the model the generator
 calls embeds such ids as those rows, so the image's rows land in its own row of each
 right-padded chunk, and it holds the others' decode for one chunk at a time, as text does.
@@ -189,9 +189,10 @@ def run_batched(engine) -> None:
                          prefill_batch_size=engine.max_concurrency,
                          prefill_step_size=PREFILL_STEP)
     live: Dict[int, _Live] = {}
+    staged: list = []  # a job between its images' tower runs (`_admit`)
     try:
         while not engine._stopping.is_set():
-            if not _admit(engine, gen, live, feed):
+            if not _admit(engine, gen, live, feed, staged):
                 return
             engine.active = len(live)
             gone = [uid for uid, s in live.items() if s.job.cancelled.is_set()]
@@ -250,20 +251,31 @@ def run_batched(engine) -> None:
         engine.active = 0
         for s in live.values():
             s.job.emit(Failed("the server is shutting down"))
+        for job, _, _ in staged:
+            job.emit(Failed("the server is shutting down"))
         gen.close()
 
 
-def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = None) -> bool:
+def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = None,
+           staged: Optional[list] = None) -> bool:
     """Hand waiting jobs to the generator while there is room; blocks when idle.
     False when the engine is stopping. A job with images left to prefill gets its rows
-    registered with `feed` and its pads from there on replaced by their row ids."""
+    registered with `feed` and its pads from there on replaced by their row ids. While
+    others are live, the tower runs on one image per call: a job whose images it has
+    not run on yet waits in `staged` (job, cache, cached) and the call returns, so the
+    others take a step between two tower runs and before the job's first chunk."""
+    staged = [] if staged is None else staged
     while len(live) < engine.max_concurrency:
-        try:
-            job = engine._jobs.get(block=not live)
-        except queue.Empty:
-            return True
-        if job is None:
-            return False
+        if staged:
+            job, cache, cached = staged.pop()
+        else:
+            try:
+                job = engine._jobs.get(block=not live)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            cache = None
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
             if engine.metrics is not None:  # left while queued: nothing generated
@@ -271,7 +283,8 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
             continue
         media = None
         try:
-            cache, cached = engine._start_cache(job)
+            if cache is None:
+                cache, cached = engine._start_cache(job)
             start = cached
             ids = job.ids
             if job.score is not None:
@@ -290,8 +303,15 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
             elif job.images and engine.pad_id in job.ids[start:]:
                 if feed is None:
                     raise ValueError("a prompt with images on an engine without a vision tower")
-                # the tower runs now, on the images with pads left to prefill that it has
-                # not run on before (`Vision.rows_from`); their rows go in by id
+                todo = [im for im in engine.vision.images_from(job.ids, job.images,
+                                                               engine.pad_id, start)
+                        if not engine.vision.has_rows(im)]
+                if todo and live:  # one tower run, then the others' next step
+                    engine.vision.image_rows(todo[0])
+                    staged.append((job, cache, cached))
+                    return True
+                # the images with pads left to prefill (their tower rows cached, or run
+                # now when nobody else is live); their rows go in by id
                 rows = engine.vision.rows_from(job.ids, job.images, engine.pad_id, start)
                 media = feed.add(rows)
                 ids, k = list(job.ids), 0
