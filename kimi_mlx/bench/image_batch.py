@@ -9,7 +9,7 @@
    `kimi_mlx_vision_tower_runs_total`, or images counted by hand where the server has
    none).
 
-    python -m kimi_mlx.bench.image_batch [--model PATH] [--words 900] [--rounds 3]
+    python -m kimi_mlx.bench.image_batch [--model PATH] [--words 600] [--rounds 3]
 
 Each round uses a fresh in-process server (max_concurrency 4, prompt cache on); the
 figures printed are per round and their medians.
@@ -44,42 +44,70 @@ def _image_msg(url: str, text: str) -> dict:
                                         {"type": "text", "text": text}]}
 
 
-def _decode_gaps(client, svc, words: int) -> dict:
-    """Section 1 (module doc) on a running server."""
-    filler = " ".join(f"word{i}" for i in range(words))
-    image = [{"role": "user", "content": [{"type": "text", "text": filler}]
-              + _image_msg(_picture("circle", "red", 7), "What is in the image?")["content"]}]
-    # warm-up: the tower loaded, graphs of both kinds built
-    client.chat.completions.create(model="m", messages=image, max_tokens=2, temperature=0)
-    no_eos = {str(e): -100 for e in svc.tok.eos_token_ids}
+def _decode_gaps(svc, words: int) -> dict:
+    """Section 1 (module doc) on a running server, through its engine (each token's
+    arrival is timed, not the HTTP chunks, which carry text, not tokens)."""
+    import base64 as b64
+
+    from kimi_mlx.generation.request import build_chat_prompt_with_ends
+    from kimi_mlx.sampling import Sampling
+    from kimi_mlx.server.images import cache_key
+    from kimi_mlx.server.jobs import Job, TokenOut
+
+    vision, pad = svc.images.vision, svc.images.pad_id
+
+    def image_job(n, word, seed):
+        """A request with `words` words then a picture: its own words and picture, so
+        that neither the prompt cache nor the tower cache holds any of it."""
+        image = vision.load_image(b64.b64decode(_picture("circle", "red", seed).split(",", 1)[1]))
+        filler = " ".join(f"{word}{i}" for i in range(words))
+        msgs = [{"role": "user", "content": [{"type": "text", "text": filler},
+                                             {"type": "image", "media": image},
+                                             {"type": "text", "text": "What is in the image?"}]}]
+        ids, ends = build_chat_prompt_with_ends(svc.tok, msgs, "low")
+        job = Job(list(ids), n, segment_ends=ends, images=[image],
+                  key=cache_key(ids, [image], pad))
+        job.attach(None)
+        return job
+
+    no_eos = Sampling(logit_bias={e: -100.0 for e in svc.tok.eos_token_ids})
     stamps = {i: [] for i in range(3)}
 
-    def stream(i):
-        for _ in client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": f"Tell story {i}."}],
-                max_tokens=300, temperature=0, stream=True, logit_bias=no_eos):
-            stamps[i].append(time.perf_counter())
+    def run(job, out):
+        for ev in job.events():
+            if isinstance(ev, TokenOut):
+                out.append(time.perf_counter())
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    warm = image_job(2, "warm", 8)  # warm-up: the tower loaded, graphs built
+    svc.engine.submit(warm)
+    run(warm, [])
+    texts = []
+    for i in range(3):
+        tids, _ = build_chat_prompt_with_ends(
+            svc.tok, [{"role": "user", "content": f"Tell story {i}."}], "low")
+        job = Job(tids, 300, sampling=no_eos)
+        job.attach(None)
+        texts.append(job)
+    threads = [threading.Thread(target=run, args=(j, stamps[i])) for i, j in enumerate(texts)]
+    for j in texts:
+        svc.engine.submit(j)
     for t in threads:
         t.start()
     while min(len(v) for v in stamps.values()) < 20:
         time.sleep(0.005)
-    t0, t_first = time.perf_counter(), None
-    for chunk in client.chat.completions.create(model="m", messages=image, max_tokens=3,
-                                                temperature=0, stream=True):
-        if t_first is None and chunk.choices:
-            d = chunk.choices[0].delta
-            if d.content or getattr(d, "reasoning_content", None):
-                t_first = time.perf_counter()
-    t_first = t_first or time.perf_counter()
+    img_stamps = []
+    t0 = time.perf_counter()
+    job = image_job(3, "word", 7)
+    svc.engine.submit(job)
+    run(job, img_stamps)
+    t_first = img_stamps[0]
     for t in threads:
         t.join()
     inside, outside = [], []
     for v in stamps.values():
         for a, b in zip(v, v[1:]):
             (inside if b > t0 and a < t_first else outside).append(b - a)
-    return {"image_ttft_s": round(t_first - t0, 3),
+    return {"image_prompt_tokens": len(job.ids), "image_ttft_s": round(t_first - t0, 3),
             "max_gap_during_image_prefill_ms": round(1000 * max(inside), 1) if inside else None,
             "median_gap_otherwise_ms": round(1000 * statistics.median(outside), 1)}
 
@@ -121,7 +149,7 @@ def _tower_runs(client, srv, svc) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=str(ASSET))
-    p.add_argument("--words", type=int, default=900, help="text before the picture")
+    p.add_argument("--words", type=int, default=600, help="text before the picture")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
     import openai
@@ -134,7 +162,7 @@ def main(argv=None) -> int:
         try:
             client = openai.OpenAI(base_url=srv.url + "/v1", api_key="k", max_retries=0,
                                    timeout=600)
-            row = _decode_gaps(client, svc, args.words)
+            row = _decode_gaps(svc, args.words)
             row.update(_tower_runs(client, srv, svc))
         finally:
             stop_server(srv, svc)
