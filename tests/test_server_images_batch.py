@@ -213,3 +213,23 @@ def test_tower_cache_is_bounded_in_bytes_least_recently_used_first():
     assert cache.get("big") is None and len(cache) == 3
     with pytest.raises(ValueError, match=">= 0 bytes"):
         TowerCache(-1)
+
+
+def test_rows_from_a_cached_prefix_that_ends_inside_an_image():
+    """A prompt-cache hit that ends inside image b: only b runs the tower, and the rows
+    handed over are b's from that pad on (compared with both images' rows from another
+    Vision, whose tower runs on each)."""
+    raw = [picture("circle", "red", 31), picture("star", "blue", 32)]
+    fresh, ref = Vision(ASSET), Vision(ASSET)
+    a, b = (fresh.load_image(r) for r in raw)
+    pad = 7
+    ids = [1, 2] + [pad] * a.num_tokens + [3, 4] + [pad] * b.num_tokens + [5]
+    start = 2 + a.num_tokens + 2 + 5  # five of b's pads are cached
+    rows = fresh.rows_from(ids, [a, b], pad, start)
+    want = ref.features([ref.load_image(r) for r in raw])[a.num_tokens + 5:]
+    assert rows.shape == want.shape and mx.array_equal(rows, want).item()
+    assert fresh.stats()["tower_runs"] == 1  # b only
+    assert fresh.rows_from(ids, [a, b], pad, len(ids) - 1) is None  # no pad left
+    assert fresh.images_from(ids, [a, b], pad, 2 + a.num_tokens) == [b]
+    with pytest.raises(ValueError, match="images take"):
+        fresh.rows_from(ids[:-3], [a, b], pad, 0)
