@@ -47,7 +47,6 @@ def _image_msg(url: str, text: str) -> dict:
 def _decode_gaps(svc, words: int) -> dict:
     """Section 1 (module doc) on a running server, through its engine (each token's
     arrival is timed, not the HTTP chunks, which carry text, not tokens)."""
-    import base64 as b64
 
     from kimi_mlx.generation.request import build_chat_prompt_with_ends
     from kimi_mlx.sampling import Sampling
@@ -59,7 +58,7 @@ def _decode_gaps(svc, words: int) -> dict:
     def image_job(n, word, seed):
         """A request with `words` words then a picture: its own words and picture, so
         that neither the prompt cache nor the tower cache holds any of it."""
-        image = vision.load_image(b64.b64decode(_picture("circle", "red", seed).split(",", 1)[1]))
+        image = vision.load_image(base64.b64decode(_picture("circle", "red", seed).split(",", 1)[1]))
         filler = " ".join(f"{word}{i}" for i in range(words))
         msgs = [{"role": "user", "content": [{"type": "text", "text": filler},
                                              {"type": "image", "media": image},
