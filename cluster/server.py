@@ -90,7 +90,7 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
 
     # images: this head runs the tower (from the checkpoint folder here, on first use)
     svc.images = image_settings(model_dir, tok, read_config(model_dir), args.allow_image_urls,
-                                args.max_images)
+                                args.max_images, metrics=svc.metrics)
     finder = NodeFinder(nodes, secret, model_dir, fp)
     cluster = Cluster(finder, pipeline_settings, args.context)
 

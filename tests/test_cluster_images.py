@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
@@ -97,6 +98,11 @@ def test_server_images_and_cache_isolation(cluster):
         # A, B, A, then B again: the fourth restores B's snapshots past the image, which
         # a stage key without the images' digests would have answered from A's (issue 34)
         ra, rb, ra2, rb2 = ask(a), ask(b), ask(a), ask(b)
+        # the head's tower ran once per image: the repeats took its cached rows
+        metrics = httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer x"},
+                            timeout=30).text.splitlines()
+        assert "kimi_mlx_vision_tower_runs_total 2.0" in metrics
+        assert "kimi_mlx_vision_tower_cache_hits_total 2.0" in metrics
         model, _, _ = load_model(cluster.ckpt, verbose=False)
         tok = KimiTokenizer.from_pretrained(cluster.ckpt)
         vision = Vision(cluster.ckpt)

@@ -226,6 +226,9 @@ def test_image_request_equals_one_process_and_generate(tmp_path_factory, tmp_pat
                 messages=msgs({"type": "image_url", "image_url": {"url": data_url(raw[k])}}))
 
         ra, rb, ra2 = ask("a"), ask("b"), ask("a")
+        # the tower (on the server, for rank 0) ran once per image
+        assert "kimi_mlx_vision_tower_runs_total 2.0" in httpx.get(
+            srv.url + "/metrics", timeout=10).text.splitlines()
         srv.stop()
         srv = None
         launch = subprocess.run(  # `cluster launch --parallel tensor --image` too

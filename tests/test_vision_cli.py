@@ -131,6 +131,9 @@ def test_chat_image_turn_then_text_turn_reuses_the_cache(vckpt, tmp_path):
     assert reused.processed == fresh.processed
     assert reused.messages[1] == fresh.messages[1]
     assert reused.messages[3] == fresh.messages[3]
+    # four turns, three of them prefilling the image (the fresh ones from the tower's
+    # cached rows): the tower ran once
+    assert vision.stats()["tower_runs"] == 1 and vision.stats()["cache_hits"] == 2
 
 
 def test_chat_image_command(vckpt, tmp_path, monkeypatch, capsys):

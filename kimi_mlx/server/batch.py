@@ -10,8 +10,12 @@ one chunk, not by its whole prompt, and requests that arrive together share thei
 prefill. At the end of a segment that is a snapshot point the job's row is extracted as a
 single-sequence cache and stored, so snapshots hold what a B = 1 prefill would hold.
 A job that finishes, is cancelled or whose client left is removed before the next step.
-A prompt with images (whose pads take the tower's rows, which the generator cannot feed)
-is prefilled alone by `Engine.prefill` when admitted and joins for its last token.
+A prompt with images joins the batched prefill like any other (`_MediaFeed`): the tower
+runs when it is admitted, only on its images with pads left to prefill that are not in
+the tower cache, one image between two of the others' steps (`_admit`), and each of its `<|media_pad|>` tokens left to prefill is handed to the
+generator as a token id past the vocabulary that names its row; the model the generator
+calls embeds such ids as those rows, so the image's rows land in its own row of each
+right-padded chunk, and it holds the others' decode for one chunk at a time, as text does.
 
 One request cannot fail or poison the others (`_RowGuard`): its sampler and logits
 processors run guarded, row by row; when one raises (building its graph or evaluating
@@ -56,8 +60,9 @@ class _RowGuard:
     or carry logits processors are guarded at all (greedy rows share mlx-lm's argmax).
     """
 
-    def __init__(self, sampler=None, processors=()):
+    def __init__(self, sampler=None, processors=(), real_ids=None):
         self.error: Optional[str] = None
+        self._real_ids = real_ids  # a row with images: its prompt's remapped pad ids back
         self._sampler = sampler
         self.sampler = self._sample if sampler is not None else None
         self.processors = [self._processor(p) for p in processors]
@@ -83,6 +88,8 @@ class _RowGuard:
         def run(tokens, logits):
             if self.error is not None:
                 return logits
+            if self._real_ids is not None:
+                tokens = self._real_ids(tokens)
             mx.eval(tokens, logits)
             try:
                 out = proc(tokens, logits)
@@ -94,14 +101,77 @@ class _RowGuard:
         return run
 
 
+class _MediaFeed:
+    """The model as the generator calls it, feeding image rows through token ids.
+
+    mlx-lm's `BatchGenerator` passes token ids only ([B, L] right-padded chunks, [B, 1]
+    decode steps). A job with images left to prefill `add`s its rows [n, hidden] and gets
+    a base id b >= vocab: its k-th pad left to prefill goes to the generator as b + k.
+    While any rows are registered, each call embeds the ids itself (an id past the
+    vocabulary as the row it names, cast to the activation dtype as
+    `embed_with_media` does; every other id as its token embedding, bit for bit) and
+    passes them as `input_embeddings`; with none registered the call goes straight to
+    the model. All lazy: no evaluation, so decode steps still overlap graph building.
+
+    Args:
+        model: our `Model` (or a stand-in with `text.embed`, `args.vocab_size`).
+        pad_id: the `<|media_pad|>` id (what a remapped id embeds as before its row
+            replaces it; also what logits processors see for it, `real_ids`).
+    """
+
+    def __init__(self, model, pad_id: int):
+        self.model, self.pad_id = model, pad_id
+        self.vocab = int(model.args.vocab_size)
+        self._rows: Dict[int, mx.array] = {}
+        self._next = self.vocab
+
+    def add(self, rows: mx.array) -> int:
+        """Register a job's rows [n, hidden]; returns its base id (pad k -> base + k)."""
+        base = self._next
+        if base + rows.shape[0] >= 2**31:
+            raise ValueError("too many image rows in flight for int32 token ids")
+        self._rows[base] = rows
+        self._next += rows.shape[0]
+        return base
+
+    def drop(self, base: Optional[int]) -> None:
+        """Forget a job's rows (its prefill is over, or it left); ids restart from the
+        vocabulary once none are registered."""
+        if base is not None:
+            self._rows.pop(base, None)
+        if not self._rows:
+            self._next = self.vocab
+
+    def clear(self) -> None:
+        self._rows.clear()
+        self._next = self.vocab
+
+    def real_ids(self, tokens: mx.array) -> mx.array:
+        """`tokens` with every id past the vocabulary replaced by the pad id."""
+        return mx.where(tokens >= self.vocab, self.pad_id, tokens)
+
+    def __call__(self, inputs: mx.array, cache=None):
+        if not self._rows:
+            return self.model(inputs, cache=cache)
+        real = self.real_ids(inputs)
+        h = self.model.text.embed(real)
+        for base, rows in self._rows.items():
+            at = inputs - base
+            inside = (at >= 0) & (at < rows.shape[0])
+            picked = rows.astype(h.dtype)[mx.clip(at, 0, rows.shape[0] - 1)]
+            h = mx.where(inside[..., None], picked, h)
+        return self.model(real, cache=cache, input_embeddings=h)
+
+
 class _Live:
     """A job in the generator: `ends` are its prompt segments' end positions still to
     come (snapshot points, then the end of the prompt but its last token)."""
 
     def __init__(self, job: Job, cached: int, ends: List[int], snaps: List[int],
-                 guard: Optional[_RowGuard] = None):
+                 guard: Optional[_RowGuard] = None, media: Optional[int] = None):
         self.job, self.cached, self.guard = job, cached, guard
         self.ends, self.snaps = ends, set(snaps)
+        self.media = media  # its base id in the `_MediaFeed` while its prefill runs
         self.n = 0
         self.t0 = time.perf_counter()
         self.t_first = None  # when its first token was sampled
@@ -112,28 +182,30 @@ def run_batched(engine) -> None:
     """Worker loop of `Engine` with max_concurrency > 1 (runs until engine.stop())."""
     from mlx_lm.generate import BatchGenerator
 
-    gen = BatchGenerator(engine.model, max_tokens=1 << 30,
+    feed = _MediaFeed(engine.model, engine.pad_id) if engine.pad_id is not None else None
+    gen = BatchGenerator(feed or engine.model, max_tokens=1 << 30,
                          stop_tokens=[[e] for e in sorted(engine.eos_ids)],
                          completion_batch_size=engine.max_concurrency,
                          prefill_batch_size=engine.max_concurrency,
                          prefill_step_size=PREFILL_STEP)
     live: Dict[int, _Live] = {}
+    staged: list = []  # a job between its images' tower runs (`_admit`)
     try:
         while not engine._stopping.is_set():
-            if not _admit(engine, gen, live):
+            if not _admit(engine, gen, live, feed, staged):
                 return
             engine.active = len(live)
             gone = [uid for uid, s in live.items() if s.job.cancelled.is_set()]
             if gone:
                 gen.remove(gone)
                 for uid in gone:
-                    _finish(engine, live.pop(uid), "cancelled")
+                    _finish(engine, live.pop(uid), "cancelled", feed)
                 engine.active = len(live)
             if not live:
                 continue
             try:
                 prompt_responses, responses = gen.next()
-                _drop_failed_rows(gen, live)
+                _drop_failed_rows(gen, live, feed)
                 _snapshot(engine, gen, live, prompt_responses)
             except Exception as e:  # noqa: BLE001 - a failed step fails the jobs in it
                 log.exception("batched generation step failed")
@@ -141,6 +213,8 @@ def run_batched(engine) -> None:
                 for s in live.values():
                     s.job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
                 live.clear()
+                if feed is not None:
+                    feed.clear()
                 reseed_random()
                 continue
             for r in responses:
@@ -149,6 +223,9 @@ def run_batched(engine) -> None:
                     continue
                 if s.t_first is None:
                     s.t_first = time.perf_counter()
+                    if feed is not None:  # its prompt is in the cache: rows no longer read
+                        feed.drop(s.media)
+                        s.media = None
                     s.prompt_tps = (len(s.job.ids) - s.cached) / max(s.t_first - s.t0, 1e-9)
                     if engine.prompt_cache is not None:
                         engine.prompt_cache.note_prompt_speed(len(s.job.ids) - s.cached,
@@ -158,7 +235,7 @@ def run_batched(engine) -> None:
                         s.job.stop_token = TokenOut(r.token, *top_logprobs(
                             r.logprobs, r.token, s.job.logprobs))
                     live.pop(r.uid)
-                    _finish(engine, s, "stop")
+                    _finish(engine, s, "stop", feed)
                     continue
                 s.n += 1
                 if s.job.logprobs is not None:
@@ -168,34 +245,48 @@ def run_batched(engine) -> None:
                     s.job.emit(TokenOut(r.token))
                 if r.finish_reason is not None:
                     live.pop(r.uid)
-                    _finish(engine, s, "length")
+                    _finish(engine, s, "length", feed)
             engine.active = len(live)
     finally:
         engine.active = 0
         for s in live.values():
             s.job.emit(Failed("the server is shutting down"))
+        for job, _, _ in staged:
+            job.emit(Failed("the server is shutting down"))
         gen.close()
 
 
-def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
+def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = None,
+           staged: Optional[list] = None) -> bool:
     """Hand waiting jobs to the generator while there is room; blocks when idle.
-    False when the engine is stopping."""
+    False when the engine is stopping. A job with images left to prefill gets its rows
+    registered with `feed` and its pads from there on replaced by their row ids. While
+    others are live, the tower runs on one image per call: a job whose images it has
+    not run on yet waits in `staged` (job, cache, cached) and the call returns, so the
+    others take a step between two tower runs and before the job's first chunk."""
+    staged = [] if staged is None else staged
     while len(live) < engine.max_concurrency:
-        try:
-            job = engine._jobs.get(block=not live)
-        except queue.Empty:
-            return True
-        if job is None:
-            return False
+        if staged:
+            job, cache, cached = staged.pop()
+        else:
+            try:
+                job = engine._jobs.get(block=not live)
+            except queue.Empty:
+                return True
+            if job is None:
+                return False
+            cache = None
         if job.cancelled.is_set():
             job.emit(Finished("cancelled", len(job.ids)))
             if engine.metrics is not None:  # left while queued: nothing generated
                 engine.metrics.finished_requests.labels("cancelled").inc()
             continue
+        media = None
         try:
-            cache, cached = engine._start_cache(job)
+            if cache is None:
+                cache, cached = engine._start_cache(job)
             start = cached
-            embeddings = None if job.score is not None else engine.embeddings(job, cached)
+            ids = job.ids
             if job.score is not None:
                 # scored alone (its logits kept, `server.scoring`), then joins for its
                 # last token like a prompt with images
@@ -209,34 +300,50 @@ def _admit(engine, gen, live: Dict[int, _Live]) -> bool:
                     job.emit(Started(0))
                     finish_scored(job, tic, engine.metrics)
                     continue
-            elif embeddings is not None:
-                # the generator feeds token ids only: a prompt with images left to run is
-                # prefilled here, alone (snapshots included), and joins for its last token
-                engine.prefill(job.ids, cache, cached, job.segment_ends,
-                               embeddings=embeddings, key=job.key)
-                start = len(job.ids) - 1
+            elif job.images and engine.pad_id in job.ids[start:]:
+                if feed is None:
+                    raise ValueError("a prompt with images on an engine without a vision tower")
+                todo = [im for im in engine.vision.images_from(job.ids, job.images,
+                                                               engine.pad_id, start)
+                        if not engine.vision.has_rows(im)]
+                if todo and live:  # one tower run, then the others' next step
+                    engine.vision.image_rows(todo[0])
+                    staged.append((job, cache, cached))
+                    return True
+                # the images with pads left to prefill (their tower rows cached, or run
+                # now when nobody else is live); their rows go in by id
+                rows = engine.vision.rows_from(job.ids, job.images, engine.pad_id, start)
+                media = feed.add(rows)
+                ids, k = list(job.ids), 0
+                for i in range(start, len(ids)):
+                    if ids[i] == engine.pad_id:
+                        ids[i] = media + k
+                        k += 1
             snaps = engine.snapshot_points(job.ids, start, job.segment_ends)
             cuts = [start] + snaps + [len(job.ids)]
-            segments = [job.ids[a:b] for a, b in zip(cuts, cuts[1:])]
+            segments = [ids[a:b] for a, b in zip(cuts, cuts[1:])]
             # the generator runs the last prompt token as the first decode step
             ends = snaps + ([len(job.ids) - 1] if len(segments[-1]) > 1 else [])
             sampler = None if job.sampling.temp == 0 else job.sampling.sampler()
-            guard = _RowGuard(sampler, job.logits_processors or ())
+            guard = _RowGuard(sampler, job.logits_processors or (),
+                              real_ids=feed.real_ids if media is not None else None)
             (uid,) = gen.insert_segments([segments], max_tokens=[job.max_tokens],
                                          caches=[cache], samplers=[guard.sampler],
                                          logits_processors=[guard.processors])
         except Exception as e:  # noqa: BLE001 - this job fails, the others go on
             log.exception("admitting a job failed")
+            if feed is not None:
+                feed.drop(media)
             job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
             reseed_random()
             continue
-        live[uid] = _Live(job, cached, ends, snaps, guard)
+        live[uid] = _Live(job, cached, ends, snaps, guard, media)
         job.emit(Started(cached))
         engine.active = len(live)
     return True
 
 
-def _drop_failed_rows(gen, live: Dict[int, _Live]) -> None:
+def _drop_failed_rows(gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = None) -> None:
     """Remove the jobs whose sampler or logits processors raised in the step just run
     (`_RowGuard`): each fails with its own message; this step's responses for them are
     ignored (they are no longer live)."""
@@ -245,6 +352,8 @@ def _drop_failed_rows(gen, live: Dict[int, _Live]) -> None:
         gen.remove(failed)
         for uid in failed:
             s = live.pop(uid)
+            if feed is not None:
+                feed.drop(s.media)
             s.job.emit(Failed(s.guard.error))
 
 
@@ -264,7 +373,10 @@ def _snapshot(engine, gen, live: Dict[int, _Live], prompt_responses) -> None:
             engine.prompt_cache.store(s.job.cache_key[:end], cache)
 
 
-def _finish(engine, s: _Live, reason: str) -> None:
+def _finish(engine, s: _Live, reason: str, feed: Optional[_MediaFeed] = None) -> None:
+    if feed is not None:
+        feed.drop(s.media)
+        s.media = None
     t = s.t_first if s.t_first is not None else s.t0
     dt = time.perf_counter() - t
     done = Finished(reason, len(s.job.ids), s.cached, s.n, s.prompt_tps,

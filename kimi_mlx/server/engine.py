@@ -131,13 +131,18 @@ class Engine(BaseEngine):
     def embeddings(self, job: Job, start: int):
         """The input embeddings [len(ids), hidden] of a job with images whose pads are not
         all in the first `start` (cached) tokens: the tower runs here, on the engine's
-        thread (loaded on the first image). None when no image is left to prefill."""
+        thread (loaded on the first image), only on images with pads at or after `start`
+        and not in the tower's cache (`Vision.rows_from`); positions before `start`
+        (never read) get their token embeddings. None when no image is left to prefill."""
         import mlx.core as mx
 
         if not job.images or self.pad_id not in job.ids[start:-1]:
             return None
-        feats = self.vision.features(job.images)
-        return self.model.embed_with_media(mx.array(job.ids), feats, self.pad_id)
+        rows = self.vision.rows_from(job.ids, job.images, self.pad_id, start)
+        tail = self.model.embed_with_media(mx.array(job.ids[start:]), rows, self.pad_id)
+        if not start:
+            return tail
+        return mx.concatenate([self.model.text.embed(mx.array(job.ids[:start])), tail])
 
     def _run(self, job: Job) -> None:
         import mlx.core as mx

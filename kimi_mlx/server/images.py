@@ -252,9 +252,11 @@ def cache_key(ids: Sequence[int], images: Sequence[Any], pad_id: Optional[int]) 
 
 
 def image_settings(model_dir, tok, config: Optional[Dict[str, Any]] = None,
-                   allow_urls: bool = False, max_images: int = DEFAULT_MAX_IMAGES) -> ImageSettings:
+                   allow_urls: bool = False, max_images: int = DEFAULT_MAX_IMAGES,
+                   metrics=None) -> ImageSettings:
     """The image policy of a loaded checkpoint: its `Vision` (the tower is loaded on the
-    first image) when it has vision weights, else none."""
+    first image; its rows cached by image digest) when it has vision weights, else none.
+    `metrics` (the server's `Metrics`): export the tower's run and cache counters."""
     from kimi_mlx.checkpoint.loader import has_vision
     from kimi_mlx.generation.images import Vision, media_pad_id
 
@@ -262,6 +264,8 @@ def image_settings(model_dir, tok, config: Optional[Dict[str, Any]] = None,
     if has_vision(model_dir):
         settings.vision = Vision(model_dir)
         settings.pad_id = media_pad_id(tok, config)
+        if metrics is not None:
+            metrics.watch_vision(settings.vision)
     return settings
 
 

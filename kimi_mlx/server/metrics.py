@@ -55,6 +55,13 @@ class Metrics:
         and the gauge kimi_mlx_prompt_cache_disk_bytes (files held now)."""
         self.registry.register(_DiskCollector(disk))
 
+    def watch_vision(self, vision) -> None:
+        """Export the vision tower's counters (`generation.images.Vision.stats`):
+        kimi_mlx_vision_tower_runs_total (images the tower ran on),
+        kimi_mlx_vision_tower_cache_hits_total (images whose rows came from the tower
+        cache) and the gauge kimi_mlx_vision_tower_cache_bytes (rows kept now)."""
+        self.registry.register(_VisionCollector(vision))
+
     def speculated(self, steps: int, drafted: int, accepted: int) -> None:
         """Account one request's speculative decoding (verify steps, drafted and accepted
         draft tokens); accepted / steps is the mean accepted per target pass."""
@@ -109,3 +116,24 @@ class _DiskCollector:
         yield ign
         yield GaugeMetricFamily("kimi_mlx_prompt_cache_disk_bytes", "bytes of snapshot "
                                 "files in --prompt-cache-dir", value=st["bytes"])
+
+
+class _VisionCollector:
+    """/metrics of the vision tower and its cache, read from `Vision.stats()` at each
+    scrape."""
+
+    def __init__(self, vision):
+        self.vision = vision
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        st = self.vision.stats()
+        yield CounterMetricFamily("kimi_mlx_vision_tower_runs", "images the vision tower "
+                                  "ran on (one run per image not in the tower cache)",
+                                  value=st["tower_runs"])
+        yield CounterMetricFamily("kimi_mlx_vision_tower_cache_hits", "images whose tower "
+                                  "rows came from the tower cache", value=st["cache_hits"])
+        yield GaugeMetricFamily("kimi_mlx_vision_tower_cache_bytes", "bytes of tower rows "
+                                "kept in the tower cache", value=st["cache_bytes"])

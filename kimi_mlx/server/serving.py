@@ -247,7 +247,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
                     metrics=svc.metrics, speculation=speculation)
     from kimi_mlx.server.images import image_settings
 
-    svc.images = image_settings(model_dir, tok, config, allow_image_urls, max_images)
+    svc.images = image_settings(model_dir, tok, config, allow_image_urls, max_images,
+                                metrics=svc.metrics)
     engine.vision, engine.pad_id = svc.images.vision, svc.images.pad_id
     svc.engine = engine.start()
 
