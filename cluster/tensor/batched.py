@@ -93,6 +93,16 @@ class BatchHost:
                 engine.prompt_cache, rows, engine.store,
                 (lambda r: counter(r).inc()) if counter is not None else None)
 
+    feeds_media_by_id = False  # `GroupRows` takes image rows per prefill chunk (MEDIA)
+
+    @property
+    def pad_id(self) -> Optional[int]:
+        return self.engine.pad_id
+
+    @property
+    def vision(self):
+        return self.engine.vision
+
     @property
     def active(self) -> int:
         return self.engine.active

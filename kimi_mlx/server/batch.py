@@ -182,7 +182,8 @@ def run_batched(engine) -> None:
     """Worker loop of `Engine` with max_concurrency > 1 (runs until engine.stop())."""
     from mlx_lm.generate import BatchGenerator
 
-    feed = _MediaFeed(engine.model, engine.pad_id) if engine.pad_id is not None else None
+    feed = (_MediaFeed(engine.model, engine.pad_id)
+            if engine.pad_id is not None and engine.feeds_media_by_id else None)
     gen = BatchGenerator(feed or engine.model, max_tokens=1 << 30,
                          stop_tokens=[[e] for e in sorted(engine.eos_ids)],
                          completion_batch_size=engine.max_concurrency,
@@ -302,7 +303,14 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
                     continue
             elif job.images and engine.pad_id in job.ids[start:]:
                 if feed is None:
-                    raise ValueError("a prompt with images on an engine without a vision tower")
+                    # an engine whose model takes no rows by id (the tensor group's rows):
+                    # prefilled here, alone (snapshots included), and joins for its last token
+                    embeddings = engine.embeddings(job, start)
+                    if embeddings is not None:
+                        engine.prefill(job.ids, cache, cached, job.segment_ends,
+                                       embeddings=embeddings, key=job.key)
+                        start = len(job.ids) - 1
+            if job.images and feed is not None and engine.pad_id in job.ids[start:]:
                 todo = [im for im in engine.vision.images_from(job.ids, job.images,
                                                                engine.pad_id, start)
                         if not engine.vision.has_rows(im)]

@@ -43,6 +43,8 @@ class Engine(BaseEngine):
         ValueError: speculation with max_concurrency > 1.
     """
 
+    feeds_media_by_id = True
+
     # scores a prompt's own tokens (`Job.score`, `server.scoring`)
     supports_scoring = True
     supports_batching = True

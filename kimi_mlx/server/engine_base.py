@@ -50,6 +50,9 @@ class BaseEngine:
     supports_drafts = True
     supports_batching = False  # several requests' decode steps in one forward pass
     supports_scoring = False  # scores a prompt's own tokens (`Job.score`, `server.scoring`)
+    # its batched model takes image rows by token id (`server.batch._MediaFeed`); when
+    # False a prompt with images is prefilled alone (`prefill`) and joins for its last token
+    feeds_media_by_id = False
     images_refusal = "this server does not take images"  # said when supports_images is False
     target = "the model"  # what `health` is about, in messages ("the pipeline", ...)
 
