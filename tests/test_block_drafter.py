@@ -227,3 +227,77 @@ def test_greedy_equals_plain_past_index_topk_with_rollbacks(micro, kind, monkeyp
         assert got == want, k
         steps += [(k, n) for n in stats.per_step]
     assert any(0 < n < k for k, n in steps) and any(n == k for k, n in steps), steps
+
+
+# --------------------------------------------------------- sampling distribution
+
+
+def _two_token_counts():
+    """(counts [V, V] of the first two tokens over N_SAMPLES runs at temperature 1 with
+    k = 2 from a random DSpark drafter, the target's exact distribution, stats)."""
+    from mlx_lm.models.cache import KVCache
+
+    from kimi_mlx.sampling import Sampling
+    from kimi_mlx.speculative.rollback import restore, snapshot
+    from kimi_mlx.testing.checkpoints import random_model
+    from test_speculative import (N_SAMPLES, PROMPT, VOCAB, exact_two_token_distribution,
+                                  two_layer_args)
+
+    args = two_layer_args(VOCAB)
+    model = random_model(args, seed=0)
+    cfg = published_config("dspark", vocab=VOCAB, hidden=args.hidden_size, n_target=2,
+                           ids=(0, 1), block=3)
+    cfg["dflash_config"].update(mask_token_id=VOCAB - 1, markov_rank=4)
+    draft = BlockDraft(random_drafter(cfg, seed=3).bind_target(model))
+    probs = exact_two_token_distribution(model, PROMPT, VOCAB)
+    caches = model.make_cache() + draft.make_cache()
+    list(block_generate_step(PROMPT, model, draft, max_tokens=0, prompt_cache=caches))
+    nt = len(model.layers)
+    tsnap = snapshot(caches[:nt])
+    dstate = [c.state for c in caches[nt:-1]]
+    pend = caches[-1].cache[0]
+    mx.random.seed(2)
+    counts = np.zeros((VOCAB, VOCAB))
+    stats = SpecStats()
+    for _ in range(N_SAMPLES):
+        restore(caches[:nt], tsnap)
+        for c, st in zip(caches[nt:-1], dstate):
+            KVCache.__init__(c)
+            c.state = st
+        caches[-1].cache = [pend]
+        toks = [t for t, _, _ in block_generate_step(
+            [PROMPT[-1]], model, draft, num_draft_tokens=2, max_tokens=2,
+            sampling=Sampling(temp=1.0), prompt_cache=caches, stats=stats)]
+        counts[toks[0], toks[1]] += 1
+    return counts, probs, stats
+
+
+@pytest.mark.slow
+def test_sampled_first_two_tokens_are_distributed_as_the_targets():
+    """Temperature 1, k = 2 (the Markov term makes q_2 depend on d_1): the first two
+    tokens over many runs fit the target's exact two-token distribution (chi-square, as
+    test_speculative does for draft models)."""
+    from test_speculative import chi_square_p
+
+    counts, probs, stats = _two_token_counts()
+    assert 0 < stats.accepted < stats.drafted  # both branches of the rule ran
+    assert chi_square_p(counts, probs) > 1e-3
+
+
+@pytest.mark.slow
+def test_chi_square_rejects_drafts_judged_against_the_wrong_q(monkeypatch):
+    """Planted bug: the acceptance rule is given a wrong q (a fixed skewed distribution),
+    not the one the drafts were drawn from: the test must see it."""
+    import kimi_mlx.speculative.block_loop as bl
+    from test_speculative import chi_square_p
+
+    real = bl.draw_draft
+
+    def wrong_q(logits, sampling, q_lps):
+        d = real(logits, sampling, q_lps)
+        q_lps[-1] = mx.log(mx.softmax(logits * 0.0 + mx.arange(logits.shape[-1]) * 0.7))
+        return d
+
+    monkeypatch.setattr(bl, "draw_draft", wrong_q)
+    counts, probs, _ = _two_token_counts()
+    assert chi_square_p(counts, probs) < 1e-6

@@ -287,6 +287,14 @@ class _Confidence(nn.Module):
         self.proj = nn.Linear(d + rank if with_markov else d, 1, bias=True)
 
 
+class _Bound:
+    """The target's embedding and head, held outside the parameter tree (a plain object,
+    so `BlockDrafter.parameters()` lists the drafter's own tensors only)."""
+
+    def __init__(self, embed, head):
+        self.embed, self.head = embed, head
+
+
 class BlockDrafter(nn.Module):
     """A DFlash / DSpark drafter (module paths = the released tensor names less `model.`).
 
@@ -316,7 +324,7 @@ class BlockDrafter(nn.Module):
 
         self._rope = initialize_rope(cfg.head_dim, cfg.rope_theta, not cfg.rope_is_neox_style,
                                      cfg.rope_scaling, cfg.max_position_embeddings)
-        self._embed = self._head = None
+        self._bound = None
 
     # -- binding ---------------------------------------------------------------------
 
@@ -324,8 +332,8 @@ class BlockDrafter(nn.Module):
         """Use `embed` (tokens [B, L] -> [B, L, d]) and `head` ([..., d] -> [..., V]) where
         the checkpoint has no embedding / lm_head of its own (the released drafters share
         the target's). Returns self."""
-        self._embed = self.embed_tokens if "embed_tokens" in self else embed
-        self._head = self.lm_head if "lm_head" in self else head
+        self._bound = _Bound(self.embed_tokens if "embed_tokens" in self else embed,
+                             self.lm_head if "lm_head" in self else head)
         return self
 
     def bind_target(self, model) -> "BlockDrafter":
@@ -358,15 +366,15 @@ class BlockDrafter(nn.Module):
                      offset: int) -> mx.array:
         """Block tokens [B, L] at positions offset.. over per-layer context (keys, values)
         [B, Hk, S, D] -> final-normed hidden [B, L, d]."""
-        if self._embed is None:
+        if self._bound is None:
             raise RuntimeError("BlockDrafter used before bind()")
-        x = self._embed(tokens)
+        x = self._bound.embed(tokens)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, k, v, self._rope, offset)
         return self.norm(x)
 
     def logits(self, h: mx.array) -> mx.array:
-        out = self._head(h)
+        out = self._bound.head(h)
         cap = self.config.final_logit_softcapping
         return out if cap is None else mx.tanh(out / cap) * cap
 
