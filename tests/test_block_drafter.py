@@ -301,3 +301,82 @@ def test_chi_square_rejects_drafts_judged_against_the_wrong_q(monkeypatch):
     monkeypatch.setattr(bl, "draw_draft", wrong_q)
     counts, probs, _ = _two_token_counts()
     assert chi_square_p(counts, probs) < 1e-6
+
+
+# ------------------------------------------------------------------ front ends
+
+
+@pytest.fixture(scope="module")
+def micro_drafter_dir(tmp_path_factory):
+    cfg = published_config("dspark")
+    return save_drafter(random_drafter(cfg), cfg, tmp_path_factory.mktemp("dspark"))
+
+
+def test_generate_with_a_block_drafter_prints_the_plain_greedy_text(micro_drafter_dir, capsys):
+    from kimi_mlx.commands import main as cli
+
+    base = ["generate", "--model", "kimi_mlx/assets/micro", "--prompt", "def f(x):", "-m",
+            "12", "--ignore-chat-template", "--temp", "0"]
+    assert cli.main(base) == 0
+    plain = capsys.readouterr().out.split("=" * 10)[1]
+    assert cli.main(base + ["--draft-model", str(micro_drafter_dir),
+                            "--num-draft-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.split("=" * 10)[1] == plain and "Speculative:" in out
+
+
+def test_block_drafter_errors_name_the_field_and_the_mode(micro_drafter_dir, tmp_path, capsys):
+    from kimi_mlx.commands import main as cli
+
+    cfg = published_config("dspark", n_target=8, ids=(1, 7))
+    bad = save_drafter(random_drafter(cfg), cfg, tmp_path / "other")
+    assert cli.main(["generate", "--model", "kimi_mlx/assets/micro", "--prompt", "hi",
+                     "--draft-model", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "num_target_layers is 8 but the target's is 6" in err and str(bad) in err
+    assert cli.main(["cluster", "launch", "--draft-model", str(micro_drafter_dir),
+                     "--prompt", "hi", "--nodes", "127.0.0.1:1"]) == 2
+    assert "block drafter runs in one process only" in capsys.readouterr().err
+
+
+def test_the_server_engine_decodes_with_a_block_drafter(micro, micro_drafter_dir):
+    """`kimi-mlx server --draft-model DSPARK`: the one-process engine runs the block loop
+    (which prefills itself) and gives plain greedy tokens, request after request."""
+    from kimi_mlx.server.engine import Engine
+    from kimi_mlx.server.jobs import Finished, Job
+    from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
+    from kimi_mlx.speculative.settings import DraftSettings
+
+    spec = build_speculation(DraftSettings(model=str(micro_drafter_dir), num_draft_tokens=3),
+                             where=ONE_PROCESS, model=micro)
+    engine = Engine(micro, eos_ids=[], speculation=spec)
+    engine.start()
+    try:
+        for prompt in ([50, 90, 20, 70, 70, 10], [30, 30, 80]):
+            job = Job(prompt, 8)
+            job.attach()
+            events = list(engine.submit(job).events(timeout=120))
+            assert isinstance(events[-1], Finished), events[-1]
+            assert [e.token for e in events[:-1]] == plain_greedy(micro, prompt, 8)
+    finally:
+        engine.stop()
+    assert spec.stats.steps > 0
+
+
+def test_chat_turns_with_a_block_drafter_equal_plain_chat(micro_drafter_dir):
+    """Greedy chat turns give the same replies with a block drafter, the second turn also
+    from target + drafter caches that hold the conversation (the pending hiddens carried
+    over from the call that filled them)."""
+    from kimi_mlx.checkpoint.loader import load_for_generation
+    from kimi_mlx.commands.chat import Conversation, chat_turn
+    from kimi_mlx.speculative.loop import Speculation
+
+    model, wrapper, tok, _ = load_for_generation("kimi_mlx/assets/micro")
+    sp = Speculation(BlockDraft(load_block_drafter(micro_drafter_dir, model)), 3)
+    greedy = make_sampler(0.0)
+    plain, fast = Conversation(), Conversation()
+    for text in ("hi", "and then?"):
+        a = chat_turn(model, wrapper, tok, plain, text, "low", greedy, 8, 4096)
+        b = chat_turn(model, wrapper, tok, fast, text, "low", greedy, 8, 4096, speculation=sp)
+        assert a == b
+    assert sp.stats.steps > 0 and fast.reused_tokens > 10
