@@ -22,8 +22,8 @@ DRAFT_KINDS = ("mtp", "ngram")  # --draft KIND: drafts without a separate draft 
 class DraftSettings:
     """One kind of draft and its settings.
 
-    model: a draft checkpoint (`--draft-model`: a kimi-mlx checkpoint or an mlx-lm model
-    with the target's tokenizer), or None. kind: "mtp" (the target checkpoint's own MTP
+    model: a draft checkpoint (`--draft-model`: a kimi-mlx checkpoint, an mlx-lm model
+    with the target's tokenizer, or a DFlash / DSpark block drafter folder), or None. kind: "mtp" (the target checkpoint's own MTP
     layers) or "ngram" (prompt lookup), or None with a model. num_draft_tokens: k >= 1.
     ngram_max / ngram_min: `--draft ngram`'s sizes, 1 <= min <= max.
     Raises:
