@@ -380,3 +380,27 @@ def test_chat_turns_with_a_block_drafter_equal_plain_chat(micro_drafter_dir):
         b = chat_turn(model, wrapper, tok, fast, text, "low", greedy, 8, 4096, speculation=sp)
         assert a == b
     assert sp.stats.steps > 0 and fast.reused_tokens > 10
+
+
+def test_shipped_micro_dspark_keeps_micros_greedy_output_and_benches(micro):
+    """kimi_mlx/assets/micro-dspark (`make micro-dspark`): loads against micro, greedy
+    speculative text equals plain greedy text on real code with drafts accepted (a
+    trained drafter: a random one accepts ~0), and `bench spec` loads it as "block"."""
+    from kimi_mlx.bench.spec import bench, default_block_draft, load_drafts
+
+    path = default_block_draft()
+    assert path is not None, "kimi_mlx/assets/micro-dspark is missing (make micro-dspark)"
+    d = load_drafts(["block"], None, None, "kimi_mlx/assets/micro", target=micro)
+    (name, draft), = d.items()
+    assert name == f"block {path}"
+    from kimi_mlx.text.tokenizer import KimiTokenizer
+
+    tok = KimiTokenizer.from_pretrained("kimi_mlx/assets/micro")
+    prompt = tok.encode('class Queue:\n    """A simple FIFO queue."""\n\n    def __init__(self')
+    stats = SpecStats()
+    got = [t for t, _, _ in block_generate_step(prompt, micro, draft, num_draft_tokens=4,
+                                                max_tokens=32, stats=stats)]
+    assert got == plain_greedy(micro, prompt, 32)
+    assert stats.mean_accepted > 0.5
+    rows = bench(micro, draft, [prompt], tokens=6, ks=[2], repeats=1)
+    assert rows[0]["k"] == 2 and rows[0]["spec_tps"] > 0

@@ -173,7 +173,7 @@ tokens each):
 |---|---|---|---|
 {acc}
 
-Speed figures: `kimi-mlx bench spec --draft-model kimi_mlx/assets/micro-dspark`.
+Speed figures: `kimi-mlx bench spec` (its "block" draft; `--block-draft` for another).
 """
 
 
