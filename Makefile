@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install clients test-clients test-e2e demo test check-real check-real-tensor bench bench-prune bench-quant bench-server bench-spec micro micro-moe micro-draft micro-mtp micro-vision proto clean
+.PHONY: install clients test-clients test-e2e demo test check-real check-real-tensor bench bench-prune bench-quant bench-server bench-spec micro micro-moe micro-draft micro-dspark micro-mtp micro-vision proto clean
 
 install: $(STAMP)
 
@@ -173,6 +173,11 @@ micro-moe: install
 # The draft for speculative decoding with the micro model, distilled from it (~10 min).
 micro-draft: install
 	$(BIN)/python -m kimi_mlx.micro.draft
+
+# The DSpark block drafter of micro (reads micro's hidden states; `--draft-model
+# kimi_mlx/assets/micro-dspark`), trained on micro's own greedy outputs: minutes on 2 cores.
+micro-dspark: install
+	$(BIN)/python -m kimi_mlx.micro.dspark_train
 
 # A copy of micro with one trained MTP layer (`--draft mtp`), in build/micro-mtp; the
 # shipped micro is not modified. Trunk frozen, ~15 min on 2 busy cores (niced).

@@ -1,7 +1,9 @@
 """`kimi-mlx bench spec`: speculative decoding against plain decoding, in one process.
 
-Drafts: the draft model (`--draft-model`, default the shipped micro-draft) and prompt
-lookup (`--draft ngram`, `kimi_mlx.speculative.ngram`). Workloads: the ordinary prompts
+Drafts: the draft model (`--draft-model`, default the shipped micro-draft), a block
+drafter (`--block-draft`, DFlash / DSpark, default the shipped micro-dspark;
+`kimi_mlx.speculative.block_loop`) and prompt lookup (`--draft ngram`,
+`kimi_mlx.speculative.ngram`). Workloads: the ordinary prompts
 (`default_prompts`: held-out code and prose) and a copy-heavy one (`copy_prompts`: a block
 of source code followed by its first half again, to be continued).
 For each draft, workload and k (drafts per verify step) it reports the mean accepted drafts per verify step
@@ -34,6 +36,12 @@ REAL_KDA_HEADS, REAL_KDA_DIM, REAL_KDA_LAYERS = 96, 128, 69
 
 def default_draft() -> Optional[Path]:
     path = Path(__file__).resolve().parents[1] / "assets" / "micro-draft"
+    return path if (path / "config.json").exists() else None
+
+
+def default_block_draft() -> Optional[Path]:
+    """The shipped DSpark drafter of micro (`make micro-dspark`), when present."""
+    path = Path(__file__).resolve().parents[1] / "assets" / "micro-dspark"
     return path if (path / "config.json").exists() else None
 
 
@@ -227,15 +235,18 @@ def print_report_cost(cost: Dict) -> None:
           "would be written on every verify step (and need the token-by-token form).")
 
 
-DRAFTS, WORKLOADS = ("model", "ngram"), ("ordinary", "copy")
+DRAFTS, WORKLOADS = ("model", "block", "ngram"), ("ordinary", "copy")
 NGRAM_KS = [2, 3, 4, 5, 6, 7, 8]
 
 
 def load_drafts(drafts: List[str], draft: Optional[str], wrapper, spec: str,
-                ngram: Optional[Tuple[int, int]] = None) -> Dict[str, object]:
-    """{"model PATH": the draft model (the shipped micro-draft by default), "ngram N..M":
-    an `NgramDraft` of sizes `ngram` (n_max, n_min; default the module's)}, for the names
-    asked. ValueError for another name or no draft model."""
+                ngram: Optional[Tuple[int, int]] = None, target=None,
+                block: Optional[str] = None) -> Dict[str, object]:
+    """{"model PATH": the draft model (the shipped micro-draft by default), "block PATH":
+    a DFlash / DSpark block drafter bound to `target` (one process; the shipped
+    micro-dspark by default), "ngram N..M": an `NgramDraft` of sizes `ngram` (n_max,
+    n_min; default the module's)}, for the names asked. ValueError for another name, no
+    draft model, or "block" without a target."""
     from kimi_mlx.speculative.loop import load_draft
     from kimi_mlx.speculative.ngram import NgramDraft
 
@@ -246,6 +257,15 @@ def load_drafts(drafts: List[str], draft: Optional[str], wrapper, spec: str,
             if path is None:
                 raise ValueError("no --draft-model and no shipped micro-draft")
             out[f"model {path}"] = load_draft(str(path), wrapper, spec)
+        elif name == "block":
+            from kimi_mlx.speculative.block_drafter import load_block_drafter
+            from kimi_mlx.speculative.block_loop import BlockDraft
+
+            path = block or default_block_draft()
+            if path is None or target is None:
+                raise ValueError("the block draft needs --block-draft (or the shipped "
+                                 "micro-dspark) and runs in one process only")
+            out[f"block {path}"] = BlockDraft(load_block_drafter(path, target))
         elif name == "ngram":
             d = NgramDraft(*ngram) if ngram else NgramDraft()
             out[f"ngram {d.n_min}..{d.n_max}"] = d
@@ -257,7 +277,8 @@ def load_drafts(drafts: List[str], draft: Optional[str], wrapper, spec: str,
 def main(model: Optional[str], draft: Optional[str], tokens: int, ks: List[int],
          repeats: int, n_prompts: int, drafts: List[str] = ("model",),
          workloads: List[str] = ("ordinary",), ngram_ks: Optional[List[int]] = None,
-         ngram: Optional[Tuple[int, int]] = None, copy_tokens: Optional[int] = None) -> int:
+         ngram: Optional[Tuple[int, int]] = None, copy_tokens: Optional[int] = None,
+         block: Optional[str] = None) -> int:
     """Rows for every draft x workload (the n-gram draft over `ngram_ks`, default `ks`;
     the copy workload generating `copy_tokens`, default `tokens`), printed, then the
     rollback cost. Returns the exit status (2: a draft is missing)."""
@@ -267,7 +288,7 @@ def main(model: Optional[str], draft: Optional[str], tokens: int, ks: List[int],
     spec = resolve_model_arg(model)
     target, wrapper, tok, _ = load_for_generation(spec)
     try:
-        loaded = load_drafts(list(drafts), draft, wrapper, spec, ngram)
+        loaded = load_drafts(list(drafts), draft, wrapper, spec, ngram, target, block)
         prompts = {w: workload_prompts(Path(spec), tok, w, n_prompts) for w in workloads}
     except ValueError as e:
         print(f"kimi-mlx bench spec: {e}")

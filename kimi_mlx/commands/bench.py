@@ -53,9 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--model", default=None, help="target (default: the shipped micro model)")
     s.add_argument("--draft-model", default=None,
                    help="draft (default: the shipped micro-draft)")
-    s.add_argument("--drafts", default="model,ngram",
-                   help="drafts to measure: model (--draft-model), ngram (prompt lookup, "
-                        "--draft ngram); default model,ngram")
+    s.add_argument("--block-draft", default=None,
+                   help="DFlash / DSpark block drafter (default: the shipped micro-dspark)")
+    s.add_argument("--drafts", default="model,block,ngram",
+                   help="drafts to measure: model (--draft-model), block (--block-draft, "
+                        "one process only), ngram (prompt lookup, --draft ngram); default "
+                        "model,block,ngram")
     s.add_argument("--workloads", default="ordinary,copy",
                    help="ordinary (held-out code and prose), copy (a block of source code "
                         "followed by its first half again, to be continued); default both")
@@ -163,15 +166,17 @@ def run(args: argparse.Namespace) -> int:
             more["ngram"] = (args.ngram_max or DEFAULT_NGRAM_MAX,
                              args.ngram_min or DEFAULT_NGRAM_MIN)
         rc = spec_main(args.model, args.draft_model, args.tokens, ks, args.repeats,
-                       args.prompts, **more)
+                       args.prompts, block=args.block_draft, **more)
         if rc or args.stages < 1:
             return rc
         from kimi_mlx.cluster.bench.spec import main as pipeline_main
 
         print()
+        # a block drafter reads the target's hidden states: one process only, for now
+        more["drafts"] = [d for d in more["drafts"] if d != "block"]
         fixed = [k for k in ks if isinstance(k, int)]  # the pipeline rows: fixed k only
         more["ngram_ks"] = [k for k in more["ngram_ks"] if isinstance(k, int)] or fixed
-        if not fixed:
+        if not fixed or not more["drafts"]:
             return rc
         return pipeline_main(args.model, args.draft_model, args.tokens, fixed,
                              args.stage_repeats, args.stage_prompts, args.stages, **more)

@@ -141,8 +141,10 @@ def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = 
     `note` is appended to --draft-model's help (e.g. the server's concurrency rule);
     `mtp`: the command also has --draft mtp (`add_mtp_argument`), which the help names."""
     p.add_argument("--draft-model", default=None,
-                   help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint or "
-                        "any mlx-lm model with the same tokenizer (output stays the model's)"
+                   help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint, "
+                        "any mlx-lm model with the same tokenizer, or a DFlash / DSpark "
+                        "block drafter folder (config.json with dflash_config; one process "
+                        "only) (output stays the model's)"
                         + note)
     p.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=None,
                    help=f"tokens the draft proposes per verify step (default "

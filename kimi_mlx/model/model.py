@@ -116,7 +116,7 @@ class TextModel(nn.Module):
 
     def run_layers(
         self, h: mx.array, banks: Banks, cache: Optional[List[Any]] = None,
-        eval_each: bool = False,
+        eval_each: bool = False, capture: Optional[Dict[int, Optional[mx.array]]] = None,
     ) -> Tuple[mx.array, Banks]:
         """Run this range's layers on partial sum h [B, L, D] with the banks so far.
 
@@ -126,10 +126,15 @@ class TextModel(nn.Module):
             building token t + 1 while token t computes, but a stage cannot start before
             its input arrives, so construction (~0.3 ms a layer on the CPU backend) would
             add to every hop. Not for use inside `mx.compile` or autodiff transforms.
+        capture: layer index -> None, filled in with what that layer (if in this range)
+            returns, [B, L, D]: the hidden states a block drafter reads
+            (`kimi_mlx.speculative.block_drafter`). None (the default) costs nothing.
         """
         cache = cache or [None] * (self.end - self.start)
         for layer, c in zip(self.local_layers, cache):
             h, banks = layer(h, banks, c)
+            if capture is not None and layer.idx in capture:
+                capture[layer.idx] = h
             if eval_each:
                 mx.async_eval(h)
         return h, banks

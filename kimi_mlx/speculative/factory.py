@@ -12,7 +12,7 @@ from kimi_mlx.speculative.auto_k import draft_policy
 from kimi_mlx.speculative.loop import Speculation, load_draft
 from kimi_mlx.speculative.settings import DraftSettings
 
-__all__ = ["build_speculation", "check_draft_target", "ONE_PROCESS", "PIPELINE", "TENSOR"]
+__all__ = ["block_drafter_path", "build_speculation", "check_draft_target", "ONE_PROCESS", "PIPELINE", "TENSOR"]
 
 # what runs the target's forward passes, as the factory is told
 ONE_PROCESS, PIPELINE, TENSOR = "one process", "pipeline", "tensor group"
@@ -23,13 +23,40 @@ _MTP_NEEDS = ("--draft mtp: the MTP draft runs in one process only (kimi-mlx gen
               "--draft-model or --draft ngram there")
 
 
+_BLOCK_NEEDS = ("--draft-model {path}: a DFlash / DSpark block drafter runs in one process "
+                "only (kimi-mlx generate, chat or server) for now: it drafts from the "
+                "target's hidden states at its target_layer_ids, which {where} does not "
+                "return; use a causal --draft-model or --draft ngram there")
+
+
+def block_drafter_path(spec: Optional[str]):
+    """The local folder of `--draft-model spec` when it holds a DFlash / DSpark block
+    drafter (its config.json has a `dflash_config`), else None. Reads no weights and
+    downloads nothing (a hub id not yet local is not recognised here)."""
+    import json
+    from pathlib import Path
+
+    from kimi_mlx.speculative.block_drafter import is_block_drafter
+
+    if not spec:
+        return None
+    cfg = Path(spec) / "config.json"
+    try:
+        return Path(spec) if is_block_drafter(json.loads(cfg.read_text())) else None
+    except (OSError, ValueError):
+        return None
+
+
 def check_draft_target(settings: Optional[DraftSettings], where: str) -> None:
     """InputError when `settings` asks for a draft that cannot run on `where`
     (ONE_PROCESS, PIPELINE or TENSOR), naming the flag and the reason: `--draft mtp`
-    needs the target's hidden states, which only one process has. Call it before
-    anything loads, so a wrong combination fails fast."""
+    and a block drafter (`--draft-model` on a DFlash / DSpark folder) need the target's
+    hidden states, which only one process has. Call it before anything loads, so a
+    wrong combination fails fast."""
     if settings is not None and settings.kind == "mtp" and where != ONE_PROCESS:
         raise InputError(_MTP_NEEDS.format(where=f"a {where}"))
+    if settings is not None and where != ONE_PROCESS and block_drafter_path(settings.model):
+        raise InputError(_BLOCK_NEEDS.format(path=settings.model, where=f"a {where}"))
 
 
 def build_speculation(settings: Optional[DraftSettings], *, where: str, target_wrapper=None,
@@ -46,7 +73,8 @@ def build_speculation(settings: Optional[DraftSettings], *, where: str, target_w
             settings front ends without per-request sampling (generate, chat) draw with.
     Raises:
         InputError: a draft `where` cannot run. CheckpointError (ValueError): `--draft
-        mtp` on a checkpoint without MTP layers. TokenizerMismatch: a draft model with
+        mtp` on a checkpoint without MTP layers; a block drafter (DFlash / DSpark
+        folder) made for another target (`block_drafter.check_target`). TokenizerMismatch: a draft model with
         another tokenizer. What loading a checkpoint raises.
     """
     if settings is None:
@@ -63,6 +91,14 @@ def build_speculation(settings: Optional[DraftSettings], *, where: str, target_w
         if model is None:
             raise InputError("--draft mtp needs the loaded target model")
         draft = load_mtp(resolve(target_name), model, depths=1)
+    elif block_drafter_path(settings.model) is not None:
+        from kimi_mlx.speculative.block_drafter import load_block_drafter
+        from kimi_mlx.speculative.block_loop import BlockDraft
+
+        if model is None:
+            raise InputError(f"--draft-model {settings.model}: a block drafter needs the "
+                             "loaded target model")
+        draft = BlockDraft(load_block_drafter(block_drafter_path(settings.model), model))
     else:
         draft = load_draft(settings.model, target_wrapper, target_name)
     k = settings.num_draft_tokens

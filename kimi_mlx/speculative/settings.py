@@ -24,10 +24,11 @@ DRAFT_KINDS = ("mtp", "ngram")  # --draft KIND: drafts without a separate draft 
 class DraftSettings:
     """One kind of draft and its settings.
 
-    model: a draft checkpoint (`--draft-model`: a kimi-mlx checkpoint or an mlx-lm model
-    with the target's tokenizer), or None. kind: "mtp" (the target checkpoint's own MTP
-    layers) or "ngram" (prompt lookup), or None with a model. num_draft_tokens: k >= 1,
-    or "auto" / "auto:N" (k chosen per step up to N, `kimi_mlx.speculative.auto_k`).
+    model: a draft checkpoint (`--draft-model`: a kimi-mlx checkpoint, an mlx-lm model
+    with the target's tokenizer, or a DFlash / DSpark block drafter folder), or None.
+    kind: "mtp" (the target checkpoint's own MTP layers) or "ngram" (prompt lookup), or
+    None with a model. num_draft_tokens: k >= 1, or "auto" / "auto:N" (k chosen per step
+    up to N, `kimi_mlx.speculative.auto_k`).
     ngram_max / ngram_min: `--draft ngram`'s sizes, 1 <= min <= max.
     Raises:
         ValueError: neither or both of model and kind, an unknown kind, k < 1, or n-gram

@@ -1,0 +1,295 @@
+"""Train the shipped DSpark block drafter for the micro model (`make micro-dspark`): a few
+minutes on 2 busy CPU cores.
+
+A DSpark drafter in the released layout (`kimi_mlx.speculative.block_drafter`): two
+Qwen3-style layers (hidden 128 = micro's, 4 heads of 32), the low-rank Markov head (rank
+32), block of 8 proposals, `mask_token_id` = micro's `<|reserved_token_4104|>`, reading
+all six of micro's layers (`target_layer_ids`); the embedding and lm_head are micro's
+own (not stored, as in the released drafters).
+
+Data: micro's own outputs. Windows of the micro training corpus (`kimi_mlx.micro.corpus`,
+stdlib code and prose) are used as prompts and continued greedily by micro; micro then
+runs over each whole sequence once to capture its hidden states at those layers. Labels
+of the continuation are micro's argmax, which is exactly what greedy verification
+accepts. Training (DFlash / DSpark recipe): per sequence, anchors a in the continuation;
+the block [t_a, mask x (k-1)] (k drawn in 2..8 per anchor, so that every k drafts well)
+at positions a.. attends to the context of positions < a (the target's hiddens there) and
+predicts t_{a+1..a+k}; the Markov term is teacher-forced with the true previous token;
+loss: half cross-entropy against micro's greedy tokens, half against micro's distribution
+(soft labels), weighted 0.8^i at block position i (the later positions matter less: they
+are only reached when every earlier one is accepted).
+Only the drafter trains; micro is frozen.
+
+Writes, atomically, `kimi_mlx/assets/micro-dspark`: config.json, model.safetensors
+(BF16), eval.json (acceptance), MODEL_CARD.md.
+
+Run: `python -m kimi_mlx.micro.dspark_train [--out DIR] [--steps N] [--seed S]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+from kimi_mlx.micro.train import ASSET_DIR, replace_dir
+
+OUT_DIR = ASSET_DIR.parent / "micro-dspark"
+MASK_TOKEN = 4104  # <|reserved_token_4104|> in micro's tokenizer
+LAYER_IDS = [0, 1, 2, 3, 4, 5]
+
+
+def drafter_config(target_args, proposals: int = 8, rank: int = 32) -> Dict:
+    """The config.json, in the released DSpark layout."""
+    return {
+        "architectures": ["DSparkDraftModel"], "model_type": "qwen3",
+        "hidden_size": target_args.hidden_size, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "head_dim": 32, "vocab_size": target_args.vocab_size, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 4096, "hidden_act": "silu",
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+        "dflash_config": {"projector_type": "dspark", "block_size": proposals,
+                          "mask_token_id": MASK_TOKEN, "target_layer_ids": LAYER_IDS,
+                          "num_target_layers": target_args.num_hidden_layers,
+                          "markov_rank": rank, "markov_head_type": "vanilla",
+                          "sample_from_anchor": True, "enable_confidence_head": False},
+    }
+
+
+def greedy_sequences(model, prompts: np.ndarray, new: int) -> np.ndarray:
+    """prompts [B, P] int32 continued by `new` greedy tokens of micro -> [B, P + new]."""
+    cache = model.make_cache()
+    logits = model(mx.array(prompts), cache=cache)[:, -1]
+    out = [mx.argmax(logits, axis=-1)]
+    for _ in range(new - 1):
+        logits = model(out[-1][:, None], cache=cache)[:, -1]
+        out.append(mx.argmax(logits, axis=-1))
+        mx.async_eval(out[-1])
+    gen = np.array(mx.stack(out, axis=1)).astype(np.int32)
+    return np.concatenate([prompts, gen], axis=1)
+
+
+def captured(model, seqs: np.ndarray, batch: int = 32):
+    """micro over whole sequences [N, T]: (hiddens at LAYER_IDS [N, T, n * d] float16,
+    next-token log-probabilities [N, T, V] float16)."""
+    from kimi_mlx.speculative.block_loop import target_forward
+
+    hs, lps = [], []
+    for s in range(0, len(seqs), batch):
+        logits, h = target_forward(model, mx.array(seqs[s : s + batch]), None, LAYER_IDS)
+        logits = logits.astype(mx.float32)
+        lp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        hs.append(np.array(h.astype(mx.float16)))
+        lps.append(np.array(lp.astype(mx.float16)))
+    return np.concatenate(hs), np.concatenate(lps)
+
+
+def block_loss(drafter, hidden: mx.array, tokens: mx.array, teacher: mx.array,
+               anchors: List[Tuple[int, int]], weights: mx.array):
+    """Mean over the blocks at `anchors` (a, k) (shared by the batch rows) of the
+    0.8^i-weighted cross-entropy, half against the tokens (micro's greedy choices), half
+    against micro's distribution (soft labels, Hinton et al. 2015).
+
+    hidden [B, T, n d] float32, tokens [B, T] int32, teacher [B, T, V] float32 log-probs
+    of the token after each position; the block at anchor a (k proposals) predicts
+    tokens[a + 1 .. a + k] from the context < a."""
+    ctx = drafter.context(hidden)
+    kvs = [l.self_attn.kv(ctx, drafter._rope, 0) for l in drafter.layers]
+    total = 0.0
+    for a, k in anchors:
+        kv = [(kk[:, :, :a], vv[:, :, :a]) for kk, vv in kvs]
+        x = drafter.block_inputs(tokens[:, a], k)
+        h = drafter.block_hidden(x, kv, a)
+        logits = drafter.logits(h).astype(mx.float32)  # [B, k, V]
+        prev = tokens[:, a : a + k]  # teacher-forced Markov input
+        logits = logits + drafter.markov_head(prev).astype(mx.float32)
+        lq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        hard = nn.losses.cross_entropy(logits, tokens[:, a + 1 : a + 1 + k])  # [B, k]
+        soft = -(mx.exp(teacher[:, a : a + k]) * lq).sum(axis=-1)
+        w = weights[:k]
+        total = total + ((0.5 * hard + 0.5 * soft) * w).sum(axis=-1).mean() / w.sum()
+    return total / len(anchors)
+
+
+def acceptance(model, drafter, prompts: List[List[int]], k: int, max_tokens: int) -> Dict:
+    """Greedy speculative runs with the drafter: accepted drafts per verify step at k."""
+    from kimi_mlx.speculative.block_loop import BlockDraft, block_generate_step
+    from kimi_mlx.speculative.loop import SpecStats
+
+    st = SpecStats()
+    for p in prompts:
+        for _ in block_generate_step(p, model, BlockDraft(drafter), num_draft_tokens=k,
+                                     max_tokens=max_tokens, stats=st):
+            pass
+    return {"k": k, "steps": st.steps, "mean_accepted": st.mean_accepted,
+            "acceptance_rate": st.acceptance_rate,
+            "tokens_per_step": st.emitted / max(st.steps, 1)}
+
+
+def model_card(info: Dict) -> str:
+    t, e = info["training"], info["eval"]
+    acc = "\n".join(f"| {a['k']} | {a['mean_accepted']:.2f} | {100 * a['acceptance_rate']:.0f}% "
+                    f"| {a['tokens_per_step']:.2f} |" for a in e["acceptance"])
+    return f"""# micro-dspark: a DSpark block drafter for `micro`
+
+The released DSpark drafter format (config.json with `dflash_config`, safetensors; read
+by `kimi_mlx.speculative.block_drafter`, the same layout mlx-vlm 0.7.10 loads) at micro's
+scale: {info['config']['num_hidden_layers']} Qwen3-style layers, hidden {info['config']['hidden_size']}, Markov rank
+{info['config']['dflash_config']['markov_rank']}, blocks of
+{info['config']['dflash_config']['block_size']} proposals, reading micro's layers
+{LAYER_IDS}; {info['parameters']:,} parameters of its own (embedding and lm_head are
+micro's). Built by `make micro-dspark` (`python -m kimi_mlx.micro.dspark_train`).
+
+Use: `kimi-mlx generate --model kimi_mlx/assets/micro --draft-model
+kimi_mlx/assets/micro-dspark --num-draft-tokens 4 ...` (one process).
+
+## Training
+
+On micro's own outputs: {t['sequences']} corpus windows of {t['prompt_len']} tokens
+continued greedily by micro to {t['seq_len']} tokens; micro's hiddens captured once.
+{t['steps']} AdamW steps, batch {t['batch']} sequences x {t['anchors']} anchors, peak lr
+{t['lr']}, seed {t['seed']}: {t['wall_seconds'] / 60:.1f} min on {info['machine']} (shared
+with other jobs), {info['total_seconds'] / 60:.1f} min in all. Final loss {t['final_loss']:.3f}.
+
+## Evaluation
+
+Greedy speculative decoding with micro ({e['prompts']} held-out prompts, {e['max_tokens']}
+tokens each):
+
+| k (drafts per step) | accepted per step | of drafted | tokens per target pass |
+|---|---|---|---|
+{acc}
+
+Speed figures: `kimi-mlx bench spec` (its "block" draft; `--block-draft` for another).
+"""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.dspark_train")
+    p.add_argument("--teacher", type=Path, default=ASSET_DIR, help="the micro checkpoint")
+    p.add_argument("--out", type=Path, default=OUT_DIR, help="drafter folder to (re)write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sequences", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--seq-len", type=int, default=112)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--anchors", type=int, default=4)
+    p.add_argument("--lr", type=float, default=4e-3)
+    p.add_argument("--max-mb", type=float, default=4.0, help="refuse a bigger folder")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from kimi_mlx.checkpoint.loader import load_model
+    from kimi_mlx.micro.corpus import DOMAINS, build_corpus
+    from kimi_mlx.micro.train import token_streams
+    from kimi_mlx.speculative.block_drafter import (BlockDrafter, load_block_drafter,
+                                                    read_block_config)
+    from kimi_mlx.text.tokenizer import KimiTokenizer
+
+    cfg = parse_args(argv)
+    t_start = time.perf_counter()
+    log = lambda *a: print("[micro-dspark]", *a, file=sys.stderr, flush=True)  # noqa: E731
+    rng = np.random.default_rng(cfg.seed)
+    mx.random.seed(cfg.seed)
+
+    model, _, _ = load_model(cfg.teacher)
+    model.eval()
+    tok = KimiTokenizer.from_pretrained(cfg.teacher)
+    corpus = build_corpus()
+    streams = token_streams(tok, corpus, "train")
+    prompts = []
+    for i in range(cfg.sequences):
+        s = streams[DOMAINS[i % len(DOMAINS)]]
+        o = int(rng.integers(0, len(s) - cfg.prompt_len))
+        prompts.append(s[o : o + cfg.prompt_len])
+    new = cfg.seq_len - cfg.prompt_len
+    seqs = np.concatenate([greedy_sequences(model, np.stack(prompts[s : s + 128]), new)
+                           for s in range(0, cfg.sequences, 128)])
+    hid, tlp = captured(model, seqs)
+    log(f"{len(seqs)} sequences of {seqs.shape[1]} tokens generated and captured "
+        f"({time.perf_counter() - t_start:.0f}s)")
+
+    config = drafter_config(model.args)
+    bc = read_block_config(config)
+    drafter = BlockDrafter(bc).bind_target(model)
+    n_params = sum(v.size for _, v in tree_flatten(drafter.parameters()))
+    k = bc.proposals
+    weights = mx.array(0.8 ** np.arange(k), mx.float32)
+    opt = optim.AdamW(learning_rate=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    vg = nn.value_and_grad(drafter, block_loss)
+    t0, history, avg = time.perf_counter(), [], None
+    lo = cfg.prompt_len  # anchors inside micro's own continuation
+    for i in range(cfg.steps):
+        opt.learning_rate = cfg.lr * min(1.0, (i + 1) / 30) * 0.5 * (1 + np.cos(np.pi * i / cfg.steps))
+        rows = rng.integers(0, len(seqs), cfg.batch)
+        # random block lengths 2..k: inference drafts blocks of any k <= the block
+        anchors = [(int(a), int(rng.integers(2, k + 1)))
+                   for a in rng.integers(lo, seqs.shape[1] - k - 1, cfg.anchors)]
+        end = max(a for a, _ in anchors) + k + 1
+        h = mx.array(hid[rows, :end]).astype(mx.float32)
+        t = mx.array(seqs[rows, :end])
+        lp = mx.array(tlp[rows, :end]).astype(mx.float32)
+        loss, grads = vg(drafter, h, t, lp, anchors, weights)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(drafter, grads)
+        mx.eval(loss, drafter.parameters(), opt.state)
+        avg = loss.item() if avg is None else 0.95 * avg + 0.05 * loss.item()
+        if i % 50 == 0 or i == cfg.steps - 1:
+            el = time.perf_counter() - t0
+            log(f"step {i}/{cfg.steps} loss {avg:.3f} {el:.0f}s")
+            history.append({"step": i, "loss": avg, "seconds": el})
+    wall = time.perf_counter() - t0
+
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cfg.out.name}.", dir=cfg.out.parent))
+    try:
+        ck = tmp / "ckpt"
+        ck.mkdir()
+        (ck / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+        own = {n: v.astype(mx.bfloat16) for n, v in tree_flatten(drafter.parameters())}
+        mx.save_safetensors(str(ck / "model.safetensors"), own, metadata={"format": "mlx"})
+        loaded = load_block_drafter(ck, target=model)
+        held = {d: tok.encode(corpus.text("heldout", d))[:4096] for d in DOMAINS}
+        eval_prompts = [held[d][o : o + 24] for d in DOMAINS for o in (0, 700, 1400)]
+        max_tokens = 48
+        acc = [acceptance(model, loaded, eval_prompts, kk, max_tokens) for kk in (2, 3, 4, 6, 8)]
+        log(", ".join(f"k={a['k']}: {a['mean_accepted']:.2f}/step" for a in acc))
+        info = {
+            "config": config, "parameters": n_params, "teacher": cfg.teacher.name,
+            "machine": f"{platform.machine()} {os.cpu_count()} cores, MLX {mx.__version__} CPU",
+            "training": {"sequences": cfg.sequences, "prompt_len": cfg.prompt_len,
+                         "seq_len": cfg.seq_len, "steps": cfg.steps, "batch": cfg.batch,
+                         "anchors": cfg.anchors, "lr": cfg.lr, "seed": cfg.seed,
+                         "wall_seconds": wall, "final_loss": avg, "history": history},
+            "eval": {"acceptance": acc, "prompts": len(eval_prompts), "max_tokens": max_tokens},
+        }
+        info["total_seconds"] = time.perf_counter() - t_start
+        (ck / "eval.json").write_text(json.dumps(info, indent=1) + "\n")
+        (ck / "MODEL_CARD.md").write_text(model_card(info))
+        total = sum(f.stat().st_size for f in ck.iterdir())
+        if total > cfg.max_mb * 1e6:
+            raise RuntimeError(f"drafter folder is {total / 1e6:.1f} MB, over --max-mb {cfg.max_mb}")
+        replace_dir(ck, cfg.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"wrote {cfg.out} ({total / 1e6:.2f} MB) in {(time.perf_counter() - t_start) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
