@@ -2,7 +2,8 @@
 patchify (`kimi_mlx.vision.preprocess`) against mlx-vlm 0.7.10's `KimiK3ImageProcessor`,
 then our tower + projector against mlx-vlm's `kimi_k3` tower on those patches, on wide
 and tall pictures whose merged grids have odd sides and whose sides are exact multiples
-of 28 px or one pixel over (the pad rule's edges).
+of 28 px or one pixel over (the pad rule's edges); and the shipped micro-vision's answers
+on non-square pictures drawn here (not by the trainer's `draw`).
 
 What these catch (each checked by a deliberate mutation when written): height and width
 swapped anywhere (grid, patch order, position-embedding resize, RoPE, merge), a wrong
@@ -10,6 +11,7 @@ position-embedding interpolation (align_corners, bicubic for bilinear, a transpo
 table), and an off-by-one in the pad rule."""
 
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -20,6 +22,8 @@ from kimi_mlx.testing.checkpoints import rel_err, tolerance
 from kimi_mlx.vision.preprocess import preprocess
 
 from test_vision import _config, _reference  # noqa: E402  (tests/ is on sys.path)
+
+ASSET = Path(__file__).resolve().parents[1] / "kimi_mlx" / "assets" / "micro-vision"
 
 # (width, height): merged grids (h/2 x w/2) with odd sides; sides exact multiples of 28
 # px and one pixel over (no pad vs a 27-px strip of pad); wide and tall. (Pictures the
@@ -100,3 +104,66 @@ def test_resized_non_square_picture_matches_mlx_vlm():
         assert [int(v) for v in np.array(theirs["grid_thws"])[0]] == [1, *mine.grid]
         assert mine.grid[0] != mine.grid[1] and mine.grid[0] * mine.grid[1] < (w // 14) * (h // 14)
         np.testing.assert_allclose(mine.patches, np.array(theirs["pixel_values"]), rtol=0, atol=2e-7)
+
+
+# ------------------------------------------------------------------ the shipped model
+
+
+def _own_picture(shape, rgb, w, h, rng):
+    """A W x H picture drawn independently of the trainer: light background (230-255),
+    one filled shape of outer radius 0.2-0.35 of the short side (a circle, a square of
+    half side 0.8 r, an equilateral triangle or a five-pointed star with inner radius
+    0.42 r, point up) fully inside, at a random place."""
+    from PIL import ImageDraw
+
+    im = Image.new("RGB", (w, h), tuple(int(v) for v in rng.integers(230, 256, 3)))
+    d = ImageDraw.Draw(im)
+    r = float(rng.uniform(0.2, 0.35)) * min(w, h)
+    cx, cy = float(rng.uniform(r + 1, w - r - 1)), float(rng.uniform(r + 1, h - r - 1))
+    if shape == "circle":
+        d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=rgb)
+    elif shape == "square":
+        d.rectangle([cx - 0.8 * r, cy - 0.8 * r, cx + 0.8 * r, cy + 0.8 * r], fill=rgb)
+    else:
+        k = 3 if shape == "triangle" else 10
+        rad = [r if i % 2 == 0 or shape == "triangle" else 0.42 * r for i in range(k)]
+        d.polygon([(cx + rad[i] * math.sin(2 * math.pi * i / k), cy - rad[i] * math.cos(2 * math.pi * i / k))
+                   for i in range(k)], fill=rgb)
+    return im
+
+
+@pytest.mark.skipif(not (ASSET / "config.json").exists(), reason="micro-vision not shipped")
+def test_shipped_model_names_non_square_pictures():
+    """8 non-square pictures (wide and tall, 1:3 to 3:1, 70-440 px; the issue's 300 x 200
+    among them), each shape twice: at least 6 greedy replies through the `generate --image`
+    path name both the colour and the shape (the model card measures ~76 % on its 120
+    held-out pictures, 100 % colour; the 112 x 112-only model it replaced named 13 %)."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from kimi_mlx.checkpoint.loader import load_for_generation
+    from kimi_mlx.generation.images import Vision, media_pad_id, prompt_embeddings
+    from kimi_mlx.generation.request import build_prompt
+    from kimi_mlx.micro.vision_train import COLOURS
+    from kimi_mlx.text.reply_parse import parse_reply
+
+    model, wrapper, tok, config = load_for_generation(str(ASSET))
+    vision = Vision(ASSET)
+    pad = media_pad_id(tok, config)
+    rng = np.random.default_rng(37)
+    cases = [("circle", "red", 300, 200), ("square", "blue", 84, 252), ("triangle", "green", 440, 150),
+             ("star", "orange", 150, 400), ("circle", "purple", 170, 70), ("square", "yellow", 120, 330),
+             ("triangle", "orange", 252, 112), ("star", "green", 96, 230)]
+    bad, replies = [], []
+    for shape, colour, w, h in cases:
+        im = preprocess(_own_picture(shape, COLOURS[colour], w, h, rng))
+        ids = build_prompt(tok, "What is in the image?", None, False, "max", [im])
+        emb = prompt_embeddings(model, vision, ids, [im], pad)
+        text = "".join(r.text for r in stream_generate(model, wrapper, ids, max_tokens=24,
+                                                        sampler=make_sampler(0.0), input_embeddings=emb))
+        words = parse_reply(text)["content"].lower().replace(".", " ").split()
+        replies.append(f"{w}x{h} {colour} {shape}: {' '.join(words)!r}")
+        if not (colour in words and shape in words):
+            bad.append(replies[-1])
+    print("\n".join(replies))
+    assert len(bad) <= 2, "\n".join(bad)
