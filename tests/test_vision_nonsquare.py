@@ -5,10 +5,16 @@ and tall pictures whose merged grids have odd sides and whose sides are exact mu
 of 28 px or one pixel over (the pad rule's edges); and the shipped micro-vision's answers
 on non-square pictures drawn here (not by the trainer's `draw`).
 
-What these catch (each checked by a deliberate mutation when written): height and width
-swapped anywhere (grid, patch order, position-embedding resize, RoPE, merge), a wrong
-position-embedding interpolation (align_corners, bicubic for bilinear, a transposed
-table), and an off-by-one in the pad rule."""
+What the mlx-vlm comparisons catch (each checked by a deliberate mutation when written,
+`test_non_square_picture_matches_mlx_vlm_end_to_end` failing on every one): the grid
+reported as (w, h) by preprocess (test_vision.py, which feeds both towers its own
+patches, did not catch it),
+a whole 28-px pad strip on exact multiples (nor this), the position-embedding resize with
+h and w swapped, align_corners interpolation, a transposed position table, RoPE height
+first, and merged rows in column-major order. The model-answer test does NOT catch the
+transpositions: with the grid, the position resize or RoPE transposed, the shipped
+model's 8 replies stay the same (it names colour and shape from local patch features),
+so the comparisons above are the guard; the answer test guards the trained weights."""
 
 import math
 from pathlib import Path

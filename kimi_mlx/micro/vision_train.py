@@ -575,6 +575,14 @@ def init_note(t: Dict) -> str:
             " more than this shared machine's CPU allowed).")
 
 
+def heads_text(t: Dict) -> str:
+    """Stage 1's held-out head accuracies for the model card ("none" when skipped)."""
+    h = t.get("tower_heldout")
+    if not h:
+        return "none (stage 1 skipped: --tower-steps 0)"
+    return f"colour {100 * h['colour']:.1f} %, shape {100 * h['shape']:.1f} %"
+
+
 def model_card(info: Dict) -> str:
     """MODEL_CARD.md text from the run's figures (`info` as written to eval.json)."""
     ev, t = info["eval"], info["train"]
@@ -625,8 +633,7 @@ grid, as many as fit the step's patch / token budget.
   projector row (heads dropped afterwards), {t['tower_steps']} steps of about
   {t['tower_patches']} patches (4 to 96 pictures), AdamW lr {t['tower_lr']} (50 warm-up steps,
   cosine decay to 1/20, weight decay 0.01), {t['stage1_minutes']:.1f} min. Head accuracy on
-  {8 * t['tower_eval_grids']} held-out pictures ({t['tower_eval_grids']} grids) at the end: colour
-  {100 * t['tower_heldout']['colour']:.1f} %, shape {100 * t['tower_heldout']['shape']:.1f} %;
+  {8 * t['tower_eval_grids']} held-out pictures ({t['tower_eval_grids']} grids) at the end: {heads_text(t)};
 - stage 2: tower frozen; projector and the text model's non-expert weights (the MXFP4
   experts, KDA conv / A_log / dt_bias and router biases frozen) on the answer tokens
   (cross-entropy on the reply only), {t['answer_steps']} steps of about {t['answer_tokens']} image
