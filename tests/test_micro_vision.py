@@ -9,7 +9,10 @@ import numpy as np
 import pytest
 
 from kimi_mlx.commands.main import main
-from kimi_mlx.micro.vision_train import COLOURS, SHAPES, SIZE, answer, draw, reply_segments
+from kimi_mlx.micro.vision_train import (ASPECT_BUCKETS, COLOURS, SHAPES, SIDES, SIZE, SIZE_BUCKETS, answer,
+                                        bucket_of, draw, fast_preprocess, grid_of, heldout_sizes,
+                                        reply_segments, sample_size, sizes_in_cell)
+from kimi_mlx.vision.preprocess import preprocess
 from kimi_mlx.text.chat_format import encode_segments
 from kimi_mlx.text.reply_parse import parse_reply
 from kimi_mlx.text.tokenizer import KimiTokenizer
@@ -42,6 +45,38 @@ def test_shapes_differ_in_how_much_of_their_box_they_fill():
         fill[shape] = fg.sum() / ((np.ptp(ys) + 1) * (np.ptp(xs) + 1))
     assert fill["square"] > 0.95 and 0.7 < fill["circle"] < 0.85
     assert 0.4 < fill["triangle"] < 0.6 and fill["star"] < 0.45
+
+
+def test_training_sizes_cover_the_range_and_batch_by_grid():
+    """Sizes 56-448 px a side, aspect 1:3-3:1, small ones more often; a grid's cell
+    holds only sizes of that grid (by `preprocess`, the release's rule, not `grid_of`);
+    `fast_preprocess` gives `preprocess`'s patches bit for bit on non-square pictures."""
+    rng = np.random.default_rng(5)
+    sizes = [sample_size(rng) for _ in range(3000)]
+    w, h = np.array(sizes).T
+    assert w.min() >= SIDES[0] and h.min() >= SIDES[0] and max(w.max(), h.max()) <= SIDES[1]
+    ratio = w / h
+    assert ratio.min() >= 1 / 3 and ratio.max() <= 3 and ratio.min() < 0.4 and ratio.max() > 2.5
+    assert (np.maximum(w, h) < 224).mean() > 0.5  # small pictures (cheap) come more often
+    for grid in [(4, 4), (10, 22), (32, 12), (6, 18)]:
+        for cw, ch in sizes_in_cell(grid, 4, rng):
+            img = draw("triangle", "green", rng, (cw, ch))
+            want, got = preprocess(img), fast_preprocess(img)
+            assert want.grid == got.grid == grid == grid_of(cw, ch), (cw, ch)
+            assert np.array_equal(want.patches, got.patches)
+
+
+def test_heldout_pictures_fill_every_bucket():
+    sizes = heldout_sizes(120, np.random.default_rng(10000))
+    counts = {}
+    for w, h in sizes:
+        for b in bucket_of(w, h):
+            counts[b] = counts.get(b, 0) + 1
+    # picture i: size bucket i % 3, aspect bucket (i // 3) % 3 (i // 3 runs 0..39)
+    want = {name: 40 for name, _, _ in SIZE_BUCKETS}
+    want.update(zip((name for name, _, _ in ASPECT_BUCKETS), (42, 39, 39)))
+    assert counts == want
+    assert bucket_of(300, 200) == ("224-448", "near square") and bucket_of(84, 252) == ("224-448", "tall 1:3-1:1.5")
 
 
 def test_answer_format_parses_as_the_reply_content():

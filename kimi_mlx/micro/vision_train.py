@@ -2,31 +2,39 @@
 
 Each picture is one filled shape (circle, square, triangle, star) in one of six colours
 (red, green, blue, yellow, purple, orange) at a random position and size on a plain
-light background (`draw`). Asked "What is in the image?" through the K3.1 chat encoding
-(any thinking effort), the model is trained to answer with an empty think block and the
-response "a COLOUR SHAPE".
+light background (`draw`), of any size from 56 to 448 px a side and any aspect ratio
+from 1:3 to 3:1 (`sample_size`: each side log-uniform, so small pictures come more
+often). Asked "What is in the image?" through the K3.1 chat encoding (any thinking
+effort), the model is trained to answer with an empty think block and the response
+"a COLOUR SHAPE".
 
 The checkpoint is the shipped micro text model (lightly tuned: its non-expert weights;
 the MXFP4 experts and the F32 KDA / router tensors stay as they are) plus a small MoonViT3d
 tower and patchmergerv2 projector (`VISION_CONFIG`: 2 blocks, hidden 64) in the official
 layout (`vision_config`, `vision_tower.*`, `mm_projector.*`, BF16), with the release's
 preprocessing settings unchanged (patch 14, merge 2 x 2, the same patch limits) in
-`preprocessor_config.json`. Pictures are 112 x 112 pixels (the resize rule keeps them
-as they are): 8 x 8 patches, 16 image tokens.
+`preprocessor_config.json`. K3.1's resize rule keeps every such picture as it is; the
+pad rule pads it at the bottom and right to multiples of 28 px: grids of 4 x 4 to
+32 x 32 patches, 4 to 256 image tokens.
 
-Training (CPU, float32), staged as LLaVA-style models are:
+Training (CPU, float32), staged as LLaVA-style models are, in batches bucketed by grid
+(`grid_batch`: one grid per step, as many pictures as fit a patch / token budget, so the
+tower runs a step's pictures at once):
 - stage 1 trains the tower and projector alone with colour and shape heads on the mean
-  of the projector rows (no language model; batched over same-size pictures by
-  `features_batched`, checked against `VisionModel` at start). Shape is learnt late:
-  with warm-up and cosine decay the shape accuracy sits near 45% for ~400 steps of 64
-  pictures, then climbs to >95% within ~200 more;
+  of the projector rows (no language model; batched by `features_batched`, checked
+  against `VisionModel` at start). From a fresh tower on 112 x 112 squares, shape is
+  learnt late: the shape accuracy sits near 45% for ~400 steps of 64 pictures, then
+  climbs to >95% within ~200 more;
 - stage 2 freezes the tower and trains the projector and the text model's non-expert
   weights on the answer tokens (cross-entropy on the reply only), through the real
   prompt (DSA indexer selection as at inference; its top-k indices carry no gradient).
 (Training tower, projector and text model jointly from the start left shape at chance.)
-The result is evaluated on held-out pictures by greedy generation through the same path
-as `kimi-mlx generate --image`, and written with its accuracy into `MODEL_CARD.md` and
-`eval.json`.
+`--init-from CKPT` starts both stages from an earlier micro-vision (the shipped one was
+fine-tuned so from the 112 x 112 one, for lack of CPU time: see its MODEL_CARD.md).
+The result is evaluated on 120 held-out pictures (another seed, stratified over 3 size x
+3 aspect buckets) by greedy generation through the same path as `kimi-mlx generate
+--image`, and written with its per-bucket accuracy into `MODEL_CARD.md` and `eval.json`;
+`--eval-only CKPT` (`make eval-micro-vision`) prints that table for a checkpoint.
 """
 
 from __future__ import annotations
@@ -50,8 +58,15 @@ from mlx.utils import tree_flatten, tree_map
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
            "yellow": (235, 200, 30), "purple": (140, 60, 180), "orange": (245, 140, 30)}
 SHAPES = ("circle", "square", "triangle", "star")
-SIZE = 112
-RADIUS = (18.0, 42.0)  # px, the shape's outer radius
+SIZE = 112  # px, the default picture side (the demo's picture)
+SIDES = (56, 448)  # px, the range of either side of a training / held-out picture
+MAX_ASPECT = 3.0  # long side / short side at most
+RADIUS = (18 / 112, 42 / 112)  # the shape's outer radius as a fraction of the short side
+MERGE_PX = 28  # patch 14 x merge 2: grids come in steps of 28 px
+# Held-out buckets: the long side in px, and width / height.
+SIZE_BUCKETS = (("56-111", 56, 111), ("112-223", 112, 223), ("224-448", 224, 448))
+ASPECT_BUCKETS = (("tall 1:3-1:1.5", 1 / 3, 1 / 1.5), ("near square", 1 / 1.5, 1.5),
+                  ("wide 1.5:1-3:1", 1.5, 3.0))
 QUESTION = "What is in the image?"
 VISION_CONFIG = {
     "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
@@ -74,17 +89,19 @@ MEDIA_PROC_CFG = {"patch_size": 14, "merge_kernel_size": [2, 2], "in_patch_limit
 F32_KEEP = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias", "o_norm.weight")
 
 
-def draw(shape: str, colour: str, rng: np.random.Generator):
-    """An RGB SIZE x SIZE Pillow picture: a light plain background (each channel
-    225..255) and one filled `shape` of `colour`, outer radius in RADIUS px, centred at
-    least one radius from each edge. Raises ValueError for an unknown shape."""
+def draw(shape: str, colour: str, rng: np.random.Generator, size: Tuple[int, int] = (SIZE, SIZE)):
+    """An RGB Pillow picture of `size` (width, height) px: a light plain background (each
+    channel 225..255) and one filled `shape` of `colour`, outer radius RADIUS times the
+    short side, centred at least one radius from each edge. Raises ValueError for an
+    unknown shape."""
     from PIL import Image, ImageDraw
 
+    W, H = size
     bg = tuple(int(v) for v in rng.integers(225, 256, 3))
-    im = Image.new("RGB", (SIZE, SIZE), bg)
+    im = Image.new("RGB", (W, H), bg)
     d = ImageDraw.Draw(im)
-    r = rng.uniform(*RADIUS)
-    cx, cy = rng.uniform(r, SIZE - r), rng.uniform(r, SIZE - r)
+    r = rng.uniform(RADIUS[0] * min(W, H), RADIUS[1] * min(W, H))
+    cx, cy = rng.uniform(r, W - r), rng.uniform(r, H - r)
     c = COLOURS[colour]
     if shape == "circle":
         d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=c)
@@ -108,6 +125,39 @@ def sample(rng: np.random.Generator) -> Tuple[str, str]:
     return list(COLOURS)[rng.integers(len(COLOURS))], SHAPES[rng.integers(len(SHAPES))]
 
 
+def sample_size(rng: np.random.Generator) -> Tuple[int, int]:
+    """A random (width, height) in px: each side log-uniform over SIDES (so small
+    pictures, cheap to train on, come more often), long / short side at most MAX_ASPECT."""
+    lo, hi = np.log(SIDES[0]), np.log(SIDES[1])
+    while True:
+        w, h = (int(round(v)) for v in np.exp(rng.uniform(lo, hi, 2)))
+        if max(w, h) <= MAX_ASPECT * min(w, h):
+            return w, h
+
+
+def grid_of(width: int, height: int) -> Tuple[int, int]:
+    """The (h, w) patch grid of a picture within SIDES: the resize rule keeps it as it
+    is (never upscales; under the patch limits), the pad rule rounds each side up to 28 px."""
+    return (2 * -(-height // MERGE_PX), 2 * -(-width // MERGE_PX))
+
+
+def sizes_in_cell(grid: Tuple[int, int], n: int, rng: np.random.Generator) -> List[Tuple[int, int]]:
+    """n random (width, height) within SIDES and MAX_ASPECT whose grid is `grid`: the
+    pictures of one batch (batches are bucketed by grid, so the tower runs them at once)."""
+    gh, gw = grid
+
+    def side(g):
+        return max(SIDES[0], MERGE_PX * (g // 2 - 1) + 1), min(SIDES[1], MERGE_PX * g // 2)
+
+    (wlo, whi), (hlo, hhi) = side(gw), side(gh)
+    out = []
+    while len(out) < n:
+        w, h = int(rng.integers(wlo, whi + 1)), int(rng.integers(hlo, hhi + 1))
+        if max(w, h) <= MAX_ASPECT * min(w, h) or (wlo == whi and hlo == hhi):
+            out.append((w, h))
+    return out
+
+
 def answer(colour: str, shape: str) -> str:
     return f"a {colour} {shape}"
 
@@ -127,19 +177,58 @@ class VLM(nn.Module):
         self.lm, self.vis = lm, vis
 
 
-def pictures(n: int, rng: np.random.Generator):
-    """n random pictures preprocessed as at inference: patches [n, L, 3, 14, 14] float32,
-    the (shared) grid, colour and shape indices [n] int32, and the ProcessedImages."""
-    from kimi_mlx.vision.preprocess import preprocess
+_LUT = None
 
+
+def fast_preprocess(img):
+    """`preprocess` for an RGB picture the resize rule keeps as it is (every picture
+    within SIDES): the same pad and the same float32 values, looked up per byte (the
+    normalisation of each of the 256 byte values computed as `preprocess` does) instead
+    of computed per pixel. Raises ValueError for a picture the rule would resize."""
+    from kimi_mlx.vision.preprocess import ProcessedImage, resize_plan
+
+    global _LUT
+    if _LUT is None:
+        v = np.arange(256, dtype=np.uint8)[:, None]
+        _LUT = ((v.astype(np.float64) / 255.0 - np.array(MEDIA_PROC_CFG["image_mean"]))
+                / np.array(MEDIA_PROC_CFG["image_std"])).astype(np.float32)[:, 0]
+    W, H = img.size
+    new_w, new_h, pad_w, pad_h = resize_plan(W, H)
+    if (new_w, new_h) != (W, H) or img.mode != "RGB":
+        raise ValueError(f"fast_preprocess: a {img.mode} {W}x{H} picture would be resized to {new_w}x{new_h}")
+    rgb = np.zeros((H + pad_h, W + pad_w, 3), np.uint8)
+    rgb[:H, :W] = np.asarray(img)
+    p = MEDIA_PROC_CFG["patch_size"]
+    gh, gw = rgb.shape[0] // p, rgb.shape[1] // p
+    x = _LUT[rgb.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3)].reshape(gh * gw, 3, p, p)
+    return ProcessedImage(x, (gh, gw), W, H, (gh // 2) * (gw // 2))
+
+
+def pictures(n: int, rng: np.random.Generator, sizes=None):
+    """n random pictures preprocessed as at inference: patches [n, L, 3, 14, 14] float32,
+    the (shared) grid, colour and shape indices [n] int32, and the ProcessedImages.
+    `sizes`: n (width, height) of one grid (`sizes_in_cell`); default SIZE x SIZE.
+    Pictures are preprocessed by `fast_preprocess` (equal to `preprocess`, checked by
+    `check_batched`). Raises ValueError when the sizes do not share a grid."""
     ims, yc, ys = [], [], []
-    for _ in range(n):
+    for i in range(n):
         colour, shape = sample(rng)
-        ims.append(preprocess(draw(shape, colour, rng)))
+        ims.append(fast_preprocess(draw(shape, colour, rng, sizes[i] if sizes else (SIZE, SIZE))))
         yc.append(list(COLOURS).index(colour))
         ys.append(SHAPES.index(shape))
+    if len({im.grid for im in ims}) != 1:
+        raise ValueError(f"pictures of sizes {sizes} have different grids")
     return (np.stack([im.patches for im in ims]), ims[0].grid, np.array(yc, np.int32),
             np.array(ys, np.int32), ims)
+
+
+def grid_batch(rng: np.random.Generator, patch_budget: int, lo: int, hi: int):
+    """One bucketed batch: a grid drawn as `sample_size` draws a picture, then
+    clip(patch_budget // patches, lo, hi) pictures of that grid (`pictures`)."""
+    w, h = sample_size(rng)
+    grid = grid_of(w, h)
+    n = int(np.clip(patch_budget // (grid[0] * grid[1]), lo, hi))
+    return pictures(n, rng, sizes_in_cell(grid, n, rng))
 
 
 def features_batched(vis, patches: mx.array, grid: Tuple[int, int], tower_only: bool = False) -> mx.array:
@@ -179,8 +268,18 @@ def features_batched(vis, patches: mx.array, grid: Tuple[int, int], tower_only: 
 
 
 def check_batched(vis, seed: int) -> float:
-    """Max |features_batched - VisionModel| on 3 pictures; raises RuntimeError over 1e-4."""
-    P, grid, _, _, _ = pictures(3, np.random.default_rng(seed))
+    """Max |features_batched - VisionModel| on 3 wide pictures; raises RuntimeError over
+    1e-4, or when `fast_preprocess` differs from `preprocess` on them."""
+    from kimi_mlx.vision.preprocess import preprocess
+
+    rng = np.random.default_rng(seed)
+    sizes = sizes_in_cell((10, 22), 3, rng)
+    P, grid, _, _, _ = pictures(3, np.random.default_rng(seed), sizes)
+    for i, (w, h) in enumerate(sizes):
+        want = preprocess(draw("star", "red", np.random.default_rng(i), (w, h)))
+        got = fast_preprocess(draw("star", "red", np.random.default_rng(i), (w, h)))
+        if want.grid != got.grid or not np.array_equal(want.patches, got.patches):
+            raise RuntimeError(f"fast_preprocess differs from preprocess on a {w}x{h} picture")
     ref = vis(mx.array(P.reshape(-1, *P.shape[2:])), [grid] * 3)
     got = features_batched(vis, mx.array(P), grid).reshape(ref.shape)
     err = float(mx.abs(ref - got).max())
@@ -206,21 +305,20 @@ class _Heads(nn.Module):
         self.shape = nn.Linear(d, len(SHAPES))
 
 
-def pretrain_tower(vis, steps: int, batch: int, lr: float, seed: int, log, pool: int = 4096,
-                   eval_n: int = 512) -> Dict:
+def pretrain_tower(vis, steps: int, patch_budget: int, lr: float, seed: int, log,
+                   eval_batches: int = 32) -> Dict:
     """Stage 1: tower and projector with colour and shape heads (dropped afterwards) on
     the mean projector row; AdamW (weight decay 0.01), 50 warm-up steps then cosine decay
-    to lr/20; a pool of `pool` pictures redrawn after each pass. Returns the held-out
-    (seed + 1) head accuracies {"colour", "shape", "both"}."""
-    from functools import partial
-
+    to lr/20. Each step is one grid (`grid_batch`): about `patch_budget` patches, 4 to
+    96 pictures. Returns the held-out (seed + 1, `eval_batches` grids of 8 pictures) head
+    accuracies {"colour", "shape", "both"}."""
     d = vis.args.text_hidden_size
     m = VLM(_Heads(d), vis)
     rng = np.random.default_rng(seed)
-    P, grid, yc, ys, _ = pictures(pool, rng)
-    Pt, _, yct, yst, _ = pictures(eval_n, np.random.default_rng(seed + 1))
+    erng = np.random.default_rng(seed + 1)
+    held = [grid_batch(erng, 0, 8, 8)[:4] for _ in range(eval_batches)]
 
-    def loss(m, patches, yc, ys):
+    def loss(m, patches, grid, yc, ys):
         f = features_batched(m.vis, patches, grid).mean(axis=1)
         return (nn.losses.cross_entropy(m.lm.colour(f), yc, reduction="mean")
                 + nn.losses.cross_entropy(m.lm.shape(f), ys, reduction="mean"))
@@ -230,43 +328,52 @@ def pretrain_tower(vis, steps: int, batch: int, lr: float, seed: int, log, pool:
     sched = optim.join_schedules([optim.linear_schedule(lr / 100, lr, warm),
                                   optim.cosine_decay(lr, max(1, steps - warm), lr / 20)], [warm])
     opt = optim.AdamW(learning_rate=sched, weight_decay=0.01)
-    state = [m.state, opt.state]
 
-    @partial(mx.compile, inputs=state, outputs=state)
-    def step_fn(patches, yc, ys):
-        val, g = vg(m, patches, yc, ys)
+    def step_fn(patches, grid, yc, ys):  # not compiled: each of ~150 grids would compile anew
+        val, g = vg(m, patches, grid, yc, ys)
         opt.update(m, g)
         return val
 
     def accuracy():
-        f = features_batched(vis, mx.array(Pt), grid).mean(axis=1)
-        c = np.array(m.lm.colour(f).argmax(-1)) == yct
-        s = np.array(m.lm.shape(f).argmax(-1)) == yst
-        return {"colour": float(c.mean()), "shape": float(s.mean()), "both": float((c & s).mean())}
+        c_ok, s_ok, both, n = 0, 0, 0, 0
+        for Pt, grid, yct, yst in held:
+            f = features_batched(vis, mx.array(Pt), grid).mean(axis=1)
+            c = np.array(m.lm.colour(f).argmax(-1)) == yct
+            s = np.array(m.lm.shape(f).argmax(-1)) == yst
+            c_ok, s_ok, both, n = c_ok + c.sum(), s_ok + s.sum(), both + (c & s).sum(), n + len(c)
+        return {"colour": float(c_ok / n), "shape": float(s_ok / n), "both": float(both / n)}
 
-    order, at, t0 = rng.permutation(pool), 0, time.time()
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0, seen, patches_seen = time.time(), 0, 0
+    pool = ThreadPoolExecutor(1)  # draws the next batch while this one trains (one at a time: same rng order)
+    nxt = pool.submit(grid_batch, rng, patch_budget, 4, 96)
     for step in range(steps):
-        if at + batch > pool:
-            P, grid, yc, ys, _ = pictures(pool, rng)
-            order, at = rng.permutation(pool), 0
-        idx = order[at:at + batch]
-        at += batch
-        val = step_fn(mx.array(P[idx]), mx.array(yc[idx]), mx.array(ys[idx]))
+        P, grid, yc, ys, _ = nxt.result()
+        if step + 1 < steps:
+            nxt = pool.submit(grid_batch, rng, patch_budget, 4, 96)
+        val = step_fn(mx.array(P), grid, mx.array(yc), mx.array(ys))
         mx.eval(val, m.parameters(), opt.state)
-        if step % 100 == 0 or step == steps - 1:
+        seen, patches_seen = seen + len(yc), patches_seen + P.shape[0] * P.shape[1]
+        if step % 10 == 0:
+            log(f"tower step {step}: loss {val.item():.3f} ({time.time() - t0:.0f} s)")
+        if (step + 1) % 100 == 0 or step == steps - 1:
             acc = accuracy()
             log(f"tower step {step}: loss {val.item():.3f}, held-out colour {acc['colour']:.1%} "
-                f"shape {acc['shape']:.1%} ({time.time() - t0:.0f} s)")
+                f"shape {acc['shape']:.1%} ({seen} pictures, {patches_seen} patches, "
+                f"{time.time() - t0:.0f} s)")
     return acc
 
 
-def _batch(tok, rng, n: int):
-    """n training prompts with their replies: patches [n, L, 3, p, p], the grid, ids,
-    next-token targets and the reply mask [n, T]."""
+def _batch(tok, rng, n: int, token_budget: int):
+    """Up to n training prompts of one grid with their replies (`grid_batch`: about
+    `token_budget` image tokens, 2 to n prompts): patches [b, L, 3, p, p], the grid, ids,
+    next-token targets and the reply mask [b, T]."""
     from kimi_mlx.generation.request import build_prompt
     from kimi_mlx.text.chat_format import encode_segments
 
-    P, grid, yc, ys, ims = pictures(n, rng)
+    P, grid, yc, ys, ims = grid_batch(rng, 4 * token_budget, 2, n)
+    n = len(yc)
     rows = []
     for im, c, s in zip(ims, yc, ys):
         effort = ("low", "high", "max")[rng.integers(3)]
@@ -285,7 +392,7 @@ def _batch(tok, rng, n: int):
 
 
 def train_answer(lm, vis, tok, steps: int, batch: int, lr_lm: float, lr_vis: float, seed: int,
-                 pad: int, log) -> List[float]:
+                 pad: int, log, token_budget: int = 384) -> List[float]:
     """Stage 2: the tower frozen; projector (lr_vis) and the text model's non-expert
     weights (lr_lm) on the answer tokens through the real prompt, AdamW with cosine
     decay to 1/10. Returns the per-step losses."""
@@ -308,10 +415,17 @@ def train_answer(lm, vis, tok, steps: int, batch: int, lr_lm: float, lr_vis: flo
     vg = nn.value_and_grad(m, loss)
     opt_v = optim.AdamW(learning_rate=optim.cosine_decay(lr_vis, steps, lr_vis / 10), weight_decay=0.0)
     opt_l = optim.AdamW(learning_rate=optim.cosine_decay(lr_lm, steps, lr_lm / 10), weight_decay=0.0)
+    from concurrent.futures import ThreadPoolExecutor
+
     rng = np.random.default_rng(seed)
     losses, t0 = [], time.time()
+    pool = ThreadPoolExecutor(1)  # the next batch is drawn while this one trains
+    nxt = pool.submit(_batch, tok, rng, batch, token_budget)
     for step in range(steps):
-        val, g = vg(m, *_batch(tok, rng, batch))
+        data = nxt.result()
+        if step + 1 < steps:
+            nxt = pool.submit(_batch, tok, rng, batch, token_budget)
+        val, g = vg(m, *data)
         g, _ = optim.clip_grad_norm(g, 1.0)
         opt_v.update(m.vis, g["vis"])
         opt_l.update(m.lm, g["lm"])
@@ -356,10 +470,40 @@ def write_checkpoint(src: Path, out: Path, lm, vis) -> None:
             shutil.copy(src / f, out / f)
 
 
+def bucket_of(width: int, height: int) -> Tuple[str, str]:
+    """(size bucket, aspect bucket) names of a picture (SIZE_BUCKETS by the long side,
+    ASPECT_BUCKETS by width / height; the edges go to the squarer bucket)."""
+    long_side, ratio = max(width, height), width / height
+    size = next(name for name, lo, hi in SIZE_BUCKETS if lo <= long_side <= hi)
+    aspect = next((name for name, lo, hi in ASPECT_BUCKETS[1:2] if lo <= ratio <= hi), None) or \
+        next(name for name, lo, hi in ASPECT_BUCKETS if lo <= ratio <= hi)
+    return size, aspect
+
+
+def heldout_sizes(n: int, rng: np.random.Generator) -> List[Tuple[int, int]]:
+    """n (width, height) stratified over the 3 x 3 (size, aspect) buckets in turn
+    (picture i in size bucket i % 3, aspect bucket (i // 3) % 3): within a bucket the long
+    side is uniform over its range and the aspect log-uniform over its range, short side
+    at least SIDES[0]."""
+    out = []
+    for i in range(n):
+        _, lo, hi = SIZE_BUCKETS[i % 3]
+        _, alo, ahi = ASPECT_BUCKETS[(i // 3) % 3]
+        while True:
+            long_side = int(rng.integers(lo, hi + 1))
+            ratio = float(np.exp(rng.uniform(np.log(alo), np.log(ahi))))
+            w, h = (long_side, round(long_side / ratio)) if ratio >= 1 else (round(long_side * ratio), long_side)
+            if min(w, h) >= SIDES[0] and bucket_of(w, h) == (SIZE_BUCKETS[i % 3][0], ASPECT_BUCKETS[(i // 3) % 3][0]):
+                out.append((w, h))
+                break
+    return out
+
+
 def evaluate(ckpt: Path, n: int, seed: int, max_tokens: int = 24, log=print) -> Dict:
-    """Greedy answers to held-out pictures through the `generate --image` path (our
-    loader, `Vision`, the chat encoding, mlx-lm's stream_generate with input embeddings);
-    a picture counts when the reply names both its colour and its shape."""
+    """Greedy answers to n held-out pictures (`heldout_sizes`, drawn with `seed`) through
+    the `generate --image` path (our loader, `Vision`, the chat encoding, mlx-lm's
+    stream_generate with input embeddings); a picture counts when the reply names both
+    its colour and its shape. Returns overall and per-bucket fractions and examples."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -373,11 +517,13 @@ def evaluate(ckpt: Path, n: int, seed: int, max_tokens: int = 24, log=print) -> 
     vision = Vision(ckpt)
     pad = media_pad_id(tok, config)
     rng = np.random.default_rng(seed)
+    sizes = heldout_sizes(n, rng)
     right = colour_ok = shape_ok = 0
+    buckets: Dict[str, List[int]] = {}
     examples = []
-    for i in range(n):
+    for i, (w, h) in enumerate(sizes):
         colour, shape = sample(rng)
-        im = preprocess(draw(shape, colour, rng))
+        im = preprocess(draw(shape, colour, rng, (w, h)))
         ids = build_prompt(tok, QUESTION, None, False, "max", [im])
         emb = prompt_embeddings(model, vision, ids, [im], pad)
         text = "".join(r.text for r in stream_generate(model, wrapper, ids, max_tokens=max_tokens,
@@ -388,75 +534,126 @@ def evaluate(ckpt: Path, n: int, seed: int, max_tokens: int = 24, log=print) -> 
         colour_ok += c
         shape_ok += s
         right += c and s
-        if i < 8:
-            examples.append({"picture": answer(colour, shape), "reply": content})
+        for b in bucket_of(w, h):
+            buckets.setdefault(b, [0, 0])
+            buckets[b][0] += int(c and s)
+            buckets[b][1] += 1
+        if i < 9:
+            examples.append({"picture": answer(colour, shape), "size": f"{w}x{h}", "reply": content})
+    order = [b[0] for b in SIZE_BUCKETS + ASPECT_BUCKETS]
     info = {"heldout_pictures": n, "seed": seed, "both_right": right / n,
-            "colour_right": colour_ok / n, "shape_right": shape_ok / n, "examples": examples}
+            "colour_right": colour_ok / n, "shape_right": shape_ok / n,
+            "buckets": {b: {"right": buckets[b][0], "pictures": buckets[b][1],
+                            "both_right": buckets[b][0] / buckets[b][1]} for b in order if b in buckets},
+            "examples": examples}
     log(f"held-out: both {right}/{n}, colour {colour_ok}/{n}, shape {shape_ok}/{n}")
     return info
 
 
+def bucket_table(ev: Dict) -> str:
+    """The per-bucket accuracy of `evaluate`'s result as a Markdown table."""
+    rows = ["| bucket | pictures | colour and shape right |", "|---|---|---|"]
+    for kind, names in (("long side px", SIZE_BUCKETS), ("aspect w:h", ASPECT_BUCKETS)):
+        for name, _, _ in names:
+            b = ev["buckets"].get(name)
+            if b:
+                rows.append(f"| {kind} {name} | {b['pictures']} | {b['right']} / {b['pictures']} "
+                            f"({100 * b['both_right']:.1f} %) |")
+    rows.append(f"| all | {ev['heldout_pictures']} | {100 * ev['both_right']:.1f} % |")
+    return "\n".join(rows)
+
+
+def init_note(t: Dict) -> str:
+    """The model card's sentence on `--init-from` (empty for a run from scratch)."""
+    if not t.get("init_from"):
+        return ""
+    return (f" This run started from `{t['init_from']}` (`--init-from`): the earlier micro-vision,"
+            " trained from scratch by this script on 112 x 112 squares only (1000 stage-1 steps of"
+            " 64 pictures, 200 stage-2 steps of 8 prompts, 29.7 min), which named 95.8 % of"
+            " held-out 112 x 112 pictures but failed on other sizes (a 300 x 200 picture: 1 in 10);"
+            " both stages below continue its weights (a fresh tower needs ~1000 stage-1 steps,"
+            " more than this shared machine's CPU allowed).")
+
+
+def heads_text(t: Dict) -> str:
+    """Stage 1's held-out head accuracies for the model card ("none" when skipped)."""
+    h = t.get("tower_heldout")
+    if not h:
+        return "none (stage 1 skipped: --tower-steps 0)"
+    return f"colour {100 * h['colour']:.1f} %, shape {100 * h['shape']:.1f} %"
+
+
 def model_card(info: Dict) -> str:
-    ex = "\n".join(f"| {e['picture']} | {e['reply']} |" for e in info["eval"]["examples"])
-    t = info["train"]
+    """MODEL_CARD.md text from the run's figures (`info` as written to eval.json)."""
+    ev, t = info["eval"], info["train"]
+    ex = "\n".join(f"| {e['picture']} | {e['size']} | {' '.join(e['reply'].split()).replace('|', '/')} |"
+                   for e in ev["examples"])
     return f"""# kimi-mlx micro-vision: a micro checkpoint that sees shapes and colours
 
 `kimi_mlx/assets/micro` (the shipped 5.1M-parameter K3.1-architecture text model) with a
 small MoonViT3d vision tower and patchmergerv2 projector, trained by `make micro-vision`
-(`python -m kimi_mlx.micro.vision_train`) so that, shown one synthetic picture and asked
-"{QUESTION}", it names the colour and the shape.
+(`python -m kimi_mlx.micro.vision_train`) so that, shown one synthetic picture of any size
+from {SIDES[0]} to {SIDES[1]} px a side and any aspect ratio from 1:{MAX_ASPECT:g} to {MAX_ASPECT:g}:1,
+and asked "{QUESTION}", it names the colour and the shape.
 
 ```
 kimi-mlx generate --model kimi_mlx/assets/micro-vision --image PICTURE.png --prompt "{QUESTION}"
+make eval-micro-vision   # the held-out table below, recomputed
 ```
 
 ## Files
 
 Official layout: `config.json` with `vision_config` (2 blocks, hidden 64, 4 heads x 16,
-MLP 128, position grid 64 x 64, patch 14, merge 2 x 2, projector 256 -> 256 -> 128),
-`vision_tower.*` / `mm_projector.*` BF16 tensors in the last shard, `preprocessor_config.json`
-with the release's `media_proc_cfg` (patch 14, merge 2, in_patch_limit 65536,
-patch_limit_on_one_side 512, mean = std = 0.5, chessboard alpha background).
+MLP 128, position grid 64 x 64 (bilinear resize to each picture's grid), patch 14,
+merge 2 x 2, projector 256 -> 256 -> 128), `vision_tower.*` / `mm_projector.*` BF16
+tensors in the last shard, `preprocessor_config.json` with the release's `media_proc_cfg`
+(patch 14, merge 2, in_patch_limit 65536, patch_limit_on_one_side 512, mean = std = 0.5,
+chessboard alpha background).
 
 ## Data
 
-Pictures of {SIZE} x {SIZE} px (8 x 8 patches, 16 image tokens; the release's resize rule
-keeps them as they are): one filled shape ({", ".join(SHAPES)}) in one of six colours
-({", ".join(COLOURS)}) at a random position, outer radius {RADIUS[0]:g}-{RADIUS[1]:g} px, on a plain light background (each channel 225-255). Prompt: the K3.1
-chat encoding with a random thinking effort, the picture, then "{QUESTION}"; answer: an
-empty think block and the response "a COLOUR SHAPE".
+Pictures of W x H px, each side log-uniform over {SIDES[0]}-{SIDES[1]} px (small pictures come
+more often), long / short side at most {MAX_ASPECT:g}; K3.1's resize and pad rule
+(`kimi_mlx/vision/preprocess.py`) keeps such a picture as it is and pads it with black at
+the bottom and right to multiples of 28 px: grids from 4 x 4 to 32 x 32 patches, 4 to 256
+image tokens. One filled shape ({", ".join(SHAPES)}) in one of six colours
+({", ".join(COLOURS)}) at a random position, outer radius {RADIUS[0]:.3f}-{RADIUS[1]:.3f} of the
+short side, on a plain light background (each channel 225-255). Prompt: the K3.1 chat
+encoding with a random thinking effort, the picture, then "{QUESTION}"; answer: an empty
+think block and the response "a COLOUR SHAPE".
 
 ## Training
 
 Staged, as LLaVA-style models are (training everything jointly from the start left
-shape at chance):
+shape at chance).{init_note(t)} Batches are bucketed by grid (every picture of a step has one grid,
+so the tower runs them at once): a step draws a size as above, then pictures of that
+grid, as many as fit the step's patch / token budget.
 
 - stage 1: tower and projector alone with colour / shape linear heads on the mean
-  projector row (heads dropped afterwards), {t['tower_steps']} steps of {t['tower_batch']} pictures,
-  AdamW lr {t['tower_lr']} (50 warm-up steps, cosine decay to 1/20, weight decay 0.01),
-  {t['stage1_minutes']:.1f} min. Colour is learnt in ~100 steps; shape sits near 45% for
-  ~400 steps, then climbs. Head accuracy on {512} held-out pictures at the end: colour
-  {100 * t['tower_heldout']['colour']:.1f} %, shape {100 * t['tower_heldout']['shape']:.1f} %;
+  projector row (heads dropped afterwards), {t['tower_steps']} steps of about
+  {t['tower_patches']} patches (4 to 96 pictures), AdamW lr {t['tower_lr']} (50 warm-up steps,
+  cosine decay to 1/20, weight decay 0.01), {t['stage1_minutes']:.1f} min. Head accuracy on
+  {8 * t['tower_eval_grids']} held-out pictures ({t['tower_eval_grids']} grids) at the end: {heads_text(t)};
 - stage 2: tower frozen; projector and the text model's non-expert weights (the MXFP4
   experts, KDA conv / A_log / dt_bias and router biases frozen) on the answer tokens
-  (cross-entropy on the reply only), {t['answer_steps']} steps of {t['answer_batch']} prompts
-  (AdamW, lr projector {t['lr_vis']}, text {t['lr_lm']}, cosine decay to 1/10), sparse DSA as
-  at inference; final loss {t['final_loss']:.4f} (mean of the last 10 steps);
+  (cross-entropy on the reply only), {t['answer_steps']} steps of about {t['answer_tokens']} image
+  tokens (2 to {t['answer_batch']} prompts) (AdamW, lr projector {t['lr_vis']}, text {t['lr_lm']},
+  cosine decay to 1/10), sparse DSA as at inference; final loss {t['final_loss']:.4f} (mean
+  of the last 10 steps);
 - float32 on the CPU, seed {t['seed']}, {t['minutes']:.1f} min of training in all on
   {t['machine']} (2 cores shared with other jobs, niced); the held-out evaluation below
-  took {info['eval']['minutes']:.1f} min more.
+  took {ev['minutes']:.1f} min more.
 
 ## Accuracy (held-out pictures, greedy, thinking effort max)
 
-| measure | value |
-|---|---|
-| pictures | {info['eval']['heldout_pictures']} (seed {info['eval']['seed']}, not drawn in training) |
-| colour and shape both right | **{100 * info['eval']['both_right']:.1f} %** |
-| colour right | {100 * info['eval']['colour_right']:.1f} % |
-| shape right | {100 * info['eval']['shape_right']:.1f} % |
+{ev['heldout_pictures']} pictures drawn with seed {ev['seed']} (not drawn in training), stratified
+over 3 size buckets (long side) x 3 aspect buckets (width : height); colour right
+{100 * ev['colour_right']:.1f} %, shape right {100 * ev['shape_right']:.1f} %.
 
-| picture | reply |
-|---|---|
+{bucket_table(ev)}
+
+| picture | W x H | reply |
+|---|---|---|
 {ex}
 
 The text model in this folder is a tuned copy of `micro` (its non-expert weights, for
@@ -470,14 +667,26 @@ def parse_args(argv=None):
     p.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "assets" / "micro"))
     p.add_argument("--out", default="build/micro-vision")
     p.add_argument("--tower-steps", type=int, default=1000)
-    p.add_argument("--tower-batch", type=int, default=64)
+    p.add_argument("--tower-patches", type=int, default=3072,
+                   help="patches per stage-1 step (pictures of one grid, 4 to 96 of them)")
     p.add_argument("--tower-lr", type=float, default=2e-3)
+    p.add_argument("--tower-eval-grids", type=int, default=32, help="stage-1 held-out grids of 8 pictures")
+    p.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from CKPT's tower, projector and tuned text weights (a micro-vision, "
+                        "e.g. one trained on fewer sizes) instead of a fresh tower and micro's text")
+    p.add_argument("--tower-from", default=None,
+                   help="skip stage 1: the tower / projector saved by an earlier run (OUT.stage1.safetensors)")
     p.add_argument("--answer-steps", type=int, default=200)
     p.add_argument("--answer-batch", type=int, default=8)
+    p.add_argument("--answer-tokens", type=int, default=384,
+                   help="image tokens per stage-2 step (prompts of one grid, 2 to --answer-batch)")
     p.add_argument("--lr-vis", type=float, default=1e-3)
     p.add_argument("--lr-lm", type=float, default=5e-4)
     p.add_argument("--eval-pictures", type=int, default=120)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-only", default=None, metavar="CKPT",
+                   help="only evaluate CKPT on the held-out pictures and print the bucket table")
+    p.add_argument("--seed", type=int, default=0, help="training seed (init, pictures)")
+    p.add_argument("--eval-seed", type=int, default=10_000, help="held-out pictures' seed")
     return p.parse_args(argv)
 
 
@@ -493,10 +702,16 @@ def main(argv=None) -> int:
 
     cfg = parse_args(argv)
     log = lambda m: print(f"[micro-vision] {m}", file=sys.stderr, flush=True)  # noqa: E731
+    if cfg.eval_only:
+        t = time.time()
+        ev = evaluate(Path(cfg.eval_only), cfg.eval_pictures, seed=cfg.eval_seed, log=log)
+        print(bucket_table(ev))
+        print(f"({cfg.eval_pictures} pictures, seed {cfg.eval_seed}, {(time.time() - t) / 60:.1f} min)")
+        return 0
     src, out = Path(cfg.src), Path(cfg.out)
     t0 = time.time()
     mx.random.seed(cfg.seed)
-    lm, config, _ = load_model(src, verbose=False)
+    lm, config, _ = load_model(Path(cfg.init_from) if cfg.init_from else src, verbose=False)
     lm.update(tree_map(lambda x: x.astype(mx.float32) if mx.issubdtype(x.dtype, mx.floating) else x,
                        lm.parameters()))
     tok = KimiTokenizer.from_pretrained(src)
@@ -504,32 +719,61 @@ def main(argv=None) -> int:
     vcfg = dict(VISION_CONFIG, text_hidden_size=config["text_config"]["hidden_size"])
     vis = VisionModel(VisionArgs.from_config({"vision_config": vcfg, "text_config": config["text_config"]}))
     init_tower(vis, cfg.seed)
+    if cfg.init_from:
+        from kimi_mlx.checkpoint.loader import load_vision
+
+        vis.update(load_vision(cfg.init_from, dtype=mx.float32).parameters())
+        log(f"tower, projector and text weights from {cfg.init_from}")
     log(f"batched tower forward vs VisionModel: max |diff| {check_batched(vis, cfg.seed + 7):.2e}")
-    heads = pretrain_tower(vis, cfg.tower_steps, cfg.tower_batch, cfg.tower_lr, cfg.seed, log)
+    stage1 = Path(str(out) + ".stage1.safetensors")
+    if cfg.tower_from:
+        vis.load_weights(cfg.tower_from)
+        saved = json.loads(Path(cfg.tower_from + ".json").read_text())
+        heads, stage1_min = saved["heads"], saved["minutes"]
+        t0 -= stage1_min * 60
+        log(f"stage 1 from {cfg.tower_from} ({stage1_min:.1f} min when trained)")
+    elif cfg.tower_steps == 0:  # stage 2 only, on --init-from's tower
+        heads, stage1_min = None, 0.0
+    else:
+        heads = pretrain_tower(vis, cfg.tower_steps, cfg.tower_patches, cfg.tower_lr, cfg.seed, log,
+                               eval_batches=cfg.tower_eval_grids)
+        stage1_min = (time.time() - t0) / 60
+        stage1.parent.mkdir(parents=True, exist_ok=True)
+        vis.save_weights(str(stage1))
+        Path(str(stage1) + ".json").write_text(json.dumps({"heads": heads, "minutes": stage1_min}))
     t1 = time.time()
     real = dsa_mod.dsa_prefill_indices  # selection as at inference, without a gradient
     dsa_mod.dsa_prefill_indices = lambda *a, **k: mx.stop_gradient(real(*a, **k))
     try:
         losses = train_answer(lm, vis, tok, cfg.answer_steps, cfg.answer_batch, cfg.lr_lm, cfg.lr_vis,
-                              cfg.seed + 2, pad, log)
+                              cfg.seed + 2, pad, log, cfg.answer_tokens)
     finally:
         dsa_mod.dsa_prefill_indices = real
     minutes = (time.time() - t0) / 60
-    log(f"trained in {minutes:.1f} min (stage 1 {(t1 - t0) / 60:.1f}, stage 2 {(time.time() - t1) / 60:.1f})")
+    log(f"trained in {minutes:.1f} min (stage 1 {stage1_min:.1f}, stage 2 {(time.time() - t1) / 60:.1f})")
     tmp = Path(tempfile.mkdtemp(prefix=".micro-vision.", dir=out.parent if out.parent.exists() else None))
     shutil.rmtree(tmp)
     write_checkpoint(src, tmp, lm, vis)
     t_eval = time.time()
-    info = {"train": {"tower_steps": cfg.tower_steps, "tower_batch": cfg.tower_batch,
+    info = {"train": {"init_from": cfg.init_from and Path(cfg.init_from).name,
+                      "tower_steps": cfg.tower_steps, "tower_eval_grids": cfg.tower_eval_grids, "tower_patches": cfg.tower_patches,
                       "tower_lr": cfg.tower_lr, "tower_heldout": heads,
-                      "stage1_minutes": (t1 - t0) / 60, "answer_steps": cfg.answer_steps,
-                      "answer_batch": cfg.answer_batch, "lr_vis": cfg.lr_vis, "lr_lm": cfg.lr_lm,
+                      "stage1_minutes": stage1_min, "answer_steps": cfg.answer_steps,
+                      "answer_batch": cfg.answer_batch, "answer_tokens": cfg.answer_tokens,
+                      "lr_vis": cfg.lr_vis, "lr_lm": cfg.lr_lm,
                       "final_loss": float(np.mean(losses[-10:])), "seed": cfg.seed,
                       "minutes": minutes, "machine": f"{platform.machine()} CPU, MLX {mx.__version__}"},
-            "eval": evaluate(tmp, cfg.eval_pictures, seed=10_000 + cfg.seed, log=log)}
+            "eval": evaluate(tmp, cfg.eval_pictures, seed=cfg.eval_seed, log=log)}
     info["eval"]["minutes"] = (time.time() - t_eval) / 60
+    (Path(str(out) + ".eval.json")).write_text(json.dumps(info, indent=1) + "\n")
+    print(bucket_table(info["eval"]))
     out.parent.mkdir(parents=True, exist_ok=True)
-    publish_checkpoint(tmp, out, info, model_card(info), max_mb=20, what="micro-vision")
+    try:
+        card = model_card(info)
+    except Exception as e:  # the figures are in OUT.eval.json; the card can be redone
+        log(f"model card failed: {e!r}")
+        card = "(see eval.json)\n"
+    publish_checkpoint(tmp, out, info, card, max_mb=20, what="micro-vision")
     log(f"wrote {out} ({info['eval']['both_right']:.1%} both right)")
     return 0
 
