@@ -56,7 +56,7 @@ def _wait_no_sessions(c, timeout=10.0):
         time.sleep(0.05)
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # eight launches at once: ~15 s alone, a minute loaded; after the suite
 def test_eight_launches_at_once_print_what_generate_prints(cluster):
     flags = ["--model", str(cluster.ckpt)] + FLAGS
     nodes = ",".join(p.address for p in cluster.procs)

@@ -244,7 +244,7 @@ def test_speculative_decoding_through_two_ranks_is_plain_greedy(tmp_path):
         assert sum(int(res[f"accepted{i}"]) for i in range(len(prompts))) > 0  # drafts used
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # ~20 s alone, 90 s loaded: a 4k prompt through 2 ranks; after the suite (make test-e2e)
 def test_micro_chunked_prefill_past_4k_tokens(tmp_path):
     """A 4200-token prompt prefilled in chunks of 1024 (the length where users report
     corrupt tensor-parallel output, mlx #4342 / exo #2270), then 4 tokens."""

@@ -184,6 +184,7 @@ def test_a_rank_without_the_snapshot_means_a_full_prefill_on_every_rank(tmp_path
         node.stop()
 
 
+@pytest.mark.e2e  # a node, a tensor server, generate and a one-process reference: ~25 s alone; after the suite
 def test_image_request_equals_one_process_and_generate(tmp_path_factory, tmp_path):
     """micro-vision (it names a picture's colour and shape) through 2 ranks: the greedy
     tokens of a cache-free one-process forward pass and the text of `kimi-mlx generate
@@ -295,6 +296,7 @@ def _first_turn_on_both_disks(url, first, head_dir, node_dir):
     return reply
 
 
+@pytest.mark.e2e  # two tensor groups in turn: ~15 s alone; after the suite
 def test_ranks_restarted_restore_from_their_disks(tmp_path_factory, tmp_path, one_process):
     import signal
 
@@ -326,6 +328,7 @@ def test_ranks_restarted_restore_from_their_disks(tmp_path_factory, tmp_path, on
         node.stop()
 
 
+@pytest.mark.e2e  # a heal run (as test_cluster_tensor_heal): after the suite
 def test_a_healed_group_restores_from_the_disks_its_dead_ranks_wrote(tmp_path_factory,
                                                                      tmp_path, one_process):
     """The node's rank killed after a turn whose snapshots both ranks wrote to disk: the
