@@ -22,10 +22,10 @@ has the domains code, prose and zh. With more than one domain the token budget i
 out evenly: sequences are taken round-robin over the domains (each in its seeded order)
 until `max_tokens`, so a large file does not crowd out a small one.
 
-**Held-out split** (`heldout_tokens` > 0): before the budget is applied, each domain's
-first sequences (in the seeded order) up to `heldout_tokens` tokens are set aside as
-held-out text (`CalibSet.heldout`), never calibrated on; a domain keeps at least one
-calibration sequence. REAP (arXiv 2510.13999, s.4) calibrates on a few hundred
+**Held-out split** (`heldout_tokens` > 0): up to `heldout_tokens` tokens a domain of
+held-out text (`CalibSet.heldout`), never calibrated on, from the sequences the token
+budget left over; a domain whose data the budget used up gives up its first calibration
+sequences instead, at most a tenth of its calibration tokens (never its last sequence). REAP (arXiv 2510.13999, s.4) calibrates on a few hundred
 thousand tokens of the target domain; the defaults here are smaller because the activations
 of every sequence are kept between layers.
 """
@@ -279,38 +279,61 @@ def load_calibration(
     by_domain: dict = {}
     for item in seqs:
         by_domain.setdefault(item[1], []).append(item)
-    held: List[Tuple[str, List[int]]] = []
-    if heldout_tokens:
-        for dom, items in by_domain.items():
-            taken = 0
-            while len(items) > 1 and taken < heldout_tokens:
-                _, _, s = items.pop(0)
-                s = s[: heldout_tokens - taken]
-                if len(s) >= MIN_SEQ_TOKENS:
-                    held.append((dom, s))
-                taken += len(s)
     # round-robin over the domains so a token budget is shared out evenly between them
-    queues = list(by_domain.values())
+    queues = [list(q) for q in by_domain.values()]
     order = []
     while queues:
         order += [q.pop(0) for q in queues]
         queues = [q for q in queues if q]
     out: List[Tuple[str, str, List[int]]] = []
-    total = 0
+    total, used = 0, 0
     for where, dom, s in order:
         if max_tokens is not None and total >= max_tokens:
             break
+        used += 1
         if max_tokens is not None and total + len(s) > max_tokens:
             s = s[: max_tokens - total]
             if len(s) < MIN_SEQ_TOKENS:
                 break
         out.append((where, dom, s))
         total += len(s)
+    held = _heldout(order[used:], out, heldout_tokens) if heldout_tokens else []
     return CalibSet(
         sequences=[s for _, _, s in out], sources=[w for w, _, _ in out],
         files=[str(f) for f in files], documents=documents, kinds=kinds, seq_len=seq_len,
         domains=[d for _, d, _ in out], heldout=held,
     )
+
+
+def _heldout(left: List[tuple], out: List[tuple], per_domain: int) -> List[Tuple[str, List[int]]]:
+    """Held-out (domain, ids) of up to `per_domain` tokens a domain: from the sequences the
+    budget left over (`left`, in order); a domain with none left over gives up the first of
+    its calibration sequences in `out` (removed from it in place), at most a tenth of its
+    calibration tokens and never its last sequence."""
+    held: List[Tuple[str, List[int]]] = []
+    got: dict = {}
+    for _, dom, s in left:
+        have = got.get(dom, 0)
+        if have < per_domain:
+            s = s[: per_domain - have]
+            if len(s) >= MIN_SEQ_TOKENS:
+                held.append((dom, s))
+                got[dom] = have + len(s)
+    for dom in dict.fromkeys(d for _, d, _ in out):
+        if dom in got:
+            continue
+        mine = [k for k, item in enumerate(out) if item[1] == dom]
+        cap = min(per_domain, sum(len(out[k][2]) for k in mine) // 10)
+        taken, drop = 0, []
+        for k in mine[:-1]:
+            if taken + len(out[k][2]) > cap:
+                break
+            held.append((dom, out[k][2]))
+            taken += len(out[k][2])
+            drop.append(k)
+        for k in reversed(drop):
+            del out[k]
+    return held
 
 
 def _record_domain(rec: dict, where: str, default: str) -> str:
