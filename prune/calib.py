@@ -23,8 +23,9 @@ out evenly: sequences are taken round-robin over the domains (each in its seeded
 until `max_tokens`, so a large file does not crowd out a small one.
 
 **Held-out split** (`heldout_tokens` > 0): up to `heldout_tokens` tokens a domain of
-held-out text (`CalibSet.heldout`), never calibrated on, from the sequences the token
-budget left over; a domain whose data the budget used up gives up its first calibration
+held-out text (`CalibSet.heldout`), never calibrated on, and at most a quarter of the
+domain's calibration tokens (so measuring the build costs at most about half the
+calibration pass), from the sequences the token budget left over; a domain whose data the budget used up gives up its first calibration
 sequences instead, at most a tenth of its calibration tokens (never its last sequence). REAP (arXiv 2510.13999, s.4) calibrates on a few hundred
 thousand tokens of the target domain; the defaults here are smaller because the activations
 of every sequence are kept between layers.
@@ -306,16 +307,21 @@ def load_calibration(
 
 
 def _heldout(left: List[tuple], out: List[tuple], per_domain: int) -> List[Tuple[str, List[int]]]:
-    """Held-out (domain, ids) of up to `per_domain` tokens a domain: from the sequences the
-    budget left over (`left`, in order); a domain with none left over gives up the first of
+    """Held-out (domain, ids) of up to `per_domain` tokens a domain, and at most a quarter
+    of its calibration tokens: from the sequences the budget left over (`left`, in order;
+    a domain the budget gave no calibration token has none); a domain with none left over gives up the first of
     its calibration sequences in `out` (removed from it in place), at most a tenth of its
     calibration tokens and never its last sequence."""
     held: List[Tuple[str, List[int]]] = []
     got: dict = {}
+    calibrated: dict = {}
+    for _, dom, s in out:
+        calibrated[dom] = calibrated.get(dom, 0) + len(s)
     for _, dom, s in left:
         have = got.get(dom, 0)
-        if have < per_domain:
-            s = s[: per_domain - have]
+        cap = min(per_domain, calibrated.get(dom, 0) // 4)
+        if have < cap:
+            s = s[: cap - have]
             if len(s) >= MIN_SEQ_TOKENS:
                 held.append((dom, s))
                 got[dom] = have + len(s)

@@ -287,7 +287,9 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
         "activation).",
         "- `saliency.png`: top, MoE layers by expert id, coloured by saliency relative to "
         "the layer's most salient expert (dropped experts faded, never-routed white, "
-        "protected super experts magenta); bottom, each layer's sorted saliency with the cut.",
+        "protected super experts magenta); middle, each layer's sorted saliency with the cut; "
+        "with calibration data from several domains, bottom, each domain's own saliency side "
+        "by side (`domain_score` in saliency.json).",
         *([f"- Copied unchanged from the source: {', '.join(f'`{c}`' for c in copied)}. Any "
            "model card or evaluation among them describes the unpruned model."] if copied else []),
         "",
