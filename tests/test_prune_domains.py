@@ -276,3 +276,27 @@ def test_bench_masked_scoring_equals_the_written_build(build):
     model, _, _ = load_model(res.out, verbose=False)
     assert masked == pytest.approx(perplexity(model, ids, SEQ).perplexity, rel=2e-4)
     assert sc.score(None)["data"] != masked
+
+
+def test_bench_rule_picks_the_default_from_seed_noise():
+    """Hand-made results: a candidate worse than uniform REAP beyond the seed noise in one
+    cell is refused even with a lower mean; one within the noise everywhere and lower on
+    the mean is chosen; the worst-domain ratio is per seed."""
+    from kimi_mlx.prune.bench.domains import BASELINE, decide, worst_ratio
+
+    def rows(vals):  # [(code, data) per seed]
+        return [{"code": c, "data": d} for c, d in vals]
+    cells = {"mix": {BASELINE: rows([(10, 5), (11, 5), (12, 5)]),         # code noise 2
+                     "good": rows([(11, 4), (11.5, 4.1), (12.5, 4.2)]),    # +0.33 code, better data
+                     "bad": rows([(13.5, 1), (13.5, 1), (13.5, 1)])}}      # +2.5 code > noise
+    res = {"domains": ["code", "data"], "methods": [BASELINE, "good", "bad"],
+           "full": {"code": 10.0, "data": 4.0},
+           "keeps": {"0.25": {"n_keep": 8, "random": [], "cells": cells}}}
+    v = decide(res)
+    assert v["passes"]["good"][0] and not v["passes"]["bad"][0]
+    assert v["gmean"]["bad"] < v["gmean"]["good"] < v["gmean"][BASELINE]
+    assert v["choice"] == "good"
+    # baseline-only noise: the data cell has no REAP seed spread, so 'good' still passes
+    # there (it is better), and the choice is the same
+    assert decide(res, "baseline")["choice"] == "good"
+    assert worst_ratio(res, "good") == pytest.approx([1.1, 1.15, 1.25])
