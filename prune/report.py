@@ -86,6 +86,8 @@ def _title(sel: Selection, num_experts: int) -> str:
     how = f"{sel.method}" + (f", {sel.gate} gate" if sel.method in GATED else "")
     if sel.method == "random":
         how += f", seed {sel.seed}"
+    if sel.balance != "none":
+        how += f", domains balanced by {sel.balance}"
     if not sel.uniform:
         return (f"Expert saliency ({how}, spread budget): keep {sum(sel.counts.values())} of "
                 f"{num_experts * len(sel.kept)} ({', '.join(map(str, sel.counts.values()))} per layer)")
@@ -116,9 +118,8 @@ def heat_map_figure(stats: Mapping[int, LayerStats], sel: Selection):
         dom.set_yticks(range(0, n_layers, max(1, n_layers // 12)),
                        [str(l) for l in layers[::max(1, n_layers // 12)]])
         dom.set_ylabel("MoE layer")
-        dom.set_title("per-domain saliency (each domain's score / its layer maximum; "
-                      "dropped faded)" + (f"; combined by {sel.balance}"
-                                          if sel.balance != "none" else ""))
+        dom.set_title("per domain (score / layer max, dropped faded)"
+                      + (f", combined by {sel.balance}" if sel.balance != "none" else ""))
     else:
         top, bottom = fig.subplots(2, 1, height_ratios=[h_map, 3.0])
     top.imshow(rgb, aspect="auto", interpolation="nearest",
