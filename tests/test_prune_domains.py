@@ -129,8 +129,9 @@ def test_pooling_drops_a_small_domains_top_expert():
     pooled = {1: _stats(1, big.count + small.count,
                         big.softmax_gate_norm_sum + small.softmax_gate_norm_sum)}
     per = {"big": {1: big}, "small": {1: small}}
-    assert 3 not in select(pooled, "reap-sum", 2, domain_stats=per).kept[1]
+    assert 3 not in select(pooled, "reap-sum", 2, balance="none", domain_stats=per).kept[1]
     assert 3 in select(pooled, "reap-sum", 2, balance="max", domain_stats=per).kept[1]
+    assert 3 in select(pooled, "reap-sum", 2, domain_stats=per).kept[1]  # the default
     # one domain: every balance is the pooled score
     one = select(pooled, "reap-sum", 2, balance="max", domain_stats={"big": {1: big}})
     assert one.balance == "none" and 3 not in one.kept[1]
