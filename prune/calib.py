@@ -12,7 +12,21 @@ order, hidden files skipped):
 
 Every document is split into sequences of at most `seq_len` tokens. Sequences are put in
 a seeded pseudo-random order (so a token budget samples all files, not the first ones)
-and taken until `max_tokens`. REAP (arXiv 2510.13999, s.4) calibrates on a few hundred
+and taken until `max_tokens`.
+
+**Domains** (for domain-balanced saliency, `saliency.BALANCES`, and the per-domain table
+of the build's card): a record's `domain` field (a non-empty string) if it has one, else
+the name of the subfolder of a `--calib` folder the file sits in, else the file's name
+without its suffix. A folder `calib/` holding `code.txt`, `prose.txt` and `zh/*.jsonl`
+has the domains code, prose and zh. With more than one domain the token budget is shared
+out evenly: sequences are taken round-robin over the domains (each in its seeded order)
+until `max_tokens`, so a large file does not crowd out a small one.
+
+**Held-out split** (`heldout_tokens` > 0): up to `heldout_tokens` tokens a domain of
+held-out text (`CalibSet.heldout`), never calibrated on, and at most a quarter of the
+domain's calibration tokens (so measuring the build costs at most about half the
+calibration pass), from the sequences the token budget left over; a domain whose data the budget used up gives up its first calibration
+sequences instead, at most a tenth of its calibration tokens (never its last sequence). REAP (arXiv 2510.13999, s.4) calibrates on a few hundred
 thousand tokens of the target domain; the defaults here are smaller because the activations
 of every sequence are kept between layers.
 """
@@ -46,6 +60,9 @@ class CalibSet:
         documents: number of documents (records or text files) read.
         kinds: documents per kind ("chat", "text", "ids").
         seq_len: the split length used.
+        domains: the domain of each sequence, same order as `sequences` (see the module
+            docstring).
+        heldout: (domain, token ids) sequences set aside for evaluation, not calibrated on.
     """
 
     sequences: List[List[int]]
@@ -54,6 +71,37 @@ class CalibSet:
     documents: int
     kinds: dict = field(default_factory=dict)
     seq_len: int = DEFAULT_SEQ_LEN
+    domains: List[str] = field(default_factory=list)
+    heldout: List[Tuple[str, List[int]]] = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.domains:
+            self.domains = ["all"] * len(self.sequences)
+        if len(self.domains) != len(self.sequences):
+            raise ValueError(f"CalibSet: {len(self.domains)} domains for "
+                             f"{len(self.sequences)} sequences")
+
+    @property
+    def domain_names(self) -> List[str]:
+        """The calibration domains in first-seen order (held-out ones included)."""
+        seen: dict = {}
+        for d in list(self.domains) + [d for d, _ in self.heldout]:
+            seen.setdefault(d, None)
+        return list(seen)
+
+    def domain_tokens(self) -> dict:
+        """{domain: calibration tokens}."""
+        out: dict = {d: 0 for d in self.domain_names}
+        for d, s in zip(self.domains, self.sequences):
+            out[d] += len(s)
+        return out
+
+    def heldout_by_domain(self) -> dict:
+        """{domain: [token id sequences]} of the held-out split."""
+        out: dict = {}
+        for d, s in self.heldout:
+            out.setdefault(d, []).append(s)
+        return out
 
     @property
     def num_tokens(self) -> int:
@@ -65,8 +113,13 @@ class CalibSet:
             return "no calibration data (the random method needs none)"
         kinds = ", ".join(f"{n} {k} document{'s' * (n != 1)}" for k, n in sorted(self.kinds.items()))
         files = self.files[0] if len(self.files) == 1 else f"{len(self.files)} files"
+        doms = self.domain_tokens()
+        dom = ("" if len(doms) < 2 else "; domains " + ", ".join(
+            f"{d} {n:,}" for d, n in doms.items()))
+        held = (f"; {sum(len(s) for _, s in self.heldout):,} tokens held out"
+                if self.heldout else "")
         return (f"{self.num_tokens:,} tokens in {len(self.sequences)} sequences of <= "
-                f"{self.seq_len} tokens from {files} ({kinds})")
+                f"{self.seq_len} tokens from {files} ({kinds}){dom}{held}")
 
 
 def list_files(paths: Sequence) -> List[Path]:
@@ -75,9 +128,19 @@ def list_files(paths: Sequence) -> List[Path]:
     Raises:
         CalibError: no paths, a path that does not exist, or no files at all.
     """
+    return [f for f, _ in domain_files(paths)]
+
+
+def domain_files(paths: Sequence) -> List[Tuple[Path, str]]:
+    """(file, domain) of every input file named by `paths`: the domain is the subfolder
+    of a given folder the file sits in, else the file's name without its suffix.
+
+    Raises:
+        CalibError: no paths, a path that does not exist, or no files at all.
+    """
     if not paths:
         raise CalibError("no calibration data given (--calib FILE_OR_FOLDER)")
-    out: List[Path] = []
+    out: List[Tuple[Path, str]] = []
     for p in paths:
         p = Path(p).expanduser()
         if not p.exists():
@@ -89,9 +152,11 @@ def list_files(paths: Sequence) -> List[Path]:
             )
             if not found:
                 raise CalibError(f"{p}: calibration folder has no files")
-            out += found
+            for f in found:
+                parts = f.relative_to(p).parts
+                out.append((f, parts[0] if len(parts) > 1 else f.stem))
         else:
-            out.append(p)
+            out.append((p, p.stem))
     return out
 
 
@@ -150,6 +215,7 @@ def load_calibration(
     max_tokens: Optional[int] = DEFAULT_MAX_TOKENS,
     seed: int = 0,
     vocab_size: Optional[int] = None,
+    heldout_tokens: int = 0,
 ) -> CalibSet:
     """Read, tokenise and split calibration data.
 
@@ -161,10 +227,12 @@ def load_calibration(
         max_tokens: token budget over all sequences (None: everything).
         seed: order of sequences before the budget is applied.
         vocab_size: if given, token ids must be below it.
+        heldout_tokens: tokens per domain set aside as held-out text (0: none).
     Returns:
-        CalibSet.
+        CalibSet (with each sequence's domain, see the module docstring).
     Raises:
-        CalibError: missing path, malformed record (file:line), or no tokens at all.
+        CalibError: missing path, malformed record (file:line), a `domain` field that is
+            not a non-empty string, or no tokens at all.
     """
     if seq_len < MIN_SEQ_TOKENS:
         raise CalibError(f"--seq-len must be at least {MIN_SEQ_TOKENS}, got {seq_len}")
@@ -180,42 +248,105 @@ def load_calibration(
                 raise CalibError(f"cannot load the tokenizer to encode calibration text: {e}") from None
         return cached[0]
 
-    files = list_files(paths)
-    seqs: List[Tuple[str, List[int]]] = []
+    if heldout_tokens < 0:
+        raise CalibError(f"held-out tokens must be >= 0, got {heldout_tokens}")
+    listed = domain_files(paths)
+    files = [f for f, _ in listed]
+    seqs: List[Tuple[str, str, List[int]]] = []
     kinds: dict = {}
     documents = 0
-    for f in files:
+    for f, fdomain in listed:
         if f.suffix.lower() in JSONL_SUFFIXES:
-            docs: Iterable = ((f"{f}:{n}", *_record_ids(rec, f"{f}:{n}", tok)) for n, rec in _records(f))
+            docs: Iterable = ((f"{f}:{n}", *_record_ids(rec, f"{f}:{n}", tok),
+                               _record_domain(rec, f"{f}:{n}", fdomain))
+                              for n, rec in _records(f))
         else:
             try:
                 text = f.read_text(encoding="utf-8")
             except UnicodeDecodeError as e:
                 raise CalibError(f"{f}: not UTF-8 text ({e})") from None
-            docs = [(str(f), "text", tok().encode(text))] if text.strip() else []
-        for where, kind, ids in docs:
+            docs = [(str(f), "text", tok().encode(text), fdomain)] if text.strip() else []
+        for where, kind, ids, dom in docs:
             documents += 1
             kinds[kind] = kinds.get(kind, 0) + 1
             if vocab_size is not None and ids and max(ids) >= vocab_size:
                 raise CalibError(f"{where}: token id {max(ids)} is outside the vocabulary "
                                  f"({vocab_size})")
-            seqs += [(where, s) for s in _split(ids, seq_len)]
+            seqs += [(where, dom, s) for s in _split(ids, seq_len)]
     if not seqs:
         names = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
         raise CalibError(f"calibration data is empty: no tokens in {names}")
     random.Random(seed).shuffle(seqs)
-    out: List[Tuple[str, List[int]]] = []
-    total = 0
-    for where, s in seqs:
+    by_domain: dict = {}
+    for item in seqs:
+        by_domain.setdefault(item[1], []).append(item)
+    # round-robin over the domains so a token budget is shared out evenly between them
+    queues = [list(q) for q in by_domain.values()]
+    order = []
+    while queues:
+        order += [q.pop(0) for q in queues]
+        queues = [q for q in queues if q]
+    out: List[Tuple[str, str, List[int]]] = []
+    total, used = 0, 0
+    for where, dom, s in order:
         if max_tokens is not None and total >= max_tokens:
             break
+        used += 1
         if max_tokens is not None and total + len(s) > max_tokens:
             s = s[: max_tokens - total]
             if len(s) < MIN_SEQ_TOKENS:
                 break
-        out.append((where, s))
+        out.append((where, dom, s))
         total += len(s)
+    held = _heldout(order[used:], out, heldout_tokens) if heldout_tokens else []
     return CalibSet(
-        sequences=[s for _, s in out], sources=[w for w, _ in out],
+        sequences=[s for _, _, s in out], sources=[w for w, _, _ in out],
         files=[str(f) for f in files], documents=documents, kinds=kinds, seq_len=seq_len,
+        domains=[d for _, d, _ in out], heldout=held,
     )
+
+
+def _heldout(left: List[tuple], out: List[tuple], per_domain: int) -> List[Tuple[str, List[int]]]:
+    """Held-out (domain, ids) of up to `per_domain` tokens a domain, and at most a quarter
+    of its calibration tokens: from the sequences the budget left over (`left`, in order;
+    a domain the budget gave no calibration token has none); a domain with none left over gives up the first of
+    its calibration sequences in `out` (removed from it in place), at most a tenth of its
+    calibration tokens and never its last sequence."""
+    held: List[Tuple[str, List[int]]] = []
+    got: dict = {}
+    calibrated: dict = {}
+    for _, dom, s in out:
+        calibrated[dom] = calibrated.get(dom, 0) + len(s)
+    for _, dom, s in left:
+        have = got.get(dom, 0)
+        cap = min(per_domain, calibrated.get(dom, 0) // 4)
+        if have < cap:
+            s = s[: cap - have]
+            if len(s) >= MIN_SEQ_TOKENS:
+                held.append((dom, s))
+                got[dom] = have + len(s)
+    for dom in dict.fromkeys(d for _, d, _ in out):
+        if dom in got:
+            continue
+        mine = [k for k, item in enumerate(out) if item[1] == dom]
+        cap = min(per_domain, sum(len(out[k][2]) for k in mine) // 10)
+        taken, drop = 0, []
+        for k in mine[:-1]:
+            if taken + len(out[k][2]) > cap:
+                break
+            held.append((dom, out[k][2]))
+            taken += len(out[k][2])
+            drop.append(k)
+        for k in reversed(drop):
+            del out[k]
+    return held
+
+
+def _record_domain(rec: dict, where: str, default: str) -> str:
+    """A JSONL record's `domain` field, else `default` (its file's domain)."""
+    if "domain" not in rec:
+        return default
+    d = rec["domain"]
+    if not isinstance(d, str) or not d.strip():
+        raise CalibError(f"{where}: 'domain' must be a non-empty string, got {d!r}")
+    return d.strip()

@@ -22,10 +22,11 @@ from kimi_mlx.prune.merge import DEFAULT_TOKENS as DEFAULT_MERGE_TOKENS
 from kimi_mlx.prune.refit import DEFAULT_STEPS as DEFAULT_REFIT_STEPS
 from kimi_mlx.prune.refit import DEFAULT_TOKENS as DEFAULT_REFIT_TOKENS
 from kimi_mlx.prune.quantize import DEFAULT_GROUP, EXPERT_BITS, GROUP_SIZES, TRUNK_BITS, QuantError, QuantSpec
-from kimi_mlx.prune.saliency import (BUDGETS, DEFAULT_BUDGET, DEFAULT_GATE, DEFAULT_METHOD, METHODS,
-                                     KeepError, experts_to_keep)
+from kimi_mlx.prune.saliency import (BALANCES, BUDGETS, DEFAULT_BALANCE, DEFAULT_BUDGET, DEFAULT_GATE,
+                                     DEFAULT_METHOD, METHODS, KeepError, experts_to_keep)
 from kimi_mlx.prune.writer import AtomicOutput, PruneError, source_args
 
+DEFAULT_HELDOUT = 2048  # tokens per calibration domain for the card's "What it lost" table
 DRY_RUN_MACS = ("1x64GB", "1x96GB", "1x128GB", "1x192GB", "1x256GB", "1x512GB")
 
 
@@ -53,6 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="experts per layer: uniform (n in every MoE layer, REAP) or spread (the "
                         "same total shared out by where each layer's saliency is spread; the "
                         "build records `num_experts_per_layer`); default " + DEFAULT_BUDGET)
+    p.add_argument("--balance", choices=BALANCES, default=DEFAULT_BALANCE,
+                   help="with calibration data from several domains (a record's `domain` "
+                        "field, else the --calib folder's subfolder, else the file name): "
+                        "none pools every token; max keeps the max over domains of each "
+                        "domain's saliency / its layer maximum (every domain's top expert "
+                        "kept); mean averages each domain's saliency share; floor keeps "
+                        f"each domain's top experts first (default {DEFAULT_BALANCE})")
+    p.add_argument("--heldout-tokens", type=int, default=DEFAULT_HELDOUT,
+                   help="tokens per calibration domain set aside (not calibrated on) to "
+                        "measure what the build lost: the card's per-domain table of full vs "
+                        f"build perplexity and gate KL; 0 = none (default {DEFAULT_HELDOUT})")
     p.add_argument("--protect-super-experts", action="store_true",
                    help="always keep experts with extreme activation outliers (REAP's rule)")
     p.add_argument("--refit-router", action="store_true",
@@ -184,8 +196,11 @@ def run(args) -> int:
 
             calib = CalibSet([], [], [], 0, seq_len=args.seq_len)
         else:
+            if args.heldout_tokens < 0:
+                raise PruneError(f"--heldout-tokens must be >= 0, got {args.heldout_tokens}")
             calib = calibration(src, args.calib or [], args.seq_len, args.calib_tokens,
-                                args.seed, vocab_size=margs.vocab_size)
+                                args.seed, vocab_size=margs.vocab_size,
+                                heldout_tokens=args.heldout_tokens)
         res = prune(src, args.out, calib, args.method, n_keep,
                     protect=args.protect_super_experts, seed=args.seed, gate=args.gate,
                     force=args.force, quant=quant, budget=args.budget,
@@ -193,7 +208,7 @@ def run(args) -> int:
                     refit_router=args.refit_router, refit_tokens=args.refit_tokens,
                     refit_steps=args.refit_steps, merge_experts=args.merge,
                     merge_tokens=args.merge_tokens,
-                    merge_min_similarity=args.merge_min_similarity)
+                    merge_min_similarity=args.merge_min_similarity, balance=args.balance)
     except (PruneError, CalibError, KeepError) as e:
         print(f"kimi-mlx prune: error: {e}", file=sys.stderr)
         return 2
@@ -209,6 +224,8 @@ def run(args) -> int:
           + (f", {protected} super experts protected" if args.protect_super_experts else "")
           + (", dropped experts merged" if args.merge else "")
           + (", router rows re-fitted" if args.refit_router else "")
+          + (f", domains balanced by {res.selection.balance}"
+             if res.selection.balance != "none" else "")
           + ")" + "".join(f"; {q}" for q in _short(quant)))
     return 0
 
@@ -242,7 +259,8 @@ def dry_run_budgets(args):
                         vocab_size=margs.vocab_size)
     result = observe(src, calib, chunk=args.chunk, progress=not args.quiet)
     sel = select(result.stats, args.method, n_keep, seed=args.seed, gate=args.gate,
-                 budget=args.budget, protect_super_experts=args.protect_super_experts)
+                 budget=args.budget, protect_super_experts=args.protect_super_experts,
+                 balance=args.balance, domain_stats=result.domain_stats)
     return sel.counts
 
 

@@ -169,9 +169,12 @@ class ExpertRecorder:
                  keep_inputs: bool = True, similarity=None):
         """`input_stride` > 0 samples every `input_stride`-th router input: kept (float32
         NumPy, `inputs()`) for `refit` (--refit-router) when `keep_inputs`, and fed to
-        `similarity` (a `merge.SimilarityAccumulator`, --merge) when given."""
+        `similarity` (a `merge.SimilarityAccumulator`, --merge) when given. `also` (set
+        between sequences): a second LayerStats that every flush adds into too (the
+        sequence's domain)."""
         self.moe = moe
         self.stats = stats
+        self.also: Optional[LayerStats] = None
         self.scaling = float(getattr(moe, "scaling", 1.0) or 1.0)
         self._route = None
         self._gates = None
@@ -242,7 +245,11 @@ class ExpertRecorder:
             zero.at[idx].add(g * norm), zero.at[idx].maximum(peak), zero.at[idx].add(gs),
             zero.at[idx].add(gs * norm),
         ))
-        self.stats.tokens += int(np.prod(inds.shape[:-1]))
+        for s in self._targets():
+            s.tokens += int(np.prod(inds.shape[:-1]))
+
+    def _targets(self) -> List[LayerStats]:
+        return [self.stats] + ([self.also] if self.also is not None else [])
 
     def pending(self) -> List[mx.array]:
         """The not yet flushed partial sums (to evaluate together with the layer output)."""
@@ -250,15 +257,17 @@ class ExpertRecorder:
         return [a for part in self._parts for a in part] + sim
 
     def flush(self) -> None:
-        s = self.stats
         for count, gate, norm, gate_norm, peak, soft, soft_norm in self._parts:
-            s.count += np.array(count).round().astype(np.int64)
-            s.gate_sum += np.array(gate, dtype=np.float64)
-            s.norm_sum += np.array(norm, dtype=np.float64)
-            s.gate_norm_sum += np.array(gate_norm, dtype=np.float64)
-            s.max_abs = np.maximum(s.max_abs, np.array(peak, dtype=np.float64))
-            s.softmax_gate_sum += np.array(soft, dtype=np.float64)
-            s.softmax_gate_norm_sum += np.array(soft_norm, dtype=np.float64)
+            parts = [np.array(count).round().astype(np.int64)] + [
+                np.array(a, dtype=np.float64) for a in (gate, norm, gate_norm, peak, soft, soft_norm)]
+            for s in self._targets():
+                s.count += parts[0]
+                s.gate_sum += parts[1]
+                s.norm_sum += parts[2]
+                s.gate_norm_sum += parts[3]
+                s.max_abs = np.maximum(s.max_abs, parts[4])
+                s.softmax_gate_sum += parts[5]
+                s.softmax_gate_norm_sum += parts[6]
         self._parts.clear()
         if self.similarity is not None:
             self.similarity.flush()
@@ -342,6 +351,9 @@ class ObserveResult:
             filled with router_inputs.
         similarities: {MoE layer: `merge.SimilarityAccumulator`} (empty unless
             `observe(similarity=True)`).
+        domain_stats: {domain: {MoE layer: LayerStats}}, the same statistics over each
+            calibration domain's tokens alone (`CalibSet.domains`); they sum to `stats`
+            (max_abs: their maximum).
     """
 
     stats: Dict[int, LayerStats]
@@ -354,6 +366,7 @@ class ObserveResult:
     router_inputs: Dict[int, np.ndarray] = field(default_factory=dict)
     routers: Dict[int, Any] = field(default_factory=dict)
     similarities: Dict[int, Any] = field(default_factory=dict)
+    domain_stats: Dict[str, Dict[int, LayerStats]] = field(default_factory=dict)
 
 
 def physical_memory() -> int:
@@ -442,6 +455,8 @@ def observe(
 
     store: Optional[ActivationStore] = None
     stats: Dict[int, LayerStats] = {}
+    domain_stats: Dict[str, Dict[int, LayerStats]] = {d: {} for d in calib.domain_names
+                                                      if d in set(calib.domains)}
     kept_inputs: Dict[int, np.ndarray] = {}
     routers: Dict[int, Any] = {}
     stride = -(-tokens // router_inputs) if router_inputs > 0 else 0
@@ -471,11 +486,15 @@ def observe(
                     acc = sims[i] = SimilarityAccumulator(args.experts_in(i))
                 recorder = ExpertRecorder(layer.block_sparse_moe, stats[i], stride,
                                           keep_router_inputs, acc).install()
+                for d, per in domain_stats.items():
+                    per[i] = LayerStats(i, args.num_experts, layer.block_sparse_moe.top_k)
             bar = tqdm(total=tokens, unit="tok", unit_scale=True, leave=True, file=sys.stderr,
                        desc=f"layer {i + 1:>3}/{n_layers}", dynamic_ncols=True,
                        disable=None if progress else True)  # None: on a terminal only
             try:
                 for s in range(len(calib.sequences)):
+                    if recorder is not None:
+                        recorder.also = domain_stats[calib.domains[s]][i]
                     _run_sequence(layer, model.make_cache, store, s, chunk, recorder, bar)
             finally:
                 bar.close()
@@ -497,7 +516,8 @@ def observe(
         if store is not None:
             store.close()
     return ObserveResult(stats, tokens, time.perf_counter() - started, layer_seconds, est,
-                         spilled, mx.get_peak_memory(), kept_inputs, routers, sims)
+                         spilled, mx.get_peak_memory(), kept_inputs, routers, sims,
+                         domain_stats)
 
 
 def _embed(model, calib: CalibSet, args: ModelArgs, spill_dir, budget):

@@ -25,7 +25,7 @@ from kimi_mlx.prune.refit import DEFAULT_STEPS as DEFAULT_REFIT_STEPS
 from kimi_mlx.prune.refit import DEFAULT_TOKENS as DEFAULT_REFIT_TOKENS
 from kimi_mlx.prune.refit import RefitResult, refit_routers, router_rows
 from kimi_mlx.prune.report import model_card, write_report
-from kimi_mlx.prune.saliency import Selection, select
+from kimi_mlx.prune.saliency import DEFAULT_BALANCE, Selection, select
 from kimi_mlx.prune.writer import (AtomicOutput, CheckpointPlan, PruneError, plan_checkpoint, source_args,
                      write_checkpoint)
 
@@ -37,12 +37,14 @@ def _stderr(msg: str) -> None:
 
 
 def calibration(src, paths: Sequence, seq_len: int, max_tokens: Optional[int], seed: int = 0,
-                vocab_size: Optional[int] = None) -> CalibSet:
-    """Tokenise calibration data with the source checkpoint's tokenizer (see `calib`)."""
+                vocab_size: Optional[int] = None, heldout_tokens: int = 0) -> CalibSet:
+    """Tokenise calibration data with the source checkpoint's tokenizer (see `calib`);
+    `heldout_tokens` per domain are set aside for the card's table (`compare`)."""
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
     return load_calibration(paths, lambda: KimiTokenizer.from_pretrained(src), seq_len=seq_len,
-                            max_tokens=max_tokens, seed=seed, vocab_size=vocab_size)
+                            max_tokens=max_tokens, seed=seed, vocab_size=vocab_size,
+                            heldout_tokens=heldout_tokens)
 
 
 def check_space(src, where: Path, n_keep: int, scratch: int = 0,
@@ -118,11 +120,15 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
          *, protect: bool = False, extra_card: Optional[str] = None, log: Log = _stderr,
          quant: Optional[QuantSpec] = None, progress: bool = False,
          refitted: Optional[Dict[int, RefitResult]] = None,
-         merges: Optional[Dict[int, LayerMerge]] = None) -> Path:
+         merges: Optional[Dict[int, LayerMerge]] = None, lost: bool = True,
+         chunk: int = 1024) -> Path:
     """Write the pruned (and, with `quant`, quantized) checkpoint for `sel` into `out`'s
     temporary folder, then commit. `refitted` (from `refit`): the kept router rows to
     write instead of the source's; `merges` (from `merge`): kept experts written as the
-    merge of their groups.
+    merge of their groups. `lost` and held-out text in `calib` (`calib.heldout`):
+    before the commit, evaluate the build against the source per calibration domain
+    (`compare`, streamed) and add the table to the card (README.md, "What it lost") and
+    to saliency.json (`what_it_lost`).
 
     Raises:
         PruneError: source problems (from `plan_checkpoint`) or a failed write (the
@@ -151,6 +157,7 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
         "merge": merge_info,
         "calibration": {
             "description": calib.describe(), "tokens": calib.num_tokens,
+            "domains": calib.domain_tokens(), "balance": sel.balance,
             "sequences": len(calib.sequences), "seq_len": calib.seq_len, "files": calib.files,
         },
         "observe": {"seconds": round(result.seconds, 3), "spilled_to_disk": result.spilled,
@@ -190,6 +197,25 @@ def save(out: AtomicOutput, src, result: ObserveResult, calib: CalibSet, sel: Se
             f"{merge_info['mean_similarity']:.3f}. Requantization of the merged weights to "
             f"{merge_info['format']}: relative error mean {err['mean']:.4f}, max "
             f"{err['max']:.4f} (details in `saliency.json`, `merge`).\n")
+    if lost and calib.heldout:
+        from kimi_mlx.prune.compare import compare
+
+        log(f"measuring what the build lost on {sum(len(s) for _, s in calib.heldout):,} "
+            "held-out calibration tokens")
+        try:
+            table = compare(src, out.tmp, calib.heldout_by_domain(), chunk=chunk,
+                            kept=sel.kept)
+        except ValueError as e:
+            raise PruneError(f"evaluating the build: {e}") from None
+        info["what_it_lost"] = table.to_dict()
+        card = card.rstrip("\n") + (
+            "\n\n## What it lost\n\nPer calibration domain, on held-out calibration text "
+            "(set aside before calibrating, never calibrated on): perplexity of the full "
+            "model and of this build, the gate KL (the full router's gate over the kept "
+            "experts vs this build's, at this build's router inputs) and the share of the "
+            "full router's mass on kept experts (`kimi_mlx.prune.compare`; "
+            "`kimi-mlx eval --compare FULL BUILD DATA...` prints the same table for any "
+            "text).\n\n" + table.table() + "\n")
     write_report(out.tmp, result.stats, sel, info, card)
     return out.commit()
 
@@ -322,7 +348,8 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
           refit_router: bool = False, refit_tokens: int = DEFAULT_REFIT_TOKENS,
           refit_steps: int = DEFAULT_REFIT_STEPS, merge_experts: bool = False,
           merge_tokens: int = DEFAULT_MERGE_TOKENS,
-          merge_min_similarity: float = DEFAULT_MIN_SIMILARITY, log: Log = _stderr) -> PruneResult:
+          merge_min_similarity: float = DEFAULT_MIN_SIMILARITY, log: Log = _stderr,
+          balance: str = DEFAULT_BALANCE, lost: bool = True) -> PruneResult:
     """Calibrate layer by layer, rank experts, write `out` atomically.
 
     The temporary output folder is made first (so a read-only or full disk fails before
@@ -332,6 +359,8 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
     `merge_experts`: the pass also sums expert similarities on `merge_tokens` sampled tokens
     per MoE layer, and each dropped expert is merged into its closest kept one (`merge`;
     order: select, merge, refit, write).
+    `balance`: how per-domain saliency is combined (`saliency.BALANCES`). `lost`: the
+    card's per-domain table on `calib.heldout` (see `save`).
 
     Raises:
         PruneError: bad source, existing --out, no space, or a failed write; nothing is
@@ -362,11 +391,12 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
                                     for i in range(args.num_hidden_layers) if args.is_moe(i)},
                                    tokens=0, seconds=0.0)
         sel = select(result.stats, method, n_keep, protect_super_experts=protect, seed=seed,
-                     gate=gate, budget=budget)
+                     gate=gate, budget=budget, balance=balance,
+                     domain_stats=result.domain_stats)
         merges = merge(result, sel, merge_min_similarity) if merge_experts else None
         refitted = (refit(result, sel, args.num_experts_per_token, steps=refit_steps, log=log,
                           merges=merges)
                     if refit_router else None)
         path = save(ao, src, result, calib, sel, protect=protect, log=log, quant=quant,
-                    progress=progress, refitted=refitted, merges=merges)
+                    progress=progress, refitted=refitted, merges=merges, lost=lost, chunk=chunk)
     return PruneResult(path, sel, result, calib)

@@ -9,6 +9,11 @@ The heat map (`saliency.png`, matplotlib) has two panels:
 * bottom: each layer's saliency, sorted from most to least salient, with the cut after
   the n_keep-th expert: how sharply saliency falls off where the pruner cut.
 
+With per-domain statistics (calibration data from two or more domains) a third panel
+shows each domain's saliency side by side (layers by expert id per domain, each domain's
+score divided by its own layer maximum, dropped experts faded as above): which experts
+each domain relies on and whether the cut kept them.
+
 The title names the method, the router weight (gate) and how many experts were kept.
 """
 
@@ -55,10 +60,34 @@ def cell_colours(stats: Mapping[int, LayerStats], sel: Selection):
     return rgb, norm, layers
 
 
+def domain_colours(sel: Selection, layers: List[int], e: int):
+    """(RGB float [layers, D * (E + 1) - 1, 3], domain names) of the per-domain panel: each
+    domain's normalised score map (dropped experts faded), a white column between."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps[CMAP]
+    names = list(sel.domain_scores)
+    blocks = []
+    for d in names:
+        rgb = np.ones((len(layers), e, 3))
+        for r, l in enumerate(layers):
+            v = np.clip(np.asarray(sel.domain_scores[d].get(l, np.zeros(e)), np.float64), 0, 1)
+            row = cmap(v)[:, :3]
+            dropped = np.ones(len(v), bool)
+            dropped[sel.kept[l]] = False
+            row[dropped] = (1 - FADE) * row[dropped] + FADE * GREY
+            rgb[r, : len(v)] = row
+        blocks.append(rgb)
+        blocks.append(np.ones((len(layers), 1, 3)))
+    return np.concatenate(blocks[:-1], axis=1), names
+
+
 def _title(sel: Selection, num_experts: int) -> str:
     how = f"{sel.method}" + (f", {sel.gate} gate" if sel.method in GATED else "")
     if sel.method == "random":
         how += f", seed {sel.seed}"
+    if sel.balance != "none":
+        how += f", domains balanced by {sel.balance}"
     if not sel.uniform:
         return (f"Expert saliency ({how}, spread budget): keep {sum(sel.counts.values())} of "
                 f"{num_experts * len(sel.kept)} ({', '.join(map(str, sel.counts.values()))} per layer)")
@@ -75,9 +104,24 @@ def heat_map_figure(stats: Mapping[int, LayerStats], sel: Selection):
 
     rgb, norm, layers = cell_colours(stats, sel)
     n_layers, e = norm.shape
-    fig = Figure(figsize=(max(7.0, min(18.0, 4 + e / 40)), 4.5 + min(8.0, n_layers / 8) + 3.2),
+    per_domain = len(sel.domain_scores) >= 2
+    h_map = max(2.0, min(8.0, n_layers / 8))
+    fig = Figure(figsize=(max(7.0, min(18.0, 4 + e / 40)),
+                          4.5 + min(8.0, n_layers / 8) + 3.2 + (h_map + 1.2) * per_domain),
                  dpi=110, layout="constrained")
-    top, bottom = fig.subplots(2, 1, height_ratios=[max(2.0, min(8.0, n_layers / 8)), 3.0])
+    if per_domain:
+        top, bottom, dom = fig.subplots(3, 1, height_ratios=[h_map, 3.0, h_map])
+        drgb, names = domain_colours(sel, layers, e)
+        dom.imshow(drgb, aspect="auto", interpolation="nearest",
+                   extent=(-0.5, drgb.shape[1] - 0.5, n_layers - 0.5, -0.5))
+        dom.set_xticks([k * (e + 1) + (e - 1) / 2 for k in range(len(names))], names)
+        dom.set_yticks(range(0, n_layers, max(1, n_layers // 12)),
+                       [str(l) for l in layers[::max(1, n_layers // 12)]])
+        dom.set_ylabel("MoE layer")
+        dom.set_title("per domain (score / layer max, dropped faded)"
+                      + (f", combined by {sel.balance}" if sel.balance != "none" else ""))
+    else:
+        top, bottom = fig.subplots(2, 1, height_ratios=[h_map, 3.0])
     top.imshow(rgb, aspect="auto", interpolation="nearest",
                extent=(-0.5, e - 0.5, n_layers - 0.5, -0.5))
     top.set_xlabel("expert id")
@@ -134,6 +178,9 @@ def saliency_report(stats: Mapping[int, LayerStats], sel: Selection, info: Mappi
             "dropped": [j for j in range(st.num_experts) if j not in kept_set],
             "protected": sel.protected.get(l, []),
             "score": [float(x) for x in sel.scores[l]],
+            **({"domain_score": {d: [float(x) for x in per.get(l, [])]
+                                 for d, per in sel.domain_scores.items()}}
+               if sel.domain_scores else {}),
             "reap": {g: st.reap(g).tolist() for g in GATES},
             "reap_sum": {g: st.reap_sum(g).tolist() for g in GATES},
             **{k: v for k, v in st.to_dict().items() if k != "layer"},
@@ -143,12 +190,16 @@ def saliency_report(stats: Mapping[int, LayerStats], sel: Selection, info: Mappi
         "gate": sel.gate if sel.method in GATED else None,
         "experts_kept_per_layer": sel.n_keep if sel.uniform else {str(l): n for l, n in sel.counts.items()},
         "budget": sel.budget,
+        "balance": sel.balance,
         "seed": sel.seed,
         **dict(info),
         "super_experts": {str(l): ids for l, ids in sel.protected.items()},
         "layers": layers,
         "legend": {
-            "score": "the ranking score of `method` (higher = kept)",
+            "score": "the ranking score of `method` (higher = kept; with a domain balance, "
+                     "the combined score)",
+            "domain_score": "per calibration domain: the score of `method` over that "
+                            "domain's tokens alone, divided by its layer maximum",
             "gate": "router weight g_j of reap / reap-sum: softmax = softmax of the raw router "
                     "logits renormalised over the selected experts (REAP's reference); model = "
                     "the model's renormalised sigmoid gate",
@@ -237,7 +288,9 @@ def model_card(*, src: str, out_name: str, method: str, n_keep: int, num_experts
         "activation).",
         "- `saliency.png`: top, MoE layers by expert id, coloured by saliency relative to "
         "the layer's most salient expert (dropped experts faded, never-routed white, "
-        "protected super experts magenta); bottom, each layer's sorted saliency with the cut.",
+        "protected super experts magenta); middle, each layer's sorted saliency with the cut; "
+        "with calibration data from several domains, bottom, each domain's own saliency side "
+        "by side (`domain_score` in saliency.json).",
         *([f"- Copied unchanged from the source: {', '.join(f'`{c}`' for c in copied)}. Any "
            "model card or evaluation among them describes the unpruned model."] if copied else []),
         "",

@@ -26,6 +26,23 @@ Budgets (how many experts each layer keeps; the total is the same either way):
   sits on a few experts gives up its tail to a layer whose saliency is flat. The build
   records the per-layer counts in `num_experts_per_layer` (config.json).
 
+Domain balance (`balance`; calibration data from several domains, `calib.CalibSet.domains`,
+statistics per domain from `observe.ObserveResult.domain_stats`). Pooling every token
+lets the domain with the most (or the loudest) tokens decide; these take each expert's
+score per domain, s_d[j], and combine them so that no domain's top experts are all
+dropped:
+
+* `none`: the pooled score (REAP as published);
+* `max`: max over domains of s_d[j] / max_i s_d[i], each domain's saliency normalised by
+  its own most salient expert in the layer, so every domain's top expert scores 1 and is
+  kept whenever a layer keeps at least as many experts as there are domains;
+* `mean`: mean over domains of s_d[j] / sum_i s_d[i] (each domain's saliency share, every
+  domain weighted alike: pooling with equal token mass per domain);
+* `floor`: each domain's top max(1, floor(n / (2 D))) experts by s_d are kept first (n
+  the layer's budget, D the domains), the rest by the pooled score.
+
+A domain with no routed token in a layer is left out of that layer's combination.
+
 Ties are broken by frequency,
 then by the lower index, so an expert the calibration never routes to goes first under
 every non-random method.
@@ -49,6 +66,14 @@ from kimi_mlx.prune.observe import GATES, LayerStats
 
 METHODS = ("reap", "reap-sum", "frequency", "ean", "random")
 BUDGETS = ("uniform", "spread")
+BALANCES = ("none", "max", "mean", "floor")
+# Chosen by `make bench-domains` (micro-moe; keep 0.5 / 0.25 / 0.125; calibrated on code,
+# prose, data and a mix, 3 calibration seeds each): the only candidate never worse than
+# uniform REAP (pooled) beyond the seed noise in any (keep, calibration, domain) cell and
+# better on the geometric mean (86.80 vs 86.91); the spread budget is better on the mean
+# (86.34) but loses on data at keep 0.5 calibrated on code (10.58 vs 9.61 + 0.83). It
+# changes nothing for calibration data from one domain.
+DEFAULT_BALANCE = "max"
 DEFAULT_BUDGET = "uniform"
 GATED = ("reap", "reap-sum")  # methods that use the router weight (--gate)
 # The best mean rank of the --method choices in `make bench-prune` (micro-moe test bed,
@@ -143,6 +168,53 @@ def super_experts(stats: Mapping[int, LayerStats], quantile: float = SUPER_QUANT
     return out
 
 
+def domain_scores(domain_stats: Mapping[str, Mapping[int, LayerStats]], method: str,
+                  seed: int = 0, gate: str = DEFAULT_GATE) -> Dict[str, Dict[int, np.ndarray]]:
+    """{domain: {layer: float64 [E] score of `method` over that domain's tokens alone}}.
+
+    Raises:
+        ValueError: unknown method or gate.
+    """
+    return {d: {l: scores(st, method, seed, gate) for l, st in per.items()}
+            for d, per in domain_stats.items()}
+
+
+def normalised(per_domain: Mapping[str, np.ndarray], how: str = "max") -> Dict[str, np.ndarray]:
+    """Each domain's scores [E] divided by their maximum (`how` "max") or their sum
+    ("sum"); domains whose scores are all <= 0 are left out."""
+    out = {}
+    for d, v in per_domain.items():
+        v = np.maximum(np.asarray(v, np.float64), 0.0)
+        top = v.max() if how == "max" else v.sum()
+        if v.size and top > 0:
+            out[d] = v / top
+    return out
+
+
+def combine(per_domain: Mapping[str, np.ndarray], balance: str,
+            pooled: Optional[np.ndarray] = None) -> np.ndarray:
+    """One layer's combined score [E] of `balance` "max" or "mean" (module docstring) from
+    {domain: score [E]}; `pooled` [E] is returned when no domain has a positive score.
+
+    Raises:
+        ValueError: unknown balance (or "none" / "floor", which rank, not combine).
+    """
+    if balance not in ("max", "mean"):
+        raise ValueError(f"combine: balance {balance!r} has no combined score")
+    norm = normalised(per_domain, "max" if balance == "max" else "sum")
+    if not norm:
+        if pooled is None:
+            raise ValueError("combine: no domain has a positive score and no pooled score")
+        return np.asarray(pooled, np.float64)
+    stack = np.stack(list(norm.values()))
+    return stack.max(axis=0) if balance == "max" else stack.mean(axis=0)
+
+
+def floor_size(n_keep: int, n_domains: int) -> int:
+    """Experts of each domain kept first by `balance` "floor": max(1, n // (2 D))."""
+    return max(1, n_keep // (2 * max(n_domains, 1)))
+
+
 @dataclass
 class Selection:
     """Which experts each MoE layer keeps.
@@ -156,6 +228,9 @@ class Selection:
         scores: {layer: float64 [E] saliency as ranked (protected experts not inflated)}.
         protected: {layer: super-expert ids that were forced in}.
         seed: seed of the random method.
+        balance: how per-domain scores were combined (`BALANCES`).
+        domain_scores: {domain: {layer: float64 [E] score over the domain's tokens,
+            normalised by its layer maximum}} (empty without per-domain statistics).
     """
 
     method: str
@@ -166,6 +241,8 @@ class Selection:
     seed: int = 0
     gate: str = DEFAULT_GATE
     budget: str = DEFAULT_BUDGET
+    balance: str = DEFAULT_BALANCE
+    domain_scores: Dict[str, Dict[int, np.ndarray]] = field(default_factory=dict)
 
     @property
     def counts(self) -> Dict[int, int]:
@@ -215,21 +292,40 @@ def layer_budgets(layer_scores: Mapping[int, np.ndarray], n_keep: int, top_k: in
 
 def select(stats: Mapping[int, LayerStats], method: str, n_keep: int, *,
            protect_super_experts: bool = False, seed: int = 0,
-           gate: str = DEFAULT_GATE, budget: str = DEFAULT_BUDGET) -> Selection:
+           gate: str = DEFAULT_GATE, budget: str = DEFAULT_BUDGET,
+           balance: str = DEFAULT_BALANCE,
+           domain_stats: Optional[Mapping[str, Mapping[int, LayerStats]]] = None) -> Selection:
     """Keep the most salient experts of every layer: `n_keep` each (`budget` "uniform"),
     or n_keep x layers in all, shared out by `layer_budgets` ("spread").
 
-    Ranking: protected super experts first (by their peak activation), then by score,
-    then by frequency, then by lower index. Kept ids are returned sorted so renumbering
-    keeps the experts' relative order (`n_keep == num_experts` is the identity).
+    `balance` (module docstring) combines the per-domain scores of `domain_stats`
+    ({domain: {layer: LayerStats}}, `ObserveResult.domain_stats`); with fewer than two
+    domains, or `method` random, every balance is the pooled score.
+
+    Ranking: protected super experts first (by their peak activation), then (balance
+    "floor") each domain's floor experts, then by score, then by frequency, then by lower
+    index. Kept ids are returned sorted so renumbering keeps the experts' relative order
+    (`n_keep == num_experts` is the identity).
 
     Raises:
-        ValueError: unknown method or gate, or n_keep outside [1, num_experts] for a layer.
+        ValueError: unknown method, gate, budget or balance, or n_keep outside
+            [1, num_experts] for a layer.
     """
     if budget not in BUDGETS:
         raise ValueError(f"unknown budget {budget!r}; choose from {', '.join(BUDGETS)}")
+    if balance not in BALANCES:
+        raise ValueError(f"unknown balance {balance!r}; choose from {', '.join(BALANCES)}")
     protected = super_experts(stats) if protect_super_experts else {}
     layer_scores = {l: scores(st, method, seed, gate) for l, st in stats.items()}
+    per_domain = (domain_scores(domain_stats, method, seed, gate)
+                  if domain_stats and method != "random" else {})
+    shown = {d: {l: normalised({d: v}).get(d, np.zeros_like(v)) for l, v in per.items()}
+             for d, per in per_domain.items()}
+    if len(per_domain) < 2:
+        per_domain = {}
+    if per_domain and balance in ("max", "mean"):
+        layer_scores = {l: combine({d: per[l] for d, per in per_domain.items() if l in per},
+                                   balance, layer_scores[l]) for l in layer_scores}
     counts = {l: n_keep for l in stats}
     if budget == "spread" and stats:
         top_k = min(st.top_k for st in stats.values())
@@ -243,8 +339,17 @@ def select(stats: Mapping[int, LayerStats], method: str, n_keep: int, *,
         prot = np.zeros(st.num_experts)
         for j in protected.get(layer, []):
             prot[j] = 1.0 + st.max_abs[j]
+        first = np.zeros(st.num_experts)
+        if per_domain and balance == "floor":
+            doms = {d: per[layer] for d, per in per_domain.items()
+                    if layer in per and per[layer].max() > 0}
+            f = floor_size(n, len(doms))
+            for v in doms.values():
+                top = np.lexsort((np.arange(st.num_experts), -st.frequency, -v))[:f]
+                first[top] = 1.0
         # np.lexsort sorts by the last key first; negate for descending, index ascending.
-        order = np.lexsort((np.arange(st.num_experts), -st.frequency, -s, -prot))
+        order = np.lexsort((np.arange(st.num_experts), -st.frequency, -s, -first, -prot))
         kept[layer] = sorted(int(j) for j in order[:n])
         all_scores[layer] = s
-    return Selection(method, n_keep, kept, all_scores, protected, seed, gate, budget)
+    return Selection(method, n_keep, kept, all_scores, protected, seed, gate, budget,
+                     balance if per_domain else "none", shown)
