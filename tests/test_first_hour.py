@@ -272,10 +272,11 @@ def test_help_texts_say_what_each_command_does():
     from kimi_mlx.commands.main import build_parser
 
     p = build_parser()
-    assert _option_help(p, "server", "--num-draft-tokens") == (
-        "tokens the draft proposes per verify step (default 3; needs --draft-model or --draft)")
-    assert _option_help(p, "generate", "--num-draft-tokens") == (
-        "tokens the draft proposes per verify step (default 3; needs --draft-model or --draft)")
+    k_help = ("tokens the draft proposes per verify step (default 3), or auto (auto:N: at "
+              "most N, default 8) to choose k as it runs from the measured acceptance per "
+              "position and step time per k; needs --draft-model or --draft)")
+    assert _option_help(p, "server", "--num-draft-tokens") == k_help
+    assert _option_help(p, "generate", "--num-draft-tokens") == k_help
     assert _option_help(p, "server", "--max-concurrency") == (
         "sequences generated at once by continuous batching (default 4, or 1 with "
         "--draft-model or --draft, the only value allowed there; 1 = one request at a time)")

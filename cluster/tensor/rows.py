@@ -76,7 +76,7 @@ class RowCaches:
         ROW_RESTORE (int), else None. Raises what the model or the collectives raise."""
         from mlx_lm.models.cache import make_prompt_cache
 
-        from kimi_mlx.cluster.tensor.step import LOGITS, MEDIA
+        from kimi_mlx.cluster.tensor.wire import LOGITS, MEDIA
 
         c = self.caches
         if op == OP_ROW_NEW:
@@ -118,7 +118,7 @@ class RowCaches:
             B, L = w[1], w[2]
             x = mx.array(list(w[3:3 + B * L]), mx.uint32).reshape(B, L)
             if flags & MEDIA:
-                from kimi_mlx.cluster.tensor.step import _media
+                from kimi_mlx.cluster.tensor.wire import _media
 
                 pad, rows = _media(group, media)
                 emb = self.model.embed_with_media(x[0], rows, pad)
@@ -243,7 +243,7 @@ class GroupRows:
         return [self.new_row()]
 
     def __call__(self, inputs: mx.array, cache=None, logits: bool = False, media=None, **kw):
-        from kimi_mlx.cluster.tensor.step import LOGITS, MEDIA
+        from kimi_mlx.cluster.tensor.wire import LOGITS, MEDIA
 
         if not cache or not isinstance(cache[0], RowCache):
             raise ValueError("the tensor group's batched model runs on its own caches "
@@ -297,7 +297,7 @@ class GroupRows:
               epoch: Optional[int] = None):
         """One command (after a FREE of the dropped handles); `epoch`: the group the
         handles in `words` belong to (RuntimeError when it was formed again since)."""
-        from kimi_mlx.cluster.tensor.step import command
+        from kimi_mlx.cluster.tensor.wire import command
 
         try:
             with self._io:
