@@ -20,6 +20,13 @@ replayed from the recorded inputs, DSA caches trimmed: `rollback` + `end_verify`
 lockstep. Greedy output is therefore the plain output token for token; `--draft ngram`
 (its own loop, `NgramDraft.generate_step`) runs over the same stand-in.
 
+Block drafters (DFlash / DSpark, `speculative.block_loop`, issue 36): they read the
+target's hidden states at their `target_layer_ids`. After each layer's all_sums every rank
+holds the full residual stream, so rank 0 captures them from its own pass
+(`GroupTarget.forward_capture`; the server's child sends them back with the logits,
+`tensor.relay`); the command's HIDDEN flag only makes every rank evaluate the whole layer
+stack in a prefill chunk, so that all run the same all_sums. No cost without a drafter.
+
 Cost: one small extra all_sum per forward pass (the command); the token sampled by rank
 0 travels in the next command instead of an all_sum of its own.
 
@@ -47,6 +54,10 @@ from kimi_mlx.speculative.remote_cache import RemoteCache
 OP_EXIT, OP_BEGIN, OP_FORWARD, OP_END, OP_RESTORE, OP_SNAPSHOT = 0, 1, 2, 3, 4, 5
 # flags: record for rollback (a verify step), compute the logits, image rows follow
 RECORD, LOGITS, MEDIA = 1, 2, 4
+# rank 0 captures hidden states (a block drafter): every rank evaluates the whole layer
+# stack, so that the ranks run the same all_sums (in a prefill chunk a rank would
+# otherwise skip the last layer's MLP, whose output feeds nothing but the logits)
+HIDDEN = 8
 INLINE = 12  # token ids carried in the command itself
 HEADER = 4
 
@@ -57,14 +68,16 @@ def broadcast(x: mx.array, group) -> mx.array:
 
 
 def command(group, op: int = OP_EXIT, tokens: Sequence[int] = (), keep: int = -1,
-            flags: int = 0, media=None):
+            flags: int = 0, media=None, capture=None):
     """Send (rank 0) or receive (others) one command: returns (op, token ids, keep, flags).
     `group` may be a `tensor.relay.Rank0Process` (rank 0 in a child process: the server's
     groups), which sends it and does rank 0's share there; `media` (pad id, rows [n,
     hidden]) then travels with a MEDIA command (in-process, rank 0's `_Runner.forward`
-    broadcasts it after the command; ignored here)."""
+    broadcasts it after the command; ignored here), and `capture` (the layer ids of a
+    HIDDEN command, whose hidden states the child returns; rank 0 in-process captures
+    them itself, the other ranks need only the flag: ignored here)."""
     if hasattr(group, "relay_command"):
-        return group.relay_command(op, tokens, keep, flags, media)
+        return group.relay_command(op, tokens, keep, flags, media, capture)
     tokens = [int(t) for t in tokens]
     T = len(tokens)
     buf = [op, T, keep, flags] + tokens[:INLINE] + [0] * (INLINE - min(T, INLINE))
@@ -144,12 +157,20 @@ class _Runner:
             end_verify(self.cache)
             self.verify = None
 
-    def forward(self, ids: Sequence[int], keep: int, flags: int, group=None, media=None):
+    def forward(self, ids: Sequence[int], keep: int, flags: int, group=None, media=None,
+                capture: Optional[Sequence[int]] = None):
         """Settle, then run `ids` through the sharded model; evaluates the caches (and the
         logits [1, T, V] when flags has LOGITS, which it returns; else None). With MEDIA
         in flags the chunk's image rows are broadcast first (`_media`: `group`, and on
         rank 0 `media` = (pad id, rows [pads in ids, hidden])) and embedded in place of
-        the pads."""
+        the pads.
+
+        With HIDDEN in flags (not with MEDIA) every rank evaluates the whole layer stack
+        (the same all_sums on every rank); rank 0 passes `capture` (a block drafter's
+        `target_layer_ids`) and gets the hidden states those layers output, concatenated
+        [1, T, n * hidden] (every rank holds the full residual stream after each layer's
+        all_sums, so this adds no collective): returns (logits or None, hiddens),
+        evaluated. Without HIDDEN (the default) nothing changes."""
         from kimi_mlx.speculative.rollback import begin_verify
 
         if self.cache is None:
@@ -158,6 +179,20 @@ class _Runner:
         if flags & RECORD:
             self.verify = begin_verify(self.cache)
         x = mx.array(list(ids), mx.uint32)
+        if flags & HIDDEN:
+            from kimi_mlx.model.attn_res import Banks
+
+            if flags & MEDIA:
+                raise ValueError("hidden-state capture with image rows is not supported")
+            text = self.model.text
+            cap = {i: None for i in (capture or ())}
+            h, banks = text.run_layers(text.embed(x[None]), Banks(self.model.args.rms_norm_eps),
+                                       self.cache, capture=cap)
+            out = (self.model.language_model.logits(text.finish(h, banks))
+                   if flags & LOGITS else None)
+            hid = mx.concatenate([cap[i] for i in capture], axis=-1) if capture else None
+            mx.eval(h, [a for a in (out, hid) if a is not None], [c.state for c in self.cache])
+            return (out, hid) if capture is not None else out
         if flags & MEDIA:
             pad, rows = _media(group, media)
             emb = self.model.embed_with_media(x, rows, pad)
@@ -280,9 +315,9 @@ class GroupTarget:
     def make_cache(self) -> List[Any]:
         return [RemoteCache(self)]
 
-    def _send(self, op, tokens=(), keep=-1, flags=0, media=None):
+    def _send(self, op, tokens=(), keep=-1, flags=0, media=None, capture=None):
         try:
-            return command(self.group, op, tokens, keep, flags, media)
+            return command(self.group, op, tokens, keep, flags, media, capture)
         except BaseException:
             self.broken = True
             raise
@@ -303,6 +338,20 @@ class GroupTarget:
         return n
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs):
+        return self._forward(inputs, None)
+
+    def forward_capture(self, inputs: mx.array, layer_ids: Sequence[int]):
+        """As a call on ids [1, T], also returning the hidden states of layers
+        `layer_ids` (a block drafter's `target_layer_ids`) for these T positions: (logits
+        [1, T, vocab], or None for prefill positions; hiddens [1, T, n * hidden]). Taken
+        on rank 0 from its own forward pass (`_Runner.forward`'s capture): the other
+        ranks run the same command, so the group's traffic is unchanged.
+        Where rank 0 runs in a child process (`tensor.relay`, the server's groups) the
+        child sends them back with the logits (a copy of [T, n * hidden] float32 on a
+        local socket)."""
+        return self._forward(inputs, list(layer_ids))
+
+    def _forward(self, inputs: mx.array, capture):
         ids = [int(t) for t in inputs.reshape(-1).tolist()]
         T = len(ids)
         prefill = self.offset + T <= self.n_prefill
@@ -310,10 +359,14 @@ class GroupTarget:
             raise ValueError(f"a forward call of {T} tokens at position {self.offset} mixes "
                              f"prompt (before {self.n_prefill}) and decode positions")
         flags = 0 if prefill else LOGITS | (RECORD if self.record else 0)
+        flags |= HIDDEN if capture is not None else 0
         keep = self._keep()
-        self._send(OP_FORWARD, ids, keep, flags)
+        self._send(OP_FORWARD, ids, keep, flags, capture=capture)
         try:
-            out = self._runner.forward(ids, keep, flags)
+            if capture is None:
+                out = self._runner.forward(ids, keep, flags)
+            else:
+                out = self._runner.forward(ids, keep, flags, capture=capture)
         except BaseException:
             self.broken = True
             raise
