@@ -337,7 +337,23 @@ def test_block_drafter_errors_name_the_field_and_the_mode(micro_drafter_dir, tmp
     assert "num_target_layers is 8 but the target's is 6" in err and str(bad) in err
     assert cli.main(["cluster", "launch", "--draft-model", str(micro_drafter_dir),
                      "--prompt", "hi", "--nodes", "127.0.0.1:1"]) == 2
-    assert "block drafter runs in one process only" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "block drafter runs in one process" in err and "a pipeline does not" in err
+    assert "cluster server --parallel tensor" in err  # where it does run
+
+
+def test_target_embed_head_read_alone_equal_the_loaded_model(micro):
+    """What a tensor group's drafter binds to (the embedding and lm_head read alone from
+    the checkpoint) gives the loaded model's embedding rows and logits exactly."""
+    from kimi_mlx.speculative.block_drafter import load_target_embed_head
+
+    args, embed, head = load_target_embed_head("kimi_mlx/assets/micro")
+    assert args.vocab_size == micro.args.vocab_size
+    lm = micro.language_model
+    tok = mx.array([[1, 50, 4000]])
+    assert mx.array_equal(embed(tok), lm.model.embed_tokens(tok))
+    h = mx.random.normal((1, 3, args.hidden_size), key=mx.random.key(0))
+    assert mx.array_equal(head(h), lm.logits(h))
 
 
 def test_the_server_engine_decodes_with_a_block_drafter(micro, micro_drafter_dir):

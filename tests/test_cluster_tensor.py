@@ -110,6 +110,36 @@ def test_greedy_equals_one_process(node, extra):
     assert not alive(pids[0])
 
 
+DSPARK = Path(__file__).resolve().parents[1] / "kimi_mlx" / "assets" / "micro-dspark"
+# past micro's index_topk (64) so the DSA layers' sparse selection is exercised
+LONG_PROMPT = " ".join([PROMPT] * 4 + ["Permission is hereby granted, free of charge, to any "
+                                       "person obtaining a copy of this software"] * 3)
+
+
+def test_block_drafter_greedy_equals_one_process(node):
+    """A DSpark block drafter on rank 0 reads the group's hidden states (rank 0's own
+    forward pass): greedy output equals plain greedy in one process, on a prompt past
+    index_topk, with drafts accepted."""
+    common = ["--ignore-chat-template", "--prompt", LONG_PROMPT, "--max-tokens", "32",
+              "--temp", "0"]
+    ref = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "generate",
+                          "--model", str(node.ckpt), *common],
+                         capture_output=True, text=True, timeout=HARD_TIMEOUT)
+    assert ref.returncode == 0, ref.stderr
+    m = re.search(r"Prompt: (\d+) tokens", ref.stdout)
+    assert m and int(m.group(1)) > 64, ref.stdout[-500:]
+    cmd = launch_cmd(node, "--parallel", "tensor", "--draft-model", str(DSPARK),
+                     "--num-draft-tokens", "4", "--verbose", "true")
+    cmd[cmd.index("--prompt") + 1] = LONG_PROMPT
+    cmd[cmd.index("--max-tokens") + 1] = "32"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=HARD_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert generated_text(r.stdout) == generated_text(ref.stdout)
+    m = re.search(r"Speculative: (\d+) verify steps .*?([\d.]+) accepted per step", r.stdout)
+    assert m and int(m.group(1)) > 0 and float(m.group(2)) > 0, r.stdout[-1000:]
+    print(m.group(0))
+
+
 def test_backend_missing_refused_by_name(node):
     start = len(node.procs[0].log_text())
     r = subprocess.run(launch_cmd(node, "--parallel", "tensor", "--backend", "jaccl"),

@@ -380,10 +380,10 @@ def test_relay_command_carries_image_rows_as_float32():
     rows = mx.random.normal((3, 8)).astype(mx.bfloat16)
     want = np.array(rows.astype(mx.float32))  # bfloat16 -> float32 is exact
     buf = _encode_command(OP_FORWARD, [5, 163, 163, 163, 7], -1, MEDIA, (163, rows))
-    op, ids, keep, flags, media = _decode_command(buf)
+    op, ids, keep, flags, media, _ = _decode_command(buf)
     assert (op, ids, keep, flags) == (OP_FORWARD, [5, 163, 163, 163, 7], -1, MEDIA)
     assert media[0] == 163 and media[1].dtype == mx.float32
     assert np.array_equal(np.array(media[1]), want)
-    assert _decode_command(_encode_command(OP_FORWARD, [1, 2], 3, 0))[1:] == ([1, 2], 3, 0, None)
+    assert _decode_command(_encode_command(OP_FORWARD, [1, 2], 3, 0))[1:] == ([1, 2], 3, 0, None, None)
     with pytest.raises(ValueError, match="expected 3 x 8 float32"):
         _decode_command(buf[:-4])

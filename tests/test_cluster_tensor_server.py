@@ -110,6 +110,47 @@ def test_greedy_equals_one_process(node, extra):
     assert not alive(pids[0])  # the server's end ends the group
 
 
+DSPARK = Path(__file__).resolve().parents[1] / "kimi_mlx" / "assets" / "micro-dspark"
+# past micro's index_topk (64): the DSA layers' sparse selection is exercised
+LONG_PROMPT = " ".join([PROMPT] * 4 + ["Permission is hereby granted, free of charge, to any "
+                                       "person obtaining a copy of this software"] * 3)
+
+
+def test_block_drafter_greedy_equals_one_process(node):
+    """A DSpark block drafter in the server: rank 0's child sends the hidden states at
+    the drafter's layers back with the logits; greedy replies on a prompt past micro's
+    index_topk (64) equal plain greedy in one process, twice (the second request from
+    fresh drafter caches), and /metrics shows verify steps with drafts accepted."""
+    import httpx
+
+    r = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "generate", "--model",
+                        str(node.ckpt), "--ignore-chat-template", "--prompt", LONG_PROMPT,
+                        "--max-tokens", "24", "--temp", "0"], capture_output=True, text=True,
+                       timeout=HARD_TIMEOUT)
+    assert r.returncode == 0, r.stderr
+    assert int(re.search(r"Prompt: (\d+) tokens", r.stdout).group(1)) > 64
+    ref = r.stdout.split("=" * 10)[1][1:-1]
+    srv = server(node, "--draft-model", str(DSPARK), "--num-draft-tokens", "4")
+    try:
+        c = client(srv)
+        for _ in range(2):
+            got = c.completions.create(model="micro", prompt=LONG_PROMPT, max_tokens=24,
+                                       temperature=0)
+            assert got.choices[0].text == ref
+        m = httpx.get(srv.url + "/metrics", timeout=10).text
+
+        def metric(name):
+            return sum(float(l.split()[-1]) for l in m.splitlines() if l.startswith(name + " "))
+
+        steps = metric("kimi_mlx_speculative_verify_steps_total")
+        accepted = metric("kimi_mlx_speculative_accepted_tokens_total")
+        print(f"tensor server, micro-dspark k=4: {steps:.0f} verify steps, "
+              f"{accepted / max(steps, 1):.2f} accepted per step")
+        assert steps > 0 and accepted > 0
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("sig,why", [(signal.SIGKILL, "was killed by SIGKILL"),
                                      (signal.SIGSTOP, "is stopped (SIGSTOP)")])
 def test_rank_lost_while_serving(node, sig, why):

@@ -70,11 +70,15 @@ _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimi-mlx-rank0-
 
 
 def _encode_command(op: int, tokens: Sequence[int], keep: int, flags: int,
-                    media=None) -> bytes:
+                    media=None, capture: Optional[Sequence[int]] = None) -> bytes:
     """[op, keep, flags, T, ids...] int32, then with `media` (pad id, rows [n, hidden], an
-    mx array) [pad, n, hidden] int32 and the rows as float32 bytes."""
+    mx array) [pad, n, hidden] int32 and the rows as float32 bytes, or with `capture` (a
+    HIDDEN command: the layers whose hidden states rank 0 returns) [n, layer ids...]."""
     ids = [int(t) for t in tokens]
     buf = struct.pack(f"<4i{len(ids)}i", op, keep, flags, len(ids), *ids)
+    if capture is not None:
+        cap = [int(i) for i in capture]
+        return buf + struct.pack(f"<i{len(cap)}i", len(cap), *cap)
     if media is None:
         return buf
     import mlx.core as mx
@@ -88,10 +92,16 @@ def _encode_command(op: int, tokens: Sequence[int], keep: int, flags: int,
 
 
 def _decode_command(buf: bytes):
-    """(op, ids, keep, flags, media): `media` (pad id, rows float32 [n, hidden]) or None."""
+    """(op, ids, keep, flags, media, capture): `media` (pad id, rows float32 [n, hidden])
+    or None; `capture` (layer ids, a HIDDEN command) or None."""
+    from kimi_mlx.cluster.tensor.step import HIDDEN, OP_FORWARD
+
     op, keep, flags, T = struct.unpack_from("<4i", buf)
     ids = list(struct.unpack_from(f"<{T}i", buf, 16))
     at, media = 16 + 4 * T, None
+    if flags & HIDDEN and op == OP_FORWARD:
+        (n,) = struct.unpack_from("<i", buf, at)
+        return op, ids, keep, flags, None, list(struct.unpack_from(f"<{n}i", buf, at + 4))
     if len(buf) > at:
         import mlx.core as mx
         import numpy as np
@@ -101,7 +111,24 @@ def _decode_command(buf: bytes):
         if len(raw) != 4 * n * hidden:
             raise ValueError(f"image rows of {len(raw)} bytes, expected {n} x {hidden} float32")
         media = (pad, mx.array(np.frombuffer(raw, np.float32).reshape(n, hidden)))
-    return op, ids, keep, flags, media
+    return op, ids, keep, flags, media, None
+
+
+def _encode_pair(out, hid) -> bytes:
+    """b"H" + length of `_encode_array(out)` + it + `_encode_array(hid)` (a HIDDEN reply)."""
+    a = _encode_array(out)
+    return b"H" + struct.pack("<I", len(a)) + a + _encode_array(hid)
+
+
+def _decode_reply(reply: bytes):
+    """What the child answered: positions restored (b"N"), an array or None (b"O"), or
+    (logits or None, hiddens) (b"H")."""
+    if reply[:1] == b"N":
+        return int(reply[1:])
+    if reply[:1] == b"H":
+        (n,) = struct.unpack_from("<I", reply, 1)
+        return _decode_array(reply[5:5 + n]), _decode_array(reply[5 + n:])
+    return _decode_array(reply)
 
 
 def _encode_array(x) -> bytes:
@@ -164,8 +191,8 @@ class _RelayRunner:
     def snapshot(self, key: str) -> None:
         pass
 
-    def forward(self, ids, keep, flags, group=None, media=None):
-        return self.rank0.last
+    def forward(self, ids, keep, flags, group=None, media=None, capture=None):
+        return self.rank0.last  # (logits or None, hiddens) after a HIDDEN command
 
     def end(self, keep: int) -> None:
         pass
@@ -254,16 +281,18 @@ class Rank0Process:
         return _RelayRunner(self)
 
     def relay_command(self, op: int, tokens: Sequence[int] = (), keep: int = -1, flags: int = 0,
-                      media=None):
+                      media=None, capture=None):
         """Have the child send command `op` to the group and do its share (`media`: the
         (pad id, rows [n, hidden]) of a MEDIA chunk); returns (op, ids, keep, flags) as
-        `step.command`, the logits or positions restored in `last`. RuntimeError when the
-        group broke or the child is gone."""
-        from kimi_mlx.cluster.tensor.step import MEDIA
+        `step.command`, the logits or positions restored in `last` ((logits or None,
+        hiddens [1, T, n * hidden]) for a HIDDEN command with `capture`, the layer ids).
+        RuntimeError when the group broke or the child is gone."""
+        from kimi_mlx.cluster.tensor.step import HIDDEN, MEDIA
 
         if self.broken:
             raise RuntimeError(self.broken)
-        buf = _encode_command(op, tokens, keep, flags, media if flags & MEDIA else None)
+        buf = _encode_command(op, tokens, keep, flags, media if flags & MEDIA else None,
+                              capture if flags & HIDDEN else None)
         try:
             self.conn.send_bytes(buf)
             reply = self.conn.recv_bytes()
@@ -273,7 +302,7 @@ class Rank0Process:
         if reply[:1] == b"E":
             self.broken = reply[1:].decode(errors="replace")
             raise RuntimeError(self.broken)
-        self.last = int(reply[1:]) if reply[:1] == b"N" else _decode_array(reply)
+        self.last = _decode_reply(reply)
         return op, [int(t) for t in tokens], keep, flags
 
     # -- lifetime ---------------------------------------------------------------------
@@ -471,7 +500,7 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
         except (EOFError, OSError):
             _close_store(store)
             return 0  # the server closed the group without EXIT (it is going away)
-        op, ids, keep, flags, media = _decode_command(buf)
+        op, ids, keep, flags, media, capture = _decode_command(buf)
         try:
             command(group, op, ids, keep, flags)
             reply = None
@@ -485,7 +514,11 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
             elif op == OP_SNAPSHOT:
                 runner.snapshot(decode_keys(ids)[0])
             elif op == OP_FORWARD:
-                reply = _encode_array(runner.forward(ids, keep, flags, group, media))
+                if capture is not None:
+                    reply = _encode_pair(*runner.forward(ids, keep, flags, group, media,
+                                                         capture=capture))
+                else:
+                    reply = _encode_array(runner.forward(ids, keep, flags, group, media))
             elif op == OP_END:
                 runner.end(keep)
             elif op == OP_EXIT:

@@ -20,6 +20,13 @@ replayed from the recorded inputs, DSA caches trimmed: `rollback` + `end_verify`
 lockstep. Greedy output is therefore the plain output token for token; `--draft ngram`
 (its own loop, `NgramDraft.generate_step`) runs over the same stand-in.
 
+Block drafters (DFlash / DSpark, `speculative.block_loop`, issue 36): they read the
+target's hidden states at their `target_layer_ids`. After each layer's all_sums every rank
+holds the full residual stream, so rank 0 captures them from its own pass
+(`GroupTarget.forward_capture`; the server's child sends them back with the logits,
+`tensor.relay`); the command's HIDDEN flag only makes every rank evaluate the whole layer
+stack in a prefill chunk, so that all run the same all_sums. No cost without a drafter.
+
 Cost: one small extra all_sum per forward pass (the command); the token sampled by rank
 0 travels in the next command instead of an all_sum of its own.
 
@@ -42,9 +49,9 @@ from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 
-from kimi_mlx.cluster.tensor.wire import (HEADER, INLINE, LOGITS, MEDIA, OP_BEGIN, OP_END,  # noqa: F401
-                                          OP_EXIT, OP_FORWARD, OP_RESTORE, OP_SNAPSHOT,
-                                          RECORD, _media, broadcast, command)
+from kimi_mlx.cluster.tensor.wire import (HEADER, HIDDEN, INLINE, LOGITS, MEDIA,  # noqa: F401
+                                          OP_BEGIN, OP_END, OP_EXIT, OP_FORWARD, OP_RESTORE,
+                                          OP_SNAPSHOT, RECORD, _media, broadcast, command)
 from kimi_mlx.speculative.remote_cache import RemoteCache
 
 
@@ -101,12 +108,20 @@ class _Runner:
             end_verify(self.cache)
             self.verify = None
 
-    def forward(self, ids: Sequence[int], keep: int, flags: int, group=None, media=None):
+    def forward(self, ids: Sequence[int], keep: int, flags: int, group=None, media=None,
+                capture: Optional[Sequence[int]] = None):
         """Settle, then run `ids` through the sharded model; evaluates the caches (and the
         logits [1, T, V] when flags has LOGITS, which it returns; else None). With MEDIA
         in flags the chunk's image rows are broadcast first (`_media`: `group`, and on
         rank 0 `media` = (pad id, rows [pads in ids, hidden])) and embedded in place of
-        the pads."""
+        the pads.
+
+        With HIDDEN in flags (not with MEDIA) every rank evaluates the whole layer stack
+        (the same all_sums on every rank); rank 0 passes `capture` (a block drafter's
+        `target_layer_ids`) and gets the hidden states those layers output, concatenated
+        [1, T, n * hidden] (every rank holds the full residual stream after each layer's
+        all_sums, so this adds no collective): returns (logits or None, hiddens),
+        evaluated. Without HIDDEN (the default) nothing changes."""
         from kimi_mlx.speculative.rollback import begin_verify
 
         if self.cache is None:
@@ -115,6 +130,20 @@ class _Runner:
         if flags & RECORD:
             self.verify = begin_verify(self.cache)
         x = mx.array(list(ids), mx.uint32)
+        if flags & HIDDEN:
+            from kimi_mlx.model.attn_res import Banks
+
+            if flags & MEDIA:
+                raise ValueError("hidden-state capture with image rows is not supported")
+            text = self.model.text
+            cap = {i: None for i in (capture or ())}
+            h, banks = text.run_layers(text.embed(x[None]), Banks(self.model.args.rms_norm_eps),
+                                       self.cache, capture=cap)
+            out = (self.model.language_model.logits(text.finish(h, banks))
+                   if flags & LOGITS else None)
+            hid = mx.concatenate([cap[i] for i in capture], axis=-1) if capture else None
+            mx.eval(h, [a for a in (out, hid) if a is not None], [c.state for c in self.cache])
+            return (out, hid) if capture is not None else out
         if flags & MEDIA:
             pad, rows = _media(group, media)
             emb = self.model.embed_with_media(x, rows, pad)
@@ -237,9 +266,9 @@ class GroupTarget:
     def make_cache(self) -> List[Any]:
         return [RemoteCache(self)]
 
-    def _send(self, op, tokens=(), keep=-1, flags=0, media=None):
+    def _send(self, op, tokens=(), keep=-1, flags=0, media=None, capture=None):
         try:
-            return command(self.group, op, tokens, keep, flags, media)
+            return command(self.group, op, tokens, keep, flags, media, capture)
         except BaseException:
             self.broken = True
             raise
@@ -260,6 +289,20 @@ class GroupTarget:
         return n
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs):
+        return self._forward(inputs, None)
+
+    def forward_capture(self, inputs: mx.array, layer_ids: Sequence[int]):
+        """As a call on ids [1, T], also returning the hidden states of layers
+        `layer_ids` (a block drafter's `target_layer_ids`) for these T positions: (logits
+        [1, T, vocab], or None for prefill positions; hiddens [1, T, n * hidden]). Taken
+        on rank 0 from its own forward pass (`_Runner.forward`'s capture): the other
+        ranks run the same command, so the group's traffic is unchanged.
+        Where rank 0 runs in a child process (`tensor.relay`, the server's groups) the
+        child sends them back with the logits (a copy of [T, n * hidden] float32 on a
+        local socket)."""
+        return self._forward(inputs, list(layer_ids))
+
+    def _forward(self, inputs: mx.array, capture):
         ids = [int(t) for t in inputs.reshape(-1).tolist()]
         T = len(ids)
         prefill = self.offset + T <= self.n_prefill
@@ -267,10 +310,14 @@ class GroupTarget:
             raise ValueError(f"a forward call of {T} tokens at position {self.offset} mixes "
                              f"prompt (before {self.n_prefill}) and decode positions")
         flags = 0 if prefill else LOGITS | (RECORD if self.record else 0)
+        flags |= HIDDEN if capture is not None else 0
         keep = self._keep()
-        self._send(OP_FORWARD, ids, keep, flags)
+        self._send(OP_FORWARD, ids, keep, flags, capture=capture)
         try:
-            out = self._runner.forward(ids, keep, flags)
+            if capture is None:
+                out = self._runner.forward(ids, keep, flags)
+            else:
+                out = self._runner.forward(ids, keep, flags, capture=capture)
         except BaseException:
             self.broken = True
             raise

@@ -14,6 +14,10 @@ import mlx.core as mx
 OP_EXIT, OP_BEGIN, OP_FORWARD, OP_END, OP_RESTORE, OP_SNAPSHOT = 0, 1, 2, 3, 4, 5
 # flags: record for rollback (a verify step), compute the logits, image rows follow
 RECORD, LOGITS, MEDIA = 1, 2, 4
+# rank 0 captures hidden states (a block drafter): every rank evaluates the whole layer
+# stack, so that the ranks run the same all_sums (in a prefill chunk a rank would
+# otherwise skip the last layer's MLP, whose output feeds nothing but the logits)
+HIDDEN = 8
 INLINE = 12  # token ids carried in the command itself
 HEADER = 4
 
@@ -24,14 +28,16 @@ def broadcast(x: mx.array, group) -> mx.array:
 
 
 def command(group, op: int = OP_EXIT, tokens: Sequence[int] = (), keep: int = -1,
-            flags: int = 0, media=None):
+            flags: int = 0, media=None, capture=None):
     """Send (rank 0) or receive (others) one command: returns (op, token ids, keep, flags).
     `group` may be a `tensor.relay.Rank0Process` (rank 0 in a child process: the server's
     groups), which sends it and does rank 0's share there; `media` (pad id, rows [n,
     hidden]) then travels with a MEDIA command (in-process, rank 0's `_Runner.forward`
-    broadcasts it after the command; ignored here)."""
+    broadcasts it after the command; ignored here), and `capture` (the layer ids of a
+    HIDDEN command, whose hidden states the child returns; rank 0 in-process captures
+    them itself, the other ranks need only the flag: ignored here)."""
     if hasattr(group, "relay_command"):
-        return group.relay_command(op, tokens, keep, flags, media)
+        return group.relay_command(op, tokens, keep, flags, media, capture)
     tokens = [int(t) for t in tokens]
     T = len(tokens)
     buf = [op, T, keep, flags] + tokens[:INLINE] + [0] * (INLINE - min(T, INLINE))

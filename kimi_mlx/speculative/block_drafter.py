@@ -515,3 +515,63 @@ def load_block_drafter(path, target=None) -> BlockDrafter:
     if target is not None:
         model.bind_target(target)
     return model
+
+
+class _EmbedHead(nn.Module):
+    """The target's token embedding and lm_head alone (tied: the embedding is the head)."""
+
+    def __init__(self, vocab: int, d: int, tied: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, d)
+        if not tied:
+            self.lm_head = nn.Linear(d, vocab, bias=False)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """[..., d] -> [..., vocab], as `LanguageModel.logits` of the unsharded model."""
+        return self.lm_head(h) if "lm_head" in self else self.embed_tokens.as_linear(h)
+
+
+def load_target_embed_head(model_dir) -> Tuple[Any, Any, Any]:
+    """(target `ModelArgs`, embed, head) from a K3.1 checkpoint folder, reading only the
+    token embedding and lm_head (as stored: BF16, or quantized as `quantize_like` infers),
+    for a drafter whose target runs elsewhere (a tensor group's ranks hold lm_head split
+    by vocabulary, so its logits need a collective the drafter cannot join). Costs their
+    bytes once on this process (at K3.1 size 2 x 2.35 GB in BF16).
+
+    Raises:
+        FileNotFoundError / ConfigError: config.json missing or invalid.
+        CheckpointError: a shard missing or unreadable, the tensors absent or misshapen.
+    """
+    from kimi_mlx.checkpoint.loader import quantize_like, read_tensors
+    from kimi_mlx.checkpoint.shards import weight_map
+    from kimi_mlx.model.config import ModelArgs, read_config
+    from kimi_mlx.model.tensor_map import canonical
+
+    model_dir = Path(model_dir)
+    args = ModelArgs.from_config(read_config(model_dir), str(model_dir / "config.json"))
+    prefixes = {"language_model.model.embed_tokens.": "embed_tokens.",
+                "language_model.lm_head.": "lm_head."}
+    wanted, rename = {}, {}
+    for name, shard in weight_map(model_dir).items():
+        c = canonical(name)
+        for pre, ours in prefixes.items():
+            if c.startswith(pre) and (ours == "embed_tokens." or not args.tie_word_embeddings):
+                wanted[name], rename[name] = shard, ours + c[len(pre):]
+    raw, _ = read_tensors(model_dir, wanted)
+    weights = {rename[n]: v for n, v in raw.items()}
+    module = _EmbedHead(args.vocab_size, args.hidden_size, args.tie_word_embeddings)
+    quantize_like(module, weights, args.quantization, model_dir)
+    want = dict(_flat(module))
+    if set(want) != set(weights) or any(weights[k].shape != want[k].shape for k in want):
+        raise CheckpointError(f"{model_dir}: the embedding / lm_head tensors "
+                              f"{sorted(weights)} do not match the config (want "
+                              f"{ {k: tuple(v.shape) for k, v in want.items()} })")
+    module.load_weights(list(weights.items()))
+    mx.eval(module.parameters())
+    return args, module.embed_tokens, module.logits
+
+
+def _flat(module: nn.Module):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(module.parameters())

@@ -41,7 +41,12 @@ __all__ = ["BlockDraft", "block_generate_step", "target_forward"]
 def target_forward(model, tokens: mx.array, cache, layer_ids) -> Tuple[mx.array, mx.array]:
     """Our `Model` (whole, one process) on tokens [B, L]: (logits [B, L, vocab], the
     hiddens of layers `layer_ids` concatenated [B, L, n * d]); the same ops as
-    `Model.__call__` plus the capture (`TextModel.run_layers`)."""
+    `Model.__call__` plus the capture (`TextModel.run_layers`). A stand-in target with
+    `forward_capture(tokens, layer_ids)` (a tensor group's `GroupTarget`) answers it
+    itself (`cache` is then its `RemoteCache`, which the call advances); its logits
+    are None for prompt (prefill) positions."""
+    if hasattr(model, "forward_capture"):
+        return model.forward_capture(tokens, layer_ids)
     text = model.text
     cap = {i: None for i in layer_ids}
     h, banks = text.run_layers(text.embed(tokens), Banks(model.args.rms_norm_eps), cache,
