@@ -22,8 +22,9 @@ from kimi_mlx.prune.merge import DEFAULT_TOKENS as DEFAULT_MERGE_TOKENS
 from kimi_mlx.prune.refit import DEFAULT_STEPS as DEFAULT_REFIT_STEPS
 from kimi_mlx.prune.refit import DEFAULT_TOKENS as DEFAULT_REFIT_TOKENS
 from kimi_mlx.prune.quantize import DEFAULT_GROUP, EXPERT_BITS, GROUP_SIZES, TRUNK_BITS, QuantError, QuantSpec
-from kimi_mlx.prune.saliency import (BALANCES, BUDGETS, DEFAULT_BALANCE, DEFAULT_BUDGET, DEFAULT_GATE,
-                                     DEFAULT_METHOD, METHODS, KeepError, experts_to_keep)
+from kimi_mlx.prune.saliency import (AUTO_SPREAD_KEEP, BALANCES, BUDGETS, DEFAULT_BALANCE,
+                                     DEFAULT_BUDGET, DEFAULT_GATE, DEFAULT_METHOD, METHODS,
+                                     KeepError, experts_to_keep)
 from kimi_mlx.prune.writer import AtomicOutput, PruneError, source_args
 
 DEFAULT_HELDOUT = 2048  # tokens per calibration domain for the card's "What it lost" table
@@ -51,9 +52,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the router logits over the model's selected experts) or model (the "
                         f"model's renormalised sigmoid gate); default {DEFAULT_GATE}")
     p.add_argument("--budget", choices=BUDGETS, default=DEFAULT_BUDGET,
-                   help="experts per layer: uniform (n in every MoE layer, REAP) or spread (the "
+                   help="experts per layer: uniform (n in every MoE layer, REAP), spread (the "
                         "same total shared out by where each layer's saliency is spread; the "
-                        "build records `num_experts_per_layer`); default " + DEFAULT_BUDGET)
+                        "build records `num_experts_per_layer`) or auto (spread when keeping "
+                        f"at most {AUTO_SPREAD_KEEP:g} of the experts, where make bench-domains "
+                        "found it better on every domain, else uniform); default " + DEFAULT_BUDGET)
     p.add_argument("--balance", choices=BALANCES, default=DEFAULT_BALANCE,
                    help="with calibration data from several domains (a record's `domain` "
                         "field, else the --calib folder's subfolder, else the file name): "
@@ -173,7 +176,8 @@ def run(args) -> int:
         quant = quant_spec(args)
         if args.dry_run:
             budgets = None
-            if args.budget != "uniform":
+            # auto without --calib: the uniform figures (spread's budgets need saliency)
+            if args.budget == "spread" or (args.budget == "auto" and args.calib):
                 budgets = dry_run_budgets(args)
             return dry_run(args.model, args.keep, args.experts, args.macs or list(DRY_RUN_MACS),
                            args.context, quant, budgets,

@@ -24,7 +24,9 @@ Budgets (how many experts each layer keeps; the total is the same either way):
   with the largest share not yet kept, in any layer (at most num_experts per layer). This
   maximises the sum over layers of the share of saliency kept, so a layer whose saliency
   sits on a few experts gives up its tail to a layer whose saliency is flat. The build
-  records the per-layer counts in `num_experts_per_layer` (config.json).
+  records the per-layer counts in `num_experts_per_layer` (config.json);
+* `auto` (the command's default): spread at keep <= `AUTO_SPREAD_KEEP`, uniform above
+  (`resolve_budget`; the evidence is at `DEFAULT_BUDGET`).
 
 Domain balance (`balance`; calibration data from several domains, `calib.CalibSet.domains`,
 statistics per domain from `observe.ObserveResult.domain_stats`). Pooling every token
@@ -65,16 +67,42 @@ import numpy as np
 from kimi_mlx.prune.observe import GATES, LayerStats
 
 METHODS = ("reap", "reap-sum", "frequency", "ean", "random")
-BUDGETS = ("uniform", "spread")
+BUDGETS = ("uniform", "spread", "auto")
 BALANCES = ("none", "max", "mean", "floor")
 # Chosen by `make bench-domains` (micro-moe; keep 0.5 / 0.25 / 0.125; calibrated on code,
-# prose, data and a mix, 3 calibration seeds each): the only candidate never worse than
-# uniform REAP (pooled) beyond the seed noise in any (keep, calibration, domain) cell and
-# better on the geometric mean (86.80 vs 86.91); the spread budget is better on the mean
-# (86.34) but loses on data at keep 0.5 calibrated on code (10.58 vs 9.61 + 0.83). It
-# changes nothing for calibration data from one domain.
-DEFAULT_BALANCE = "max"
-DEFAULT_BUDGET = "uniform"
+# prose, data and a mix, 3 calibration seeds each; prune/bench/DOMAINS_RESULTS.md) by its
+# rule: never worse than uniform REAP beyond the seed noise in any (keep, calibration,
+# domain) cell, then the lowest geometric mean over the cells. The spread budget alone is
+# best on the mean (86.34 vs 86.91) but loses one cell at keep 0.5 (calibrated on code,
+# data: 10.58 vs 9.61 + 0.83); at keep 0.25 and 0.125 it passes every cell. So "auto":
+# spread at keep <= 0.25, uniform above; with it the rule's choice is no domain balance
+# (86.38; balanced max with auto 86.44, balanced max alone 86.80: all pass, within 0.5%
+# of each other). Worst domain / full at keep 0.25, mixed calibration, per seed: 1.144,
+# 1.124, 1.144 against uniform REAP's 1.184, 1.175, 1.180. The auto candidates were
+# composed after that run from its own cells (spread's below 0.5, uniform's at 0.5), so a
+# run with new seeds is what would confirm them. Nothing was measured between 0.25 and
+# 0.5, so spread starts at the keep measured.
+DEFAULT_BALANCE = "none"
+DEFAULT_BUDGET = "auto"
+AUTO_SPREAD_KEEP = 0.25  # "auto" spreads at n_keep <= this fraction of the routed experts
+
+
+def resolve_budget(budget: str, n_keep: int, num_experts: int, method: str = "reap-sum",
+                   top_k: int = 1) -> str:
+    """The budget a prune uses: `budget` itself unless "auto", which is "spread" when
+    top_k <= n_keep <= AUTO_SPREAD_KEEP x num_experts for a saliency method (not
+    "random", whose scores say nothing about a layer), else "uniform" (evidence:
+    `DEFAULT_BUDGET`).
+
+    Raises:
+        ValueError: an unknown budget."""
+    if budget not in BUDGETS:
+        raise ValueError(f"unknown budget {budget!r}; choose from {', '.join(BUDGETS)}")
+    if budget != "auto":
+        return budget
+    if method != "random" and top_k <= n_keep <= AUTO_SPREAD_KEEP * num_experts:
+        return "spread"
+    return "uniform"
 GATED = ("reap", "reap-sum")  # methods that use the router weight (--gate)
 # The best mean rank of the --method choices in `make bench-prune` (micro-moe test bed,
 # experts specialised; code and mixed calibration; held-out code, prose and data at keep
@@ -292,11 +320,12 @@ def layer_budgets(layer_scores: Mapping[int, np.ndarray], n_keep: int, top_k: in
 
 def select(stats: Mapping[int, LayerStats], method: str, n_keep: int, *,
            protect_super_experts: bool = False, seed: int = 0,
-           gate: str = DEFAULT_GATE, budget: str = DEFAULT_BUDGET,
+           gate: str = DEFAULT_GATE, budget: str = "uniform",
            balance: str = DEFAULT_BALANCE,
            domain_stats: Optional[Mapping[str, Mapping[int, LayerStats]]] = None) -> Selection:
     """Keep the most salient experts of every layer: `n_keep` each (`budget` "uniform"),
-    or n_keep x layers in all, shared out by `layer_budgets` ("spread").
+    or n_keep x layers in all, shared out by `layer_budgets` ("spread"); "auto" is one of
+    the two by `resolve_budget`.
 
     `balance` (module docstring) combines the per-domain scores of `domain_stats`
     ({domain: {layer: LayerStats}}, `ObserveResult.domain_stats`); with fewer than two
@@ -311,8 +340,9 @@ def select(stats: Mapping[int, LayerStats], method: str, n_keep: int, *,
         ValueError: unknown method, gate, budget or balance, or n_keep outside
             [1, num_experts] for a layer.
     """
-    if budget not in BUDGETS:
-        raise ValueError(f"unknown budget {budget!r}; choose from {', '.join(BUDGETS)}")
+    budget = resolve_budget(budget, n_keep,
+                            max((st.num_experts for st in stats.values()), default=n_keep),
+                            method, max((st.top_k for st in stats.values()), default=1))
     if balance not in BALANCES:
         raise ValueError(f"unknown balance {balance!r}; choose from {', '.join(BALANCES)}")
     protected = super_experts(stats) if protect_super_experts else {}

@@ -168,3 +168,22 @@ def test_spread_build_in_the_cluster_and_generate(spread, tmp_path):
     launch, gen = cluster_and_generate(spread, tmp_path)
     assert launch.returncode == 0 and gen.returncode == 0, launch.stderr[-2000:] + gen.stderr[-2000:]
     assert reply_lines(launch.stdout) == reply_lines(gen.stdout) and reply_lines(gen.stdout)
+
+
+def test_the_default_budget_is_spread_at_keep_quarter_and_uniform_above(src, spread, tmp_path):
+    """`--budget auto` (the command's default, chosen by make bench-domains): at keep 0.25
+    the build keeps what an explicit `--budget spread` build keeps, layer by layer; at 0.5
+    every layer keeps the same count (uniform); random never spreads."""
+    from kimi_mlx.prune.saliency import resolve_budget
+
+    code = write_code_text(tmp_path / "code.txt", n=120)
+    args = ["--model", str(src), "--calib", str(code), "--seq-len", "96", "--calib-tokens",
+            "1200", "--quiet"]
+    assert cli_main(["prune", *args, "--keep", "0.25", "--out", str(tmp_path / "auto")]) == 0
+    assert _kept(tmp_path / "auto") == _kept(spread)
+    assert cli_main(["prune", *args, "--keep", "0.5", "--out", str(tmp_path / "half")]) == 0
+    assert len({len(k) for k in _kept(tmp_path / "half").values()}) == 1
+    assert resolve_budget("auto", 224, 896) == "spread"
+    assert resolve_budget("auto", 225, 896) == "uniform"
+    assert resolve_budget("auto", 100, 896, method="random") == "uniform"
+    assert resolve_budget("auto", 8, 896, top_k=16) == "uniform"  # spread needs top_k each

@@ -52,6 +52,9 @@ METHODS: List[Tuple[str, str, str, str]] = [
     ("balanced floor", "reap-sum", "uniform", "floor"),
     ("spread budget", "reap-sum", "spread", "none"),
     ("balanced max, spread budget", "reap-sum", "spread", "max"),
+    # spread at keep <= 0.25, uniform above (`saliency.resolve_budget`): the default
+    ("auto budget", "reap-sum", "auto", "none"),
+    ("balanced max, auto budget", "reap-sum", "auto", "max"),
 ]
 KEEPS = (0.5, 0.25, 0.125)
 NEVER = -1e9  # correction bias of a dropped expert: never selected
