@@ -144,7 +144,7 @@ def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = 
                    help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint, "
                         "any mlx-lm model with the same tokenizer, or a DFlash / DSpark "
                         "block drafter folder (config.json with dflash_config; one process "
-                        "only) (output stays the model's)"
+                        "or --parallel tensor, not the pipeline) (output stays the model's)"
                         + note)
     p.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=None,
                    help=f"tokens the draft proposes per verify step (default "
