@@ -38,14 +38,18 @@ watch), queued ones fail too, every node kills its rank (lease cancelled) and ra
 process is killed.
 
 Healing (issue 33): rank 0 runs in a child process (`tensor.relay`: MLX cannot form a
-second group in one process), so this server forms the group again by itself. Every
-`retry` s it asks the lost node for its Health through the control plane (a new channel
+second group in one process), so this server forms the group again by itself. At once
+after the loss (once the request on the old group ended), then every `retry` s, it asks
+the lost node for its Health through the control plane (a new channel
 each time, with the checkpoint's fingerprint, `net.nodes.check_nodes`); once it answers,
 the group is formed again over the same nodes (new leases, a new rank 0 process on a new
 port: the group's epoch goes up and nothing of the old group can reach the new one; a
 late report of an old group's watch is ignored). With --replan, a lost node that does
 not answer is left out and the group is formed over the nodes left, when the model loads
-there (else it waits for the node). /health says which of these it is doing.
+there (else it waits for the node). /health says which of these it is doing. The next
+group's rank 0 process is started (and imports) while a group serves, `SPARE_AFTER` s
+after it formed (`relay.start_spare`): it then joins at once, before the node's new
+rank first tries to connect to it (a refused try costs 1 s, then 2, 4, 8 s in MLX's ring).
 """
 
 from __future__ import annotations
@@ -59,6 +63,10 @@ from typing import Optional, Sequence
 from kimi_mlx.server.engine_base import BaseEngine
 
 log = logging.getLogger("kimi_mlx.cluster.tensor_server")
+
+# seconds after a group formed before the spare rank 0 process for the next one starts
+# (`tensor.relay.start_spare`): its imports then do not slow the group's first requests
+SPARE_AFTER = 1.0
 
 
 class TensorEngine(BaseEngine):
@@ -120,6 +128,8 @@ class TensorEngine(BaseEngine):
         self.recoveries = 0
         self._lost_nodes: list = []  # NodeInfo of the nodes whose rank was lost
         self._doing = ""  # what the recovery is doing (for /health)
+        self._wake = threading.Event()  # a loss: the recovery starts now, not at its next poll
+        self._spare_at: Optional[float] = None  # when to start rank 0's spare (`relay`)
         self._bind(watch)
         self._healer = (threading.Thread(target=self._heal_loop, daemon=True,
                                          name="kimi-mlx-tensor-heal") if reform else None)
@@ -157,7 +167,11 @@ class TensorEngine(BaseEngine):
         close the leases, kill rank 0's process (which finished its disk writes on EXIT);
         end the recovery."""
         if self._healer is not None and self._healer.ident is not None:
+            self._wake.set()
             self._healer.join(5)
+            from kimi_mlx.cluster.tensor.relay import stop_spare
+
+            stop_spare()
         with self._lock:
             watch, transport = self.watch, self.transport
         watch.close()
@@ -199,6 +213,7 @@ class TensorEngine(BaseEngine):
             if job is not None:
                 self._failed_ids.add(id(job))
         log.error("%s", self.lost)
+        self._wake.set()
         if job is not None:
             job.emit(Failed(f"generation failed: {self.lost}"))
         self._drain()
@@ -271,6 +286,8 @@ class TensorEngine(BaseEngine):
         with self._lock:
             self._current = None
             drop = self.lost is not None and self.reform is None
+            if self.lost is not None:
+                self._wake.set()  # the request on the old group ended: recover now
         if drop:
             import mlx.core as mx
 
@@ -292,9 +309,17 @@ class TensorEngine(BaseEngine):
     # ---------------------------------------------------------------- healing
 
     def _heal_loop(self) -> None:
-        """Every `retry` s: notice rank 0's process ending or stopped on its own, and while
-        the group is lost, try to form it again (`_heal`)."""
-        while not self._stopping.wait(self.retry):
+        """Every `retry` s (at once when woken: a loss, the failed request's end): notice
+        rank 0's process ending or stopped on its own, start the spare rank 0 process
+        `SPARE_AFTER` s after a group formed, and while the group is lost, try to form it
+        again (`_heal`)."""
+        if hasattr(self.group, "relay_command"):
+            self._spare_at = time.monotonic() + SPARE_AFTER
+        while True:
+            self._wake.wait(self.retry)
+            self._wake.clear()
+            if self._stopping.is_set():
+                return
             try:
                 with self._lock:
                     lost, group, watch = self.lost, self.group, self.watch
@@ -307,6 +332,12 @@ class TensorEngine(BaseEngine):
                     own = getattr(group, "state", lambda: None)()
                     if own is not None:
                         watch.fail(f"rank 0 (this head's rank process) {own}")
+                    elif self._spare_at is not None and time.monotonic() >= self._spare_at:
+                        # the next group's rank 0 process, imported while this one serves
+                        from kimi_mlx.cluster.tensor.relay import start_spare
+
+                        self._spare_at = None
+                        start_spare()
                     continue
                 if not busy:  # the request on the old group has failed and ended
                     self._heal()
@@ -365,6 +396,8 @@ class TensorEngine(BaseEngine):
             self.ranks, self.excluded = list(ranks), excluded
             self.recoveries += 1
             self._failed_ids.clear()
+            if hasattr(group, "relay_command"):
+                self._spare_at = time.monotonic() + SPARE_AFTER
             was, self.lost, self._doing, self._lost_nodes = self.lost, None, "", []
         log.warning("serving again through a tensor-parallel group of %d (epoch %d, formed in "
                     "%.1f s; rank 0 process pid %s) after %s", group.size(), self.epoch,

@@ -106,12 +106,12 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
                 f.write(hosts)
             group_env = dict(MLX_RANK="0", MLX_HOSTFILE=hostfile)
         watch.nodes = {n.node_id: n for n, _ in accepted}
-        if relay:  # rank 0's process starts (imports) while the nodes start theirs
+        if relay:  # rank 0's process (imported, `relay.Rank0Process`) joins first
             from kimi_mlx.cluster.tensor.relay import Rank0Process
 
             watch.rank0 = Rank0Process(cluster.model_dir, backend, group_env, epoch,
                                        hosts=None if backend == "jaccl" else hosts,
-                                       store=store)
+                                       store=store, cancelled=cancelled)
         try:
             watch.start([(n.node_id, transport.stub_for(n.address)) for n, _ in accepted],
                         [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),

@@ -18,8 +18,10 @@ and fresh listening port no rank of the old group can reach (the fence against a
 that was stopped and resumes). The alternative, re-executing the whole server, would drop
 the HTTP listener and every waiting client.
 
-Protocol over a socket pair (`multiprocessing.connection.Connection` framing):
-the server sends one command [op, keep, flags, T, ids...] (int32, `tensor.step`'s ops),
+Protocol over a socket pair (`multiprocessing.connection.Connection` framing): the
+process starts before its group is known (one is kept ready while a group serves, the
+spare: `start_spare`) and first gets the group's settings (b"C" + JSON, `relay_main`);
+then the server sends one command [op, keep, flags, T, ids...] (int32, `tensor.step`'s ops),
 followed for a MEDIA prefill chunk by [pad id, n, hidden] (int32) and the image rows
 (float32 [n, hidden], the server's vision tower ran them); the child broadcasts it to the
 group (`step.command`), does its own share (`step._Runner`, as `follow_commands` on the
@@ -174,6 +176,83 @@ def _anonymous_file(data: bytes) -> int:
     return fd
 
 
+def _spawn():
+    """(Popen, Connection): a new rank 0 process (`relay_main`), which imports what rank 0
+    needs and then waits on the socket for its group's settings (`Rank0Process`)."""
+    from multiprocessing.connection import Connection
+
+    mine, theirs = socket.socketpair()
+    conn = Connection(os.dup(mine.fileno()))
+    mine.close()
+    argv = [sys.executable, "-m", "kimi_mlx.cluster.tensor.relay", "--fd", str(theirs.fileno()),
+            "--parent", str(os.getpid())]
+    try:
+        proc = _SPAWNER.submit(subprocess.Popen, argv, stdin=subprocess.DEVNULL,
+                               pass_fds=(theirs.fileno(),)).result()
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        theirs.close()
+    return proc, conn
+
+
+def _close(proc, conn) -> None:
+    """Kill and reap a rank 0 process that never joined a group; close its socket."""
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        log.error("rank 0's spare process %d did not end after SIGKILL", proc.pid)
+    try:
+        conn.close()
+    except OSError:
+        pass
+
+
+# the spare: one rank 0 process started while the group serves, its imports done (Python,
+# MLX, mlx-lm: 1-3 s of CPU on a loaded machine), so that the next group's rank 0 joins at
+# once. Why it matters: in MLX's ring backend the node's rank connects to rank 0 first and
+# retries a refused connection after 1, 2, 4, 8 s (`mlx/distributed/utils.cpp`,
+# `TCPSocket::connect`, 5 attempts from 1000 ms, doubling); a rank 0 that imports slower
+# than the node's rank cost 1-3 s there at load 4-6, and 7 s or more under heavier load.
+_spare_lock = threading.Lock()
+_spare = None  # (Popen, Connection) or None
+
+
+def start_spare() -> None:
+    """Start the spare rank 0 process (above) unless one waits already."""
+    global _spare
+    with _spare_lock:
+        if _spare is not None and _spare[0].poll() is None:
+            return
+        old, _spare = _spare, _spawn()
+    if old is not None:
+        _close(*old)
+
+
+def _take_spare():
+    """(Popen, Connection) of the spare when it still runs, else of a new process."""
+    global _spare
+    with _spare_lock:
+        spare, _spare = _spare, None
+    if spare is not None:
+        if spare[0].poll() is None:
+            return spare
+        _close(*spare)
+    return _spawn()
+
+
+def stop_spare() -> None:
+    """Kill the spare (the server stops); safe to repeat."""
+    global _spare
+    with _spare_lock:
+        spare, _spare = _spare, None
+    if spare is not None:
+        _close(*spare)
+
+
 class _RelayRunner:
     """The server's stand-in for rank 0's `step._Runner`: the child did the work when the
     command went out (`Rank0Process.relay_command`); `forward` returns the logits it sent
@@ -224,43 +303,47 @@ class Rank0Process:
             "cache_bytes" (int bytes, None: `prompt_cache.default_cache_bytes` in the
             child), "cache_dir" (the disk tier's folder or None) and "disk_bytes" (int).
             After `wait_ready`, `store` is a `ChildStore` (or None: the child has none).
-    Raises (from `wait_ready`): RuntimeError naming the child's failure or its exit.
+        cancelled / timeout: give up (RuntimeError) when `cancelled()` or after `timeout` s
+            while the process imports (the constructor returns once it has its settings).
+    Raises RuntimeError naming the child's failure or its exit (also from `wait_ready`).
     """
 
     def __init__(self, model_dir, backend: str, env: dict, epoch: int = 0,
-                 hosts: Optional[str] = None, store: Optional[dict] = None):
-        from multiprocessing.connection import Connection
-
+                 hosts: Optional[str] = None, store: Optional[dict] = None,
+                 cancelled=lambda: False, timeout: float = 120.0):
         self.epoch = epoch
-        mine, theirs = socket.socketpair()
-        self.conn = Connection(os.dup(mine.fileno()))
-        mine.close()
-        fds = [theirs.fileno()]
-        env = dict(env)
-        if hosts is not None:  # the host list in a file that is on no disk (module doc)
-            hosts_fd = _anonymous_file(hosts.encode())
-            fds.append(hosts_fd)
-            env["MLX_HOSTFILE"] = f"/dev/fd/{hosts_fd}"
-        argv = [sys.executable, "-m", "kimi_mlx.cluster.tensor.relay", "--model",
-                str(model_dir), "--backend", backend, "--fd", str(theirs.fileno()),
-                "--parent", str(os.getpid())]
-        if store is None:
-            argv += ["--cache-bytes", "0"]
-        else:
-            if store.get("cache_bytes") is not None:
-                argv += ["--cache-bytes", str(int(store["cache_bytes"]))]
-            if store.get("cache_dir") is not None:
-                argv += ["--prompt-cache-dir", str(store["cache_dir"]),
-                         "--prompt-cache-disk-bytes", str(int(store.get("disk_bytes") or 0))]
-        try:
-            self.proc = _SPAWNER.submit(
-                subprocess.Popen, argv,
-                env=dict(os.environ, **env), stdin=subprocess.DEVNULL,
-                pass_fds=tuple(fds)).result()
-        finally:
-            theirs.close()
-            for fd in fds[1:]:
-                os.close(fd)
+        config = {"model": str(model_dir), "backend": backend, "env": dict(env),
+                  "hosts": hosts, "cache_bytes": 0, "cache_dir": None, "disk_bytes": 0}
+        if store is not None:
+            config.update(cache_bytes=store.get("cache_bytes"), cache_dir=(
+                None if store.get("cache_dir") is None else str(store["cache_dir"])),
+                disk_bytes=int(store.get("disk_bytes") or 0))
+        msg = b"C" + json.dumps(config).encode()
+        # the spare started ahead of need (`start_spare`), else a new process; either way
+        # this returns once it has imported (b"I") and has the settings, so that it joins
+        # at once: the other ranks, started after this, find it listening
+        self.proc, self.conn = _take_spare()
+        deadline, fresh = time.monotonic() + timeout, False
+        while True:
+            try:
+                while not self.conn.poll(0.05):
+                    if self.proc.poll() is not None:
+                        raise EOFError
+                    if cancelled() or time.monotonic() > deadline:
+                        _close(self.proc, self.conn)
+                        raise RuntimeError("rank 0 (this head's rank process): " + (
+                            "cancelled" if cancelled() else f"not started after {timeout:.0f} s"))
+                if self.conn.recv_bytes() != b"I":
+                    raise EOFError
+                self.conn.send_bytes(msg)
+                break
+            except (EOFError, OSError):  # it ended before taking the settings
+                _close(self.proc, self.conn)
+                if fresh:
+                    raise RuntimeError(f"rank 0 (this head's rank process) ended before it "
+                                       f"started (exit status {self.proc.returncode})") from None
+                fresh = True  # the spare was gone: once more with a new process
+                self.proc, self.conn = _spawn()
         self._size = 0
         self.store: Optional[ChildStore] = None  # rank 0's snapshot store (`wait_ready`)
         self.last = None  # the logits of the last command (None when it asked for none;
@@ -442,21 +525,17 @@ def _close_store(store) -> None:
 
 
 def relay_main(argv: Optional[List[str]] = None) -> int:
-    """The child (`python -m kimi_mlx.cluster.tensor.relay --model DIR --backend B --fd N`,
-    with the group's environment for rank 0): join, load rank 0's slices, then relay the
-    server's commands until EXIT (0), a broken group (1) or the server's end (0)."""
+    """The child (`python -m kimi_mlx.cluster.tensor.relay --fd N --parent PID`): import,
+    wait for the group's settings (b"C" + JSON {model, backend, env: rank 0's group
+    environment, hosts: the ring's host list or null, cache_bytes, cache_dir, disk_bytes};
+    the spare waits here while the group serves), join, load rank 0's slices, then relay
+    the server's commands until EXIT (0), a broken group (1) or the server's end (0, also
+    when it closes the socket before the settings came)."""
     from multiprocessing.connection import Connection
 
     p = argparse.ArgumentParser(description="rank 0 of a kimi-mlx server's tensor group")
-    p.add_argument("--model", required=True)
-    p.add_argument("--backend", default="ring")
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--parent", type=int, default=0, help="the server's pid")
-    p.add_argument("--cache-bytes", type=int, default=None,
-                   help="bound of rank 0's prompt-cache snapshots (0: none; default a quarter "
-                        "of the memory left after loading)")
-    p.add_argument("--prompt-cache-dir", default=None, help="rank 0's disk tier folder")
-    p.add_argument("--prompt-cache-disk-bytes", type=int, default=0)
     a = p.parse_args(argv)
     if a.parent:
         _die_with_parent(a.parent)
@@ -466,15 +545,36 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
     from kimi_mlx.checkpoint.ranged import load_sharded
     from kimi_mlx.cluster.tensor.rank import _remove_group_files
     from kimi_mlx.cluster.tensor.prompt_cache import decode_keys, make_store, rank_fingerprint
+    from kimi_mlx.cluster.tensor.rows import ROW_OPS, RowCaches
     from kimi_mlx.cluster.tensor.step import (OP_BEGIN, OP_END, OP_EXIT, OP_FORWARD,
                                               OP_RESTORE, OP_SNAPSHOT, _Runner, command)
 
+    # imported: say so, wait for the group's settings (this process may be the spare)
+    try:
+        conn.send_bytes(b"I")
+        buf = conn.recv_bytes()
+    except (EOFError, OSError):
+        return 0  # the server stopped (or dropped the spare)
+    if buf[:1] != b"C":
+        return 1
+    cfg = json.loads(buf[1:])
+    os.environ.update({str(k): str(v) for k, v in cfg["env"].items()})
+    hosts_fd = None
+    if cfg.get("hosts") is not None:  # a file no path names (`_anonymous_file`)
+        hosts_fd = _anonymous_file(cfg["hosts"].encode())
+        os.environ["MLX_HOSTFILE"] = f"/dev/fd/{hosts_fd}"
+    a.model, a.backend = cfg["model"], cfg["backend"]
+    a.cache_bytes = cfg.get("cache_bytes")
+    a.prompt_cache_dir = cfg.get("cache_dir")
+    a.prompt_cache_disk_bytes = int(cfg.get("disk_bytes") or 0)
     t0 = time.monotonic()
     try:
         try:
             group = mx.distributed.init(backend=a.backend, strict=True)
         finally:  # read by now (MLX holds the GIL in init: the parent watch waits for it)
             _remove_group_files()
+            if hosts_fd is not None:
+                os.close(hosts_fd)
         t1 = time.monotonic()
         model, _ = load_sharded(a.model, group)
         fp = (rank_fingerprint(a.model, model, 0, group.size())
@@ -490,8 +590,6 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
     info = {"size": group.size(), "cache_bytes": store.max_bytes if store is not None else 0,
             "disk": store is not None and store.disk is not None}
     conn.send_bytes(b"R" + json.dumps(info).encode())
-    from kimi_mlx.cluster.tensor.rows import ROW_OPS, RowCaches
-
     runner = _Runner(model, store, 0)
     rows = RowCaches(model, store, 0)  # the batched rows (`tensor.rows`)
     while True:
