@@ -165,7 +165,8 @@ def _server_arguments(q) -> None:
     add_server_arguments(q, log_level=False)
     q.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight through the pipeline at once (default 4, or 1 "
-                        "with --draft-model or --draft, the only value allowed there)")
+                        "with --draft-model or --draft, the only value allowed there, except "
+                        "--draft ngram with --parallel tensor, which batches)")
     q.add_argument("--no-prompt-cache", action="store_true",
                    help="prefill every prompt in full (default: the stages keep snapshots "
                         "of their caches, bounded by each stage's `cluster serve "

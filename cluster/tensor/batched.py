@@ -95,6 +95,13 @@ class BatchHost:
 
     feeds_media_by_id = False  # `GroupRows` takes image rows per prefill chunk (MEDIA)
 
+    def batch_drafts(self):
+        """The engine's batched n-gram drafts (`BaseEngine.batch_drafts`), or None."""
+        return self.engine.batch_drafts()
+
+    def speculates(self, job) -> bool:
+        return self.engine.speculates(job)
+
     @property
     def pad_id(self) -> Optional[int]:
         return self.engine.pad_id

@@ -24,8 +24,11 @@ continuous batching (`server.batch.run_batched`, mlx-lm's `BatchGenerator`) runs
 the group's rows (`tensor.batched`, `tensor.rows`): up to N sequences per forward command
 (one all_sum per layer for all of them), requests joining between decode steps, a long
 prompt prefilled in chunks of `server.batch.PREFILL_STEP` tokens between the others'
-steps; the prompt cache per row. With N = 1, or with a draft (`--draft-model`, `--draft
-ngram`: speculative decoding runs one sequence), one request at a time; further requests
+steps; the prompt cache per row. N-gram drafts (`--draft ngram`) batch too (issue 33,
+part 3): every row's drafts are verified in one batched forward command and each rank
+rolls its shard of the rows back by rank 0's accepted counts (`speculative.batch`,
+`tensor.rows` ROW_VERIFY / ROW_ROLLBACK). With N = 1, or with a draft model (`--draft-model`:
+speculative decoding runs one sequence), one request at a time; further requests
 queue (up to --max-queue, then 503 + Retry-After as every engine). Each speculative
 request has the draft on this head (requests with penalties or logit_bias decode
 plainly, as in one process).
@@ -90,7 +93,7 @@ class TensorEngine(BaseEngine):
             checkpoint. replan: form the group without a lost node that does not answer.
         retry: seconds between recovery attempts (and between checks of rank 0's process).
         max_concurrency: sequences decoded together (> 1: continuous batching through the
-            group; a draft makes it 1).
+            group; a draft other than n-gram makes it 1).
     """
 
     # logits processors are applied on rank 0, which samples; images: the tower on rank 0, the rows broadcast (`step.MEDIA`)
@@ -102,7 +105,10 @@ class TensorEngine(BaseEngine):
                  max_queue: int = 64, metrics=None, speculation=None, ranks=(),
                  prompt_cache=None, store=None, reform=None, probe=None, replan: bool = False,
                  retry: float = 0.5, max_concurrency: int = 1):
-        rows = max(1, int(max_concurrency)) if speculation is None else 1
+        # n-gram drafts batch (`speculative.batch`: every row's drafts in one verify pass);
+        # any other draft decodes one sequence at a time
+        batched = speculation is None or _batches(speculation)
+        rows = max(1, int(max_concurrency)) if batched else 1
         super().__init__(eos_ids, max_queue, rows, metrics, speculation,
                          name="kimi-mlx-tensor-rank0")
         # several rows per forward command (`tensor.batched`): continuous batching
@@ -111,9 +117,9 @@ class TensorEngine(BaseEngine):
         self.group, self.model, self.watch, self.transport = group, model, watch, transport
         self.ranks = list(ranks)
         # prompt cache: rank 0's index of snapshot prefixes and its own shard's snapshots
-        # (in rank 0's child process, `store`); a draft decodes without it, as in the
-        # pipeline
-        self.prompt_cache = prompt_cache if speculation is None else None
+        # (in rank 0's child process, `store`); a draft that is not batched decodes
+        # without it, as in the pipeline
+        self.prompt_cache = prompt_cache if speculation is None or rows > 1 else None
         self._store = store if self.prompt_cache is not None else None
         self._lookups = None
         if self.prompt_cache is not None and metrics is not None:
@@ -504,8 +510,10 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
     from kimi_mlx.cluster.tensor.group import TensorGroup
     from kimi_mlx.cluster.tensor.launch import check_fits, form_group
 
+    batched = max_concurrency > 1 and (speculation is None or _batches(speculation))
+    cached = prompt_cache is not None and (speculation is None or batched)
     rank0_cache = (dict(cache_bytes=cache_bytes, cache_dir=cache_dir, disk_bytes=cache_disk_bytes)
-                   if prompt_cache is not None and speculation is None else None)
+                   if cached else None)
 
     def form(excluded, epoch, cancelled=lambda: False):
         cluster.excluded = set(excluded)
@@ -538,13 +546,13 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
                 ch.close()
 
     transport, group, model, watch, ranks = form(set(), 0)
-    if max_concurrency != 1 and speculation is not None:
+    if max_concurrency != 1 and speculation is not None and not batched:
         log.warning("--parallel tensor with a draft serves one request at a time (speculative "
                     "decoding runs one sequence); others queue")
     log.warning("serving through a tensor-parallel group of %d: rank 0 this head's rank "
                 "process (pid %d), %s", group.size(), group.proc.pid,
                 ", ".join(f"rank {r} node {n}" for r, n in ranks))
-    if prompt_cache is not None and speculation is None:
+    if cached:
         store = group.store
         log.warning("prompt cache on every rank; rank 0 (this head's rank process) keeps up "
                     "to %.1f GB%s", (store.max_bytes if store is not None else 0) / 1e9,
@@ -552,6 +560,12 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
         if store is None:
             prompt_cache = None
     return TensorEngine(group, model, watch, transport, eos_ids, max_queue, metrics,
-                        speculation, ranks, prompt_cache, reform=form, probe=probe,
+                        speculation, ranks, prompt_cache if cached else None, reform=form, probe=probe,
                         replan=cluster.settings.replan, retry=retry,
                         max_concurrency=max_concurrency).start()
+
+
+def _batches(speculation) -> bool:
+    from kimi_mlx.speculative.batch import batches_drafts
+
+    return batches_drafts(speculation.draft)

@@ -35,6 +35,14 @@ Words of each op (int32, after the command header):
     ROW_FORWARD [a, B, L, tokens(B*L)]  flags LOGITS: answers logits [B, L, vocab]
     ROW_FREE [h...]
     ROW_SNAPSHOT [h, key]             keep h in this rank's snapshot store under key
+    ROW_VERIFY [a]                    begin a verify step on batch a (KDA records,
+                                      `rollback.begin_verify`): its next forward answers logits
+    ROW_ROLLBACK [a, B, n_keep(B)]    row b of a keeps n_keep[b] of the verify tokens
+                                      (`rollback.rollback_rows`), the records dropped
+
+The verify pair is how a batched speculative step (`speculative.batch`, n-gram drafts for
+every row) runs through the group: rank 0's generator decides each row's accepted count
+from the logits and every rank rolls its own shard of the rows back by it.
 """
 
 from __future__ import annotations
@@ -49,8 +57,8 @@ import mlx.core as mx
 
 (OP_ROW_NEW, OP_ROW_RESTORE, OP_ROW_MERGE, OP_ROW_EXTEND, OP_ROW_FILTER, OP_ROW_COPY,
  OP_ROW_PREPARE, OP_ROW_FINALIZE, OP_ROW_EXTRACT, OP_ROW_FORWARD, OP_ROW_FREE,
- OP_ROW_SNAPSHOT) = range(16, 28)
-ROW_OPS = frozenset(range(16, 28))
+ OP_ROW_SNAPSHOT, OP_ROW_VERIFY, OP_ROW_ROLLBACK) = range(16, 30)
+ROW_OPS = frozenset(range(16, 30))
 
 __all__ = ["ROW_OPS", "RowCaches", "RowCache", "GroupRows"]
 
@@ -62,6 +70,7 @@ class RowCaches:
     def __init__(self, model, store=None, rank: int = 0):
         self.model, self.store, self.rank = model, store, rank
         self.caches: Dict[int, List[Any]] = {}
+        self.verifying: Dict[int, Any] = {}  # handle -> its open verify (`rollback.Verify`)
 
     def _get(self, h: int) -> List[Any]:
         try:
@@ -134,6 +143,20 @@ class RowCaches:
                 c.pop(h, None)
         elif op == OP_ROW_SNAPSHOT:
             self._snapshot(w)
+        elif op == OP_ROW_VERIFY:
+            from kimi_mlx.speculative.rollback import begin_verify
+
+            self.verifying[w[0]] = begin_verify(self._get(w[0]))
+        elif op == OP_ROW_ROLLBACK:
+            from kimi_mlx.speculative.rollback import end_verify, rollback_rows
+
+            cache, verify = self._get(w[0]), self.verifying.pop(w[0], None)
+            try:
+                if verify is not None and w[1]:
+                    rollback_rows(cache, verify, list(w[2:2 + w[1]]))
+                    mx.eval([x.state for x in cache])
+            finally:
+                end_verify(cache)
         else:
             raise RuntimeError(f"unknown batched command {op} from rank 0 (another kimi-mlx "
                                "version?)")
@@ -192,6 +215,28 @@ class RowCache:
     def extract(self, idx: int) -> "RowCache":
         return self.rows._new(OP_ROW_EXTRACT, [self._h(), int(idx)], self.epoch)
 
+    # the batched verify step (`speculative.batch`): begin, forward (logits), rollback
+    verifying = False
+
+    def begin_verify_rows(self) -> None:
+        self.rows._send(OP_ROW_VERIFY, [self._h()], epoch=self.epoch)
+        self.verifying = True
+
+    def rollback_rows(self, n_keep: Sequence[int]) -> None:
+        self.verifying = False
+        self.rows._send(OP_ROW_ROLLBACK, [self._h(), len(n_keep)] + [int(n) for n in n_keep],
+                        epoch=self.epoch)
+
+    def end_verify_rows(self) -> None:
+        """After a verify whose rollback was never sent (its forward failed): the ranks
+        drop the records with an empty rollback."""
+        if self.verifying:
+            self.verifying = False
+            try:
+                self.rows._send(OP_ROW_ROLLBACK, [self._h(), 0], epoch=self.epoch)
+            except Exception:  # noqa: BLE001 - the group is gone: nothing left to drop
+                pass
+
     def __deepcopy__(self, memo) -> "RowCache":
         return self.rows._new(OP_ROW_COPY, [self._h()], self.epoch)
 
@@ -206,7 +251,7 @@ class GroupRows:
     """Rank 0's stand-in model for the batched rows (module doc): called like a model on
     tokens [B, L] with cache [RowCache], it commands the group's forward pass over those
     rows and runs its own share; returns logits [B, L, vocab] when L == 1 (a decode step)
-    or `logits` is set, else None (a prefill chunk: the generator ignores it).
+    or `logits` is set or a verify step is open on the cache, else None (a prefill chunk: the generator ignores it).
 
     Args:
         model: rank 0's sharded model (in this process; None when `group` is a
@@ -251,7 +296,8 @@ class GroupRows:
         if inputs.ndim == 1:
             inputs = inputs[None]
         B, L = inputs.shape
-        flags = (LOGITS if (L == 1 or logits) else 0) | (MEDIA if media is not None else 0)
+        flags = ((LOGITS if (L == 1 or logits or cache[0].verifying) else 0)
+                 | (MEDIA if media is not None else 0))
         words = [cache[0]._h(), B, L] + [int(t) for t in inputs.reshape(-1).tolist()]
         return self._send(OP_ROW_FORWARD, words, flags, media, epoch=cache[0].epoch)
 

@@ -37,7 +37,7 @@ under the key rank 0 names. Images (MEDIA, a prefill chunk holding image pads): 
 ran the tower; the chunk's projector rows follow the command in one float32 broadcast,
 and every rank embeds them as one process does (`embed_with_media`).
 
-Batched rows (issue 33, part 2, `tensor.rows`): ops 16..27 carry the cache operations and
+Batched rows (issue 33, part 2, `tensor.rows`): ops 16..29 carry the cache operations and
 the [B, L] forward passes of mlx-lm's `BatchGenerator` on rank 0 (`rows.GroupRows`); every
 rank applies them to its own caches of the rows (`rows.RowCaches`), beside this module's
 one-request caches.

@@ -2,7 +2,7 @@
 an all_sum to which only rank 0 contributes — [op, T, keep, flags, up to `INLINE` token
 ids] int32, longer inputs in a second broadcast, image rows (MEDIA) after it. The op
 codes and flags are shared by the one-request path (`tensor.step`) and the batched rows
-(`tensor.rows`, ops 16..27), which both send and follow commands through here.
+(`tensor.rows`, ops 16..29), which both send and follow commands through here.
 """
 
 from __future__ import annotations

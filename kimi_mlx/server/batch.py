@@ -17,6 +17,12 @@ generator as a token id past the vocabulary that names its row; the model the ge
 calls embeds such ids as those rows, so the image's rows land in its own row of each
 right-padded chunk, and it holds the others' decode for one chunk at a time, as text does.
 
+With n-gram drafts (`--draft ngram`) the generator's decode steps verify every row's
+drafts in one batched pass (`speculative.batch.SpeculativeBatch`, installed here; each
+row is registered with its prompt ids when it is admitted); the loop below is the same,
+a step just yields several tokens of a row in order. The acceptance figures go to the
+metrics after each step.
+
 One request cannot fail or poison the others (`_RowGuard`): its sampler and logits
 processors run guarded, row by row; when one raises (building its graph or evaluating
 it) that row gets a placeholder token for the step, so the step completes for the other
@@ -189,11 +195,16 @@ def run_batched(engine) -> None:
                          completion_batch_size=engine.max_concurrency,
                          prefill_batch_size=engine.max_concurrency,
                          prefill_step_size=PREFILL_STEP)
+    drafts = engine.batch_drafts()
+    if drafts is not None:
+        from kimi_mlx.speculative.batch import install
+
+        install(gen, drafts)
     live: Dict[int, _Live] = {}
     staged: list = []  # a job between its images' tower runs (`_admit`)
     try:
         while not engine._stopping.is_set():
-            if not _admit(engine, gen, live, feed, staged):
+            if not _admit(engine, gen, live, feed, staged, drafts):
                 return
             engine.active = len(live)
             gone = [uid for uid, s in live.items() if s.job.cancelled.is_set()]
@@ -205,7 +216,11 @@ def run_batched(engine) -> None:
             if not live:
                 continue
             try:
+                before = _spec_counts(drafts)
                 prompt_responses, responses = gen.next()
+                if drafts is not None and engine.metrics is not None:
+                    engine.metrics.speculated(*(b - a for a, b in
+                                                zip(before, _spec_counts(drafts))))
                 _drop_failed_rows(gen, live, feed)
                 _snapshot(engine, gen, live, prompt_responses)
             except Exception as e:  # noqa: BLE001 - a failed step fails the jobs in it
@@ -258,7 +273,7 @@ def run_batched(engine) -> None:
 
 
 def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = None,
-           staged: Optional[list] = None) -> bool:
+           staged: Optional[list] = None, drafts=None) -> bool:
     """Hand waiting jobs to the generator while there is room; blocks when idle.
     False when the engine is stopping. A job with images left to prefill gets its rows
     registered with `feed` and its pads from there on replaced by their row ids. While
@@ -338,6 +353,11 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
             (uid,) = gen.insert_segments([segments], max_tokens=[job.max_tokens],
                                          caches=[cache], samplers=[guard.sampler],
                                          logits_processors=[guard.processors])
+            if drafts is not None:
+                # a seeded sampled request keeps its own PRNG stream: no drafts for it
+                seeded = job.sampling.seed is not None and not job.sampling.greedy
+                drafts.add(uid, job.ids, job.sampling,
+                           engine.speculates(job) and not seeded)
         except Exception as e:  # noqa: BLE001 - this job fails, the others go on
             log.exception("admitting a job failed")
             if feed is not None:
@@ -349,6 +369,14 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
         job.emit(Started(cached))
         engine.active = len(live)
     return True
+
+
+def _spec_counts(drafts) -> tuple:
+    """(verify steps, drafted, accepted) so far of a batch's drafts ((0, 0, 0) without)."""
+    if drafts is None:
+        return (0, 0, 0)
+    st = drafts.stats
+    return (st.steps, st.drafted, st.accepted)
 
 
 def _drop_failed_rows(gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = None) -> None:

@@ -25,14 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_arguments(p)
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"sequences generated at once by continuous batching (default "
-                        f"{DEFAULT_CONCURRENCY}, or 1 with --draft-model or --draft, the only "
-                        "value allowed there; 1 = one request at a time)")
+                        f"{DEFAULT_CONCURRENCY}; 1 with --draft-model or --draft mtp, the only "
+                        "value allowed there; --draft ngram batches; 1 = one request at a time)")
     p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
                    help="bytes of cache snapshots kept across requests (default 1 GiB; 0 = off)")
     add_disk_cache_arguments(p)
-    add_draft_arguments(p, note=": the server then runs one request at a time "
-                        "(--max-concurrency 1), every request speculatively (requests with "
-                        "penalties or logit_bias decode plainly)", mtp=True)
+    add_draft_arguments(p, note=": every request speculatively (requests with penalties "
+                        "or logit_bias decode plainly); a draft model or the MTP one request "
+                        "at a time (--max-concurrency 1), n-gram drafts (--draft ngram) "
+                        "in the batch, every row's drafts verified in one pass", mtp=True)
     add_mtp_argument(p)  # --draft ngram / mtp: the same one-at-a-time rule
     add_quiet_argument(p)
 

@@ -16,7 +16,7 @@ import logging
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.server.engine_base import BaseEngine
+from kimi_mlx.server.engine_base import BaseEngine, _batches
 from kimi_mlx.server.jobs import Job, Started, stream_to_job
 
 log = logging.getLogger("kimi_mlx.server")
@@ -34,13 +34,16 @@ class Engine(BaseEngine):
         speculation: optional `speculative.Speculation` (a draft model, `--draft ngram`'s
             `NgramDraft` or `--draft mtp`'s `MTP`, drafts per verify step): every request
             decodes speculatively, except those with logits processors (penalties,
-            logit_bias), which the verify step does not apply. Needs max_concurrency 1.
+            logit_bias), which the verify step does not apply. Needs max_concurrency 1,
+            except n-gram drafts, which the batch verifies for all its rows at once
+            (`speculative.batch`; the prompt cache then keeps the target's caches only,
+            the context comes from each request's ids).
             A job's cache is then the target's caches followed by the draft's (mlx-lm's
             convention), prefilled and snapshotted together; with a draft whose caches
             cannot be snapshotted (an mlx-lm KVCache model), or one that prefills itself
             (the MTP), the prompt cache is turned off.
     Raises:
-        ValueError: speculation with max_concurrency > 1.
+        ValueError: speculation with max_concurrency > 1 whose draft does not batch.
     """
 
     feeds_media_by_id = True
@@ -54,7 +57,8 @@ class Engine(BaseEngine):
                  max_concurrency: int = 1, prompt_cache=None, metrics=None,
                  speculation=None):
         super().__init__(eos_ids, max_queue, max_concurrency, metrics, speculation)
-        if speculation is not None and prompt_cache is not None:
+        if speculation is not None and prompt_cache is not None and not (
+                max_concurrency > 1 and _batches(speculation)):  # batched: target caches only
             if speculation.prefills_itself or not _snapshots(_draft_cache(speculation.draft)):
                 log.warning("the draft's caches cannot be snapshotted: prompt cache off")
                 prompt_cache = None
@@ -82,13 +86,13 @@ class Engine(BaseEngine):
             if cache is not None:
                 return cache, n
         cache = self.model.make_cache()
-        if self.speculation is not None:
+        if self.speculation is not None and not self.batched_drafts:
             cache += _draft_cache(self.speculation.draft)
         return cache, 0
 
     def _models(self, cache) -> List[Tuple[object, list]]:
         """(model, its part of `cache`) pairs: the target, then the draft if any."""
-        if self.speculation is None:
+        if self.speculation is None or self.batched_drafts:
             return [(self.model, cache)]
         n = len(self.model.layers)
         return [(self.model, cache[:n]), (self.speculation.draft, cache[n:])]

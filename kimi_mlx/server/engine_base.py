@@ -36,11 +36,12 @@ class BaseEngine:
         max_concurrency: requests generated at once (the free slots).
         metrics: the server's `Metrics` or None.
         speculation: a `speculative.loop.Speculation` or None: requests without logits
-            processors decode speculatively (`_speculate`), one at a time.
+            processors decode speculatively (`_speculate`), one at a time; n-gram drafts
+            also in a batch (max_concurrency > 1, `batch_drafts`).
         workers: worker threads (each runs one job at a time).
         name: the threads' name.
     Raises:
-        ValueError: a speculation with max_concurrency > 1 (one sequence at a time).
+        ValueError: a speculation with max_concurrency > 1 whose draft does not batch.
     """
 
     # What this deployment can do; the HTTP layer reads these, never probes.
@@ -67,9 +68,10 @@ class BaseEngine:
     def __init__(self, eos_ids: Sequence[int] = (), max_queue: int = 64,
                  max_concurrency: int = 1, metrics=None, speculation=None, workers: int = 1,
                  name: str = "kimi-mlx-engine"):
-        if speculation is not None and max_concurrency != 1:
-            raise ValueError(f"speculative decoding serves one request at a time, not "
-                             f"max_concurrency {max_concurrency}")
+        if speculation is not None and max_concurrency != 1 and not _batches(speculation):
+            raise ValueError(f"speculative decoding with {speculation.draft!r} serves one "
+                             f"request at a time, not max_concurrency {max_concurrency} "
+                             "(n-gram drafts, --draft ngram, batch)")
         self.eos_ids = set(eos_ids)
         self.max_queue, self.max_concurrency = max_queue, max_concurrency
         self.metrics, self.speculation = metrics, speculation
@@ -89,9 +91,10 @@ class BaseEngine:
             return self.images_refusal
         if self.vision is None:
             return "this model has no vision weights, so it cannot take images"
-        if self.speculation is not None:
-            return ("images do not work with speculative decoding yet (this server runs "
-                    "with --draft-model / --draft)")
+        if self.speculation is not None and not self.batched_drafts:
+            return ("images do not work with speculative decoding one request at a time "
+                    "(this server runs with --draft-model / --draft; n-gram drafts with "
+                    "--max-concurrency > 1 take them)")
         return None
 
     def refusal(self, job: Job) -> Optional[Tuple[str, str]]:
@@ -211,6 +214,23 @@ class BaseEngine:
     # grammar (`Speculation.checks_grammar`) can; the cluster's loops do not
     grammar_drafts = False
 
+    @property
+    def batched_drafts(self) -> bool:
+        """Whether drafts are verified inside the continuous batch (n-gram drafts with
+        max_concurrency > 1, `speculative.batch`) rather than one request at a time."""
+        return (self.speculation is not None and self.max_concurrency > 1
+                and _batches(self.speculation))
+
+    def batch_drafts(self):
+        """A fresh `speculative.batch.BatchDrafts` for a batched generator (sharing the
+        speculation's statistics), or None when drafts are not batched."""
+        if not self.batched_drafts:
+            return None
+        from kimi_mlx.speculative.batch import BatchDrafts
+
+        spec = self.speculation
+        return BatchDrafts(spec.draft, spec.num_draft_tokens, spec.stats)
+
     def speculates(self, job: Job) -> bool:
         """Whether `job` decodes speculatively: with a draft and no logits processors
         (the verify step does not apply them; those requests decode plainly), except a
@@ -243,3 +263,9 @@ class BaseEngine:
             if self.metrics is not None:
                 self.metrics.speculated(st.steps - before[0], st.drafted - before[1],
                                         st.accepted - before[2])
+
+
+def _batches(speculation) -> bool:
+    from kimi_mlx.speculative.batch import batches_drafts
+
+    return batches_drafts(speculation.draft)

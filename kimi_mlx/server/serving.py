@@ -180,20 +180,26 @@ def model_cache_fingerprint(model_dir, model, role: str = "one process") -> dict
             "dtypes": dtypes, "role": role}
 
 
-def check_draft_server_arguments(args) -> Optional[DraftSettings]:
+def check_draft_server_arguments(args, batch_ngram: bool = True) -> Optional[DraftSettings]:
     """--draft-model / --draft / --num-draft-tokens for `kimi-mlx server` and `cluster
     server`: their `DraftSettings` (None without a draft); sets --max-concurrency's
-    default (4, or 1 with a draft). InputError for --max-concurrency > 1 with a draft:
-    speculative decoding runs one sequence at a time (mlx-lm's batch generator has no
-    verify step), and batching would silently turn it off."""
+    default (4; 1 with a draft that speculates one request at a time). `--draft ngram`
+    batches where `batch_ngram` (the one-process server, a tensor group: every row's
+    drafts verified in one batched pass, `speculative.batch`); every other draft, and
+    n-gram drafts through a pipeline, run one sequence at a time. InputError for
+    --max-concurrency > 1 with such a draft: batching would silently turn it off."""
     drafts = draft_settings(args)
     draft = drafts.flag if drafts is not None else None
+    batches = drafts is not None and drafts.kind == "ngram" and batch_ngram
     if args.max_concurrency is None:
-        args.max_concurrency = 1 if draft else DEFAULT_CONCURRENCY
-    elif draft and args.max_concurrency != 1:
+        args.max_concurrency = 1 if draft and not batches else DEFAULT_CONCURRENCY
+    elif draft and not batches and args.max_concurrency != 1:
+        also = ("; --draft ngram batches (in one process and with --parallel tensor)"
+                if drafts.kind != "ngram" else
+                "; n-gram drafts batch in one process and with --parallel tensor")
         raise InputError(f"{draft} serves one request at a time: use it with "
                          f"--max-concurrency 1 (or leave that flag out), not "
-                         f"{args.max_concurrency}")
+                         f"{args.max_concurrency}{also}")
     return drafts
 
 
@@ -210,7 +216,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
-    not the target's; ValueError for a draft with max_concurrency > 1."""
+    not the target's; ValueError for a draft other than n-gram with max_concurrency > 1."""
     from kimi_mlx.checkpoint.hub import resolve
     from kimi_mlx.generation.request import generation_defaults
     from kimi_mlx.checkpoint.loader import load_for_generation
@@ -218,8 +224,9 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     from kimi_mlx.server.prompt_cache import PromptCache
     from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
 
-    if drafts is not None and max_concurrency != 1:
-        raise ValueError("speculative decoding (a draft) needs max_concurrency 1")
+    if drafts is not None and max_concurrency != 1 and drafts.kind != "ngram":
+        raise ValueError("speculative decoding with a draft model or the MTP needs "
+                         "max_concurrency 1 (n-gram drafts batch)")
     model, wrapper, tok, config = load_for_generation(spec, progress=progress)
     # a hub id: the vision tower's shards too (a few hundred MB at K3.1 size), so that the
     # first image is answered, not a 500 for a shard never downloaded
@@ -234,7 +241,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     svc.vocab_size = model.args.vocab_size
     svc.context = serving_context(model.args.max_position_embeddings, max_kv_size)[0]
     disk = None
-    if prompt_cache_dir is not None and speculation is None:
+    if prompt_cache_dir is not None and (speculation is None or (
+            max_concurrency > 1 and drafts.kind == "ngram")):
         from kimi_mlx.server.disk_cache import DiskSnapshotStore
 
         disk = DiskSnapshotStore(prompt_cache_dir, prompt_cache_disk_bytes,

@@ -32,13 +32,22 @@ layer (its cost is per op, not per byte).
 For a model that is fed one token at a time (the draft), `snapshot` / `restore` keep and
 put back per-step cache states: references for array caches, offsets for KV caches.
 
-API: `snapshot`, `restore`, `begin_verify`, `rollback`, `end_verify`.
+Several sequences verified in one batched pass (the batched server's n-gram drafts,
+`kimi_mlx.speculative.batch`) keep different numbers of tokens per row: `rollback_rows`
+replays each KDA row over its own accepted count, and trims a left-padded batch KV cache
+(`BatchDSACache`, mlx-lm's `BatchKVCache`) per row by rolling the rows that keep fewer
+tokens right by the difference (their rejected tail becomes left padding, as mlx-lm's
+`finalize` does with a right-padded prefill; K3.1's attention has no positional
+encoding, and the indexer's and the dense mask's `starts` follow the padding) and
+trimming the rest from the shared end.
+
+API: `snapshot`, `restore`, `begin_verify`, `rollback`, `rollback_rows`, `end_verify`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -46,7 +55,7 @@ from mlx_lm.models.cache import ArraysCache
 from kimi_mlx.metal.dispatch import kernel_mode
 
 __all__ = ["RollbackError", "KDARecord", "Verify", "snapshot", "restore", "begin_verify",
-           "rollback", "end_verify"]
+           "rollback", "rollback_rows", "end_verify"]
 
 RECORD_ATTR = "verify_record"  # attribute the KDA layer looks for on its cache
 
@@ -182,6 +191,117 @@ def rollback(caches: List[Any], verify: Verify, n_keep: int) -> None:
             c.cache = list(verify.after[i])
         else:
             c.cache = list(_replay(rec, s[0], s[1], n_keep))
+
+
+def rollback_rows(caches: List[Any], verify: Verify, n_keep: Sequence[int],
+                  tokens: Optional[int] = None) -> None:
+    """`rollback` for a batch of B rows verified together: row b keeps the pre-verify
+    tokens plus its first `n_keep[b]` verify tokens (module doc). Call once per verify
+    step (the batch caches' padding moves).
+
+    Args:
+        caches: the batch caches (one per layer): `ArraysCache` [B, ...] for KDA layers,
+            left-padded `BatchKVCache`s (`BatchDSACache`) for the others.
+        verify: what `begin_verify` returned for this step.
+        n_keep: B ints, 0 <= n_keep[b] <= T (T the verify step's tokens per row).
+        tokens: T (needed only by a model without KDA layers, whose records say it).
+    Raises:
+        RollbackError: a KDA layer that recorded nothing, an n_keep outside [0, T] or of
+            the wrong length, or a cache type that has no per-row trim.
+    """
+    from mlx_lm.models.cache import BatchKVCache
+
+    n_keep = [int(n) for n in n_keep]
+    T = next((r.q.shape[1] for r in verify.records if r is not None and r.q is not None),
+             tokens)
+    for i, (c, rec) in enumerate(zip(caches, verify.records)):
+        if rec is None:
+            if not isinstance(c, BatchKVCache):
+                raise RollbackError(f"cache {i} ({type(c).__name__}): no per-row trim")
+            if T is None:
+                raise RollbackError("rollback_rows: no KDA layer recorded the verify step's "
+                                    "length: pass tokens=T")
+            _trim_rows(c, [T - n for n in n_keep], i)
+            continue
+        if rec.layer is None:
+            raise RollbackError(f"cache {i} (ArraysCache): its layer recorded nothing in the "
+                                "verify step; only KDA layers can be rolled back")
+        T, B = rec.q.shape[1], rec.q.shape[0]
+        if len(n_keep) != B or not all(0 <= n <= T for n in n_keep):
+            raise RollbackError(f"n_keep {n_keep}: expected {B} counts in [0, {T}]")
+        if all(n == T for n in n_keep):
+            continue  # the caches hold what the verify pass left
+        c.cache = list(_replay_rows(rec, c.cache, verify.snap[i], n_keep))
+
+
+def _trim_rows(c, drop: List[int], i: int) -> None:
+    """Drop the last drop[b] tokens of row b of left-padded batch KV cache `c`."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import dynamic_roll
+
+    B = int(c.offset.shape[0])
+    if len(drop) != B or min(drop) < 0 or max(drop) > c._idx:
+        raise RollbackError(f"cache {i} ({type(c).__name__}): cannot drop {drop} tokens "
+                            f"from {B} rows of {c._idx}")
+    low = min(drop)
+    shifts = [d - low for d in drop]
+    if any(shifts) and c.keys is not None:
+        sh = mx.array(shifts, mx.int32)[:, None]
+        c.keys = dynamic_roll(c.keys, sh, axis=2)
+        c.values = dynamic_roll(c.values, sh, axis=2)
+        if getattr(c, "index_keys", None) is not None:
+            c.index_keys = dynamic_roll(c.index_keys, sh, axis=2)
+        c.left_padding = c.left_padding + mx.array(shifts)
+        if hasattr(c, "_pads"):
+            c._pads = [p + s for p, s in zip(c._pads, shifts)]
+    c._idx -= low
+    c.offset = c.offset - mx.array(drop)
+    pads = c._pads if hasattr(c, "_pads") else c.left_padding.tolist()
+    if min(pads) > 0:
+        c.filter(list(range(B)))  # shift every row left by the padding they all have
+
+
+def _replay_rows(rec: KDARecord, after, snap, n_keep: List[int]):
+    """(conv state, recurrent state) [B, ...] with row b after its first n_keep[b]
+    recorded tokens: rows that keep all T take the verify pass's state (`after`), the
+    others are replayed from the snapshot, rows with the same count together."""
+    import mlx.core as mx
+
+    conv0, state0 = snap
+    B, T, C = rec.conv_in.shape
+    H, D = rec.layer.num_heads, rec.layer.head_dim
+    K1 = rec.layer.conv_size - 1
+    if conv0 is None:
+        conv0 = mx.zeros((B, K1, C), rec.conv_in.dtype)
+    if state0 is None:
+        state0 = mx.zeros((B, H, D, D), mx.float32)
+    xs = mx.concatenate([conv0.astype(rec.conv_in.dtype), rec.conv_in], axis=1)
+    pos = mx.array(n_keep, mx.int32)[:, None] + mx.arange(K1)[None]
+    conv = mx.take_along_axis(xs, pos[..., None], axis=1)  # [B, K-1, C]
+    if rec.states is not None:  # the verify pass kept each token's state: pick
+        every = mx.concatenate([state0[:, None], rec.states], axis=1)  # [B, T+1, ...]
+        return conv, every[mx.arange(B), mx.array(n_keep, mx.int32)]
+    parts = {}
+    for n in sorted(set(n_keep)):
+        rows = [b for b in range(B) if n_keep[b] == n]
+        if n == T:
+            parts[n] = after[1][mx.array(rows)]
+        elif n == 0:
+            parts[n] = state0[mx.array(rows)]
+        else:
+            idx = mx.array(rows)
+            sub = KDARecord()
+            sub.capture(rec.layer, rec.conv_in[idx], rec.q[idx], rec.k[idx], rec.v[idx],
+                        rec.a[idx], rec.b[idx])
+            parts[n] = _replay(sub, conv0[idx], state0[idx], n)[1]
+    order, states = [], []
+    for n, st in parts.items():
+        order += [b for b in range(B) if n_keep[b] == n]
+        states.append(st)
+    state = mx.concatenate(states, axis=0)
+    if order != list(range(B)):
+        state = state[mx.array([order.index(b) for b in range(B)])]
+    return conv, state
 
 
 def end_verify(caches: List[Any]) -> None:

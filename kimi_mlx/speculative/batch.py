@@ -1,0 +1,255 @@
+"""Speculative decoding inside continuous batching: n-gram drafts for every row of
+mlx-lm's `BatchGenerator`, verified together in one batched pass (issue 33, part 3).
+
+Every MLX server turns batching off to speculate (mlx-lm, LM Studio, exo, ours before
+this); here a batch of B sequences keeps decoding together and each decode step may
+verify drafts for all of them at once:
+
+  * each row proposes up to k tokens from its own context (`NgramIndex`, its prompt and
+    what it generated; `--draft ngram`'s index and proposal rule);
+  * when no row has a draft, the step is mlx-lm's own decode step (`GenerationBatch.next`);
+  * else the target scores [y_b, d_b1..d_bK] for every row in one [B, K+1] forward pass
+    (K the longest proposal; a shorter row's tail is filler its acceptance never reads),
+    with the KDA verify record on (`rollback.begin_verify`); each row accepts its own
+    prefix (`loop.accept_drafts`'s rule, the draft one-hot: at temperature 0 accept while
+    the draft equals the argmax, so greedy output is token for token the row's plain
+    output; above it the emitted tokens are distributed as the target's), and the
+    batch caches are rolled back row by row (`rollback.rollback_rows`: KDA replayed per
+    row, the batched DSA cache's rejected tails turned into left padding);
+  * a row with logits processors (penalties, logit_bias, a grammar) or no draft is
+    verified with k = 0 in that pass: its position-0 logits go through its processors
+    and sampler exactly as in mlx-lm's step.
+
+Tokens come out as mlx-lm's `GenerationBatch.Response`s, several per row per step, in
+order, with the stop rules (max_tokens, stop tokens) applied token by token; so the
+server's batched loop (`server.batch.run_batched`) is unchanged. A tensor group's rows
+(`cluster.tensor.rows.RowCache`) take the same verify through two group commands
+(`begin_verify_rows`, `rollback_rows`); any cache that offers those methods does.
+
+Cost: a verify step reads the weights once for B x (K+1) tokens instead of B; a row's
+DSA rollback moves its cache buffer when it keeps fewer tokens than the batch's best
+row (K3.1's 24 DSA layers: 704 bytes per token each, bf16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
+
+from kimi_mlx.speculative.auto_k import draft_policy
+from kimi_mlx.speculative.loop import SpecStats, accept_drafts
+from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS
+from kimi_mlx.speculative.ngram import NgramDraft, NgramIndex
+from kimi_mlx.speculative.rollback import begin_verify, end_verify, rollback_rows
+
+__all__ = ["BatchDrafts", "SpeculativeBatch", "batches_drafts", "install"]
+
+
+def batches_drafts(draft) -> bool:
+    """Whether `draft` can speculate inside a batch (n-gram drafts: no draft caches to
+    batch; a draft model's or the MTP's would need their own batched rollback)."""
+    return isinstance(draft, NgramDraft)
+
+
+@dataclass
+class _Row:
+    index: NgramIndex
+    greedy: bool
+    sampling: Any
+    speculates: bool
+
+
+@dataclass
+class BatchDrafts:
+    """The drafts of one batched generator: the n-gram sizes, k, the shared statistics
+    and each row's context (by the generator's uid).
+
+    Args:
+        draft: the `NgramDraft` (n-gram sizes).
+        num_draft_tokens: k, drafts per row per verify step at most (>= 1), or "auto" /
+            an `AutoK` (`auto_k.draft_policy`: one k per batched step, from every row's
+            outcomes and the batched step's time).
+        stats: `SpecStats` updated with every row's verify steps (`steps` counts rows
+            verified, so `mean_accepted` is per row as in the one-sequence loop).
+    """
+
+    draft: NgramDraft
+    num_draft_tokens: Any = DEFAULT_NUM_DRAFT_TOKENS
+    stats: SpecStats = field(default_factory=SpecStats)
+    rows: Dict[int, _Row] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.policy = draft_policy(self.num_draft_tokens)
+
+    def add(self, uid: int, context: Sequence[int], sampling, speculates: bool = True) -> None:
+        """Row `uid` starts from prompt `context` (its ids: the index has them all but
+        the last, which the generator feeds as its first decode input)."""
+        self.rows[uid] = _Row(self.draft.index(list(context)[:-1]), sampling.greedy, sampling,
+                              speculates)
+
+    def drop(self, uid: int) -> None:
+        self.rows.pop(uid, None)
+
+
+def install(gen, drafts: BatchDrafts) -> None:
+    """Make mlx-lm `BatchGenerator` `gen` decode speculatively with `drafts` (before any
+    insert: the generation batch it starts from is empty)."""
+    batch = SpeculativeBatch.empty(gen.model, gen.sampler)
+    batch.drafts = drafts
+    gen._generation_batch = batch
+
+
+def _verifier(cache: List[Any]):
+    """(begin, rollback, end) for a batch's caches: the caches' own methods when they offer
+    them (a tensor group's `RowCache`), else `rollback`'s functions on local caches."""
+    if len(cache) == 1 and hasattr(cache[0], "begin_verify_rows"):
+        c = cache[0]
+        return (c.begin_verify_rows, lambda _v, n_keep, tokens: c.rollback_rows(n_keep),
+                c.end_verify_rows)
+    return (lambda: begin_verify(cache),
+            lambda v, n_keep, tokens: rollback_rows(cache, v, n_keep, tokens),
+            lambda: end_verify(cache))
+
+
+class SpeculativeBatch(GenerationBatch):
+    """mlx-lm's `GenerationBatch` whose `next` verifies every row's n-gram drafts in one
+    batched pass (module doc); `drafts` is set by `install`."""
+
+    drafts: Optional[BatchDrafts] = None
+
+    def filter(self, keep: List[int]):
+        super().filter(keep)
+        if self.drafts is not None:
+            live = set(self.uids)
+            for uid in [u for u in self.drafts.rows if u not in live]:
+                self.drafts.drop(uid)
+
+    def next(self) -> List[GenerationBatch.Response]:
+        if not self.uids or self.drafts is None:
+            return super().next()
+        d = self.drafts
+        y = self._next_tokens
+        mx.eval(y)
+        ys = y.tolist()
+        rows = [d.rows.get(uid) for uid in self.uids]
+        rooms = [self.max_tokens[i] - self._num_tokens[i] - 1 for i in range(len(rows))]
+        k = d.policy.choose(max(rooms))
+        props: List[List[int]] = []
+        for i, r in enumerate(rows):
+            if r is not None:
+                r.index.append(ys[i])  # fed in this step, whichever kind it is
+            if (r is None or not r.speculates or self.logits_processors[i] or rooms[i] < 1
+                    or k < 1):
+                props.append([])
+            else:
+                props.append(r.index.propose(min(k, rooms[i])))
+        if not any(props):
+            d.policy.skip()
+            d.stats.plain += len(self.uids)
+            return super().next()
+        return self._verify(ys, rows, props)
+
+    def _verify(self, ys: List[int], rows: List[Optional[_Row]],
+                props: List[List[int]]) -> List[GenerationBatch.Response]:
+        d, B = self.drafts, len(self.uids)
+        K = max(len(p) for p in props)
+        x = mx.array([[ys[i]] + p + [ys[i]] * (K - len(p)) for i, p in enumerate(props)],
+                     mx.uint32)
+        begin, roll, end = _verifier(self.prompt_cache)
+        verify = begin()
+        try:
+            logits = self.model(x, cache=self.prompt_cache).astype(mx.float32)  # [B, K+1, V]
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            target = mx.argmax(logits, axis=-1)  # [B, K+1]
+            lazy: Dict[int, tuple] = {}
+            for i, (r, p) in enumerate(zip(rows, props)):
+                procs = self.logits_processors[i]
+                if procs:  # k = 0, as mlx-lm's step: processors, then the row's sampler
+                    ctx = self._token_context[i].update_and_fetch(x[i : i + 1, 0])
+                    row = logits[i : i + 1, 0]
+                    for proc in procs:
+                        row = proc(ctx, row)
+                    lp = row - mx.logsumexp(row, axis=-1, keepdims=True)
+                    lazy[i] = (mx.array(0, mx.int32), self.samplers[i](lp).reshape(()), lp[0])
+                elif not p and not (r is not None and r.greedy):
+                    lp = logprobs[i : i + 1, 0]
+                    lazy[i] = (mx.array(0, mx.int32), self.samplers[i](lp).reshape(()), lp[0])
+                elif p and not r.greedy:
+                    m = len(p)
+                    q = mx.where(mx.arange(logits.shape[-1])[None] == mx.array(p)[:, None],
+                                 0.0, -mx.inf)
+                    n, tok = accept_drafts(r.sampling.log_probs(logits[i, : m + 1]), q,
+                                           mx.array(p, mx.int32))
+                    lazy[i] = (n, tok, None)
+            mx.eval(target, [v[:2] for v in lazy.values()])
+            t_rows = target.tolist()
+            accepted, nxt, next_lp = [], [], []
+            for i, p in enumerate(props):
+                if i in lazy:
+                    n, tok, lp = lazy[i]
+                    n, tok = int(n.item()), int(tok.item())
+                else:  # greedy: accept while the draft is the argmax
+                    n = 0
+                    while n < len(p) and t_rows[i][n] == p[n]:
+                        n += 1
+                    tok, lp = t_rows[i][n], None
+                accepted.append(n)
+                nxt.append(tok)
+                next_lp.append(lp if lp is not None else logprobs[i, n])
+            roll(verify, [n + 1 for n in accepted], K + 1)
+        finally:
+            end()
+        st = d.stats
+        # the longest proposal first: the policy times the step with the first record
+        for p, n in sorted(zip(props, accepted), key=lambda pn: -len(pn[0])):
+            if p:
+                d.policy.record(len(p), n)
+        for p, n in zip(props, accepted):
+            if p:
+                st.steps += 1
+                st.drafted += len(p)
+                st.accepted += n
+                st.per_step.append(n)
+            else:
+                st.plain += 1
+        return self._emit(ys, props, accepted, nxt, next_lp, logprobs)
+
+    def _emit(self, ys, props, accepted, nxt, next_lp, logprobs):
+        """The step's responses: per row y, then its accepted drafts, stopping at the
+        first token that ends it; the next step's inputs are the rows' next tokens."""
+        d = self.drafts
+        prev_lp = self._next_logprobs
+        keep, responses = [], []
+        for i in range(len(self.uids)):
+            toks = [ys[i]] + props[i][: accepted[i]]
+            lps = [prev_lp[i]] + [logprobs[i, j] for j in range(accepted[i])]
+            self.tokens[i].extend(toks)
+            r = d.rows.get(self.uids[i])
+            if r is not None:
+                r.index.extend(props[i][: accepted[i]])
+            finish = None
+            for tok, lp in zip(toks, lps):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish = "length"
+                if self._matchers[i].advance(tok):
+                    finish = "stop"
+                d.stats.emitted += 1
+                responses.append(self.Response(
+                    uid=self.uids[i], token=tok, logprobs=lp, finish_reason=finish,
+                    prompt_cache=self.extract_cache(i) if finish else None,
+                    all_tokens=self.tokens[i] if finish else None))
+                if finish:
+                    break
+            if finish is None:
+                keep.append(i)
+        self._current_tokens = mx.array(ys, mx.uint32)
+        self._current_logprobs = prev_lp
+        self._next_tokens = mx.array(nxt, mx.uint32)
+        self._next_logprobs = next_lp
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
