@@ -69,11 +69,13 @@ SERVER_N = 16
 
 
 @pytest.mark.e2e  # ~50 s on 2 shared cores: a node, a server and a one-process reference
-def test_server_decodes_four_requests_at_once_each_equal_to_one_process(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--draft", "ngram")], ids=["plain", "ngram"])
+def test_server_decodes_four_requests_at_once_each_equal_to_one_process(tmp_path, extra):
     """`cluster server --parallel tensor --max-concurrency 4` with 2 loopback ranks: three
     streamed requests at once, a fourth joining once the first streams its tokens (its
     prefill between the others' decode steps); each reply equals the one-process server's
-    (one request at a time, no prompt cache)."""
+    (one request at a time, no prompt cache, no drafts). With `--draft ngram` every row's
+    drafts are verified in the batch (`speculative.batch`), and /metrics counts them."""
     import threading
 
     import httpx
@@ -89,7 +91,7 @@ def test_server_decodes_four_requests_at_once_each_equal_to_one_process(tmp_path
     node = LocalCluster(tmp_path, n=1, prefix="trnode", ports=[free_ports(2, consecutive=True)[0]])
     try:
         srv = ServerProc(node, free_ports(1)[0], "--parallel", "tensor", "--max-concurrency",
-                         "4", timeout=240)
+                         "4", *extra, timeout=240)
         try:
             got = [None] * 4
             streaming = threading.Event()
@@ -114,6 +116,11 @@ def test_server_decodes_four_requests_at_once_each_equal_to_one_process(tmp_path
             for t in ts:
                 t.join(180)
             assert got == want
+            if extra:
+                metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+                steps = [ln for ln in metrics.splitlines()
+                         if ln.startswith("kimi_mlx_speculative_verify_steps_total")]
+                assert steps and float(steps[0].split()[-1]) > 0
         finally:
             srv.stop()
     finally:
