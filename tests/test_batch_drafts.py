@@ -62,7 +62,7 @@ def _run(model, prompts, k, at_once, join_after, samplings=None, processors=None
     together, one more every `join_after` steps); returns (tokens, drafts)."""
     gen = BatchGenerator(model, max_tokens=N, prefill_batch_size=2, completion_batch_size=8,
                          prefill_step_size=32)
-    drafts = BatchDrafts(NgramDraft(), k)
+    drafts = BatchDrafts(NgramDraft(), k, gate=None)  # verify whenever a row has a draft
     install(gen, drafts)
     samplings = samplings or [Sampling()] * len(prompts)
     processors = processors or [None] * len(prompts)
@@ -89,6 +89,38 @@ def _run(model, prompts, k, at_once, join_after, samplings=None, processors=None
         elif not rs and nxt >= len(prompts):
             break
     return [out[u] for u in order], drafts
+
+
+def test_the_verify_gate_follows_the_measured_costs():
+    """(B + drafted rows x accepted) / T_verify against B / T_plain, with a clock the test
+    sets: verify steps 3x a plain one pay only when more than 2 tokens per row come back;
+    unmeasured costs verify; a refused step verifies every EXPLORE-th time anyway."""
+    from kimi_mlx.speculative.batch import EXPLORE, VerifyGate
+
+    now = [0.0]
+    g = VerifyGate(clock=lambda: now[0])
+    assert g.should_verify(4, 3, 4)  # nothing measured yet
+
+    def steps(key, seconds, n=3):  # as `SpeculativeBatch.next` calls it
+        for _ in range(n):
+            g.mark()
+            g.step(key)
+            now[0] += seconds
+        g.mark()
+
+    steps(("plain", 4), 0.010)
+    steps(("verify", 4, 3), 0.030)
+    g.accepted([1, 1, 1, 1])  # ~1 accepted per row: 4 + 4 tokens in 30 ms < 4 in 10 ms
+    g.acc = 1.0
+    assert not g.should_verify(4, 3, 4)
+    g.acc = 2.5  # 4 + 10 tokens in 30 ms > 4 in 10 ms
+    assert g.should_verify(4, 3, 4)
+    assert not g.should_verify(4, 3, 1)  # one drafted row: 6.5 tokens in 30 ms
+    g.acc = 0.0
+    said = [g.should_verify(4, 3, 4) for _ in range(2 * EXPLORE)]
+    at = [i for i, go in enumerate(said) if go]
+    assert len(at) == 2 and at[1] - at[0] == EXPLORE
+    assert g.should_verify(2, 3, 2)  # another batch size: not measured yet
 
 
 @pytest.mark.parametrize("k", [2, 5])
@@ -250,7 +282,7 @@ def test_tensor_group_rows_verify_drafts_in_one_process(micro, tensor_refs):
     from kimi_mlx.testing.tensor_rows import batched_greedy
 
     rows = GroupRows(micro[0], mx.distributed.init())
-    drafts = BatchDrafts(NgramDraft(), 4)
+    drafts = BatchDrafts(NgramDraft(), 4, gate=None)
     got = batched_greedy(rows, TENSOR_PROMPTS, N, at_once=3, join_after=3, prefill_step=16,
                          drafts=drafts)
     assert got == tensor_refs

@@ -20,6 +20,17 @@ verify drafts for all of them at once:
     verified with k = 0 in that pass: its position-0 logits go through its processors
     and sampler exactly as in mlx-lm's step.
 
+Whether a step verifies at all is a cost decision (`VerifyGate`): a verify step of B rows
+x (K+1) tokens costs T_v(B, K), a plain step T_p(B); with a drafted rows whose mean
+accepted drafts per verify is `acc`, verifying gives B + a x acc tokens in T_v instead
+of B in T_p, so the step verifies when (B + a x acc) / T_v > B / T_p, from the measured
+step times (medians of the recent steps) and acceptance (an exponential average); every
+`EXPLORE`-th step that could verify does so anyway, so the figures stay current. On a
+Mac a MoE verify step of a few tokens costs little more than a plain one (the weights
+are read once), so it verifies almost always; on the CPU backend, where the micro model
+pays per operation, a verify step costs 2-3 plain ones and drafts pay only where many
+are accepted (copy-heavy prompts). Greedy output is the plain output either way.
+
 Tokens come out as mlx-lm's `GenerationBatch.Response`s, several per row per step, in
 order, with the stop rules (max_tokens, stop tokens) applied token by token; so the
 server's batched loop (`server.batch.run_batched`) is unchanged. A tensor group's rows
@@ -33,8 +44,11 @@ row (K3.1's 24 DSA layers: 704 bytes per token each, bf16).
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
@@ -45,7 +59,81 @@ from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS
 from kimi_mlx.speculative.ngram import NgramDraft, NgramIndex
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, rollback_rows
 
-__all__ = ["BatchDrafts", "SpeculativeBatch", "batches_drafts", "install"]
+__all__ = ["BatchDrafts", "SpeculativeBatch", "VerifyGate", "batches_drafts", "install"]
+
+EXPLORE = 8  # every this many gated-off steps with drafts, one verifies anyway
+RECENT = 9  # step times kept per (kind, B, K): their median is the estimate
+
+
+class VerifyGate:
+    """Whether a batched step should verify its rows' drafts (module doc): measured step
+    times per (B) for plain steps and per (B, K) for verify steps, and the mean accepted
+    drafts per drafted row (exponential average, `decay`).
+
+    Args:
+        clock: seconds (default `time.perf_counter`; tests pass their own).
+        decay: weight of the past in the acceptance average, 0 <= decay < 1.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, decay: float = 0.9):
+        self.clock, self.decay = clock, decay
+        self.acc: Optional[float] = None  # mean accepted per drafted row per verify
+        self._times: Dict[Tuple, deque] = {}
+        self._skipped = 0
+        self.verified = self.gated = 0  # steps that verified / were gated off
+
+    def _t(self, key) -> Optional[float]:
+        d = self._times.get(key)
+        return statistics.median(d) if d else None
+
+    def record(self, key: Tuple, seconds: float) -> None:
+        """A step's time: key ("plain", B) or ("verify", B, K)."""
+        self._times.setdefault(key, deque(maxlen=RECENT)).append(seconds)
+
+    _mark: Optional[float] = None
+    _key: Optional[Tuple] = None
+
+    def mark(self) -> None:
+        """The previous step's results are in (its next input evaluated): its time is the
+        interval since the mark before it (mlx-lm's plain step returns before its
+        forward pass has run, so a step is timed from input ready to input ready)."""
+        now = self.clock()
+        if self._key is not None and self._mark is not None:
+            self.record(self._key, now - self._mark)
+        self._mark, self._key = now, None
+
+    def idle(self) -> None:
+        """The batch emptied: the time until the next step is not a step's."""
+        self._mark = self._key = None
+
+    def step(self, key: Tuple) -> None:
+        """The step starting now is of kind `key` (timed at the next `mark`)."""
+        self._key = key
+
+    def accepted(self, counts: Sequence[int]) -> None:
+        """The accepted drafts of each drafted row of a verify step."""
+        for n in counts:
+            self.acc = n if self.acc is None else self.decay * self.acc + (1 - self.decay) * n
+
+    def should_verify(self, B: int, K: int, drafted_rows: int) -> bool:
+        """True when the expected tokens per second of a verify step of B rows (K drafts
+        at most, `drafted_rows` of them with drafts) beat a plain step's, or when either
+        time or the acceptance is not measured yet, or every EXPLORE-th refusal."""
+        tp, tv = self._t(("plain", B)), self._t(("verify", B, K))
+        if tp is None or tv is None or self.acc is None:
+            go = True
+        else:
+            go = (B + drafted_rows * self.acc) / tv > B / tp
+            if not go:
+                self._skipped += 1
+                if self._skipped >= EXPLORE:
+                    go = True
+        if go:
+            self._skipped = 0
+            self.verified += 1
+        else:
+            self.gated += 1
+        return go
 
 
 def batches_drafts(draft) -> bool:
@@ -74,12 +162,15 @@ class BatchDrafts:
             outcomes and the batched step's time).
         stats: `SpecStats` updated with every row's verify steps (`steps` counts rows
             verified, so `mean_accepted` is per row as in the one-sequence loop).
+        gate: the `VerifyGate` that skips verify steps that would cost more than they
+            give (None: verify whenever a row has a draft).
     """
 
     draft: NgramDraft
     num_draft_tokens: Any = DEFAULT_NUM_DRAFT_TOKENS
     stats: SpecStats = field(default_factory=SpecStats)
     rows: Dict[int, _Row] = field(default_factory=dict)
+    gate: Optional[VerifyGate] = field(default_factory=VerifyGate)
 
     def __post_init__(self):
         self.policy = draft_policy(self.num_draft_tokens)
@@ -122,6 +213,8 @@ class SpeculativeBatch(GenerationBatch):
 
     def filter(self, keep: List[int]):
         super().filter(keep)
+        if self.drafts is not None and self.drafts.gate is not None and not keep:
+            self.drafts.gate.idle()  # no step is running: the wait for new rows is no step's
         if self.drafts is not None:
             live = set(self.uids)
             for uid in [u for u in self.drafts.rows if u not in live]:
@@ -132,7 +225,9 @@ class SpeculativeBatch(GenerationBatch):
             return super().next()
         d = self.drafts
         y = self._next_tokens
-        mx.eval(y)
+        mx.eval(y)  # the previous step's forward pass is done here (mlx-lm overlaps it)
+        if d.gate is not None:
+            d.gate.mark()
         ys = y.tolist()
         rows = [d.rows.get(uid) for uid in self.uids]
         rooms = [self.max_tokens[i] - self._num_tokens[i] - 1 for i in range(len(rows))]
@@ -146,9 +241,15 @@ class SpeculativeBatch(GenerationBatch):
                 props.append([])
             else:
                 props.append(r.index.propose(min(k, rooms[i])))
+        B, K = len(self.uids), max(len(p) for p in props)
+        gate = d.gate
+        if K and gate is not None and not gate.should_verify(B, K, sum(1 for p in props if p)):
+            props = [[] for _ in props]
+        if gate is not None:
+            gate.step(("plain", B) if not any(props) else ("verify", B, K))
         if not any(props):
             d.policy.skip()
-            d.stats.plain += len(self.uids)
+            d.stats.plain += B
             return super().next()
         return self._verify(ys, rows, props)
 
@@ -203,6 +304,8 @@ class SpeculativeBatch(GenerationBatch):
         finally:
             end()
         st = d.stats
+        if d.gate is not None:
+            d.gate.accepted([n for p, n in zip(props, accepted) if p])
         # the longest proposal first: the policy times the step with the first record
         for p, n in sorted(zip(props, accepted), key=lambda pn: -len(pn[0])):
             if p:
