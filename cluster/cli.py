@@ -187,7 +187,8 @@ def _server_arguments(q) -> None:
                         "(default 1024; 0 = message ends only)")
     add_draft_arguments(q, note=" (loaded on this head, which drafts; the stages verify): "
                         "one request at a time, every request speculatively (requests with "
-                        "penalties or logit_bias decode plainly)", mtp=True)
+                        "penalties or logit_bias decode plainly); --draft ngram with "
+                        "--parallel tensor batches", mtp=True)
     add_mtp_argument(q)  # --draft ngram: prompt lookup on the head (--draft mtp is refused, named)
 
 

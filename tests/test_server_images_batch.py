@@ -162,6 +162,42 @@ def test_image_request_joins_the_batched_prefill(monkeypatch):
     assert all(any(a < k < b for k in decode) for a, b in zip(later, later[1:])), calls
 
 
+def test_image_request_beside_batched_ngram_drafts_equals_its_single_run():
+    """`--draft ngram` batching (`speculative.batch`) takes images: an image request and
+    three text requests at once, every row's drafts verified together; each reply equals
+    its prompt run alone (B = 1, no drafts)."""
+    from kimi_mlx.speculative.settings import DraftSettings
+
+    srv, svc = start_server(str(ASSET), KEY, "micro-vision", 8 << 20, max_concurrency=4,
+                            drafts=DraftSettings(kind="ngram", num_draft_tokens=3))
+    try:
+        assert svc.engine.batched_drafts and svc.engine.images_unsupported() is None
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, timeout=300, max_retries=0)
+        reqs = [[{"role": "user", "content": [image_part(picture("circle", "blue", 3)),
+                                              {"type": "text", "text": "What is in the image?"}]}],
+                [{"role": "user", "content": "Repeat: a red cat, a red cat, a red cat, a red"}],
+                [{"role": "user", "content": "What colour is the sky?"}],
+                [{"role": "user", "content": "Name a shape. Name a shape. Name a"}]]
+        got = [None] * 4
+        barrier = threading.Barrier(4)
+
+        def run(i):
+            barrier.wait()
+            got[i] = _ask(client, reqs[i], 20)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        for i, r in enumerate(got):
+            want = single_run(svc, reqs[i], 20)
+            assert token_ids(svc, r.choices[0]) == [svc.tok.decode_bytes([t]) for t in want], i
+        assert svc.engine.speculation.stats.steps > 0  # rows were verified in the batch
+    finally:
+        stop_server(srv, svc)
+
+
 def _metric(srv, name):
     text = httpx.get(srv.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
