@@ -322,3 +322,18 @@ def test_cluster_server_with_a_block_drafter_equals_plain(cluster, micro):
         assert accepted > 0
     finally:
         server.stop()
+
+
+def test_bench_spec_loads_the_block_draft_for_the_stages(cluster, loaded, micro):
+    """`bench spec --stages`: the block draft without a target (the head holds no layers)
+    binds to the checkpoint's embedding and head, and its rows run through the stages."""
+    from kimi_mlx.bench.spec import load_drafts
+    from kimi_mlx.cluster.bench.spec import bench_rows
+
+    t, _ = loaded
+    model, tok = micro
+    (name, draft), = load_drafts(["block"], None, None, str(cluster.ckpt)).items()
+    assert name.startswith("block ")
+    rows = bench_rows(Pipeline(t), draft, model.args, [tok.encode(CODE)], tokens=8, ks=[2],
+                      repeats=1)
+    assert rows[0]["k"] == 2 and rows[0]["spec_tps"] > 0 and rows[0]["mean_accepted"] > 0
