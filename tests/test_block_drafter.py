@@ -335,11 +335,18 @@ def test_block_drafter_errors_name_the_field_and_the_mode(micro_drafter_dir, tmp
                      "--draft-model", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "num_target_layers is 8 but the target's is 6" in err and str(bad) in err
-    assert cli.main(["cluster", "launch", "--draft-model", str(micro_drafter_dir),
-                     "--prompt", "hi", "--nodes", "127.0.0.1:1"]) == 2
-    err = capsys.readouterr().err
-    assert "block drafter runs in one process" in err and "a pipeline does not" in err
-    assert "cluster server --parallel tensor" in err  # where it does run
+    # every mode runs a block drafter now (the pipeline's stages send the hiddens:
+    # tests/test_cluster_block_draft.py); a drafter for another target is still refused
+    # before anything loads, in the pipeline's factory too
+    from kimi_mlx.speculative.factory import (ONE_PROCESS, PIPELINE, TENSOR, build_speculation,
+                                              check_draft_target)
+    from kimi_mlx.speculative.settings import DraftSettings
+
+    for where in (ONE_PROCESS, PIPELINE, TENSOR):
+        check_draft_target(DraftSettings(model=str(micro_drafter_dir)), where)
+    with pytest.raises(ValueError, match="num_target_layers is 8 but the target's is 6"):
+        build_speculation(DraftSettings(model=str(bad)), where=PIPELINE,
+                          target_name="kimi_mlx/assets/micro")
 
 
 def test_target_embed_head_read_alone_equal_the_loaded_model(micro):

@@ -142,7 +142,7 @@ def print_rows(rows: List[Dict], stages: int, tokens: int, n_prompts: int,
 def main(model, draft_spec, tokens: int, ks: List[int], repeats: int, n_prompts: int,
          stages: int = 3, drafts: List[str] = ("model",), workloads: List[str] = ("ordinary",),
          ngram_ks: Optional[List[int]] = None, ngram: Optional[Tuple[int, int]] = None,
-         copy_tokens: Optional[int] = None) -> int:
+         copy_tokens: Optional[int] = None, block: Optional[str] = None) -> int:
     """Load the target's tokenizer/config and the drafts here, run every draft x workload
     through one set of stages (`bench_pipeline_jobs`), print. Returns the exit status
     (2: a draft is missing)."""
@@ -155,7 +155,7 @@ def main(model, draft_spec, tokens: int, ks: List[int], repeats: int, n_prompts:
 
     wrapper, tok = _tokenizers(Path(spec))  # the head holds no target weights
     try:
-        loaded = load_drafts(list(drafts), draft_spec, wrapper, spec, ngram)
+        loaded = load_drafts(list(drafts), draft_spec, wrapper, spec, ngram, block=block)
         prompts = {w: workload_prompts(Path(spec), tok, w, n_prompts) for w in workloads}
     except ValueError as e:
         print(f"kimi-mlx bench spec: {e}")

@@ -16,6 +16,13 @@ position, trimmed (= the next message's `keep`) by the loop's own `rollback` cal
 greedy output is token for token the plain pipeline's (and one process's), and sampled
 output keeps the target's distribution, by the same code in both places.
 
+Block drafters (DFlash / DSpark, `kimi_mlx.speculative.block_loop`, issue 36) run the same
+way over `PipelineTarget.forward_capture`: prefill chunks and verify steps carry the
+drafter's `target_layer_ids` (`Activation.capture_layers`); the stages that own those
+layers add their hidden states to the message as it passes (`node.capture`), and the last
+stage returns them with its answer (`Event.hidden`), for a prefill chunk too. Without a
+block drafter no message asks, and nothing is captured or sent.
+
 A stage lost mid-verify raises the transport's `StageFailure` out of the forward pass,
 as for any other message (the launcher's existing stage-loss path reports it).
 """
@@ -80,38 +87,97 @@ class PipelineTarget:
         self.offset -= n
         return n
 
-    def _send(self, tokens: Sequence[int], sample: bool, verify: bool) -> None:
+    def _send(self, tokens: Sequence[int], sample: bool, verify: bool, capture=None) -> None:
         keep = None
         if self._verify is not None:
             keep = self.offset - self._verify[0]
             self._verify = None
+        extra = {"capture": capture} if capture else {}  # plain sends keep the plain call
         self.transport.send(self.session, self.seq, self.offset, list(tokens), sample,
-                            verify=verify, keep=keep)
+                            verify=verify, keep=keep, **extra)
         self.seq += 1
 
     def __call__(self, inputs: mx.array, cache=None, **kwargs) -> mx.array:
+        return self._forward(inputs, None)[0]
+
+    def forward_capture(self, inputs: mx.array, layer_ids: Sequence[int]):
+        """As a call on ids [1, T], also returning the hidden states leaving layers
+        `layer_ids` (a block drafter's `target_layer_ids`, any order, no repeats) at these
+        T positions: (logits float32 [1, T, vocab], or None for prefill positions;
+        hiddens [1, T, n * hidden] in the wire dtype, layer j's rows at [..., j * hidden :
+        (j + 1) * hidden], as `block_loop.target_forward` concatenates them in one
+        process). The same contract as `tensor.step.GroupTarget.forward_capture`.
+
+        Prefill positions go in chunks of `prefill_chunk`, sent back to back, and each
+        chunk's answer (its hiddens) is awaited after all are sent.
+        Raises:
+            ValueError: repeated layer ids; an answer without the hiddens or of the
+                wrong shape (naming the stage that sent it); as `__call__`.
+            StageFailure / TimeoutError: from the transport.
+        """
+        ids = [int(i) for i in layer_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"capture layer ids {ids} repeat a layer")
+        return self._forward(inputs, ids)
+
+    def _forward(self, inputs: mx.array, capture: Optional[List[int]]):
+        """(logits [1, T, vocab] or, for prefill, [1, T, 0] without capture / None with
+        it; hiddens or None) of ids `inputs` (see `__call__` / `forward_capture`)."""
         ids = [int(t) for t in inputs.reshape(-1).tolist()]
         T = len(ids)
+        wire = sorted(capture) if capture else None  # the stages capture in layer order
         if self.offset + T <= self.n_prefill:
+            sent = []
             for s in range(0, T, self.prefill_chunk):
                 part = ids[s:s + self.prefill_chunk]
-                self._send(part, sample=False, verify=False)
+                sent.append((self.seq, len(part)))
+                self._send(part, sample=False, verify=False, capture=wire)
                 self.offset += len(part)
-            return mx.zeros((1, T, 0), mx.float32)
+            if not capture:
+                return mx.zeros((1, T, 0), mx.float32), None
+            rows = [self._hidden(self._receive(seq), seq, n, wire, capture) for seq, n in sent]
+            return None, mx.concatenate(rows, axis=1)
         if self.offset < self.n_prefill:
             raise ValueError(f"a forward call of {T} tokens at position {self.offset} mixes "
                              f"prompt (before {self.n_prefill}) and verify positions")
-        start = self.offset
-        self._send(ids, sample=False, verify=True)  # answered with logits, not a token
+        start, seq = self.offset, self.seq
+        self._send(ids, sample=False, verify=True, capture=wire)  # answered with logits
         self._verify = (start, T)
         self.offset += T
-        r = self.transport.receive(self.session, self.step_timeout)
+        r = self._receive(seq)
         V = self.args.vocab_size
         if r.logits is None or tuple(r.logits.shape) != (T, V):
             got = "none" if r.logits is None else list(r.logits.shape)
-            raise ValueError(f"the last stage answered verify step seq {r.seq} with logits "
+            raise ValueError(f"{self._who(r)} answered verify step seq {r.seq} with logits "
                              f"{got}, expected [{T}, {V}] (a stage of another protocol?)")
-        return r.logits[None]
+        return r.logits[None], (self._hidden(r, seq, T, wire, capture) if capture else None)
+
+    def _receive(self, seq: int):
+        r = self.transport.receive(self.session, self.step_timeout)
+        if r.seq != seq:
+            raise ValueError(f"{self._who(r)} answered message seq {r.seq}, expected the "
+                             f"answer to seq {seq}")
+        return r
+
+    def _who(self, r) -> str:
+        """The stage that sent answer `r`, as the transport describes it."""
+        stage = getattr(r, "stage", -1)
+        describe = getattr(self.transport, "describe", None)
+        if describe is not None and 0 <= stage < len(getattr(self.transport, "stages", [])):
+            return describe(stage)
+        return "the last stage" if stage < 0 else f"stage {stage}"
+
+    def _hidden(self, r, seq: int, T: int, wire: List[int], order: List[int]) -> mx.array:
+        """Answer `r`'s captured rows [len(wire), T, D] (layer ids `wire`, ascending)
+        as [1, T, n * D] in the order `order`; ValueError naming the stage when they are
+        missing or misshapen."""
+        want = (len(wire), T, self.args.hidden_size)
+        h = getattr(r, "hidden", None)
+        if h is None or tuple(h.shape) != want:
+            got = "none" if h is None else list(h.shape)
+            raise ValueError(f"{self._who(r)} answered message seq {seq} with captured hidden "
+                             f"states {got}, expected {list(want)} (layers {wire})")
+        return mx.concatenate([h[wire.index(i)] for i in order], axis=-1)[None]
 
 
 def speculative_pipeline_step(

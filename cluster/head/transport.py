@@ -62,7 +62,9 @@ class TokenResult:
     logits: the answer to a verify chunk instead: float32 [length, vocab] (token is 0).
     scores: the answer to a scored chunk instead (token is 0): per position of the chunk,
     (its target's log-probability, [(id, log-probability)] of the top alternatives, best
-    first)."""
+    first). hidden: the answer to a chunk sent with `capture`: the hidden states leaving
+    those layers, [len(capture), length, hidden] in the wire dtype (a capturing prefill
+    chunk's answer carries only this). stage: the index of the stage that answered."""
 
     session: str
     seq: int
@@ -70,6 +72,8 @@ class TokenResult:
     logprobs: Optional[mx.array] = None
     logits: Optional[mx.array] = None
     scores: Optional[list] = None
+    hidden: Optional[mx.array] = None
+    stage: int = -1
 
 
 @dataclass
@@ -120,7 +124,8 @@ class Transport(ABC):
     @abstractmethod
     def send(self, session: str, seq: int, offset: int, tokens: Sequence[int], sample: bool,
              verify: bool = False, keep: Optional[int] = None, snapshot_key: str = "",
-             media=None, score: Optional[Tuple[Sequence[int], int]] = None) -> None:
+             media=None, score: Optional[Tuple[Sequence[int], int]] = None,
+             capture: Optional[Sequence[int]] = None) -> None:
         """Queue token ids for positions [offset, offset + len) into the first stage
         (non-blocking); with `sample`, the last stage returns a token for them. With
         `verify` (speculative decoding) every stage records the chunk for rollback and the
@@ -130,7 +135,10 @@ class Transport(ABC):
         the image rows of the chunk's P `<|media_pad|>` tokens, in order (stage 0 puts
         them in place of those tokens' embeddings). `score` (targets, top_k), on a prefill
         chunk: targets[i] is the token after position offset + i; the last stage answers
-        with their scores (`TokenResult.scores`) instead of nothing."""
+        with their scores (`TokenResult.scores`) instead of nothing. `capture` (a block
+        drafter's layer ids, strictly ascending): the stages owning those layers send
+        their hidden states at these positions along, and the last stage answers with
+        them (`TokenResult.hidden`), a prefill chunk too; None: nothing captured."""
 
     def open_batch(self, group: str) -> None:
         """Open a stream of batched decode steps (`send_rows`); NotImplementedError where
@@ -235,6 +243,7 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
         self._closing = False
         self._generation = 0
         self._fingerprint = ""
+        self._wire_dtype = "float32"
         self.cache_stats: Dict[int, "pb.CacheLookupReply"] = {}  # stage -> last reply
 
     # -- connections ---------------------------------------------------------------------
@@ -260,6 +269,7 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
              max_positions: int = 0):
         self._connect(stages)
         self._fingerprint = fingerprint
+        self._wire_dtype = wire_dtype or compute_dtype or "float32"  # captured hiddens
         n = len(stages)
         results: Dict[int, LoadResult] = {}
         errors: Dict[int, str] = {}
@@ -360,7 +370,7 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
             s.closed.set()
 
     def send(self, session, seq, offset, tokens, sample, verify=False, keep=None,
-             snapshot_key="", media=None, score=None):
+             snapshot_key="", media=None, score=None, capture=None):
         s = self._sessions[session]
         ids = np.asarray(tokens, dtype=np.int32).reshape(1, -1)
         msg = pb.Activation(session=session, seq=seq, offset=offset, length=ids.shape[1],
@@ -368,6 +378,8 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
         if score is not None:
             msg.score_targets[:] = [int(t) for t in score[0]]
             msg.score_top = int(score[1])
+        if capture:
+            msg.capture_layers[:] = [int(i) for i in capture]
         msg.tensor.data = ids.tobytes()
         msg.tensor.shape[:] = list(ids.shape)
         msg.tensor.dtype = "int32"
@@ -399,7 +411,14 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
                 if ev.HasField("logits"):
                     logits = from_tensor(ev.logits, (None, None), "float32", "logits")
                 scores = _scores(ev) if ev.HasField("scores") else None
-                return TokenResult(session, ev.seq, ev.token, lp, logits, scores)
+                hidden = None
+                if ev.HasField("hidden"):
+                    who = (self.describe(ev.stage) if 0 <= ev.stage < len(self.stages)
+                           else f"stage {ev.stage}")
+                    hidden = from_tensor(ev.hidden, (None, None, None), self._wire_dtype,
+                                         f"{who}: captured hidden states")
+                return TokenResult(session, ev.seq, ev.token, lp, logits, scores, hidden,
+                                   ev.stage)
             raise self._failure(ev)
 
     def _failure(self, ev) -> StageFailure:

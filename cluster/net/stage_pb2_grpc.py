@@ -35,37 +35,37 @@ class StageStub:
             channel: A grpc.Channel.
         """
         self.Health = channel.unary_unary(
-                '/kimimlx.stage.v6.Stage/Health',
+                '/kimimlx.stage.v7.Stage/Health',
                 request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthReply.FromString,
                 _registered_method=True)
         self.Load = channel.unary_stream(
-                '/kimimlx.stage.v6.Stage/Load',
+                '/kimimlx.stage.v7.Stage/Load',
                 request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadProgress.FromString,
                 _registered_method=True)
         self.Watch = channel.unary_stream(
-                '/kimimlx.stage.v6.Stage/Watch',
+                '/kimimlx.stage.v7.Stage/Watch',
                 request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.WatchRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
         self.Forward = channel.stream_stream(
-                '/kimimlx.stage.v6.Stage/Forward',
+                '/kimimlx.stage.v7.Stage/Forward',
                 request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Activation.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
-                '/kimimlx.stage.v6.Stage/Reset',
+                '/kimimlx.stage.v7.Stage/Reset',
                 request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetReply.FromString,
                 _registered_method=True)
         self.CacheLookup = channel.unary_unary(
-                '/kimimlx.stage.v6.Stage/CacheLookup',
+                '/kimimlx.stage.v7.Stage/CacheLookup',
                 request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupReply.FromString,
                 _registered_method=True)
         self.StartRank = channel.unary_stream(
-                '/kimimlx.stage.v6.Stage/StartRank',
+                '/kimimlx.stage.v7.Stage/StartRank',
                 request_serializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.RankRequest.SerializeToString,
                 response_deserializer=kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
                 _registered_method=True)
@@ -159,9 +159,9 @@ def add_StageServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'kimimlx.stage.v6.Stage', rpc_method_handlers)
+            'kimimlx.stage.v7.Stage', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('kimimlx.stage.v6.Stage', rpc_method_handlers)
+    server.add_registered_method_handlers('kimimlx.stage.v7.Stage', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -182,7 +182,7 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kimimlx.stage.v6.Stage/Health',
+            '/kimimlx.stage.v7.Stage/Health',
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.HealthReply.FromString,
             options,
@@ -209,7 +209,7 @@ class Stage:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/kimimlx.stage.v6.Stage/Load',
+            '/kimimlx.stage.v7.Stage/Load',
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.LoadProgress.FromString,
             options,
@@ -236,7 +236,7 @@ class Stage:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/kimimlx.stage.v6.Stage/Watch',
+            '/kimimlx.stage.v7.Stage/Watch',
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.WatchRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
             options,
@@ -263,7 +263,7 @@ class Stage:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/kimimlx.stage.v6.Stage/Forward',
+            '/kimimlx.stage.v7.Stage/Forward',
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Activation.SerializeToString,
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
             options,
@@ -290,7 +290,7 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kimimlx.stage.v6.Stage/Reset',
+            '/kimimlx.stage.v7.Stage/Reset',
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.ResetReply.FromString,
             options,
@@ -317,7 +317,7 @@ class Stage:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/kimimlx.stage.v6.Stage/CacheLookup',
+            '/kimimlx.stage.v7.Stage/CacheLookup',
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.CacheLookupReply.FromString,
             options,
@@ -344,7 +344,7 @@ class Stage:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/kimimlx.stage.v6.Stage/StartRank',
+            '/kimimlx.stage.v7.Stage/StartRank',
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.RankRequest.SerializeToString,
             kimi__mlx_dot_cluster_dot_net_dot_stage__pb2.Event.FromString,
             options,

@@ -19,7 +19,9 @@ import numpy as np
 # another protocol refuse each other by name. 5: image rows into stage 0 (Activation.media).
 # 6: scored prefill chunks (Activation.score_targets: a last stage that ignored them would
 # leave the head waiting for their answer, Event.scores).
-PROTOCOL_VERSION = 6
+# 7: hidden-state capture for block drafters (Activation.capture_layers / captured,
+# Event.hidden: a last stage that ignored them would leave a capturing prefill unanswered).
+PROTOCOL_VERSION = 7
 
 # dtype name -> (MLX dtype, NumPy dtype of the bytes, bytes per element). bfloat16 travels
 # as its uint16 bit pattern (NumPy has no bfloat16).

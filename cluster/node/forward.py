@@ -221,6 +221,10 @@ class ForwardRPC:
             spec["media"] = self._media(msg, runner, x)
         if msg.score_targets:  # a scored prefill chunk (only then: the plain signature)
             spec["score"] = (list(msg.score_targets), msg.score_top)
+        if msg.capture_layers:  # a block drafter's capture (only then: the plain signature)
+            spec["capture"] = self._captured(msg, runner)
+        elif msg.HasField("captured"):
+            raise Refused(f"session {msg.session}: captured hidden states without capture_layers")
         out = runner.run(s, msg.seq, msg.offset, x, msg.sample, **spec)
         if msg.snapshot_key:
             self.prompt_cache.store(msg.snapshot_key, s.offset, s.cache)
@@ -228,8 +232,11 @@ class ForwardRPC:
             nxt = pb.Activation(session=msg.session, seq=msg.seq, offset=msg.offset,
                                 length=msg.length, sample=msg.sample, verify=msg.verify,
                                 keep=keep, snapshot_key=msg.snapshot_key,
-                                score_targets=msg.score_targets, score_top=msg.score_top)
+                                score_targets=msg.score_targets, score_top=msg.score_top,
+                                capture_layers=msg.capture_layers)
             to_tensor(out.hidden, out=nxt.tensor)
+            if out.captured is not None:
+                to_tensor(out.captured, out=nxt.captured)
             if msg.seq == 0:
                 nxt.open.CopyFrom(msg.open)
             return nxt
@@ -237,6 +244,8 @@ class ForwardRPC:
             ev = self._event(pb.Event.TOKEN, msg.session, msg.seq,
                              peak_memory=mx.get_peak_memory())
             to_tensor(out.logits, out=ev.logits)
+            if out.captured is not None:
+                to_tensor(out.captured, out=ev.hidden)
             return ev
         if out.scores is not None:  # a scored chunk's answer: per position, not [T, vocab]
             ev = self._event(pb.Event.TOKEN, msg.session, msg.seq,
@@ -252,8 +261,38 @@ class ForwardRPC:
                              peak_memory=mx.get_peak_memory())
             if out.logprobs is not None:
                 to_tensor(out.logprobs, out=ev.logprobs)
+            if out.captured is not None:
+                to_tensor(out.captured, out=ev.hidden)
+            return ev
+        if out.captured is not None:  # a capturing prefill chunk: answered with the rows
+            ev = self._event(pb.Event.TOKEN, msg.session, msg.seq,
+                             peak_memory=mx.get_peak_memory())
+            to_tensor(out.captured, out=ev.hidden)
             return ev
         return None
+
+    @staticmethod
+    def _captured(msg, runner):
+        """(capture_layers, prior rows or None) of a capturing chunk, checked: the rows
+        the stages before this one captured must be [n_before, length, hidden] in the
+        wire dtype (`node.capture`), absent when n_before is 0. Refused otherwise, naming
+        the previous stage."""
+        who = f"session {msg.session}"
+        plan = runner.capture_plan(msg.capture_layers, who)
+        want = plan.prior_shape(msg.length, runner.args.hidden_size)
+        prev = f"the captured hidden states from stage {runner.spec.index - 1}"
+        if want is None:
+            if msg.HasField("captured"):
+                raise Refused(f"{who}: {prev} arrived, but no capture layer lies before "
+                              f"stage {runner.spec.index}")
+            return list(plan.ids), None
+        if not msg.HasField("captured"):
+            raise Refused(f"{who}: {prev} are missing ({plan.before} layers expected)")
+        try:
+            prior = from_tensor(msg.captured, want, runner.spec.wire_dtype, f"{who}: {prev}")
+        except WireError as e:
+            raise Refused(str(e)) from None
+        return list(plan.ids), prior
 
     def _process_rows_check(self, live: Live, msg) -> list:
         if not live.batch:

@@ -19,6 +19,10 @@ chunk back until the next message says how many of its positions to keep (`keep`
 piggybacked on that message): `rollback` + `end_verify` run first, so every cache holds
 exactly what a plain decode of the kept tokens would have left.
 
+Block drafters (`node.capture`): a chunk may also ask for the hidden states leaving some
+layers (`capture`); the stage adds the rows of its own layers to those the stages before
+it captured (`Output.captured`), which the last stage returns to the head.
+
 Every field is checked before any compute (`Refused` names what and why); one session's
 bad message never touches another session's state.
 """
@@ -92,6 +96,7 @@ class Output:
     logprobs: Optional[mx.array] = None
     logits: Optional[mx.array] = None
     scores: Optional[list] = None
+    captured: Optional[mx.array] = None  # [n, length, hidden] wire dtype (capturing chunk)
 
 
 class StageRunner:
@@ -175,7 +180,8 @@ class StageRunner:
     def run(self, s: Session, seq: int, offset: int, x: mx.array, sample: bool,
             verify: bool = False, keep: Optional[int] = None,
             media: Optional[Tuple[int, mx.array]] = None,
-            score: Optional[Tuple[Sequence[int], int]] = None) -> Output:
+            score: Optional[Tuple[Sequence[int], int]] = None,
+            capture: Optional[Tuple[Sequence[int], Optional[mx.array]]] = None) -> Output:
         """Process one checked chunk; advances the session.
 
         Args:
@@ -192,13 +198,32 @@ class StageRunner:
                 logprobs): targets[i] is the token after position i (one per position);
                 the last stage scores them from every position's logits
                 (`server.scoring.score_logits`, as one process does).
+            capture: (layer ids, prior): a block drafter's capture (`node.capture`): the
+                hidden states leaving these layers (global ids, ascending) at every
+                position; prior [n_before, L, D] (or None when no id is below this stage)
+                the rows earlier stages captured. `Output.captured` is prior plus this
+                stage's rows, [n_before + n_own, L, D] in the wire dtype. None: nothing
+                captured (no cost).
         Raises:
-            Refused: out-of-order chunk, bad token ids, a missing/extra keep, or a bad
+            Refused: out-of-order chunk, bad token ids, a missing/extra keep, a bad
                 score (sampled or verify chunk, targets not one per position, top_k out
-                of 0..20) (the session is unchanged).
+                of 0..20), or a bad capture (ids not ascending / out of range, prior of
+                the wrong shape, or on a scored chunk) (the session is unchanged).
         """
         length = x.shape[-1] if self.is_first else x.shape[2]
         self.check(s, seq, offset, length, sample, verify, keep)
+        plan = None if capture is None else self.capture_plan(capture[0], f"session {s.session}")
+        if plan is not None:
+            want = plan.prior_shape(length, self.args.hidden_size)
+            prior = capture[1]
+            got = None if prior is None else tuple(prior.shape)
+            if got != want or score is not None:
+                raise Refused(f"session {s.session}: captured hidden states from the stages "
+                              f"before stage {self.spec.index}: "
+                              + ("a scored chunk captures nothing" if score is not None else
+                                 f"shape {list(got) if got else 'none'}, expected "
+                                 f"{list(want) if want else 'none'} (capture_layers "
+                                 f"{plan.ids[:16]})"))
         if score is not None:
             targets, top = score
             if sample or verify:
@@ -223,9 +248,15 @@ class StageRunner:
 
                 s.verify = begin_verify(s.cache)
                 s.verify_offset, s.verify_length = offset, length
-            h, banks = text.run_layers(h, banks, s.cache, eval_each=length == 1)
+            slots = plan.slots() if plan is not None else None
+            h, banks = text.run_layers(h, banks, s.cache, eval_each=length == 1,
+                                       capture=slots)
             out = Output()
             states = [c.state for c in s.cache]
+            if plan is not None:
+                out.captured = plan.collect(capture[1], slots, self.wire)
+                if out.captured is not None:
+                    states.append(out.captured)  # evaluated with the chunk's own outputs
             if not self.is_last:
                 out.hidden = mx.stack(banks.raw + [h]).astype(self.wire)
                 mx.eval(out.hidden, states)
@@ -283,6 +314,17 @@ class StageRunner:
             return text.embed_with_media(x, media[1], media[0]), Banks(eps)
         except ValueError as e:
             raise Refused(f"{who}: {e}") from None
+
+    def capture_plan(self, ids: Sequence[int], who: str):
+        """The `node.capture.CapturePlan` of capture_layers `ids` on this stage; Refused
+        (naming `who`) for ids not strictly ascending or out of the model's layers."""
+        from kimi_mlx.cluster.node.capture import plan_capture
+
+        try:
+            return plan_capture(ids, self.spec.start, self.spec.end,
+                                self.args.num_hidden_layers, who)
+        except ValueError as e:
+            raise Refused(str(e)) from None
 
     def rows_input_spec(self, rows: int) -> Tuple[Tuple[int, ...], str]:
         """(shape, dtype name) of a batched decode step of `rows` sessions on arrival."""

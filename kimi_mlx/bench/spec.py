@@ -243,10 +243,11 @@ def load_drafts(drafts: List[str], draft: Optional[str], wrapper, spec: str,
                 ngram: Optional[Tuple[int, int]] = None, target=None,
                 block: Optional[str] = None) -> Dict[str, object]:
     """{"model PATH": the draft model (the shipped micro-draft by default), "block PATH":
-    a DFlash / DSpark block drafter bound to `target` (one process; the shipped
-    micro-dspark by default), "ngram N..M": an `NgramDraft` of sizes `ngram` (n_max,
+    a DFlash / DSpark block drafter bound to `target` (one process), or without one to
+    the checkpoint `spec`'s embedding and lm_head read alone (a pipeline head: its stages
+    send the hidden states; the shipped micro-dspark by default), "ngram N..M": an `NgramDraft` of sizes `ngram` (n_max,
     n_min; default the module's)}, for the names asked. ValueError for another name, no
-    draft model, or "block" without a target."""
+    draft model, or "block" without a drafter."""
     from kimi_mlx.speculative.loop import load_draft
     from kimi_mlx.speculative.ngram import NgramDraft
 
@@ -262,10 +263,17 @@ def load_drafts(drafts: List[str], draft: Optional[str], wrapper, spec: str,
             from kimi_mlx.speculative.block_loop import BlockDraft
 
             path = block or default_block_draft()
-            if path is None or target is None:
+            if path is None:
                 raise ValueError("the block draft needs --block-draft (or the shipped "
-                                 "micro-dspark) and runs in one process only")
-            out[f"block {path}"] = BlockDraft(load_block_drafter(path, target))
+                                 "micro-dspark)")
+            if target is not None:
+                out[f"block {path}"] = BlockDraft(load_block_drafter(path, target))
+            else:
+                from kimi_mlx.speculative.factory import PIPELINE, build_speculation
+                from kimi_mlx.speculative.settings import DraftSettings
+
+                out[f"block {path}"] = build_speculation(DraftSettings(model=str(path)),
+                                                         where=PIPELINE, target_name=spec).draft
         elif name == "ngram":
             d = NgramDraft(*ngram) if ngram else NgramDraft()
             out[f"ngram {d.n_min}..{d.n_max}"] = d

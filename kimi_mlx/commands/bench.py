@@ -56,8 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--block-draft", default=None,
                    help="DFlash / DSpark block drafter (default: the shipped micro-dspark)")
     s.add_argument("--drafts", default="model,block,ngram",
-                   help="drafts to measure: model (--draft-model), block (--block-draft, "
-                        "one process only), ngram (prompt lookup, --draft ngram); default "
+                   help="drafts to measure: model (--draft-model), block (--block-draft; "
+                        "through the stages too), ngram (prompt lookup, --draft ngram); default "
                         "model,block,ngram")
     s.add_argument("--workloads", default="ordinary,copy",
                    help="ordinary (held-out code and prose), copy (a block of source code "
@@ -172,14 +172,13 @@ def run(args: argparse.Namespace) -> int:
         from kimi_mlx.cluster.bench.spec import main as pipeline_main
 
         print()
-        # a block drafter reads the target's hidden states: one process only, for now
-        more["drafts"] = [d for d in more["drafts"] if d != "block"]
         fixed = [k for k in ks if isinstance(k, int)]  # the pipeline rows: fixed k only
         more["ngram_ks"] = [k for k in more["ngram_ks"] if isinstance(k, int)] or fixed
         if not fixed or not more["drafts"]:
             return rc
         return pipeline_main(args.model, args.draft_model, args.tokens, fixed,
-                             args.stage_repeats, args.stage_prompts, args.stages, **more)
+                             args.stage_repeats, args.stage_prompts, args.stages,
+                             block=args.block_draft, **more)
     if args.what == "tensor":
         from kimi_mlx.bench.tensor import main as tensor_main
 

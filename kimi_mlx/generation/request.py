@@ -143,8 +143,9 @@ def add_draft_arguments(p: argparse.ArgumentParser, note: str = "", mtp: bool = 
     p.add_argument("--draft-model", default=None,
                    help="draft checkpoint for speculative decoding: a kimi-mlx checkpoint, "
                         "any mlx-lm model with the same tokenizer, or a DFlash / DSpark "
-                        "block drafter folder (config.json with dflash_config; one process "
-                        "or --parallel tensor, not the pipeline) (output stays the model's)"
+                        "block drafter folder (config.json with dflash_config; in one process, "
+                        "a tensor group or the pipeline, whose stages send it the target's "
+                        "hidden states) (output stays the model's)"
                         + note)
     p.add_argument("--num-draft-tokens", type=_num_draft_tokens, default=None,
                    help=f"tokens the draft proposes per verify step (default "

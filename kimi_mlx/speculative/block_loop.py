@@ -42,9 +42,10 @@ def target_forward(model, tokens: mx.array, cache, layer_ids) -> Tuple[mx.array,
     """Our `Model` (whole, one process) on tokens [B, L]: (logits [B, L, vocab], the
     hiddens of layers `layer_ids` concatenated [B, L, n * d]); the same ops as
     `Model.__call__` plus the capture (`TextModel.run_layers`). A stand-in target with
-    `forward_capture(tokens, layer_ids)` (a tensor group's `GroupTarget`) answers it
-    itself (`cache` is then its `RemoteCache`, which the call advances); its logits
-    are None for prompt (prefill) positions."""
+    `forward_capture(tokens, layer_ids)` (a tensor group's `GroupTarget`, the pipeline's
+    `head.speculative.PipelineTarget`) answers it itself (`cache` is then its
+    `RemoteCache`, which the call advances); its logits are None for prompt (prefill)
+    positions."""
     if hasattr(model, "forward_capture"):
         return model.forward_capture(tokens, layer_ids)
     text = model.text

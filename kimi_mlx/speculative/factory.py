@@ -23,13 +23,6 @@ _MTP_NEEDS = ("--draft mtp: the MTP draft runs in one process only (kimi-mlx gen
               "--draft-model or --draft ngram there")
 
 
-_BLOCK_NEEDS = ("--draft-model {path}: a DFlash / DSpark block drafter runs in one process "
-                "(kimi-mlx generate, chat or server) and through a tensor group (`cluster "
-                "launch` / `cluster server --parallel tensor`) only for now: it drafts from the target's hidden states at its "
-                "target_layer_ids, which {where} does not return; use a causal "
-                "--draft-model or --draft ngram there")
-
-
 def block_drafter_path(spec: Optional[str]):
     """The local folder of `--draft-model spec` when it holds a DFlash / DSpark block
     drafter (its config.json has a `dflash_config`), else None. Reads no weights and
@@ -51,15 +44,14 @@ def block_drafter_path(spec: Optional[str]):
 def check_draft_target(settings: Optional[DraftSettings], where: str) -> None:
     """InputError when `settings` asks for a draft that cannot run on `where`
     (ONE_PROCESS, PIPELINE or TENSOR), naming the flag and the reason:
-    `--draft mtp` needs the target's last hidden state, which only one process has; a
-    block drafter (`--draft-model` on a DFlash / DSpark folder) its hidden states at
-    `target_layer_ids`, which one process and a tensor group's rank 0 have
-    (`tensor.step.GroupTarget.forward_capture`), not (yet) the pipeline. Call it before anything loads, so a wrong combination fails fast."""
+    `--draft mtp` needs the target's last hidden state, which only one process has. A
+    block drafter (`--draft-model` on a DFlash / DSpark folder) runs everywhere: it reads
+    the target's hidden states at `target_layer_ids`, which one process captures itself,
+    a tensor group's rank 0 from its own pass (`tensor.step.GroupTarget.forward_capture`)
+    and a pipeline's stages send to the head (`head.speculative.PipelineTarget.
+    forward_capture`). Call it before anything loads, so a wrong combination fails fast."""
     if settings is not None and settings.kind == "mtp" and where != ONE_PROCESS:
         raise InputError(_MTP_NEEDS.format(where=f"a {where}"))
-    if settings is not None and where not in (ONE_PROCESS, TENSOR) and \
-            block_drafter_path(settings.model):
-        raise InputError(_BLOCK_NEEDS.format(path=settings.model, where=f"a {where}"))
 
 
 def build_speculation(settings: Optional[DraftSettings], *, where: str, target_wrapper=None,
@@ -69,8 +61,9 @@ def build_speculation(settings: Optional[DraftSettings], *, where: str, target_w
 
     Args:
         settings: what the command asked for. where: ONE_PROCESS, PIPELINE or TENSOR
-            (`check_draft_target`). A block drafter on TENSOR, without
-            `model`, binds to the target's embedding and lm_head read from `target_name`
+            (`check_draft_target`). A block drafter on TENSOR or PIPELINE (without
+            `model`: the head holds no layers, rank 0 a vocab-split head) binds to the
+            target's embedding and lm_head read from `target_name`
             (`block_drafter.load_target_embed_head`). target_wrapper / target_name: the target's
             tokenizer (mlx-lm TokenizerWrapper) and checkpoint, which a draft model's
             tokenizer is checked against (`loop.load_draft`). model: the loaded target
@@ -103,9 +96,10 @@ def build_speculation(settings: Optional[DraftSettings], *, where: str, target_w
         path = block_drafter_path(settings.model)
         if model is not None:
             drafter = load_block_drafter(path, model)
-        elif where == TENSOR:
-            # rank 0's lm_head is split by vocabulary (its logits need a collective):
-            # the drafter gets the target's embedding and head of its own
+        elif where in (TENSOR, PIPELINE):
+            # rank 0's lm_head is split by vocabulary (its logits need a collective), and
+            # a pipeline's head holds no layers: the drafter gets the target's embedding
+            # and head of its own
             from kimi_mlx.checkpoint.hub import resolve
             from kimi_mlx.speculative.block_drafter import check_target, load_target_embed_head
 
