@@ -105,6 +105,23 @@ def _ask(client, messages, n):
                                           temperature=0, logprobs=True, reasoning_effort="low")
 
 
+def _ask_at_once(client, reqs, n):
+    """`_ask` for every message list in `reqs` at once (one thread each, started together)."""
+    got = [None] * len(reqs)
+    barrier = threading.Barrier(len(reqs))
+
+    def run(i):
+        barrier.wait()
+        got[i] = _ask(client, reqs[i], n)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return got
+
+
 def test_image_request_joins_the_batched_prefill(monkeypatch):
     # chunks of 16 tokens: the image prompt (~260 tokens) takes several, and the text
     # prompts (~130) finish theirs first and decode between the image prompt's chunks
@@ -131,18 +148,7 @@ def test_image_request_joins_the_batched_prefill(monkeypatch):
                 [{"role": "user", "content": "What colour is the sky?"}],
                 [{"role": "system", "content": "You answer briefly."},
                  {"role": "user", "content": "Name a shape."}]]
-        got = [None] * 4
-        barrier = threading.Barrier(4)
-
-        def run(i):
-            barrier.wait()
-            got[i] = _ask(client, reqs[i], 16)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        got = _ask_at_once(client, reqs, 16)
         for i, r in enumerate(got):
             want = single_run(svc, reqs[i], 16)
             assert token_ids(svc, r.choices[0]) == [svc.tok.decode_bytes([t]) for t in want], i
@@ -178,18 +184,7 @@ def test_image_request_beside_batched_ngram_drafts_equals_its_single_run():
                 [{"role": "user", "content": "Repeat: a red cat, a red cat, a red cat, a red"}],
                 [{"role": "user", "content": "What colour is the sky?"}],
                 [{"role": "user", "content": "Name a shape. Name a shape. Name a"}]]
-        got = [None] * 4
-        barrier = threading.Barrier(4)
-
-        def run(i):
-            barrier.wait()
-            got[i] = _ask(client, reqs[i], 20)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
+        got = _ask_at_once(client, reqs, 20)
         for i, r in enumerate(got):
             want = single_run(svc, reqs[i], 20)
             assert token_ids(svc, r.choices[0]) == [svc.tok.decode_bytes([t]) for t in want], i

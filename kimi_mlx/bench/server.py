@@ -31,7 +31,13 @@ import httpx
 PROMPT_CHARS = 120
 
 
-def _prompts(model_dir: Path, n: int) -> List[str]:
+def _prompts(model_dir: Path, n: int, workload: str = "ordinary") -> List[str]:
+    """n prompt texts: held-out prose ("ordinary") or `bench.spec.copy_texts` ("copy":
+    code the continuation repeats, where n-gram drafts are accepted)."""
+    if workload == "copy":
+        from kimi_mlx.bench.spec import copy_texts
+
+        return copy_texts(model_dir, n, lines=12)
     text = (model_dir / "heldout" / "prose.txt").read_text()
     return [text[i * 311 : i * 311 + PROMPT_CHARS] for i in range(n)]
 
@@ -134,15 +140,23 @@ def _serving(svc, stop_timeout: float = 10.0):
         svc.engine.stop(stop_timeout)
 
 
-def single_process(model_dir: Path, prompts, max_tokens, concurrency, rounds) -> List[str]:
+def single_process(model_dir: Path, prompts, max_tokens, concurrency, rounds,
+                   draft: str = "none") -> List[str]:
     from kimi_mlx.server.serving import load_service, make_service
+    from kimi_mlx.speculative.settings import DraftSettings
 
     svc = make_service(str(model_dir), None, "bench", 1 << 20)
-    load_service(svc, str(model_dir), concurrency, 0, 64, None)
+    drafts = DraftSettings(kind="ngram") if draft == "ngram" else None
+    load_service(svc, str(model_dir), concurrency, 0, 64, None, drafts=drafts)
     with _serving(svc) as url:
-        return bench(url, "bench", prompts, max_tokens,
-                     f"one process (continuous batching, --max-concurrency {concurrency})",
-                     rounds)
+        lines = bench(url, "bench", prompts, max_tokens,
+                      f"one process (continuous batching, --max-concurrency {concurrency}"
+                      f"{', --draft ngram' if drafts else ''})", rounds)
+    if drafts is not None:
+        st = svc.engine.speculation.stats
+        lines.append(f"  n-gram drafts: {st.steps} rows verified, {st.mean_accepted:.2f} "
+                     f"accepted per verified row, {st.plain} row steps without a draft")
+    return lines
 
 
 def cluster(model_dir: Path, prompts, max_tokens, concurrency, rounds,
@@ -409,9 +423,13 @@ def main(argv=None) -> int:
                    help="only the 2-rank tensor group's batched decode (1/4/8 clients)")
     p.add_argument("--tensor-extra", default="",
                    help="(with --only-tensor) more `cluster server` flags, e.g. '--no-prompt-cache'")
+    p.add_argument("--workload", choices=("ordinary", "copy"), default="ordinary",
+                   help="prompts: held-out prose, or code the reply copies (n-gram drafts' case)")
+    p.add_argument("--draft", choices=("none", "ngram"), default="none",
+                   help="the one-process server with --draft ngram (batched drafts)")
     a = p.parse_args(argv)
     if a.only_tensor:
-        prompts = _prompts(Path(a.model or default_model()), a.requests)
+        prompts = _prompts(Path(a.model or default_model()), a.requests, a.workload)
         for line in tensor_batch(Path(a.model or default_model()), prompts, a.max_tokens,
                                  a.concurrency, a.rounds, tuple(a.tensor_extra.split())):
             print(line, flush=True)
@@ -425,13 +443,14 @@ def main(argv=None) -> int:
             print(line, flush=True)
         return 0
     model_dir = Path(a.model or default_model())
-    prompts = _prompts(model_dir, a.requests)
+    prompts = _prompts(model_dir, a.requests, a.workload)
     if a.only_cluster:
         for line in cluster(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds,
                             batch=not a.no_batch):
             print(line, flush=True)
         return 0
-    for line in single_process(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds):
+    for line in single_process(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds,
+                               a.draft):
         print(line, flush=True)
     if not a.skip_cluster:
         for line in cluster(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds):

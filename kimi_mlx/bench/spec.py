@@ -65,20 +65,25 @@ def default_prompts(model_dir: Path, tokenizer, n: int = 4, length: int = 32) ->
     return prompts
 
 
-def copy_prompts(model_dir: Path, tokenizer, n: int = 2, lines: int = 24) -> List[List[int]]:
-    """n copy-heavy prompts: a block of `lines` lines of source code from the checkpoint's
-    held-out code (for micro: Python standard library files, its training domain), a
-    blank line, then the block's first half again, so the continuation is the rest of
-    that second copy. Falls back to `default_prompts`' sentence without held-out code."""
+def copy_texts(model_dir: Path, n: int = 2, lines: int = 24) -> List[str]:
+    """n copy-heavy prompt texts: a block of `lines` lines of source code from the
+    checkpoint's held-out code (for micro: Python standard library files, its training
+    domain), a blank line, then the block's first half again, so the continuation is the
+    rest of that second copy. Falls back to a repeated sentence without held-out code."""
     f = Path(model_dir) / "heldout" / "code.txt"
     text = f.read_text(encoding="utf-8") if f.exists() else "The quick brown fox jumps.\n" * 400
     all_lines = text.splitlines(keepends=True)
-    prompts = []
+    out = []
     for i in range(n):
         start = (i * 997) % max(1, len(all_lines) - lines)
         block = all_lines[start : start + lines]
-        prompts.append(tokenizer.encode("".join(block) + "\n" + "".join(block[: lines // 2])))
-    return prompts
+        out.append("".join(block) + "\n" + "".join(block[: lines // 2]))
+    return out
+
+
+def copy_prompts(model_dir: Path, tokenizer, n: int = 2, lines: int = 24) -> List[List[int]]:
+    """`copy_texts`, tokenized."""
+    return [tokenizer.encode(t) for t in copy_texts(model_dir, n, lines)]
 
 
 def workload_prompts(model_dir: Path, tokenizer, workload: str, n: int) -> List[List[int]]:
