@@ -121,6 +121,14 @@ def test_the_verify_gate_follows_the_measured_costs():
     at = [i for i, go in enumerate(said) if go]
     assert len(at) == 2 and at[1] - at[0] == EXPLORE
     assert g.should_verify(2, 3, 2)  # another batch size: not measured yet
+    # closed: not even every row drafted would pay, so the step does not look at its
+    # inputs; every EXPLORE-th one is let through and then verifies
+    assert not g.closed(2)  # nothing measured for B = 2
+    closed = [g.closed(4) for _ in range(EXPLORE)]
+    assert closed[:-1] == [True] * (EXPLORE - 1) and closed[-1] is False
+    assert g.should_verify(4, 3, 1)  # the explored step verifies
+    g.acc = 2.5
+    assert not g.closed(4)
 
 
 @pytest.mark.parametrize("k", [2, 5])

@@ -92,11 +92,13 @@ class VerifyGate:
 
     _mark: Optional[float] = None
     _key: Optional[Tuple] = None
+    _explore = False  # `closed` let this step through to measure: it verifies
 
     def mark(self) -> None:
-        """The previous step's results are in (its next input evaluated): its time is the
-        interval since the mark before it (mlx-lm's plain step returns before its
-        forward pass has run, so a step is timed from input ready to input ready)."""
+        """A step starts: the previous one's time is the interval since the mark before
+        it, the wall time per step as the server sees it (mlx-lm's plain step returns
+        while its forward pass still runs, overlapped with the next step's graph
+        building; a verify step is synchronous)."""
         now = self.clock()
         if self._key is not None and self._mark is not None:
             self.record(self._key, now - self._mark)
@@ -115,12 +117,32 @@ class VerifyGate:
         for n in counts:
             self.acc = n if self.acc is None else self.decay * self.acc + (1 - self.decay) * n
 
+    def closed(self, B: int) -> bool:
+        """True when even with every row drafted a verify step of B rows would not pay at
+        the cheapest measured verify time for B: the step then stays mlx-lm's plain step,
+        without reading its inputs first (no proposal), so it keeps mlx-lm's overlap of
+        graph building and compute. Every EXPLORE-th such step is let through (and then
+        verifies, `should_verify`), so the figures stay current."""
+        tp = self._t(("plain", B))
+        tvs = [self._t(k) for k in self._times if k[0] == "verify" and k[1] == B]
+        if tp is None or not tvs or self.acc is None:
+            return False
+        if (B + B * self.acc) / min(tvs) > B / tp:
+            return False
+        self._skipped += 1
+        if self._skipped >= EXPLORE:
+            self._skipped, self._explore = 0, True
+            return False
+        self.gated += 1
+        return True
+
     def should_verify(self, B: int, K: int, drafted_rows: int) -> bool:
         """True when the expected tokens per second of a verify step of B rows (K drafts
         at most, `drafted_rows` of them with drafts) beat a plain step's, or when either
         time or the acceptance is not measured yet, or every EXPLORE-th refusal."""
         tp, tv = self._t(("plain", B)), self._t(("verify", B, K))
-        if tp is None or tv is None or self.acc is None:
+        if self._explore or tp is None or tv is None or self.acc is None:
+            self._explore = False
             go = True
         else:
             go = (B + drafted_rows * self.acc) / tv > B / tp
@@ -176,9 +198,10 @@ class BatchDrafts:
         self.policy = draft_policy(self.num_draft_tokens)
 
     def add(self, uid: int, context: Sequence[int], sampling, speculates: bool = True) -> None:
-        """Row `uid` starts from prompt `context` (its ids: the index has them all but
-        the last, which the generator feeds as its first decode input)."""
-        self.rows[uid] = _Row(self.draft.index(list(context)[:-1]), sampling.greedy, sampling,
+        """Row `uid` starts from prompt `context` (all its ids: the generator feeds the
+        last one when the row moves to decoding, before this batch's first step on it,
+        whose input is the first sampled token)."""
+        self.rows[uid] = _Row(self.draft.index(list(context)), sampling.greedy, sampling,
                               speculates)
 
     def drop(self, uid: int) -> None:
@@ -223,11 +246,20 @@ class SpeculativeBatch(GenerationBatch):
     def next(self) -> List[GenerationBatch.Response]:
         if not self.uids or self.drafts is None:
             return super().next()
-        d = self.drafts
-        y = self._next_tokens
-        mx.eval(y)  # the previous step's forward pass is done here (mlx-lm overlaps it)
+        d, B = self.drafts, len(self.uids)
         if d.gate is not None:
             d.gate.mark()
+            if d.gate.closed(B):  # drafts would not pay: mlx-lm's step as it is
+                d.gate.step(("plain", B))
+                d.stats.plain += B
+                out = super().next()
+                for r in out:  # the tokens it fed, into their rows' contexts
+                    row = d.rows.get(r.uid)
+                    if row is not None:
+                        row.index.append(r.token)
+                return out
+        y = self._next_tokens
+        mx.eval(y)  # the previous step's forward pass is done here (mlx-lm overlaps it)
         ys = y.tolist()
         rows = [d.rows.get(uid) for uid in self.uids]
         rooms = [self.max_tokens[i] - self._num_tokens[i] - 1 for i in range(len(rows))]
