@@ -195,9 +195,8 @@ micro-mtp: install
 # kimi_mlx/assets/micro-vision to ship it. Staged: the tower alone on colour / shape heads,
 # then the projector and micro's non-expert weights on the answer, batches bucketed by
 # grid. From scratch (below): 1500 + 200 steps, stage-1 heads on the max of the projector rows
-# of a shared 2-core machine). The shipped asset is micro-vision-tune's: both stages
-# continued from the earlier 112 x 112 asset (the one at git 5a2302a; run on the shipped
-# one, it tunes that further), 32 min of training + 1 min of evaluation on 2 busy cores.
+# (~10 min of training on 2 quiet cores). The shipped asset is still micro-vision-tune's: both stages
+# continued from the earlier 112 x 112 asset (git 5a2302a), 32 min + 1 min of evaluation on 2 busy cores.
 micro-vision: install
 	nice $(BIN)/python -m kimi_mlx.micro.vision_train --out build/micro-vision
 
