@@ -194,9 +194,11 @@ micro-mtp: install
 # held-out accuracy per size / aspect bucket in MODEL_CARD.md; copy it to
 # kimi_mlx/assets/micro-vision to ship it. Staged: the tower alone on colour / shape heads,
 # then the projector and micro's non-expert weights on the answer, batches bucketed by
-# grid. From scratch (below): 1500 + 200 steps (--tower-pool max: 100 % head shape, 30 % end to end)
-# (~10 min of training on 2 quiet cores). The shipped asset is still micro-vision-tune's: both stages
-# continued from the earlier 112 x 112 asset (git 5a2302a), 32 min + 1 min of evaluation on 2 busy cores.
+# grid. From scratch (below): 1000 + 200 steps, ~6 min of training on 2 quiet cores, not
+# evaluated end to end at these sizes (with --tower-pool max --tower-steps 1500: 100 % shape
+# on the stage-1 heads, 30 % colour and shape end to end). The shipped asset is
+# micro-vision-tune's: both stages continued from the earlier 112 x 112 asset (git 5a2302a),
+# 32 min of training + 1 min of evaluation on 2 busy cores.
 micro-vision: install
 	nice $(BIN)/python -m kimi_mlx.micro.vision_train --out build/micro-vision
 

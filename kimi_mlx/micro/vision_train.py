@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -319,8 +318,8 @@ class _Heads(nn.Module):
 def pretrain_tower(vis, steps: int, patch_budget: int, lr: float, seed: int, log,
                    eval_batches: int = 32, pooling: str = "mean") -> Dict:
     """Stage 1: tower and projector with colour and shape heads (dropped afterwards) on
-    the mean projector row; AdamW (weight decay 0.01), 50 warm-up steps then cosine decay
-    to lr/20. Each step is one grid (`grid_batch`): about `patch_budget` patches, 4 to
+    the projector rows pooled by `pooling` (`_pool`: "mean" or "max"); AdamW (weight
+    decay 0.01), 50 warm-up steps then cosine decay to lr/20. Each step is one grid (`grid_batch`): about `patch_budget` patches, 4 to
     96 pictures. Returns the held-out (seed + 1, `eval_batches` grids of 8 pictures) head
     accuracies {"colour", "shape", "both"}."""
     d = vis.args.text_hidden_size
@@ -597,11 +596,8 @@ def heads_text(t: Dict) -> str:
 def pool_text(t: Dict) -> str:
     """The model card's words for stage 1's pooling (`--tower-pool`)."""
     if t.get("tower_pool", "mean") == "mean":
-        return ("the mean projector row (with the mean every row must carry the shape, and a\n"
-                "  fresh tower learns it slowly: 59.8 % shape after 1500 steps)")
-    return ("the per-channel max of the projector rows (only the rows over the shape need to\n"
-            "  carry it; with the mean a fresh tower reached 59.8 % shape after 1500 steps, with\n"
-            "  the max 100 %)")
+            return "the mean projector row"
+    return "the per-channel max of the projector rows"
 
 
 def model_card(info: Dict) -> str:
@@ -662,7 +658,7 @@ grid, as many as fit the step's patch / token budget.
   cosine decay to 1/10), sparse DSA as at inference; final loss {t['final_loss']:.4f} (mean
   of the last 10 steps);
 - float32 on the CPU, seed {t['seed']}, {t['minutes']:.1f} min of training in all on
-  {t['machine']} ({os.cpu_count()} cores); the held-out evaluation below
+  {t['machine']} (2 cores shared with other jobs, niced); the held-out evaluation below
   took {ev['minutes']:.1f} min more.
 
 ## Accuracy (held-out pictures, greedy, thinking effort max)
@@ -687,12 +683,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.vision_train")
     p.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "assets" / "micro"))
     p.add_argument("--out", default="build/micro-vision")
-    p.add_argument("--tower-steps", type=int, default=1500)
+    p.add_argument("--tower-steps", type=int, default=1000)
     p.add_argument("--tower-patches", type=int, default=3072,
                    help="patches per stage-1 step (pictures of one grid, 4 to 96 of them)")
     p.add_argument("--tower-lr", type=float, default=2e-3)
     p.add_argument("--tower-pool", choices=("max", "mean"), default="mean",
-                   help="stage-1 heads read the mean (default) or the per-channel max of the projector rows (max: 100 %% head shape, but 30 %% end to end after stage 2)")
+                   help="stage-1 heads read the mean (default) or the per-channel max of the projector "
+                        "rows (max, 1500 steps: 100 %% head shape but 30 %% end to end after stage 2)")
     p.add_argument("--tower-eval-grids", type=int, default=32, help="stage-1 held-out grids of 8 pictures")
     p.add_argument("--init-from", default=None, metavar="CKPT",
                    help="start from CKPT's tower, projector and tuned text weights (a micro-vision, "
