@@ -195,17 +195,19 @@ micro-mtp: install
 # kimi_mlx/assets/micro-vision to ship it. Staged: the tower alone on colour / shape heads,
 # then the projector and micro's non-expert weights on the answer, batches bucketed by
 # grid. From scratch (below): 1000 + 200 steps, ~6 min of training on 2 quiet cores, not
-# evaluated end to end at these sizes (with --tower-pool max --tower-steps 1500: 100 % shape
-# on the stage-1 heads, 30 % colour and shape end to end). The shipped asset is
-# micro-vision-tune's: both stages continued from the earlier 112 x 112 asset (git 5a2302a),
-# 32 min of training + 1 min of evaluation on 2 busy cores.
+# evaluated end to end at these sizes (1500 stage-1 steps from scratch: 59.8 % head shape;
+# with --tower-pool max 100 % on the heads but 30 % colour and shape end to end).
+# The shipped asset is a chain of --init-from runs (its MODEL_CARD.md): the 112 x 112
+# asset of git 5a2302a, then 600 + 80 steps (git 130a7d3's asset, 75.8 %), then
+# 2000 + 400 (95.0 %), then micro-vision-tune as below on that (97.5 %, 13.9 min on 2
+# quiet cores); the last two took 26.6 min of training.
 micro-vision: install
 	nice $(BIN)/python -m kimi_mlx.micro.vision_train --out build/micro-vision
 
 micro-vision-tune: install
 	nice $(BIN)/python -m kimi_mlx.micro.vision_train --out build/micro-vision \
-	  --init-from kimi_mlx/assets/micro-vision --tower-steps 600 --tower-patches 2048 \
-	  --tower-lr 1.5e-3 --tower-eval-grids 16 --answer-steps 80 --answer-tokens 192
+	  --init-from kimi_mlx/assets/micro-vision --tower-steps 2500 --tower-lr 1e-3 \
+	  --answer-steps 400 --seed 1
 
 # The shipped micro-vision on 120 held-out pictures (seed 10000) of 56-448 px a side and
 # aspect 1:3-3:1: colour-and-shape accuracy per size bucket and aspect bucket (~3 min).
