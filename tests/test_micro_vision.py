@@ -111,9 +111,9 @@ def _own_picture(shape, rgb, rng):
 
 @pytest.mark.skipif(not (ASSET / "config.json").exists(), reason="micro-vision not shipped")
 def test_shipped_model_names_colour_and_shape(tmp_path, capsys):
-    """24 pictures (each colour 4 times, each shape 6 times, fixed seed): at least 20
-    greedy replies name both the colour and the shape (the card measures ~95% or more on
-    the trainer's held-out pictures)."""
+    """24 pictures (each colour 4 times, each shape 6 times, fixed seed): at least 22
+    greedy replies name both the colour and the shape (the card measures 97.5 % on the
+    trainer's 120 held-out pictures)."""
     rng = np.random.default_rng(2026)
     pairs = [(c, s) for c in COLOURS for s in SHAPES]
     right, replies = 0, []
@@ -128,4 +128,4 @@ def test_shipped_model_names_colour_and_shape(tmp_path, capsys):
         words = out.out.lower().replace(".", " ").split()
         right += colour in words and shape in words
         replies.append(f"{colour} {shape}: {out.out.strip()!r}")
-    assert right >= 20, "\n".join(replies)
+    assert right >= 22, "\n".join(replies)

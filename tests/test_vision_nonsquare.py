@@ -141,9 +141,10 @@ def _own_picture(shape, rgb, w, h, rng):
 @pytest.mark.skipif(not (ASSET / "config.json").exists(), reason="micro-vision not shipped")
 def test_shipped_model_names_non_square_pictures():
     """8 non-square pictures (wide and tall, 1:3 to 3:1, 70-440 px; the issue's 300 x 200
-    among them), each shape twice: at least 6 greedy replies through the `generate --image`
-    path name both the colour and the shape (the model card measures ~76 % on its 120
-    held-out pictures, 100 % colour; the 112 x 112-only model it replaced named 13 %)."""
+    among them), each shape twice: at least 7 greedy replies through the `generate --image`
+    path name both the colour and the shape (the model card measures 97.5 % on its 120
+    held-out pictures, >= 92.5 % in every size and aspect bucket; the 112 x 112-only model
+    named 13 %, so a transposed grid or a wrong position-embedding resize fails here)."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -172,4 +173,4 @@ def test_shipped_model_names_non_square_pictures():
         if not (colour in words and shape in words):
             bad.append(replies[-1])
     print("\n".join(replies))
-    assert len(bad) <= 2, "\n".join(bad)
+    assert len(bad) <= 1, "\n".join(bad)
