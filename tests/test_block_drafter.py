@@ -428,3 +428,35 @@ def test_shipped_micro_dspark_keeps_micros_greedy_output_and_benches(micro):
     assert stats.mean_accepted > 0.5
     rows = bench(micro, draft, [prompt], tokens=6, ks=[2], repeats=1)
     assert rows[0]["k"] == 2 and rows[0]["spec_tps"] > 0
+
+
+@pytest.mark.parametrize("kind", ["dspark", "dflash"])
+def test_training_blocks_in_one_pass_equal_the_inference_path(kind):
+    """`micro.dspark_train.block_logits` (every anchor of a batch in one masked forward,
+    per-row rope offsets) gives, per block, the logits `base_logits` gives after
+    `add_context` of the positions before its anchor (the path verification uses)."""
+    from kimi_mlx.micro.dspark_train import block_logits
+
+    config = published_config(kind, layers=2)
+    d = random_drafter(config, seed=3)
+    V, dd = 4352, 128
+    mx.random.seed(4)
+    embed = nn.Embedding(V, dd)
+    head = nn.Linear(dd, V, bias=False)
+    d.bind(embed, head)
+    B, T, k = 2, 20, 5
+    hidden = mx.random.normal((B, T, 3 * dd))
+    tokens = mx.random.randint(0, V, (B, T)).astype(mx.int32)
+    anchors = mx.array([[3, 11, 14], [1, 7, 9]], mx.int32)
+    got, rows = block_logits(d, hidden, tokens, anchors, k)
+    assert got.shape == (B * 3, k, V) and rows.tolist() == [0, 0, 0, 1, 1, 1]
+    for r in range(B * 3):
+        b, a = r // 3, anchors.reshape(-1)[r].item()
+        cache = d.make_cache()
+        d.add_context(hidden[b : b + 1, :a], cache)
+        want, _ = d.base_logits(tokens[b : b + 1, a], k, cache)
+        want = np.array(want[0].astype(mx.float32))
+        err = np.abs(np.array(got[r]) - want).max()
+        assert err <= 1e-4 * max(1.0, np.abs(want).max()), (r, err)
+        # and a block sees nothing at or after its anchor: other rows' logits differ
+        assert np.abs(np.array(got[r]) - np.array(got[(r + 1) % (B * 3)])).max() > 1e-2

@@ -11,10 +11,11 @@ Data: micro's own outputs. Windows of the micro training corpus (`kimi_mlx.micro
 stdlib code and prose) are used as prompts and continued greedily by micro; micro then
 runs over each whole sequence once to capture its hidden states at those layers. Labels
 of the continuation are micro's argmax, which is exactly what greedy verification
-accepts. Training (DFlash / DSpark recipe): per sequence, anchors a in the continuation;
-the block [t_a, mask x (k-1)] (k drawn in 2..8 per anchor, so that every k drafts well)
-at positions a.. attends to the context of positions < a (the target's hiddens there) and
-predicts t_{a+1..a+k}; the Markov term is teacher-forced with the true previous token;
+accepts. Training (DFlash / DSpark recipe): per sequence, `--anchors` distinct anchors a
+in the continuation; the block [t_a, mask x (k-1)] (k drawn in 2..8 per step, so that every
+k drafts well) at positions a.. attends to the context of positions < a (the target's
+hiddens there) and predicts t_{a+1..a+k}; all blocks of a step run in one masked forward
+(`block_logits`); the Markov term is teacher-forced with the true previous token;
 loss: half cross-entropy against micro's greedy tokens, half against micro's distribution
 (soft labels), weighted 0.8^i at block position i (the later positions matter less: they
 are only reached when every earlier one is accepted).
@@ -97,31 +98,53 @@ def captured(model, seqs: np.ndarray, batch: int = 32):
     return np.concatenate(hs), np.concatenate(lps)
 
 
+def block_logits(drafter, hidden: mx.array, tokens: mx.array, anchors: mx.array, k: int
+                 ) -> Tuple[mx.array, mx.array]:
+    """All blocks of a batch in one forward (the DFlash training layout): row b's
+    anchors anchors[b] [A] int32, each a block [t_a, mask x (k-1)] at positions a.. that
+    sees the context < a (the target's hiddens there) and itself.
+
+    hidden [B, T, n d] float32, tokens [B, T] int32 -> (logits [B * A, k, V] float32 of
+    t_{a+1..a+k} before the Markov term, row index [B * A] of each block). The same
+    numbers as `BlockDrafter.base_logits` after `add_context` of the first a positions
+    (tests/test_block_drafter.py)."""
+    B, T = tokens.shape
+    A = anchors.shape[1]
+    rows = mx.repeat(mx.arange(B), A)
+    a = anchors.reshape(-1)
+    ctx = drafter.context(hidden)
+    kv = []
+    for layer in drafter.layers:
+        kk, vv = layer.self_attn.kv(ctx, drafter._rope, 0)
+        kv.append((kk[rows], vv[rows]))
+    see = mx.arange(T)[None, :] < a[:, None]  # [B * A, T]
+    x = drafter.block_inputs(tokens.reshape(-1)[rows * T + a], k)
+    h = drafter.block_hidden(x, kv, a, ctx_mask=see)
+    if not drafter.config.sample_from_anchor:
+        h = h[:, 1:]
+    return drafter.logits(h).astype(mx.float32), rows
+
+
 def block_loss(drafter, hidden: mx.array, tokens: mx.array, teacher: mx.array,
-               anchors: List[Tuple[int, int]], weights: mx.array):
-    """Mean over the blocks at `anchors` (a, k) (shared by the batch rows) of the
+               anchors: mx.array, k: int, weights: mx.array):
+    """Mean over the blocks at `anchors` [B, A] (k proposals each, `block_logits`) of the
     0.8^i-weighted cross-entropy, half against the tokens (micro's greedy choices), half
-    against micro's distribution (soft labels, Hinton et al. 2015).
+    against micro's distribution (soft labels, Hinton et al. 2015); the Markov term is
+    teacher-forced with the true previous token.
 
     hidden [B, T, n d] float32, tokens [B, T] int32, teacher [B, T, V] float32 log-probs
-    of the token after each position; the block at anchor a (k proposals) predicts
-    tokens[a + 1 .. a + k] from the context < a."""
-    ctx = drafter.context(hidden)
-    kvs = [l.self_attn.kv(ctx, drafter._rope, 0) for l in drafter.layers]
-    total = 0.0
-    for a, k in anchors:
-        kv = [(kk[:, :, :a], vv[:, :, :a]) for kk, vv in kvs]
-        x = drafter.block_inputs(tokens[:, a], k)
-        h = drafter.block_hidden(x, kv, a)
-        logits = drafter.logits(h).astype(mx.float32)  # [B, k, V]
-        prev = tokens[:, a : a + k]  # teacher-forced Markov input
-        logits = logits + drafter.markov_head(prev).astype(mx.float32)
-        lq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        hard = nn.losses.cross_entropy(logits, tokens[:, a + 1 : a + 1 + k])  # [B, k]
-        soft = -(mx.exp(teacher[:, a : a + k]) * lq).sum(axis=-1)
-        w = weights[:k]
-        total = total + ((0.5 * hard + 0.5 * soft) * w).sum(axis=-1).mean() / w.sum()
-    return total / len(anchors)
+    of the token after each position; the block at anchor a predicts tokens[a + 1 .. a + k]."""
+    B, T = tokens.shape
+    logits, rows = block_logits(drafter, hidden, tokens, anchors, k)
+    pos = anchors.reshape(-1)[:, None] + mx.arange(k)[None, :]  # [R, k]: a .. a + k - 1
+    flat = rows[:, None] * T + pos
+    prev = tokens.reshape(-1)[flat]
+    logits = logits + drafter.markov_head(prev).astype(mx.float32)
+    lq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    hard = nn.losses.cross_entropy(logits, tokens.reshape(-1)[flat + 1])  # [R, k]
+    soft = -(mx.exp(teacher.reshape(B * T, -1)[flat]) * lq).sum(axis=-1)
+    w = weights[:k]
+    return (((0.5 * hard + 0.5 * soft) * w).sum(axis=-1) / w.sum()).mean()
 
 
 def acceptance(model, drafter, prompts: List[List[int]], k: int, max_tokens: int) -> Dict:
@@ -161,8 +184,8 @@ kimi_mlx/assets/micro-dspark --num-draft-tokens 4 ...` (one process).
 On micro's own outputs: {t['sequences']} corpus windows of {t['prompt_len']} tokens
 continued greedily by micro to {t['seq_len']} tokens; micro's hiddens captured once.
 {t['steps']} AdamW steps, batch {t['batch']} sequences x {t['anchors']} anchors, peak lr
-{t['lr']}, seed {t['seed']}: {t['wall_seconds'] / 60:.1f} min on {info['machine']} (shared
-with other jobs), {info['total_seconds'] / 60:.1f} min in all. Final loss {t['final_loss']:.3f}.
+{t['lr']}, seed {t['seed']}: {t['wall_seconds'] / 60:.1f} min on {info['machine']},
+{info['total_seconds'] / 60:.1f} min in all (generation and capture included). Final loss {t['final_loss']:.3f}.
 
 ## Evaluation
 
@@ -237,14 +260,14 @@ def main(argv=None) -> int:
     for i in range(cfg.steps):
         opt.learning_rate = cfg.lr * min(1.0, (i + 1) / 30) * 0.5 * (1 + np.cos(np.pi * i / cfg.steps))
         rows = rng.integers(0, len(seqs), cfg.batch)
-        # random block lengths 2..k: inference drafts blocks of any k <= the block
-        anchors = [(int(a), int(rng.integers(2, k + 1)))
-                   for a in rng.integers(lo, seqs.shape[1] - k - 1, cfg.anchors)]
-        end = max(a for a, _ in anchors) + k + 1
-        h = mx.array(hid[rows, :end]).astype(mx.float32)
-        t = mx.array(seqs[rows, :end])
-        lp = mx.array(tlp[rows, :end]).astype(mx.float32)
-        loss, grads = vg(drafter, h, t, lp, anchors, weights)
+        # one block length a step, 2..k: inference drafts blocks of any k <= the block
+        kb = int(rng.integers(2, k + 1))
+        anchors = np.stack([rng.choice(np.arange(lo, seqs.shape[1] - kb), cfg.anchors, replace=False)
+                            for _ in rows]).astype(np.int32)
+        h = mx.array(hid[rows]).astype(mx.float32)
+        t = mx.array(seqs[rows])
+        lp = mx.array(tlp[rows]).astype(mx.float32)
+        loss, grads = vg(drafter, h, t, lp, mx.array(anchors), kb, weights)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(drafter, grads)
         mx.eval(loss, drafter.parameters(), opt.state)

@@ -219,10 +219,16 @@ class _Attention(nn.Module):
         v = self.v_proj(x).reshape(B, S, self.Hk, self.D).transpose(0, 2, 1, 3)
         return rope(k, offset=offset), v
 
-    def __call__(self, x: mx.array, ctx_k: mx.array, ctx_v: mx.array, rope, offset: int):
-        """x [B, L, d] (normed) at positions offset..; ctx_k / ctx_v [B, Hk, S, D] the
-        context before them. Returns [B, L, d]."""
+    def __call__(self, x: mx.array, ctx_k: mx.array, ctx_v: mx.array, rope, offset,
+                 ctx_mask: Optional[mx.array] = None):
+        """x [B, L, d] (normed) at positions offset.. (an int, or [B] int32 per row);
+        ctx_k / ctx_v [B, Hk, S, D] the context before them; ctx_mask [B, S] bool, where
+        given, the context positions each row may see (training many blocks of one
+        sequence at once: each sees only the context before its anchor; full-attention
+        layers only). Returns [B, L, d]."""
         B, L, _ = x.shape
+        if ctx_mask is not None and self.window is not None:
+            raise ValueError("ctx_mask: sliding-window layers are not supported")
         if self.window is not None and ctx_k.shape[2] > self.window - 1:
             ctx_k, ctx_v = ctx_k[:, :, -(self.window - 1):], ctx_v[:, :, -(self.window - 1):]
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.H, self.D)).transpose(0, 2, 1, 3)
@@ -238,6 +244,9 @@ class _Attention(nn.Module):
             mask = kj <= qi
             if self.window is not None:
                 mask = mask & (kj > qi - self.window)
+        if ctx_mask is not None:
+            full = mx.concatenate([ctx_mask, mx.ones((B, L), mx.bool_)], axis=1)[:, None, None, :]
+            mask = full if mask is None else (mask & full)
         sinks = self.attention_sink_bias if "attention_sink_bias" in self else None
         o = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask,
                                                  sinks=sinks)
@@ -263,8 +272,8 @@ class _Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def __call__(self, x, ctx_k, ctx_v, rope, offset):
-        h = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, rope, offset)
+    def __call__(self, x, ctx_k, ctx_v, rope, offset, ctx_mask=None):
+        h = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, rope, offset, ctx_mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -363,14 +372,16 @@ class BlockDrafter(nn.Module):
             c.update_and_fetch(k, v)
 
     def block_hidden(self, tokens: mx.array, ctx_kv: Sequence[Tuple[mx.array, mx.array]],
-                     offset: int) -> mx.array:
-        """Block tokens [B, L] at positions offset.. over per-layer context (keys, values)
-        [B, Hk, S, D] -> final-normed hidden [B, L, d]."""
+                     offset, ctx_mask: Optional[mx.array] = None) -> mx.array:
+        """Block tokens [B, L] at positions offset.. (int, or [B] int32 per row) over
+        per-layer context (keys, values) [B, Hk, S, D], of which each row sees the
+        positions ctx_mask [B, S] bool allows (all where None) -> final-normed hidden
+        [B, L, d]."""
         if self._bound is None:
             raise RuntimeError("BlockDrafter used before bind()")
         x = self._bound.embed(tokens)
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, k, v, self._rope, offset)
+            x = layer(x, k, v, self._rope, offset, ctx_mask)
         return self.norm(x)
 
     def logits(self, h: mx.array) -> mx.array:
