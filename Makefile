@@ -180,7 +180,7 @@ micro-draft: install
 	$(BIN)/python -m kimi_mlx.micro.draft
 
 # The DSpark block drafter of micro (reads micro's hidden states; `--draft-model
-# kimi_mlx/assets/micro-dspark`), trained on micro's own greedy outputs: minutes on 2 cores.
+# kimi_mlx/assets/micro-dspark`), trained on micro's own greedy outputs: ~32 min on 2 quiet cores.
 micro-dspark: install
 	$(BIN)/python -m kimi_mlx.micro.dspark_train
 

@@ -1,5 +1,5 @@
-"""Train the shipped DSpark block drafter for the micro model (`make micro-dspark`): a few
-minutes on 2 busy CPU cores.
+"""Train the shipped DSpark block drafter for the micro model (`make micro-dspark`): about
+30 minutes on 2 quiet CPU cores (about 4 of them generating and capturing micro's outputs).
 
 A DSpark drafter in the released layout (`kimi_mlx.speculative.block_drafter`): two
 Qwen3-style layers (hidden 128 = micro's, 4 heads of 32), the low-rank Markov head (rank
@@ -205,12 +205,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--teacher", type=Path, default=ASSET_DIR, help="the micro checkpoint")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="drafter folder to (re)write")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--sequences", type=int, default=256)
+    p.add_argument("--sequences", type=int, default=2048)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--seq-len", type=int, default=112)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seq-len", type=int, default=160)
+    p.add_argument("--steps", type=int, default=2500)
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--anchors", type=int, default=4)
+    p.add_argument("--anchors", type=int, default=16,
+                   help="distinct anchors (blocks) per sequence per step")
     p.add_argument("--lr", type=float, default=4e-3)
     p.add_argument("--max-mb", type=float, default=4.0, help="refuse a bigger folder")
     return p.parse_args(argv)
