@@ -629,7 +629,7 @@ def heads_text(t: Dict) -> str:
 def pool_text(t: Dict) -> str:
     """The model card's words for stage 1's pooling (`--tower-pool`)."""
     if t.get("tower_pool", "mean") == "mean":
-            return "the mean projector row"
+        return "the mean projector row"
     return "the per-channel max of the projector rows"
 
 
