@@ -40,13 +40,13 @@ import os
 import platform
 import re
 import threading
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
 __all__ = ["metal_kernel", "kernel_mode", "use_sim", "MetalUnavailableError", "DispatchKernel",
            "kernel_enabled", "kernels_setting", "kernel_status", "check_kernels",
-           "reset_kernel_checks", "KERNEL_NAMES", "KERNELS_ENV"]
+           "register_check", "run_check", "reset_kernel_checks", "KERNEL_NAMES", "KERNELS_ENV"]
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +207,43 @@ def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[s
 
 _status: Dict[str, str] = {}  # kernel name -> "ok" or the error that made it fall back
 _check_lock = threading.RLock()
+# kernel name -> its device check (registered by kimi_mlx.metal.kda / dsa, beside the
+# dispatch functions that ask for the kernel, from the cases in kimi_mlx.metal.selfcheck)
+_checks: Dict[str, Callable[[], Optional[str]]] = {}
+
+
+def register_check(name: str, check: Callable[[], Optional[str]]) -> None:
+    """Register the device check of kernel `name` (one of KERNEL_NAMES): a callable that
+    runs the kernel on its check cases and returns None if it agrees with its reference
+    op, else one line saying how not; exceptions it raises count as build or launch
+    failures (`run_check`).
+
+    Raises:
+      ValueError: a name not in KERNEL_NAMES.
+    """
+    if name not in KERNEL_NAMES:
+        raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNEL_NAMES)}")
+    _checks[name] = check
+
+
+def run_check(name: str) -> Optional[str]:
+    """Run kernel `name`'s registered device check once, here and now (whatever the
+    mode: tests run it in the emulator), without caching or warnings.
+
+    Returns:
+      None if it passed, else one line: the mismatch, or "build or launch failed:
+      <exception type>: <message>" for an exception from building or running the kernel.
+    Raises:
+      KeyError: no check registered for `name` (its module, kimi_mlx.metal.kda or
+      kimi_mlx.metal.dsa, registers it when imported).
+    """
+    if name not in _checks:
+        raise KeyError(f"no device check registered for kernel {name!r} "
+                       f"(kimi_mlx.metal.kda / kimi_mlx.metal.dsa register them)")
+    try:
+        return _checks[name]()
+    except Exception as e:  # noqa: BLE001 - a compile or launch error is a verdict
+        return f"build or launch failed: {type(e).__name__}: {e}"
 
 
 def kernels_setting() -> str:
@@ -240,12 +277,10 @@ def _one_line(text: str, limit: int = 400) -> str:
 def _check_one(name: str) -> str:
     """Run the device check of `name` once (caller holds the lock); record and return
     its status, warning once when it fails."""
-    from kimi_mlx.metal import selfcheck
-
     try:
-        error = selfcheck.check_kernel(name)
-    except Exception as e:  # noqa: BLE001 - a broken check must not stop the model
-        error = f"the check itself failed: {type(e).__name__}: {e}"
+        error = run_check(name)
+    except KeyError as e:  # nothing to check with: do not trust the kernel unchecked
+        error = str(e)
     if error is None:
         _status[name] = "ok"
         logger.debug("Metal kernel %s passed its device check", name)
@@ -265,7 +300,7 @@ def kernel_enabled(name: str) -> bool:
     "reference" mode (no Metal, no emulator) or KIMI_MLX_KERNELS=reference: False.
     Emulator: True. Metal with KIMI_MLX_KERNELS=metal: True. Metal with auto: the
     kernel's device check runs the first time it is asked for in this process
-    (`kimi_mlx.metal.selfcheck.check_kernel`); True only if it passed.
+    (`run_check`); True only if it passed.
 
     Raises:
       ValueError: an unknown KIMI_MLX_KERNELS value, or a name not in KERNEL_NAMES.

@@ -24,7 +24,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from kimi_mlx.metal.dispatch import kernel_enabled
+from kimi_mlx.metal import selfcheck
+from kimi_mlx.metal.dispatch import kernel_enabled, register_check
 
 
 def allowed_keys(L: int, S: int, offset: int, starts: Optional[mx.array] = None) -> mx.array:
@@ -264,3 +265,21 @@ def query_block(L: int, S: int, K: int, heads: int, index_heads: int, row: int,
     """
     per_query = max(index_heads * S, K * row, heads * K, 1)
     return max(1, min(L, budget // per_query))
+
+
+def _check_dsa_index_topk_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_dsa_index_topk(kernels.dsa_index_topk, dsa_index_topk,
+                                          dsa_index_scores)
+
+
+def _check_sparse_mla_decode_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_sparse_mla_decode(kernels.sparse_mla_decode, sparse_mla_decode)
+
+
+# The device checks `kernel_enabled` runs before these kernels' first use on Metal.
+register_check("dsa_index_topk", _check_dsa_index_topk_kernel)
+register_check("sparse_mla_decode", _check_sparse_mla_decode_kernel)

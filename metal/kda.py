@@ -20,7 +20,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from kimi_mlx.metal.dispatch import kernel_enabled
+from kimi_mlx.metal import selfcheck
+from kimi_mlx.metal.dispatch import kernel_enabled, register_check
 
 
 @partial(mx.compile, shapeless=True)
@@ -340,3 +341,20 @@ def kda_forward(
         return kda_decode_kernel(q, k, v, a, b, A_log, dt_bias, state, lower_bound, scale)
     q, k, g, beta = kda_prepare(q, k, a, b, A_log, dt_bias, lower_bound, scale)
     return kda_update(q, k, v, g, beta, state)
+
+
+def _check_kda_decode_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_kda_decode(kernels.kda_decode, kda_decode)
+
+
+def _check_kda_prefill_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_kda_prefill(kernels.kda_prefill, kda_prepare, kda_recurrent)
+
+
+# The device checks `kernel_enabled` runs before these kernels' first use on Metal.
+register_check("kda_decode", _check_kda_decode_kernel)
+register_check("kda_prefill", _check_kda_prefill_kernel)

@@ -4,6 +4,11 @@ within the project's tolerance rule. `kimi_mlx.metal.dispatch.kernel_enabled` ru
 before a kernel's first use on Metal (KIMI_MLX_KERNELS=auto) and falls back to the
 reference op for the rest of the process when it fails.
 
+The cases here take the kernel wrapper and the reference op as arguments; `kda.py` and
+`dsa.py` register them with the dispatcher (`dispatch.register_check`) next to their
+dispatch functions, so this module imports nothing of ours (no import cycle through the
+dispatcher). `dispatch.run_check(name)` runs one.
+
 | kernel              | cases (edge cases in brackets)                                  | reference op                 |
 |---------------------|-----------------------------------------------------------------|------------------------------|
 | `kda_decode`        | one token, both gates [a zero q and k row: the l2norm eps case; a state carried in] | `kda.kda_decode`  |
@@ -26,11 +31,12 @@ alone; everything is float32.
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-__all__ = ["check_kernel", "tolerance", "rel_err", "topk_mismatch", "CASES", "EDGE_CASES"]
+__all__ = ["tolerance", "rel_err", "topk_mismatch", "check_kda_decode", "check_kda_prefill",
+           "check_dsa_index_topk", "check_sparse_mla_decode", "EDGE_CASES"]
 
 F32_UNIT_ROUNDOFF = 2.0**-24
 
@@ -86,14 +92,15 @@ def _kda_raw(seed: int, B: int, T: int, H: int, Dk: int, Dv: int):
     return q, k, v, a, b, A_log, dt_bias, state
 
 
-def _check_kda_decode() -> Optional[str]:
-    from kimi_mlx.metal import kda, kernels
-
+def check_kda_decode(kernel: Callable, reference: Callable) -> Optional[str]:
+    """`kernel` (kernels.kda_decode) against `reference` (kda.kda_decode): one token,
+    both gate forms, a state carried in, zero-norm rows. None if they agree, else why not
+    (exceptions propagate)."""
     B, H, Dk, Dv = 2, 2, 64, 32
     for seed, lower_bound in ((11, -5.0), (12, None)):
         q, k, v, a, b, A_log, dt_bias, state = _kda_raw(seed, B, 1, H, Dk, Dv)
-        got = kernels.kda_decode(q, k, v, a, b, A_log, dt_bias, state, lower_bound)
-        ref = kda.kda_decode(q, k, v, a, b, A_log, dt_bias, state, lower_bound)
+        got = kernel(q, k, v, a, b, A_log, dt_bias, state, lower_bound)
+        ref = reference(q, k, v, a, b, A_log, dt_bias, state, lower_bound)
         mx.eval(got, ref)
         gate = "softplus gate" if lower_bound is None else f"gate lower bound {lower_bound}"
         for what, g, r in zip(("y", "state"), got, ref):
@@ -108,14 +115,15 @@ KDA_PREFILL_CHUNK = 16
 KDA_PREFILL_T = KDA_PREFILL_CHUNK + 4  # one full chunk, then a partial one
 
 
-def _check_kda_prefill() -> Optional[str]:
-    from kimi_mlx.metal import kda, kernels
-
+def check_kda_prefill(kernel: Callable, prepare: Callable, reference: Callable) -> Optional[str]:
+    """`kernel` (kernels.kda_prefill) against `reference` (kda.kda_recurrent) on inputs
+    from `prepare` (kda.kda_prepare): a prompt across a chunk boundary, a state carried
+    in. None if they agree, else why not (exceptions propagate)."""
     B, T, H, Dk, Dv = 1, KDA_PREFILL_T, 2, 64, 32
     q, k, v, a, b, A_log, dt_bias, state = _kda_raw(21, B, T, H, Dk, Dv)
-    q, k, g, beta = kda.kda_prepare(q, k, a, b, A_log, dt_bias, -5.0, Dk**-0.5)
-    got = kernels.kda_prefill(q, k, v, g, beta, state, chunk=KDA_PREFILL_CHUNK)
-    ref = kda.kda_recurrent(q, k, v, g, beta, state)
+    q, k, g, beta = prepare(q, k, a, b, A_log, dt_bias, -5.0, Dk**-0.5)
+    got = kernel(q, k, v, g, beta, state, chunk=KDA_PREFILL_CHUNK)
+    ref = reference(q, k, v, g, beta, state)
     mx.eval(got, ref)
     for what, gt, r in zip(("y", "state"), got, ref):
         # n: Dk-long dot products, accumulated over the T tokens of the state.
@@ -174,15 +182,18 @@ def topk_mismatch(idx: List, ref_idx: List, scores: List, tol: float) -> Optiona
     return None
 
 
-def _check_dsa_index_topk() -> Optional[str]:
-    from kimi_mlx.metal import dsa, kernels
-
+def check_dsa_index_topk(kernel: Callable, reference: Callable,
+                         scores_op: Callable) -> Optional[str]:
+    """`kernel` (kernels.dsa_index_topk) against `reference` (dsa.dsa_index_topk), the
+    selections compared on the scores of `scores_op` (dsa.dsa_index_scores): exact ties
+    cut by top-k, rows with fewer allowed keys than top-k, one with none. None if they
+    agree, else why not (exceptions propagate)."""
     s = DSA_SHAPE
     q, w, kx, S = _dsa_inputs()
     starts = mx.array(DSA_STARTS, dtype=mx.int32)
-    got = kernels.dsa_index_topk(q, w, kx, s["topk"], s["offset"], starts)
-    ref = dsa.dsa_index_topk(q, w, kx, s["topk"], s["offset"], starts)
-    scores = dsa.dsa_index_scores(q, w, kx, s["offset"], starts)
+    got = kernel(q, w, kx, s["topk"], s["offset"], starts)
+    ref = reference(q, w, kx, s["topk"], s["offset"], starts)
+    scores = scores_op(q, w, kx, s["offset"], starts)
     mx.eval(got, ref, scores)
     if tuple(got.shape) != tuple(ref.shape):
         return f"indices of shape {tuple(got.shape)}, the reference {tuple(ref.shape)}"
@@ -217,28 +228,21 @@ def _mla_inputs():
     return q_lat, q_pe, latent, k_pe, indices
 
 
-def _check_sparse_mla_decode() -> Optional[str]:
-    from kimi_mlx.metal import dsa, kernels
-
+def check_sparse_mla_decode(kernel: Callable, reference: Callable) -> Optional[str]:
+    """`kernel` (kernels.sparse_mla_decode) against `reference` (dsa.sparse_mla_decode):
+    three splits, a row with fewer valid keys than top-k, a row with none, an index = S.
+    None if they agree, else why not (exceptions propagate)."""
     s = MLA_SHAPE
     q_lat, q_pe, latent, k_pe, indices = _mla_inputs()
     scale = (s["R"] + s["P"]) ** -0.5
     # Three splits of K=8 keys (3, 3, 2): the combine step merges splits, some of them
     # empty (rows 1 and 2), as it does at the model's K (K / 128 splits).
-    got = kernels.sparse_mla_decode(q_lat, q_pe, latent, k_pe, indices, scale,
-                                    splits=s["splits"])
-    ref = dsa.sparse_mla_decode(q_lat, q_pe, latent, k_pe, indices, scale)
+    got = kernel(q_lat, q_pe, latent, k_pe, indices, scale, splits=s["splits"])
+    ref = reference(q_lat, q_pe, latent, k_pe, indices, scale)
     mx.eval(got, ref)
     # n: (R + P)-long score dot products; K-long softmax sums.
     return _close(f"splits={s['splits']}, out", got, ref, max(s["R"] + s["P"], s["K"]))
 
-
-CASES: Dict[str, Callable[[], Optional[str]]] = {
-    "kda_decode": _check_kda_decode,
-    "kda_prefill": _check_kda_prefill,
-    "dsa_index_topk": _check_dsa_index_topk,
-    "sparse_mla_decode": _check_sparse_mla_decode,
-}
 
 # The edge-case inputs each check builds (tests assert they are what they claim).
 EDGE_CASES: Dict[str, Callable[[], Tuple]] = {
@@ -246,26 +250,3 @@ EDGE_CASES: Dict[str, Callable[[], Tuple]] = {
     "dsa_index_topk": lambda: (*_dsa_inputs(), DSA_SHAPE, DSA_STARTS),
     "sparse_mla_decode": lambda: (*_mla_inputs(), MLA_SHAPE),
 }
-
-
-def check_kernel(name: str) -> Optional[str]:
-    """Run kernel `name` (a key of CASES) on its check cases through the kernel wrapper
-    in ``kimi_mlx.metal.kernels`` (Metal, or whatever the dispatcher builds) and compare
-    with its reference op.
-
-    Returns:
-        None if every case agrees, else one line saying what failed: the exception a
-        build or launch raised (type and message) or the mismatch.
-    Raises:
-        KeyError: unknown name.
-    """
-    case = CASES[name]
-    try:
-        return case()
-    except Exception as e:  # noqa: BLE001 - a compile or launch error is a verdict
-        return f"build or launch failed: {type(e).__name__}: {e}"
-
-
-def check_all(names: Sequence[str] = tuple(CASES)) -> Dict[str, Optional[str]]:
-    """{name: check_kernel(name)} (without the dispatcher's caching or warnings)."""
-    return {n: check_kernel(n) for n in names}
