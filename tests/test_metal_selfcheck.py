@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -414,3 +415,28 @@ def test_check_catches_a_planted_bug_in_the_real_source(monkeypatch, name, plant
     with use_sim():
         error = dispatch.run_check(name)
     assert error is not None, name
+
+
+# ------------------------------------------------------------------------ at load
+
+
+MICRO = Path(__file__).resolve().parent.parent / "kimi_mlx" / "assets" / "micro"
+
+
+def test_load_runs_the_checks_before_the_first_forward(device):
+    from kimi_mlx.checkpoint.loader import load_model
+
+    fake = device(lambda part: "wrong" if part == "dsa_index_topk" else "pass")
+    load_model(MICRO, verbose=False)
+    status = dispatch.kernel_status()
+    assert set(status) == set(KERNEL_NAMES)
+    assert [n for n, s in status.items() if s != "ok"] == ["dsa_index_topk"]
+    assert fake.calls["dsa_index_topk"] == 1  # its check only
+
+
+def test_load_refuses_an_unknown_setting(monkeypatch):
+    from kimi_mlx.checkpoint.loader import load_model
+
+    monkeypatch.setenv(KERNELS_ENV, "fast")
+    with pytest.raises(ValueError, match="KIMI_MLX_KERNELS='fast'"):
+        load_model(MICRO, verbose=False)
