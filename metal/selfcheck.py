@@ -9,12 +9,17 @@ The cases here take the kernel wrapper and the reference op as arguments; `kda.p
 dispatch functions, so this module imports nothing of ours (no import cycle through the
 dispatcher). `dispatch.run_check(name)` runs one.
 
-| kernel              | cases (edge cases in brackets)                                  | reference op                 |
-|---------------------|-----------------------------------------------------------------|------------------------------|
-| `kda_decode`        | one token, both gates [a zero q and k row: the l2norm eps case; a state carried in] | `kda.kda_decode`  |
-| `kda_prefill`       | 20 tokens at chunk 16 [a chunk boundary inside the prompt; a state carried in] | `kda.kda_recurrent` |
-| `dsa_index_topk`    | keys repeated three times [top-k cut inside a group of exact ties; rows with fewer allowed keys than top-k, one with none (left padding)] | `dsa.dsa_index_scores` |
-| `sparse_mla_decode` | three splits [a row with fewer valid keys than top-k, a row with none, an index = S] | `dsa.sparse_mla_decode` |
+Cases (edge cases in brackets), each against its reference op:
+
+- `kda_decode` vs `kda.kda_decode`: one token, both gate forms [a zero q row and a zero
+  k row: the l2norm eps case; a state carried in].
+- `kda_prefill` vs `kda.kda_recurrent`: 20 tokens at chunk 16 [a chunk boundary inside
+  the prompt, a partial last chunk; a state carried in].
+- `dsa_index_topk` vs `dsa.dsa_index_topk` (compared on `dsa.dsa_index_scores`): four
+  keys each at three positions [the top-k cut inside a group of exact ties; rows with
+  fewer allowed keys than top-k; a left-padded row with none].
+- `sparse_mla_decode` vs `dsa.sparse_mla_decode`: three splits [a row with fewer valid
+  keys than top-k, a row with none, an index equal to S].
 
 Tolerance (`tolerance`): the rule of ``kimi_mlx/testing/checkpoints.py`` (``tolerance``),
 restated here because metal imports nothing of ours but its own:

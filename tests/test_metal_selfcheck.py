@@ -391,17 +391,17 @@ def _plant(name, pattern, replacement):
     return name, transform
 
 
-# Bugs in the real sources that only the check's edge cases expose.
+# Bugs planted in the real sources, one per kernel, on the paths the edge cases take.
 PLANTED = [
-    # the l2norm eps dropped: NaN only for the zero-norm row
+    # the l2norm eps dropped: NaN only for a zero-norm row
     ("kda_decode", _plant("kda_decode", "metal::rsqrt(qq + eps)", "metal::rsqrt(qq)")),
-    # the decay to the chunk's end read one token early: wrong only past a chunk boundary
+    # the decay to the chunk's end read one token early (the state carried across chunks)
     ("kda_prefill", _plant("kda_prefill", "const float gend = sgc[C - 1][d];",
                            "const float gend = sgc[C - 2][d];")),
-    # a batch row's last padding key taken as real: needs a row with a first key > 0
+    # a batch row's last padding key taken as real: only a row whose first key is > 0
     ("dsa_index_topk", _plant("dsa_index_topk", "metal::min(start[bi], limit)",
                               "metal::min(start[bi] - 1, limit)")),
-    # the first split dropped in the merge: needs several splits
+    # the first split dropped in the merge
     ("sparse_mla_decode", _plant("sparse_mla_combine",
                                  "for (int sp = 0; sp < NSPLIT; ++sp) {\n    const uint prow",
                                  "for (int sp = 1; sp < NSPLIT; ++sp) {\n    const uint prow")),

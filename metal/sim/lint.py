@@ -12,7 +12,8 @@ in 3.x; section 2.4 "Atomic Data Types"; section 4 "Address Spaces"):
 | `recursion`          | a function that calls itself, directly or through others        |
 | `function-pointer`   | `(*name)(...)` declarators and calls, `(*)(...)` types           |
 | `dynamic-allocation` | `new`, `delete`, `malloc`, `calloc`, `realloc`, `free`, `alloca` |
-| `address-space`      | a pointer or reference declaration (parameter, variable, cast) without `device`, `constant`, `threadgroup` or `thread` |
+| `address-space`      | a pointer or reference declaration (parameter, variable, cast)   |
+|                      | without `device`, `constant`, `threadgroup` or `thread`          |
 | `atomic-type`        | `atomic<T>` / `atomic_T` for T other than int, uint, bool, float |
 | `exceptions`         | `throw`, `try`, `catch`, `noexcept`                              |
 | `virtual`            | `virtual` functions                                              |
