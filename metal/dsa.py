@@ -13,7 +13,8 @@ Batch rows of a continuous batch are left-padded (kimi_mlx/model/cache.py `Batch
 op takes an optional `starts` [B] (the first real key of each row) and never selects or
 attends to a key before it, so a padded row computes what its single run computes.
 
-Dispatch points (kernel on Metal / in the emulator, these references otherwise):
+Dispatch points (kernel on Metal / in the emulator where `dispatch.kernel_enabled` says so,
+these references otherwise):
 `dsa_prefill_indices` (selected keys of a block of queries) and `dsa_sparse_decode` (one decode token past index_topk).
 """
 
@@ -23,7 +24,8 @@ from typing import Optional
 
 import mlx.core as mx
 
-from kimi_mlx.metal.dispatch import kernel_mode
+from kimi_mlx.metal import selfcheck
+from kimi_mlx.metal.dispatch import kernel_enabled, register_check
 
 
 def allowed_keys(L: int, S: int, offset: int, starts: Optional[mx.array] = None) -> mx.array:
@@ -151,7 +153,7 @@ def dsa_prefill_indices(
     padded where a row has fewer allowed keys; the selected set (not the order) is what
     is defined.
     """
-    if kernel_mode() == "reference":
+    if not kernel_enabled("dsa_index_topk"):
         return dsa_index_topk(q_idx, weights, k_idx, topk, offset, starts)
     from kimi_mlx.metal.kernels import dsa_index_topk as kernel
 
@@ -180,21 +182,27 @@ def dsa_sparse_decode(
             (`dsa_index_scores`, L = 1); a batch row attends to no key before its start.
     Returns:
         [B, H, 1, R] in q_lat's dtype. On Metal or in the emulator: the `dsa_index_topk`
-        kernel, then `sparse_mla_decode` over the selected rows. Otherwise the reference:
+        kernel, then `sparse_mla_decode` over the selected rows (either one replaced by
+        its reference op where `kernel_enabled` refuses it). With neither kernel:
         the selection mask as an additive -inf bias on the rope scores, and dense SDPA.
     """
-    if kernel_mode() == "reference":
+    use_index = kernel_enabled("dsa_index_topk")
+    use_attend = kernel_enabled("sparse_mla_decode")
+    if not use_index and not use_attend:
         allowed = dsa_topk_mask(dsa_index_scores(q_idx, weights, k_idx, offset, starts), topk)
         pe = (q_pe * scale) @ k_pe.swapaxes(-1, -2)  # [B, H, 1, S]
         bias = mx.where(allowed[:, None], pe, mx.array(-mx.inf, pe.dtype))
         return mx.fast.scaled_dot_product_attention(
             q_lat, latent, latent, scale=scale, mask=bias
         )
-    from kimi_mlx.metal.kernels import dsa_index_topk as index_kernel
-    from kimi_mlx.metal.kernels import sparse_mla_decode as attend_kernel
+    from kimi_mlx.metal import kernels
 
-    idx = index_kernel(q_idx, weights, k_idx, topk, offset, starts)  # [B, 1, k]
-    return attend_kernel(q_lat, q_pe, latent[:, 0], k_pe[:, 0], idx[:, 0], scale)
+    # One of the two may have fallen back (its device check failed): its reference op
+    # takes its place, with the same inputs and output format.
+    index_op = kernels.dsa_index_topk if use_index else dsa_index_topk
+    attend_op = kernels.sparse_mla_decode if use_attend else sparse_mla_decode
+    idx = index_op(q_idx, weights, k_idx, topk, offset, starts)  # [B, 1, k]
+    return attend_op(q_lat, q_pe, latent[:, 0], k_pe[:, 0], idx[:, 0], scale)
 
 
 def sparse_mla_attend(
@@ -257,3 +265,21 @@ def query_block(L: int, S: int, K: int, heads: int, index_heads: int, row: int,
     """
     per_query = max(index_heads * S, K * row, heads * K, 1)
     return max(1, min(L, budget // per_query))
+
+
+def _check_dsa_index_topk_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_dsa_index_topk(kernels.dsa_index_topk, dsa_index_topk,
+                                          dsa_index_scores)
+
+
+def _check_sparse_mla_decode_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_sparse_mla_decode(kernels.sparse_mla_decode, sparse_mla_decode)
+
+
+# The device checks `kernel_enabled` runs before these kernels' first use on Metal.
+register_check("dsa_index_topk", _check_dsa_index_topk_kernel)
+register_check("sparse_mla_decode", _check_sparse_mla_decode_kernel)

@@ -20,7 +20,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from kimi_mlx.metal.dispatch import kernel_mode
+from kimi_mlx.metal import selfcheck
+from kimi_mlx.metal.dispatch import kernel_enabled, register_check
 
 
 @partial(mx.compile, shapeless=True)
@@ -232,11 +233,12 @@ def kda_update(
 ) -> Tuple[mx.array, mx.array]:
     """KDA for a prompt chunk or one decode token; same contract as `kda_recurrent`.
 
-    Chooses kernel or reference (`dispatch.kernel_mode()`): on Metal or in the emulator the
-    `kda_prefill` kernel (any length); otherwise up to `RECURRENT_MAX_T` tokens go through
-    the recurrence, longer inputs through the chunked form.
+    Chooses kernel or reference (`dispatch.kernel_enabled("kda_prefill")`): on Metal (its
+    device check passed) or in the emulator the `kda_prefill` kernel (any length);
+    otherwise up to `RECURRENT_MAX_T` tokens go through the recurrence, longer inputs
+    through the chunked form.
     """
-    if kernel_mode() != "reference":
+    if kernel_enabled("kda_prefill"):
         from kimi_mlx.metal.kernels import kda_prefill
 
         return kda_prefill(q, k, v, g, beta, state)
@@ -326,15 +328,33 @@ def kda_forward(
     scale: Optional[float] = None,
 ) -> Tuple[mx.array, mx.array]:
     """The KDA layer's entry point (arguments as `kda_decode`): one decode token goes to
-    the fused `kda_decode` kernel on Metal or in the emulator; everything else prepares
+    the fused `kda_decode` kernel on Metal or in the emulator (where
+    `dispatch.kernel_enabled("kda_decode")`); everything else prepares
     q, k, g, beta with the reference ops and goes through `kda_update`.
     """
     Dk = q.shape[-1]
     if scale is None:
         scale = Dk**-0.5
-    if q.shape[1] == 1 and kernel_mode() != "reference":
+    if q.shape[1] == 1 and kernel_enabled("kda_decode"):
         from kimi_mlx.metal.kernels import kda_decode as kda_decode_kernel
 
         return kda_decode_kernel(q, k, v, a, b, A_log, dt_bias, state, lower_bound, scale)
     q, k, g, beta = kda_prepare(q, k, a, b, A_log, dt_bias, lower_bound, scale)
     return kda_update(q, k, v, g, beta, state)
+
+
+def _check_kda_decode_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_kda_decode(kernels.kda_decode, kda_decode)
+
+
+def _check_kda_prefill_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_kda_prefill(kernels.kda_prefill, kda_prepare, kda_recurrent)
+
+
+# The device checks `kernel_enabled` runs before these kernels' first use on Metal.
+register_check("kda_decode", _check_kda_decode_kernel)
+register_check("kda_prefill", _check_kda_prefill_kernel)

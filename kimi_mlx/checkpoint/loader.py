@@ -21,6 +21,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from kimi_mlx.model.config import ModelArgs, read_config
+from kimi_mlx.metal.dispatch import check_kernels
 from kimi_mlx.checkpoint.shards import INDEX_FILE, CheckpointError, TensorInfo, needed_shards, read_header, weight_map
 from kimi_mlx.model.tensor_map import TensorError, in_range, kind, original_names, sanitize_weights
 
@@ -111,6 +112,9 @@ def load_model(
     if activation_dtype is None:
         activation_dtype = default_activation_dtype()
     model.activation_dtype = activation_dtype
+    # On Metal (KIMI_MLX_KERNELS=auto) each kernel is checked on the device now, at load,
+    # rather than inside the first forward; elsewhere this does nothing.
+    check_kernels()
     if not lazy:
         eval_parameters(model, progress)
     return model, config, report
