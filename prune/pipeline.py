@@ -342,7 +342,7 @@ def _wire_prune(src, args, calib_tokens: int, itemsize: int, refit_tokens: int,
 
     mb = model_bytes_from_checkpoint(Path(src))
     first = mb.layers[0].weight_bytes + mb.embed_bytes if mb.layers else 0
-    layer = max([first, mb.head_bytes] + [l.weight_bytes for l in mb.layers])
+    layer = max([first] + [l.weight_bytes for l in mb.layers])  # as `prune --dry-run` counts it
     peak = peak_memory(args, layer, calib_tokens, itemsize=itemsize,
                        refit_tokens=refit_tokens, merge_tokens=merge_tokens)["peak"]
     try:

@@ -116,11 +116,17 @@ def sysctl_mb(planned: int) -> int:
 
 # -- running processes with the fake device ---------------------------------------------
 
-def _wait_records(path, pred, proc=None, timeout=240.0):
+def _wait_records(path, pred, proc=None, timeout=240.0, loaded=None):
+    """The records once `pred` holds; fails at once when the process ended or `loaded()`
+    says it has loaded (the limit is set before loading) without them."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         recs = fake_metal.records(path)
         if pred(recs):
+            return recs
+        if loaded is not None and loaded():
+            recs = fake_metal.records(path)
+            assert pred(recs), f"loaded with no wired limit set before: {recs}"
             return recs
         if proc is not None and proc.poll() is not None:
             recs = fake_metal.records(path)
@@ -163,6 +169,29 @@ def test_generate_wires_weights_plus_cache_and_restores(tmp_path):
     assert calls[0]["old"] == 0
 
 
+def test_chat_wires_weights_plus_cache(tmp_path):
+    rec = tmp_path / "calls.jsonl"
+    env = fake_metal.env(MAC64, rec)
+    r = subprocess.run([PY, "-m", "kimi_mlx", "chat", "--max-kv-size", "256", "--quiet"],
+                       env=env, input="", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    want = file_weight_bytes(MICRO) + cache_by_hand(MICRO, 256)
+    assert [c["limit"] for c in fake_metal.records(rec)] == [want, 0]
+
+
+def test_prune_pass_wires_its_largest_layer(tmp_path):
+    rec = tmp_path / "calls.jsonl"
+    r = _run(["prune", "--model", str(MICRO), "--method", "random", "--keep", "0.5",
+              "--out", str(tmp_path / "out"), "--quiet"], rec)
+    assert r.returncode == 0, r.stderr
+    n = text_config(MICRO)["num_hidden_layers"]
+    # one layer at a time, the first with the embedding; no calibration: no activations
+    # each layer's tensors (n + 1 layers: the head is never counted), layer 0's with the
+    # embedding
+    largest = max(layer_weight_bytes(MICRO, i, i + 1, n + 1) for i in range(n))
+    assert [c["limit"] for c in fake_metal.records(rec)] == [largest, 0]
+
+
 def test_eval_wires_its_windows(tmp_path):
     rec = tmp_path / "calls.jsonl"
     data = tmp_path / "text.txt"
@@ -178,13 +207,16 @@ def test_server_wires_before_loading(tmp_path):
 
     rec = tmp_path / "calls.jsonl"
     port = free_ports(1)[0]
-    proc = subprocess.Popen([PY, "-m", "kimi_mlx", "server", "--port", str(port),
-                             "--max-concurrency", "2", "--max-kv-size", "1024", "--quiet"],
-                            env=fake_metal.env(MAC64, rec), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
-                            start_new_session=True)
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([PY, "-m", "kimi_mlx", "server", "--port", str(port),
+                                 "--max-concurrency", "2", "--max-kv-size", "1024", "--quiet",
+                                 "--log-level", "INFO"],
+                                env=fake_metal.env(MAC64, rec), stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        calls = _wait_records(rec, lambda r: len(r) >= 1, proc)
+        calls = _wait_records(rec, lambda r: len(r) >= 1, proc,
+                              loaded=lambda: "serving" in log.read_text())
     finally:
         _kill(proc)
     want = file_weight_bytes(MICRO) + cache_by_hand(MICRO, 1024, sequences=2)
@@ -200,7 +232,7 @@ def test_pipeline_stages_wire_their_layers(tmp_path):
     try:
         transport, stages = cluster.load_transport()
         transport.shutdown()
-        calls = _wait_records(rec, lambda r: len(r) >= 2, timeout=60)
+        calls = _wait_records(rec, lambda r: len(r) >= 2, loaded=lambda: True)
         by_pid = {c["pid"]: c["limit"] for c in calls}
         n = cluster.args.num_hidden_layers
         trained = text_config(MICRO)["max_position_embeddings"]
@@ -233,18 +265,20 @@ def test_tensor_rank_other_than_zero_wires_its_slices(tmp_path):
 
     rec = tmp_path / "calls.jsonl"
     hosts = write_hostfile(tmp_path / "hosts.json", free_ports(2))
-    procs = []
+    procs, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
     try:
         for r in range(2):
             env = fake_metal.env(MAC64, rec)
             env.update(MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
-            procs.append(subprocess.Popen(
-                [PY, "-m", "kimi_mlx.cluster.tensor.rank", "--model", str(MICRO),
-                 "--backend", "ring", "--name", f"n{r}", "--cache-bytes", "0"],
-                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                stdin=subprocess.DEVNULL, start_new_session=True))
+            with open(logs[r], "w") as out:
+                procs.append(subprocess.Popen(
+                    [PY, "-m", "kimi_mlx.cluster.tensor.rank", "--model", str(MICRO),
+                     "--backend", "ring", "--name", f"n{r}", "--cache-bytes", "0"],
+                    env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                    start_new_session=True))
         calls = _wait_records(rec, lambda rs: {c["pid"] for c in rs} >= {p.pid for p in procs},
-                              timeout=240)
+                              timeout=240,
+                              loaded=lambda: all("loaded its slices" in l.read_text() for l in logs))
     finally:
         for p in procs:
             _kill(p)
