@@ -359,7 +359,7 @@ def test_prune_refuses_in_one_line(tmp_path, monkeypatch):
     fake_metal.install(_small_mac(MiB), str(rec))
     monkeypatch.delenv(wired.ALLOW_PAGING_ENV, raising=False)
     _, args, _ = source_args(MICRO)
-    with pytest.raises(PruneError, match=r"^kimi-mlx prune: .*sudo sysctl iogpu\.wired_limit_mb=\d+`"):
+    with pytest.raises(PruneError, match=r"^\d+\.\d\d MiB to wire \(weights .*sudo sysctl iogpu\.wired_limit_mb=\d+`"):
         _wire_prune(MICRO, args, 4096, 2, 0, 0)
     fake_metal.install(MAC64, str(rec))
     _wire_prune(MICRO, args, 4096, 2, 0, 0)
@@ -369,3 +369,53 @@ def test_prune_refuses_in_one_line(tmp_path, monkeypatch):
                for i in range(args.num_hidden_layers)) < limit
     wired.restore()
     assert fake_metal.records(rec)[-1]["limit"] == 0
+
+
+def test_a_stage_that_does_not_fit_refuses_its_load_in_one_line(tmp_path):
+    from kimi_mlx.testing.cluster import LocalCluster
+
+    rec = tmp_path / "calls.jsonl"
+    cluster = LocalCluster(tmp_path, n=1, ckpt=MICRO,
+                           env=fake_metal.env(_small_mac(2 * MiB), rec, base={}))
+    try:
+        with pytest.raises(Exception) as e:
+            t, _ = cluster.load_transport()
+            t.shutdown()
+        msg = str(e.value)
+        planned = file_weight_bytes(MICRO) + cache_by_hand(MICRO, 4096)  # one stage: all of it
+        assert f"sudo sysctl iogpu.wired_limit_mb={sysctl_mb(planned)}`" in msg, msg
+        assert "layers [0, 6)" in msg and "\n" not in msg.strip(), msg
+        assert fake_metal.records(rec) == []
+    finally:
+        cluster.stop()
+
+
+def test_a_rank_that_does_not_fit_exits_naming_the_sysctl(tmp_path):
+    from kimi_mlx.checkpoint.ranged import load_sharded
+    from kimi_mlx.testing.ports import free_ports
+    from kimi_mlx.testing.tensor_parallel import write_hostfile
+
+    rec = tmp_path / "calls.jsonl"
+    hosts = write_hostfile(tmp_path / "hosts.json", free_ports(2))
+    procs, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
+    try:
+        for r in range(2):
+            env = fake_metal.env(_small_mac(MiB), rec)
+            env.update(MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
+            with open(logs[r], "w") as out:
+                procs.append(subprocess.Popen(
+                    [PY, "-m", "kimi_mlx.cluster.tensor.rank", "--model", str(MICRO),
+                     "--backend", "ring", "--name", f"n{r}", "--cache-bytes", "0"],
+                    env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                    start_new_session=True))
+        assert procs[1].wait(timeout=240) == 1
+    finally:
+        for p in procs:
+            _kill(p)
+    _, stats = load_sharded(MICRO, _Group(2, 1))
+    planned = stats["needed"] + cache_by_hand(MICRO, text_config(MICRO)["max_position_embeddings"],
+                                              kda_share=0.5)
+    lines = [l for l in logs[1].read_text().splitlines() if "sysctl" in l]
+    assert len(lines) == 1 and lines[0].startswith("[tensor] rank 1 on node n1: "), lines
+    assert f"iogpu.wired_limit_mb={sysctl_mb(planned)}`" in lines[0]
+    assert fake_metal.records(rec) == []

@@ -78,8 +78,13 @@ class WiredPlan:
         return int(self.weight_bytes) + int(self.cache_bytes)
 
     def describe(self) -> str:
-        return (f"weights {self.weight_bytes / GiB:.2f} GiB + cache {self.cache_bytes / GiB:.2f} GiB"
+        return (f"weights {size(self.weight_bytes)} + cache {size(self.cache_bytes)}"
                 + (f" at {self.note}" if self.note else ""))
+
+
+def size(n: int) -> str:
+    """Bytes as GiB (two decimals), or MiB below one GiB."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.2f} MiB"
 
 
 def limit_mb_for(planned_bytes: int) -> int:
@@ -123,7 +128,8 @@ def stage_plan(model_dir, start: int, end: int, what: str, context: Optional[int
     weights += mb.head_bytes if end == len(mb.layers) else 0
     tokens = context or mb.max_position_embeddings
     cache = sum(l.cache_bytes(tokens, sequences) for l in layers)
-    return WiredPlan(what, weights, cache, f"{tokens} tokens x {sequences} sequence(s)")
+    return WiredPlan(what, weights, cache,
+                     f"{tokens} tokens x {sequences} sequence(s) for layers [{start}, {end})")
 
 
 def rank_plan(model_dir, ranks: int, rank: int, what: str, context: Optional[int] = None,
@@ -212,16 +218,16 @@ def wire(plan: WiredPlan, allow: Optional[bool] = None) -> Optional[int]:
     if need > max_rec:
         n = limit_mb_for(need)
         ram = int(info.get("memory_size") or 0)
-        past = (f"; that is more than this Mac's {ram / GiB:.0f} GiB of RAM: use more nodes or "
+        past = (f"; that is more than this Mac's {size(ram)} of RAM: use more nodes or "
                 "a pruned build (`kimi-mlx plan`)" if ram and n * MiB > ram else "")
-        line = (f"{plan.what}: needs {need / GiB:.2f} GiB wired ({plan.describe()}), more than "
-                f"this Mac's GPU working set of {max_rec / GiB:.2f} GiB: run "
-                f"`sudo sysctl iogpu.wired_limit_mb={n}`{past} (or pass --allow-paging to "
-                "run paged and slow)")
+        # the callers put the process's name in front (the command, the rank, the stage)
+        line = (f"{size(need)} to wire ({plan.describe()}) is more than this Mac's GPU "
+                f"working set of {size(max_rec)}: run `sudo sysctl iogpu.wired_limit_mb={n}`"
+                f"{past} (or pass --allow-paging to run paged and slow)")
         if not (allow_paging() if allow is None else allow):
             raise WiredLimitError(line)
-        log.warning("%s; going on paged (--allow-paging): wired up to %d MiB", line,
-                    max_rec // MiB)
+        log.warning("%s: %s; going on paged (--allow-paging): wired up to %d MiB", plan.what,
+                    line, max_rec // MiB)
         limit = max_rec
     with _lock:
         old = _set_limit(limit)
