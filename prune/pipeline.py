@@ -340,14 +340,17 @@ def _wire_prune(src, args, calib_tokens: int, itemsize: int, refit_tokens: int,
     from kimi_mlx.placement.layer_bytes import model_bytes_from_checkpoint
     from kimi_mlx.placement.wired import WiredLimitError, WiredPlan, wire
 
-    mb = model_bytes_from_checkpoint(Path(src))
-    first = mb.layers[0].weight_bytes + mb.embed_bytes if mb.layers else 0
-    layer = max([first] + [l.weight_bytes for l in mb.layers])  # as `prune --dry-run` counts it
-    peak = peak_memory(args, layer, calib_tokens, itemsize=itemsize,
-                       refit_tokens=refit_tokens, merge_tokens=merge_tokens)["peak"]
+    def plan():
+        mb = model_bytes_from_checkpoint(Path(src))
+        first = mb.layers[0].weight_bytes + mb.embed_bytes if mb.layers else 0
+        layer = max([first] + [l.weight_bytes for l in mb.layers])  # as `prune --dry-run` counts it
+        peak = peak_memory(args, layer, calib_tokens, itemsize=itemsize,
+                           refit_tokens=refit_tokens, merge_tokens=merge_tokens)["peak"]
+        return WiredPlan("kimi-mlx prune", layer, max(peak - layer, 0),
+                         f"{calib_tokens} calibration tokens, one layer at a time")
+
     try:
-        wire(WiredPlan("kimi-mlx prune", layer, max(peak - layer, 0),
-                       f"{calib_tokens} calibration tokens, one layer at a time"))
+        wire(plan)
     except WiredLimitError as e:
         raise PruneError(str(e)) from None
 

@@ -419,3 +419,24 @@ def test_a_rank_that_does_not_fit_exits_naming_the_sysctl(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("[tensor] rank 1 on node n1: "), lines
     assert f"iogpu.wired_limit_mb={sysctl_mb(planned)}`" in lines[0]
     assert fake_metal.records(rec) == []
+
+
+def test_the_plan_is_made_only_on_metal_and_a_bad_checkpoint_does_not_block(monkeypatch, tmp_path, caplog):
+    import mlx.core as mx
+
+    from kimi_mlx.checkpoint.shards import CheckpointError
+    from kimi_mlx.placement import wired
+
+    monkeypatch.setattr(wired, "mx", mx)
+    monkeypatch.setattr(wired, "_saved", None)
+    if not mx.metal.is_available():  # Linux: nothing is read from the checkpoint
+        assert wired.wire(lambda: pytest.fail("planned without Metal")) is None
+    fake_metal.install(MAC64, str(tmp_path / "rec.jsonl"))
+
+    def bad():
+        raise CheckpointError("/x/model.safetensors.index.json: shard 2 is missing")
+
+    with caplog.at_level(logging.WARNING, logger="kimi_mlx.placement.wired"):
+        assert wired.wire(bad) is None  # the load that follows names the missing shard
+    assert "shard 2 is missing" in caplog.text
+    assert fake_metal.records(tmp_path / "rec.jsonl") == []

@@ -44,9 +44,12 @@ def _wire_stage(path: Path, spec: StageSpec, head_context: int, who: str) -> Non
     from kimi_mlx.model.config import ModelArgs, read_config
     from kimi_mlx.placement.wired import stage_plan, wire
 
-    trained = ModelArgs.from_config(read_config(path)).max_position_embeddings
-    wire(stage_plan(path, spec.start, spec.end, f"{who} layers [{spec.start}, {spec.end})",
-                    context=max(trained, int(head_context or 0))))
+    def plan():
+        trained = ModelArgs.from_config(read_config(path)).max_position_embeddings
+        return stage_plan(path, spec.start, spec.end, f"{who} layers [{spec.start}, {spec.end})",
+                          context=max(trained, int(head_context or 0)))
+
+    wire(plan)
 
 
 class LoadRPC:

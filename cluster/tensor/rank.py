@@ -32,7 +32,7 @@ def wire_rank(model_path, group, who: str) -> None:
     line with the sysctl to run) when they exceed the Mac's GPU working set."""
     from kimi_mlx.placement.wired import rank_plan, wire
 
-    wire(rank_plan(model_path, group.size(), group.rank(), who))
+    wire(lambda: rank_plan(model_path, group.size(), group.rank(), who))
 
 
 def rank_main(argv: Optional[Sequence[str]] = None) -> int:

@@ -320,7 +320,7 @@ def run(args) -> int:
         from kimi_mlx.checkpoint.hub import resolve
         from kimi_mlx.placement.wired import allow_paging, model_plan, wire
 
-        wire(model_plan(resolve(spec), "kimi-mlx chat", args.max_kv_size),
+        wire(lambda: model_plan(resolve(spec), "kimi-mlx chat", args.max_kv_size),
              allow_paging(args.allow_paging))
         model, wrapper, tok, _ = load_for_generation(spec, progress=not args.quiet)
         speculation = build_speculation(drafts, where=ONE_PROCESS, target_wrapper=wrapper,

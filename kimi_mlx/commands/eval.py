@@ -78,8 +78,8 @@ def run(args) -> int:
         from kimi_mlx.placement.wired import allow_paging, model_plan, wire
 
         # windows of seq_len + 1 tokens, batch_size of them per forward pass
-        wire(model_plan(model_dir, "kimi-mlx eval", sequences=args.batch_size,
-                        context=args.seq_len + 1), allow_paging(args.allow_paging))
+        wire(lambda: model_plan(model_dir, "kimi-mlx eval", sequences=args.batch_size,
+                                context=args.seq_len + 1), allow_paging(args.allow_paging))
         tokenizer = KimiTokenizer.from_pretrained(model_dir)
         if args.per_text:
             texts = read_texts(args.data)

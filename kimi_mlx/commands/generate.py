@@ -52,7 +52,7 @@ def run(args) -> int:
                                  "(no vision_config or no vision_tower.* / mm_projector.* "
                                  "tensors), so it cannot take --image")
             images = [vision.load_image(path) for path in args.image]
-        wire(model_plan(resolve(spec), "kimi-mlx generate", args.max_kv_size),
+        wire(lambda: model_plan(resolve(spec), "kimi-mlx generate", args.max_kv_size),
              allow_paging(args.allow_paging))
         model, wrapper, tok, config = load_for_generation(spec, progress=not args.quiet)
         ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,

@@ -33,7 +33,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Union
 
 import mlx.core as mx
 
@@ -189,24 +189,33 @@ def _set_limit(limit: int) -> int:
     return int(fn(int(limit)))
 
 
-def wire(plan: WiredPlan, allow: Optional[bool] = None) -> Optional[int]:
+def wire(plan: Union[WiredPlan, Callable[[], WiredPlan]],
+         allow: Optional[bool] = None) -> Optional[int]:
     """Set MLX's wired limit to `plan.total_bytes` before loading; restored at exit.
 
     Args:
-        plan: what this process will hold.
+        plan: what this process will hold, or a function returning it (called only on
+            Metal: nothing is read from the checkpoint elsewhere).
         allow: go on paged when the plan exceeds the working set (None: `allow_paging()`).
     Returns:
         the limit set (bytes), or None where there is no Metal device (a no-op, logged
-        at debug level) or it reports no recommended working set.
+        at debug level), it reports no recommended working set, or the plan could not be
+        made (logged as a warning; loading then says what is wrong with the checkpoint).
     Raises:
         WiredLimitError: the plan exceeds `max_recommended_working_set_size` and paging is
-            not allowed; one line naming the process, the sizes and the sysctl to run.
+            not allowed; one line with the sizes and the sysctl to run.
     """
     global _saved, _registered
     if not mx.metal.is_available():
-        log.debug("%s: no Metal device here (%s): MLX's wired limit is not set", plan.what,
-                  sys.platform)
+        log.debug("%s: no Metal device here (%s): MLX's wired limit is not set",
+                  getattr(plan, "what", "this process"), sys.platform)
         return None
+    if callable(plan):
+        try:
+            plan = plan()
+        except (OSError, ValueError, KeyError) as e:  # CheckpointError, ConfigError: a ValueError
+            log.warning("wired limit not set: cannot size this process's weights (%s)", e)
+            return None
     info = _device_info()
     max_rec = int(info.get("max_recommended_working_set_size") or 0)
     if max_rec <= 0:
