@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 
 from kimi_mlx.cluster.net.auth import DEFAULT_SECRET
 from kimi_mlx.cluster.node.daemon import DEFAULT_MODELS
+from kimi_mlx.placement.wired import add_allow_paging_argument, allow_paging
 
 if TYPE_CHECKING:
     from kimi_mlx.cluster.head.cluster import PipelineSettings
@@ -72,6 +73,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bar while a stage loads (shown only on a terminal)")
     _common(q)
+    add_allow_paging_argument(q)  # this process (a stage, a tensor rank 0) or its ranks
 
     q = sub.add_parser("ls", help="list the nodes advertising on the network", description="List the nodes advertising on the network.")
     q.add_argument("--interface", default=None, help="interface name or IPv4 address to browse on")
@@ -92,6 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     q.add_argument("--sequences", type=int, default=1, help="concurrent sequences to plan for")
     _parallel_arguments(q)
     _common(q)
+    add_allow_paging_argument(q)  # this process (a stage, a tensor rank 0) or its ranks
 
     q = sub.add_parser("server", help="OpenAI + Anthropic API server over the nodes",
                        description="`kimi-mlx server`'s API with the pipeline, or one "
@@ -100,6 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _node_arguments(q, context_default="the model's context, or --max-kv-size")
     _parallel_arguments(q)
     _common(q)
+    add_allow_paging_argument(q)  # this process (a stage, a tensor rank 0) or its ranks
 
 
 def _parallel_arguments(q) -> None:
@@ -234,6 +238,8 @@ def serve_settings(args) -> "ServeSettings":
 def run(args) -> int:
     """Run the chosen subcommand; returns the exit status."""
     cmd = getattr(args, "cluster_command", None)
+    if getattr(args, "allow_paging", False):  # exported: the ranks this process starts page too
+        allow_paging(True)
     if cmd is None:
         print("usage: kimi-mlx cluster {init,serve,ls,launch,server} ... (see --help)", file=sys.stderr)
         return 2

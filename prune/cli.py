@@ -105,6 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(a size like 8GB, or auto = a quarter of RAM)")
     p.add_argument("--force", action="store_true", help="replace an existing --out")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    from kimi_mlx.placement.wired import add_allow_paging_argument
+
+    add_allow_paging_argument(p)
     add_quant_arguments(p)
     p.add_argument("--dry-run", action="store_true",
                    help="print per-layer sizes before/after and which Macs the result fits")
@@ -183,6 +186,10 @@ def run(args) -> int:
                            args.context, quant, budgets,
                            memory=(args.calib_tokens or DEFAULT_MAX_TOKENS, args.refit_tokens,
                                    args.merge_tokens))
+        if args.allow_paging:
+            from kimi_mlx.placement.wired import allow_paging
+
+            allow_paging(True)  # read by the pass's `wire`
         if args.merge and args.merge_tokens < 1:
             raise PruneError(f"--merge-tokens must be >= 1, got {args.merge_tokens}")
         src = _source(args.model)

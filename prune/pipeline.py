@@ -331,6 +331,30 @@ def peak_memory(args, layer_bytes: int, calib_tokens: int, *, itemsize: int = 2,
             "peak": max(plain + refit + merge_pass, merge_write)}
 
 
+def _wire_prune(src, args, calib_tokens: int, itemsize: int, refit_tokens: int,
+                merge_tokens: int) -> None:
+    """MLX's wired limit for the pass's peak (`peak_memory`: the largest layer plus the
+    activations, refit and merge buffers) before it loads a layer (`placement.wired`; a
+    no-op without Metal). Raises PruneError (one line naming the sysctl to run) when
+    that exceeds the Mac's GPU working set."""
+    from kimi_mlx.placement.layer_bytes import model_bytes_from_checkpoint
+    from kimi_mlx.placement.wired import WiredLimitError, WiredPlan, wire
+
+    def plan():
+        mb = model_bytes_from_checkpoint(Path(src))
+        first = mb.layers[0].weight_bytes + mb.embed_bytes if mb.layers else 0
+        layer = max([first] + [l.weight_bytes for l in mb.layers])  # as `prune --dry-run` counts it
+        peak = peak_memory(args, layer, calib_tokens, itemsize=itemsize,
+                           refit_tokens=refit_tokens, merge_tokens=merge_tokens)["peak"]
+        return WiredPlan("kimi-mlx prune", layer, max(peak - layer, 0),
+                         f"{calib_tokens} calibration tokens, one layer at a time")
+
+    try:
+        wire(plan)
+    except WiredLimitError as e:
+        raise PruneError(str(e)) from None
+
+
 @dataclass
 class PruneResult:
     """What `prune` did: output folder, selection, calibration statistics."""
@@ -375,6 +399,8 @@ def prune(src, out, calib: CalibSet, method: str, n_keep: int, *, protect: bool 
                          "needs calibration data (--calib); only --method random runs without")
     itemsize = 4 if mx.default_device() == mx.cpu else 2  # the loader's activation dtype
     est = activation_bytes(args, calib.num_tokens, itemsize)
+    _wire_prune(src, args, calib.num_tokens, itemsize,
+                refit_tokens if refit_router else 0, merge_tokens if merge_experts else 0)
     with AtomicOutput(out, src=src, force=force) as ao:
         check_space(src, ao.tmp, n_keep, est if spills(est, activation_budget) else 0, quant)
         if calib.sequences:

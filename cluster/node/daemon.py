@@ -41,6 +41,14 @@ def _err(e) -> None:
     print(f"kimi-mlx cluster serve: error: {e}", file=sys.stderr)
 
 
+def listen_addresses(addresses, interface, platform: Optional[str] = None):
+    """Where the stage service listens: the advertised `addresses` when an --interface was
+    given or on macOS (its Thunderbolt bridge, `discovery.interface_addresses`), else every
+    interface (0.0.0.0). `platform`: sys.platform unless given."""
+    platform = sys.platform if platform is None else platform
+    return list(addresses) if (interface or platform == "darwin") else ["0.0.0.0"]
+
+
 def serve(settings: ServeSettings) -> int:
     """Run the node until SIGINT / SIGTERM. 2 for bad settings (naming the flag), 1 when
     it cannot listen or advertise, 0 when stopped."""
@@ -81,7 +89,7 @@ def serve(settings: ServeSettings) -> int:
         _err(e)
         return 2
     node_id = settings.node_id or socket.gethostname().split(".")[0]
-    listen = addresses if (settings.interface or sys.platform == "darwin") else ["0.0.0.0"]
+    listen = listen_addresses(addresses, settings.interface)
     port = DEFAULT_PORT if settings.port is None else settings.port
     tls = settings.secret_file if settings.tls else None
     service = StageService(

@@ -37,6 +37,21 @@ def rchar() -> int:
     return -1
 
 
+def _wire_stage(path: Path, spec: StageSpec, head_context: int, who: str) -> None:
+    """MLX's wired limit for this stage's layers and their caches before loading them
+    (`placement.wired`; a no-op without Metal). Raises `WiredLimitError` (one line with
+    the sysctl to run) when they exceed the Mac's GPU working set."""
+    from kimi_mlx.model.config import ModelArgs, read_config
+    from kimi_mlx.placement.wired import stage_plan, wire
+
+    def plan():
+        trained = ModelArgs.from_config(read_config(path)).max_position_embeddings
+        return stage_plan(path, spec.start, spec.end, f"{who} layers [{spec.start}, {spec.end})",
+                          context=max(trained, int(head_context or 0)))
+
+    wire(plan)
+
+
 class LoadRPC:
     """`Load` and its checks, part of `node.service.StageService` (uses its catalog,
     models folder, locks, MLX thread, prompt cache and state)."""
@@ -171,6 +186,7 @@ class LoadRPC:
                     if bar:
                         bar(d, t)
 
+                _wire_stage(path, spec, head_context, self.who)
                 res = loader(path, spec, report)
                 events.put(("done", res, rchar()))
             except Exception as e:  # CheckpointError, ConfigError, MLX errors

@@ -130,6 +130,9 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
             group = mx.distributed.init(backend=backend, strict=True)
         finally:
             os.unlink(hostfile)
+        from kimi_mlx.cluster.tensor.rank import wire_rank
+
+        wire_rank(cluster.model_dir, group, "rank 0")
         model, _ = load_sharded(cluster.model_dir, group)
     except BaseException:
         watch.close()

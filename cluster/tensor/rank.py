@@ -26,6 +26,15 @@ def _remove_group_files() -> None:
                 pass
 
 
+def wire_rank(model_path, group, who: str) -> None:
+    """MLX's wired limit for this rank's slices and caches before loading them
+    (`placement.wired.rank_plan`; a no-op without Metal). Raises `WiredLimitError` (one
+    line with the sysctl to run) when they exceed the Mac's GPU working set."""
+    from kimi_mlx.placement.wired import rank_plan, wire
+
+    wire(lambda: rank_plan(model_path, group.size(), group.rank(), who))
+
+
 def rank_main(argv: Optional[Sequence[str]] = None) -> int:
     """A node's rank process (`python -m kimi_mlx.cluster.tensor.rank --model PATH`, with
     MLX_RANK / MLX_HOSTFILE set): join the group, load this rank's slices, follow rank 0."""
@@ -52,6 +61,7 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
         _remove_group_files()
         print(f"[tensor] {who}: joined a {a.backend} group of {group.size()}", file=sys.stderr,
               flush=True)
+        wire_rank(a.model, group, who)
         model, _ = load_sharded(a.model, group)
         print(f"[tensor] {who}: loaded its slices of {a.model}", file=sys.stderr, flush=True)
         from kimi_mlx.cluster.tensor.prompt_cache import make_store, rank_fingerprint

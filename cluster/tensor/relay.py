@@ -543,7 +543,7 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
     import mlx.core as mx
 
     from kimi_mlx.checkpoint.ranged import load_sharded
-    from kimi_mlx.cluster.tensor.rank import _remove_group_files
+    from kimi_mlx.cluster.tensor.rank import _remove_group_files, wire_rank
     from kimi_mlx.cluster.tensor.prompt_cache import decode_keys, make_store, rank_fingerprint
     from kimi_mlx.cluster.tensor.rows import ROW_OPS, RowCaches
     from kimi_mlx.cluster.tensor.step import (OP_BEGIN, OP_END, OP_EXIT, OP_FORWARD,
@@ -576,6 +576,7 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
             if hosts_fd is not None:
                 os.close(hosts_fd)
         t1 = time.monotonic()
+        wire_rank(a.model, group, "rank 0 (this head's rank process)")
         model, _ = load_sharded(a.model, group)
         fp = (rank_fingerprint(a.model, model, 0, group.size())
               if a.prompt_cache_dir is not None else None)

@@ -68,13 +68,18 @@ def write_file(path: Path, experts: int, seed: int = 0) -> Dict[str, Tuple[str, 
     return tensors
 
 
-def drop_cache(path: Path) -> None:
+def drop_cache(path: Path) -> bool:
+    """Drop `path`'s pages from the page cache (the next read is cold); False where the
+    platform has no posix_fadvise (macOS: only `sudo purge` evicts, and all files)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    return True
 
 
 def read_all(path: Path, tensors, ranks: int, rank: int, strategy: str, keep: bool = False):
@@ -124,6 +129,9 @@ def main(argv=None) -> int:
         size = path.stat().st_size
         print(f"synthetic file: {a.experts} experts at K3.1 widths + 3 BF16 trunk tensors, "
               f"{size / 1e6:,.0f} MB")
+        if not drop_cache(path):
+            print("note: no posix_fadvise here (macOS): the 'cold' columns are warm reads; "
+                  "run `sudo purge` before a run for a cold figure")
         print(f"{'ranks':>5} {'rank':>4} {'strategy':>8} {'preads':>10} {'pread MB':>9} "
               f"{'mmap MB':>8} {'needed MB':>9} {'read/need':>9} {'cold s':>7} {'warm s':>7} "
               f"{'model preads':>13} {'model cold':>10} {'model warm':>10}")

@@ -35,6 +35,9 @@ from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
 def add_arguments(p) -> None:
     p.epilog = f"In the chat: {COMMANDS}."
     add_model_arguments(p)
+    from kimi_mlx.placement.wired import add_allow_paging_argument
+
+    add_allow_paging_argument(p)
     p.add_argument("--system-prompt", default=None, help="system message")
     p.add_argument("--conversation", default=None, metavar="FILE",
                    help="keep the conversation in this JSON file: resumed from it when it "
@@ -314,6 +317,11 @@ def run(args) -> int:
         check_model_arguments(args)
         drafts = draft_settings(args)
         spec = resolve_model_arg(args.model)
+        from kimi_mlx.checkpoint.hub import resolve
+        from kimi_mlx.placement.wired import allow_paging, model_plan, wire
+
+        wire(lambda: model_plan(resolve(spec), "kimi-mlx chat", args.max_kv_size),
+             allow_paging(args.allow_paging))
         model, wrapper, tok, _ = load_for_generation(spec, progress=not args.quiet)
         speculation = build_speculation(drafts, where=ONE_PROCESS, target_wrapper=wrapper,
                                         target_name=spec, model=model,

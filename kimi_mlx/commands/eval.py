@@ -46,6 +46,9 @@ def add_arguments(p) -> None:
                         "predicted, as /v1/completions echo reports it")
     p.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bars while loading and measuring (shown only on a terminal)")
+    from kimi_mlx.placement.wired import add_allow_paging_argument
+
+    add_allow_paging_argument(p)
 
 
 def run(args) -> int:
@@ -72,6 +75,11 @@ def run(args) -> int:
         if args.max_tokens is not None and args.max_tokens < 1:
             raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
         model_dir = resolve(resolve_model_arg(args.model))
+        from kimi_mlx.placement.wired import allow_paging, model_plan, wire
+
+        # windows of seq_len + 1 tokens, batch_size of them per forward pass
+        wire(lambda: model_plan(model_dir, "kimi-mlx eval", sequences=args.batch_size,
+                                context=args.seq_len + 1), allow_paging(args.allow_paging))
         tokenizer = KimiTokenizer.from_pretrained(model_dir)
         if args.per_text:
             texts = read_texts(args.data)

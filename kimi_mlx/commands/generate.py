@@ -17,6 +17,7 @@ from kimi_mlx.generation.generate import print_generation, stream
 from kimi_mlx.generation.request import (InputError, build_prompt, check_context, check_model_arguments,
                                          draft_settings, micro_note, resolve_model_arg,
                                          sampling_from_args, serving_context)
+from kimi_mlx.placement.wired import add_allow_paging_argument, allow_paging, model_plan, wire
 from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
 
 __all__ = ["add_arguments", "run", "main"]
@@ -27,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image for the prompt (PNG, JPEG, WebP or GIF; repeatable, in order, "
                         "before the prompt text); needs a checkpoint with vision weights")
+    add_allow_paging_argument(p)
 
 
 def run(args) -> int:
@@ -50,6 +52,8 @@ def run(args) -> int:
                                  "(no vision_config or no vision_tower.* / mm_projector.* "
                                  "tensors), so it cannot take --image")
             images = [vision.load_image(path) for path in args.image]
+        wire(lambda: model_plan(resolve(spec), "kimi-mlx generate", args.max_kv_size),
+             allow_paging(args.allow_paging))
         model, wrapper, tok, config = load_for_generation(spec, progress=not args.quiet)
         ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
                            args.reasoning_effort, images)

@@ -10,6 +10,7 @@ import sys
 
 from kimi_mlx.generation.request import (InputError, add_draft_arguments, add_mtp_argument,
                                          add_quiet_argument, micro_note, resolve_model_arg)
+from kimi_mlx.placement.wired import add_allow_paging_argument, allow_paging
 from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_disk_cache_arguments, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
                                      serve)
@@ -23,6 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
     add_server_arguments(p)
+    add_allow_paging_argument(p)
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"sequences generated at once by continuous batching (default "
                         f"{DEFAULT_CONCURRENCY}; 1 with --draft-model or --draft mtp, the only "
@@ -42,6 +44,7 @@ def run(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        allow_paging(args.allow_paging)  # read by load_service's `wire`
         drafts = check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
         check_server_arguments(args)
         spec = resolve_model_arg(args.model)

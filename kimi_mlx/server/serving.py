@@ -227,6 +227,11 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     if drafts is not None and max_concurrency != 1 and drafts.kind != "ngram":
         raise ValueError("speculative decoding with a draft model or the MTP needs "
                          "max_concurrency 1 (n-gram drafts batch)")
+    from kimi_mlx.placement.wired import model_plan, wire
+
+    # wired before loading (KIMI_MLX_ALLOW_PAGING, which --allow-paging sets, lets it page)
+    wire(lambda: model_plan(resolve(spec), "kimi-mlx server", max_kv_size,
+                            max(1, max_concurrency or 1)))
     model, wrapper, tok, config = load_for_generation(spec, progress=progress)
     # a hub id: the vision tower's shards too (a few hundred MB at K3.1 size), so that the
     # first image is answered, not a 500 for a shard never downloaded
