@@ -32,7 +32,7 @@ from kimi_mlx.server.engine_base import BaseEngine
 
 from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 
-log = logging.getLogger("kimi_mlx.cluster.api")
+log = logging.getLogger(__name__)
 
 
 class ClusterEngine(BaseEngine):

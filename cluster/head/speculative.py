@@ -41,7 +41,7 @@ from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
 from kimi_mlx.speculative.loop import loop_for
 from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS
 
-log = logging.getLogger("kimi_mlx.cluster.speculative")
+log = logging.getLogger(__name__)
 
 __all__ = ["PipelineTarget", "speculative_pipeline_step"]
 

@@ -65,7 +65,7 @@ from typing import Optional, Sequence
 
 from kimi_mlx.server.engine_base import BaseEngine
 
-log = logging.getLogger("kimi_mlx.cluster.tensor_server")
+log = logging.getLogger(__name__)
 
 # seconds after a group formed before the spare rank 0 process for the next one starts
 # (`tensor.relay.start_spare`): its imports then do not slow the group's first requests

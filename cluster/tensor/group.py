@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from kimi_mlx.cluster.net.ranks import TensorSetupError
 
-log = logging.getLogger("kimi_mlx.cluster.tensor")
+log = logging.getLogger(__name__)
 
 __all__ = ["TensorSetupError", "choose_backend", "hosts_json", "local_address_towards",
            "free_port", "TensorGroup"]

@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from kimi_mlx.cluster.net.cache_keys import key_length
 
-log = logging.getLogger("kimi_mlx.cluster.tensor")
+log = logging.getLogger(__name__)
 
 WORDS = 5  # int32 per key: length, then the 32 hex digits as 4 x 32 bits
 MAX_CANDIDATES = 32  # remembered prefixes offered per restore, longest first

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 from kimi_mlx.server.engine_base import BaseEngine, _batches
 from kimi_mlx.server.jobs import Job, Started, stream_to_job
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 
 class Engine(BaseEngine):

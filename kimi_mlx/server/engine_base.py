@@ -24,7 +24,7 @@ from kimi_mlx.server.jobs import (Busy, Failed, Job, cancelled_in_queue, enqueue
 
 __all__ = ["BaseEngine"]
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 
 class BaseEngine:

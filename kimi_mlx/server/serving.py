@@ -26,7 +26,7 @@ from kimi_mlx.generation.request import (InputError, check_max_kv_size, draft_se
                                          serving_context)
 from kimi_mlx.speculative.settings import DraftSettings
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8080
 DEFAULT_CONCURRENCY = 4
