@@ -417,7 +417,7 @@ class TensorEngine(BaseEngine):
         return self._plain_generate(job), 0
 
     def _cached_generate(self, job):
-        """`_generate` through `prompt_cache.open_request` (restore, snapshots, image
+        """`_generate` through `tensor.prefill.open_request` (restore, snapshots, image
         rows), then plain decoding from the last prompt token."""
         from kimi_mlx.cluster.tensor.prefill import open_request
         from kimi_mlx.cluster.tensor.step import group_stream, plain_run
@@ -498,7 +498,7 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
     `StartRank`; `backend` "auto", "ring" or "jaccl") and start a `TensorEngine` on it
     (`max_queue` waiting requests; `max_concurrency` sequences decoded together, one
     with a draft) that
-    forms it again after a loss (every `retry` s; --replan from `cluster.settings`: over
+    forms it again after a loss (every `retry` s; --replan from `net.nodes.NodeSettings`: over
     fewer nodes only when the model splits and fits there for `context` tokens,
     `tensor.launch.check_fits`). `prompt_cache`: this head's `HeadCacheIndex` (None: no
     prompt cache; a draft turns it off); rank 0's own snapshots are kept by its child

@@ -81,7 +81,7 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
               speculation=None, images=(), vision=None, disk_cache=None) -> dict:
     """One user turn: encode the whole conversation (with earlier reasoning), generate,
     store the reply with its `reasoning_content`; returns parse_reply's dict.
-    With `speculation` (`speculative.Speculation`) the reply is decoded speculatively and
+    With `speculation` (`speculative.loop.Speculation`) the reply is decoded speculatively and
     the conversation's cache holds the target's caches followed by the draft's.
 
     Afterwards `conv.processed` is exactly the ids in `conv.cache`. The cache is reused

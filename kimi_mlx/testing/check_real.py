@@ -17,7 +17,7 @@ real widths, 1 per token) in a temporary folder, loads it as a pipeline stage wo
    rows), and judges kernel and reference op alike against float64 NumPy oracles
    (`real_oracles`) with float32 rounding bounds; top-k sets may differ only at ties
    within rounding;
-3. compares what the run used with what the planner (`cluster.layer_bytes`, the numbers
+3. compares what the run used with what the planner (`placement.layer_bytes`, the numbers
    `kimi-mlx plan` places stages with) predicts for these layers: weights in memory,
    cache bytes at the final context, peak memory while decoding, and bytes read by one
    decode step (counted from the arrays the step touched: every weight but the experts
@@ -233,7 +233,7 @@ class Run:
     """What the phases of one check-real run hand to each other."""
 
     model: Any
-    planned: list  # cluster.layer_bytes.LayerBytes of the slice's layers
+    planned: list  # placement.layer_bytes.LayerBytes of the slice's layers
     caches: list
     feed: Inputs
     n_prompt: int

@@ -436,7 +436,7 @@ def decode_compare(tmp: Path, log, prompt_len: int = 64, decode_steps: int = 32,
                    repeats: int = 3) -> Dict:
     """Decode tokens/s and peak memory of the `make bench` config with a BF16 vs a q4
     trunk (same process, interleaved, best of `repeats`), and the bytes one decode step
-    reads (`cluster.layer_bytes`: weights but unpicked experts, plus the caches)."""
+    reads (`placement.layer_bytes`: weights but unpicked experts, plus the caches)."""
     from kimi_mlx.bench.model import bench_text_config, peak_memory, run_once
     from kimi_mlx.placement.layer_bytes import model_bytes
     from kimi_mlx.checkpoint.loader import load_model
