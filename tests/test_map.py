@@ -276,6 +276,16 @@ def test_every_named_module_and_path_exists():
     assert not bad, f"{len(bad)} names/paths in the code's map do not resolve:\n" + "\n".join(bad)
 
 
+def test_no_references_to_a_tracker_outside_the_repository():
+    """Product code and docs say what the code does and why, not "issue N" of a tracker
+    that is not in the repository; upstream trackers named with their project
+    ("mlx-lm issue #1446", "ml-explore/mlx#4373") are fine."""
+    pattern = re.compile(r"(?<![\w/-])(?<!mlx-lm )(?<!mlx )issues?\s*#?\d+", re.IGNORECASE)
+    bad = [f"{path.relative_to(ROOT)}:{line}: {text.strip()[:80]}"
+           for path, line, text in _texts() for _ in pattern.finditer(text)]
+    assert not bad, "\n".join(bad)
+
+
 if __name__ == "__main__":  # a listing for the sweep
     for row in unresolved():
         print(row)

@@ -1,4 +1,4 @@
-"""Tensor parallelism through the cluster (issue 21): one MLX distributed group over the
+"""Tensor parallelism through the cluster: one MLX distributed group over the
 head and the nodes, started through the authenticated gRPC control plane (no ssh, no
 hand-written host file).
 

@@ -1,4 +1,4 @@
-"""The prompt cache of a tensor-parallel group (issue 33): every rank keeps its shard of
+"""The prompt cache of a tensor-parallel group: every rank keeps its shard of
 the snapshots (KDA conv + recurrent state of its heads, DSA latents / keys / index keys)
 in its own `server.prompt_cache.KeyedSnapshotCache`, under the keys rank 0 chooses.
 

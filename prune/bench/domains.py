@@ -1,4 +1,4 @@
-"""`make bench-domains`: choose the pruner's domain balance from evidence (issue 38, part 4).
+"""`make bench-domains`: choose the pruner's domain balance from evidence.
 
 On the micro-moe test bed (three domains: code, prose, data), calibrated on each domain
 alone and on a mix of all three, each drawn with `--seeds` calibration seeds (a seeded
@@ -43,7 +43,7 @@ from kimi_mlx.prune.observe import observe
 from kimi_mlx.prune.saliency import experts_to_keep, select
 
 # (row name, method, budget, balance): uniform REAP (the default before) first; the rest
-# are the candidates. Merging (`--merge`, issue 38 part 1) is one more line here.
+# are the candidates. Merging (`--merge`) is one more line here.
 BASELINE = "uniform REAP (reap-sum)"
 METHODS: List[Tuple[str, str, str, str]] = [
     (BASELINE, "reap-sum", "uniform", "none"),
