@@ -276,6 +276,25 @@ def test_every_named_module_and_path_exists():
     assert not bad, f"{len(bad)} names/paths in the code's map do not resolve:\n" + "\n".join(bad)
 
 
+def test_server_package_lists_every_module():
+    """kimi_mlx/server/__init__.py's module list is complete: every module of the folder
+    and nothing that is not there."""
+    folder = ROOT / "kimi_mlx" / "server"
+    listed = set(re.findall(r"(\w+)\.py", (folder / "__init__.py").read_text(encoding="utf-8")))
+    have = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    assert listed == have, f"not listed: {sorted(have - listed)}; gone: {sorted(listed - have)}"
+
+
+def test_cluster_process_table_names_every_role_module():
+    """cluster/__init__.py's process table places every module of head/, node/ and tensor/
+    in some process (its names are resolved by test_every_named_module_and_path_exists)."""
+    doc = (ROOT / "cluster" / "__init__.py").read_text(encoding="utf-8")
+    missing = [f"{role}.{p.stem}" for role in ("head", "node", "tensor")
+               for p in (ROOT / "cluster" / role).glob("*.py")
+               if p.stem != "__init__" and f"`{role}.{p.stem}" not in doc]
+    assert not missing, f"modules in no process of cluster/__init__.py's table: {missing}"
+
+
 def test_no_references_to_a_tracker_outside_the_repository():
     """Product code and docs say what the code does and why, not "issue N" of a tracker
     that is not in the repository; upstream trackers named with their project
