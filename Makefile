@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-# The real client programs that tests/test_clients.py drives (issue 32), all pinned: npm's
+# The real client programs that tests/test_clients.py drives, all pinned: npm's
 # Claude Code, Codex, opencode, Qwen Code into .clients/node_modules (`make test-clients` installs them) (exact versions and
 # the lock in tests/clients/; `npm install`, not `npm ci`: a registry mirror that holds
 # only this platform's optional binaries cannot give a lock with the others, which npm
@@ -161,7 +161,7 @@ bench-prune: install
 bench-quant: install
 	$(BIN)/python -m kimi_mlx.prune.bench.pruning --no-prune --quant
 
-# The pruner's domain balance chosen from evidence (issue 38): micro-moe at keep 0.5 / 0.25 /
+# The pruner's domain balance chosen from evidence: micro-moe at keep 0.5 / 0.25 /
 # 0.125, calibrated on code / prose / data / a mix, 3 seeds; prints the table and the rule.
 bench-domains: install
 	$(BIN)/python -m kimi_mlx.prune.bench.domains

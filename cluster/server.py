@@ -19,7 +19,7 @@ from kimi_mlx.cluster.head.engine import ClusterEngine
 from kimi_mlx.cluster.launch import recommended, tokenizers
 from kimi_mlx.cluster.net.nodes import NodeFinder, NodeSettings
 
-log = logging.getLogger("kimi_mlx.cluster.api")
+log = logging.getLogger(__name__)
 
 
 def run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings) -> int:

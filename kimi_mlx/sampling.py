@@ -9,8 +9,8 @@ speculative acceptance rule needs and mlx-lm has no function for (it follows
 `make_sampler`'s order).
 
 Adding a parameter: a field here (with its check), the API schema's field, and, for a
-sampler parameter the pipeline's last stage must see, its field in `cluster/stage.proto`
-(the wire conversion, `cluster.wire.sampling_to_pb` / `sampling_from_pb`, goes by field
+sampler parameter the pipeline's last stage must see, its field in `cluster/net/stage.proto`
+(the wire conversion, `cluster.net.wire.sampling_to_pb` / `sampling_from_pb`, goes by field
 name). Logits processors run where the token is chosen on the head, never on the wire.
 
 This module imports nothing of kimi_mlx, so every layer (speculative, generation,

@@ -9,7 +9,7 @@ from typing import Dict, Optional
 
 from kimi_mlx.cluster.head.transport import Transport
 
-log = logging.getLogger("kimi_mlx.cluster.head")
+log = logging.getLogger(__name__)
 
 
 class Batcher:

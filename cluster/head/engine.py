@@ -3,9 +3,9 @@ pipeline behind it.
 
 `ClusterEngine` is a `server.engine_base.BaseEngine` (queue, admission, isolation,
 capabilities, health): each of up to `max_concurrency` worker threads runs one request as
-its own pipeline session (`head.Pipeline.generate_step`), so different stages work on
+its own pipeline session (`head.pipeline.Pipeline.generate_step`), so different stages work on
 different requests at once (pipeline fill). With `batch`, the sessions' decode steps
-go through the stages together, one message per step (`head.Batcher`), each stage
+go through the stages together, one message per step (`head.batcher.Batcher`), each stage
 running them as one batched forward pass (`runner.StageRunner.run_rows`). Past
 `max_queue` waiting requests the API answers 503 + Retry-After. A lost stage fails the
 requests on it (never retried on another placement), and /health reports it (503,
@@ -14,10 +14,10 @@ naming the stage and node) within seconds, even when idle; the
 re-plans over the nodes left with `--replan`, and /health says which it is doing until
 the pipeline serves again.
 
-With a `prompt_cache.HeadCacheIndex`, each request starts from the longest prompt prefix
+With a `net.cache_index.HeadCacheIndex`, each request starts from the longest prompt prefix
 every stage still holds a snapshot of (asked with `CacheLookup` just before), and asks
 the stages to snapshot at the one-process server's points (message ends, every N
-tokens); `cached_tokens` reports the prefix restored (`cluster.prompt_cache`).
+tokens); `cached_tokens` reports the prefix restored (`net.cache_index`, `node.stage_cache`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from kimi_mlx.server.engine_base import BaseEngine
 
 from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 
-log = logging.getLogger("kimi_mlx.cluster.api")
+log = logging.getLogger(__name__)
 
 
 class ClusterEngine(BaseEngine):
@@ -69,7 +69,7 @@ class ClusterEngine(BaseEngine):
             Gauge("kimi_mlx_cluster_batched_rows", "decode positions those messages carried "
                   "(rows / steps = mean batch)", registry=metrics.registry).set_function(
                 lambda: self._batched()[1])
-        # cluster.prompt_cache.HeadCacheIndex: snapshots on the stages (None: every request
+        # net.cache_index.HeadCacheIndex: snapshots on the stages (None: every request
         # prefills its whole prompt; a draft decodes without it)
         self.prompt_cache = prompt_cache if speculation is None else None
         self._lookups = None
@@ -196,7 +196,7 @@ class ClusterEngine(BaseEngine):
                 self._steps_done[1] + (b.rows if b else 0))
 
     def batcher(self):
-        """The `head.Batcher` of the current pipeline (None without batching); a new
+        """The `head.batcher.Batcher` of the current pipeline (None without batching); a new
         pipeline (after a recovery) gets a new one."""
         if not self.batch:
             return None

@@ -33,7 +33,7 @@ def launch_failure(e: BaseException, replan: bool):
 
 class LaunchRun:
     """The tokens of one `cluster launch` generation through the pipeline: plain or
-    speculative steps, and with --replan (`cluster.finder.settings.replan`) a new
+    speculative steps, and with --replan (`NodeSettings.replan` of the `Cluster`'s finder) a new
     placement (from the tokens generated so far) when a stage is lost. `failure` holds
     the error that ended it early.
 

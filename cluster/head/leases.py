@@ -14,7 +14,7 @@ import grpc
 from kimi_mlx.cluster.net import stage_pb2 as pb
 from kimi_mlx.cluster.net.control import rpc_reason
 
-log = logging.getLogger("kimi_mlx.cluster.transport")
+log = logging.getLogger(__name__)
 
 
 class StageLeases:

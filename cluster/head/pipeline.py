@@ -22,7 +22,7 @@ from kimi_mlx.cluster.net import stage_pb2 as pb
 from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
 from kimi_mlx.cluster.head.transport import StageFailure, Transport
 
-log = logging.getLogger("kimi_mlx.cluster.head")
+log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 128
 

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Set, Tuple
 
-log = logging.getLogger("kimi_mlx.cluster.recovery")
+log = logging.getLogger(__name__)
 
 __all__ = ["PipelineKeeper"]
 

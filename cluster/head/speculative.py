@@ -16,7 +16,7 @@ position, trimmed (= the next message's `keep`) by the loop's own `rollback` cal
 greedy output is token for token the plain pipeline's (and one process's), and sampled
 output keeps the target's distribution, by the same code in both places.
 
-Block drafters (DFlash / DSpark, `kimi_mlx.speculative.block_loop`, issue 36) run the same
+Block drafters (DFlash / DSpark, `kimi_mlx.speculative.block_loop`) run the same
 way over `PipelineTarget.forward_capture`: prefill chunks and verify steps carry the
 drafter's `target_layer_ids` (`Activation.capture_layers`); the stages that own those
 layers add their hidden states to the message as it passes (`node.capture`), and the last
@@ -41,7 +41,7 @@ from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
 from kimi_mlx.speculative.loop import loop_for
 from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS
 
-log = logging.getLogger("kimi_mlx.cluster.speculative")
+log = logging.getLogger(__name__)
 
 __all__ = ["PipelineTarget", "speculative_pipeline_step"]
 

@@ -37,7 +37,7 @@ from kimi_mlx.cluster.head.leases import StageLeases
 from kimi_mlx.cluster.net.control import ControlClient, rpc_reason
 from kimi_mlx.cluster.net.wire import from_tensor, sampling_to_pb, to_tensor
 
-log = logging.getLogger("kimi_mlx.cluster.transport")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -34,7 +34,7 @@ DEFAULT_DIR = Path("~/.kimi-mlx").expanduser()
 DEFAULT_SECRET = DEFAULT_DIR / "cluster.key"
 TLS_NAME = "kimi-mlx"  # the name inside the cluster certificate; clients check it
 
-log = logging.getLogger("kimi_mlx.cluster.auth")
+log = logging.getLogger(__name__)
 
 
 class AuthError(ValueError):

@@ -37,7 +37,7 @@ MAX_FINGERPRINTS = 32
 # Used for planning when a node's chip is unknown (Linux hosts, unknown Macs).
 UNKNOWN_BANDWIDTH = 100 * 10**9
 
-log = logging.getLogger("kimi_mlx.cluster.discovery")
+log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -28,7 +28,7 @@ MAX_HEADER = 100 << 20
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-log = logging.getLogger("kimi_mlx.cluster.fingerprint")
+log = logging.getLogger(__name__)
 
 
 class FingerprintError(ValueError):

@@ -18,7 +18,7 @@ from kimi_mlx.cluster.net.control import rpc_reason
 from kimi_mlx.cluster.net.discovery import NodeInfo
 from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION, build_id, package_versions
 
-log = logging.getLogger("kimi_mlx.cluster.head")
+log = logging.getLogger(__name__)
 
 
 @dataclass

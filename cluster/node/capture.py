@@ -1,4 +1,4 @@
-"""Hidden-state capture on a pipeline stage, for block drafters (DFlash / DSpark, issue 36).
+"""Hidden-state capture on a pipeline stage, for block drafters (DFlash / DSpark).
 
 A drafter on the head reads the target's hidden states leaving its `target_layer_ids`
 (`kimi_mlx.speculative.block_loop`). Through the pipeline, a chunk that asks for them

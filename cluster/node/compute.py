@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-log = logging.getLogger("kimi_mlx.cluster.compute")
+log = logging.getLogger(__name__)
 
 
 class ComputeStopped(RuntimeError):

@@ -21,7 +21,7 @@ from kimi_mlx.sampling import Sampling
 from kimi_mlx.cluster.node.sessions import Downstream, DownstreamLost, Live, SessionLimit
 from kimi_mlx.cluster.net.cache_keys import CACHE_MISS, key_length
 
-log = logging.getLogger("kimi_mlx.cluster.service")
+log = logging.getLogger(__name__)
 
 
 class ForwardRPC:

@@ -20,7 +20,7 @@ from kimi_mlx.cluster.net.wire import ACTIVATION_DTYPES
 from kimi_mlx.cluster.node.compute import ComputeStopped
 from kimi_mlx.cluster.node.runner import Refused, StageSpec, load_stage
 
-log = logging.getLogger("kimi_mlx.cluster.service")
+log = logging.getLogger(__name__)
 
 ADDRESS_RE = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):\d{1,5}$")
 

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from kimi_mlx.cluster.net.ranks import TensorSetupError, available_backends, process_stopped
 
-log = logging.getLogger("kimi_mlx.cluster.tensor")
+log = logging.getLogger(__name__)
 
 
 def check_rank_request(r, node_id: str) -> None:

@@ -12,7 +12,7 @@ and leaves as the same layout with K' = ceil(end / block) banks, or, on the last
 as a sampled token (output AttnRes mix + norm + lm_head + mlx-lm's sampler, exactly as
 mlx-lm's `generate_step` does it) when the chunk asks for one.
 
-Speculative decoding (`cluster.speculative`): a *verify* chunk [y, d1..dk] runs after
+Speculative decoding (`head.speculative`): a *verify* chunk [y, d1..dk] runs after
 `kimi_mlx.speculative.rollback.begin_verify` on the session's caches, and the last stage returns the
 float32 logits of every position. The session then holds what it needs to roll the
 chunk back until the next message says how many of its positions to keep (`keep`,

@@ -16,7 +16,7 @@ from kimi_mlx.cluster.net.channel import KEEPALIVE_OPTIONS, STAGE_SERVICE
 from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION, package_versions
 from kimi_mlx.cluster.node.service import StageService
 
-log = logging.getLogger("kimi_mlx.cluster.service")
+log = logging.getLogger(__name__)
 
 
 class StageServer:

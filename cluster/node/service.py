@@ -70,7 +70,7 @@ from kimi_mlx.cluster.node.runner import Refused, StageRunner, StageSpec, defaul
 from kimi_mlx.cluster.node.sessions import Live, Watcher
 from kimi_mlx.cluster.node.stage_cache import StageCache
 
-log = logging.getLogger("kimi_mlx.cluster.service")
+log = logging.getLogger(__name__)
 
 class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
     """The servicer; see the module doc. Construct via `StageServer`. `Load` is in

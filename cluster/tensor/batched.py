@@ -1,4 +1,4 @@
-"""The tensor group's server with --max-concurrency > 1 (issue 33, part 2): the
+"""The tensor group's server with --max-concurrency > 1: the
 one-process server's continuous batching loop (`server.batch.run_batched`, mlx-lm's
 `BatchGenerator`) run on rank 0's request path over the group's batched rows
 (`tensor.rows.GroupRows`), not a third batching loop.

@@ -1,5 +1,5 @@
 """`kimi-mlx cluster server --parallel tensor`: the OpenAI + Anthropic API over one
-tensor-parallel group (issue 21).
+tensor-parallel group.
 
 This head runs the request path (tokenizer, sampling, logits processors, stop rules,
 streaming) and rank 0, whose share of the group (its slices, caches and collectives) runs
@@ -8,7 +8,7 @@ nodes' ranks are started through their control plane (`StartRank`,
 `tensor.launch.form_group`) and follow rank 0's commands (`tensor.step`). `TensorEngine`
 is a `server.engine_base.BaseEngine`.
 
-Prompt cache (issue 33, `tensor.prompt_cache`): with `prompt_cache` (rank 0's
+Prompt cache (`tensor.prompt_cache`): with `prompt_cache` (rank 0's
 `net.cache_index.HeadCacheIndex`) every rank keeps its shard of the snapshots rank 0 names
 (bounded per rank), a request restores the longest prefix every rank holds (agreed by the
 group) and reports it as `cached_tokens`; hits and misses are counted in /metrics.
@@ -19,13 +19,13 @@ the projector rows go to rank 0's process over its socket and are broadcast from
 with the prefill chunks that hold their pads (`step.MEDIA`). A draft turns the prompt cache off
 (as in the pipeline); a scored prompt runs in full.
 
-Batching (issue 33, part 2): with --max-concurrency N > 1 the one-process server's
+Batching: with --max-concurrency N > 1 the one-process server's
 continuous batching (`server.batch.run_batched`, mlx-lm's `BatchGenerator`) runs here over
 the group's rows (`tensor.batched`, `tensor.rows`): up to N sequences per forward command
 (one all_sum per layer for all of them), requests joining between decode steps, a long
 prompt prefilled in chunks of `server.batch.PREFILL_STEP` tokens between the others'
-steps; the prompt cache per row. N-gram drafts (`--draft ngram`) batch too (issue 33,
-part 3): every row's drafts are verified in one batched forward command and each rank
+steps; the prompt cache per row. N-gram drafts (`--draft ngram`) batch too:
+every row's drafts are verified in one batched forward command and each rank
 rolls its shard of the rows back by rank 0's accepted counts (`speculative.batch`,
 `tensor.rows` ROW_VERIFY / ROW_ROLLBACK). With N = 1, or with a draft model (`--draft-model`:
 speculative decoding runs one sequence), one request at a time; further requests
@@ -40,7 +40,7 @@ that message (also when rank 0 is blocked in a collective: the failure is sent f
 watch), queued ones fail too, every node kills its rank (lease cancelled) and rank 0's
 process is killed.
 
-Healing (issue 33): rank 0 runs in a child process (`tensor.relay`: MLX cannot form a
+Healing: rank 0 runs in a child process (`tensor.relay`: MLX cannot form a
 second group in one process), so this server forms the group again by itself. At once
 after the loss (once the request on the old group ended), then every `retry` s, it asks
 the lost node for its Health through the control plane (a new channel
@@ -65,7 +65,7 @@ from typing import Optional, Sequence
 
 from kimi_mlx.server.engine_base import BaseEngine
 
-log = logging.getLogger("kimi_mlx.cluster.tensor_server")
+log = logging.getLogger(__name__)
 
 # seconds after a group formed before the spare rank 0 process for the next one starts
 # (`tensor.relay.start_spare`): its imports then do not slow the group's first requests
@@ -417,7 +417,7 @@ class TensorEngine(BaseEngine):
         return self._plain_generate(job), 0
 
     def _cached_generate(self, job):
-        """`_generate` through `prompt_cache.open_request` (restore, snapshots, image
+        """`_generate` through `tensor.prefill.open_request` (restore, snapshots, image
         rows), then plain decoding from the last prompt token."""
         from kimi_mlx.cluster.tensor.prefill import open_request
         from kimi_mlx.cluster.tensor.step import group_stream, plain_run
@@ -498,7 +498,7 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
     `StartRank`; `backend` "auto", "ring" or "jaccl") and start a `TensorEngine` on it
     (`max_queue` waiting requests; `max_concurrency` sequences decoded together, one
     with a draft) that
-    forms it again after a loss (every `retry` s; --replan from `cluster.settings`: over
+    forms it again after a loss (every `retry` s; --replan from `net.nodes.NodeSettings`: over
     fewer nodes only when the model splits and fits there for `context` tokens,
     `tensor.launch.check_fits`). `prompt_cache`: this head's `HeadCacheIndex` (None: no
     prompt cache; a draft turns it off); rank 0's own snapshots are kept by its child

@@ -1,4 +1,4 @@
-"""Tensor parallelism through the cluster (issue 21): one MLX distributed group over the
+"""Tensor parallelism through the cluster: one MLX distributed group over the
 head and the nodes, started through the authenticated gRPC control plane (no ssh, no
 hand-written host file).
 
@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from kimi_mlx.cluster.net.ranks import TensorSetupError
 
-log = logging.getLogger("kimi_mlx.cluster.tensor")
+log = logging.getLogger(__name__)
 
 __all__ = ["TensorSetupError", "choose_backend", "hosts_json", "local_address_towards",
            "free_port", "TensorGroup"]

@@ -1,4 +1,4 @@
-"""A request's start on a tensor group with the prompt cache and images (issue 33):
+"""A request's start on a tensor group with the prompt cache and images:
 `open_request` restores the longest prefix every rank holds (`prompt_cache.
 agree_restore`), prefills the rest with snapshots where the policy says and image rows in
 the chunks that hold their pads, and hands back the `step.GroupTarget` for decoding."""

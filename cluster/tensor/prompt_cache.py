@@ -1,4 +1,4 @@
-"""The prompt cache of a tensor-parallel group (issue 33): every rank keeps its shard of
+"""The prompt cache of a tensor-parallel group: every rank keeps its shard of
 the snapshots (KDA conv + recurrent state of its heads, DSA latents / keys / index keys)
 in its own `server.prompt_cache.KeyedSnapshotCache`, under the keys rank 0 chooses.
 
@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from kimi_mlx.cluster.net.cache_keys import key_length
 
-log = logging.getLogger("kimi_mlx.cluster.tensor")
+log = logging.getLogger(__name__)
 
 WORDS = 5  # int32 per key: length, then the 32 hex digits as 4 x 32 bits
 MAX_CANDIDATES = 32  # remembered prefixes offered per restore, longest first

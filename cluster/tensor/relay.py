@@ -1,5 +1,5 @@
 """Rank 0 of a server's tensor group in a child process, so that the group can be formed
-again after a rank is lost (issue 33, part 5).
+again after a rank is lost (MLX cannot form a second group in one process).
 
 Why a child. MLX keeps the distributed group it formed for the whole life of the process:
 `mx.distributed.init` caches it per backend in a function-local static map
@@ -34,7 +34,7 @@ socket, then exits 1). On start it answers b"R" + JSON {"size": the group size,
 once it joined the group, loaded its slices and made its store (or b"E" + why). Logits
 keep their dtype (bfloat16 travels as its bits).
 
-Prompt cache (issue 33): rank 0's shard of the snapshots lives in this child (its
+Prompt cache: rank 0's shard of the snapshots lives in this child (its
 `KeyedSnapshotCache`, `prompt_cache.make_store` from the server's --cache-bytes,
 --prompt-cache-dir and --prompt-cache-disk-bytes, in the disk folder of
 `prompt_cache.rank_fingerprint`); the server keeps the index of prefixes
@@ -62,7 +62,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional, Sequence
 
-log = logging.getLogger("kimi_mlx.cluster.tensor")
+log = logging.getLogger(__name__)
 
 __all__ = ["Rank0Process", "relay_main"]
 

@@ -1,4 +1,4 @@
-"""Batched decode through a tensor group (issue 33, part 2): mlx-lm's `BatchGenerator`
+"""Batched decode through a tensor group: mlx-lm's `BatchGenerator`
 (the one-process server's continuous batching, `server.batch.run_batched`) runs on rank
 0's request path over `GroupRows`, a stand-in model whose caches (`RowCache`) are handles
 to caches that live on every rank.

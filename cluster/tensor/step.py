@@ -1,5 +1,5 @@
 """Rank 0 drives, the other ranks follow: every forward pass of a tensor-parallel group as
-a command from rank 0 (issue 21).
+a command from rank 0, so that every rank runs the same collectives in the same order.
 
 Rank 0 runs the whole request path (mlx-lm's `generate_step`, the speculative loops of
 `kimi_mlx.speculative`, sampling, stop rules, cancellation) over `GroupTarget`, a
@@ -20,7 +20,7 @@ replayed from the recorded inputs, DSA caches trimmed: `rollback` + `end_verify`
 lockstep. Greedy output is therefore the plain output token for token; `--draft ngram`
 (its own loop, `NgramDraft.generate_step`) runs over the same stand-in.
 
-Block drafters (DFlash / DSpark, `speculative.block_loop`, issue 36): they read the
+Block drafters (DFlash / DSpark, `speculative.block_loop`): they read the
 target's hidden states at their `target_layer_ids`. After each layer's all_sums every rank
 holds the full residual stream, so rank 0 captures them from its own pass
 (`GroupTarget.forward_capture`; the server's child sends them back with the logits,
@@ -30,14 +30,14 @@ stack in a prefill chunk, so that all run the same all_sums. No cost without a d
 Cost: one small extra all_sum per forward pass (the command); the token sampled by rank
 0 travels in the next command instead of an all_sum of its own.
 
-Prompt cache (issue 33, `tensor.prompt_cache`): RESTORE begins a request from the longest
+Prompt cache (`tensor.prompt_cache`): RESTORE begins a request from the longest
 of the offered snapshot keys every rank holds (agreed by all_sums, else a full prefill on
 every rank); SNAPSHOT (after a prefill chunk) has every rank keep its shard of the caches
 under the key rank 0 names. Images (MEDIA, a prefill chunk holding image pads): rank 0
 ran the tower; the chunk's projector rows follow the command in one float32 broadcast,
 and every rank embeds them as one process does (`embed_with_media`).
 
-Batched rows (issue 33, part 2, `tensor.rows`): ops 16..29 carry the cache operations and
+Batched rows (`tensor.rows`): ops 16..29 carry the cache operations and
 the [B, L] forward passes of mlx-lm's `BatchGenerator` on rank 0 (`rows.GroupRows`); every
 rank applies them to its own caches of the rows (`rows.RowCaches`), beside this module's
 one-request caches.

@@ -1,4 +1,4 @@
-"""The tensor group's command wire (issue 21): one command from rank 0 to every rank as
+"""The tensor group's command wire: one command from rank 0 to every rank as
 an all_sum to which only rank 0 contributes — [op, T, keep, flags, up to `INLINE` token
 ids] int32, longer inputs in a second broadcast, image rows (MEDIA) after it. The op
 codes and flags are shared by the one-request path (`tensor.step`) and the batched rows

@@ -1,4 +1,4 @@
-"""Images in the batching server (issue 37, parts 3 and 4), on micro-vision:
+"""Images in the batching server, on micro-vision:
 
 1. the others' decode while an image request is prefilled: 3 requests stream (their EOS
    suppressed by logit_bias, so they decode throughout), then a request with one picture

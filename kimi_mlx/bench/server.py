@@ -54,22 +54,27 @@ def _client() -> httpx.Client:
     return _local.client
 
 
+def _stream(url: str, body: dict):
+    """The parsed server-sent events of one streamed POST of `body` to `url` (without the
+    closing [DONE]); raises httpx.HTTPStatusError on an error status."""
+    with _client().stream("POST", url, json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def _one(url: str, model: str, prompt: str, max_tokens: int) -> Tuple[int, float]:
     """(generated tokens, seconds to the first token) of one streamed completion."""
     t0 = time.perf_counter()
     ttft, n = None, 0
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    with _client().stream("POST", url + "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if d.get("usage"):
-                n = d["usage"]["completion_tokens"]
-            elif ttft is None and d["choices"] and d["choices"][0]["text"]:
-                ttft = time.perf_counter() - t0
+    for d in _stream(url + "/v1/completions", body):
+        if d.get("usage"):
+            n = d["usage"]["completion_tokens"]
+        elif ttft is None and d["choices"] and d["choices"][0]["text"]:
+            ttft = time.perf_counter() - t0
     return n, ttft if ttft is not None else time.perf_counter() - t0
 
 
@@ -200,22 +205,17 @@ def _chat_ttft(url: str, model: str, messages, max_tokens: int = 4):
     ttft, cached, content, reasoning, n = None, 0, [], [], 0
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
-    with _client().stream("POST", url + "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if d.get("usage"):
-                cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                n = d["usage"]["prompt_tokens"]
-            for c in d.get("choices") or []:
-                delta = c.get("delta") or {}
-                text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-                content.append(delta.get("content") or "")
-                reasoning.append(delta.get("reasoning_content") or "")
-                if ttft is None and text:
-                    ttft = time.perf_counter() - t0
+    for d in _stream(url + "/v1/chat/completions", body):
+        if d.get("usage"):
+            cached = (d["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+            n = d["usage"]["prompt_tokens"]
+        for c in d.get("choices") or []:
+            delta = c.get("delta") or {}
+            text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+            content.append(delta.get("content") or "")
+            reasoning.append(delta.get("reasoning_content") or "")
+            if ttft is None and text:
+                ttft = time.perf_counter() - t0
     reply = {"role": "assistant", "content": "".join(content),
              "reasoning_content": "".join(reasoning)}
     return (ttft if ttft is not None else time.perf_counter() - t0), cached, reply, n

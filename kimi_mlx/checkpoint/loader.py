@@ -54,6 +54,27 @@ def _check_model_type(config: dict, wm: Dict[str, str], path: Path) -> None:
             )
 
 
+def open_checkpoint(path, end: Optional[int] = None):
+    """The opening every loader of a whole checkpoint folder shares (`load_model`,
+    `ranged.load_sharded`): read and check config.json and the index.
+
+    Args:
+        path: local checkpoint folder. end: the layer range's end (None: all layers).
+    Returns:
+        (model_dir Path, config dict, ModelArgs, end as an int, weight map name -> shard).
+    Raises:
+        FileNotFoundError / ConfigError: config.json missing or invalid (named key).
+        CheckpointError: no index / shard list, or a Kimi K3 (not K3.1) checkpoint.
+    """
+    model_dir = Path(path)
+    config = read_config(model_dir)
+    args = ModelArgs.from_config(config, str(model_dir / "config.json"))
+    end = args.num_hidden_layers if end is None else end
+    wm = weight_map(model_dir)
+    _check_model_type(config, wm, model_dir)
+    return model_dir, config, args, end, wm
+
+
 def load_model(
     path,
     start: int = 0,
@@ -84,12 +105,7 @@ def load_model(
     """
     from kimi_mlx.model.model import Model, default_activation_dtype
 
-    model_dir = Path(path)
-    config = read_config(model_dir)
-    args = ModelArgs.from_config(config, str(model_dir / "config.json"))
-    end = args.num_hidden_layers if end is None else end
-    wm = weight_map(model_dir)
-    _check_model_type(config, wm, model_dir)
+    model_dir, config, args, end, wm = open_checkpoint(path, end)
 
     report = LoadReport()
     wanted: Dict[str, str] = {}

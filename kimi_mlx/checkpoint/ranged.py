@@ -45,10 +45,8 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from kimi_mlx.checkpoint.loader import _check_model_type, check_tensors, quantize_like
-from kimi_mlx.checkpoint.shards import (DTYPE_BYTES, CheckpointError, TensorInfo, _prod,
-                                        read_header, weight_map)
-from kimi_mlx.model.config import ModelArgs, read_config
+from kimi_mlx.checkpoint.loader import check_tensors, open_checkpoint, quantize_like
+from kimi_mlx.checkpoint.shards import DTYPE_BYTES, CheckpointError, TensorInfo, _prod, read_header
 from kimi_mlx.model.shard import shard
 from kimi_mlx.model.tensor_map import (EXPERT_FIELD, EXPERT_PROJ, TensorError, canonical,
                                        in_range, sanitize_weights)
@@ -299,12 +297,7 @@ def load_sharded(path, group, lm_head: Optional[bool] = None,
     """
     from kimi_mlx.model.model import Model
 
-    model_dir = Path(path)
-    config = read_config(model_dir)
-    args = ModelArgs.from_config(config, str(model_dir / "config.json"))
-    end = args.num_hidden_layers if end is None else end
-    wm = weight_map(model_dir)
-    _check_model_type(config, wm, model_dir)
+    model_dir, _, args, end, wm = open_checkpoint(path, end)
     wanted = {canonical(n): s for n, s in wm.items() if in_range(n, args, start, end)}
     headers = {s: read_header(model_dir / s) for s in sorted(set(wanted.values()))}
     infos: Dict[str, TensorInfo] = {}

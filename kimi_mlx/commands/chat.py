@@ -84,7 +84,7 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
               speculation=None, images=(), vision=None, disk_cache=None) -> dict:
     """One user turn: encode the whole conversation (with earlier reasoning), generate,
     store the reply with its `reasoning_content`; returns parse_reply's dict.
-    With `speculation` (`speculative.Speculation`) the reply is decoded speculatively and
+    With `speculation` (`speculative.loop.Speculation`) the reply is decoded speculatively and
     the conversation's cache holds the target's caches followed by the draft's.
 
     Afterwards `conv.processed` is exactly the ids in `conv.cache`. The cache is reused
@@ -107,7 +107,7 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
 
     from kimi_mlx.text.chat_format import encode_chat
     from kimi_mlx.text.reply_parse import ReplyStream
-    from kimi_mlx.generation.turn_cache import checkpoint, rollback, tokens_in_cache
+    from kimi_mlx.generation.turn_cache import checkpoint, tokens_in_cache
 
     n_messages = len(conv.messages)
     content = text
@@ -154,10 +154,7 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
         try:  # the history through this message: what the next turn's prompt starts with
             n = _prefill_to_message_end(model, tok, conv, ids, n, effort, disk_cache)
         except BaseException:
-            if mark is not None:
-                rollback(conv.cache, mark)
-            conv.cache, conv.processed, conv.reused_tokens = before
-            del conv.messages[n_messages:]
+            _undo_turn(conv, mark, before, n_messages)
             raise
     if speculation is None:
         extra = {} if embeddings is None else {"input_embeddings": embeddings}
@@ -178,10 +175,7 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
             on_text and on_text(*event)
     except BaseException:  # Ctrl-C (or any failure) mid-reply: undo the whole turn
         responses.close()  # first, so no generator clean-up touches the cache after the undo
-        if mark is not None:
-            rollback(conv.cache, mark)
-        conv.cache, conv.processed, conv.reused_tokens = before
-        del conv.messages[n_messages:]
+        _undo_turn(conv, mark, before, n_messages)
         raise
     if speculation is None:
         conv.processed = tokens_in_cache(ids, generated)
@@ -198,6 +192,18 @@ def chat_turn(model, wrapper, tok, conv: Conversation, text: str, effort: str, s
         if key is not None:
             disk_cache.store(key, conv.cache)
     return reply
+
+
+def _undo_turn(conv: Conversation, mark, before, n_messages: int) -> None:
+    """Put `conv` back as it was before a failed or interrupted turn: the cache rolled back
+    to `mark` (`turn_cache.checkpoint`; None: the cache was new), (cache, processed,
+    reused_tokens) = `before`, and the turn's messages (past `n_messages`) dropped."""
+    from kimi_mlx.generation.turn_cache import rollback
+
+    if mark is not None:
+        rollback(conv.cache, mark)
+    conv.cache, conv.processed, conv.reused_tokens = before
+    del conv.messages[n_messages:]
 
 
 def _prefill_to_message_end(model, tok, conv, ids, n, effort, disk_cache) -> int:

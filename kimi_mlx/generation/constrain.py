@@ -42,7 +42,7 @@ from kimi_mlx.text.chat_format import CLOSE, OPEN, SEP, THINK_END, THINK_START, 
 __all__ = ["Constraint", "GrammarProcessor", "build_constraint", "grammar_tokenizer",
            "tool_choice_of"]
 
-log = logging.getLogger("kimi_mlx.generation")
+log = logging.getLogger(__name__)
 _TOKENIZERS: dict = {}
 _LOCK = threading.Lock()
 

@@ -129,7 +129,7 @@ def serving_context(trained: int, max_kv_size: Optional[int]) -> Tuple[int, str]
     if not max_kv_size:
         return trained, "max_position_embeddings in config.json"
     if max_kv_size > trained:
-        logging.getLogger("kimi_mlx").warning(
+        logging.getLogger(__name__).warning(
             "--max-kv-size %d is past the checkpoint's trained context of %d tokens "
             "(max_position_embeddings): serving %d tokens; output past %d positions is "
             "out of what the model was trained on", max_kv_size, trained, max_kv_size, trained)

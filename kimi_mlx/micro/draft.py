@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import shutil
@@ -41,8 +40,11 @@ from mlx.utils import tree_flatten
 from kimi_mlx.model.config import ModelArgs
 from kimi_mlx.testing.checkpoints import full_config
 from kimi_mlx.micro.corpus import DOMAINS, build_corpus
-from kimi_mlx.micro.train import (ASSET_DIR, Sampler, TrainGatedDSA, _modules, build_model, lr_at,
-                    micro_text_config, publish_checkpoint, set_phase, token_streams)
+from kimi_mlx.micro.evaluation import acceptance as spec_acceptance, acceptance_rows
+from kimi_mlx.micro.publish import publish_checkpoint
+from kimi_mlx.micro.train import (ASSET_DIR, Sampler, add_training_arguments, lr_at,
+                                  micro_text_config, token_streams)
+from kimi_mlx.micro.train_modules import TrainGatedDSA, _modules, build_model, set_phase
 
 DRAFT_DIR = ASSET_DIR.parent / "micro-draft"
 
@@ -154,23 +156,17 @@ def agreement(draft, teacher, ids: List[int], seq_len: int) -> float:
 
 
 def acceptance(teacher, draft, prompts: List[List[int]], k: int, max_tokens: int) -> Dict:
-    """Greedy speculative runs: mean accepted drafts per verify step at k."""
-    from kimi_mlx.speculative.loop import SpecStats, speculative_generate_step
+    """Greedy speculative runs: mean accepted drafts per verify step at k
+    (`evaluation.acceptance` over `speculative_generate_step`)."""
+    from kimi_mlx.speculative.loop import speculative_generate_step
 
-    st = SpecStats()
-    for p in prompts:
-        for _ in speculative_generate_step(p, teacher, draft, num_draft_tokens=k,
-                                           max_tokens=max_tokens, stats=st):
-            pass
-    return {"k": k, "steps": st.steps, "mean_accepted": st.mean_accepted,
-            "acceptance_rate": st.acceptance_rate,
-            "tokens_per_step": st.emitted / max(st.steps, 1)}
+    return spec_acceptance(lambda p, k, st: speculative_generate_step(
+        p, teacher, draft, num_draft_tokens=k, max_tokens=max_tokens, stats=st), prompts, k)
 
 
 def model_card(info: Dict) -> str:
     t, e = info["training"], info["eval"]
-    acc = "\n".join(f"| {a['k']} | {a['mean_accepted']:.2f} | {100 * a['acceptance_rate']:.0f}% "
-                    f"| {a['tokens_per_step']:.2f} |" for a in e["acceptance"])
+    acc = acceptance_rows(e["acceptance"])
     return f"""# micro-draft: the draft model for speculative decoding with `micro`
 
 A 2-layer Kimi K3.1 model (both layers Kimi Delta Attention, dense SiTU MLPs, AttnRes,
@@ -217,14 +213,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.draft")
     p.add_argument("--teacher", type=Path, default=ASSET_DIR, help="the micro checkpoint")
     p.add_argument("--out", type=Path, default=DRAFT_DIR, help="draft folder to (re)write")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=450)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--clip", type=float, default=1.0)
+    add_training_arguments(p, steps=450, batch=8, seq_len=128, lr=3e-3, warmup=20)
     p.add_argument("--dense-steps", type=int, default=None, help="default: 15%% of --steps")
     p.add_argument("--max-mb", type=float, default=8.0, help="refuse a bigger folder")
     args = p.parse_args(argv)

@@ -46,7 +46,9 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
 
-from kimi_mlx.micro.train import ASSET_DIR, replace_dir
+from kimi_mlx.micro.evaluation import acceptance as spec_acceptance, acceptance_rows
+from kimi_mlx.micro.publish import publish_checkpoint
+from kimi_mlx.micro.train import ASSET_DIR
 
 OUT_DIR = ASSET_DIR.parent / "micro-dspark"
 MASK_TOKEN = 4104  # <|reserved_token_4104|> in micro's tokenizer
@@ -148,24 +150,18 @@ def block_loss(drafter, hidden: mx.array, tokens: mx.array, teacher: mx.array,
 
 
 def acceptance(model, drafter, prompts: List[List[int]], k: int, max_tokens: int) -> Dict:
-    """Greedy speculative runs with the drafter: accepted drafts per verify step at k."""
+    """Greedy speculative runs with the drafter: accepted drafts per verify step at k
+    (`evaluation.acceptance` over `block_generate_step`)."""
     from kimi_mlx.speculative.block_loop import BlockDraft, block_generate_step
-    from kimi_mlx.speculative.loop import SpecStats
 
-    st = SpecStats()
-    for p in prompts:
-        for _ in block_generate_step(p, model, BlockDraft(drafter), num_draft_tokens=k,
-                                     max_tokens=max_tokens, stats=st):
-            pass
-    return {"k": k, "steps": st.steps, "mean_accepted": st.mean_accepted,
-            "acceptance_rate": st.acceptance_rate,
-            "tokens_per_step": st.emitted / max(st.steps, 1)}
+    return spec_acceptance(lambda p, k, st: block_generate_step(
+        p, model, BlockDraft(drafter), num_draft_tokens=k, max_tokens=max_tokens, stats=st),
+        prompts, k)
 
 
 def model_card(info: Dict) -> str:
     t, e = info["training"], info["eval"]
-    acc = "\n".join(f"| {a['k']} | {a['mean_accepted']:.2f} | {100 * a['acceptance_rate']:.0f}% "
-                    f"| {a['tokens_per_step']:.2f} |" for a in e["acceptance"])
+    acc = acceptance_rows(e["acceptance"])
     return f"""# micro-dspark: a DSpark block drafter for `micro`
 
 The released DSpark drafter format (config.json with `dflash_config`, safetensors; read
@@ -303,12 +299,7 @@ def main(argv=None) -> int:
             "eval": {"acceptance": acc, "prompts": len(eval_prompts), "max_tokens": max_tokens},
         }
         info["total_seconds"] = time.perf_counter() - t_start
-        (ck / "eval.json").write_text(json.dumps(info, indent=1) + "\n")
-        (ck / "MODEL_CARD.md").write_text(model_card(info))
-        total = sum(f.stat().st_size for f in ck.iterdir())
-        if total > cfg.max_mb * 1e6:
-            raise RuntimeError(f"drafter folder is {total / 1e6:.1f} MB, over --max-mb {cfg.max_mb}")
-        replace_dir(ck, cfg.out)
+        total = publish_checkpoint(ck, cfg.out, info, model_card(info), cfg.max_mb, what="drafter")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"wrote {cfg.out} ({total / 1e6:.2f} MB) in {(time.perf_counter() - t_start) / 60:.1f} min")

@@ -117,7 +117,7 @@ def evaluate(trained, ckpt: Path, args, seq_len: int, log=print,
     routing specialisation per domain and layer (shipped checkpoint): eval.json's figures."""
     from kimi_mlx.checkpoint.loader import load_model
     from kimi_mlx.generation.evaluate import expert_usage, perplexity, read_tokens
-    from kimi_mlx.micro.train import inference_copy, measure
+    from kimi_mlx.micro.evaluation import inference_copy, measure
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
     tok = KimiTokenizer.from_pretrained(ckpt)

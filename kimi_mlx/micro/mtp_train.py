@@ -48,8 +48,9 @@ from mlx.utils import tree_flatten
 
 from kimi_mlx.speculative.mtp import MTP, target_forward
 from kimi_mlx.micro.corpus import build_corpus
-from kimi_mlx.micro.train import (ASSET_DIR, Sampler, TrainGatedDSA, TrainLatentMoE, _modules, lr_at,
-                    replace_dir, set_phase, token_streams)
+from kimi_mlx.micro.publish import replace_dir
+from kimi_mlx.micro.train import ASSET_DIR, Sampler, add_training_arguments, lr_at, token_streams
+from kimi_mlx.micro.train_modules import TrainGatedDSA, TrainLatentMoE, _modules, set_phase
 
 OUT_DIR = Path("build") / "micro-mtp"
 
@@ -212,14 +213,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.mtp_train")
     p.add_argument("--teacher", type=Path, default=ASSET_DIR, help="the micro checkpoint")
     p.add_argument("--out", type=Path, default=OUT_DIR, help="folder for the copy with MTP")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=96)
-    p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--clip", type=float, default=1.0)
+    add_training_arguments(p, steps=200, batch=4, seq_len=96, lr=2e-3, warmup=20)
     p.add_argument("--bias-step", type=float, default=1e-3)
     p.add_argument("--eval-tokens", type=int, default=48)
     p.add_argument("--repeats", type=int, default=3)

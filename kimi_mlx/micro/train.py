@@ -28,6 +28,10 @@ What it does, in order (all deterministic for a given `--seed` and interpreter):
    tokenizer files), the held-out and calibration text files, `eval.json` and
    `MODEL_CARD.md`, into `kimi_mlx/assets/micro` (replaced atomically).
 
+The training-only modules are `kimi_mlx.micro.train_modules`, the figures
+`kimi_mlx.micro.evaluation`, the atomic publishing `kimi_mlx.micro.publish` (shared with the
+other micro trainers).
+
 Run: `python -m kimi_mlx.micro.train [--out DIR] [--steps N] [--seed S]`.
 """
 
@@ -50,19 +54,20 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.switch_layers import SwitchLinear
 
 from kimi_mlx.model.config import ModelArgs
-from kimi_mlx.model.dsa import GatedDSA
-from kimi_mlx.model.ffn import LatentMoE, route
-from kimi_mlx.metal.dsa import dsa_index_scores, dsa_topk_mask
 from kimi_mlx.model.model import Model
 from kimi_mlx.testing.checkpoints import full_config, tiny_text_config
 from kimi_mlx.micro.corpus import DOMAINS, Corpus, build_corpus
+# the training-only model, the evaluation and the publishing steps have their own modules
+from kimi_mlx.micro.evaluation import evaluate_all
+from kimi_mlx.micro.publish import dir_bytes, publish_checkpoint
+from kimi_mlx.micro.train_modules import TrainGatedDSA, TrainLatentMoE, _modules, build_model, set_phase
+# names the tests import from here
+from kimi_mlx.micro.train_modules import FakeQuantSwitchLinear, dsa_train_forward, mxfp4_roundtrip  # noqa: F401
 
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "micro"
 VOCAB_RANKS = 4096  # ordinary BPE tokens; 256 Kimi special tokens follow them
-MXFP4_GROUP = 32
 
 
 # ----------------------------------------------------------------------------- config
@@ -108,207 +113,6 @@ def micro_text_config(vocab_size: int = VOCAB_RANKS + 256) -> Dict[str, Any]:
         },
         dsa_config={"index_n_heads": 4, "index_head_dim": 32, "index_topk": 64},
     )
-
-
-# ------------------------------------------------------------------- training modules
-
-
-class _Stash:
-    """Plain holder for arrays produced inside a forward pass (not a Module parameter)."""
-
-    def __init__(self):
-        self.value = None
-
-
-def mxfp4_roundtrip(w: mx.array) -> mx.array:
-    """w [..., in] (in a multiple of 32) -> MXFP4 quantize then dequantize, w's dtype."""
-    q, s = mx.quantize(w, group_size=MXFP4_GROUP, bits=4, mode="mxfp4")
-    return mx.dequantize(q, s, group_size=MXFP4_GROUP, bits=4, mode="mxfp4").astype(w.dtype)
-
-
-class FakeQuantSwitchLinear(SwitchLinear):
-    """mlx-lm SwitchLinear whose weight is MXFP4 fake-quantized while `qat` is set.
-
-    Forward uses dequant(quant(w)); backward passes the gradient straight through to w.
-    """
-
-    def __init__(self, input_dims: int, output_dims: int, num_experts: int):
-        super().__init__(input_dims, output_dims, num_experts, bias=False)
-        self.qat = False
-
-    def __call__(self, x, indices, sorted_indices=False):
-        w = self["weight"]
-        if self.qat:
-            w = w + mx.stop_gradient(mxfp4_roundtrip(w) - w)
-        return mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=indices,
-                            sorted_indices=sorted_indices)
-
-
-class TrainLatentMoE(LatentMoE):
-    """LatentMoE that keeps each forward's expert choices (for load balancing) and uses
-    fake-quantizable expert weights. Same parameters as LatentMoE."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        sw = self.switch_mlp
-        latent, hidden, E = sw.gate_proj.input_dims, sw.gate_proj.output_dims, args.num_experts
-        sw.gate_proj = FakeQuantSwitchLinear(latent, hidden, E)
-        sw.up_proj = FakeQuantSwitchLinear(latent, hidden, E)
-        sw.down_proj = FakeQuantSwitchLinear(hidden, latent, E)
-        self.num_experts = E
-        self.stash = _Stash()
-        self.logits = _Stash()  # router logits [B, T, E] of the last forward (MI loss)
-
-    def set_qat(self, on: bool) -> None:
-        for proj in (self.switch_mlp.gate_proj, self.switch_mlp.up_proj, self.switch_mlp.down_proj):
-            proj.qat = on
-
-    def route(self, x):
-        logits = self.gate(x)
-        inds, w = route(logits, self.gate.e_score_correction_bias, self.top_k, self.scaling,
-                        self.renormalize)
-        self.stash.value = inds
-        self.logits.value = logits
-        return inds, w
-
-
-def dsa_train_forward(
-    attn: GatedDSA, x: mx.array, sparse: bool
-) -> Tuple[mx.array, mx.array]:
-    """Gated DSA forward of a whole sequence (no cache) plus the indexer's KL loss.
-
-    Same output as `GatedDSA.__call__(x)` when `sparse` (top-`index_topk` selection from
-    the same `dsa_index_scores` / `dsa_topk_mask`), dense causal MLA otherwise.
-
-    Args:
-        attn: the layer (its weights are used as they are).
-        x: [B, T, hidden] normed layer input.
-        sparse: restrict the main attention to the indexer's top-k (else dense causal).
-    Returns:
-        (output [B, T, hidden], KL loss: mean over queries of
-        KL(p_attn || softmax(I * Di^-1/2 * Hi^-1/2)) over the allowed keys, a scalar).
-        The indexer's inputs are detached and p_attn carries no gradient.
-    """
-    B, T, _ = x.shape
-    H = attn.num_heads
-    qr = attn.q_a_layernorm(attn.q_a_proj(x))
-    q = attn.q_b_proj(qr).reshape(B, T, H, attn.nope + attn.rope).transpose(0, 2, 1, 3)
-    q_nope, q_pe = q[..., : attn.nope], q[..., attn.nope :]
-    ckv = attn.kv_a_proj_with_mqa(x)
-    latent = attn.kv_a_layernorm(ckv[..., : attn.kv_rank])[:, None]  # [B,1,T,rank]
-    k_pe = ckv[..., attn.kv_rank :][:, None]  # [B,1,T,rope]
-    w_uk, w_uv = attn._kv_b()
-    k = latent @ w_uk.swapaxes(-1, -2)  # [B,H,T,nope]
-    v = latent @ w_uv.swapaxes(-1, -2)  # [B,H,T,v]
-    scores = (q_nope @ k.swapaxes(-1, -2) + q_pe @ k_pe.swapaxes(-1, -2)) * attn.scale
-
-    # Indexer on detached inputs: it learns from the KL loss only.
-    ind = attn.indexer
-    xd, qrd = mx.stop_gradient(x), mx.stop_gradient(qr)
-    q_idx, w_idx = ind.queries(xd, qrd)  # [B,T,Hi,Di], [B,T,Hi]
-    k_idx = ind.keys(xd)[:, 0]  # [B,T,Di]
-    causal = mx.tril(mx.ones((T, T), dtype=mx.bool_))
-    if sparse and T > attn.index_topk:
-        sel = dsa_index_scores(mx.stop_gradient(q_idx), mx.stop_gradient(w_idx),
-                               mx.stop_gradient(k_idx), 0)
-        allowed = mx.stop_gradient(dsa_topk_mask(sel, attn.index_topk))  # [B,T,T]
-    else:
-        allowed = mx.broadcast_to(causal, (B, T, T))
-
-    scores = mx.where(allowed[:, None], scores, mx.array(-mx.inf, scores.dtype))
-    p = mx.softmax(scores, axis=-1, precise=True)  # [B,H,T,T]
-    o = (p @ v).transpose(0, 2, 1, 3).reshape(B, T, H * attn.v_dim)
-    if attn.use_gate:
-        o = o * mx.sigmoid(attn.g_proj(x))
-    out = attn.o_proj(o)
-
-    # KL(p_attn || q_index) over the allowed keys (DeepSeek-V3.2 indexer training).
-    target = mx.stop_gradient(p.sum(axis=1))
-    target = target / target.sum(axis=-1, keepdims=True)
-    logits = (mx.maximum(q_idx @ k_idx[:, None].swapaxes(-1, -2), 0.0)
-              * w_idx[..., None]).sum(axis=2)  # [B,T,T]
-    logits = logits * (ind.head_dim**-0.5 * ind.n_heads**-0.5)
-    logits = mx.where(allowed, logits, -1e9)
-    logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    logp = mx.log(mx.maximum(target, 1e-30))
-    kl = mx.where(allowed, target * (logp - logq), 0.0).sum(axis=-1).mean()
-    return out, kl
-
-
-class TrainGatedDSA(GatedDSA):
-    """GatedDSA with the DeepSeek-V3.2 indexer training path while `training` is set
-    (`sparse` chooses the phase); the inference path otherwise. Same parameters."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__(args)
-        self.sparse = False
-        self.stash = _Stash()
-
-    def __call__(self, x, cache=None):
-        if cache is not None or not self.training:
-            return super().__call__(x, cache)
-        out, self.stash.value = dsa_train_forward(self, x, self.sparse)
-        return out
-
-
-def build_model(args: ModelArgs, seed: int, router_std: float = 0.02) -> Model:
-    """Our `Model` with the training subclasses in place and deterministic initial weights.
-
-    Initialisation (NumPy, seeded): linear weights N(0, fan_in^-1/2) with output
-    projections scaled by (2 * layers)^-1/2; embedding N(0, 1); norms 1; KDA A_log =
-    log U(1, 16) and dt_bias = inverse-softplus of dt ~ logU(1e-3, 1e-1) (FLA's KDA init);
-    depthwise convs U(-1/2, 1/2); AttnRes pseudo-queries 0 (uniform mixing at start, as in
-    the AttnRes paper); router N(0, router_std) and correction bias 0.
-    """
-    mx.random.seed(seed)
-    model = Model(args)
-    for i, layer in enumerate(model.layers):
-        if args.is_dsa(i):
-            layer.self_attn = TrainGatedDSA(args)
-        if args.is_moe(i):
-            layer.block_sparse_moe = TrainLatentMoE(args)
-    rng = np.random.default_rng(seed)
-    scale_out = (2 * args.num_hidden_layers) ** -0.5
-    new = []
-    for name, p in tree_flatten(model.parameters()):
-        shape = tuple(p.shape)
-        if name.endswith("A_log"):
-            v = np.log(rng.uniform(1.0, 16.0, shape))
-        elif name.endswith("dt_bias"):
-            dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), shape))
-            v = dt + np.log(-np.expm1(-dt))
-        elif name.endswith("conv1d.weight"):
-            v = rng.uniform(-0.5, 0.5, shape)
-        elif name.endswith("_res_proj.weight") or name.endswith("e_score_correction_bias"):
-            v = np.zeros(shape)
-        elif name.endswith("gate.weight"):
-            v = rng.normal(0.0, router_std, shape)
-        elif "norm" in name:
-            v = np.ones(shape) if name.endswith("weight") else np.zeros(shape)
-        elif name.endswith("embed_tokens.weight"):
-            v = rng.normal(0.0, 1.0, shape)
-        else:
-            v = rng.normal(0.0, shape[-1] ** -0.5, shape)
-            if name.endswith(("o_proj.weight", "down_proj.weight", "routed_expert_up_proj.weight")):
-                v = v * scale_out
-        new.append((name, mx.array(v.astype(np.float32))))
-    model.load_weights(new, strict=True)
-    model.freeze(keys=["e_score_correction_bias"])
-    model.train()
-    mx.eval(model.parameters())
-    return model
-
-
-def _modules(model: Model, cls):
-    return [m for _, m in model.named_modules() if isinstance(m, cls)]
-
-
-def set_phase(model: Model, sparse: bool, qat: bool) -> None:
-    """Choose the DSA phase (dense warm-up or sparse) and MXFP4 QAT on or off."""
-    for m in _modules(model, TrainGatedDSA):
-        m.sparse = sparse
-    for m in _modules(model, TrainLatentMoE):
-        m.set_qat(qat)
 
 
 # ------------------------------------------------------------------------------ train
@@ -528,145 +332,7 @@ def write_text_assets(out: Path, corpus: Corpus, heldout_bytes: int, calib_bytes
     return sizes
 
 
-# ------------------------------------------------------------------------- evaluation
-
-
-def inference_copy(model: Model, args: ModelArgs, dtype=mx.bfloat16) -> Model:
-    """A plain inference `Model` with `model`'s weights rounded to `dtype` (float32 kept
-    for the tensors the release keeps in F32), run with float32 activations."""
-    from kimi_mlx.testing.checkpoints import F32_SUFFIXES
-
-    plain = Model(args)
-    weights = [
-        (n, p if n.endswith(F32_SUFFIXES) else p.astype(dtype).astype(mx.float32))
-        for n, p in tree_flatten(model.parameters())
-    ]
-    plain.load_weights(weights, strict=True)
-    plain.eval()
-    plain.activation_dtype = mx.float32
-    mx.eval(plain.parameters())
-    return plain
-
-
-def set_index_topk(model: Model, topk: int) -> None:
-    """Set every Gated DSA layer's index_topk (a huge value makes the attention dense)."""
-    for m in _modules(model, GatedDSA):
-        m.index_topk = topk
-
-
-def measure(model: Model, ids: Dict[str, List[int]], seq_len: int) -> Dict[str, float]:
-    """{domain: held-out perplexity} for every domain in `ids`
-    (`kimi_mlx.generation.evaluate.perplexity`)."""
-    from kimi_mlx.generation.evaluate import perplexity
-
-    return {d: perplexity(model, ids[d], seq_len).perplexity for d in ids}
-
-
-TEST_TOKENS = 4096  # held-out tokens per domain that tests/test_micro.py measures
-
-
-def evaluate_all(trained: Model, ckpt: Path, args: ModelArgs, seq_len: int, log=print,
-                 max_tokens: Optional[int] = None) -> Dict:
-    """Held-out perplexities (BF16 and the shipped MXFP4 checkpoint), by window length,
-    dense vs sparse attention, and expert usage per domain: the figures of `eval.json`
-    and MODEL_CARD.md. `test_subset` repeats BF16 / MXFP4 on the first TEST_TOKENS
-    held-out tokens of each domain, which the tests measure again."""
-    from kimi_mlx.generation.evaluate import expert_usage, read_tokens
-    from kimi_mlx.checkpoint.loader import load_model
-    from kimi_mlx.text.tokenizer import KimiTokenizer
-
-    tok = KimiTokenizer.from_pretrained(ckpt)
-    ids = {d: read_tokens(tok, ckpt / "heldout" / f"{d}.txt", max_tokens) for d in DOMAINS}
-    sub = {d: ids[d][: TEST_TOKENS + 1] for d in DOMAINS}
-    res: Dict[str, Any] = {"uniform": args.vocab_size, "seq_len": seq_len,
-                           "heldout_tokens": {d: len(ids[d]) for d in DOMAINS}}
-    trained.eval()
-    bf16 = inference_copy(trained, args, mx.bfloat16)
-    res["bf16"] = measure(bf16, ids, seq_len)
-    log(f"bf16 {res['bf16']}")
-    shipped, _, _ = load_model(ckpt, verbose=False)
-    res["mxfp4"] = measure(shipped, ids, seq_len)
-    log(f"mxfp4 {res['mxfp4']}")
-    from kimi_mlx.generation.evaluate import perplexity
-
-    r = perplexity(shipped, ids["code"], seq_len)
-    res["tokens_per_second"] = r.tokens_per_second
-    res["test_subset"] = {"tokens": TEST_TOKENS, "seq_len": seq_len,
-                          "bf16": measure(bf16, sub, seq_len), "mxfp4": measure(shipped, sub, seq_len)}
-
-    topk = args.index_topk
-    res["by_seq_len"] = {str(topk): measure(shipped, ids, topk), str(seq_len): res["mxfp4"],
-                         str(16 * topk): measure(shipped, ids, 16 * topk)}
-    set_index_topk(shipped, 1 << 30)
-    res["dense_by_seq_len"] = {str(L): measure(shipped, ids, L) for L in (seq_len, 16 * topk)}
-    set_index_topk(shipped, topk)
-    log(f"by seq len {res['by_seq_len']} dense {res['dense_by_seq_len']}")
-
-    halves, usage, tv_halves = {}, {}, {}
-    for d in DOMAINS:
-        n = len(ids[d]) // 2
-        halves[d] = (expert_usage(shipped, ids[d][:n], seq_len),
-                     expert_usage(shipped, ids[d][n:], seq_len))
-        usage[d] = 0.5 * (halves[d][0] + halves[d][1])  # equal token counts: the mean
-        tv_halves[d] = float(0.5 * np.abs(halves[d][0] - halves[d][1]).sum(axis=1).mean())
-    tv = 0.5 * np.abs(usage["code"] - usage["prose"]).sum(axis=1)
-    res["experts"] = {
-        "share": {d: usage[d].tolist() for d in DOMAINS},
-        "tv_code_vs_prose_per_layer": tv.tolist(),
-        "tv_code_vs_prose": float(tv.mean()),
-        "tv_between_halves": tv_halves,
-    }
-    log(f"expert TV code vs prose {tv.mean():.3f} (halves {tv_halves})")
-    return res
-
-
 # ---------------------------------------------------------------------------- export
-
-
-def dir_bytes(path: Path) -> int:
-    """Total size of the files under `path` (bytes)."""
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
-
-
-def _umask_permissions(root: Path) -> None:
-    """Give folders and files the usual permissions (mkdtemp / atomic writes make 0700 / 0600)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    for p in [root, *root.rglob("*")]:
-        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move folder `src` to `dst`, replacing any old `dst` (rename-based, same filesystem)."""
-    old = None
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-    os.replace(src, dst)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def publish_checkpoint(ckpt: Path, out: Path, info: Dict[str, Any], card: str,
-                       max_mb: float, what: str = "checkpoint") -> int:
-    """Finish a built checkpoint folder and move it into place: write `eval.json` (info)
-    and `MODEL_CARD.md` (card) into `ckpt`, refuse a folder over `max_mb` MB, give it the
-    usual permissions, then `replace_dir(ckpt, out)`. Shared by `make micro` and
-    `make micro-draft`.
-
-    Returns:
-        the folder's size in bytes.
-    Raises:
-        RuntimeError: the folder is over max_mb (named by `what`); `out` is left as it was.
-    """
-    (ckpt / "eval.json").write_text(json.dumps(info, indent=1) + "\n")
-    (ckpt / "MODEL_CARD.md").write_text(card)
-    total = dir_bytes(ckpt)
-    if total > max_mb * 1e6:
-        raise RuntimeError(f"{what} folder is {total / 1e6:.1f} MB, over --max-mb {max_mb}")
-    _umask_permissions(ckpt)
-    replace_dir(ckpt, out)
-    return total
 
 
 def model_card(info: Dict) -> str:
@@ -811,6 +477,22 @@ def model_card(info: Dict) -> str:
 # ------------------------------------------------------------------------------- main
 
 
+def add_training_arguments(p: argparse.ArgumentParser, *, steps: int, batch: int, seq_len: int,
+                           lr: float, warmup: int) -> None:
+    """The options every AdamW micro trainer shares (`make micro`, `micro-moe`,
+    `micro-draft`, `micro-mtp`), with that trainer's defaults: --seed, --steps, --batch,
+    --seq-len, --lr (peak), --warmup (steps), --weight-decay 0.01, --clip 1.0 (global
+    gradient norm)."""
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0)
+
+
 def parse_args(argv=None, defaults: Optional[Dict[str, Any]] = None,
                prog: str = "python -m kimi_mlx.micro.train",
                description: str = __doc__.splitlines()[0]) -> argparse.Namespace:
@@ -818,14 +500,7 @@ def parse_args(argv=None, defaults: Optional[Dict[str, Any]] = None,
     uses the same trainer with its own: `kimi_mlx.micro.moe`)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--out", type=Path, default=ASSET_DIR, help="checkpoint folder to (re)write")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=700)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup", type=int, default=40)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--clip", type=float, default=1.0)
+    add_training_arguments(p, steps=700, batch=8, seq_len=256, lr=3e-3, warmup=40)
     p.add_argument("--bias-step", type=float, default=1e-3)
     p.add_argument("--dense-steps", type=int, default=None, help="default: 15%% of --steps")
     p.add_argument("--qat-steps", type=int, default=None, help="default: 10%% of --steps")

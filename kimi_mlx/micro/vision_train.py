@@ -36,20 +36,22 @@ The result is evaluated on 120 held-out pictures (another seed, stratified over 
 3 aspect buckets) by greedy generation through the same path as `kimi-mlx generate
 --image`, and written with its per-bucket accuracy into `MODEL_CARD.md` and `eval.json`;
 `--eval-only CKPT` (`make eval-micro-vision`) prints that table for a checkpoint.
+
+The pictures and their sizes are `kimi_mlx.micro.vision_data`; the card is
+`kimi_mlx.micro.vision_card`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,19 +59,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
-COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220),
-           "yellow": (235, 200, 30), "purple": (140, 60, 180), "orange": (245, 140, 30)}
-SHAPES = ("circle", "square", "triangle", "star")
-SIZE = 112  # px, the default picture side (the demo's picture)
-SIDES = (56, 448)  # px, the range of either side of a training / held-out picture
-MAX_ASPECT = 3.0  # long side / short side at most
-RADIUS = (18 / 112, 42 / 112)  # the shape's outer radius as a fraction of the short side
-MERGE_PX = 28  # patch 14 x merge 2: grids come in steps of 28 px
-# Held-out buckets: the long side in px, and width / height.
-SIZE_BUCKETS = (("56-111", 56, 111), ("112-223", 112, 223), ("224-448", 224, 448))
-ASPECT_BUCKETS = (("tall 1:3-1:1.5", 1 / 3, 1 / 1.5), ("near square", 1 / 1.5, 1.5),
-                  ("wide 1.5:1-3:1", 1.5, 3.0))
-QUESTION = "What is in the image?"
+# the pictures (tests, benches and the Makefile import them from here too) and the card
+from kimi_mlx.micro.vision_card import bucket_table, lineage_of, model_card
+from kimi_mlx.micro.vision_data import (ASPECT_BUCKETS, COLOURS, QUESTION, SHAPES, SIZE, SIZE_BUCKETS,
+                                        answer, bucket_of, draw, grid_of, heldout_sizes, reply_segments,
+                                        sample, sample_size, sizes_in_cell)
+from kimi_mlx.micro.vision_data import SIDES  # noqa: F401  (tests import it from here)
+
 VISION_CONFIG = {
     "patch_size": 14, "init_pos_emb_height": 64, "init_pos_emb_width": 64, "init_pos_emb_time": 4,
     "pos_emb_type": "divided_fixed", "pos_emb_interpolation_mode": "bilinear",
@@ -89,88 +85,6 @@ MEDIA_PROC_CFG = {"patch_size": 14, "merge_kernel_size": [2, 2], "in_patch_limit
                                             "chessboard_gray_value": 180},
                   "transparent_bg_fill_stage": "after_resize"}
 F32_KEEP = ("A_log", "dt_bias", "conv1d.weight", "e_score_correction_bias", "o_norm.weight")
-
-
-def draw(shape: str, colour: str, rng: np.random.Generator, size: Tuple[int, int] = (SIZE, SIZE)):
-    """An RGB Pillow picture of `size` (width, height) px: a light plain background (each
-    channel 225..255) and one filled `shape` of `colour`, outer radius RADIUS times the
-    short side, centred at least one radius from each edge. Raises ValueError for an
-    unknown shape."""
-    from PIL import Image, ImageDraw
-
-    W, H = size
-    bg = tuple(int(v) for v in rng.integers(225, 256, 3))
-    im = Image.new("RGB", (W, H), bg)
-    d = ImageDraw.Draw(im)
-    r = rng.uniform(RADIUS[0] * min(W, H), RADIUS[1] * min(W, H))
-    cx, cy = rng.uniform(r, W - r), rng.uniform(r, H - r)
-    c = COLOURS[colour]
-    if shape == "circle":
-        d.ellipse([cx - r, cy - r, cx + r, cy + r], fill=c)
-    elif shape == "square":
-        h = r * 0.85
-        d.rectangle([cx - h, cy - h, cx + h, cy + h], fill=c)
-    elif shape == "triangle":
-        d.polygon([(cx, cy - r), (cx - r * 0.95, cy + r * 0.75), (cx + r * 0.95, cy + r * 0.75)], fill=c)
-    elif shape == "star":
-        pts = [(cx + (r if k % 2 == 0 else r * 0.45) * math.cos(-math.pi / 2 + k * math.pi / 5),
-                cy + (r if k % 2 == 0 else r * 0.45) * math.sin(-math.pi / 2 + k * math.pi / 5))
-               for k in range(10)]
-        d.polygon(pts, fill=c)
-    else:
-        raise ValueError(f"unknown shape {shape!r}")
-    return im
-
-
-def sample(rng: np.random.Generator) -> Tuple[str, str]:
-    """A random (colour, shape) pair, uniform over the 24."""
-    return list(COLOURS)[rng.integers(len(COLOURS))], SHAPES[rng.integers(len(SHAPES))]
-
-
-def sample_size(rng: np.random.Generator) -> Tuple[int, int]:
-    """A random (width, height) in px: each side log-uniform over SIDES (so small
-    pictures, cheap to train on, come more often), long / short side at most MAX_ASPECT."""
-    lo, hi = np.log(SIDES[0]), np.log(SIDES[1])
-    while True:
-        w, h = (int(round(v)) for v in np.exp(rng.uniform(lo, hi, 2)))
-        if max(w, h) <= MAX_ASPECT * min(w, h):
-            return w, h
-
-
-def grid_of(width: int, height: int) -> Tuple[int, int]:
-    """The (h, w) patch grid of a picture within SIDES: the resize rule keeps it as it
-    is (never upscales; under the patch limits), the pad rule rounds each side up to 28 px."""
-    return (2 * -(-height // MERGE_PX), 2 * -(-width // MERGE_PX))
-
-
-def sizes_in_cell(grid: Tuple[int, int], n: int, rng: np.random.Generator) -> List[Tuple[int, int]]:
-    """n random (width, height) within SIDES and MAX_ASPECT whose grid is `grid`: the
-    pictures of one batch (batches are bucketed by grid, so the tower runs them at once)."""
-    gh, gw = grid
-
-    def side(g):
-        return max(SIDES[0], MERGE_PX * (g // 2 - 1) + 1), min(SIDES[1], MERGE_PX * g // 2)
-
-    (wlo, whi), (hlo, hhi) = side(gw), side(gh)
-    out = []
-    while len(out) < n:
-        w, h = int(rng.integers(wlo, whi + 1)), int(rng.integers(hlo, hhi + 1))
-        if max(w, h) <= MAX_ASPECT * min(w, h) or (wlo == whi and hlo == hhi):
-            out.append((w, h))
-    return out
-
-
-def answer(colour: str, shape: str) -> str:
-    return f"a {colour} {shape}"
-
-
-def reply_segments(text: str):
-    """The assistant turn after the generation prompt: empty think, `text`, end."""
-    from kimi_mlx.text.chat_format import CLOSE, END_OF_MSG, OPEN, SEP
-
-    return [(True, CLOSE), (False, "think"), (True, SEP), (True, OPEN), (False, "response"),
-            (True, SEP), (False, text), (True, CLOSE), (False, "response"), (True, SEP),
-            (True, CLOSE), (False, "message"), (True, SEP), (True, END_OF_MSG)]
 
 
 class VLM(nn.Module):
@@ -482,35 +396,6 @@ def write_checkpoint(src: Path, out: Path, lm, vis) -> None:
             shutil.copy(src / f, out / f)
 
 
-def bucket_of(width: int, height: int) -> Tuple[str, str]:
-    """(size bucket, aspect bucket) names of a picture (SIZE_BUCKETS by the long side,
-    ASPECT_BUCKETS by width / height; the edges go to the squarer bucket)."""
-    long_side, ratio = max(width, height), width / height
-    size = next(name for name, lo, hi in SIZE_BUCKETS if lo <= long_side <= hi)
-    aspect = next((name for name, lo, hi in ASPECT_BUCKETS[1:2] if lo <= ratio <= hi), None) or \
-        next(name for name, lo, hi in ASPECT_BUCKETS if lo <= ratio <= hi)
-    return size, aspect
-
-
-def heldout_sizes(n: int, rng: np.random.Generator) -> List[Tuple[int, int]]:
-    """n (width, height) stratified over the 3 x 3 (size, aspect) buckets in turn
-    (picture i in size bucket i % 3, aspect bucket (i // 3) % 3): within a bucket the long
-    side is uniform over its range and the aspect log-uniform over its range, short side
-    at least SIDES[0]."""
-    out = []
-    for i in range(n):
-        _, lo, hi = SIZE_BUCKETS[i % 3]
-        _, alo, ahi = ASPECT_BUCKETS[(i // 3) % 3]
-        while True:
-            long_side = int(rng.integers(lo, hi + 1))
-            ratio = float(np.exp(rng.uniform(np.log(alo), np.log(ahi))))
-            w, h = (long_side, round(long_side / ratio)) if ratio >= 1 else (round(long_side * ratio), long_side)
-            if min(w, h) >= SIDES[0] and bucket_of(w, h) == (SIZE_BUCKETS[i % 3][0], ASPECT_BUCKETS[(i // 3) % 3][0]):
-                out.append((w, h))
-                break
-    return out
-
-
 def evaluate(ckpt: Path, n: int, seed: int, max_tokens: int = 24, log=print) -> Dict:
     """Greedy answers to n held-out pictures (`heldout_sizes`, drawn with `seed`) through
     the `generate --image` path (our loader, `Vision`, the chat encoding, mlx-lm's
@@ -562,156 +447,6 @@ def evaluate(ckpt: Path, n: int, seed: int, max_tokens: int = 24, log=print) -> 
     return info
 
 
-def bucket_table(ev: Dict) -> str:
-    """The per-bucket accuracy of `evaluate`'s result as a Markdown table."""
-    rows = ["| bucket | pictures | colour and shape right |", "|---|---|---|"]
-    for kind, names in (("long side px", SIZE_BUCKETS), ("aspect w:h", ASPECT_BUCKETS)):
-        for name, _, _ in names:
-            b = ev["buckets"].get(name)
-            if b:
-                rows.append(f"| {kind} {name} | {b['pictures']} | {b['right']} / {b['pictures']} "
-                            f"({100 * b['both_right']:.1f} %) |")
-    rows.append(f"| all | {ev['heldout_pictures']} | {100 * ev['both_right']:.1f} % |")
-    return "\n".join(rows)
-
-
-ROOT_NOTE = ("the first micro-vision, trained from scratch by this script on 112 x 112 squares only"
-             " (1000 stage-1 steps of 64 pictures, 200 stage-2 steps of 8 prompts, 29.7 min), which"
-             " named 95.8 % of held-out 112 x 112 pictures but failed on other sizes (a 300 x 200"
-             " picture: 1 in 10)")
-
-
-def lineage_of(init_from: Optional[str]) -> List[Dict]:
-    """The runs `init_from` descends from, oldest first, each {"name", "tower_steps",
-    "answer_steps", "minutes", "both_right"} (from its eval.json; {"root": True} for the
-    112 x 112 micro-vision, which predates eval.json lineages). [] from scratch."""
-    if not init_from:
-        return []
-    f = Path(init_from) / "eval.json"
-    if not f.is_file():
-        return [{"name": Path(init_from).name, "root": True}]
-    info = json.loads(f.read_text())
-    t, ev = info.get("train", {}), info.get("eval", {})
-    prior = t.get("lineage") or ([{"name": "micro-vision", "root": True}] if t.get("init_from") else [])
-    return prior + [{"name": Path(init_from).name, "tower_steps": t.get("tower_steps"),
-                     "answer_steps": t.get("answer_steps"), "minutes": t.get("minutes"),
-                     "both_right": ev.get("both_right")}]
-
-
-def init_note(t: Dict) -> str:
-    """The model card's sentences on `--init-from` (empty for a run from scratch)."""
-    if not t.get("init_from"):
-        return ""
-    runs = t.get("lineage") or [{"root": True}]
-    steps = []
-    for r in runs:
-        if r.get("root"):
-            steps.append(ROOT_NOTE)
-        else:
-            steps.append(f"{r['tower_steps']} stage-1 and {r['answer_steps']} stage-2 steps over all"
-                         f" sizes ({r['minutes']:.1f} min), {100 * r['both_right']:.1f} % of the"
-                         f" held-out pictures below")
-    chain = "; then ".join(steps)
-    return (f" This run is the last of a chain, each run started from the one before with"
-            f" `--init-from` (this one from `{t['init_from']}`): {chain}. Both stages below"
-            f" continue the last one's weights (a fresh tower needs ~1000 stage-1 steps before"
-            f" shape is learnt at all, and 1500 of them from scratch gave 59.8 % head shape).")
-
-
-def heads_text(t: Dict) -> str:
-    """Stage 1's held-out head accuracies for the model card ("none" when skipped)."""
-    h = t.get("tower_heldout")
-    if not h:
-        return "none (stage 1 skipped: --tower-steps 0)"
-    return f"colour {100 * h['colour']:.1f} %, shape {100 * h['shape']:.1f} %"
-
-
-def pool_text(t: Dict) -> str:
-    """The model card's words for stage 1's pooling (`--tower-pool`)."""
-    if t.get("tower_pool", "mean") == "mean":
-        return "the mean projector row"
-    return "the per-channel max of the projector rows"
-
-
-def model_card(info: Dict) -> str:
-    """MODEL_CARD.md text from the run's figures (`info` as written to eval.json)."""
-    ev, t = info["eval"], info["train"]
-    ex = "\n".join(f"| {e['picture']} | {e['size']} | {' '.join(e['reply'].split()).replace('|', '/')} |"
-                   for e in ev["examples"])
-    return f"""# kimi-mlx micro-vision: a micro checkpoint that sees shapes and colours
-
-`kimi_mlx/assets/micro` (the shipped 5.1M-parameter K3.1-architecture text model) with a
-small MoonViT3d vision tower and patchmergerv2 projector, trained by `make micro-vision`
-(`python -m kimi_mlx.micro.vision_train`) so that, shown one synthetic picture of any size
-from {SIDES[0]} to {SIDES[1]} px a side and any aspect ratio from 1:{MAX_ASPECT:g} to {MAX_ASPECT:g}:1,
-and asked "{QUESTION}", it names the colour and the shape.
-
-```
-kimi-mlx generate --model kimi_mlx/assets/micro-vision --image PICTURE.png --prompt "{QUESTION}"
-make eval-micro-vision   # the held-out table below, recomputed
-```
-
-## Files
-
-Official layout: `config.json` with `vision_config` (2 blocks, hidden 64, 4 heads x 16,
-MLP 128, position grid 64 x 64 (bilinear resize to each picture's grid), patch 14,
-merge 2 x 2, projector 256 -> 256 -> 128), `vision_tower.*` / `mm_projector.*` BF16
-tensors in the last shard, `preprocessor_config.json` with the release's `media_proc_cfg`
-(patch 14, merge 2, in_patch_limit 65536, patch_limit_on_one_side 512, mean = std = 0.5,
-chessboard alpha background).
-
-## Data
-
-Pictures of W x H px, each side log-uniform over {SIDES[0]}-{SIDES[1]} px (small pictures come
-more often), long / short side at most {MAX_ASPECT:g}; K3.1's resize and pad rule
-(`kimi_mlx/vision/preprocess.py`) keeps such a picture as it is and pads it with black at
-the bottom and right to multiples of 28 px: grids from 4 x 4 to 32 x 32 patches, 4 to 256
-image tokens. One filled shape ({", ".join(SHAPES)}) in one of six colours
-({", ".join(COLOURS)}) at a random position, outer radius {RADIUS[0]:.3f}-{RADIUS[1]:.3f} of the
-short side, on a plain light background (each channel 225-255). Prompt: the K3.1 chat
-encoding with a random thinking effort, the picture, then "{QUESTION}"; answer: an empty
-think block and the response "a COLOUR SHAPE".
-
-## Training
-
-Staged, as LLaVA-style models are (training everything jointly from the start left
-shape at chance).{init_note(t)} Batches are bucketed by grid (every picture of a step has one grid,
-so the tower runs them at once): a step draws a size as above, then pictures of that
-grid, as many as fit the step's patch / token budget.
-
-- stage 1: tower and projector alone with colour / shape linear heads on {pool_text(t)}
-  (heads dropped afterwards), {t['tower_steps']} steps of about
-  {t['tower_patches']} patches (4 to 96 pictures), AdamW lr {t['tower_lr']} (50 warm-up steps,
-  cosine decay to 1/20, weight decay 0.01), {t['stage1_minutes']:.1f} min. Head accuracy on
-  {8 * t['tower_eval_grids']} held-out pictures ({t['tower_eval_grids']} grids) at the end: {heads_text(t)};
-- stage 2: tower frozen; projector and the text model's non-expert weights (the MXFP4
-  experts, KDA conv / A_log / dt_bias and router biases frozen) on the answer tokens
-  (cross-entropy on the reply only), {t['answer_steps']} steps of about {t['answer_tokens']} image
-  tokens (2 to {t['answer_batch']} prompts) (AdamW, lr projector {t['lr_vis']}, text {t['lr_lm']},
-  cosine decay to 1/10), sparse DSA as at inference; final loss {t['final_loss']:.4f} (mean
-  of the last 10 steps);
-- float32 on the CPU, seed {t['seed']}, {t['minutes']:.1f} min of training in all on
-  {t['machine']} ({t.get('cores', 2)} cores); the held-out evaluation below
-  took {ev['minutes']:.1f} min more.
-
-## Accuracy (held-out pictures, greedy, thinking effort max)
-
-{ev['heldout_pictures']} pictures drawn with seed {ev['seed']} (not drawn in training), stratified
-over 3 size buckets (long side) x 3 aspect buckets (width : height); colour right
-{100 * ev['colour_right']:.1f} %, shape right {100 * ev['shape_right']:.1f} %.
-
-{bucket_table(ev)}
-
-| picture | W x H | reply |
-|---|---|---|
-{ex}
-
-The text model in this folder is a tuned copy of `micro` (its non-expert weights, for
-this one question): it is not a general assistant, and its code / prose continuations
-differ from `micro`'s. `kimi_mlx/assets/micro` itself is unchanged.
-"""
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m kimi_mlx.micro.vision_train")
     p.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "assets" / "micro"))
@@ -748,7 +483,7 @@ def main(argv=None) -> int:
 
     import kimi_mlx.model.dsa as dsa_mod
     from kimi_mlx.checkpoint.loader import load_model
-    from kimi_mlx.micro.train import publish_checkpoint
+    from kimi_mlx.micro.publish import publish_checkpoint
     from kimi_mlx.text.tokenizer import KimiTokenizer
     from kimi_mlx.vision.config import VisionArgs
     from kimi_mlx.vision.tower import VisionModel

@@ -10,7 +10,7 @@
 
 A batched DSA layer runs the whole batch in one call (`BatchDSACache.attend`): each
 row's first real key (`starts`, its left padding) reaches the dense mask, the indexer's
-causal top-k and the sparse gather (kimi_mlx/metal/dsa.py), so no padded key is ever
+causal top-k and the sparse gather (metal/dsa.py), so no padded key is ever
 scored, selected or attended to and every row computes what its single run computes.
 Right-padded prefill (rows of different lengths in one chunk) needs nothing more: a real
 query never sees the padding after it, and `finalize` rolls that padding to the left.

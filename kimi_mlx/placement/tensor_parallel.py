@@ -14,8 +14,8 @@ Collectives per token: one all_sum per attention block and one per MoE (or dense
 block, so 2 per layer, plus one all_gather of the logits when lm_head is split: 187 for
 K3.1. Latency per collective (defaults, `--jaccl-latency-us` / `--tcp-latency-us`):
 - JACCL (RDMA over Thunderbolt 5): 50 us.
-- ring (TCP over the Thunderbolt bridge): 300 us (also issue 21's; issue 21 used 30 us
-  for JACCL).
+- ring (TCP over the Thunderbolt bridge): 300 us (the figure the cluster's tensor
+  group was first planned with, which assumed 30 us for JACCL).
 Sources. Primary: Apple's TN3205 "Low-latency communication with RDMA over Thunderbolt"
 (https://developer.apple.com/documentation/technotes/tn3205-low-latency-communication-with-rdma-over-thunderbolt:
 macOS 26.2+, Apple silicon with Thunderbolt 5, an RDMA Verbs API, enabled with

@@ -21,7 +21,7 @@ from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder
 from kimi_mlx.server.schemas import MessagesRequest
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 _STOP_REASON = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 

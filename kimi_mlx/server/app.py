@@ -26,7 +26,7 @@ from kimi_mlx.server.metrics import CONTENT_TYPE_LATEST
 from kimi_mlx.server.schemas import (ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
                                     ResponsesRequest)
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 _ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
            "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/", "/openapi.json",

@@ -43,7 +43,7 @@ import mlx.core as mx
 
 from kimi_mlx.server.jobs import Failed, Finished, Job, Started, TokenOut, reseed_random, top_logprobs
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 # Prompt tokens per row per prefill chunk between two decode steps: bounds how long a
 # joining request holds up the others' next token.

@@ -15,7 +15,7 @@ from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_disk_cache_argumen
                                      check_server_arguments, load_service, make_service, resolve_api_key,
                                      serve)
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 __all__ = ["add_arguments", "run", "main"]
 

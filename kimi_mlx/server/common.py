@@ -18,7 +18,7 @@ from kimi_mlx.text.chat_format import api_effort
 from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, Started, TokenOut
 from kimi_mlx.server.reply import Event, ReplyBuilder
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):

@@ -47,7 +47,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-log = logging.getLogger("kimi_mlx.server.disk_cache")
+log = logging.getLogger(__name__)
 
 __all__ = ["FORMAT_VERSION", "DiskSnapshotStore", "checkpoint_identity", "prefix_keys", "token_key"]
 

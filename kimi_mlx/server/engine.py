@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence, Tuple
 from kimi_mlx.server.engine_base import BaseEngine, _batches
 from kimi_mlx.server.jobs import Job, Started, stream_to_job
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 
 class Engine(BaseEngine):
@@ -31,7 +31,7 @@ class Engine(BaseEngine):
         eos_ids / max_queue / metrics: as `BaseEngine`.
         max_concurrency: sequences generated at once (continuous batching when > 1).
         prompt_cache: optional `PromptCache` (snapshots across requests).
-        speculation: optional `speculative.Speculation` (a draft model, `--draft ngram`'s
+        speculation: optional `speculative.loop.Speculation` (a draft model, `--draft ngram`'s
             `NgramDraft` or `--draft mtp`'s `MTP`, drafts per verify step): every request
             decodes speculatively, except those with logits processors (penalties,
             logit_bias), which the verify step does not apply. Needs max_concurrency 1,

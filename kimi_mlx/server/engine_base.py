@@ -1,8 +1,8 @@
 """The one engine contract every deployment serves through: `BaseEngine`.
 
 It owns what the one-process engine (`server.engine.Engine`, batched or not), the
-pipeline's (`cluster.api.ClusterEngine`) and the tensor group's
-(`cluster.tensor_server.TensorEngine`) share: admission and the queue (`--max-queue`,
+pipeline's (`cluster.head.engine.ClusterEngine`) and the tensor group's
+(`cluster.tensor.engine.TensorEngine`) share: admission and the queue (`--max-queue`,
 `Busy` -> 503 + Retry-After), the worker threads (each runs MLX through
 `jobs.run_mlx_thread`), failure isolation (an exception fails its own request only, and
 MLX's random state is reseeded), the capability flags the HTTP layer reads (logits
@@ -24,7 +24,7 @@ from kimi_mlx.server.jobs import (Busy, Failed, Job, cancelled_in_queue, enqueue
 
 __all__ = ["BaseEngine"]
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 
 class BaseEngine:

@@ -1,7 +1,7 @@
 """What the server's workers and handlers exchange: a request (`Job`), its events
 (`TokenOut`, `Finished`, `Failed`), the queue admission rule (`enqueue`, `Busy`) and the
 thread wrapper every MLX worker runs in. Shared by the one-process engine
-(`server.engine`, `server.batch`) and the cluster engine (`cluster.api`), so none of
+(`server.engine`, `server.batch`) and the cluster engines (`cluster.head.engine`, `cluster.tensor.engine`), so none of
 them imports another's worker.
 """
 
@@ -175,7 +175,7 @@ def enqueue(jobs: "queue.Queue", job, max_queue: int, slots: int = 0, active: in
 def run_mlx_thread(body: Callable[[], None]) -> None:
     """Run `body()` on the calling thread, then release that thread's MLX streams: a
     thread that ran MLX must do so before it ends, or the process may abort at exit
-    (ml-explore/mlx#4373; see cluster/compute.py). Every engine worker runs through this."""
+    (ml-explore/mlx#4373; see cluster/node/compute.py). Every engine worker runs through this."""
     import mlx.core as mx
 
     try:

@@ -41,7 +41,7 @@ from kimi_mlx.server.openai_api import chat_options
 from kimi_mlx.server.reply import ReplyBuilder
 from kimi_mlx.server.schemas import ResponsesRequest
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 
 class ResponseStore:

@@ -1,6 +1,6 @@
 """Building and running an API server: the shared server flags and their checks, the
 service (model, engine, prompt cache) and the uvicorn loop. `kimi-mlx server`
-(`server.cli`) and `kimi-mlx cluster server` (`cluster.api`) both call these.
+(`server.cli`) and `kimi-mlx cluster server` (`cluster.server`) both call these.
 
 The HTTP server starts at once and answers /health with 503 while the model loads; if
 loading fails the command ends with status 1, naming the checkpoint and the error. With
@@ -26,7 +26,7 @@ from kimi_mlx.generation.request import (InputError, check_max_kv_size, draft_se
                                          serving_context)
 from kimi_mlx.speculative.settings import DraftSettings
 
-log = logging.getLogger("kimi_mlx.server")
+log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8080
 DEFAULT_CONCURRENCY = 4
@@ -215,7 +215,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     (`server.images.ImageSettings`; the tower loads on the first image).
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
-    `speculative.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
+    `speculative.loop.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
     not the target's; ValueError for a draft other than n-gram with max_concurrency > 1."""
     from kimi_mlx.checkpoint.hub import resolve
     from kimi_mlx.generation.request import generation_defaults

@@ -28,7 +28,7 @@ def warm_grammar_tokenizer(tok) -> None:
         try:
             grammar_tokenizer(tok)
         except Exception as e:  # noqa: BLE001 - logged; a structured request retries it
-            logging.getLogger("kimi_mlx.server").warning("grammar tokenizer: %s", e)
+            logging.getLogger(__name__).warning("grammar tokenizer: %s", e)
 
     threading.Thread(target=build, daemon=True, name="kimi-mlx-grammar-tokenizer").start()
 

@@ -1,5 +1,5 @@
 """Speculative decoding inside continuous batching: n-gram drafts for every row of
-mlx-lm's `BatchGenerator`, verified together in one batched pass (issue 33, part 3).
+mlx-lm's `BatchGenerator`, verified together in one batched pass.
 
 Every MLX server turns batching off to speculate (mlx-lm, LM Studio, exo, ours before
 this); here a batch of B sequences keeps decoding together and each decode step may

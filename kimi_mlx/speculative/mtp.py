@@ -142,7 +142,7 @@ class MTP(nn.Module, OwnLoop):
     Module paths equal the checkpoint names (`language_model.model.layers.{N+i}...`).
     `bind(target)` gives it the target's embedding and head; `make_cache()` is
     [depth-1 layer cache, pending-hidden cache] (see `mtp_generate_step`);
-    `generate_step` is the loop `speculative.stream_speculative` runs for this draft.
+    `generate_step` is the loop `generation.streaming.stream_speculative` runs for this draft.
     """
 
     prefills_itself = True  # the prompt's pairs need the target's hiddens (OwnLoop)
@@ -381,7 +381,7 @@ def mtp_generate_step(
     stats: Optional[SpecStats] = None,
 ) -> Generator[Tuple[int, mx.array, bool], None, None]:
     """Speculative decoding with the MTP as draft; yields (token, logprobs [V], from_draft)
-    like `speculative.speculative_generate_step` (same arguments, same acceptance rule).
+    like `speculative.loop.speculative_generate_step` (same arguments, same acceptance rule).
 
     Each step: draft k tokens (`_draft`), verify [y, d1..dk] in one target pass
     (`target_forward`, `judge_verify`), emit the accepted tokens and the target's own,
@@ -400,7 +400,7 @@ def mtp_generate_step(
             the last verify step, and its pending cache the target hiddens of that step's
             tokens with their known next tokens: a next call on the same caches (a chat's
             next turn) pairs the last hidden with its prompt's first token.
-        Others: see `speculative.speculative_generate_step`.
+        Others: see `speculative.loop.speculative_generate_step`.
     Raises:
         ValueError: an empty prompt, num_draft_tokens < 1, or an MTP not bound.
     """

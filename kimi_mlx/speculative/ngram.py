@@ -204,7 +204,7 @@ def ngram_generate_step(
     Args:
         prompt: token ids (list or 1-D mx.array), at least one.
         model: the target (any model whose caches `kimi_mlx.speculative.rollback` handles,
-            or `cluster.speculative.PipelineTarget`).
+            or `cluster.head.speculative.PipelineTarget`).
         draft: the `NgramDraft` (n-gram sizes; default 4..1).
         num_draft_tokens: k, drafts per verify step at most (>= 1), or "auto" / an
             `AutoK` (`kimi_mlx.speculative.auto_k`).

@@ -17,7 +17,7 @@ real widths, 1 per token) in a temporary folder, loads it as a pipeline stage wo
    rows), and judges kernel and reference op alike against float64 NumPy oracles
    (`real_oracles`) with float32 rounding bounds; top-k sets may differ only at ties
    within rounding;
-3. compares what the run used with what the planner (`cluster.layer_bytes`, the numbers
+3. compares what the run used with what the planner (`placement.layer_bytes`, the numbers
    `kimi-mlx plan` places stages with) predicts for these layers: weights in memory,
    cache bytes at the final context, peak memory while decoding, and bytes read by one
    decode step (counted from the arrays the step touched: every weight but the experts
@@ -25,7 +25,7 @@ real widths, 1 per token) in a temporary folder, loads it as a pipeline stage wo
    states), each within 10%; and the prefill chunk's buffers against the headroom the
    planner keeps free on every stage (2 GiB at least);
 4. repeats decode step 1 in float32 with the kernels dispatched by the model itself in
-   the emulator, against the same step with the reference ops.
+   the emulator, against the same step with the reference ops (`testing.check_kernels`).
 
 Prints one line per check (value, reference, tolerance, result) and the time of each
 phase; exits 1 if any check fails. The slice is deleted afterwards (unless --slice
@@ -39,9 +39,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import inspect
 import json
-import os
 import re
 import signal
 import sys
@@ -49,134 +47,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from kimi_mlx.testing import real_oracles as ora
-
-MB = 1e6
-
-
-# ------------------------------------------------------------------------- report
-
-
-def cpu_seconds() -> float:
-    """CPU seconds used so far by this process (all threads) and its finished children
-    (the emulator's compiler): on a busy machine, wall time says little; CPU time over
-    the cores available bounds what an idle machine needs."""
-    t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
-
-
-@dataclass
-class Line:
-    name: str
-    value: str
-    reference: str
-    tolerance: str
-    ok: Optional[bool]  # None: information only
-
-
-@dataclass
-class Report:
-    """Checks and timings, printed as one table."""
-
-    lines: List[Line] = field(default_factory=list)
-    times: List[tuple] = field(default_factory=list)
-
-    def check(self, name: str, value: str, reference: str, tolerance: str, ok: bool) -> bool:
-        self.lines.append(Line(name, value, reference, tolerance, bool(ok)))
-        self._echo(self.lines[-1])
-        return ok
-
-    def info(self, name: str, value: str, reference: str = "", note: str = "") -> None:
-        self.lines.append(Line(name, value, reference, note, None))
-        self._echo(self.lines[-1])
-
-    def fail(self, name: str, why: str) -> None:
-        self.check(name, why, "", "", False)
-
-    def bytes_check(self, name: str, got: float, want: float, rel: float) -> bool:
-        ok = abs(got - want) <= rel * want
-        return self.check(name, f"{got / MB:,.1f} MB", f"{want / MB:,.1f} MB (plan)",
-                          f"±{rel:.0%} ({(got - want) / want:+.1%})", ok)
-
-    def error_check(self, name: str, err: float, tol: float, ratio: float) -> bool:
-        return self.check(name, f"max err {err:.2e}", "float64 oracle",
-                          f"{tol:.2e} ({ratio:.3f} of it)", ratio <= 1.0)
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        t0, c0 = time.perf_counter(), cpu_seconds()
-        print(f"-- {name} ...", flush=True)
-        try:
-            yield
-        finally:
-            self.times.append((name, time.perf_counter() - t0, cpu_seconds() - c0))
-            print(f"   {name}: {self.times[-1][1]:.1f} s (CPU {self.times[-1][2]:.1f} s)",
-                  flush=True)
-
-    @property
-    def ok(self) -> bool:
-        return all(l.ok is not False for l in self.lines)
-
-    @staticmethod
-    def _echo(l: Line) -> None:
-        mark = "info" if l.ok is None else ("ok" if l.ok else "FAIL")
-        print(f"   [{mark}] {l.name}: {l.value} | {l.reference} | {l.tolerance}", flush=True)
-
-    def print(self, total_s: float) -> None:
-        w = max(len(l.name) for l in self.lines) if self.lines else 10
-        print("\ncheck-real report")
-        print(f"{'check':{w}s}  {'value':>22s}  {'reference':>24s}  {'tolerance':>26s}  result")
-        for l in self.lines:
-            mark = "info" if l.ok is None else ("ok" if l.ok else "FAIL")
-            print(f"{l.name:{w}s}  {l.value:>22s}  {l.reference:>24s}  {l.tolerance:>26s}  {mark}")
-        print("\ntime (wall / CPU): " + ", ".join(f"{n} {s:.1f} / {c:.1f} s"
-                                                  for n, s, c in self.times)
-              + f"; total {total_s:.1f} / {cpu_seconds():.1f} s")
-        fails = sum(1 for l in self.lines if l.ok is False)
-        checks = sum(1 for l in self.lines if l.ok is not None)
-        print(f"{checks - fails}/{checks} checks passed" + ("" if not fails else f", {fails} FAILED"))
-
-
-# --------------------------------------------------------------------------- taps
-
-
-@contextlib.contextmanager
-def tap(module, name: str, record: Callable[[Dict[str, Any], Any], None]):
-    """Call `record(bound arguments, result)` after each call of `module.name`.
-
-    The model looks its dispatch functions up as module globals at call time, so
-    replacing the global sees every call. Raises AttributeError (naming the function)
-    when the module no longer has it, so a rename in the model cannot silently skip a check.
-    """
-    orig = getattr(module, name, None)
-    if orig is None:
-        raise AttributeError(f"{module.__name__}.{name}: not found (renamed? update check_real)")
-    sig = inspect.signature(orig)
-
-    def wrapper(*args, **kwargs):
-        out = orig(*args, **kwargs)
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        record(dict(bound.arguments), out)
-        return out
-
-    setattr(module, name, wrapper)
-    try:
-        yield
-    finally:
-        setattr(module, name, orig)
-
-
-def _np(a) -> np.ndarray:
-    """mx array -> float32 (or integer) NumPy copy; other values unchanged."""
-    if isinstance(a, mx.array):
-        return np.array(a.astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a)
-    return a
+from kimi_mlx.testing.check_kernels import _snapshot, run_kernels, through_kernels
+from kimi_mlx.testing.check_report import MB, Report, _np, tap  # noqa: F401  (tests: check_real.tap)
 
 
 # --------------------------------------------------------------------------- run
@@ -233,7 +111,7 @@ class Run:
     """What the phases of one check-real run hand to each other."""
 
     model: Any
-    planned: list  # cluster.layer_bytes.LayerBytes of the slice's layers
+    planned: list  # placement.layer_bytes.LayerBytes of the slice's layers
     caches: list
     feed: Inputs
     n_prompt: int
@@ -455,209 +333,6 @@ def planner_checks(run: Run, opts, report: Report) -> None:
     plan_read = sum(l.read_bytes(context1) for l in planned)
     report.bytes_check(f"bytes read by one decode step at {context1}", read, plan_read,
                        opts.tolerance)
-
-
-# ------------------------------------------------------------------------ kernels
-
-
-def _snapshot(c):
-    """Copies of a cache's arrays (a KVCache updates its buffers in place)."""
-    if hasattr(c, "index_keys"):
-        return ("dsa", c.keys + 0, c.values + 0, c.index_keys + 0, c.offset)
-    return ("kda", c[0] + 0, c[1] + 0)
-
-
-def _restore(model, snaps, dtype):
-    """Fresh caches holding the snapshot's arrays in `dtype` (KDA state stays float32)."""
-    caches = model.make_cache()
-    for c, s in zip(caches, snaps):
-        if s[0] == "dsa":
-            c.keys, c.values, c.index_keys = (a.astype(dtype) for a in s[1:4])
-            c.offset = s[4]
-        else:
-            c[0], c[1] = s[1].astype(dtype), s[2]
-    return caches
-
-
-# A decode step in float32 through the kernels vs through the reference ops: both compute
-# the same math in float32 in different orders. The longest reduction in the step is the
-# 12288-wide o_proj / KDA output (the rest are shorter: 7168, 6144, 3584, 2048 keys), so a
-# value moves by at most n u = 12288 x 2^-24 = 7.3e-4 of the magnitude it sums; taken
-# relative to the largest output value.
-F32_STEP_RTOL = 12288 * ora.U32
-
-
-def through_kernels(report: Report, model, first, eps: float) -> None:
-    """Repeat decode step 1 from the same caches in float32, once with the reference ops
-    and once with the kernels dispatched in the emulator (the model's own dispatch:
-    kda_decode, dsa_index_topk, sparse_mla_decode), and compare the stage outputs. Judged
-    only when both pick the same experts (a near-tie router flip changes the output)."""
-    from kimi_mlx.model import ffn as ffn_mod
-    from kimi_mlx.model.attn_res import Banks
-    from kimi_mlx.metal.dispatch import use_sim
-
-    h, raw, snaps = first
-    h = h.astype(mx.float32)
-    raw = None if raw is None else raw.astype(mx.float32)
-    outs, routes = [], []
-    with report.phase("emulator: decode step 1 in float32 through the model's dispatch"):
-        for sim in (False, True):
-            caches = _restore(model, snaps, mx.float32)
-            picked: List[np.ndarray] = []
-            with contextlib.ExitStack() as ctx:
-                if sim:
-                    ctx.enter_context(use_sim())
-                ctx.enter_context(tap(ffn_mod, "route", lambda a, o: picked.append(np.array(o[0]))))
-                out, _ = model.text.run_layers(h, Banks.from_stacked(raw, eps), caches)
-                mx.eval(out)
-            outs.append(ora.f64(out))
-            routes.append(picked)
-    same = len(routes[0]) == len(routes[1]) and all(
-        np.array_equal(np.sort(a, axis=-1), np.sort(b, axis=-1)) for a, b in zip(*routes))
-    ref, got = outs
-    err, scale = float(np.abs(got - ref).max()), float(np.abs(ref).max())
-    name = "decode step (float32), kernels vs reference ops"
-    if not np.all(np.isfinite(got)):
-        report.fail(name, "non-finite output")
-    elif same:
-        report.check(name, f"max err {err:.2e}", f"max |ref| {scale:.2e}",
-                     f"{F32_STEP_RTOL * scale:.2e} (12288 u)", err <= F32_STEP_RTOL * scale)
-    else:
-        report.info(name, f"max err {err:.2e}", f"max |ref| {scale:.2e}",
-                    "not judged: the router picked other experts (near tie)")
-
-
-def run_kernels(report: Report, opts, kda_prefill, index_blocks, decode, heads) -> None:
-    """Each kernel in the emulator on inputs taken from the run, judged (with its
-    reference op alongside) against the float64 oracles of `real_oracles`."""
-    if decode["kda"]:
-        check_kda_decode(report, decode["kda"][0][0])
-    if kda_prefill:
-        check_kda_prefill(report, kda_prefill, len(heads))
-    elif decode["kda"]:  # KDA layers decoded, but no prefill call was seen
-        report.fail("kda_prefill capture", "kimi_mlx.model.kda.kda_forward was not seen in prefill")
-    rows = [dict(q_idx=a["q_idx"], weights=a["weights"], k_idx=a["k_idx"], topk=a["topk"],
-                 offset=a["offset"], ref_idx=None) for a, _ in decode["dsa"]]
-    if rows or index_blocks:
-        check_index_topk(report, rows + list(index_blocks))
-    if decode["dsa"]:
-        check_sparse_mla_decode(report, decode["dsa"][0][0])
-
-
-def _f32(x) -> mx.array:
-    return mx.array(np.asarray(x, dtype=np.float32))
-
-
-def check_kda_decode(report: Report, a: Dict[str, Any]) -> None:
-    """kda_decode on all heads for one token from the state after the prompt."""
-    from kimi_mlx.metal import kda as kda_ops
-    from kimi_mlx.metal import kernels
-    from kimi_mlx.metal.dispatch import use_sim
-
-    with report.phase("emulator: kda_decode (all heads)"):
-        ins = [_f32(a[k]) for k in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "state")]
-        H = ins[0].shape[2]
-        ins[5], ins[6] = ins[5].reshape(H), ins[6].reshape(H, -1)
-        lb, scale = a["lower_bound"], a["scale"]
-        q, k, g, beta = ora.kda_prepare64(ins[0], ins[1], ins[3], ins[4], ins[5], ins[6], lb, scale)
-        want = ora.kda_recurrence64(q, k, ins[2], g, beta, ins[7])
-        with use_sim():
-            y, s = kernels.kda_decode(*ins, lower_bound=lb, scale=scale)
-            mx.eval(y, s)
-        y_ref, _ = kda_ops.kda_decode(*ins, lower_bound=lb, scale=scale)
-    shape = f"[1, 1, {H}, {ins[0].shape[-1]}]"
-    report.error_check(f"kda_decode kernel {shape}: output",
-                       *ora.max_excess(y, want["o"], want["o_tol"]))
-    report.error_check("kda_decode kernel: state",
-                       *ora.max_excess(s, want["state"], want["state_tol"]))
-    report.error_check("kda_decode reference op: output",
-                       *ora.max_excess(y_ref, want["o"], want["o_tol"]))
-
-
-def check_kda_prefill(report: Report, p: Dict[str, Any], n_heads: int) -> None:
-    """kda_prefill on some heads for a stretch of tokens from a real incoming state."""
-    from kimi_mlx.metal import kda as kda_ops
-    from kimi_mlx.metal import kernels
-    from kimi_mlx.metal.dispatch import use_sim
-
-    T = p["q"].shape[1]
-    with report.phase(f"emulator: kda_prefill ({n_heads} heads x {T} tokens)"):
-        q, k, g, beta = kda_ops.kda_prepare(
-            _f32(p["q"]), _f32(p["k"]), _f32(p["a"]), _f32(p["b"]), _f32(p["A_log"]),
-            _f32(p["dt_bias"]), p["lower_bound"], p["scale"])
-        v, state = _f32(p["v"]), _f32(p["state"])
-        C = 16  # the kernel's and kda_chunked's chunk: in-chunk products add C (log2 C + 2)
-        want = ora.kda_recurrence64(q, k, v, g, beta, state,
-                                    extra_terms=16 + C * (int(np.log2(C)) + 2))
-        with use_sim():
-            y, s = kernels.kda_prefill(q, k, v, g, beta, state)
-            mx.eval(y, s)
-        y_chunked, _ = kda_ops.kda_chunked(q, k, v, g, beta, state)
-    shape = f"[1, {T}, {n_heads}, {q.shape[-1]}]"
-    report.error_check(f"kda_prefill kernel {shape}: output",
-                       *ora.max_excess(y, want["o"], want["o_tol"]))
-    report.error_check("kda_prefill kernel: state",
-                       *ora.max_excess(s, want["state"], want["state_tol"]))
-    report.error_check("kda_chunked reference op: output",
-                       *ora.max_excess(y_chunked, want["o"], want["o_tol"]))
-    report.error_check("model's prefill (reference) output",
-                       *ora.max_excess(_f32(p["ref_o"]), want["o"], want["o_tol"]))
-
-
-def check_index_topk(report: Report, rows: List[Dict[str, Any]]) -> None:
-    """dsa_index_topk on the decode query and the sparse prefill blocks: the selected
-    sets may differ from the float64 top-k only at ties within float32 rounding."""
-    from kimi_mlx.metal import dsa as dsa_ops
-    from kimi_mlx.metal import kernels
-    from kimi_mlx.metal.dispatch import use_sim
-
-    n_q = sum(r["q_idx"].shape[1] for r in rows)
-    S = max(r["k_idx"].shape[1] for r in rows)
-    kern = {"rows": 0, "bad_rows": 0, "swaps": 0, "worst": 0.0}
-    ref = dict(kern)
-    with report.phase(f"emulator: dsa_index_topk ({n_q} queries, up to {S} keys)"):
-        for r in rows:
-            ins = (_f32(r["q_idx"]), _f32(r["weights"]), _f32(r["k_idx"]), r["topk"], r["offset"])
-            scores, tol = ora.index_scores64(r["q_idx"], r["weights"], r["k_idx"], r["offset"])
-            with use_sim():
-                idx = np.array(kernels.dsa_index_topk(*ins))
-            ref_idx = r["ref_idx"]
-            if ref_idx is None:
-                ref_idx = np.array(dsa_ops.dsa_index_topk(*ins))
-            for acc, got in ((kern, idx), (ref, ref_idx)):
-                rep = ora.selection_report(got, scores, tol, r["topk"])
-                for key in ("rows", "bad_rows", "swaps"):
-                    acc[key] += rep[key]
-                acc["worst"] = max(acc["worst"], rep["worst"])
-    for label, acc in (("dsa_index_topk kernel", kern), ("dsa_index_topk reference op", ref)):
-        report.check(f"{label}: top-{rows[0]['topk']} sets",
-                     f"{acc['rows']} rows, {acc['swaps']} swaps", "float64 top-k",
-                     f"ties only ({acc['worst']:.2f} of 2x bound)",
-                     acc["bad_rows"] == 0 and acc["worst"] <= 1.0)
-
-
-def check_sparse_mla_decode(report: Report, a: Dict[str, Any]) -> None:
-    """sparse_mla_decode on all heads for the decode query over the float64 top-k rows."""
-    from kimi_mlx.metal import dsa as dsa_ops
-    from kimi_mlx.metal import kernels
-    from kimi_mlx.metal.dispatch import use_sim
-
-    with report.phase("emulator: sparse_mla_decode (all heads)"):
-        scores = ora.index_scores64(a["q_idx"], a["weights"], a["k_idx"], a["offset"])[0]
-        K = int(min(a["topk"], np.isfinite(scores).sum()))
-        sel = np.argsort(-scores[0, 0], kind="stable")[:K].astype(np.int32)[None]
-        ql, qp = _f32(a["q_lat"]), _f32(a["q_pe"])
-        lat, kp = _f32(a["latent"][:, 0]), _f32(a["k_pe"][:, 0])
-        want = ora.sparse_mla_decode64(ql, qp, lat, kp, sel, a["scale"])
-        with use_sim():
-            o = kernels.sparse_mla_decode(ql, qp, lat, kp, mx.array(sel), a["scale"])
-            mx.eval(o)
-        o_ref = dsa_ops.sparse_mla_decode(ql, qp, lat, kp, mx.array(sel), a["scale"])
-    shape = f"H {ql.shape[1]}, R {ql.shape[-1]}, K {K} of S {lat.shape[1]}"
-    report.error_check(f"sparse_mla_decode kernel ({shape})",
-                       *ora.max_excess(o, want["o"], want["tol"]))
-    report.error_check("sparse_mla_decode reference op",
-                       *ora.max_excess(o_ref, want["o"], want["tol"]))
 
 
 # ---------------------------------------------------------------------- tensor parallel

@@ -1,4 +1,4 @@
-"""`make bench-domains`: choose the pruner's domain balance from evidence (issue 38, part 4).
+"""`make bench-domains`: choose the pruner's domain balance from evidence.
 
 On the micro-moe test bed (three domains: code, prose, data), calibrated on each domain
 alone and on a mix of all three, each drawn with `--seeds` calibration seeds (a seeded
@@ -37,13 +37,13 @@ from typing import Dict, List, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from kimi_mlx.prune.bench.pruning import MICRO_MOE, _tokenizer, model_domains
+from kimi_mlx.prune.bench.pruning import MICRO_MOE, _tokenizer, model_domains, trained_seq_len
 from kimi_mlx.prune.calib import load_calibration
 from kimi_mlx.prune.observe import observe
 from kimi_mlx.prune.saliency import experts_to_keep, select
 
 # (row name, method, budget, balance): uniform REAP (the default before) first; the rest
-# are the candidates. Merging (`--merge`, issue 38 part 1) is one more line here.
+# are the candidates. Merging (`--merge`) is one more line here.
 BASELINE = "uniform REAP (reap-sum)"
 METHODS: List[Tuple[str, str, str, str]] = [
     (BASELINE, "reap-sum", "uniform", "none"),
@@ -249,12 +249,7 @@ def main(argv=None) -> int:
         print(f"error: {src}: no checkpoint (build it with `make micro-moe`)", file=sys.stderr)
         return 2
     log = lambda s: print(s, file=sys.stderr, flush=True)
-    seq_len = args.seq_len
-    if seq_len is None:
-        try:
-            seq_len = int(json.loads((src / "eval.json").read_text())["training"]["seq_len"])
-        except (OSError, KeyError, ValueError):
-            seq_len = 256
+    seq_len = trained_seq_len(src, args.seq_len)
     res = run(src, args.seeds, args.calib_tokens, args.eval_tokens, seq_len,
               args.keep or KEEPS, log)
     verdict = decide(res)

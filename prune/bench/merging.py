@@ -1,4 +1,4 @@
-"""Held-out perplexity per domain of REAP with and without `--merge` (issue 38, part 1).
+"""Held-out perplexity per domain of REAP with and without `--merge`.
 
 On the micro-moe test bed: calibrated once on a mix of every domain (streamed `observe`
 with the similarity sums of `merge` and the router inputs of `refit`), then at each keep

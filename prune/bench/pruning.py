@@ -120,6 +120,17 @@ def model_domains(model_dir: Path) -> List[str]:
     return [d for d in order if d in found] + [d for d in found if d not in order]
 
 
+def trained_seq_len(model_dir: Path, seq_len: Optional[int] = None, default: int = 256) -> int:
+    """`seq_len` when given, else the window length the micro model was trained with
+    (its eval.json's training.seq_len), else `default` (a folder without that record)."""
+    if seq_len is not None:
+        return seq_len
+    try:
+        return int(json.loads((Path(model_dir) / "eval.json").read_text())["training"]["seq_len"])
+    except (OSError, KeyError, ValueError):
+        return default
+
+
 def routing_kept(share: Dict[str, np.ndarray], kept: Dict[int, List[int]]) -> Dict[str, float]:
     """{domain: share of the domain's held-out routing mass (unpruned model,
     `expert_usage`, [moe layers, E]) that the kept experts carry, mean over layers}."""
@@ -191,12 +202,7 @@ def prune_bench(src: Path, args, keeps: Sequence[float], log) -> Dict:
     from kimi_mlx.checkpoint.loader import load_model
 
     _, margs, _ = source_args(src)
-    seq_len = args.seq_len
-    if seq_len is None:
-        try:
-            seq_len = int(json.loads((src / "eval.json").read_text())["training"]["seq_len"])
-        except (OSError, KeyError, ValueError):
-            seq_len = 256
+    seq_len = trained_seq_len(src, args.seq_len)
     domains = ([d.strip() for d in args.domains.split(",")] if args.domains
                else model_domains(src))
     tok = _tokenizer(src)()
@@ -436,7 +442,7 @@ def decode_compare(tmp: Path, log, prompt_len: int = 64, decode_steps: int = 32,
                    repeats: int = 3) -> Dict:
     """Decode tokens/s and peak memory of the `make bench` config with a BF16 vs a q4
     trunk (same process, interleaved, best of `repeats`), and the bytes one decode step
-    reads (`cluster.layer_bytes`: weights but unpicked experts, plus the caches)."""
+    reads (`placement.layer_bytes`: weights but unpicked experts, plus the caches)."""
     from kimi_mlx.bench.model import bench_text_config, peak_memory, run_once
     from kimi_mlx.placement.layer_bytes import model_bytes
     from kimi_mlx.checkpoint.loader import load_model
