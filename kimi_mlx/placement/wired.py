@@ -191,7 +191,7 @@ def _set_limit(limit: int) -> int:
 
 def wire(plan: Union[WiredPlan, Callable[[], WiredPlan]],
          allow: Optional[bool] = None) -> Optional[int]:
-    """Set MLX's wired limit to `plan.total_bytes` before loading; restored at exit.
+    """Set MLX's wired limit to `WiredPlan.total_bytes` of `plan` before loading; restored at exit.
 
     Args:
         plan: what this process will hold, or a function returning it (called only on
