@@ -305,7 +305,11 @@ def served_micro(folder):
 
 
 def chat_twice_and_metrics(url) -> str:
-    """The same long-prefix request twice (the second reuses the cache), then /metrics."""
+    """The same long-prefix request twice (the second reuses the cache), then /metrics
+    once the background writer has taken up the snapshots (written or failed: it
+    writes behind the replies; at most 30 s)."""
+    import time
+
     import httpx
 
     msgs = [{"role": "system", "content": "You answer about Python's standard library. " * 20},
@@ -314,7 +318,14 @@ def chat_twice_and_metrics(url) -> str:
         r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "model": "micro", "messages": msgs, "max_tokens": 4, "temperature": 0})
         assert r.status_code == 200, r.text
-    return httpx.get(url + "/metrics", timeout=10).text
+    deadline = time.monotonic() + 30
+    while True:
+        text = httpx.get(url + "/metrics", timeout=10).text
+        done = [metric(text, f"kimi_mlx_prompt_cache_disk_{n}_total")
+                for n in ("written_bytes", "write_errors")]
+        if None in done or any(done) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
 
 
 def fp_folder(root: Path) -> Path:
