@@ -17,14 +17,14 @@ import hashlib
 import json
 import logging
 import os
-import struct
 from pathlib import Path
 from typing import Dict, Iterable, Optional
+
+from kimi_mlx.checkpoint.shards import CheckpointError, header_bytes
 
 FINGERPRINT_CHARS = 24
 SAMPLES = 16
 BLOCK = 4096
-MAX_HEADER = 100 << 20
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -75,16 +75,13 @@ def fingerprint(folder) -> str:
         try:
             size = path.stat().st_size
             with open(path, "rb") as f:
-                raw = f.read(8)
-                if len(raw) < 8:
-                    raise FingerprintError(f"{path}: truncated safetensors file")
-                (n,) = struct.unpack("<Q", raw)
-                if n > min(size - 8, MAX_HEADER):
-                    raise FingerprintError(f"{path}: header length {n} exceeds the file")
-                header = f.read(n)
+                try:  # the checks every reader of a header makes (`checkpoint.shards`)
+                    header = header_bytes(f, path, size)
+                except CheckpointError as e:
+                    raise FingerprintError(str(e)) from None
                 h.update(f"{shard}\n{size}\n".encode())
                 h.update(header)
-                base, data = 8 + n, size - 8 - n
+                base, data = 8 + len(header), size - 8 - len(header)
                 for k in range(SAMPLES if data > 0 else 0):
                     f.seek(base + (data - 1) * k // max(SAMPLES - 1, 1))
                     h.update(f.read(BLOCK))

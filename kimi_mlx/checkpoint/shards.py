@@ -12,7 +12,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import BinaryIO, Dict, List, Optional, Tuple
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -52,6 +52,29 @@ def _prod(shape) -> int:
     return n
 
 
+def header_bytes(f: BinaryIO, path, size: int) -> bytes:
+    """The JSON header of safetensors file `path`, open as `f` (binary, at offset 0)
+    and `size` bytes long: its 8-byte little-endian length n, then n bytes; `f` is left
+    at the data section (offset 8 + n). The one reader of header lengths: `read_header`
+    and the cluster's checkpoint fingerprint (`cluster.net.fingerprint`) share its checks.
+
+    Raises:
+        CheckpointError: a file shorter than 8 bytes, or n past the file or past
+            MAX_HEADER_BYTES (100 MB); the message names the file.
+    """
+    head = f.read(8)
+    if len(head) < 8:
+        raise CheckpointError(f"{path}: shorter than the 8-byte safetensors header length")
+    (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER_BYTES or n > size - 8:
+        raise CheckpointError(
+            f"{path}: header length {n} exceeds the file ({size} B) or the 100 MB limit")
+    raw = f.read(n)
+    if len(raw) < n:
+        raise CheckpointError(f"{path}: shorter than its {n}-byte header")
+    return raw
+
+
 def read_header(path) -> Dict[str, TensorInfo]:
     """Read and check one shard's header (8-byte little-endian length + JSON).
 
@@ -66,14 +89,8 @@ def read_header(path) -> Dict[str, TensorInfo]:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(f"{path}: shorter than the 8-byte safetensors header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER_BYTES or n > size - 8:
-                raise CheckpointError(
-                    f"{path}: header length {n} exceeds the file ({size} B) or the 100 MB limit")
-            raw = f.read(n)
+            raw = header_bytes(f, path, size)
+        n = len(raw)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: shard listed in {INDEX_FILE} is missing") from None
     except OSError as e:

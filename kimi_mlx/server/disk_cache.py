@@ -23,6 +23,21 @@ opened, and every read checks the file's sha256 (a mismatch is ignored, counted 
 files, least recently used dropped first. One process owns a folder at a time (an
 exclusive `flock` on `DIR/<id>/.lock`).
 
+Nothing in the folder is trusted beyond it (DESIGN.md principle 5): an index entry is
+used only when its `file` is a plain snapshot name (`_plain_name`: no separator, no
+`..`, not hidden, `.safetensors`) naming a regular file in the folder, never a symlink
+(checked with `lstat`, opened with `O_NOFOLLOW`). Any other entry (an absolute path,
+`../x`, `sub/x`, a snapshot replaced by a symlink) is ignored, counted in
+`ignored_foreign`, and its file is never opened or unlinked.
+
+A full or failing disk never stops the caller: opening the folder deletes this folder's
+own temporary files (partial writes of a process that died or ran out of space) before
+it writes anything, then reads the index and evicts down to `max_bytes`; only when the
+folder still cannot be written does the constructor raise OSError (the servers then
+run with the memory cache only). A failed write (the snapshot or the index) deletes its
+temporary file, is counted in `write_errors`, and is logged once per stretch of
+failures.
+
 Reads (`get`) run on the caller's MLX thread. `worth_reading` chooses a read only when
 it is estimated faster than recomputing the prefix: bytes / measured read speed (the
 mean of the reads so far, `DEFAULT_READ_BPS` before the first) against tokens / the
@@ -39,6 +54,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from pathlib import Path
@@ -113,14 +129,45 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """`data` to `path` through a temporary file, fsynced, renamed, the folder fsynced."""
+    """`data` to `path` through a temporary file, fsynced, renamed, the folder fsynced.
+    Raises OSError (a full disk: ENOSPC) after deleting the temporary file."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
+
+
+def _plain_name(name) -> bool:
+    """Whether an index's `file` may be used: a plain, non-hidden `*.safetensors` name
+    (no path separator of any platform, no NUL, not '.' / '..'), so that
+    `folder / name` stays inside the folder."""
+    return (isinstance(name, str) and name.endswith(".safetensors") and not name.startswith(".")
+            and not any(c in name for c in ("/", "\\", "\0", os.sep, os.altsep or "/")))
+
+
+def _regular_size(path: Path) -> Optional[int]:
+    """The size of `path` when it is a regular file itself (`lstat`: a symlink is not
+    followed and gives None); None when missing or of another kind."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _read_regular(path: Path) -> bytes:
+    """The bytes of regular file `path`, never through a symlink (`O_NOFOLLOW`: OSError
+    ELOOP for a symlink, as for any unreadable file)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def _flatten(snap) -> Tuple[Dict[str, Any], list]:
@@ -173,7 +220,9 @@ class DiskSnapshotStore:
             dropped (counted in `write_dropped`) rather than holding more memory.
 
     Raises:
-        OSError: the folder cannot be created or written.
+        OSError: the folder cannot be created, or cannot be written even after its own
+            temporary files were deleted and it was evicted down to `max_bytes` (a full
+            disk, a read-only folder).
         RuntimeError: another process holds the folder.
     """
 
@@ -196,6 +245,7 @@ class DiskSnapshotStore:
         self._pending: Dict[str, int] = {}  # key -> bytes, queued for the writer
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
+        self._failing = False  # the last write failed: the next failure is not logged again
         self.dir.mkdir(parents=True, exist_ok=True)
         self._lock_file = open(self.dir / ".lock", "a")
         try:
@@ -203,9 +253,17 @@ class DiskSnapshotStore:
         except OSError:
             self._lock_file.close()
             raise RuntimeError(f"prompt cache folder {self.dir} is in use by another process") from None
-        _write_atomic(self.dir / "fingerprint.json", json.dumps(self.fingerprint, indent=1,
-                                                                 sort_keys=True, default=str).encode())
-        self._open_index()
+        try:
+            # first of all, this folder's own temporary files: on a disk they filled, the
+            # writes below would fail before the index's clean-up ever ran
+            self._remove_temporary()
+            self._open_index()
+            _write_atomic(self.dir / "fingerprint.json", json.dumps(
+                self.fingerprint, indent=1, sort_keys=True, default=str).encode())
+        except BaseException:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+            raise
         self._queue: "queue.Queue" = queue.Queue()
         self._closed = False
         self._writer = threading.Thread(target=self._write_loop, daemon=True,
@@ -214,33 +272,65 @@ class DiskSnapshotStore:
 
     # ------------------------------------------------------------------ opening
 
+    def _remove_temporary(self) -> None:
+        """Delete this folder's temporary files (`.tmp` in the name: partial snapshot
+        or index writes of a process that died or ran out of space). `unlink` removes a
+        symlink itself, never what it points to."""
+        for p in self.dir.iterdir():
+            if ".tmp" in p.name and (p.is_symlink() or _regular_size(p) is not None):
+                p.unlink(missing_ok=True)
+
     def _open_index(self) -> None:
-        """Read index.json; drop entries whose file is missing or of another size, delete
-        temporary and unindexed files; count the files of other fingerprints."""
+        """Read index.json; ignore entries naming anything but a plain regular file in
+        this folder (counted foreign, their files untouched), drop entries whose file is
+        missing or of another size (corrupt), delete unindexed snapshot files; count the
+        files of other fingerprints; evict down to `max_bytes`."""
         entries = {}
         try:
             raw = json.loads((self.dir / INDEX).read_text())
+            listed = raw.get("entries", {})
+            if not isinstance(listed, dict):
+                raise ValueError("'entries' is not an object")
             if raw.get("format") == FORMAT_VERSION and raw.get("fingerprint") == self.fp_id:
-                entries = raw.get("entries", {})
+                entries = listed
             else:
-                self.ignored_foreign += len(raw.get("entries", {}))
+                self.ignored_foreign += len(listed)
         except FileNotFoundError:
             pass
         except (OSError, ValueError, AttributeError) as e:
             log.warning("%s: unreadable (%s): starting with an empty disk cache", self.dir / INDEX, e)
+        unsafe = []
         for key, e in list(entries.items()):
+            name = e.get("file") if isinstance(e, dict) else None
+            if not _plain_name(name):
+                unsafe.append(name)
+                del entries[key]
+                continue
+            size = _regular_size(self.dir / name)
+            if size is None and os.path.islink(self.dir / name):
+                unsafe.append(name)
+                del entries[key]
+                continue
             try:
-                ok = (self.dir / e["file"]).stat().st_size == e["nbytes"]
-            except (OSError, KeyError, TypeError):
+                ok = (size == e["nbytes"] and isinstance(e["nbytes"], int)
+                      and isinstance(e["length"], int) and isinstance(e["sha256"], str)
+                      and isinstance(e["used"], (int, float)))
+            except KeyError:
                 ok = False
             if not ok:
                 self.ignored_corrupt += 1
                 del entries[key]
+        if unsafe:
+            self.ignored_foreign += len(unsafe)
+            log.warning("%s: %d entries name files outside this folder or symlinks (%s): "
+                        "ignored, their files left alone", self.dir / INDEX, len(unsafe),
+                        ", ".join(repr(n) for n in unsafe[:3]))
         self._entries = entries
         self.nbytes = sum(e["nbytes"] for e in entries.values())
         named = {e["file"] for e in entries.values()}
         for p in self.dir.iterdir():
-            if ".tmp" in p.name or (p.suffix == ".safetensors" and p.name not in named):
+            if (p.suffix == ".safetensors" and p.name not in named
+                    and _regular_size(p) is not None):
                 p.unlink(missing_ok=True)
         for other in self.root.iterdir():
             if other.is_dir() and other.name != self.fp_id:
@@ -287,13 +377,16 @@ class DiskSnapshotStore:
         if e is None or e["length"] != length:
             self.misses += 1
             return None
-        path = self.dir / e["file"]
+        path = self.dir / e["file"]  # a plain name (`_open_index`, `_write`)
         t0 = time.perf_counter()
+        if os.path.islink(path):  # replaced by a symlink since: never followed
+            log.warning("%s: a symlink, not a snapshot file: ignored", path)
+            return self._drop(key, corrupt=False, unlink=False)
         try:
-            data = path.read_bytes()
+            data = _read_regular(path)
         except OSError as err:
             log.warning("%s: unreadable (%s): dropped", path, err)
-            return self._drop(key, corrupt=True)
+            return self._drop(key, corrupt=True, unlink=not os.path.islink(path))
         if hashlib.sha256(data).hexdigest() != e["sha256"]:
             log.warning("%s: checksum mismatch (truncated or corrupted): ignored", path)
             return self._drop(key, corrupt=True)
@@ -317,7 +410,9 @@ class DiskSnapshotStore:
                 self._entries[key]["used"] = time.time()
         return snap
 
-    def _drop(self, key: str, corrupt: bool):
+    def _drop(self, key: str, corrupt: bool, unlink: bool = True):
+        """Forget `key` (counted corrupt or foreign, and a miss); its file is deleted
+        when `unlink` (the entry's name is plain: the file is in this folder)."""
         with self._lock:
             e = self._entries.pop(key, None)
             if e is not None:
@@ -328,7 +423,8 @@ class DiskSnapshotStore:
                 self.ignored_foreign += 1
             self.misses += 1
         if e is not None:
-            (self.dir / e["file"]).unlink(missing_ok=True)
+            if unlink:
+                (self.dir / e["file"]).unlink(missing_ok=True)
             self._queue.put(("index", None, None, None))
         return None
 
@@ -363,9 +459,19 @@ class DiskSnapshotStore:
                 if kind == "write":
                     self._write(key, length, *payload)
                 self._save_index()
+                if self._failing:
+                    self._failing = False
+                    log.info("%s: prompt cache disk writes work again", self.dir)
             except Exception as e:  # a full disk, a removed folder: the cache only misses
-                self.write_errors += 1
-                log.warning("prompt cache disk write of %s failed: %s", key, e)
+                with self._lock:
+                    self.write_errors += 1
+                # once per stretch of failures (a full disk fails every write)
+                (log.debug if self._failing else log.warning)(
+                    "%s: prompt cache disk write of %s failed (%s): the snapshot stays in "
+                    "memory only; failures are counted in /metrics "
+                    "(kimi_mlx_prompt_cache_disk_write_errors_total)", self.dir,
+                    key or INDEX, e)
+                self._failing = True
             finally:
                 with self._lock:
                     self._pending.pop(key, None)
@@ -378,20 +484,24 @@ class DiskSnapshotStore:
         t0 = time.perf_counter()
         name = hashlib.sha256(key.encode()).hexdigest()[:32] + ".safetensors"
         tmp = self.dir / f".{name[:-12]}.{os.getpid()}.tmp.safetensors"
-        mx.save_safetensors(str(tmp), arrays, metadata={
-            "format": str(FORMAT_VERSION), "fingerprint": self.fp_id, "key": key,
-            "length": str(length), "layout": json.dumps(layout)})
-        del arrays
-        h = hashlib.sha256()
-        with open(tmp, "rb+") as f:
-            while True:
-                chunk = f.read(16 << 20)
-                if not chunk:
-                    break
-                h.update(chunk)
-            size = f.tell()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.dir / name)
+        try:
+            mx.save_safetensors(str(tmp), arrays, metadata={
+                "format": str(FORMAT_VERSION), "fingerprint": self.fp_id, "key": key,
+                "length": str(length), "layout": json.dumps(layout)})
+            del arrays
+            h = hashlib.sha256()
+            with open(tmp, "rb+") as f:
+                while True:
+                    chunk = f.read(16 << 20)
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                size = f.tell()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.dir / name)
+        except BaseException:  # MLX raises RuntimeError on a full disk, after a partial write
+            tmp.unlink(missing_ok=True)
+            raise
         _fsync_dir(self.dir)
         entry = {"file": name, "length": int(length), "nbytes": size,
                  "sha256": h.hexdigest(), "used": time.time()}

@@ -99,19 +99,23 @@ class Engine(BaseEngine):
 
     def snapshot_points(self, ids: Sequence[int], start: int,
                         segment_ends: Sequence[int]) -> List[int]:
-        """Sorted prompt positions e (start < e < len(ids)) where the prompt cache keeps a
-        snapshot of ids[:e]: the segment ends, and every `prompt_cache.every` tokens short
-        of the last one. Empty without a prompt cache."""
-        if self.prompt_cache is None:
-            return []
-        from kimi_mlx.server.prompt_cache import snapshot_points
+        """Sorted prompt positions e (start < e < len(ids)) where a prefill stops and the
+        prompt cache, if any, keeps a snapshot of ids[:e]: the segment ends, and every
+        `prompt_cache.every` tokens (`prompt_cache.DEFAULT_EVERY` without a prompt cache)
+        short of the last one. The same points with or without a prompt cache: a reply
+        continued from a snapshot then runs the float operations of a cache-free one in
+        the same chunks, so their logits are bit for bit equal (a prefill split
+        elsewhere rounds differently, and a greedy reply can flip at a near-tie)."""
+        from kimi_mlx.server.prompt_cache import DEFAULT_EVERY, snapshot_points
 
-        return snapshot_points(len(ids), start, segment_ends, self.prompt_cache.every)
+        every = self.prompt_cache.every if self.prompt_cache is not None else DEFAULT_EVERY
+        return snapshot_points(len(ids), start, segment_ends, every)
 
     def prefill(self, ids: List[int], cache, start: int, segment_ends: Sequence[int],
                 step: int = 2048, embeddings=None, key: Optional[Sequence] = None) -> None:
-        """Run ids[start:-1] into `cache`, stopping at each segment end to let the prompt
-        cache snapshot it (the last prompt token is left for the sampling step).
+        """Run ids[start:-1] into `cache`, stopping at each of `snapshot_points` (the
+        prompt cache snapshots it there; without one the chunks stay the same) (the last
+        prompt token is left for the sampling step).
         `embeddings` [len(ids), hidden]: the prompt's input embeddings (images in them,
         `Engine.embeddings`) fed instead of the ids; `key`: the prompt-cache key of the ids
         (default the ids)."""

@@ -51,9 +51,18 @@ class Metrics:
     def watch_disk_cache(self, disk) -> None:
         """Export a prompt-cache disk tier's counters (`server.disk_cache.DiskSnapshotStore
         .stats`): kimi_mlx_prompt_cache_disk_{hits,misses,read_bytes,written_bytes,
-        read_seconds,write_seconds,evictions}_total, _ignored_total{reason=foreign|corrupt},
-        and the gauge kimi_mlx_prompt_cache_disk_bytes (files held now)."""
+        read_seconds,write_seconds,evictions,write_errors,write_dropped}_total,
+        _ignored_total{reason=foreign|corrupt}, the gauge kimi_mlx_prompt_cache_disk_bytes
+        (files held now) and kimi_mlx_prompt_cache_disk_enabled 1."""
         self.registry.register(_DiskCollector(disk))
+
+    def disk_cache_off(self) -> None:
+        """A --prompt-cache-dir that could not be used (a full disk, a read-only folder):
+        the gauge kimi_mlx_prompt_cache_disk_enabled 0, the server running with the memory
+        cache only."""
+        Gauge("kimi_mlx_prompt_cache_disk_enabled", "1: the prompt cache's disk tier is in "
+              "use; 0: --prompt-cache-dir could not be used (memory cache only)",
+              registry=self.registry).set(0)
 
     def watch_vision(self, vision) -> None:
         """Export the vision tower's counters (`generation.images.Vision.stats`):
@@ -95,7 +104,11 @@ class _DiskCollector:
                 ("written_bytes", "bytes of snapshot files written"),
                 ("read_seconds", "seconds spent reading and checking snapshot files"),
                 ("write_seconds", "seconds the background writer spent writing snapshots"),
-                ("evictions", "snapshot files dropped for room"))
+                ("evictions", "snapshot files dropped for room"),
+                ("write_errors", "snapshot or index writes that failed (a full or failing "
+                 "disk): the snapshot stays in memory only"),
+                ("write_dropped", "snapshots not written because too many bytes were "
+                 "already waiting for the disk"))
 
     def __init__(self, disk):
         self.disk = disk
@@ -116,6 +129,9 @@ class _DiskCollector:
         yield ign
         yield GaugeMetricFamily("kimi_mlx_prompt_cache_disk_bytes", "bytes of snapshot "
                                 "files in --prompt-cache-dir", value=st["bytes"])
+        yield GaugeMetricFamily("kimi_mlx_prompt_cache_disk_enabled", "1: the prompt "
+                                "cache's disk tier is in use; 0: --prompt-cache-dir could "
+                                "not be used (memory cache only)", value=1)
 
 
 class _VisionCollector:

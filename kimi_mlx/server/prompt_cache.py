@@ -27,6 +27,9 @@ from kimi_mlx.model.cache import restore, snapshot, snapshot_nbytes
 from kimi_mlx.server.disk_cache import prefix_keys, token_key
 
 
+DEFAULT_EVERY = 1024  # prefill tokens between two snapshots of a long prompt
+
+
 def snapshot_points(n_ids: int, start: int, segment_ends: Sequence[int], every: int) -> List[int]:
     """The snapshot policy (the one-process engine and the cluster head both use it):
     sorted prompt positions e (start < e < n_ids) where a snapshot of the first e tokens
@@ -45,7 +48,7 @@ class PromptCache:
     `disk`: an optional `DiskSnapshotStore` (module doc: write-behind, read fallback),
     keyed by `disk_cache.token_key` of the prefix (its image pads' digests included)."""
 
-    def __init__(self, max_bytes: int, every: int = 1024, disk=None):
+    def __init__(self, max_bytes: int, every: int = DEFAULT_EVERY, disk=None):
         self.max_bytes = max_bytes
         self.every = every  # also snapshot every this many prefill tokens (long prompts)
         self.disk = disk

@@ -213,6 +213,10 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     factory) into `svc` (sets tokenizers, context, defaults, engine); `progress`: a
     loading bar on a terminal; `allow_image_urls` / `max_images`: the image policy
     (`server.images.ImageSettings`; the tower loads on the first image).
+    `prompt_cache_dir`: the prompt cache's disk tier; a folder that cannot be written
+    (a full disk even after its own temporary files are deleted, a read-only folder) is
+    one warning and the gauge kimi_mlx_prompt_cache_disk_enabled 0, and the server runs
+    with the memory cache only.
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.loop.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
@@ -250,8 +254,14 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
             max_concurrency > 1 and drafts.kind == "ngram")):
         from kimi_mlx.server.disk_cache import DiskSnapshotStore
 
-        disk = DiskSnapshotStore(prompt_cache_dir, prompt_cache_disk_bytes,
-                                 model_cache_fingerprint(model_dir, model))
+        try:
+            disk = DiskSnapshotStore(prompt_cache_dir, prompt_cache_disk_bytes,
+                                     model_cache_fingerprint(model_dir, model))
+        except OSError as e:  # a full disk, a read-only folder: serve without it
+            log.warning("prompt cache on disk off (--prompt-cache-dir %s: %s): serving "
+                        "with the memory cache only", prompt_cache_dir, e)
+            if svc.metrics is not None:
+                svc.metrics.disk_cache_off()
     pc = PromptCache(prompt_cache_bytes, disk=disk) if prompt_cache_bytes or disk else None
     if disk is not None and svc.metrics is not None:
         svc.metrics.watch_disk_cache(disk)

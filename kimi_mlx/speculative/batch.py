@@ -166,10 +166,15 @@ def batches_drafts(draft) -> bool:
 
 @dataclass
 class _Row:
+    """One row's drafting state: its n-gram index, sampling, whether it may speculate,
+    and `drafted`, the draft tokens it was given to verify so far (0 for a row with
+    logits processors, which is never drafted)."""
+
     index: NgramIndex
     greedy: bool
     sampling: Any
     speculates: bool
+    drafted: int = 0
 
 
 @dataclass
@@ -342,8 +347,9 @@ class SpeculativeBatch(GenerationBatch):
         for p, n in sorted(zip(props, accepted), key=lambda pn: -len(pn[0])):
             if p:
                 d.policy.record(len(p), n)
-        for p, n in zip(props, accepted):
+        for r, p, n in zip(rows, props, accepted):
             if p:
+                r.drafted += len(p)
                 st.steps += 1
                 st.drafted += len(p)
                 st.accepted += n
