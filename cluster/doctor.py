@@ -1,0 +1,799 @@
+"""`kimi-mlx doctor` (this Mac) and `kimi-mlx cluster doctor` (the nodes found or listed):
+one line per check, OK / WARN / FAIL / SKIP, each not-OK line with the fix to apply.
+
+Every check is a small function of facts (command output recorded by
+`net.hostfacts.gather`, a node's `HealthReply`, a measurement) returning `Check`s, so the
+suite runs them on recorded macOS outputs (tests/data/macos/doctor/). `local_checks`
+and `cluster_checks` gather the facts and call them. FAIL: what was asked for cannot
+work as set up (the exit status is then 1); WARN: it works, slower or with less than the
+plan expects; SKIP: the check cannot be made here (e.g. macOS tools on Linux).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from kimi_mlx.cluster.net import hostfacts as hf
+
+OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
+GB = 10**9
+GiB = 2**30
+MiB = 2**20
+
+MIN_MACOS = (13, 5)  # MLX's wheels: macOS 13.5 or later
+JACCL_MACOS = (26, 2)  # RDMA over Thunderbolt 5 (MLX docs, usage/distributed.rst)
+MACOS_RESERVE = 8 * GiB  # a wired limit leaving less than this to macOS: WARN
+LOW_DISK = 10 * GB  # less free than this on the checkpoint's volume: WARN
+SKEW_WARN_S = 2.0
+BANDWIDTH_WARN = 0.5  # measured copy GB/s under this fraction of the planner's constant
+DECODE_WARN = 0.5  # measured decode tok/s under this fraction of the plan's prediction
+RECOVERY_FIX = ("boot into macOS Recovery (hold the power button), open Terminal, run "
+                "`rdma_ctl enable`, reboot")
+
+
+@dataclass
+class Check:
+    """One line of the report. status: OK / WARN / FAIL / SKIP; name: the check
+    ("wired-limit"); node: which machine ("" for this one); message: what was found;
+    fix: what to do (for WARN / FAIL)."""
+
+    name: str
+    status: str
+    message: str
+    fix: str = ""
+    node: str = ""
+
+    def line(self) -> str:
+        where = f"[{self.node}] " if self.node else ""
+        fix = f" -- fix: {self.fix}" if self.fix and self.status in (WARN, FAIL) else ""
+        return f"{self.status:<4}  {where}{self.name}: {self.message}{fix}"
+
+
+def render(checks: Sequence[Check], as_json: bool = False) -> str:
+    """The report: one line per check and a summary line, or JSON {"checks": [...],
+    "summary": {status: count}, "ok": no FAIL}."""
+    counts = {s: sum(c.status == s for c in checks) for s in (OK, WARN, FAIL, SKIP)}
+    if as_json:
+        return json.dumps({"checks": [asdict(c) for c in checks], "summary": counts,
+                           "ok": counts[FAIL] == 0}, indent=2)
+    lines = [c.line() for c in checks]
+    lines.append(f"{counts[OK]} OK, {counts[WARN]} WARN, {counts[FAIL]} FAIL, "
+                 f"{counts[SKIP]} SKIP")
+    return "\n".join(lines)
+
+
+def exit_status(checks: Sequence[Check]) -> int:
+    """1 when any check FAILs, else 0."""
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def _is_mac(facts: dict) -> bool:
+    return facts.get("platform") == "darwin"
+
+
+def _skip_not_mac(name: str, facts: dict, what: str) -> Optional[Check]:
+    if _is_mac(facts):
+        return None
+    return Check(name, SKIP, f"not macOS ({facts.get('platform')}): {what} cannot be checked here")
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+# ------------------------------------------------------------------------ one machine
+
+
+def check_macos(facts: dict) -> Check:
+    """macOS version from `sw_vers`: FAIL below 13.5 (MLX), OK otherwise (noting that
+    RDMA / jaccl needs 26.2+)."""
+    skip = _skip_not_mac("macos", facts, "the macOS version")
+    if skip:
+        return skip
+    v = hf.parse_sw_vers(facts["outputs"].get("sw_vers"))
+    version = v.get("ProductVersion", "")
+    if not version:
+        return Check("macos", WARN, f"cannot read sw_vers ({facts['errors'].get('sw_vers', 'no version')})")
+    label = f"macOS {version} ({v.get('BuildVersion', '?')})"
+    t = hf.version_tuple(version)
+    if t < MIN_MACOS:
+        return Check("macos", FAIL, f"{label}: MLX needs macOS 13.5 or later",
+                     "update macOS (System Settings > General > Software Update)")
+    note = "" if t >= JACCL_MACOS else "; RDMA over Thunderbolt (jaccl) needs macOS 26.2+"
+    return Check("macos", OK, label + note)
+
+
+def check_versions(versions: Dict[str, str]) -> Check:
+    """This install's versions (kimi-mlx, MLX, stage protocol), as one OK line."""
+    return Check("versions", OK, ", ".join(f"{k} {v}" for k, v in versions.items()))
+
+
+def check_metal(available: bool, platform: str, status: Dict[str, str], setting: str) -> List[Check]:
+    """Metal and the kernel device checks (`metal.dispatch.check_kernels` run first):
+    no Metal on a Mac FAILs; a kernel that failed its check WARNs (its reference op is
+    used, slower) with the error."""
+    if not available:
+        if platform == "darwin":
+            return [Check("metal", FAIL, "MLX sees no Metal GPU on this Mac",
+                          "install the arm64 Python and MLX (`python -c 'import platform; "
+                          "print(platform.machine())'` must say arm64)")]
+        return [Check("metal", SKIP, f"no Metal here ({platform}): MLX runs on the CPU and "
+                                     "our kernels use their reference ops")]
+    out = [Check("metal", OK, "MLX sees a Metal GPU")]
+    if setting != "auto":
+        out.append(Check("kernels", OK, f"KIMI_MLX_KERNELS={setting}: device checks not run"))
+        return out
+    bad = {k: v for k, v in status.items() if v != "ok"}
+    if not status:
+        out.append(Check("kernels", WARN, "no kernel check ran"))
+    elif bad:
+        for k, err in sorted(bad.items()):
+            out.append(Check(f"kernel {k}", WARN, f"failed its device check, its reference op "
+                             f"is used (slower): {err}",
+                             "report this line with `kimi-mlx --version` and `sw_vers`; "
+                             "KIMI_MLX_KERNELS=reference silences it"))
+    if status and len(bad) < len(status):
+        out.append(Check("kernels", OK, "passed their device checks: "
+                         + ", ".join(sorted(k for k in status if k not in bad))))
+    return out
+
+
+def effective_wired_bytes(memsize: int, wired_mb: Optional[int]) -> int:
+    """GPU memory macOS lets MLX wire: `iogpu.wired_limit_mb` when set (non-zero), else
+    macOS's default (`planner.macos_default_wired_bytes`)."""
+    from kimi_mlx.placement.planner import macos_default_wired_bytes
+
+    return wired_mb * MiB if wired_mb else macos_default_wired_bytes(memsize)
+
+
+def check_wired(facts: dict, need_bytes: Optional[int], what: str = "") -> Check:
+    """`iogpu.wired_limit_mb` against `need_bytes` (this node's planned weights + caches +
+    headroom; None: no --model, skipped) and against `hw.memsize`.
+
+    FAIL: the limit (or macOS's default when unset) is below the plan (fix: the sysctl
+    with N for this node), or above the RAM. WARN: it leaves macOS under 8 GiB."""
+    skip = _skip_not_mac("wired-limit", facts, "iogpu.wired_limit_mb")
+    if skip:
+        return skip
+    memsize = hf.parse_sysctl_int(facts["outputs"].get("memsize"))
+    wired = hf.parse_sysctl_int(facts["outputs"].get("wired_limit"))
+    if not memsize:
+        return Check("wired-limit", WARN, f"cannot read hw.memsize ({facts['errors'].get('memsize', '?')})")
+    if wired is None:
+        return Check("wired-limit", WARN, "cannot read iogpu.wired_limit_mb "
+                     f"({facts['errors'].get('wired_limit', '?')})", "update macOS (14+ has it)")
+    ram_mb = memsize // MiB
+    limit = effective_wired_bytes(memsize, wired)
+    said = (f"iogpu.wired_limit_mb={wired}" if wired else
+            f"iogpu.wired_limit_mb unset (macOS default {limit // MiB} MB)")
+    said += f", RAM {ram_mb} MB"
+    if wired and wired > ram_mb:
+        return Check("wired-limit", FAIL, f"{said}: the limit is above the RAM",
+                     f"sudo sysctl iogpu.wired_limit_mb={max(ram_mb - MACOS_RESERVE // MiB, 0)}")
+    if need_bytes is not None and need_bytes > limit:
+        n = math.ceil(need_bytes / MiB / 1024) * 1024  # whole GiB, in MB
+        if n > ram_mb - MACOS_RESERVE // MiB:
+            return Check("wired-limit", FAIL, f"{said}; {what}needs {need_bytes // MiB} MB, "
+                         "more than this Mac can wire and keep 8 GiB for macOS",
+                         "spread the model over more Macs (`kimi-mlx plan`) or prune it")
+        return Check("wired-limit", FAIL, f"{said}; {what}needs {need_bytes // MiB} MB: "
+                     "weights would be paged and decode would crawl",
+                     f"sudo sysctl iogpu.wired_limit_mb={n} (add it to /etc/sysctl.conf to "
+                     "keep it after a reboot)")
+    if wired and ram_mb - wired < MACOS_RESERVE // MiB:
+        return Check("wired-limit", WARN, f"{said}: leaves macOS {ram_mb - wired} MB",
+                     f"sudo sysctl iogpu.wired_limit_mb={ram_mb - MACOS_RESERVE // MiB}")
+    if need_bytes is None:
+        return Check("wired-limit", OK, f"{said}; plan not checked (no --model)")
+    return Check("wired-limit", OK, f"{said}; {what}needs {need_bytes // MiB} MB")
+
+
+def check_disk(label: str, d: Optional[dict], need_bytes: int = 0) -> Check:
+    """Free disk on the volume of `d` (`hostfacts.disk_facts` entry): FAIL when under
+    `need_bytes` (e.g. --prompt-cache-disk-bytes) or the path is a missing checkpoint,
+    WARN under 10 GB."""
+    name = f"disk {label}"
+    if d is None:
+        return Check(name, SKIP, "not given")
+    if "error" in d:
+        return Check(name, FAIL, f"{d['path']}: {d['error']}", "check the path and its permissions")
+    free = d["free"]
+    where = f"{d['path']}: {_gb(free)} free of {_gb(d['total'])}"
+    if need_bytes and free < need_bytes:
+        return Check(name, FAIL, f"{where}, needs {_gb(need_bytes)}",
+                     f"free {_gb(need_bytes - free)} there, or give a smaller size or "
+                     "another folder")
+    if free < LOW_DISK:
+        return Check(name, WARN, f"{where}", "free some space (logs, caches and snapshots "
+                     "need room)")
+    return Check(name, OK, where + (f", needs {_gb(need_bytes)}" if need_bytes else ""))
+
+
+def check_rdma(facts: dict, need: bool = False) -> Check:
+    """RDMA from `rdma_ctl status` and `ibv_devices` (and the Thunderbolt speed from
+    system_profiler for the "enabled but no devices" case). Problems WARN (tensor
+    groups use the TCP ring instead) or, with `need` (--backend jaccl), FAIL."""
+    skip = _skip_not_mac("rdma", facts, "rdma_ctl / ibv_devices")
+    if skip:
+        return skip
+    bad = FAIL if need else WARN
+    out, errs = facts["outputs"], facts["errors"]
+    if "rdma_ctl" not in out:
+        return Check("rdma", bad, f"cannot run rdma_ctl ({errs.get('rdma_ctl')}): RDMA over "
+                     "Thunderbolt needs macOS 26.2+", "update macOS to 26.2 or later")
+    state = hf.parse_rdma_ctl(out["rdma_ctl"])
+    from kimi_mlx.cluster.net.jaccl import parse_ibv_devices
+
+    devices = parse_ibv_devices(out.get("ibv_devices", ""))
+    if state == "disabled":
+        return Check("rdma", bad, "rdma_ctl status: disabled (jaccl cannot run; tensor "
+                     "groups use the TCP ring)", RECOVERY_FIX)
+    if state != "enabled":
+        return Check("rdma", bad, f"rdma_ctl status says {out['rdma_ctl'].strip()!r}", RECOVERY_FIX)
+    if devices:
+        return Check("rdma", OK, f"enabled, verbs devices: {', '.join(devices)}")
+    speed = hf.max_gbps(hf.thunderbolt_speeds(out.get("thunderbolt")))
+    if speed is not None and speed <= 40:
+        return Check("rdma", bad, f"enabled but ibv_devices lists no device: this Mac's "
+                     f"Thunderbolt ports are Thunderbolt 4 (up to {speed} Gb/s) and RDMA needs "
+                     "Thunderbolt 5; nothing to fix here", "use --backend ring (the TCP ring "
+                     "over the Thunderbolt bridge), or Macs with Thunderbolt 5")
+    return Check("rdma", bad, "enabled but ibv_devices lists no device (ibverbs cannot "
+                 "see RDMA)", "shut down fully and start again; if it stays empty run "
+                 "`rdma_ctl enable` in Recovery again")
+
+
+def check_thunderbolt(facts: dict, need: bool = False) -> Check:
+    """Which Thunderbolt ports are cabled to another Mac (system_profiler +
+    networksetup): none WARNs (FAIL with `need`)."""
+    skip = _skip_not_mac("thunderbolt", facts, "Thunderbolt cabling")
+    if skip:
+        return skip
+    from kimi_mlx.cluster.net.jaccl import JacclError, parse_hardware_ports, parse_thunderbolt
+
+    out = facts["outputs"]
+    try:
+        ports = parse_thunderbolt(out.get("thunderbolt", ""),
+                                  parse_hardware_ports(out.get("hardware_ports", "")))
+    except JacclError as e:
+        return Check("thunderbolt", WARN, str(e))
+    cabled = [p for p in ports if p.peer_uuid]
+    if not cabled:
+        return Check("thunderbolt", FAIL if need else WARN,
+                     f"no Thunderbolt port is cabled to another Mac ({len(ports)} ports)",
+                     "cable every pair of Macs with Thunderbolt 5 for jaccl")
+    return Check("thunderbolt", OK, ", ".join(f"{p.iface} -> Mac {p.peer_uuid[:8]}" for p in cabled))
+
+
+def check_bridge(facts: dict) -> Check:
+    """The Thunderbolt bridge (`ifconfig bridge0`): its IPv4 addresses and members.
+    Missing or without an address WARNs (nodes then talk over Ethernet / Wi-Fi)."""
+    skip = _skip_not_mac("bridge0", facts, "the Thunderbolt bridge")
+    if skip:
+        return skip
+    text = facts["outputs"].get("bridge")
+    if text is None:
+        return Check("bridge0", WARN, f"no Thunderbolt bridge ({facts['errors'].get('bridge')})",
+                     "fine over Ethernet; for Thunderbolt enable the Thunderbolt Bridge "
+                     "service in System Settings > Network")
+    b = hf.parse_ifconfig(text)
+    members = ",".join(b["members"]) or "no members"
+    if not b["inet"]:
+        return Check("bridge0", WARN, f"no IPv4 address ({members}, status {b['status'] or '?'})",
+                     "System Settings > Network > Thunderbolt Bridge > Details > TCP/IP: "
+                     "give it an address (e.g. 10.10.0.N/24), or serve with --interface")
+    addrs = ", ".join(f"{a}/{bits}" for a, bits in b["inet"])
+    return Check("bridge0", OK, f"{addrs} ({members}, status {b['status'] or '?'})")
+
+
+def copy_bandwidth(size_mb: int = 256, repeats: int = 5) -> float:
+    """Memory bandwidth in bytes/s of an MLX copy of a `size_mb` MB float32 array on the
+    default device: the best of `repeats` timed `x + 0` (reads and writes the array once:
+    2 x size bytes moved)."""
+    import mlx.core as mx
+
+    n = size_mb * 10**6 // 4
+    x = mx.ones((n,), dtype=mx.float32)
+    mx.eval(x)
+    best = math.inf
+    for _ in range(repeats + 1):  # the first builds the kernel
+        t = time.perf_counter()
+        y = x + 0
+        mx.eval(y)
+        best = min(best, time.perf_counter() - t)
+        del y
+    return 2 * n * 4 / best
+
+
+def check_bandwidth(measured: float, constant: Optional[int], chip: str) -> Check:
+    """Measured copy bandwidth against the planner's constant for this chip
+    (`planner.MAC_BANDWIDTH`); under half WARNs. No constant (not a known Mac): WARN
+    with what the planner assumes instead."""
+    from kimi_mlx.cluster.net.discovery import UNKNOWN_BANDWIDTH
+
+    got = f"measured {measured / GB:.1f} GB/s (256 MB copy)"
+    if not constant:
+        return Check("bandwidth", WARN, f"{got}; no planner constant for this machine "
+                     f"({chip or 'not a known Apple chip'}): the planner assumes "
+                     f"{UNKNOWN_BANDWIDTH / GB:.0f} GB/s", "plan with `cluster serve "
+                     f"--bandwidth-gbs {measured / GB:.0f}` on this machine")
+    ratio = measured / constant
+    line = f"{got}, {ratio:.0%} of the planner's {constant / GB:.0f} GB/s for {chip}"
+    if ratio < BANDWIDTH_WARN:
+        return Check("bandwidth", WARN, line, "close other GPU work (Activity Monitor > GPU); "
+                     "check Low Power Mode is off")
+    return Check("bandwidth", OK, line)
+
+
+def check_decode(measured: Optional[float], predicted: Optional[float], basis: str = "",
+                 why_not: str = "") -> Check:
+    """Measured decode tokens/s on --model against the planner's prediction for it on
+    this machine (`Plan.tokens_per_s`): under half WARNs (the plan is optimistic for
+    this machine)."""
+    if measured is None:
+        return Check("decode", SKIP, why_not or "no --model")
+    line = f"measured {measured:.1f} tok/s"
+    if not predicted:
+        return Check("decode", OK, line + " (no prediction)")
+    ratio = measured / predicted
+    line += f", {ratio:.0%} of the plan's {predicted:.1f} tok/s{basis}"
+    if ratio < DECODE_WARN:
+        return Check("decode", WARN, line, "check the wired limit and the bandwidth lines "
+                     "above; plans for this machine are that much too optimistic")
+    return Check("decode", OK, line)
+
+
+# -------------------------------------------------------------------------- the cluster
+
+
+@dataclass
+class NodeFacts:
+    """What the cluster doctor knows of one node: name and address, its Health reply
+    fields (versions), its host facts (JSON of `hostfacts.gather`; {} from an older
+    node), its RDMA report, and the clock reading (local time before / after the call,
+    node time)."""
+
+    name: str
+    address: str
+    version: str = ""
+    mlx_version: str = ""
+    protocol: int = 0
+    facts: Optional[dict] = None
+    rdma: object = None  # jaccl.NodeReport
+    sent: float = 0.0
+    received: float = 0.0
+    memory: int = 0
+    usable: int = 0
+    bandwidth: int = 0
+    chip: str = ""
+
+
+def check_same(name: str, values: Dict[str, str], what: str, fix: str,
+               status_if_differ: str = FAIL) -> Check:
+    """One value per node ({node: value}); FAIL (or `status_if_differ`) naming which
+    nodes differ."""
+    distinct = sorted(set(values.values()))
+    if len(distinct) <= 1:
+        return Check(name, OK, f"{what} {distinct[0] if distinct else '?'} on every node")
+    by = "; ".join(f"{v}: {', '.join(n for n in values if values[n] == v)}" for v in distinct)
+    return Check(name, status_if_differ, f"{what} differs ({by})", fix)
+
+
+def check_port(address: str, host: str, port: int,
+               connect: Callable[[Tuple[str, int], float], object] = socket.create_connection,
+               timeout: float = 1.0) -> Check:
+    """A TCP connect to the node's stage port within `timeout` seconds."""
+    try:
+        s = connect((host, port), timeout)
+        close = getattr(s, "close", None)
+        if close:
+            close()
+        return Check("port", OK, f"{address} accepts TCP connections")
+    except OSError as e:
+        return Check("port", FAIL, f"{address}: {e.strerror or e}",
+                     "start `kimi-mlx cluster serve` there, and allow it through the macOS "
+                     "firewall (System Settings > Network > Firewall)")
+
+
+def check_clock(node_time: Optional[float], sent: float, received: float) -> Check:
+    """The node's clock (its host facts' "time") against ours at the middle of the call;
+    the uncertainty is half the round trip. Over 2 s WARNs; at the auth limit
+    (`auth.MAX_SKEW_S`) calls are refused: FAIL."""
+    from kimi_mlx.cluster.net.auth import MAX_SKEW_S
+
+    if node_time is None:
+        return Check("clock", SKIP, "the node does not send its clock (older kimi-mlx)")
+    skew = node_time - (sent + received) / 2
+    line = f"off by {skew:+.3f} s (+- {(received - sent) / 2:.3f} s)"
+    fix = "turn on System Settings > General > Date & Time > Set time automatically on every Mac"
+    if abs(skew) >= MAX_SKEW_S:
+        return Check("clock", FAIL, f"{line}: calls are refused past {MAX_SKEW_S} s", fix)
+    if abs(skew) > SKEW_WARN_S:
+        return Check("clock", WARN, line, fix)
+    return Check("clock", OK, line)
+
+
+def check_zeroconf(address: str, advertised: Sequence[str], browsed_s: float) -> Check:
+    """Whether the node's address answered a zeroconf browse of `browsed_s` seconds
+    (`discovery.browse`); missing WARNs (`--nodes auto` and `cluster ls` miss it)."""
+    if address in advertised:
+        return Check("zeroconf", OK, f"advertised ({browsed_s:g} s browse)")
+    return Check("zeroconf", WARN, f"not seen in a {browsed_s:g} s browse "
+                 f"(seen: {', '.join(advertised) or 'none'})",
+                 "serve without --no-advertise, on the same network (or keep listing it "
+                 "in --nodes); multicast may be blocked by the network")
+
+
+def check_cabling(reports: Sequence, need: bool = False) -> Check:
+    """Every pair of nodes linked by a Thunderbolt cable (jaccl needs a full mesh), from
+    each node's RDMA report (`jaccl.NodeReport`: its ports and the peer UUID on each)."""
+    if len(reports) < 2:
+        return Check("cabling", SKIP, "fewer than 2 nodes")
+    owner = {p.uuid: i for i, r in enumerate(reports) for p in r.ports}
+    linked = set()
+    for i, r in enumerate(reports):
+        for p in r.ports:
+            j = owner.get(p.peer_uuid) if p.peer_uuid else None
+            if j is not None and j != i:
+                linked.add((min(i, j), max(i, j)))
+    missing = [(reports[i].name, reports[j].name) for i in range(len(reports))
+               for j in range(i + 1, len(reports)) if (i, j) not in linked]
+    if missing:
+        return Check("cabling", FAIL if need else WARN,
+                     "no Thunderbolt cable between " + "; ".join(f"{a} and {b}" for a, b in missing)
+                     + " (jaccl needs every pair cabled; tensor groups use the TCP ring)",
+                     "cable each pair listed with Thunderbolt 5")
+    return Check("cabling", OK, f"every pair of the {len(reports)} nodes is cabled")
+
+
+def node_plan_needs(nodes: Sequence[NodeFacts], model_dir: Optional[str], context: Optional[int]
+                    ) -> Tuple[Dict[str, int], str]:
+    """({node: bytes its pipeline stage needs (weights + caches + headroom)}, note) for
+    `model_dir` planned over `nodes` by `placement.planner.StagePlanner` ({} and the
+    reason when there is no model or it does not fit)."""
+    if not model_dir:
+        return {}, "no --model: plans not checked"
+    from kimi_mlx.placement.layer_bytes import model_bytes
+    from kimi_mlx.placement.planner import Node, PlanError, StagePlanner, planned_context
+
+    try:
+        model = model_bytes(model_dir)
+        ctx = planned_context(context, model.max_position_embeddings)
+        pn = [Node(n.name, n.usable, n.bandwidth or 100 * GB, n.memory or None, n.chip or None)
+              for n in nodes]
+        plan = StagePlanner().plan(model, pn, ctx)
+    except (PlanError, ValueError, FileNotFoundError) as e:
+        return {}, f"no plan: {str(e).splitlines()[0]}"
+    return ({s.node.name: s.total_bytes + s.headroom_bytes for s in plan.stages if s.used},
+            f"{Path(model_dir).name} at {ctx} tokens")
+
+
+# ----------------------------------------------------------------------------- runners
+
+
+@dataclass
+class DoctorSettings:
+    """`kimi-mlx doctor` / `kimi-mlx cluster doctor` flags. model: checkpoint folder (None:
+    plan, disk and decode checks skipped). context: tokens to plan caches for (None: the
+    planner's default). prompt_cache_dir / prompt_cache_bytes: the disk cache to size.
+    backend: "auto" | "ring" | "jaccl" (jaccl: RDMA problems FAIL). measure: run the
+    bandwidth and decode measurements. decode_tokens: tokens generated to time decode."""
+
+    model: Optional[str] = None
+    context: Optional[int] = None
+    prompt_cache_dir: Optional[str] = None
+    prompt_cache_bytes: int = 0
+    backend: str = "auto"
+    measure: bool = True
+    decode_tokens: int = 32
+
+
+def _versions() -> Dict[str, str]:
+    from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION, package_versions
+
+    ours, mlx_version = package_versions()
+    return {"kimi-mlx": ours, "MLX": mlx_version, "stage protocol": str(PROTOCOL_VERSION)}
+
+
+def local_facts(s: DoctorSettings, run: hf.Runner = hf.run_command) -> dict:
+    """This machine's host facts (`hostfacts.gather`) with the disks of --model and
+    --prompt-cache-dir, and "chip" (from machdep.cpu.brand_string)."""
+    paths = {"checkpoint": Path(s.model) if s.model and Path(s.model).expanduser().exists() else None,
+             "prompt cache": Path(s.prompt_cache_dir) if s.prompt_cache_dir else None}
+    facts = hf.gather(run, paths)
+    facts["chip"] = hf.parse_chip(facts["outputs"].get("cpu_brand"))
+    return facts
+
+
+def _metal_facts() -> dict:
+    """{"available", "status", "setting"}: Metal, and the kernel device checks run now
+    (`metal.dispatch.check_kernels`; nothing runs off Metal or with KIMI_MLX_KERNELS set)."""
+    import mlx.core as mx
+
+    from kimi_mlx.metal import dispatch
+
+    available = bool(mx.metal.is_available())
+    setting = dispatch.kernels_setting()
+    status = {}
+    if available:
+        import kimi_mlx.metal.dsa  # noqa: F401  (registers the DSA / MLA kernel checks)
+        import kimi_mlx.metal.kda  # noqa: F401  (registers the KDA kernel checks)
+
+        status = dispatch.check_kernels()
+    return {"available": available, "status": status, "setting": setting}
+
+
+def _memory(facts: dict) -> Tuple[int, Optional[int]]:
+    """(RAM bytes, wired_limit_mb or None) from the facts; off macOS from /proc/meminfo."""
+    if _is_mac(facts):
+        return (hf.parse_sysctl_int(facts["outputs"].get("memsize")) or 0,
+                hf.parse_sysctl_int(facts["outputs"].get("wired_limit")))
+    from kimi_mlx.cluster.net.discovery import local_memory
+
+    return local_memory()[0], None
+
+
+def local_plan(s: DoctorSettings, facts: dict, bandwidth: int):
+    """(plan of --model on this machine alone or None, PlanError or None, note)."""
+    from kimi_mlx.placement.layer_bytes import model_bytes
+    from kimi_mlx.placement.planner import Node, PlanError, StagePlanner, planned_context, usable_bytes_for_ram
+
+    memsize, wired = _memory(facts)
+    model = model_bytes(s.model)
+    ctx = planned_context(s.context, model.max_position_embeddings)
+    usable = (effective_wired_bytes(memsize, wired) if wired is not None and _is_mac(facts)
+              else usable_bytes_for_ram(memsize))
+    try:
+        return StagePlanner().plan(model, [Node("this Mac", usable, bandwidth, memsize)], ctx), None, ctx
+    except PlanError as e:
+        return None, e, ctx
+
+
+def measure_decode(model_dir: str, tokens: int) -> float:
+    """Decode tokens/s of `model_dir` here: `tokens` greedy tokens after a short prompt
+    with mlx-lm's `stream_generate` (our model and tokenizer, `checkpoint.loader`)."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from kimi_mlx.checkpoint.loader import load_for_generation
+
+    model, wrapper, _, _ = load_for_generation(model_dir)
+    prompt = wrapper.encode("The quick brown fox jumps over the lazy dog. " * 2)
+    last = None
+    for last in stream_generate(model, wrapper, prompt, max_tokens=tokens,
+                                sampler=make_sampler(0.0)):
+        pass
+    if last is None or not last.generation_tps:
+        raise RuntimeError("generated nothing")
+    return float(last.generation_tps)
+
+
+def local_checks(s: DoctorSettings, facts: Optional[dict] = None, run: hf.Runner = hf.run_command,
+                 record: bool = False) -> List[Check]:
+    """Every check of this machine. `facts`: recorded facts (a `local_facts` dict, with
+    optional "versions", "metal", "bandwidth" (bytes/s) and "decode" (tok/s) recorded
+    too) checked instead of this machine; with `record`, `facts` are this machine's and
+    the measurements are made here and added to them (`--save-facts`)."""
+    from kimi_mlx.placement.planner import MAC_BANDWIDTH
+
+    replay = facts is not None and not record
+    facts = facts if facts is not None else local_facts(s, run)
+    need_rdma = s.backend == "jaccl"
+    if not replay:
+        facts["versions"] = _versions()
+    checks = [check_macos(facts), check_versions(facts.get("versions") or _versions())]
+    if not replay:
+        facts["metal"] = _metal_facts()
+    metal = facts.get("metal")
+    if metal:
+        checks += check_metal(metal["available"], facts.get("platform", ""), metal["status"],
+                              metal["setting"])
+    else:
+        checks.append(Check("metal", SKIP, "not recorded"))
+    chip = facts.get("chip", "")
+    constant = MAC_BANDWIDTH.get(chip, 0)
+    bandwidth = facts.get("bandwidth")
+    if bandwidth is None and s.measure and not replay:
+        bandwidth = facts["bandwidth"] = copy_bandwidth()
+    plan = error = ctx = None
+    if s.model:
+        try:
+            plan, error, ctx = local_plan(s, facts, constant or int(bandwidth or 100 * GB))
+        except (ValueError, FileNotFoundError, OSError) as e:
+            checks.append(Check("model", FAIL, f"{s.model}: {e}", "give a checkpoint folder"))
+    need = None
+    if plan is not None:
+        st = plan.used_stages[0]
+        need = st.total_bytes + st.headroom_bytes
+    elif error is not None:
+        need = getattr(error, "need_bytes", None)
+    what = f"{Path(s.model).name} at {ctx} tokens " if s.model and ctx else ""
+    checks.append(check_wired(facts, need, what))
+    disk = facts.get("disk", {})
+    if s.model:
+        d = disk.get("checkpoint")
+        checks.append(check_disk("checkpoint", d) if d else
+                      Check("disk checkpoint", FAIL, f"{s.model} is not a folder here",
+                            "download it first (`huggingface-cli download ...`) and give its folder"))
+    else:
+        checks.append(Check("disk checkpoint", SKIP, "no --model"))
+    if s.prompt_cache_dir:
+        checks.append(check_disk("prompt cache", disk.get("prompt cache"), s.prompt_cache_bytes))
+    else:
+        checks.append(Check("disk prompt cache", SKIP, "no --prompt-cache-dir"))
+    checks += [check_rdma(facts, need_rdma), check_thunderbolt(facts, need_rdma), check_bridge(facts)]
+    if bandwidth is not None:
+        checks.append(check_bandwidth(float(bandwidth), constant, chip))
+    else:
+        checks.append(Check("bandwidth", SKIP, "not measured (--no-measure)"))
+    decode = facts.get("decode")
+    why = "" if s.model else "no --model"
+    if decode is None and s.model and s.measure and not replay and plan is not None:
+        try:
+            decode = facts["decode"] = measure_decode(s.model, s.decode_tokens)
+        except Exception as e:  # noqa: BLE001 - any load / generation error is the finding
+            checks.append(Check("decode", FAIL, f"cannot generate with {s.model}: "
+                                f"{type(e).__name__}: {e}", "run `kimi-mlx generate --model` "
+                                "for the full error"))
+            return checks
+    elif s.model and plan is None:
+        why = "the model does not fit this machine"
+    elif s.model and not s.measure:
+        why = "not measured (--no-measure)"
+    predicted = None
+    basis = ""
+    if plan is not None and decode is not None:
+        predicted = plan.tokens_per_s
+        basis = (f" (planner constant {constant / GB:.0f} GB/s)" if constant else
+                 " (at the measured bandwidth)")
+    checks.append(check_decode(decode, predicted, basis, why))
+    return checks
+
+
+def node_checks(n: NodeFacts, need: Optional[int], what: str, need_rdma: bool) -> List[Check]:
+    """The per-node checks of a node's host facts (as sent in its Health reply)."""
+    out: List[Check] = []
+    if not n.facts:
+        out.append(Check("host facts", SKIP, "the node sends no host facts (kimi-mlx before "
+                         "`cluster doctor`): update it"))
+    else:
+        out += [check_macos(n.facts), check_wired(n.facts, need, what),
+                check_disk("models folder", n.facts.get("disk", {}).get("models folder")),
+                check_rdma(n.facts, need_rdma), check_bridge(n.facts)]
+        out.append(check_clock(n.facts.get("time"), n.sent, n.received))
+    for c in out:
+        c.node = n.name
+    return out
+
+
+def cross_checks(head: Dict[str, str], nodes: Sequence[NodeFacts], backend: str) -> List[Check]:
+    """Versions equal on this head and every node, macOS equal where jaccl would run,
+    and the Thunderbolt cabling of every pair."""
+    from kimi_mlx.cluster.net.jaccl import parse_ibv_devices
+
+    checks = []
+    ver = {"this head": head["kimi-mlx"], **{n.name: n.version for n in nodes}}
+    mlx = {"this head": head["MLX"], **{n.name: n.mlx_version for n in nodes}}
+    proto = {"this head": head["stage protocol"], **{n.name: str(n.protocol) for n in nodes}}
+    same = "install the same kimi-mlx (and MLX) on every Mac: pip install -U kimi-mlx"
+    checks.append(check_same("stage protocol", proto, "stage protocol", same))
+    checks.append(check_same("kimi-mlx version", ver, "kimi-mlx", same))
+    rdma_everywhere = bool(nodes) and all(
+        n.facts and parse_ibv_devices(n.facts["outputs"].get("ibv_devices", "")) for n in nodes)
+    jaccl = backend == "jaccl" or (backend == "auto" and rdma_everywhere)
+    checks.append(check_same("MLX version", mlx, "MLX", same, FAIL if jaccl else WARN))
+    with_facts = [n for n in nodes if n.facts and n.facts.get("platform") == "darwin"]
+    if with_facts:
+        macos = {n.name: hf.parse_sw_vers(n.facts["outputs"].get("sw_vers")).get("ProductVersion", "?")
+                 for n in with_facts}
+        c = check_same("macOS versions", macos, "macOS", "update every Mac to the same macOS "
+                       "(jaccl needs the same RDMA stack on each)", FAIL if jaccl else WARN)
+        checks.append(c)
+    else:
+        checks.append(Check("macOS versions", SKIP, "no node is a Mac"))
+    if not with_facts:
+        checks.append(Check("cabling", SKIP, "no node is a Mac (no Thunderbolt to check)"))
+    else:
+        checks.append(check_cabling([n.rdma for n in nodes if n.rdma is not None],
+                                    backend == "jaccl"))
+    return checks
+
+
+def cluster_checks(s: DoctorSettings, nodes: str = "auto", secret_file: Optional[Path] = None,
+                   tls: bool = False, browse_s: float = 3.0, interface: Optional[str] = None,
+                   connect=socket.create_connection) -> List[Check]:
+    """Every check of the nodes named in `nodes` ("host:port,..." or "auto": zeroconf's)
+    and between them, as seen from this machine (the head)."""
+    from kimi_mlx.cluster.net import stage_pb2 as pb
+    from kimi_mlx.cluster.net.auth import AuthError, load_secret
+    from kimi_mlx.cluster.net.control import ControlClient, rpc_reason
+    from kimi_mlx.cluster.net.discovery import DEFAULT_PORT, browse, interface_addresses
+    from kimi_mlx.cluster.net.jaccl import JacclError, NodeReport
+    from kimi_mlx.cluster.net.nodes import parse_address
+
+    import grpc
+
+    checks: List[Check] = []
+    try:
+        found = browse(browse_s, interface_addresses(interface))
+        advertised = [n.address for n in found]
+    except (OSError, ValueError) as e:
+        found, advertised = [], []
+        checks.append(Check("zeroconf", WARN, f"cannot browse: {e}", "check --interface"))
+    if nodes == "auto":
+        targets = [(n.node_id, n.host, n.port) for n in found]
+        if not targets:
+            checks.append(Check("nodes", FAIL, f"no kimi-mlx node answered a {browse_s:g} s "
+                                "zeroconf browse", "start `kimi-mlx cluster serve` on each Mac, "
+                                "or list them with --nodes host:port,..."))
+            return checks
+    else:
+        targets = []
+        for spec in nodes.split(","):
+            if spec.strip():
+                try:
+                    host, port = parse_address(spec, DEFAULT_PORT)
+                except ValueError as e:
+                    checks.append(Check("nodes", FAIL, str(e), "fix --nodes"))
+                    continue
+                targets.append((spec.strip(), host, port))
+        if not targets:
+            checks.append(Check("nodes", SKIP, "--nodes lists no node"))
+            return checks
+    try:
+        secret = load_secret(secret_file)
+    except AuthError as e:
+        secret = None
+        checks.append(Check("secret", FAIL, str(e), "copy the cluster secret from the Mac "
+                            "that ran `kimi-mlx cluster init`"))
+    client = ControlClient(secret, secret_file if tls else None) if secret else None
+    seen: List[NodeFacts] = []
+    for name, host, port in targets:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        c = check_port(address, host, port, connect)
+        c.node = name
+        checks.append(c)
+        if nodes != "auto":
+            z = check_zeroconf(address, advertised, browse_s)
+            z.node = name
+            checks.append(z)
+        if c.status != OK or client is None:
+            continue
+        sent = time.time()
+        try:
+            reply = client.stub_for(address).Health(pb.HealthRequest(), timeout=5.0)
+        except grpc.RpcError as e:
+            checks.append(Check("health", FAIL, rpc_reason(e, "Health"),
+                                "see the reason; `kimi-mlx cluster ls` lists what answers", name))
+            continue
+        received = time.time()
+        try:
+            facts = json.loads(reply.host_facts) if reply.host_facts else None
+        except ValueError:
+            facts = None
+        try:
+            rdma = NodeReport.from_json(reply.rdma_report, reply.node_id) if reply.rdma_report else None
+        except JacclError:
+            rdma = None
+        seen.append(NodeFacts(reply.node_id or name, address, reply.version, reply.mlx_version,
+                              reply.protocol, facts, rdma, sent, received, reply.total_memory,
+                              reply.usable_memory, reply.bandwidth, reply.chip))
+        checks.append(Check("health", OK, f"{reply.node_id} answers (kimi-mlx {reply.version}, "
+                            f"MLX {reply.mlx_version}, {reply.state})", node=name))
+    needs, note = node_plan_needs(seen, s.model, s.context)
+    for n in seen:
+        checks += node_checks(n, needs.get(n.name) if needs else None,
+                              f"its stage of {note} " if needs else "", s.backend == "jaccl")
+    if s.model and not needs:
+        checks.append(Check("plan", FAIL if seen else SKIP, note))
+    checks += cross_checks(_versions(), seen, s.backend)
+    checks.append(Check("bandwidth/decode", SKIP, "measured on each Mac itself: run "
+                        "`kimi-mlx doctor --model ...` there"))
+    return checks
