@@ -13,20 +13,9 @@ import sys
 from pathlib import Path
 
 
-def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by `kimi-mlx doctor` and `kimi-mlx cluster doctor`."""
-    p.add_argument("--model", default=None,
-                   help="checkpoint folder to check the plan, disk and decode speed for "
-                        "(default: those checks are skipped)")
-    p.add_argument("--context", type=int, default=None,
-                   help="tokens per sequence to plan caches for (default as `kimi-mlx plan`)")
-    p.add_argument("--backend", default="auto", choices=["auto", "ring", "jaccl"],
-                   help="the tensor-parallel backend you mean to use: with jaccl, RDMA and "
-                        "cabling problems FAIL instead of WARN (default auto)")
-    p.add_argument("--json", action="store_true", help="print JSON (checks, summary, ok)")
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kimi_mlx.cluster.doctor_run import add_doctor_arguments
+
     add_doctor_arguments(p)
     from kimi_mlx.server.serving import DEFAULT_DISK_BYTES
 
@@ -46,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from kimi_mlx.cluster.doctor import DoctorSettings, exit_status, local_checks, local_facts, render
+    from kimi_mlx.cluster.doctor import exit_status, render
+    from kimi_mlx.cluster.doctor_run import DoctorSettings, local_checks, local_facts
     from kimi_mlx.placement.planner import parse_bytes
 
     try:
