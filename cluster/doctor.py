@@ -191,7 +191,8 @@ def check_wired(facts: dict, need_bytes: Optional[int], what: str = "") -> Check
                      f"sudo sysctl iogpu.wired_limit_mb={ram_mb - MACOS_RESERVE // MiB}")
     if need_bytes is None:
         return Check("wired-limit", OK, f"{said}; plan not checked (no --model)")
-    return Check("wired-limit", OK, f"{said}; {what}needs {need_bytes // MiB} MB")
+    return Check("wired-limit", OK, f"{said}; {what}needs {need_bytes // MiB} MB (weights, "
+                 "caches and the planner's headroom)")
 
 
 def check_disk(label: str, d: Optional[dict], need_bytes: int = 0) -> Check:

@@ -25,8 +25,9 @@ from kimi_mlx.cluster.net import hostfacts as hf
 def add_doctor_arguments(p: argparse.ArgumentParser) -> None:
     """Flags shared by `kimi-mlx doctor` and `kimi-mlx cluster doctor`."""
     p.add_argument("--model", default=None,
-                   help="checkpoint folder to check the plan, disk and decode speed for "
-                        "(default: those checks are skipped)")
+                   help="checkpoint folder (or hub id, for the plan only) to check the wired "
+                        "limit against its plan, free disk and (kimi-mlx doctor) decode "
+                        "tok/s for (default: those checks are skipped)")
     p.add_argument("--context", type=int, default=None,
                    help="tokens per sequence to plan caches for (default as `kimi-mlx plan`)")
     p.add_argument("--backend", default="auto", choices=["auto", "ring", "jaccl"],
@@ -190,21 +191,30 @@ def local_checks(s: DoctorSettings, facts: Optional[dict] = None, run: hf.Runner
     if bandwidth is not None:
         checks.append(check_bandwidth(float(bandwidth), constant, chip))
     else:
-        checks.append(Check("bandwidth", SKIP, "not measured (--no-measure)"))
+        checks.append(Check("bandwidth", SKIP, "not recorded" if replay else
+                            "not measured (--no-measure)"))
     decode = facts.get("decode")
-    why = "" if s.model else "no --model"
-    if decode is None and s.model and s.measure and not replay and plan is not None:
-        try:
-            decode = facts["decode"] = measure_decode(s.model, s.decode_tokens)
-        except Exception as e:  # noqa: BLE001 - any load / generation error is the finding
-            checks.append(Check("decode", FAIL, f"cannot generate with {s.model}: "
-                                f"{type(e).__name__}: {e}", "run `kimi-mlx generate --model` "
-                                "for the full error"))
-            return checks
-    elif s.model and plan is None:
-        why = "the model does not fit this machine"
-    elif s.model and not s.measure:
-        why = "not measured (--no-measure)"
+    local = bool(s.model) and Path(s.model).expanduser().is_dir()
+    why = ""
+    if decode is None:
+        if not s.model:
+            why = "no --model"
+        elif plan is None:
+            why = "the model does not fit this machine"
+        elif not local:
+            why = f"{s.model} is not a folder here"
+        elif replay:
+            why = "not recorded"
+        elif not s.measure:
+            why = "not measured (--no-measure)"
+        else:
+            try:
+                decode = facts["decode"] = measure_decode(s.model, s.decode_tokens)
+            except Exception as e:  # noqa: BLE001 - any load / generation error is the finding
+                checks.append(Check("decode", FAIL, f"cannot generate with {s.model}: "
+                                    f"{type(e).__name__}: {e}", "run `kimi-mlx generate "
+                                    "--model` for the full error"))
+                return checks
     predicted = None
     basis = ""
     if plan is not None and decode is not None:
@@ -343,12 +353,12 @@ def cluster_checks(s: DoctorSettings, nodes: str = "auto", secret_file: Optional
         seen.append(NodeFacts(reply.node_id or name, address, reply.version, reply.mlx_version,
                               reply.protocol, facts, rdma, sent, received, reply.total_memory,
                               reply.usable_memory, reply.bandwidth, reply.chip))
-        checks.append(Check("health", OK, f"answers (kimi-mlx {reply.version}, "
+        checks.append(Check("health", OK, f"{address} answers (kimi-mlx {reply.version}, "
                             f"MLX {reply.mlx_version}, {reply.state})", node=name))
-        if reply.node_id and reply.node_id != name:
+        if reply.node_id and reply.node_id != name:  # name it as its other lines will
             for c in checks:
                 if c.node == name:
-                    c.node = f"{reply.node_id} {address}" if name == address else reply.node_id
+                    c.node = reply.node_id
     return checks + nodes_checks(s, seen)
 
 
