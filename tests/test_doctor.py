@@ -17,7 +17,10 @@ from kimi_mlx.cluster import doctor as d
 from kimi_mlx.cluster.doctor_run import DoctorSettings, local_checks, nodes_checks
 from kimi_mlx.cluster.net import hostfacts as hf
 
-MICRO = "kimi_mlx/assets/micro"
+from pathlib import Path
+
+REPO_MICRO = Path(__file__).resolve().parents[1] / "kimi_mlx" / "assets" / "micro"
+MICRO = str(REPO_MICRO)
 RAM_MB = 512 * 1024  # hw.memsize 549755813888 = 512 GiB
 
 
@@ -320,3 +323,33 @@ def test_cluster_doctor_with_a_node_that_is_down(tmp_path):
              "--discover-timeout", "0.5")
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"FAIL  [127.0.0.1:{port}] port:" in r.stdout
+
+
+def test_cluster_doctor_on_two_loopback_nodes(tmp_path):
+    """Two real `cluster serve` processes on loopback, one advertising over zeroconf: the
+    doctor reaches both, reads their host facts from Health (clock, models folder) and
+    finds versions equal; the node without an advertisement is the only WARN."""
+    from kimi_mlx.testing.cluster import LocalCluster
+
+    c = LocalCluster(tmp_path, n=2, prefix="dr", ckpt=REPO_MICRO,
+                     extras=[[], ["--no-advertise"]], advertise=True)
+    try:
+        nodes = ",".join(p.address for p in c.procs)
+        r = _cli("cluster", "doctor", "--nodes", nodes, "--secret-file", str(c.secret_file),
+                 "--interface", "127.0.0.1", "--discover-timeout", "1.5", "--json", timeout=240)
+    finally:
+        c.stop()
+    assert r.returncode == 0, r.stdout + r.stderr
+    js = json.loads(r.stdout)
+    by = {(x["node"], x["name"]): x for x in js["checks"]}
+    for n in ("dr0", "dr1"):
+        assert by[(n, "port")]["status"] == "OK"
+        assert by[(n, "health")]["status"] == "OK"
+        assert by[(n, "clock")]["status"] == "OK"  # same machine, same clock
+        assert by[(n, "disk models folder")]["status"] == "OK"
+        assert by[(n, "disk models folder")]["message"].startswith(str(tmp_path / "models"))
+    for name in ("stage protocol", "kimi-mlx version", "MLX version"):
+        assert by[("", name)]["status"] == "OK"
+    assert by[("dr0", "zeroconf")]["status"] == "OK"
+    assert by[("dr1", "zeroconf")]["status"] == "WARN"
+    assert js["summary"]["FAIL"] == 0
