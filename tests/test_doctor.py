@@ -14,7 +14,7 @@ import pytest
 from doctor_cases import (GOOD_MAC, IFCONFIG_NO_BRIDGE, MISSING, GiB, disk, mac_facts, node,
                           node_report, recorded, runner)
 from kimi_mlx.cluster import doctor as d
-from kimi_mlx.cluster.doctor_run import DoctorSettings, local_checks, nodes_checks
+from kimi_mlx.cluster.doctor_run import DoctorSettings, cross_checks as d_cross, local_checks, nodes_checks
 from kimi_mlx.cluster.net import hostfacts as hf
 
 from pathlib import Path
@@ -131,6 +131,16 @@ def test_rdma_enabled_disabled_and_thunderbolt4_without_devices():
     assert c.status == d.FAIL and "26.2" in c.message
 
 
+def test_odd_outputs_warn_instead_of_raising():
+    odd = mac_facts()
+    odd["outputs"]["rdma_ctl"] = "rdma_ctl: unknown state\n"
+    c = d.check_rdma(odd)
+    assert c.status == d.WARN and "unknown state" in c.message
+    odd["outputs"]["thunderbolt"] = "not json"
+    assert d.check_thunderbolt(odd).status == d.WARN
+    assert d.check_wired(mac_facts(memsize=MISSING), 1).status == d.WARN
+
+
 def test_thunderbolt_ports_cabled():
     c = d.check_thunderbolt(mac_facts())
     assert c.status == d.OK and c.message == "en4 -> Mac 88F10ACA"  # receptacle 3 = en4
@@ -157,6 +167,8 @@ def test_metal_and_kernel_checks():
     assert [(c.name, c.status) for c in bad] == [
         ("metal", d.OK), ("kernel dsa_index_topk", d.WARN), ("kernels", d.OK)]
     assert "mismatch 0.3" in bad[1].message
+    assert d.check_metal(True, "darwin", {}, "auto")[1].status == d.WARN  # nothing checked
+    assert d.check_metal(True, "darwin", {}, "reference")[1].status == d.OK
 
 
 def test_bandwidth_and_decode_against_the_planner():
@@ -216,6 +228,25 @@ def test_cabling_every_pair():
     assert c.status == d.WARN and "between mac-a and mac-b" in c.message
     assert d.check_cabling([lone_a, lone], need=True).status == d.FAIL
     assert d.check_cabling([a]).status == d.SKIP
+
+
+def test_mlx_and_macos_differ_fail_only_where_jaccl_would_run():
+    a, b = node("mac-a"), node("mac-b", mlx="0.31.2", sw_vers="sw_vers_26.5.1.txt")
+    head = {"kimi-mlx": "0.1.0", "MLX": "0.32.4", "stage protocol": "7"}
+    ring = {c.name: c.status for c in d_cross(head, [a, b], "ring")}
+    assert ring["MLX version"] == d.WARN and ring["macOS versions"] == d.WARN
+    auto = {c.name: c.status for c in d_cross(head, [a, b], "auto")}  # RDMA on both: jaccl
+    assert auto["MLX version"] == d.FAIL and auto["macOS versions"] == d.FAIL
+    newer = {c.name: c.status for c in d_cross(head, [node("mac-a", protocol=8)], "ring")}
+    assert newer["stage protocol"] == d.FAIL
+
+
+def test_secret_missing_is_a_fail(tmp_path):
+    from kimi_mlx.cluster.doctor_run import cluster_checks
+
+    checks = cluster_checks(DoctorSettings(), "127.0.0.1:9", tmp_path / "none.key", browse_s=0.3,
+                            interface="127.0.0.1")
+    assert status(checks, "secret").status == d.FAIL
 
 
 def test_versions_equal_across_nodes():
@@ -333,12 +364,20 @@ def test_cluster_doctor_on_two_loopback_nodes(tmp_path):
 
     c = LocalCluster(tmp_path, n=2, prefix="dr", ckpt=REPO_MICRO,
                      extras=[[], ["--no-advertise"]], advertise=True)
+    from kimi_mlx.cluster.net.auth import init_secret
+
+    other = init_secret(tmp_path / "other.key")
     try:
         nodes = ",".join(p.address for p in c.procs)
         r = _cli("cluster", "doctor", "--nodes", nodes, "--secret-file", str(c.secret_file),
                  "--interface", "127.0.0.1", "--discover-timeout", "1.5", "--json", timeout=240)
+        wrong = _cli("cluster", "doctor", "--nodes", nodes, "--secret-file", str(other),
+                     "--interface", "127.0.0.1", "--discover-timeout", "0.5", timeout=240)
     finally:
         c.stop()
+    assert wrong.returncode == 1, wrong.stdout + wrong.stderr
+    fails = [l for l in wrong.stdout.splitlines() if l.startswith("FAIL")]
+    assert len(fails) == 2 and all("another cluster secret" in l for l in fails), wrong.stdout
     assert r.returncode == 0, r.stdout + r.stderr
     js = json.loads(r.stdout)
     by = {(x["node"], x["name"]): x for x in js["checks"]}
