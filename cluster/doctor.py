@@ -356,8 +356,8 @@ def check_decode(measured: Optional[float], predicted: Optional[float], basis: s
 @dataclass
 class NodeFacts:
     """What the cluster doctor knows of one node: name and address, its Health reply
-    fields (versions), its host facts (JSON of `hostfacts.gather`; {} from an older
-    node), its RDMA report, and the clock reading (local time before / after the call,
+    fields (versions), its host facts (`hostfacts.gather`'s dict; None from an older
+    node), its RDMA report (`jaccl.NodeReport` or None), and the clock reading (local time before / after the call,
     node time)."""
 
     name: str
@@ -466,7 +466,9 @@ def node_plan_needs(nodes: Sequence[NodeFacts], model_dir: Optional[str], contex
     try:
         model = model_bytes(model_dir)
         ctx = planned_context(context, model.max_position_embeddings)
-        pn = [Node(n.name, n.usable, n.bandwidth or 100 * GB, n.memory or None, n.chip or None)
+        from kimi_mlx.cluster.net.discovery import UNKNOWN_BANDWIDTH
+
+        pn = [Node(n.name, n.usable, n.bandwidth or UNKNOWN_BANDWIDTH, n.memory or None, n.chip or None)
               for n in nodes]
         plan = StagePlanner().plan(model, pn, ctx)
     except (PlanError, ValueError, FileNotFoundError) as e:

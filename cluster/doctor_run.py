@@ -334,17 +334,28 @@ def cluster_checks(s: DoctorSettings, nodes: str = "auto", secret_file: Optional
             checks.append(z)
         if c.status != OK or client is None:
             continue
-        sent = time.time()
-        try:
-            reply = client.stub_for(address).Health(pb.HealthRequest(), timeout=5.0)
-        except grpc.RpcError as e:
-            checks.append(Check("health", FAIL, rpc_reason(e, "Health"),
-                                "see the reason; `kimi-mlx cluster ls` lists what answers", name))
+        stub = client.stub_for(address)
+        for attempt in range(3):  # a node gathers its facts in the background: ask again
+            sent = time.time()
+            try:
+                reply = stub.Health(pb.HealthRequest(), timeout=5.0)
+            except grpc.RpcError as e:
+                reply = None
+                checks.append(Check("health", FAIL, rpc_reason(e, "Health"),
+                                    "see the reason; `kimi-mlx cluster ls` lists what answers",
+                                    name))
+                break
+            received = time.time()
+            try:
+                facts = json.loads(reply.host_facts) if reply.host_facts else None
+            except ValueError:
+                facts = None
+            if not (facts and facts.get("pending")):
+                break
+            time.sleep(1.0)
+        if reply is None:
             continue
-        received = time.time()
-        try:
-            facts = json.loads(reply.host_facts) if reply.host_facts else None
-        except ValueError:
+        if facts and facts.get("pending"):
             facts = None
         try:
             rdma = NodeReport.from_json(reply.rdma_report, reply.node_id) if reply.rdma_report else None

@@ -392,3 +392,31 @@ def test_cluster_doctor_on_two_loopback_nodes(tmp_path):
     assert by[("dr0", "zeroconf")]["status"] == "OK"
     assert by[("dr1", "zeroconf")]["status"] == "WARN"
     assert js["summary"]["FAIL"] == 0
+
+
+def test_node_host_facts_never_hold_a_health_reply_up(monkeypatch):
+    """A node's facts are gathered in the background: while the commands run, Health says
+    "pending" after a bounded wait; then the facts, each with the clock of that moment."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def slow_gather(paths=None, **_):
+        release.wait(10)
+        return {"platform": "darwin", "outputs": {"sw_vers": "x"}, "errors": {}, "disk": {},
+                "time": 0.0}
+
+    monkeypatch.setattr(hf, "gather", slow_gather)
+    paths = {"models folder": None, "test": "pending-case"}
+    t = time.monotonic()
+    first = json.loads(hf.cached_facts_json(paths, wait_s=0.2))
+    assert time.monotonic() - t < 2.0 and first["pending"] is True
+    release.set()
+    deadline = time.monotonic() + 10
+    while True:
+        got = json.loads(hf.cached_facts_json(paths, wait_s=0.2))
+        if not got.get("pending") or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert got["outputs"] == {"sw_vers": "x"} and abs(got["time"] - time.time()) < 5

@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -191,19 +192,37 @@ def max_gbps(speeds: Sequence[str]) -> Optional[int]:
     return max(found) if found else None
 
 
-_CACHE: Dict[str, tuple] = {}
+_LOCK = threading.Lock()
+_CACHE: Dict[str, dict] = {}  # paths key -> {"at": gathered, "facts": dict | None, "thread"}
 
 
-def cached_facts_json(paths: Dict[str, Optional[Path]], ttl_s: float = 30.0) -> str:
-    """`gather(paths=paths)` as JSON, re-read at most every `ttl_s` seconds (a node's
-    Health answers often), with "time" always this moment's clock (for clock skew)."""
+def _refresh(key: str, paths: Dict[str, Optional[Path]]) -> None:
+    facts = gather(paths=paths)
+    with _LOCK:
+        _CACHE[key].update(at=time.time(), facts=facts)
+
+
+def cached_facts_json(paths: Dict[str, Optional[Path]], ttl_s: float = 30.0,
+                      wait_s: float = 1.0) -> str:
+    """`gather(paths=paths)` as JSON for a node's Health reply, without holding the reply up:
+    the commands run in a background thread, again once the last reading is `ttl_s`
+    seconds old; the first call waits up to `wait_s` for them, and when they are not done
+    yet answers {"pending": true} (the doctor asks again). "time" is always this moment's
+    clock (for clock skew)."""
     import json
 
     key = repr(sorted((k, str(v)) for k, v in paths.items()))
-    now = time.time()
-    hit = _CACHE.get(key)
-    if hit is None or now - hit[0] > ttl_s:
-        hit = (now, gather(paths=paths))
-        _CACHE[key] = hit
-    facts = dict(hit[1], time=time.time())
-    return json.dumps(facts)
+    with _LOCK:
+        st = _CACHE.setdefault(key, {"at": 0.0, "facts": None, "thread": None})
+        if time.time() - st["at"] > ttl_s and not (st["thread"] and st["thread"].is_alive()):
+            st["thread"] = threading.Thread(target=_refresh, args=(key, paths), daemon=True,
+                                            name="kimi-mlx-hostfacts")
+            st["thread"].start()
+        thread, facts = st["thread"], st["facts"]
+    if facts is None and thread is not None:
+        thread.join(wait_s)
+        with _LOCK:
+            facts = st["facts"]
+    if facts is None:
+        return json.dumps({"platform": sys.platform, "pending": True, "time": time.time()})
+    return json.dumps(dict(facts, time=time.time()))

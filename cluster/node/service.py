@@ -243,7 +243,9 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
 
     def Health(self, request, context):
         """HealthReply: versions, memory, the checkpoints in the models folder (rescanned
-        when it changed), what is loaded, live sessions."""
+        when it changed), what is loaded, live sessions, and this host's facts for
+        `kimi-mlx cluster doctor` (`hostfacts.cached_facts_json`: gathered in the
+        background, never holding the reply up past a second)."""
         ours, mlx_version = package_versions()
         s = self.spec
         catalog = self.refresh_catalog()
