@@ -453,6 +453,28 @@ def check_cabling(reports: Sequence, need: bool = False) -> Check:
     return Check("cabling", OK, f"every pair of the {len(reports)} nodes is cabled")
 
 
+def check_bridge_subnets(bridges: Dict[str, List[Tuple[str, int]]]) -> Check:
+    """The nodes' bridge0 IPv4 networks ({node: [(address, prefix bits)]}, from
+    `hostfacts.parse_ifconfig`): nodes whose bridge shares no network with the first
+    node's cannot talk over Thunderbolt (WARN: traffic goes over Ethernet / Wi-Fi)."""
+    import ipaddress
+
+    nets = {n: {ipaddress.ip_interface(f"{a}/{b}").network for a, b in v}
+            for n, v in bridges.items() if v}
+    if len(nets) < 2:
+        return Check("bridge subnets", SKIP, "fewer than 2 nodes with a bridge0 address")
+    first, *rest = list(nets)
+    apart = [n for n in rest if not nets[n] & nets[first]]
+    if apart:
+        shown = "; ".join(f"{n}: {', '.join(map(str, sorted(nets[n], key=str)))}" for n in [first] + apart)
+        return Check("bridge subnets", WARN, f"bridge0 of {', '.join(apart)} shares no network "
+                     f"with {first}'s ({shown})", "give every Mac's Thunderbolt Bridge an "
+                     "address in one subnet (or leave them all self-assigned 169.254.x.x)")
+    common = set.intersection(*nets.values())
+    return Check("bridge subnets", OK, "every node's bridge0 is on "
+                 + (", ".join(map(str, sorted(common, key=str))) or "a network shared with the first"))
+
+
 def node_plan_needs(nodes: Sequence[NodeFacts], model_dir: Optional[str], context: Optional[int]
                     ) -> Tuple[Dict[str, int], str]:
     """({node: bytes its pipeline stage needs (weights + caches + headroom)}, note) for

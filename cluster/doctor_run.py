@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from kimi_mlx.cluster.doctor import (
-    FAIL, GB, OK, SKIP, Check, NodeFacts, _is_mac, check_bandwidth, check_bridge, check_cabling,
+    FAIL, GB, OK, SKIP, Check, NodeFacts, _is_mac, check_bandwidth, check_bridge,
+    check_bridge_subnets, check_cabling,
     check_clock, check_decode, check_disk, check_macos, check_metal, check_port, check_rdma,
     check_same, check_thunderbolt, check_versions, check_wired, check_zeroconf, copy_bandwidth,
     effective_wired_bytes, node_plan_needs, WARN,
@@ -266,6 +267,9 @@ def cross_checks(head: Dict[str, str], nodes: Sequence[NodeFacts], backend: str)
         checks.append(c)
     else:
         checks.append(Check("macOS versions", SKIP, "no node is a Mac"))
+    if with_facts:
+        checks.append(check_bridge_subnets(
+            {n.name: hf.parse_ifconfig(n.facts["outputs"].get("bridge"))["inet"] for n in with_facts}))
     if not with_facts:
         checks.append(Check("cabling", SKIP, "no node is a Mac (no Thunderbolt to check)"))
     else:

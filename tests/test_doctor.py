@@ -249,6 +249,15 @@ def test_secret_missing_is_a_fail(tmp_path):
     assert status(checks, "secret").status == d.FAIL
 
 
+def test_bridge_subnets_shared():
+    active = hf.parse_ifconfig(recorded("ifconfig_bridge0_active.txt"))["inet"]  # 169.254.61.20/16
+    c = d.check_bridge_subnets({"mac-a": active, "mac-b": [("169.254.7.9", 16)]})
+    assert c.status == d.OK and "169.254.0.0/16" in c.message
+    c = d.check_bridge_subnets({"mac-a": active, "mac-b": [("10.10.0.2", 24)]})
+    assert c.status == d.WARN and "mac-b: 10.10.0.0/24" in c.message
+    assert d.check_bridge_subnets({"mac-a": active, "mac-b": []}).status == d.SKIP
+
+
 def test_versions_equal_across_nodes():
     c = d.check_same("v", {"this head": "1", "a": "1"}, "kimi-mlx", "fix")
     assert c.status == d.OK

@@ -2,8 +2,8 @@
 kernel device checks, the wired limit against the plan for --model, free disk, RDMA,
 Thunderbolt cabling and bridge, memory bandwidth and decode tokens/s measured against
 the planner). One line per check, OK / WARN / FAIL / SKIP with the fix; `--json` for
-tools; exit status 1 when a check FAILs. The checks live in `kimi_mlx.cluster.doctor`
-(shared with `kimi-mlx cluster doctor`)."""
+tools; exit status 1 when a check FAILs. The checks live in `kimi_mlx.cluster.doctor` and
+the gathering in `kimi_mlx.cluster.doctor_run` (shared with `kimi-mlx cluster doctor`)."""
 
 from __future__ import annotations
 
