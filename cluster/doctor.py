@@ -184,8 +184,8 @@ def check_wired(facts: dict, need_bytes: Optional[int], what: str = "") -> Check
                          "spread the model over more Macs (`kimi-mlx plan`) or prune it")
         return Check("wired-limit", FAIL, f"{said}; {what}needs {need_bytes // MiB} MB: "
                      "weights would be paged and decode would crawl",
-                     f"sudo sysctl iogpu.wired_limit_mb={n} (add it to /etc/sysctl.conf to "
-                     "keep it after a reboot)")
+                     f"sudo sysctl iogpu.wired_limit_mb={n} (it resets at reboot: run it "
+                     "again after one)")
     if wired and ram_mb - wired < MACOS_RESERVE // MiB:
         return Check("wired-limit", WARN, f"{said}: leaves macOS {ram_mb - wired} MB",
                      f"sudo sysctl iogpu.wired_limit_mb={ram_mb - MACOS_RESERVE // MiB}")
