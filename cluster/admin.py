@@ -1,6 +1,6 @@
-"""`kimi-mlx cluster init` and `kimi-mlx cluster ls`: make the cluster secret, and list the
-nodes on the network (checked with an authenticated call when this machine has the
-secret). The command layer of the cluster, like `cli.py`."""
+"""`kimi-mlx cluster init`, `kimi-mlx cluster ls` and `kimi-mlx cluster doctor`: make the
+cluster secret, list the nodes on the network (checked with an authenticated call when
+this machine has the secret), and check them (`cluster.doctor`). The command layer of the cluster, like `cli.py`."""
 
 from __future__ import annotations
 
@@ -92,3 +92,22 @@ def ls(args) -> int:
     for r in [head] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0
+
+
+def doctor(args) -> int:
+    """`kimi-mlx cluster doctor`: the checks of `cluster.doctor.cluster_checks`, printed
+    (or JSON); 1 when a check FAILs, 2 for bad flags."""
+    from kimi_mlx.cluster.doctor import exit_status, render
+    from kimi_mlx.cluster.doctor_run import DoctorSettings, cluster_checks
+    from kimi_mlx.cluster.net.nodes import check_browse_time
+
+    try:
+        check_browse_time("--discover-timeout", args.discover_timeout)
+    except ValueError as e:
+        _err("doctor", e)
+        return 2
+    s = DoctorSettings(model=args.model, context=args.context, backend=args.backend)
+    checks = cluster_checks(s, args.nodes, args.secret_file, args.tls, args.discover_timeout,
+                            args.interface)
+    print(render(checks, args.json))
+    return exit_status(checks)

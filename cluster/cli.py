@@ -1,4 +1,4 @@
-"""`kimi-mlx cluster`: init | serve | ls | launch | server: the flags, turned into typed
+"""`kimi-mlx cluster`: init | serve | ls | doctor | launch | server: the flags, turned into typed
 settings once (`net.nodes.NodeSettings`, `head.cluster.PipelineSettings`,
 `node.daemon.ServeSettings`), and the dispatch.
 
@@ -7,6 +7,7 @@ settings once (`net.nodes.NodeSettings`, `head.cluster.PipelineSettings`,
 - `serve`: run on every Mac: serves the stage RPCs and advertises the node over zeroconf.
 - `ls`: browse and print the nodes found (checked with an authenticated call when this
   machine has the secret).
+- `doctor`: check the nodes and the links between them (`cluster.doctor`).
 - `launch`: on the head: discover, check versions and fingerprints, plan, load every
   stage with a progress bar per node, then generate with `kimi-mlx generate`'s flags and
   output (`--draft-model` / `--draft ngram`: speculative decoding, the draft on the head, verify steps
@@ -95,6 +96,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _parallel_arguments(q)
     _common(q)
     add_allow_paging_argument(q)  # this process (a stage, a tensor rank 0) or its ranks
+
+    q = sub.add_parser("doctor", help="check the nodes: versions, wired limits, RDMA, cabling, clocks",
+                       description="Check the nodes found (zeroconf) or listed: reachable "
+                                   "ports, versions equal, macOS, wired limit against each "
+                                   "node's planned stage (--model), disk, RDMA, Thunderbolt "
+                                   "cabling of every pair, bridge addresses, clock skew, "
+                                   "zeroconf visibility. One line per check with the fix; "
+                                   "exit status 1 when a check FAILs.")
+    q.add_argument("--nodes", default="auto",
+                   help="host[:port],host[:port],... or 'auto': the nodes zeroconf finds "
+                        "(default: auto)")
+    q.add_argument("--interface", default=None, help="interface to browse on")
+    q.add_argument("--discover-timeout", type=float, default=3.0,
+                   help="seconds to browse for nodes (default 3; at least 0.3)")
+    from kimi_mlx.cluster.doctor_run import add_doctor_arguments
+
+    add_doctor_arguments(q)
+    _common(q)
 
     q = sub.add_parser("server", help="OpenAI + Anthropic API server over the nodes",
                        description="`kimi-mlx server`'s API with the pipeline, or one "
@@ -241,7 +260,7 @@ def run(args) -> int:
     if getattr(args, "allow_paging", False):  # exported: the ranks this process starts page too
         allow_paging(True)
     if cmd is None:
-        print("usage: kimi-mlx cluster {init,serve,ls,launch,server} ... (see --help)", file=sys.stderr)
+        print("usage: kimi-mlx cluster {init,serve,ls,doctor,launch,server} ... (see --help)", file=sys.stderr)
         return 2
     if cmd == "init":
         from kimi_mlx.cluster.admin import init
@@ -252,6 +271,11 @@ def run(args) -> int:
 
         _logging(args.log_level, "WARNING")
         return ls(args)
+    if cmd == "doctor":
+        from kimi_mlx.cluster.admin import doctor
+
+        _logging(args.log_level, "ERROR")
+        return doctor(args)
     if cmd == "serve":
         from kimi_mlx.cluster.node.daemon import serve
 

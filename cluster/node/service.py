@@ -59,6 +59,7 @@ from kimi_mlx.cluster.net import stage_pb2_grpc as pb_grpc
 from kimi_mlx.cluster.net.auth import key_id
 from kimi_mlx.cluster.net.channel import DEFAULT_MAX_MESSAGE, make_channel
 from kimi_mlx.cluster.net.fingerprint import folder_state, scan
+from kimi_mlx.cluster.net.hostfacts import cached_facts_json
 from kimi_mlx.cluster.net.jaccl import local_report_json
 from kimi_mlx.cluster.net.ranks import TensorSetupError, available_backends
 from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION, WireError, build_id, check_session_id, package_versions
@@ -242,7 +243,9 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
 
     def Health(self, request, context):
         """HealthReply: versions, memory, the checkpoints in the models folder (rescanned
-        when it changed), what is loaded, live sessions."""
+        when it changed), what is loaded, live sessions, and this host's facts for
+        `kimi-mlx cluster doctor` (`hostfacts.cached_facts_json`: gathered in the
+        background, never holding the reply up past a second)."""
         ours, mlx_version = package_versions()
         s = self.spec
         catalog = self.refresh_catalog()
@@ -258,6 +261,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
             device="cpu" if mx.default_device() == mx.cpu else "gpu", key_id=key_id(self.secret),
             build=build_id(), backends=available_backends(),
             rdma_report=local_report_json(f"node {self.node_id}"),
+            host_facts=cached_facts_json({"models folder": self.models_dir}),
         )
 
     def Watch(self, request, context):

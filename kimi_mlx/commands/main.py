@@ -20,6 +20,7 @@ COMMANDS = [
     ("cluster", "kimi_mlx.cluster.cli", "zeroconf discovery, stage service and launcher"),
     ("prune", "kimi_mlx.prune.cli", "REAP expert pruning to a single-Mac checkpoint"),
     ("convert", "kimi_mlx.prune.convert_cli", "quantize the BF16 trunk (MLX affine, as mlx_lm.convert)"),
+    ("doctor", "kimi_mlx.commands.doctor", "check this Mac for kimi-mlx: versions, Metal, wired limit, RDMA, speed"),
     ("bench", "kimi_mlx.commands.bench", "benchmarks (kernels, model vs mlx-lm)"),
 ]
 
