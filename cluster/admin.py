@@ -95,7 +95,7 @@ def ls(args) -> int:
 
 
 def doctor(args) -> int:
-    """`kimi-mlx cluster doctor`: the checks of `cluster.doctor.cluster_checks`, printed
+    """`kimi-mlx cluster doctor`: the checks of `cluster.doctor_run.cluster_checks`, printed
     (or JSON); 1 when a check FAILs, 2 for bad flags."""
     from kimi_mlx.cluster.doctor import exit_status, render
     from kimi_mlx.cluster.doctor_run import DoctorSettings, cluster_checks

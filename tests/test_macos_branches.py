@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MACOS = json.loads((Path(__file__).parent / "data" / "macos" / "commands.json").read_text())
 GiB = 2**30
 
-# file:function (qualified) -> the test in this module that runs its macOS side
+# file:function (qualified) -> the test that runs its macOS side: a test of this module, or
+# "tests/<file>.py::test_name" for one that lives beside its subsystem's other tests
 REGISTRY = {
     "kimi_mlx/commands/blas.py:preload_env": "test_blas_preload_is_linux_only",
     "kimi_mlx/commands/blas.py:blas_in_use": "test_blas_in_use_says_accelerate_on_macos",
@@ -47,6 +48,13 @@ REGISTRY = {
     "cluster/tensor/relay.py:_die_with_parent": "test_rank0_polls_its_parent_without_pdeathsig",
     "kimi_mlx/bench/ranged.py:drop_cache": "test_cold_read_bench_without_posix_fadvise",
     "kimi_mlx/checkpoint/ranged.py:SliceReader._copy_mapped": "test_ranged_read_without_madvise",
+    "cluster/net/hostfacts.py:<module>": "test_host_facts_gather_every_recorded_macos_command",
+    "cluster/net/hostfacts.py:gather": "test_host_facts_gather_every_recorded_macos_command",
+    "cluster/net/hostfacts.py:cached_facts_json": "test_pending_host_facts_name_the_platform",
+    "cluster/doctor.py:_is_mac": "tests/test_doctor.py::test_local_all_ok_on_the_recorded_mac",
+    "cluster/doctor.py:check_metal": "tests/test_doctor.py::test_metal_and_kernel_checks",
+    "cluster/doctor_run.py:cross_checks":
+        "tests/test_doctor.py::test_mlx_and_macos_differ_fail_only_where_jaccl_would_run",
 }
 
 # os / mmap names that macOS lacks or treats differently (a feature check is a branch too)
@@ -132,7 +140,13 @@ def test_every_platform_branch_has_a_test():
     stale = sorted(set(REGISTRY) - found)
     assert not stale, f"REGISTRY names branches that are gone: {stale}"
     names = {n for n in globals() if n.startswith("test_")}
-    assert set(REGISTRY.values()) <= names, set(REGISTRY.values()) - names
+    local = {v for v in REGISTRY.values() if "::" not in v}
+    assert local <= names, local - names
+    for ref in {v for v in REGISTRY.values() if "::" in v}:
+        file, test = ref.split("::")
+        tree = ast.parse((ROOT / file).read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert test in defined, f"REGISTRY names {ref}, which does not exist"
 
 
 def test_the_scanner_finds_a_new_branch(tmp_path):
@@ -459,3 +473,58 @@ def test_ranged_read_without_madvise(monkeypatch):
     assert stats2["mapped"] == stats["mapped"]
     a, b = flat(with_madv), flat(without)
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+# -- the doctor's host facts ---------------------------------------------------------------
+
+DOCTOR = Path(__file__).parent / "data" / "macos" / "doctor"
+
+
+def test_host_facts_gather_every_recorded_macos_command(tmp_path):
+    """On a Mac every command of `hostfacts.COMMANDS` answers; gather keeps each recorded
+    stdout under its key and reports the platform it ran on."""
+    from kimi_mlx.cluster.net import hostfacts as hf
+
+    recorded = {
+        ("sw_vers",): "sw_vers_26.2.txt",
+        ("sysctl", "hw.memsize"): "sysctl_hw_memsize_512g.txt",
+        ("sysctl", "machdep.cpu.brand_string"): "sysctl_cpu_brand_m3_ultra.txt",
+        ("sysctl", "iogpu.wired_limit_mb"): "sysctl_iogpu_wired_limit_mb_507904.txt",
+        ("rdma_ctl", "status"): "rdma_ctl_enabled.txt",
+        ("ibv_devices",): "ibv_devices_tb5.txt",
+        ("system_profiler", "SPThunderboltDataType", "-json"): "system_profiler_tb5_pair_a.json",
+        ("networksetup", "-listallhardwareports"): "networksetup_hardware_ports.txt",
+        ("ifconfig", "bridge0"): "ifconfig_bridge0_active.txt",
+    }
+    calls = []
+
+    def run(cmd):
+        calls.append(tuple(cmd))
+        return (DOCTOR / recorded[tuple(cmd)]).read_text()
+
+    facts = hf.gather(run, {"models": tmp_path}, platform="darwin")
+    assert facts["platform"] == "darwin" and facts["errors"] == {}
+    assert set(calls) == set(recorded) == {tuple(c) for c in hf.COMMANDS.values()}
+    for key, cmd in hf.COMMANDS.items():
+        assert facts["outputs"][key] == (DOCTOR / recorded[tuple(cmd)]).read_text()
+    assert hf.wired_limit_mb(run) == 507904
+    assert facts["disk"]["models"]["exists"] is True
+
+
+def test_pending_host_facts_name_the_platform(monkeypatch):
+    """A Health reply asked before the background gather finishes says {"pending": true}
+    with the node's platform (darwin on a Mac) and its clock."""
+    import threading
+
+    from kimi_mlx.cluster.net import hostfacts as hf
+
+    release = threading.Event()
+    monkeypatch.setattr(hf.sys, "platform", "darwin")
+    monkeypatch.setattr(hf, "gather", lambda paths=None, **kw: (release.wait(5), {"platform": "darwin"})[1])
+    before = time.time()
+    try:
+        reply = json.loads(hf.cached_facts_json({"x": Path("/nonexistent-doctor-probe")}, wait_s=0.05))
+    finally:
+        release.set()
+    assert reply["pending"] is True and reply["platform"] == "darwin"
+    assert before <= reply["time"] <= time.time()
