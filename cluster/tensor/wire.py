@@ -13,12 +13,14 @@ command carries the port and a random token the ranks send back), and rank 0's n
 `command` first writes one byte to each doorbell socket, then broadcasts as before. Both
 sides know the state from the command stream itself (after PARK: parked until the next
 command), so nothing else is exchanged and a group whose rank 0 never parks runs as
-before. The doorbell closing (rank 0 gone) ends a parked rank with RuntimeError, as a
-lost peer ends a collective.
+before. A rank that cannot reach the doorbell (a firewall) leaves the group waiting in
+`all_sum` as before (warned once). The doorbell closing (rank 0 gone) ends a parked rank
+with RuntimeError, as a lost peer ends a collective.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import socket
@@ -26,6 +28,8 @@ import struct
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
+
+log = logging.getLogger(__name__)
 
 OP_EXIT, OP_BEGIN, OP_FORWARD, OP_END, OP_RESTORE, OP_SNAPSHOT = 0, 1, 2, 3, 4, 5
 OP_PARK = 6  # the other ranks wait on the doorbell until rank 0's next command (module doc)
@@ -57,18 +61,19 @@ class _Doorbell:
         self.token = 0
         self.peers: List[socket.socket] = []  # rank 0: one per other rank
         self.sock: Optional[socket.socket] = None  # ranks 1..N-1: to rank 0
+        self.off = False  # it could not be opened: the group waits in all_sum, as before
+        self.woken = False  # ranks 1..: rank 0 rang this doorbell at least once
 
-    def accept(self, n: int, timeout: float) -> None:
-        """Rank 0: accept the `n` other ranks (each sends the token and its rank);
-        RuntimeError naming the ranks missing after `timeout` s."""
+    def accept(self, n: int, timeout: float) -> List[int]:
+        """Rank 0: accept the `n` other ranks (each sends the token and its rank); returns
+        the ranks missing after `timeout` s."""
         import time
 
         deadline, seen = time.monotonic() + timeout, set()
         while len(seen) < n:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"rank(s) {sorted(set(range(1, n + 1)) - seen)} did not "
-                                   f"connect to rank 0's doorbell within {timeout:.0f} s")
+                return sorted(set(range(1, n + 1)) - seen)
             self.listener.settimeout(left)
             try:
                 conn, _ = self.listener.accept()
@@ -87,6 +92,7 @@ class _Doorbell:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             seen.add(rank)
             self.peers.append(conn)
+        return []
 
     def ring(self) -> None:
         """Rank 0: wake every parked rank (a lost one fails the collective that follows)."""
@@ -129,12 +135,14 @@ def park(group, host: str) -> None:
     for the next command asleep on the doorbell instead of spinning in `all_sum` (module
     doc). `host`: rank 0's address as the other ranks reach it (its address in the
     group's host list). The first PARK opens the doorbell (waits up to
-    `DOORBELL_CONNECT_S` for every rank, RuntimeError naming the missing ones). Nothing
-    when already parked or in a group of one."""
+    `DOORBELL_CONNECT_S` for every rank); when a rank cannot reach it (a firewall), the
+    group never parks again and waits in `all_sum` as before (one warning). Nothing when
+    already parked or in a group of one. RuntimeError: the PARK's broadcast failed (a
+    peer lost), as any command's."""
     if group.size() < 2:
         return
     bell = _bells.get(id(group))
-    if bell is not None and bell.parked:
+    if bell is not None and (bell.parked or bell.off):
         return
     words = [0] * 5
     if bell is None:
@@ -145,13 +153,20 @@ def park(group, host: str) -> None:
         words = list(socket.inet_aton(ip)) + [bell.listener.getsockname()[1],
                                               bell.token >> 31, bell.token & 0x7FFFFFFF]
     command(group, OP_PARK, words)
-    if bell.listener is not None and not bell.peers:
+    if bell.listener is not None:
         try:
-            bell.accept(group.size() - 1, DOORBELL_CONNECT_S)
+            missing = bell.accept(group.size() - 1, DOORBELL_CONNECT_S)
         finally:
             bell.listener.close()
             bell.listener = None
         _bells[id(group)] = bell
+        if missing:  # those wait in all_sum already; wake the others, never park again
+            log.warning("rank(s) %s did not reach rank 0's doorbell at %s within %.0f s "
+                        "(a firewall?): idle ranks of this group wait in all_sum (they spin)",
+                        missing, ip, DOORBELL_CONNECT_S)
+            bell.off = True
+            bell.ring()
+            return
     bell.parked = True
 
 
@@ -164,15 +179,32 @@ def _follow_park(group, words: Sequence[int]) -> None:
             raise RuntimeError("rank 0 parked the group without opening its doorbell")
         host = ".".join(str(int(b)) for b in words[:4])
         token = (int(words[5]) << 31) | int(words[6])
-        sock = socket.create_connection((host, int(words[4])), timeout=DOORBELL_CONNECT_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.sendall(struct.pack("<qi", token, group.rank()))
-        sock.settimeout(None)
         bell = _bells[id(group)] = _Doorbell()
+        try:
+            sock = socket.create_connection((host, int(words[4])), timeout=DOORBELL_CONNECT_S)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            sock.sendall(struct.pack("<qi", token, group.rank()))
+            sock.settimeout(None)
+        except OSError as e:  # rank 0 gives up on this rank too: both wait in all_sum
+            log.warning("rank %d: cannot reach rank 0's doorbell at %s:%d (%s): idle, this "
+                        "rank waits in all_sum (it spins)", group.rank(), host, words[4], e)
+            bell.off = True
+            return
         bell.sock = sock
+    if bell.off:
+        return
     bell.parked = True
-    bell.wait()
+    try:
+        bell.wait()
+    except RuntimeError:
+        if bell.woken:
+            raise
+        # never woken yet: rank 0 may have closed its doorbell before it accepted this
+        # rank (it gave up after DOORBELL_CONNECT_S); all_sum says whether rank 0 is gone
+        bell.off, bell.parked = True, False
+        return
+    bell.woken = True
 
 
 def rank0_host(default: Optional[str] = None) -> Optional[str]:

@@ -260,6 +260,8 @@ class ServerProc:
     def __init__(self, cluster: "LocalCluster", port: int, *extra: str, timeout: float = 120.0):
         import threading
 
+        from kimi_mlx.cluster.net.lifetime import child_env
+
         self.url = f"http://127.0.0.1:{port}"
         self.log: List[str] = []
         self.proc = subprocess.Popen(
@@ -269,7 +271,7 @@ class ServerProc:
              "--activation-dtype", "float32", "--wire-dtype", "float32", "--peer-timeout", "3",
              "--served-model-name", "micro", "--prefill-chunk", "16", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            env=child_env(dict(os.environ, PYTHONUNBUFFERED="1")))  # ends when this process does
         threading.Thread(target=self._read, daemon=True).start()
         try:
             self.wait_health(200, timeout)

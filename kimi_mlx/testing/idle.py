@@ -146,6 +146,90 @@ def measure(ckpt: Path, idle: float, window: float, repeats: int,
             "warm_ms": warm, "exit": codes}
 
 
+def stage_cpu(ckpt: Path, workdir: Path, window: float, settle: float = 2.0) -> dict:
+    """{"unloaded": CPU s of an idle `cluster serve` stage over `window` s, "loaded": the
+    same after a head loaded its layers (a pipeline of this one stage, no request)}."""
+    from kimi_mlx.testing.cluster import LocalCluster
+
+    c = LocalCluster(Path(workdir), 1, prefix="idlestage", ckpt=ckpt)
+    try:
+        pid = c.procs[0].proc.pid
+        time.sleep(settle)
+        out = {"unloaded": _window(pid, window)}
+        t, _ = c.load_transport()
+        try:
+            time.sleep(settle)
+            out["loaded"] = _window(pid, window)
+        finally:
+            t.shutdown()
+    finally:
+        c.stop()
+    return out
+
+
+def server_cpu(ckpt: Path, workdir: Path, window: float, timeout: float = 180.0) -> float:
+    """CPU s of an idle one-process `kimi-mlx server` (model loaded, no request) over
+    `window` s."""
+    import urllib.request
+
+    from kimi_mlx.cluster.net.lifetime import child_env, stop_process
+    from kimi_mlx.testing.ports import free_ports
+
+    port = free_ports(1)[0]
+    log = open(Path(workdir) / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx.commands.main", "server", "--model",
+                             str(ckpt), "--port", str(port)], env=child_env(),
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > end or proc.poll() is not None:
+                raise RuntimeError(f"the server did not become ready (exit {proc.poll()})")
+            time.sleep(0.2)
+        time.sleep(2.0)
+        return _window(proc.pid, window)
+    finally:
+        stop_process(proc, what="the idle server")
+        log.close()
+
+
+def cluster_cpu(ckpt: Path, workdir: Path, window: float, settle: float = 20.0,
+                timeout: float = 240.0) -> dict:
+    """CPU s over `window` s of an idle `kimi-mlx cluster server --parallel tensor` on
+    loopback with one `cluster serve` node, as process trees: {"node": the node and its
+    rank, "server": the server, its rank 0 child and the spare}, measured `settle` s after
+    the server is ready (the spare rank 0 process imports meanwhile: 1-3 s of CPU)."""
+    from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+    from kimi_mlx.testing.ports import free_ports
+
+    grpc_port, _ = free_ports(2, consecutive=True)  # the node's rank listens on port + 1
+    c = LocalCluster(Path(workdir), 1, prefix="idlenode", ckpt=ckpt, ports=[grpc_port])
+    try:
+        srv = ServerProc(c, free_ports(1)[0], "--parallel", "tensor", timeout=timeout)
+        try:
+            time.sleep(settle)
+            pids = {"node": c.procs[0].proc.pid, "server": srv.proc.pid}
+            before = {k: cpu_seconds(v) for k, v in pids.items()}
+            time.sleep(window)
+            return {k: cpu_seconds(v) - before[k] for k, v in pids.items()}
+        finally:
+            srv.stop()
+    finally:
+        c.stop()
+
+
+def _window(pid: int, window: float) -> float:
+    before = cpu_seconds(pid)
+    time.sleep(window)
+    return cpu_seconds(pid) - before
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the reference one)")
@@ -153,12 +237,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--window", type=float, default=10.0, help="seconds of CPU measured")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--cycles", type=int, default=1, help="idle times, each then timed")
+    p.add_argument("--what", default="tensor", choices=("tensor", "stage", "server", "cluster"),
+                   help="tensor: the 2-rank group; stage: one `cluster serve` stage idle "
+                        "before and after loading; server: the one-process server idle; "
+                        "cluster: `cluster server --parallel tensor` and its node, idle")
     a = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kimi-mlx-idle-") as tmp:
         from kimi_mlx.testing.cluster import reference_checkpoint
 
         ckpt = Path(a.model) if a.model else reference_checkpoint(Path(tmp))
-        print(json.dumps(measure(ckpt, a.idle, a.window, a.repeats, a.cycles)), flush=True)
+        if a.what == "stage":
+            out = {"stage_cpu_s": stage_cpu(ckpt, Path(tmp), a.window), "window_s": a.window}
+        elif a.what == "cluster":
+            out = {"cluster_cpu_s": cluster_cpu(ckpt, Path(tmp), a.window), "window_s": a.window}
+        elif a.what == "server":
+            out = {"server_cpu_s": server_cpu(ckpt, Path(tmp), a.window), "window_s": a.window}
+        else:
+            out = measure(ckpt, a.idle, a.window, a.repeats, a.cycles)
+        print(json.dumps(out), flush=True)
     return 0
 
 
