@@ -79,7 +79,7 @@ def test_without_parking_an_idle_rank_spins(ckpt, monkeypatch):
         time.sleep(1.0)
         cpu = g.cpu(IDLE_WINDOW)
         print(f"idle CPU seconds over {IDLE_WINDOW:.0f} s without parking: {cpu}")
-        assert cpu["rank 1"] > 5 * IDLE_BOUND, cpu
+        assert cpu["rank 1"] > IDLE_BOUND, cpu  # the bound the parked group keeps
 
 
 def test_sigterm_stops_parked_ranks_cleanly(ckpt):

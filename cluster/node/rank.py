@@ -44,9 +44,10 @@ class RankProcess:
     still runs; `kill(why)` ends it (always call it; safe from several threads).
 
     A SIGKILL this node did not send (it sends one only from `kill`, when the head's lease
-    ends and the rank did not exit within `stop_timeout` s of SIGTERM) is reported as such, with the rank's peak resident memory and the memory the
-    machine had left: the signature of the kernel's OOM killer (see `dmesg`), or of another
-    process's kill by pid.
+    ends and the rank did not exit within `stop_timeout` s of SIGTERM) is reported as
+    such, with the rank's peak resident memory and the memory the machine had left: the
+    signature of the kernel's OOM killer (see `dmesg`), or of another process's kill by
+    pid.
 
     `cache_bytes`, `cache_dir`, `cache_disk_bytes`: the node's `cluster serve --cache-bytes /
     --prompt-cache-dir / --prompt-cache-disk-bytes`, handed to the rank's prompt cache.

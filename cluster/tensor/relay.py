@@ -593,8 +593,8 @@ def _relay(a, conn, held: dict) -> int:
         os.environ["MLX_HOSTFILE"] = f"/dev/fd/{hosts_fd}"
     a.model, a.backend = cfg["model"], cfg["backend"]
     # rank 0's address in the group, where the other ranks reach its doorbell (`wire.park`)
-    host = (os.environ.get("MLX_JACCL_COORDINATOR", "").rsplit(":", 1)[0] if cfg.get("hosts") is None
-            else str(json.loads(cfg["hosts"])[0][0]).rsplit(":", 1)[0])
+    host = (os.environ.get("MLX_JACCL_COORDINATOR", "") if cfg.get("hosts") is None
+            else str(json.loads(cfg["hosts"])[0][0])).rsplit(":", 1)[0]
     a.cache_bytes = cfg.get("cache_bytes")
     a.prompt_cache_dir = cfg.get("cache_dir")
     a.prompt_cache_disk_bytes = int(cfg.get("disk_bytes") or 0)
@@ -630,13 +630,13 @@ def _relay(a, conn, held: dict) -> int:
     rows = RowCaches(model, store, 0)  # the batched rows (`tensor.rows`)
     while True:
         try:
-            if host and PARK_AFTER != float("inf") and not conn.poll(PARK_AFTER):  # idle: the group sleeps until the next
-                park(group, host)
+            if host and PARK_AFTER != float("inf") and not conn.poll(PARK_AFTER):
+                park(group, host)  # idle: the other ranks sleep until the next command
             buf = conn.recv_bytes()
         except (EOFError, OSError):
             _close_store(store)
             return 0  # the server closed the group without EXIT (it is going away)
-        except RuntimeError as e:  # a rank did not reach the doorbell: the group is broken
+        except RuntimeError as e:  # the PARK's broadcast failed (a peer lost): broken
             return _broken(conn, f"rank 0 (this head's rank process): {e}")
         op, ids, keep, flags, media, capture = _decode_command(buf)
         try:

@@ -117,7 +117,8 @@ class _Doorbell:
         self.parked = False
 
 
-_bells: Dict[int, _Doorbell] = {}  # id(group) -> its doorbell (a group lives as long as its process)
+# id(group) -> its doorbell (an MLX group lives as long as its process)
+_bells: Dict[int, _Doorbell] = {}
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
