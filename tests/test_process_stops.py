@@ -178,3 +178,21 @@ def test_sigterm_to_bench_spec_leaves_no_process_and_no_folder(tmp_path):
             bench.wait()
         for pid, _ in _pids_with(str(tmp)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_node_stop_stops_its_running_ranks(tmp_path):
+    """`cluster serve` stopping (`StageService.close`, after SIGTERM) stops every tensor
+    rank it runs through `RankProcess.kill` (SIGTERM first), not only the ranks whose
+    lease ended: none is left to the interpreter's exit."""
+    from kimi_mlx.cluster.node.service import StageService
+
+    svc = StageService("stopnode", tmp_path, b"k" * 32)
+    stopped = []
+
+    class Rank:
+        def kill(self, why):
+            stopped.append(why)
+
+    svc._ranks.add(Rank())
+    svc.close(timeout=10)
+    assert stopped == ["the node is stopping"]
