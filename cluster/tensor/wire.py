@@ -21,7 +21,6 @@ with RuntimeError, as a lost peer ends a collective.
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import socket
 import struct
@@ -206,22 +205,6 @@ def _follow_park(group, words: Sequence[int]) -> None:
         bell.off, bell.parked = True, False
         return
     bell.woken = True
-
-
-def rank0_host(default: Optional[str] = None) -> Optional[str]:
-    """Rank 0's address in this process's group settings (MLX_JACCL_COORDINATOR, else
-    the first entry of the ring's MLX_HOSTFILE), for `park`; `default` when neither is
-    readable (read it before the host file is removed)."""
-    import json
-
-    coord = os.environ.get("MLX_JACCL_COORDINATOR", "")
-    if coord:
-        return coord.rsplit(":", 1)[0]
-    try:
-        with open(os.environ.get("MLX_HOSTFILE", "")) as f:
-            return str(json.load(f)[0][0]).rsplit(":", 1)[0]
-    except (OSError, ValueError, IndexError, KeyError, TypeError):
-        return default
 
 
 def command(group, op: int = OP_EXIT, tokens: Sequence[int] = (), keep: int = -1,
