@@ -1,19 +1,22 @@
-"""(tests, measurement) What an idle tensor group costs: CPU seconds of its processes while
-no command comes, and the latency of the first command after the idle time.
+"""(tests, measurement) What idle processes cost: CPU seconds while no command comes, and
+the latency of the first command after the idle time.
 
-The group is the server's on loopback, from its real processes: rank 0 is the server's
-rank 0 child (`cluster.tensor.relay.Rank0Process`, driven from this process as the server
-drives it) and rank 1 a node's rank process (`python -m kimi_mlx.cluster.tensor.rank`, as
-`cluster.node.rank.RankProcess` starts it), both on MLX's ring backend over 127.0.0.1.
+The tensor group (`--what tensor`, default) is the server's on loopback, from its real
+processes: rank 0 is the server's rank 0 child (`cluster.tensor.relay.Rank0Process`,
+driven from this process as the server drives it) and rank 1 a node's rank process
+(`python -m kimi_mlx.cluster.tensor.rank`, started by `cluster.node.rank.RankProcess`),
+both on MLX's ring backend over 127.0.0.1. `python -m kimi_mlx.testing.idle --idle 60`
+prints one JSON line: CPU seconds of each process over the last `--window` s of `--idle`
+s idle (Linux /proc: utime + stime of the process and its descendants), then the first
+command's latency and the median of `--repeats` back-to-back ones (`--cycles` times). A
+command here is BEGIN then END through rank 0's child: the END's answer comes once rank
+1 ran the BEGIN and met the END's broadcast, so it times a wake of every rank.
+KIMI_MLX_TENSOR_PARK_AFTER=inf gives ranks that wait in `all_sum` (no parking) for a
+before/after figure.
 
-`python -m kimi_mlx.testing.idle --idle 60` prints one JSON line: CPU seconds of each
-process over `--window` s after the group has idled `--idle` s (Linux /proc: utime +
-stime of the process and its descendants), then the first command's latency and the
-median of `--repeats` back-to-back ones (`--cycles` times). The processes' idle
-behaviour is the product's: KIMI_MLX_TENSOR_PARK_AFTER=inf gives the ranks that wait in
-`all_sum` (no parking) for a before/after figure. A command here is BEGIN then END through rank 0's
-child: the END's answer comes once rank 1 ran the BEGIN and met the END's broadcast, so
-it times a wake of every rank.
+`--what stage`: one `cluster serve` stage idle, before and after a head loaded it;
+`--what server`: the one-process `kimi-mlx server` idle; `--what cluster`: `cluster
+server --parallel tensor` with one node, as process trees.
 """
 
 from __future__ import annotations
