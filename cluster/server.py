@@ -25,7 +25,12 @@ log = logging.getLogger(__name__)
 def run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings) -> int:
     """`kimi-mlx cluster server`: start HTTP at once, connect and load the pipeline (or form
     the tensor group) in the background (/health answers 503 until then); when that fails
-    the command ends with status 1, naming what failed (`kimi_mlx.server.serving.serve`)."""
+    the command ends with status 1, naming what failed (`kimi_mlx.server.serving.serve`).
+    Started by a harness that named itself (`net.lifetime.PARENT_ENV`), it stops (as on
+    SIGTERM) once that process is gone."""
+    from kimi_mlx.cluster.net.lifetime import watch_parent_from_env
+
+    watch_parent_from_env(grace=60.0)
     chosen: list = []
     code = _run(args, nodes, pipeline_settings, chosen)
     if chosen and chosen[-1] == "tensor":

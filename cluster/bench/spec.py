@@ -11,6 +11,10 @@ one-process rows do.
 
 On a machine with fewer cores than stages + head the absolute figures are bounded by
 the cores; both sides share that bound, so the ratio is what to read.
+
+Stopping it (SIGINT, SIGTERM, SIGHUP) stops the stage processes and removes their
+temporary folder before it exits (`cluster.net.lifetime.exit_on_signals`); killed
+outright, its stages end themselves (they watch this process, `watch_parent_from_env`).
 """
 
 from __future__ import annotations
@@ -104,6 +108,16 @@ def bench_pipeline_jobs(ckpt: Path, model_args, jobs: List[Tuple], tokens: int, 
     Raises:
         RuntimeError: a stage did not start or was not usable; StageFailure: lost.
     """
+    from kimi_mlx.cluster.net.lifetime import exit_on_signals
+
+    restore = exit_on_signals()  # SIGTERM / SIGHUP: the `finally`s below run (`Stopped`)
+    try:
+        return _jobs_through_stages(ckpt, model_args, jobs, tokens, repeats, stages)
+    finally:
+        restore()
+
+
+def _jobs_through_stages(ckpt, model_args, jobs, tokens, repeats, stages):
     from kimi_mlx.cluster.head.pipeline import Pipeline
     from kimi_mlx.cluster.net.nodes import check_nodes
     from kimi_mlx.cluster.head.plan import plan_stages
@@ -160,12 +174,21 @@ def main(model, draft_spec, tokens: int, ks: List[int], repeats: int, n_prompts:
     except ValueError as e:
         print(f"kimi-mlx bench spec: {e}")
         return 2
+    from kimi_mlx.cluster.net.lifetime import Stopped
+
     args = ModelArgs.from_config(read_config(Path(spec)))
     jobs = [(f"{name}|{w}", d, ps, (ngram_ks or ks) if name.startswith("ngram") else ks,
              (copy_tokens or tokens) if w == "copy" else tokens)
             for name, d in loaded.items() for w, ps in prompts.items()]
-    for (label, _, ps, _, n), rows in zip(jobs, bench_pipeline_jobs(Path(spec), args, jobs,
-                                                                    tokens, repeats, stages)):
+    try:
+        results = bench_pipeline_jobs(Path(spec), args, jobs, tokens, repeats, stages)
+    except Stopped as e:  # its stages are stopped and their folder removed by now
+        print(f"kimi-mlx bench spec: stopped ({e})", flush=True)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print("kimi-mlx bench spec: stopped (SIGINT)", flush=True)
+        return 130
+    for (label, _, ps, _, n), rows in zip(jobs, results):
         name, w = label.split("|")
         print_rows(rows, stages, n, len(ps), name, w)
         print()

@@ -1,5 +1,7 @@
 """`kimi-mlx cluster serve`: check the node's settings, start the stage service and its
-gRPC server, advertise the node over zeroconf, and serve until SIGINT / SIGTERM."""
+gRPC server, advertise the node over zeroconf, and serve until SIGINT / SIGTERM / SIGHUP
+(or until the process that started it is gone, when it named itself in
+`net.lifetime.PARENT_ENV`: a bench's or a test's stages never outlive it)."""
 
 from __future__ import annotations
 
@@ -50,7 +52,7 @@ def listen_addresses(addresses, interface, platform: Optional[str] = None):
 
 
 def serve(settings: ServeSettings) -> int:
-    """Run the node until SIGINT / SIGTERM. 2 for bad settings (naming the flag), 1 when
+    """Run the node until SIGINT / SIGTERM / SIGHUP. 2 for bad settings (naming the flag), 1 when
     it cannot listen or advertise, 0 when stopped."""
     from kimi_mlx.cluster.net.auth import AuthError, load_secret
     from kimi_mlx.cluster.net.discovery import DEFAULT_PORT, interface_addresses
@@ -118,8 +120,12 @@ def serve(settings: ServeSettings) -> int:
         _err(f"cannot advertise on {', '.join(addresses)}: {e}")
         return 1
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM) + ((signal.SIGHUP,) if hasattr(signal, "SIGHUP")
+                                                  else ()):
         signal.signal(sig, lambda *_: stop.set())
+    from kimi_mlx.cluster.net.lifetime import watch_parent_from_env
+
+    watch_parent_from_env(grace=60.0)  # its SIGTERM to this process sets `stop`
     if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID` writes every thread's stack to the log
         import faulthandler
 

@@ -1,6 +1,7 @@
 """A node hosting a tensor-parallel rank: the `StartRank` request checked, the rank's process
 (`python -m kimi_mlx.cluster.tensor.rank`) started with its host / device file, watched
-(exit, SIGSTOP, an OOM kill) and killed when the head's lease ends."""
+(exit, SIGSTOP, an OOM kill) and stopped when the head's lease ends (SIGTERM, SIGKILL only
+after `net.lifetime.STOP_TIMEOUT`; it also ends itself when this node's process is gone)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from kimi_mlx.cluster.net.lifetime import STOP_TIMEOUT, child_env, stop_process
 from kimi_mlx.cluster.net.ranks import TensorSetupError, available_backends, process_stopped
 
 log = logging.getLogger(__name__)
@@ -42,17 +44,19 @@ class RankProcess:
     still runs; `kill(why)` ends it (always call it; safe from several threads).
 
     A SIGKILL this node did not send (it sends one only from `kill`, when the head's lease
-    ends) is reported as such, with the rank's peak resident memory and the memory the
-    machine had left: the signature of the kernel's OOM killer (see `dmesg`), or of another
-    process's kill by pid.
+    ends and the rank did not exit within `stop_timeout` s of SIGTERM) is reported as
+    such, with the rank's peak resident memory and the memory the machine had left: the
+    signature of the kernel's OOM killer (see `dmesg`), or of another process's kill by
+    pid.
 
     `cache_bytes`, `cache_dir`, `cache_disk_bytes`: the node's `cluster serve --cache-bytes /
     --prompt-cache-dir / --prompt-cache-disk-bytes`, handed to the rank's prompt cache.
     """
 
     def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str,
-                 cache_bytes: Optional[int] = None, cache_dir=None, cache_disk_bytes: int = 0):
-        self.rank, self.node_id = rank, node_id
+                 cache_bytes: Optional[int] = None, cache_dir=None, cache_disk_bytes: int = 0,
+                 stop_timeout: float = STOP_TIMEOUT):
+        self.rank, self.node_id, self.stop_timeout = rank, node_id, stop_timeout
         if backend == "jaccl":  # MLX_RANK, MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES
             from kimi_mlx.cluster.net.jaccl import rank_env
 
@@ -69,7 +73,7 @@ class RankProcess:
             + ([] if cache_bytes is None else ["--cache-bytes", str(cache_bytes)])
             + ([] if cache_dir is None else ["--prompt-cache-dir", str(cache_dir),
                                              "--prompt-cache-disk-bytes", str(cache_disk_bytes)]),
-            env=env, stdin=subprocess.DEVNULL)
+            env=child_env(env), stdin=subprocess.DEVNULL)
         self._stopped_seen = 0
         self._lock = threading.Lock()
         self.killed_by_node: Optional[str] = None  # why this node killed it, once it did
@@ -95,15 +99,17 @@ class RankProcess:
         return None
 
     def kill(self, why: str = "its lease ended") -> None:
-        """SIGKILL the rank (if it still runs), reap it, remove its host file. The lock
-        keeps two callers (the lease's end callback and the RPC's own exit) from both
-        signalling: the second would signal a reaped pid, which may be another process."""
+        """Stop the rank (if it still runs): SIGTERM, its clean exit (0) awaited up to
+        `stop_timeout` s, SIGKILL only then (`net.lifetime.stop_process`); reap it, remove
+        its host file. The lock keeps two callers (the lease's end callback and the RPC's
+        own exit) from both signalling: the second would signal a reaped pid, which may
+        be another process."""
         with self._lock:
             if self.proc.poll() is None:
                 self.killed_by_node = why
-                log.info("rank %d on node %s: killing it (%s)", self.rank, self.node_id, why)
-                self.proc.kill()
-                self.proc.wait()
+                log.info("rank %d on node %s: stopping it (%s)", self.rank, self.node_id, why)
+                stop_process(self.proc, self.stop_timeout,
+                             f"rank {self.rank} on node {self.node_id}")
             try:
                 os.unlink(self.hostfile)
             except OSError:

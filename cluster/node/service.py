@@ -146,6 +146,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
         self.compute = ComputeThread(f"mlx-{node_id}"[:15])
         self._channels: Dict[str, grpc.Channel] = {}
         self._stop = threading.Event()
+        self._ranks: set = set()  # the `RankProcess`es of running StartRank streams
         self._janitor = threading.Thread(target=self._janitor_loop, daemon=True, name="janitor")
         self._janitor.start()
 
@@ -219,7 +220,8 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
                     self._free(live, f"idle {idle:.0f} s")
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the janitor, free every session, close channels, and end the MLX thread
+        """Stop the janitor, free every session, close channels, stop this node's tensor
+        ranks, and end the MLX thread
         (its streams cleared, see `compute`; waits up to `timeout` s for a running chunk)."""
         self._stop.set()
         for live in list(self.sessions.values()):
@@ -228,6 +230,8 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
             w.closed = True
         for ch in self._channels.values():
             ch.close()
+        for rank in list(self._ranks):  # SIGTERM first (`node.rank.RankProcess.kill`)
+            rank.kill("the node is stopping")
         self.compute.stop(timeout)
         self.prompt_cache.attach_disk(None)  # queued snapshot writes finish first
 
@@ -316,6 +320,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
                            cache_dir=self.cache_dir, cache_disk_bytes=self.cache_disk_bytes)
         context.add_callback(lambda: rank.kill("the head's lease ended: stream cancelled or "
                                                "its connection lost"))
+        self._ranks.add(rank)
         log.info("tensor rank %d of %d (%s) for head %s: started, pid %d", request.rank,
                  request.size, request.backend, request.head, rank.proc.pid)
         try:
@@ -323,11 +328,11 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
             beat = time.monotonic()
             while context.is_active() and not self._stop.is_set():
                 why = rank.state()
+                if why is not None and rank.killed_by_node is not None:
+                    return  # the lease ended first (this node stopped it): nobody to tell
                 if why == "finished":  # after rank 0's last request: the group is done
                     yield self._event(pb.Event.CLOSED)
                     return
-                if why is not None and rank.killed_by_node is not None:
-                    return  # the lease ended first (this node killed it): nobody to tell
                 if why is not None:
                     msg = f"rank {request.rank} on node {self.node_id} {why}"
                     log.warning("%s", msg)
@@ -339,6 +344,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
                 time.sleep(0.2)
         finally:
             rank.kill("its StartRank stream ended")
+            self._ranks.discard(rank)
             log.info("tensor rank %d: ended (%s)", request.rank,
                      rank.state() or "still running")
 

@@ -101,6 +101,8 @@ def free_port(host: str) -> int:
 
 # -- head side: the group's watch -------------------------------------------------------------
 
+RANK0_STOP_S = 5.0  # seconds rank 0's child gets to exit after SIGTERM when a group closes
+
 class TensorGroup:
     """The head's leases on the node ranks (one `StartRank` stream each).
 
@@ -249,10 +251,12 @@ class TensorGroup:
         self.close()
 
     def close(self) -> None:
-        """End every lease (the nodes kill their ranks) and kill rank 0's child process."""
+        """End every lease (the nodes stop their ranks) and stop rank 0's child process
+        (SIGTERM; SIGKILL after `RANK0_STOP_S`: a child stuck in a collective of a broken
+        group cannot act on SIGTERM, and the next group waits for this teardown)."""
         self.closing = True
         for c in self.calls:
             c.cancel()
         if self.rank0 is not None:
-            self.rank0.kill()
+            self.rank0.kill(RANK0_STOP_S)
 

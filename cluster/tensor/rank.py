@@ -1,6 +1,11 @@
 """A node's rank process of a tensor-parallel group (`python -m kimi_mlx.cluster.tensor.rank`,
 started by the node's `StartRank`, see `node.rank`): join the group, load this rank's
-slices, follow rank 0's commands (`tensor.step`)."""
+slices, follow rank 0's commands (`tensor.step`).
+
+Stops: SIGTERM or SIGHUP end it cleanly (its queued prompt-cache writes finished, exit 0;
+`net.lifetime`) as soon as its main thread is out of a collective (an idle rank sleeps
+on the doorbell, `tensor.wire`, and stops at once); it also stops when its node's
+process is gone (`net.lifetime.watch_parent_from_env`)."""
 
 from __future__ import annotations
 
@@ -37,7 +42,12 @@ def wire_rank(model_path, group, who: str) -> None:
 
 def rank_main(argv: Optional[Sequence[str]] = None) -> int:
     """A node's rank process (`python -m kimi_mlx.cluster.tensor.rank --model PATH`, with
-    MLX_RANK / MLX_HOSTFILE set): join the group, load this rank's slices, follow rank 0."""
+    MLX_RANK / MLX_HOSTFILE set): join the group, load this rank's slices, follow rank 0.
+    Raises `net.lifetime.Stopped` on SIGTERM / SIGHUP (the caller exits 0)."""
+    from kimi_mlx.cluster.net.lifetime import exit_on_signals, watch_parent_from_env
+
+    exit_on_signals()
+    watch_parent_from_env(on_gone=_remove_group_files)
     p = argparse.ArgumentParser(description="one tensor-parallel rank of a kimi-mlx cluster")
     p.add_argument("--model", required=True)
     p.add_argument("--backend", default="ring", choices=BACKENDS)
@@ -69,9 +79,11 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
         fp = (rank_fingerprint(a.model, model, group.rank(), group.size())
               if a.prompt_cache_dir else None)
         store = make_store(a.cache_bytes, a.prompt_cache_dir, a.prompt_cache_disk_bytes, fp, who)
-        n = follow_commands(model, group, store)
-        if store is not None:
-            store.attach_disk(None)  # queued snapshot writes finish before the rank exits
+        try:
+            n = follow_commands(model, group, store)
+        finally:  # also on SIGTERM (`net.lifetime.Stopped`)
+            if store is not None:
+                store.attach_disk(None)  # queued snapshot writes finish before the rank exits
     except Exception as e:  # a lost peer, a bad checkpoint: say who, exit non-zero
         print(f"[tensor] {who}: {e}", file=sys.stderr, flush=True)
         return 1
@@ -79,5 +91,21 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def _main() -> int:
+    from kimi_mlx.cluster.net.lifetime import Stopped
+
+    try:
+        return rank_main()
+    except Stopped as e:
+        print(f"[tensor] rank {os.environ.get('MLX_RANK', '?')}: stopped ({e})",
+              file=sys.stderr, flush=True)
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(rank_main())
+    # as rank 0's child (`tensor.relay`): once a ring group was joined, interpreter exit
+    # can block on the backend's threads
+    code = _main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

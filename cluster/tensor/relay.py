@@ -45,6 +45,10 @@ before it answers.
 
 Cost per forward pass: one round trip on a local socket plus a copy of the logits
 ([T, vocab] of the model dtype).
+
+Idle: when no command came for `PARK_AFTER` s the child parks the group (`wire.park`): the
+other ranks then sleep on the doorbell instead of spinning in MLX's ring `all_sum`, and
+the child itself sleeps in `recv` on the server's socket; the next command wakes them.
 """
 
 from __future__ import annotations
@@ -69,6 +73,11 @@ __all__ = ["Rank0Process", "relay_main"]
 # every rank 0 process is started from this one thread, which lives as long as the server:
 # the child's PR_SET_PDEATHSIG fires when the thread that started it ends (`_die_with_parent`)
 _SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kimi-mlx-rank0-spawner")
+
+# seconds without a command after which rank 0's child parks the group (`wire.park`):
+# longer than any gap between the commands of one request or batch step
+# (KIMI_MLX_TENSOR_PARK_AFTER=inf: never, the ranks then wait in `all_sum` as before)
+PARK_AFTER = float(os.environ.get("KIMI_MLX_TENSOR_PARK_AFTER", "0.25"))
 
 
 def _encode_command(op: int, tokens: Sequence[int], keep: int, flags: int,
@@ -198,17 +207,20 @@ def _spawn():
 
 
 def _close(proc, conn) -> None:
-    """Kill and reap a rank 0 process that never joined a group; close its socket."""
-    if proc.poll() is None:
-        proc.kill()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        log.error("rank 0's spare process %d did not end after SIGKILL", proc.pid)
+    """Stop and reap a rank 0 process that never joined a group; close its socket. The
+    closed socket ends it (exit 0 once it waits for its settings, `relay_main`, also
+    when it still imports: SIGTERM then may come before its handler is set); SIGTERM
+    after `net.lifetime.STOP_TIMEOUT`, SIGKILL only after that bound again."""
+    from kimi_mlx.cluster.net.lifetime import STOP_TIMEOUT, stop_process
+
     try:
         conn.close()
     except OSError:
         pass
+    try:
+        proc.wait(STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        stop_process(proc, what="rank 0's spare process")
 
 
 # the spare: one rank 0 process started while the group serves, its imports done (Python,
@@ -443,16 +455,17 @@ class Rank0Process:
             return f"was killed by {signal.Signals(-code).name}"
         return f"exited with status {code}"
 
-    def kill(self) -> None:
-        """SIGKILL the child (if it runs), reap it, close the socket; safe to repeat."""
+    def kill(self, timeout: Optional[float] = None) -> None:
+        """Stop the child (if it runs): SIGTERM, its clean exit awaited up to `timeout` s
+        (default `net.lifetime.STOP_TIMEOUT`), SIGKILL only then; reap it, close the
+        socket; safe to repeat."""
+        from kimi_mlx.cluster.net.lifetime import STOP_TIMEOUT, stop_process
+
         with self._lock:
             if self.proc.poll() is None:
                 self.killed = True
-                self.proc.kill()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                log.error("rank 0's process %d did not end after SIGKILL", self.proc.pid)
+                stop_process(self.proc, STOP_TIMEOUT if timeout is None else timeout,
+                             "rank 0's process")
             try:
                 self.conn.close()
             except OSError:
@@ -471,33 +484,32 @@ class Rank0Process:
 def _die_with_parent(parent: int) -> None:
     """End this process as soon as the server `parent` that started it is gone, so that a
     killed server (or one ended by SIGTERM, after which its clean-up does not run) leaves
-    no rank 0 behind. On Linux the kernel does it (prctl PR_SET_PDEATHSIG, SIGKILL: it
-    fires when the *thread* that started this process ends, so the server starts every
-    rank 0 from one thread that lives as long as it does, `_SPAWNER`); this matters
-    because MLX holds the GIL inside `mx.distributed.init`, which waits for its peers
-    without a timeout, so no thread of ours runs meanwhile. Elsewhere a thread polls the
-    parent pid (effective once `init` returned) and removes the host file first."""
+    no rank 0 behind. On Linux the kernel does it (prctl PR_SET_PDEATHSIG: it fires when
+    the *thread* that started this process ends, so the server starts every rank 0 from
+    one thread that lives as long as it does, `_SPAWNER`): SIGKILL until the group is
+    joined, because MLX holds the GIL inside `mx.distributed.init`, which waits for its
+    peers without a timeout, so no handler or thread of ours runs meanwhile; SIGTERM once
+    it is (`_pdeathsig`, a clean stop). Elsewhere a thread polls the parent pid
+    (`net.lifetime.watch_parent`, effective once `init` returned): SIGTERM to this
+    process, then exit 1 after its bound, removing the host file first."""
+    import signal
+
+    from kimi_mlx.cluster.net.lifetime import watch_parent
     from kimi_mlx.cluster.tensor.rank import _remove_group_files
 
+    _pdeathsig(signal.SIGKILL)
+    watch_parent(parent, on_gone=_remove_group_files)
+
+
+def _pdeathsig(sig: int) -> None:
+    """Linux: have the kernel send `sig` to this process when its parent thread ends."""
     if sys.platform.startswith("linux"):
         try:
             import ctypes
-            import signal
 
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent:  # gone before the prctl
-        _remove_group_files()
-        os._exit(1)
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        _remove_group_files()
-        os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 def _broken(conn, why: str) -> int:
@@ -537,9 +549,24 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--fd", type=int, required=True)
     p.add_argument("--parent", type=int, default=0, help="the server's pid")
     a = p.parse_args(argv)
+    from kimi_mlx.cluster.net.lifetime import Stopped, exit_on_signals
+
+    exit_on_signals()  # SIGTERM / SIGHUP: a clean stop (`Stopped`, exit 0)
     if a.parent:
         _die_with_parent(a.parent)
     conn = Connection(a.fd)
+    held: dict = {}  # the store, once made: its queued disk writes finish on a stop
+    try:
+        return _relay(a, conn, held)
+    except Stopped as e:
+        print(f"[tensor] rank 0 (this head's rank process, pid {os.getpid()}): stopped ({e})",
+              file=sys.stderr, flush=True)
+        _close_store(held.get("store"))
+        return 0
+
+
+def _relay(a, conn, held: dict) -> int:
+    """`relay_main` after its arguments: import, wait for the settings, join, serve."""
     import mlx.core as mx
 
     from kimi_mlx.checkpoint.ranged import load_sharded
@@ -548,6 +575,7 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
     from kimi_mlx.cluster.tensor.rows import ROW_OPS, RowCaches
     from kimi_mlx.cluster.tensor.step import (OP_BEGIN, OP_END, OP_EXIT, OP_FORWARD,
                                               OP_RESTORE, OP_SNAPSHOT, _Runner, command)
+    from kimi_mlx.cluster.tensor.wire import park
 
     # imported: say so, wait for the group's settings (this process may be the spare)
     try:
@@ -564,6 +592,9 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
         hosts_fd = _anonymous_file(cfg["hosts"].encode())
         os.environ["MLX_HOSTFILE"] = f"/dev/fd/{hosts_fd}"
     a.model, a.backend = cfg["model"], cfg["backend"]
+    # rank 0's address in the group, where the other ranks reach its doorbell (`wire.park`)
+    host = (os.environ.get("MLX_JACCL_COORDINATOR", "") if cfg.get("hosts") is None
+            else str(json.loads(cfg["hosts"])[0][0])).rsplit(":", 1)[0]
     a.cache_bytes = cfg.get("cache_bytes")
     a.prompt_cache_dir = cfg.get("cache_dir")
     a.prompt_cache_disk_bytes = int(cfg.get("disk_bytes") or 0)
@@ -575,13 +606,18 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
             _remove_group_files()
             if hosts_fd is not None:
                 os.close(hosts_fd)
+        if a.parent:  # joined: from now on a server gone stops this process cleanly
+            import signal
+
+            _pdeathsig(signal.SIGTERM)
         t1 = time.monotonic()
         wire_rank(a.model, group, "rank 0 (this head's rank process)")
         model, _ = load_sharded(a.model, group)
         fp = (rank_fingerprint(a.model, model, 0, group.size())
               if a.prompt_cache_dir is not None else None)
-        store = make_store(a.cache_bytes, a.prompt_cache_dir, a.prompt_cache_disk_bytes, fp,
-                           "rank 0 (this head's rank process)")
+        store = held["store"] = make_store(a.cache_bytes, a.prompt_cache_dir,
+                                           a.prompt_cache_disk_bytes, fp,
+                                           "rank 0 (this head's rank process)")
         print(f"[tensor] rank 0 (this head's rank process, pid {os.getpid()}): joined a "
               f"{a.backend} group of {group.size()} in {t1 - t0:.1f} s, loaded its slices in "
               f"{time.monotonic() - t1:.1f} s", file=sys.stderr, flush=True)
@@ -595,10 +631,14 @@ def relay_main(argv: Optional[List[str]] = None) -> int:
     rows = RowCaches(model, store, 0)  # the batched rows (`tensor.rows`)
     while True:
         try:
+            if host and PARK_AFTER != float("inf") and not conn.poll(PARK_AFTER):
+                park(group, host)  # idle: the other ranks sleep until the next command
             buf = conn.recv_bytes()
         except (EOFError, OSError):
             _close_store(store)
             return 0  # the server closed the group without EXIT (it is going away)
+        except RuntimeError as e:  # the PARK's broadcast failed (a peer lost): broken
+            return _broken(conn, f"rank 0 (this head's rank process): {e}")
         op, ids, keep, flags, media, capture = _decode_command(buf)
         try:
             command(group, op, ids, keep, flags)

@@ -406,16 +406,18 @@ def serve(svc, app, host: str, port: int, log_level: str, banner: str, prog: str
         # handler it found: SIGTERM's default would end the process before `cleanup()`
         # (the engine's stop, the prompt cache's queued disk writes). Ours makes it a
         # normal stop, as Ctrl-C's KeyboardInterrupt is.
-        previous = None
+        # SIGHUP (the terminal gone), which uvicorn does not handle, is a normal stop too.
+        previous = {}
         if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGTERM, _terminated)
+            for sig in [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else []):
+                previous[sig] = signal.signal(sig, _terminated)
         try:
             server.run(sockets=[sock])
         except (KeyboardInterrupt, _Terminated):  # the signal uvicorn shut down on: a normal stop
             pass
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         if failed:
             print(f"{prog}: error: {failed[0]}", file=sys.stderr)
             return 1

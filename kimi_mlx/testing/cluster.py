@@ -1,6 +1,8 @@
 """Stage processes for tests and the bench: `kimi-mlx cluster serve` as child processes.
 
-Every wait is bounded; `StageProc.stop()` kills the process group (use it in `finally`).
+Every wait is bounded; `StageProc.stop()` stops the process group (SIGTERM, SIGKILL only
+after its bound; use it in `finally`). Each stage also ends itself when the process that
+started it is gone (`cluster.net.lifetime.watch_parent_from_env`, in `cluster serve`).
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ class StageProc:
 
     def start(self) -> "StageProc":
         """Start the process (its own process group); returns self."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {}))
+        from kimi_mlx.cluster.net.lifetime import child_env
+
+        env = child_env(dict(os.environ, PYTHONUNBUFFERED="1", **(self.env or {})))
         self._offset = self.log.stat().st_size if self.log.exists() else 0
         f = open(self.log, "ab")
         self.proc = subprocess.Popen(self.command(), stdout=f, stderr=subprocess.STDOUT, env=env,
@@ -256,6 +260,8 @@ class ServerProc:
     def __init__(self, cluster: "LocalCluster", port: int, *extra: str, timeout: float = 120.0):
         import threading
 
+        from kimi_mlx.cluster.net.lifetime import child_env
+
         self.url = f"http://127.0.0.1:{port}"
         self.log: List[str] = []
         self.proc = subprocess.Popen(
@@ -265,7 +271,7 @@ class ServerProc:
              "--activation-dtype", "float32", "--wire-dtype", "float32", "--peer-timeout", "3",
              "--served-model-name", "micro", "--prefill-chunk", "16", *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            env=child_env(dict(os.environ, PYTHONUNBUFFERED="1")))  # ends when this process does
         threading.Thread(target=self._read, daemon=True).start()
         try:
             self.wait_health(200, timeout)

@@ -198,7 +198,8 @@ def run_ranks(ports: Sequence[int], args: Sequence[str], workdir: Path,
     """Run `python -m module` (this one's `main` by default) once per port (rank =
     position) with `args`; wait for all.
 
-    Every process is killed at `timeout` seconds or when the first one fails (a ring
+    Every process is stopped (SIGTERM, SIGKILL after 10 s) at `timeout` seconds or when
+    the first one fails (a ring
     peer that never starts blocks the others forever). Returns each rank's combined
     stdout/stderr. Raises RuntimeError naming the rank that failed or timed out, with
     its output's tail.
@@ -229,11 +230,10 @@ def run_ranks(ports: Sequence[int], args: Sequence[str], workdir: Path,
             if bad:
                 failed = f"rank {bad[0]} exited with {procs[bad[0]].returncode}"
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
+        from kimi_mlx.cluster.net.lifetime import stop_process
+
+        for p in procs:  # SIGTERM first; SIGKILL only after the bound
+            stop_process(p, 10.0, "a loopback tensor rank")
     outs = []
     for log in logs:
         log.seek(0)

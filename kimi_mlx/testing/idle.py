@@ -1,0 +1,265 @@
+"""(tests, measurement) What idle processes cost: CPU seconds while no command comes, and
+the latency of the first command after the idle time.
+
+The tensor group (`--what tensor`, default) is the server's on loopback, from its real
+processes: rank 0 is the server's rank 0 child (`cluster.tensor.relay.Rank0Process`,
+driven from this process as the server drives it) and rank 1 a node's rank process
+(`python -m kimi_mlx.cluster.tensor.rank`, started by `cluster.node.rank.RankProcess`),
+both on MLX's ring backend over 127.0.0.1. `python -m kimi_mlx.testing.idle --idle 60`
+prints one JSON line: CPU seconds of each process over the last `--window` s of `--idle`
+s idle (Linux /proc: utime + stime of the process and its descendants), then the first
+command's latency and the median of `--repeats` back-to-back ones (`--cycles` times). A
+command here is BEGIN then END through rank 0's child: the END's answer comes once rank
+1 ran the BEGIN and met the END's broadcast, so it times a wake of every rank.
+KIMI_MLX_TENSOR_PARK_AFTER=inf gives ranks that wait in `all_sum` (no parking) for a
+before/after figure.
+
+`--what stage`: one `cluster serve` stage idle, before and after a head loaded it;
+`--what server`: the one-process `kimi-mlx server` idle; `--what cluster`: `cluster
+server --parallel tensor` with one node, as process trees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process `pid` and every live descendant
+    (Linux /proc; RuntimeError elsewhere or when `pid` is gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: Dict[int, List[str]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    stats[int(d)] = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+    if pid not in stats:
+        raise RuntimeError(f"process {pid} is not running (or this is not Linux)")
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo += [c for c, s in stats.items() if int(s[1]) == p and c not in tree]
+    # after the ")" the fields are numbered from 3 (state): utime is field 14, stime 15
+    return sum(int(stats[p][11]) + int(stats[p][12]) for p in tree) / tick
+
+
+class IdleGroup:
+    """A 2-rank tensor group on loopback (module doc) over checkpoint `ckpt`; `pids`:
+    {"rank 0": the child's pid, "rank 1": the node rank's pid}; `rank0` the
+    `Rank0Process`, `node_rank` rank 1's `node.rank.RankProcess` (started as a node starts
+    it). Use as a context manager: both processes are ended on exit (`stop`)."""
+
+    def __init__(self, ckpt: Path, timeout: float = 180.0):
+        from kimi_mlx.cluster.tensor.group import hosts_json
+        from kimi_mlx.cluster.tensor.relay import Rank0Process
+        from kimi_mlx.testing.ports import free_ports
+
+        from kimi_mlx.cluster.node.rank import RankProcess
+
+        ports = free_ports(2)
+        hosts = hosts_json([("127.0.0.1", p) for p in ports])
+        self.node_rank = RankProcess(ckpt, 1, 2, "ring", hosts, "idle-test", cache_bytes=0)
+        self.rank1 = self.node_rank.proc
+        self.rank0 = None
+        try:
+            self.rank0 = Rank0Process(ckpt, "ring", {"MLX_RANK": "0"}, hosts=hosts,
+                                      timeout=timeout)
+            self.rank0.wait_ready(timeout, cancelled=lambda: self.rank1.poll() is not None)
+        except BaseException:
+            self.stop()
+            raise
+        self.pids = {"rank 0": self.rank0.proc.pid, "rank 1": self.rank1.pid}
+
+    def command(self) -> float:
+        """Seconds for BEGIN then END through the group (module doc)."""
+        from kimi_mlx.cluster.tensor.step import OP_BEGIN, OP_END
+
+        t0 = time.perf_counter()
+        self.rank0.relay_command(OP_BEGIN)
+        self.rank0.relay_command(OP_END)
+        return time.perf_counter() - t0
+
+    def forward(self, ids: Sequence[int]):
+        """Rank 0's logits [1, T, vocab] for `ids` through the group (one request)."""
+        from kimi_mlx.cluster.tensor.step import LOGITS, OP_BEGIN, OP_END, OP_FORWARD
+
+        self.rank0.relay_command(OP_BEGIN)
+        self.rank0.relay_command(OP_FORWARD, list(ids), -1, LOGITS)
+        out = self.rank0.last
+        self.rank0.relay_command(OP_END)
+        return out
+
+    def cpu(self, window: float) -> Dict[str, float]:
+        """CPU seconds of each process (with its descendants) over the next `window` s."""
+        before = {k: cpu_seconds(p) for k, p in self.pids.items()}
+        time.sleep(window)
+        return {k: cpu_seconds(p) - before[k] for k, p in self.pids.items()}
+
+    def stop(self, timeout: float = 20.0) -> Dict[str, Optional[int]]:
+        """EXIT the group (both processes exit 0), then stop what still runs as the
+        server and the node do (`kill`: SIGTERM first); returns exit statuses. Safe to
+        repeat."""
+        if self.rank0 is not None and self.rank0.proc.returncode is None:
+            self.rank0.finish(timeout)
+        try:
+            self.rank1.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self.node_rank.kill("the idle test ended")
+        return {"rank 0": None if self.rank0 is None else self.rank0.proc.returncode,
+                "rank 1": self.rank1.returncode}
+
+    def __enter__(self) -> "IdleGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def measure(ckpt: Path, idle: float, window: float, repeats: int,
+            cycles: int = 1) -> dict:
+    """{"cpu_s": {process: CPU s over the last `window` s of the first idle time},
+    "window_s", "idle_s", "first_ms": [the first command after each of `cycles` idle
+    times of `idle` s], "warm_ms": median of `repeats` back-to-back commands after each,
+    "exit": exit statuses}."""
+    with IdleGroup(ckpt) as g:
+        g.command()  # the first command ever (lazy set-up on both sides) is not the figure
+        cpu, first, warm = None, [], []
+        for _ in range(cycles):
+            time.sleep(max(0.0, idle - window))
+            c = g.cpu(window)
+            cpu = cpu or c
+            first.append(g.command() * 1e3)
+            warm.append(statistics.median(g.command() for _ in range(repeats)) * 1e3)
+        codes = g.stop()
+    return {"cpu_s": cpu, "window_s": window, "idle_s": idle, "first_ms": first,
+            "warm_ms": warm, "exit": codes}
+
+
+def stage_cpu(ckpt: Path, workdir: Path, window: float, settle: float = 2.0) -> dict:
+    """{"unloaded": CPU s of an idle `cluster serve` stage over `window` s, "loaded": the
+    same after a head loaded its layers (a pipeline of this one stage, no request)}."""
+    from kimi_mlx.testing.cluster import LocalCluster
+
+    c = LocalCluster(Path(workdir), 1, prefix="idlestage", ckpt=ckpt)
+    try:
+        pid = c.procs[0].proc.pid
+        time.sleep(settle)
+        out = {"unloaded": _window(pid, window)}
+        t, _ = c.load_transport()
+        try:
+            time.sleep(settle)
+            out["loaded"] = _window(pid, window)
+        finally:
+            t.shutdown()
+    finally:
+        c.stop()
+    return out
+
+
+def server_cpu(ckpt: Path, workdir: Path, window: float, timeout: float = 180.0) -> float:
+    """CPU s of an idle one-process `kimi-mlx server` (model loaded, no request) over
+    `window` s."""
+    import urllib.request
+
+    from kimi_mlx.cluster.net.lifetime import child_env, stop_process
+    from kimi_mlx.testing.ports import free_ports
+
+    port = free_ports(1)[0]
+    log = open(Path(workdir) / "server.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx.commands.main", "server", "--model",
+                             str(ckpt), "--port", str(port)], env=child_env(),
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > end or proc.poll() is not None:
+                raise RuntimeError(f"the server did not become ready (exit {proc.poll()})")
+            time.sleep(0.2)
+        time.sleep(2.0)
+        return _window(proc.pid, window)
+    finally:
+        stop_process(proc, what="the idle server")
+        log.close()
+
+
+def cluster_cpu(ckpt: Path, workdir: Path, window: float, settle: float = 20.0,
+                timeout: float = 240.0) -> dict:
+    """CPU s over `window` s of an idle `kimi-mlx cluster server --parallel tensor` on
+    loopback with one `cluster serve` node, as process trees: {"node": the node and its
+    rank, "server": the server, its rank 0 child and the spare}, measured `settle` s after
+    the server is ready (the spare rank 0 process imports meanwhile: 1-3 s of CPU)."""
+    from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+    from kimi_mlx.testing.ports import free_ports
+
+    grpc_port, _ = free_ports(2, consecutive=True)  # the node's rank listens on port + 1
+    c = LocalCluster(Path(workdir), 1, prefix="idlenode", ckpt=ckpt, ports=[grpc_port])
+    try:
+        srv = ServerProc(c, free_ports(1)[0], "--parallel", "tensor", timeout=timeout)
+        try:
+            time.sleep(settle)
+            pids = {"node": c.procs[0].proc.pid, "server": srv.proc.pid}
+            before = {k: cpu_seconds(v) for k, v in pids.items()}
+            time.sleep(window)
+            return {k: cpu_seconds(v) - before[k] for k, v in pids.items()}
+        finally:
+            srv.stop()
+    finally:
+        c.stop()
+
+
+def _window(pid: int, window: float) -> float:
+    before = cpu_seconds(pid)
+    time.sleep(window)
+    return cpu_seconds(pid) - before
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: the reference one)")
+    p.add_argument("--idle", type=float, default=60.0, help="seconds idle before the command")
+    p.add_argument("--window", type=float, default=10.0, help="seconds of CPU measured")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--cycles", type=int, default=1, help="idle times, each then timed")
+    p.add_argument("--what", default="tensor", choices=("tensor", "stage", "server", "cluster"),
+                   help="tensor: the 2-rank group; stage: one `cluster serve` stage idle "
+                        "before and after loading; server: the one-process server idle; "
+                        "cluster: `cluster server --parallel tensor` and its node, idle")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="kimi-mlx-idle-") as tmp:
+        from kimi_mlx.testing.cluster import reference_checkpoint
+
+        ckpt = Path(a.model) if a.model else reference_checkpoint(Path(tmp))
+        if a.what == "stage":
+            out = {"stage_cpu_s": stage_cpu(ckpt, Path(tmp), a.window), "window_s": a.window}
+        elif a.what == "cluster":
+            out = {"cluster_cpu_s": cluster_cpu(ckpt, Path(tmp), a.window), "window_s": a.window}
+        elif a.what == "server":
+            out = {"server_cpu_s": server_cpu(ckpt, Path(tmp), a.window), "window_s": a.window}
+        else:
+            out = measure(ckpt, a.idle, a.window, a.repeats, a.cycles)
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
