@@ -105,8 +105,9 @@ def exit_on_signals() -> Callable[[], None]:
 
 def watch_parent(parent: int, grace: float = STOP_TIMEOUT, poll: float = PARENT_POLL_S,
                  on_gone: Optional[Callable[[], None]] = None) -> Optional[threading.Thread]:
-    """End this process once process `parent` is gone: SIGTERM to itself (its clean stop),
-    then after `grace` s without exiting `on_gone()` (if given) and os._exit(1). Returns
+    """End this process once process `parent` is gone: `on_gone()` (if given: clean-up that
+    must happen however the process then ends, e.g. removing files it was handed), SIGTERM
+    to itself (its clean stop), then after `grace` s without exiting os._exit(1). Returns
     the watching thread (a daemon), or None for `parent` 0. Exits at once when `parent`
     is already gone."""
     if not parent:
@@ -117,13 +118,13 @@ def watch_parent(parent: int, grace: float = STOP_TIMEOUT, poll: float = PARENT_
 
     def end():
         log.warning("parent process %d is gone: stopping", parent)
+        if on_gone is not None:  # first: a process without a SIGTERM handler dies at once
+            on_gone()
         try:
             os.kill(os.getpid(), signal.SIGTERM)
         except OSError:
             pass
         time.sleep(grace)
-        if on_gone is not None:
-            on_gone()
         os._exit(1)
 
     if gone():

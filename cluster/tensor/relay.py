@@ -490,8 +490,8 @@ def _die_with_parent(parent: int) -> None:
     joined, because MLX holds the GIL inside `mx.distributed.init`, which waits for its
     peers without a timeout, so no handler or thread of ours runs meanwhile; SIGTERM once
     it is (`_pdeathsig`, a clean stop). Elsewhere a thread polls the parent pid
-    (`net.lifetime.watch_parent`, effective once `init` returned): SIGTERM to this
-    process, then exit 1 after its bound, removing the host file first."""
+    (`net.lifetime.watch_parent`, effective once `init` returned): the host file removed,
+    then SIGTERM to this process, then exit 1 after its bound."""
     import signal
 
     from kimi_mlx.cluster.net.lifetime import watch_parent
