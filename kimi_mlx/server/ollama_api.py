@@ -22,6 +22,8 @@ Mapping (Ollama -> this server):
   repetition_context_size (0: no repetition penalty; -1: the whole context); num_ctx is
   accepted and ignored (the context is fixed when the model loads); other options
   (num_gpu, mirostat, ...) are ignored, as Ollama ignores the ones a runner lacks.
+  One option of this server's own: `thinking_budget` (the chat route's field: reasoning
+  tokens before a `format` grammar closes the thinking).
 - `keep_alive`: accepted; the model stays loaded whatever it says (no unload yet).
 - `images`: base64 images on a message (or on /api/generate), routed as OpenAI
   `image_url` data-URL parts to the vision tower.
@@ -181,6 +183,8 @@ def sampling_fields(svc: Service, options: Optional[dict]) -> dict:
                            f"-2 for no limit, got {n!r}", param="options.num_predict")
         if n > 0:
             out["max_tokens"] = n
+    if options.get("thinking_budget") is not None:
+        out["thinking_budget"] = options["thinking_budget"]
     if options.get("repeat_penalty") is not None:
         out["repetition_penalty"] = options["repeat_penalty"]
     last = options.get("repeat_last_n")
@@ -198,7 +202,8 @@ def sampling_fields(svc: Service, options: Optional[dict]) -> dict:
 # ChatRequest's name of a field -> the Ollama field a 400 names
 _FIELD_NAMES = {"max_tokens": "options.num_predict", "repetition_penalty": "options.repeat_penalty",
                 "repetition_context_size": "options.repeat_last_n",
-                "response_format": "format", "reasoning_effort": "think"}
+                "response_format": "format", "reasoning_effort": "think",
+                "thinking_budget": "options.thinking_budget"}
 _FIELD_NAMES.update({k: "options." + k for k in _SAME})
 
 
