@@ -301,7 +301,7 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
         svc, MessagesRequest, anthropic_api.messages_response, anthropic_api.messages_stream))
 
     _add_tokenize_routes(app, svc)
-    ollama_api.add_routes(app, svc)  # /api/* and /ollama/api/*
+    ollama_api.add_routes(app, svc, check_key, read_body)  # /api/* and /ollama/api/*
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):

@@ -482,10 +482,9 @@ def _loaded(kind: str, model: str) -> dict:
     return {**base, "response": ""}
 
 
-def generation_route(svc: Service, kind: str, schema):
-    """POST /api/chat or /api/generate: key and body checked, then NDJSON or one JSON."""
-    from kimi_mlx.server.app import check_key, read_body
-
+def generation_route(svc: Service, kind: str, schema, check_key, read_body):
+    """POST /api/chat or /api/generate: key and body checked (`check_key`, `read_body`:
+    the app's, as every route uses them), then NDJSON or one JSON."""
     async def handler(request: Request):
         t0 = time.perf_counter()
         check_key(svc, request)
@@ -576,12 +575,12 @@ def ps(svc: Service) -> dict:
                         "context_length": svc.context} for m in svc.model_ids[:1]]}
 
 
-def add_routes(app: FastAPI, svc: Service) -> None:
-    """Every Ollama route under /api and /ollama/api."""
-    from kimi_mlx.server.app import check_key, read_body
-
-    chat = generation_route(svc, "chat", OllamaChatRequest)
-    generate = generation_route(svc, "generate", OllamaGenerateRequest)
+def add_routes(app: FastAPI, svc: Service, check_key, read_body) -> None:
+    """Every Ollama route under /api and /ollama/api. `check_key(svc, request)` (401
+    without the server's key) and `read_body(request, limit)` (413 past it) are the app's
+    own (`server.app`), passed in so that this module does not import the app."""
+    chat = generation_route(svc, "chat", OllamaChatRequest, check_key, read_body)
+    generate = generation_route(svc, "generate", OllamaGenerateRequest, check_key, read_body)
 
     async def get_tags(request: Request):
         check_key(svc, request)
