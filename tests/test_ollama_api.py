@@ -404,7 +404,7 @@ def test_images_on_micro_vision_equal_openai_image_parts():
         other = ol.chat(model="micro-vision", messages=[{"role": "user", "content": q,
                         "images": [_png("square", "blue", 1)]}],
                         options={"temperature": 0, "num_predict": 12})
-        assert other.prompt_eval_count == r.prompt_eval_count
+        assert other.prompt_eval_count == r.prompt_eval_count and other.message != r.message
     finally:
         stop_server(srv, svc)
 
