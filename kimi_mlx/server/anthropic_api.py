@@ -5,6 +5,7 @@ call ids (`functions.NAME:IDX`) so they survive being sent back as tool_result."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -330,8 +331,13 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
 
     async def body():
         # message_start waits for the admission, which tells the prompt-cache hit: its
-        # usage is the one message_delta repeats (Claude Code reads it from here)
-        started = await job.started()
+        # usage is the one message_delta repeats (Claude Code reads it from here); but
+        # it is the stream's first event, so a request still queued when a keep-alive
+        # ping would be due sends it without the count (message_delta then has it)
+        try:
+            started = await asyncio.wait_for(job.started(), svc.keepalive_s / 2)
+        except asyncio.TimeoutError:
+            started = None
         cached = started.cached_tokens if started else 0
         yield _event("message_start", {"message": {
             "id": msg_id, "type": "message", "role": "assistant", "model": req.model,

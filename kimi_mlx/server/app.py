@@ -20,7 +20,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kimi_mlx.server import anthropic_api, openai_api, responses_api
+from kimi_mlx.server import anthropic_api, ollama_api, openai_api, responses_api
 from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body
 from kimi_mlx.server.metrics import CONTENT_TYPE_LATEST
 from kimi_mlx.server.schemas import (ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 _ROUTES = {"/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
            "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/", "/openapi.json",
-           "/tokenize", "/detokenize"}
+           "/tokenize", "/detokenize"} | ollama_api.ROUTES
 WEB = Path(__file__).with_name("web")  # the chat page (index.html, app.js, vendor/)
 # the page runs only its own files and talks only to this server; model output it shows is
 # sanitized (DOMPurify), and this policy stops what might slip through from running
@@ -51,6 +51,8 @@ def error_response(path: str, status: int, message: str, kind: str = "invalid_re
                    param=None, headers=None, code=None) -> JSONResponse:
     """The error body in the dialect of `path`; `code` (OpenAI's error code) defaults to
     `kind` for statuses other than 400 and to null for a 400."""
+    if ollama_api.is_ollama(path):
+        return JSONResponse(ollama_api.error_body(message), status_code=status, headers=headers)
     if is_anthropic(path):
         body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, kind),
                                            "message": message}}
@@ -299,6 +301,7 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
         svc, MessagesRequest, anthropic_api.messages_response, anthropic_api.messages_stream))
 
     _add_tokenize_routes(app, svc)
+    ollama_api.add_routes(app, svc, check_key, read_body)  # /api/* and /ollama/api/*
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
