@@ -30,8 +30,7 @@ def served(tmp_path_factory):
         cluster.stop()
 
 
-def test_concurrent_requests_through_the_pipeline_equal_one_process(served):
-    from kimi_mlx.checkpoint.loader import load_model
+def test_concurrent_requests_through_the_pipeline_equal_one_process(served, micro_model):
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
     cluster, url = served
@@ -44,7 +43,7 @@ def test_concurrent_requests_through_the_pipeline_equal_one_process(served):
 
     with cf.ThreadPoolExecutor(4) as ex:
         got = list(ex.map(one, prompts))
-    model, _, _ = load_model(cluster.ckpt, verbose=False)
+    model = micro_model  # the session's micro (tests/fixtures/shared.py), the stages' checkpoint
     tok = KimiTokenizer.from_pretrained(cluster.ckpt)
     from mlx_lm.generate import generate_step
 
@@ -57,19 +56,18 @@ def test_concurrent_requests_through_the_pipeline_equal_one_process(served):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_penalties_and_logit_bias_through_the_pipeline_equal_one_process(served):
+def test_penalties_and_logit_bias_through_the_pipeline_equal_one_process(served, micro_model):
     """presence/frequency penalties and logit_bias are applied at the head: the tokens
     equal mlx-lm's generate_step with the same logits processors in one process (run,
     as the one-process server does, from the last prompt token after a prefill)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_logits_processors
 
-    from kimi_mlx.checkpoint.loader import load_model
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
     cluster, url = served
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
-    model, _, _ = load_model(cluster.ckpt, verbose=False)
+    model = micro_model
     tok = KimiTokenizer.from_pretrained(cluster.ckpt)
     prompt = "the cat and the cat and the cat and the"
     ids = tok.encode(prompt)
