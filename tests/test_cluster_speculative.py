@@ -307,9 +307,11 @@ def test_bench_rows_through_the_stages(loaded, models):
 
 
 # ----------------------------------------------------------------------- stage loss
-# It kills a stage: of a cluster of its own, not the shared one.
+# It kills a stage: of a cluster of its own, not the shared one; a fault run, so after the
+# suite (make test-e2e).
 
 
+@pytest.mark.e2e
 def test_a_stage_lost_mid_verify_is_reported_as_any_stage_loss(own_cluster, models):
     cluster = own_cluster
     t, _ = cluster.load_transport()

@@ -18,16 +18,14 @@ from test_web import browser  # noqa: F401  (the chat page's headless chromium f
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    cluster = LocalCluster(tmp_path_factory.mktemp("api3"), n=3, prefix="api")
-    server = None
+def served(micro_pipeline):
+    """`cluster server` over the session's 3 stages (tests/fixtures/shared.py), which the
+    tests here only read: the stage-loss test below has a cluster of its own."""
+    server = ServerProc(micro_pipeline, free_ports(1)[0])
     try:
-        server = ServerProc(cluster, free_ports(1)[0])
-        yield cluster, server.url
+        yield micro_pipeline, server.url
     finally:
-        if server is not None:
-            server.stop()
-        cluster.stop()
+        server.stop()
 
 
 def test_concurrent_requests_through_the_pipeline_equal_one_process(served, micro_model):
@@ -234,8 +232,20 @@ def test_the_page_shows_the_stages_and_chats_through_them(served, browser):
         ctx.close()
 
 
-def test_lost_stage_is_reported_by_health(served):
-    cluster, url = served
+@pytest.mark.e2e  # a fault run: a cluster and a server of its own (make test-e2e)
+def test_lost_stage_is_reported_by_health(tmp_path):
+    cluster = LocalCluster(tmp_path, n=3, prefix="api")
+    try:
+        server = ServerProc(cluster, free_ports(1)[0])
+        try:
+            _lose_stage_1(cluster, server.url)
+        finally:
+            server.stop()
+    finally:
+        cluster.stop()
+
+
+def _lose_stage_1(cluster, url):
     cluster.procs[1].stop()
     r = httpx.post(url + "/v1/completions", json={"model": "micro", "prompt": "Hello there",
                                                   "max_tokens": 4}, timeout=60)
