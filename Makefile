@@ -118,8 +118,9 @@ lmeval-tools: .venv-tools/.lmeval-installed
 # excluded from `make test` by pyproject's addopts). Each test skips with the reason
 # where its program is missing (`make clients`).
 # The fault and recovery runs (marker e2e: a tensor group healing after seven kinds of
-# loss, stages killed, hung or restarted under the launcher and the servers) and the
-# pruned builds served by a cluster, each on processes of its own: apart so that `make test`
+# loss, stages killed, hung or restarted under the launcher and the servers, prompt caches
+# starved by a small --cache-bytes) and the pruned builds served by a cluster, each on
+# processes of its own: apart so that `make test`
 # stays under 10 minutes on 2 cores; CI (.ci/run) runs them after the suite.
 test-e2e: install
 	$(BIN)/python -m pytest -q -m e2e

@@ -176,6 +176,7 @@ def test_a_stage_restarted_between_turns_loses_the_cache_not_the_answer(served, 
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+@pytest.mark.e2e  # a degraded-cache run on 3 stages of its own (--cache-bytes): make test-e2e
 def test_eviction_under_a_small_cache_bytes(tmp_path, one_process):
     """Stage 1 keeps ~150 kB of snapshots: about one of these conversations' (its KDA
     state is 42 kB a snapshot, its DSA layer 448 B a token). Conversation B's snapshots

@@ -147,6 +147,7 @@ def test_turn_three_is_cached_on_both_ranks_and_equals_one_process(tensor_node, 
             srv.stop()
 
 
+@pytest.mark.e2e  # a degraded-cache run on a node of its own (--cache-bytes 1): make test-e2e
 def test_a_rank_without_the_snapshot_means_a_full_prefill_on_every_rank(tmp_path_factory,
                                                                         one_process):
     """The node's rank keeps no snapshot (`cluster serve --cache-bytes 1`) while rank 0
