@@ -97,6 +97,8 @@ demo: install
 	$(BIN)/kimi-mlx generate --model kimi_mlx/assets/micro-vision --image build/demo-shape.png \
 	  --temp 0 --max-tokens 24 --verbose false --prompt "What is in the image?"
 
+# The suite less the markers clients and e2e (pyproject's addopts), printing its 25 slowest
+# set-ups/calls/teardowns; a test past 600 s is stopped and named (pytest-timeout).
 test: install
 	$(BIN)/python -m pytest -q
 
@@ -115,8 +117,11 @@ lmeval-tools: .venv-tools/.lmeval-installed
 # `clients` (tests/test_clients.py and the lm-eval ones; ~10 min on 2 busy cores;
 # excluded from `make test` by pyproject's addopts). Each test skips with the reason
 # where its program is missing (`make clients`).
-# The minute-long fault and recovery runs (marker e2e: a tensor group healing after
-# seven kinds of loss), apart so that `make test` stays near 12 minutes; CI runs them.
+# The fault and recovery runs (marker e2e: a tensor group healing after seven kinds of
+# loss, stages killed, hung or restarted under the launcher and the servers, prompt caches
+# starved by a small --cache-bytes) and the pruned builds served by a cluster, each on
+# processes of its own: apart so that `make test`
+# stays under 10 minutes on 2 cores; CI (.ci/run) runs them after the suite.
 test-e2e: install
 	$(BIN)/python -m pytest -q -m e2e
 

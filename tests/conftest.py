@@ -1,10 +1,16 @@
-"""Shared fixtures: small checkpoints in the official layout, built once per session."""
+"""Shared fixtures: small checkpoints in the official layout, built once per session; the
+rest of the fixture layer is in tests/fixtures/ (loaded below)."""
 
 import shutil
 
 import pytest
 
 from kimi_mlx.testing.checkpoints import build_checkpoint
+
+# tests/fixtures/: the session-scoped micro model, server, 3-stage pipeline and tensor node
+# shared by the modules that only read them (shared), the clean-up after a timed-out test
+# (timeouts) and the start-up counter (counting, only under KIMI_MLX_COUNT_STARTUPS)
+pytest_plugins = ["fixtures.counting", "fixtures.shared", "fixtures.timeouts"]
 
 
 @pytest.fixture(scope="session")

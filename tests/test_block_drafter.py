@@ -273,7 +273,6 @@ def _two_token_counts():
     return counts, probs, stats
 
 
-@pytest.mark.slow
 def test_sampled_first_two_tokens_are_distributed_as_the_targets():
     """Temperature 1, k = 2 (the Markov term makes q_2 depend on d_1): the first two
     tokens over many runs fit the target's exact two-token distribution (chi-square, as
@@ -285,7 +284,6 @@ def test_sampled_first_two_tokens_are_distributed_as_the_targets():
     assert chi_square_p(counts, probs) > 1e-3
 
 
-@pytest.mark.slow
 def test_chi_square_rejects_drafts_judged_against_the_wrong_q(monkeypatch):
     """Planted bug: the acceptance rule is given a wrong q (a fixed skewed distribution),
     not the one the drafts were drawn from: the test must see it."""

@@ -132,7 +132,7 @@ def _forward_logprobs(model, ids):
     return [logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
 
 
-@pytest.mark.slow  # ~60 s: lm-eval's own start-up (torch, datasets) is most of it
+# ~60 s: lm-eval's own start-up (torch, datasets) is most of it (marker clients: make test-clients)
 def test_lm_eval_loglikelihood_and_generate_until_tasks(server, tmp_path):
     version = _lm_eval_version()
     url, log = server

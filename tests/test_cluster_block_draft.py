@@ -29,7 +29,6 @@ from kimi_mlx.speculative.block_loop import block_generate_step
 from kimi_mlx.speculative.factory import ONE_PROCESS, PIPELINE, build_speculation
 from kimi_mlx.speculative.loop import SpecStats
 from kimi_mlx.speculative.settings import DraftSettings
-from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.testing.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,12 +46,9 @@ PROSE = ("Permission is hereby granted, free of charge, to any person obtaining 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("blk3"), 3, prefix="blk", ports=free_ports(3))
-    try:
-        yield c
-    finally:
-        c.stop()
+def cluster(micro_pipeline):
+    """The session's 3 loopback stages (tests/fixtures/shared.py): this module only reads them."""
+    return micro_pipeline
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import signal
 import time
 
 import httpx
+import pytest
 
 from kimi_mlx.testing.cluster import LocalCluster, ServerProc
 from kimi_mlx.testing.ports import free_ports
@@ -34,10 +35,8 @@ def indexed(folder):
     return out
 
 
-def test_stages_restarted_restore_from_their_disks(tmp_path):
-    from kimi_mlx.generation.request import default_model
-    from kimi_mlx.testing.servers import served
-
+@pytest.mark.e2e  # a recovery run (stages and head restarted) on a cluster of its own: make test-e2e
+def test_stages_restarted_restore_from_their_disks(tmp_path, micro_cold_server):
     folder = tmp_path / "pc"
     flags = ["--prompt-cache-dir", str(folder), "--prompt-cache-disk-bytes", "1GB"]
     cluster = LocalCluster(tmp_path, n=3, prefix="dk", ports=free_ports(3), extra=flags)
@@ -78,8 +77,8 @@ def test_stages_restarted_restore_from_their_disks(tmp_path):
         if server is not None:
             server.stop()
         cluster.stop()
-    with served(str(default_model()), prompt_cache_bytes=0) as (ref, _):
-        assert got == chat(ref.url, second)[0]
+    ref, _ = micro_cold_server  # the session's cache-free server (tests/fixtures/shared.py)
+    assert got == chat(ref.url, second)[0]
 
 
 def test_the_heads_policy_keys_are_the_stages_keys():

@@ -18,6 +18,10 @@ from kimi_mlx.sampling import Sampling
 from kimi_mlx.testing.cluster import LocalCluster
 from kimi_mlx.cluster.head.transport import GrpcTransport, StageAssignment, StageFailure
 
+# every test here kills, stops or hangs a stage (fault runs on a cluster of the module's
+# own): after the suite (make test-e2e)
+pytestmark = pytest.mark.e2e
+
 PREFILL_CHUNK = "4"
 
 

@@ -13,18 +13,14 @@ from kimi_mlx.cluster.head.pipeline import Pipeline
 from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 from kimi_mlx.speculative.loop import SpecStats
 from kimi_mlx.speculative.ngram import NgramDraft
-from kimi_mlx.testing.cluster import LocalCluster
 
 from test_cluster_speculative import _run, _text, _wait_no_sessions
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalCluster(tmp_path_factory.mktemp("ngram3"), 3, prefix="ngram")
-    try:
-        yield c
-    finally:
-        c.stop()
+def cluster(micro_pipeline):
+    """The session's 3 loopback stages (tests/fixtures/shared.py): this module only reads them."""
+    return micro_pipeline
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ node (rank 1) form an MLX ring group through the control plane (no hostfile, no 
 Every process has a hard timeout; the node's ports are a free pair (gRPC, and its rank on gRPC + 1).
 """
 
+import functools
 import os
 import re
 import signal
@@ -20,23 +21,16 @@ from pathlib import Path
 import pytest
 
 from kimi_mlx.cluster.tensor.group import TensorSetupError, choose_backend, hosts_json
-from kimi_mlx.testing.cluster import LocalCluster
-from kimi_mlx.testing.tensor_parallel import free_ports
 
 PROMPT = "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2"
 HARD_TIMEOUT = 180
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    # the node's gRPC port and its rank's ring port (gRPC + 1), both bindable now: a fixed
-    # port in the ephemeral range can sit in TIME_WAIT after a long suite's connections
-    grpc_port, _ = free_ports(2, consecutive=True)
-    c = LocalCluster(tmp_path_factory.mktemp("tp"), n=1, prefix="tpnode", ports=[grpc_port])
-    try:
-        yield c
-    finally:
-        c.stop()
+def node(tensor_node):
+    """The session's tensor node (tests/fixtures/shared.py; its gRPC port and its rank's
+    ring port, gRPC + 1, were free): the tests below kill or stop only the ranks it starts."""
+    return tensor_node
 
 
 def launch_cmd(c, *extra, max_tokens=24):
@@ -77,16 +71,22 @@ def test_choose_backend_and_hosts():
 DRAFT = Path(__file__).resolve().parents[1] / "kimi_mlx" / "assets" / "micro-draft"
 
 
+@functools.lru_cache(maxsize=None)  # greedy: one run serves the three cases below
+def _one_process(ckpt: str) -> subprocess.CompletedProcess:
+    ref = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "generate",
+                          "--model", ckpt, "--ignore-chat-template", "--prompt", PROMPT,
+                          "--max-tokens", "24", "--temp", "0"],
+                         capture_output=True, text=True, timeout=HARD_TIMEOUT)
+    assert ref.returncode == 0, ref.stderr
+    return ref
+
+
 @pytest.mark.parametrize("extra", [(), ("--draft-model", str(DRAFT)), ("--draft", "ngram")],
                          ids=["plain", "draft-model", "ngram"])
 def test_greedy_equals_one_process(node, extra):
     """Greedy output through the group equals one process, plain and speculative (the
     draft on rank 0, verify steps through the group, rollback on every rank)."""
-    ref = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "generate",
-                          "--model", str(node.ckpt), "--ignore-chat-template", "--prompt", PROMPT,
-                          "--max-tokens", "24", "--temp", "0"],
-                         capture_output=True, text=True, timeout=HARD_TIMEOUT)
-    assert ref.returncode == 0, ref.stderr
+    ref = _one_process(str(node.ckpt))
     start = len(node.procs[0].log_text())
     r = subprocess.run(launch_cmd(node, "--parallel", "tensor", *extra,
                                   "--verbose", "true"),
@@ -101,7 +101,7 @@ def test_greedy_equals_one_process(node, extra):
         if "--draft-model" in extra:
             assert float(m.group(2)) > 0, m.group(0)
     log = node.procs[0].log_text()[start:]
-    assert "rank 1 on node tpnode0: done after 1 request(s)" in log
+    assert f"rank 1 on node {node.procs[0].node_id}: done after 1 request(s)" in log
     pids = rank_pids(node, start)
     assert len(pids) == 1
     deadline = time.monotonic() + 10
@@ -145,7 +145,7 @@ def test_backend_missing_refused_by_name(node):
     r = subprocess.run(launch_cmd(node, "--parallel", "tensor", "--backend", "jaccl"),
                        capture_output=True, text=True, timeout=HARD_TIMEOUT)
     assert r.returncode == 1
-    assert "node tpnode0 (has: ring)" in r.stderr and "jaccl" in r.stderr
+    assert f"node {node.procs[0].node_id} (has: ring)" in r.stderr and "jaccl" in r.stderr
     assert "started, pid" not in node.procs[0].log_text()[start:]  # nothing ran on the node
 
 
@@ -186,7 +186,8 @@ def test_rank_lost_mid_generation(node, sig, why):
     stderr = "".join(err)
     print(f"{sig.name}: head exited {detected:.2f} s after the fault")
     assert head.returncode == 1
-    assert f"tensor group torn down: rank 1 on node tpnode0 {why}" in stderr, stderr[-2000:]
-    assert f"rank 1 on node tpnode0 {why}" in node.procs[0].log_text()[start:]
+    name = node.procs[0].node_id
+    assert f"tensor group torn down: rank 1 on node {name} {why}" in stderr, stderr[-2000:]
+    assert f"rank 1 on node {name} {why}" in node.procs[0].log_text()[start:]
     assert gone
     assert node.procs[0].alive()  # the node itself serves on

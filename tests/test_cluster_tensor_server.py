@@ -9,6 +9,7 @@ path) and one `cluster serve` node (rank 1), asked with the `openai` client.
 Every process has a hard timeout; ports are free pairs chosen at run time.
 """
 
+import functools
 import os
 import re
 import signal
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+from kimi_mlx.testing.cluster import ServerProc
 from kimi_mlx.testing.tensor_parallel import free_ports
 
 PROMPT = "PYTHON SOFTWARE FOUNDATION LICENSE VERSION 2"
@@ -28,6 +29,7 @@ DRAFT = Path(__file__).resolve().parents[1] / "kimi_mlx" / "assets" / "micro-dra
 HARD_TIMEOUT = 240
 
 
+@functools.lru_cache(maxsize=None)  # greedy, so one run per (checkpoint, length) serves every test
 def one_process(ckpt, max_tokens: int) -> str:
     r = subprocess.run([sys.executable, "-m", "kimi_mlx.commands.main", "generate", "--model",
                         str(ckpt), "--ignore-chat-template", "--prompt", PROMPT, "--max-tokens",
@@ -40,13 +42,10 @@ def one_process(ckpt, max_tokens: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    grpc_port, _ = free_ports(2, consecutive=True)
-    c = LocalCluster(tmp_path_factory.mktemp("tps"), n=1, prefix="tsnode", ports=[grpc_port])
-    try:
-        yield c
-    finally:
-        c.stop()
+def node(tensor_node):
+    """The session's tensor node (tests/fixtures/shared.py): the tests below kill or stop
+    only the ranks it starts."""
+    return tensor_node
 
 
 def server(node, *extra):
@@ -182,11 +181,11 @@ def test_rank_lost_while_serving(node, sig, why):
         reason = srv.wait_health(503, 10)
         detected = time.monotonic() - t0
         print(f"{sig.name}: /health 503 after {detected:.2f} s: {reason}")
-        assert f"rank 1 on node tsnode0 {why}" in reason
+        assert f"rank 1 on node {node.procs[0].node_id} {why}" in reason
         t.join(15)
         assert not t.is_alive()
         assert err, "".join(got)[-500:]  # the stream ends with an error event, naming the rank
-        assert f"rank 1 on node tsnode0 {why}" in str(err[0])
+        assert f"rank 1 on node {node.procs[0].node_id} {why}" in str(err[0])
         deadline = time.monotonic() + 10
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)

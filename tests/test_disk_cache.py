@@ -332,7 +332,7 @@ def _metric(url, name):
     return None
 
 
-def test_server_restarted_on_the_same_folder_continues_from_disk(tmp_path):
+def test_server_restarted_on_the_same_folder_continues_from_disk(tmp_path, micro_cold_server):
     """`kimi-mlx server --prompt-cache-dir`: a conversation of a few hundred tokens, the
     server restarted (memory empty), the same conversation plus a turn: cached_tokens > 0
     read back from disk, and the reply equals a cache-free server's."""
@@ -355,8 +355,8 @@ def test_server_restarted_on_the_same_folder_continues_from_disk(tmp_path):
         assert _metric(srv.url, "kimi_mlx_prompt_cache_disk_hits_total") == 1
         assert _metric(srv.url, "kimi_mlx_prompt_cache_disk_read_bytes_total") > 0
         assert _metric(srv.url, "kimi_mlx_prompt_cache_disk_bytes") > 0
-    with served(model, prompt_cache_bytes=0) as (ref, _):
-        want, ref_usage = _chat(ref.url, second)
+    ref, _ = micro_cold_server  # the session's cache-free server (tests/fixtures/shared.py)
+    want, ref_usage = _chat(ref.url, second)
     assert got == want and ref_usage["prompt_tokens_details"]["cached_tokens"] == 0
 
 

@@ -160,7 +160,7 @@ def test_config_with_bad_per_layer_counts_is_refused():
             ModelArgs.from_config(full_config({**cfg, "num_experts_per_layer": bad}))
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # 2 stage processes of its own on loopback serving the build, a launch and generate (make test-e2e)
 def test_spread_build_in_the_cluster_and_generate(spread, tmp_path):
     """Two `kimi-mlx cluster serve` stages on loopback print what `generate` prints."""
     from kimi_mlx.testing.prune import cluster_and_generate, reply_lines

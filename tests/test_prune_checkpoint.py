@@ -158,7 +158,6 @@ def test_pruned_checkpoint_loads_in_stages_and_the_planner(pruned):
     assert mb.num_experts == E // 2
 
 
-@pytest.mark.slow
 def test_pruned_checkpoint_in_generate_and_mlx_lm(pruned, capsys):
     code, out, err = run(["generate", "--model", str(pruned), "--prompt", "def f",
                           "--max-tokens", "4", "--ignore-chat-template"], capsys)
@@ -263,7 +262,7 @@ def test_dry_run_of_the_release_from_its_shipped_config(capsys):
     assert "1x512GB: yes" in text and "1x256GB: no" in text
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # 2 stage processes of its own on loopback serving the build, a launch and generate (make test-e2e)
 def test_pruned_checkpoint_in_the_cluster(pruned, tmp_path):
     """Two `kimi-mlx cluster serve` stages on loopback print what `generate` prints."""
     from kimi_mlx.testing.prune import cluster_and_generate, reply_lines

@@ -257,7 +257,6 @@ def test_planned_build_size_equals_the_files_written(src, q4, tmp_path, capsys):
     assert _files(q4) < 0.8 * _files(src)
 
 
-@pytest.mark.slow
 def test_release_build_sizes_offline(capsys):
     """The official model at keep 0.2 with a q6 trunk fits one 512 GB Mac (sizes from the
     shipped config, nothing read); q8 / q6 / q4 steps save 2 bits x trunk parameters."""
@@ -277,7 +276,7 @@ def test_release_build_sizes_offline(capsys):
     assert 300e9 < sizes[4] < 340e9 and sizes[8] < 512e9
 
 
-@pytest.mark.slow
+@pytest.mark.e2e  # 2 stage processes of its own on loopback serving the build, a launch and generate (make test-e2e)
 def test_quantized_build_in_the_cluster(q4, tmp_path):
     """Two `kimi-mlx cluster serve` stages on loopback print what `generate` prints, and
     the planner sizes the stages from the quantized tensors."""

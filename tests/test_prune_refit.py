@@ -133,7 +133,6 @@ def test_refit_build_changes_only_the_router_rows(builds):
     assert "Router refit" in (outs["refit"] / "README.md").read_text()
 
 
-@pytest.mark.slow
 def test_refit_build_loads_in_generate_and_mlx_lm(builds, capsys):
     _, outs = builds
     path = outs["refit"]

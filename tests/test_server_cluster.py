@@ -18,20 +18,17 @@ from test_web import browser  # noqa: F401  (the chat page's headless chromium f
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    cluster = LocalCluster(tmp_path_factory.mktemp("api3"), n=3, prefix="api")
-    server = None
+def served(micro_pipeline):
+    """`cluster server` over the session's 3 stages (tests/fixtures/shared.py), which the
+    tests here only read: the stage-loss test below has a cluster of its own."""
+    server = ServerProc(micro_pipeline, free_ports(1)[0])
     try:
-        server = ServerProc(cluster, free_ports(1)[0])
-        yield cluster, server.url
+        yield micro_pipeline, server.url
     finally:
-        if server is not None:
-            server.stop()
-        cluster.stop()
+        server.stop()
 
 
-def test_concurrent_requests_through_the_pipeline_equal_one_process(served):
-    from kimi_mlx.checkpoint.loader import load_model
+def test_concurrent_requests_through_the_pipeline_equal_one_process(served, micro_model):
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
     cluster, url = served
@@ -44,7 +41,7 @@ def test_concurrent_requests_through_the_pipeline_equal_one_process(served):
 
     with cf.ThreadPoolExecutor(4) as ex:
         got = list(ex.map(one, prompts))
-    model, _, _ = load_model(cluster.ckpt, verbose=False)
+    model = micro_model  # the session's micro (tests/fixtures/shared.py), the stages' checkpoint
     tok = KimiTokenizer.from_pretrained(cluster.ckpt)
     from mlx_lm.generate import generate_step
 
@@ -57,19 +54,18 @@ def test_concurrent_requests_through_the_pipeline_equal_one_process(served):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
-def test_penalties_and_logit_bias_through_the_pipeline_equal_one_process(served):
+def test_penalties_and_logit_bias_through_the_pipeline_equal_one_process(served, micro_model):
     """presence/frequency penalties and logit_bias are applied at the head: the tokens
     equal mlx-lm's generate_step with the same logits processors in one process (run,
     as the one-process server does, from the last prompt token after a prefill)."""
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_logits_processors
 
-    from kimi_mlx.checkpoint.loader import load_model
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
     cluster, url = served
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", timeout=120, max_retries=0)
-    model, _, _ = load_model(cluster.ckpt, verbose=False)
+    model = micro_model
     tok = KimiTokenizer.from_pretrained(cluster.ckpt)
     prompt = "the cat and the cat and the cat and the"
     ids = tok.encode(prompt)
@@ -236,8 +232,20 @@ def test_the_page_shows_the_stages_and_chats_through_them(served, browser):
         ctx.close()
 
 
-def test_lost_stage_is_reported_by_health(served):
-    cluster, url = served
+@pytest.mark.e2e  # a fault run: a cluster and a server of its own (make test-e2e)
+def test_lost_stage_is_reported_by_health(tmp_path):
+    cluster = LocalCluster(tmp_path, n=3, prefix="api")
+    try:
+        server = ServerProc(cluster, free_ports(1)[0])
+        try:
+            _lose_stage_1(cluster, server.url)
+        finally:
+            server.stop()
+    finally:
+        cluster.stop()
+
+
+def _lose_stage_1(cluster, url):
     cluster.procs[1].stop()
     r = httpx.post(url + "/v1/completions", json={"model": "micro", "prompt": "Hello there",
                                                   "max_tokens": 4}, timeout=60)

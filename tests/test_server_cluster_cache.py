@@ -19,19 +19,11 @@ QUESTIONS = ["What does a for statement do?", "And a while loop?", "How do I sto
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    """`kimi-mlx server` in this process, without a prompt cache: the cold reference."""
-    from kimi_mlx.generation.request import default_model
-    from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
-
-    svc = make_service(str(default_model()), None, "micro", 1 << 20)
-    load_service(svc, str(default_model()), max_concurrency=1, prompt_cache_bytes=0,
-                 max_queue=16, max_kv_size=None)
-    srv = BackgroundServer(create_app(svc)).start()
-    yield srv.url, svc
-    srv.stop()
-    svc.engine.stop()
+def one_process(micro_cold_server):
+    """`kimi-mlx server` in this process, without a prompt cache: the cold reference (the
+    session's, tests/fixtures/shared.py)."""
+    srv, svc = micro_cold_server
+    return srv.url, svc
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +176,7 @@ def test_a_stage_restarted_between_turns_loses_the_cache_not_the_answer(served, 
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
+@pytest.mark.e2e  # a degraded-cache run on 3 stages of its own (--cache-bytes): make test-e2e
 def test_eviction_under_a_small_cache_bytes(tmp_path, one_process):
     """Stage 1 keeps ~150 kB of snapshots: about one of these conversations' (its KDA
     state is 42 kB a snapshot, its DSA layer 448 B a token). Conversation B's snapshots
@@ -222,7 +215,7 @@ def test_eviction_under_a_small_cache_bytes(tmp_path, one_process):
         cluster.stop()
 
 
-def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(tmp_path):
+def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(micro_pipeline, micro_model):
     """The race the lookup cannot close: every stage said it held a prefix, one lost it
     before the session opened. The stage refuses the session ("prompt cache miss") before
     any token, and the engine prefills in full on the same pipeline: the tokens equal a
@@ -230,7 +223,6 @@ def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(tmp_path):
     from mlx_lm.generate import generate_step
     import mlx.core as mx
 
-    from kimi_mlx.checkpoint.loader import load_model
     from kimi_mlx.cluster.head.engine import ClusterEngine
     from kimi_mlx.cluster.head.pipeline import Pipeline
     from kimi_mlx.cluster.net.nodes import check_nodes
@@ -242,7 +234,7 @@ def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(tmp_path):
     from kimi_mlx.server.metrics import Metrics
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
-    cluster = LocalCluster(tmp_path, n=3, prefix="rc", ports=free_ports(3))
+    cluster = micro_pipeline  # the session's 3 stages (tests/fixtures/shared.py): only read here
     t = GrpcTransport(cluster.secret, peer_timeout=10.0)
     engine = None
     try:
@@ -270,8 +262,7 @@ def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(tmp_path):
         t.cache_lookup = lambda keys: list(keys)
         again, cached = run()
         assert (again, cached) == (cold, 0)
-        model, _, _ = load_model(cluster.ckpt, verbose=False)
-        want = [tk for tk, _ in generate_step(mx.array(ids), model, max_tokens=6)]
+        want = [tk for tk, _ in generate_step(mx.array(ids), micro_model, max_tokens=6)]
         assert cold == want[:len(cold)] and len(cold) > 0
         text = metrics.render().decode()
         assert 'kimi_mlx_cluster_prompt_cache_lookups_total{result="refused"} 1.0' in text
@@ -279,4 +270,3 @@ def test_a_snapshot_gone_after_the_lookup_is_a_full_prefill(tmp_path):
         if engine is not None:
             engine.stop(2.0)
         t.shutdown()
-        cluster.stop()

@@ -5,7 +5,7 @@ replies token for token, and /metrics shows the draft was used."""
 import httpx
 import mlx.core as mx
 
-from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+from kimi_mlx.testing.cluster import ServerProc
 from kimi_mlx.testing.ports import free_ports
 
 PROMPTS = ["The for statement is used to", "class Queue:\n    def __init__(self"]
@@ -27,11 +27,11 @@ def _metric(text, name):
     return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(name + " "))
 
 
-def test_greedy_with_a_draft_through_three_stages_equals_plain(tmp_path):
+def test_greedy_with_a_draft_through_three_stages_equals_plain(micro_pipeline):
     from kimi_mlx.generation.generate import default_model
 
     draft = default_model().parent / "micro-draft"
-    cluster = LocalCluster(tmp_path, n=3, prefix="dr", ports=free_ports(3))
+    cluster = micro_pipeline  # the session's 3 stages (tests/fixtures/shared.py), only read here
     server = None
     try:
         server = ServerProc(cluster, free_ports(1)[0], "--draft-model", str(draft), "--num-draft-tokens", "3")
@@ -50,7 +50,6 @@ def test_greedy_with_a_draft_through_three_stages_equals_plain(tmp_path):
     finally:
         if server is not None:
             server.stop()
-        cluster.stop()
 
 
 def test_a_draft_serves_one_request_at_a_time(capsys):
@@ -63,10 +62,10 @@ def test_a_draft_serves_one_request_at_a_time(capsys):
     assert "--num-draft-tokens needs --draft-model" in capsys.readouterr().err
 
 
-def test_greedy_with_ngram_drafts_through_three_stages_equals_plain(tmp_path):
+def test_greedy_with_ngram_drafts_through_three_stages_equals_plain(micro_pipeline):
     """`--draft ngram` (prompt lookup on the head): the same replies as plain decoding,
     with verify steps counted (a repeating prompt gives the lookup something to match)."""
-    cluster = LocalCluster(tmp_path, n=3, prefix="ng", ports=free_ports(3))
+    cluster = micro_pipeline
     server = None
     prompts = PROMPTS + ["for i in range(10):\n    x = i\nfor i in range(10):\n    x = i\nfor i in"]
     try:
@@ -84,4 +83,3 @@ def test_greedy_with_ngram_drafts_through_three_stages_equals_plain(tmp_path):
     finally:
         if server is not None:
             server.stop()
-        cluster.stop()

@@ -9,9 +9,13 @@ import time
 
 import httpx
 import mlx.core as mx
+import pytest
 
 from kimi_mlx.testing.cluster import LocalCluster, ServerProc
 from kimi_mlx.testing.ports import free_ports
+
+# fault and recovery runs, each with a cluster of its own: after the suite (make test-e2e)
+pytestmark = pytest.mark.e2e
 
 PROMPT = "The for statement is used to"
 

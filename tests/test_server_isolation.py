@@ -659,16 +659,16 @@ def test_malformed_content_blocks_are_400s(servers, path, fields):
 
 
 @pytest.fixture(scope="module")
-def cluster_url(tmp_path_factory):
-    """`kimi-mlx cluster server` on micro with 2 pipeline stages on loopback."""
+def cluster_url(micro_pipeline):
+    """`kimi-mlx cluster server` on the session's 3 pipeline stages on loopback
+    (tests/fixtures/shared.py; only read here)."""
     import subprocess
     import sys
     import time
 
-    from kimi_mlx.testing.cluster import LocalCluster
     from kimi_mlx.testing.ports import free_ports
 
-    cluster = LocalCluster(tmp_path_factory.mktemp("iso2"), n=2, prefix="iso")
+    cluster = micro_pipeline
     port = free_ports(1)[0]
     proc = subprocess.Popen(
         [sys.executable, "-m", "kimi_mlx.commands.main", "cluster", "server", "--model",
@@ -695,7 +695,6 @@ def cluster_url(tmp_path_factory):
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
-        cluster.stop()
 
 
 def test_cluster_server_refuses_bad_parameters_before_admission(cluster_url):

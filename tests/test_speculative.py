@@ -285,14 +285,12 @@ def sampling_models():
     return model, d, exact_two_token_distribution(model, PROMPT, VOCAB)
 
 
-@pytest.mark.slow
 def test_sampling_distribution_of_first_two_tokens_is_the_targets(sampling_models):
     model, d, probs = sampling_models
     counts = sample_two_tokens(model, d, PROMPT, N_SAMPLES, seed=2)
     assert chi_square_p(counts, probs) > 1e-3
 
 
-@pytest.mark.slow
 def test_chi_square_rejects_a_wrong_acceptance_rule(sampling_models, monkeypatch):
     """Planted bug: on rejection, resample from p instead of norm(max(0, p - q))."""
     model, d, probs = sampling_models

@@ -1,4 +1,4 @@
-"""Structured output through `kimi-mlx cluster server` (issue 35): a pipeline of 2 stage
+"""Structured output through `kimi-mlx cluster server` (issue 35): a pipeline of 3 stage
 processes and a tensor group on loopback, the grammar applied on the head (the
 pipeline's head chooser, the tensor group's rank 0). References: the `jsonschema`
 validator and mlx-lm's `kimi_k3` tool parser (in the server's reply path)."""
@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+from kimi_mlx.testing.cluster import ServerProc
 from kimi_mlx.testing.tensor_parallel import free_ports
 
 SCHEMA = {"type": "object", "properties": {
@@ -24,24 +24,21 @@ TOOL = {"name": "add", "description": "Add two numbers", "parameters": {
 
 
 @pytest.fixture(scope="module", params=["pipeline", "pipeline-ngram", "tensor"])
-def server(request, tmp_path_factory):
-    """`cluster server` over 2 pipeline stages (with `--draft ngram`: a constrained
-    request decodes without the draft there), or a tensor group of this head and 1 rank."""
+def server(request):
+    """`cluster server` over the session's 3 pipeline stages (with `--draft ngram`: a
+    constrained request decodes without the draft there), or a tensor group of this head
+    and the session's tensor node's rank (tests/fixtures/shared.py; only read here)."""
     if request.param.startswith("pipeline"):
-        cluster = LocalCluster(tmp_path_factory.mktemp("sp"), n=2, prefix="sp")
+        cluster = request.getfixturevalue("micro_pipeline")
         extra = ("--draft", "ngram") if request.param.endswith("ngram") else ()
     else:
-        grpc_port, _ = free_ports(2, consecutive=True)
-        cluster = LocalCluster(tmp_path_factory.mktemp("st"), n=1, prefix="st", ports=[grpc_port])
+        cluster = request.getfixturevalue("tensor_node")
         extra = ("--parallel", "tensor", "--max-concurrency", "1")
-    srv = None
+    srv = ServerProc(cluster, free_ports(1)[0], *extra, timeout=240)
     try:
-        srv = ServerProc(cluster, free_ports(1)[0], *extra, timeout=240)
         yield openai.OpenAI(base_url=srv.url + "/v1", api_key="x", timeout=240, max_retries=0)
     finally:
-        if srv is not None:
-            srv.stop()
-        cluster.stop()
+        srv.stop()
 
 
 def test_json_schema_and_forced_tool_through_the_cluster(server):

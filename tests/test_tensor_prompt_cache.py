@@ -77,19 +77,10 @@ def test_restored_request_equals_a_full_forward_and_the_key_holds_ids_and_images
 
 
 @pytest.fixture(scope="module")
-def one_process():
-    """`kimi-mlx server` in this process without a prompt cache: the cold reference."""
-    from kimi_mlx.generation.request import default_model
-    from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
-
-    svc = make_service(str(default_model()), None, "micro", 1 << 20)
-    load_service(svc, str(default_model()), max_concurrency=1, prompt_cache_bytes=0,
-                 max_queue=16, max_kv_size=None)
-    srv = BackgroundServer(create_app(svc)).start()
-    yield srv.url
-    srv.stop()
-    svc.engine.stop()
+def one_process(micro_cold_server):
+    """`kimi-mlx server` in this process without a prompt cache: the cold reference (the
+    session's, tests/fixtures/shared.py)."""
+    return micro_cold_server[0].url
 
 
 def _node(tmp_path_factory, name, ckpt=None, extra=()):
@@ -126,9 +117,8 @@ SYSTEM = {"role": "system", "content": "You are a terse assistant for Python que
 QUESTIONS = ["What does a for statement do?", "And a while loop?", "How do I stop one early?"]
 
 
-def test_turn_three_is_cached_on_both_ranks_and_equals_one_process(tmp_path_factory,
-                                                                   one_process):
-    node = _node(tmp_path_factory, "tcnode")
+def test_turn_three_is_cached_on_both_ranks_and_equals_one_process(tensor_node, one_process):
+    node = tensor_node  # the session's (tests/fixtures/shared.py): each server starts its own ranks
     srv = None
     try:
         # the batched rows (the default: `tensor.batched`): each row restores and snapshots
@@ -155,9 +145,9 @@ def test_turn_three_is_cached_on_both_ranks_and_equals_one_process(tmp_path_fact
     finally:
         if srv is not None:
             srv.stop()
-        node.stop()
 
 
+@pytest.mark.e2e  # a degraded-cache run on a node of its own (--cache-bytes 1): make test-e2e
 def test_a_rank_without_the_snapshot_means_a_full_prefill_on_every_rank(tmp_path_factory,
                                                                         one_process):
     """The node's rank keeps no snapshot (`cluster serve --cache-bytes 1`) while rank 0

@@ -25,12 +25,10 @@ N = 10
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(micro_model):
     from mlx_lm.generate import generate_step
 
-    from kimi_mlx.checkpoint.loader import load_model
-
-    model = load_model(MICRO, verbose=False)[0]
+    model = micro_model  # the session's micro (tests/fixtures/shared.py): only read here
     refs = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=N,
                                                sampler=lambda lp: mx.argmax(lp, axis=-1))]
             for p in PROMPTS]

@@ -18,7 +18,7 @@ import pytest
 from kimi_mlx.server.engine_base import BaseEngine
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.server.jobs import Finished, TokenOut
-from kimi_mlx.testing.servers import served, sibling_server
+from kimi_mlx.testing.servers import sibling_server
 
 MICRO = str(default_model())
 KEY = "sk-page-key"
@@ -54,9 +54,10 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def server():
-    with served(MICRO) as both:
-        yield both
+def server(micro_server):
+    """The session's one-process server on micro (tests/fixtures/shared.py): the tests
+    read it, or put their own key or engine in front of its model (`_shared`)."""
+    return micro_server
 
 
 def _shared(real, key=None, engine=None):
