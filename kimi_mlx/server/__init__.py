@@ -13,6 +13,8 @@ Modules, one job each (every module of this folder):
   schemas.py      pydantic request models of the APIs
   openai_api.py, anthropic_api.py, responses_api.py   request -> prompt, reply events ->
                   response shapes (chat / completions, messages, responses)
+  ollama_api.py   the Ollama API (/api/* and /ollama/api/*): each request becomes the chat
+                  route's request, replies in Ollama's NDJSON / JSON shapes
   structured.py   response_format / tool_choice -> the grammar a request's sampling enforces
   images.py       image parts of requests: data URLs / base64 (URLs with --allow-image-urls),
                   limits, 400s naming the image, the prompt-cache key of a prompt with images
