@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Mapping, Optional, Sequence
 
-from kimi_mlx.generation.constrain import build_constraint, tool_choice_of
+from kimi_mlx.generation.constrain import GrammarBusy, build_constraint, tool_choice_of
 from kimi_mlx.sampling import InputError, Sampling
 from kimi_mlx.server.common import APIError
 
@@ -53,14 +53,19 @@ def constrained(svc, sampling: Sampling, ids: Sequence[int], *, response_format:
     itself (the request's `thinking_budget`, Anthropic's `thinking.budget_tokens`; None:
     unlimited); `parallel` False: one tool call per reply (`parallel_tool_calls`;
     Anthropic's `tool_choice.disable_parallel_tool_use` is read from `tool_choice`).
-    APIError 400 naming response_format / tools / tool_choice when the schema
-    cannot be compiled or the named tool is not among the tools."""
+    The schemas are compiled here, within `svc.schema_limits` (a `SchemaLimits`; None:
+    the defaults). APIError 400 naming response_format / tools[i] / tool_choice when a
+    schema is too large, cannot be compiled, admits no value or compiles too slowly, or
+    the named tool is not among the tools; 503 when the compile threads are all busy."""
     if isinstance(tool_choice, Mapping) and tool_choice.get("disable_parallel_tool_use") is True:
         parallel = False
     try:
         c = build_constraint(svc.tok, ids, response_format=response_format, tools=tools,
                              tool_choice=tool_choice_of(tool_choice), think_budget=think_budget,
-                             parallel=parallel is not False)
+                             parallel=parallel is not False,
+                             limits=getattr(svc, "schema_limits", None))
     except InputError as e:
         raise APIError(400, str(e), param=e.param) from None
+    except GrammarBusy as e:
+        raise APIError(503, str(e), "overloaded_error", headers={"Retry-After": "5"}) from None
     return sampling if c is None else replace(sampling, constraint=c)
