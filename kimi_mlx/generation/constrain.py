@@ -60,7 +60,7 @@ from kimi_mlx.text.chat_format import (CLOSE, END_OF_MSG, OPEN, SEP, THINK_END, 
                                        TOOLS_START)
 
 __all__ = ["COMPILE_THREADS", "Constraint", "GrammarBusy", "GrammarProcessor", "SchemaLimits",
-           "build_constraint", "grammar_tokenizer", "tool_choice_of"]
+           "build_constraint", "check_schemas", "grammar_tokenizer", "tool_choice_of"]
 
 log = logging.getLogger(__name__)
 _TOKENIZERS: dict = {}
@@ -408,17 +408,11 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
         return None
     grammar = "\n".join(rules)
     ll = grammar_tokenizer(tok)
-    checks = []  # (param, schema's JSON rule): each compiled on its own first
-    if kind in ("json_object", "json_schema") and not forced:
-        checks.append(("response_format", _json_rule(schema, strict)))
-    if use_tools:
-        for i, t in enumerate(given):
-            name, params = _tool_schema(t)
-            if isinstance(name, str) and (named is None or name == named or not forced):
-                fn = t.get("function", t) if isinstance(t, Mapping) else {}
-                checks.append((f"tools[{i}]", _json_rule(params, fn.get("strict") is True)))
     try:
-        matcher = _compile(grammar, checks, ll, limits)
+        rules = _rules(_checks(response_format, given, tool_choice), limits)
+        if _digest(rules) not in _PASSED:  # `check_schemas` has not compiled them yet
+            _timed(lambda at: _check_each(rules, at, ll), rules, limits)
+        matcher = _timed(lambda at: _whole(grammar, ll, at), rules, limits)
     except _Refused as e:
         if trigger == "tools" and e.content:  # nothing was forced: runs as it did before
             log.warning("tool schemas cannot be enforced (%s); tool calls are not constrained", e)
@@ -438,20 +432,21 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
 
 COMPILE_THREADS = 2  # schema compiles at once; a timed-out one holds its thread till done
 _POOL = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kimi-mlx-grammar")
-_REFUSED: "OrderedDict[str, _Refused]" = OrderedDict()  # grammar digest -> time-out refusal
-_REFUSED_MAX = 256
+_MEMO_MAX = 256
+_REFUSED: "OrderedDict[str, _Refused]" = OrderedDict()  # rules digest -> time-out refusal
+_PASSED: "OrderedDict[str, bool]" = OrderedDict()  # rules digests whose schemas each compiled
 
 
 @dataclass(frozen=True)
 class SchemaLimits:
     """Bounds on what one request's schemas may cost at admission.
 
-    max_bytes: a schema's size as compact JSON (bytes, UTF-8), each schema on its own
-    (`response_format`'s, each tool's parameters): larger is refused before any
-    compiling (`--max-schema-bytes`). timeout_s: wall seconds for compiling all of a
-    request's schemas and its grammar (`--schema-timeout`); llguidance's cost grows
-    faster than size (10,000 optional properties, 330 KB, take ~14 s on micro's 4,352
-    tokens), so size alone does not bound it."""
+    max_bytes: a schema's size as compact JSON (bytes, ASCII escapes), each schema on its
+    own (`response_format`'s, each tool's parameters): larger is refused before any
+    compiling (`--max-schema-bytes`). timeout_s: wall seconds for compiling a request's
+    schemas, and again for its whole grammar (`--schema-timeout`); llguidance's cost
+    grows faster than size (10,000 optional properties, 330 KB, take ~14 s on micro's
+    4,352 tokens), so size alone does not bound it."""
 
     max_bytes: int = 256 << 10
     timeout_s: float = 5.0
@@ -466,6 +461,100 @@ class _Refused(Exception):
     def __init__(self, message: str, param: str, content: bool):
         super().__init__(message)
         self.param, self.content = param, content  # content: llguidance refused the schema
+
+
+def _checks(response_format: Any, tools: Sequence[Mapping], tool_choice: Any) -> list:
+    """(param, schema, strict) of each schema a request's grammar enforces:
+    response_format's (unless a tool call is forced), then each tool's parameters (only
+    the named tool's when one is named), param "tools[i]" by the tool's index in `tools`
+    as given."""
+    named = tool_choice[1] if isinstance(tool_choice, tuple) else None
+    usable = [t for t in tools if isinstance(_tool_schema(t)[0], str)]
+    forced = bool(usable) and (tool_choice == "required" or named is not None)
+    out = []
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind in ("json_object", "json_schema") and not forced:
+        if kind == "json_schema":
+            spec = response_format.get("json_schema") or {}
+            spec = spec if isinstance(spec, Mapping) else {}
+            schema = spec.get("schema") if spec.get("schema") is not None else {"type": "object"}
+            out.append(("response_format", schema, bool(spec.get("strict"))))
+        else:
+            out.append(("response_format", {"type": "object"}, True))
+    if usable and tool_choice != "none":
+        for i, t in enumerate(tools):
+            name, params = _tool_schema(t)
+            if isinstance(name, str) and (not forced or named is None or name == named):
+                fn = t.get("function", t) if isinstance(t, Mapping) else {}
+                out.append((f"tools[{i}]", params, fn.get("strict") is True))
+    return out
+
+
+def check_schemas(tok, response_format: Any = None, tools: Optional[Sequence[Mapping]] = None,
+                  tool_choice: Any = None, limits: Optional[SchemaLimits] = None) -> None:
+    """Admission before a request's prompt is built (the prompt carries its schemas as
+    text, which takes seconds to tokenize for a large one): each schema's size against
+    `limits.max_bytes`, then each compiled on its own within `limits.timeout_s` (what
+    passes is remembered, so `build_constraint` does not compile it twice).
+
+    Args: tok: our `KimiTokenizer`; the rest as `build_constraint` (`tool_choice` in
+    `tool_choice_of`'s form). Raises InputError naming `response_format` or `tools[i]`
+    as `build_constraint` does (a tool on auto that llguidance refuses is no error);
+    GrammarBusy when no compile thread came free in time."""
+    limits = limits or SchemaLimits()
+    checks = _checks(response_format, list(tools or ()), tool_choice)
+    if not checks:
+        return
+    try:
+        rules = _rules(checks, limits)
+        _timed(lambda at: _check_each(rules, at, grammar_tokenizer(tok)), rules, limits)
+    except _Refused as e:
+        kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+        forced = tool_choice == "required" or isinstance(tool_choice, tuple)
+        if not e.content or forced or kind in ("json_object", "json_schema"):
+            raise InputError(str(e), e.param) from None
+
+
+def _json_size(obj: Any, cap: int) -> int:
+    """Bytes of `obj` as compact JSON (ASCII escapes), counted only until past `cap` (a
+    5 MB schema is found over the limit after its first `cap` bytes)."""
+    n, stack = 0, [obj]
+    while stack and n <= cap:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            n += 1 + 2 * max(len(v), 1)
+            for k, x in v.items():
+                n += len(json.dumps(str(k)))
+                stack.append(x)
+                if n > cap:
+                    break
+        elif isinstance(v, (list, tuple)):
+            n += 1 + max(len(v), 1)
+            stack.extend(v)
+        else:
+            n += len(json.dumps(v))
+    return n
+
+
+def _rules(checks, limits: SchemaLimits) -> list:
+    """(param, JSON rule) of each check, once its size passed `limits.max_bytes`."""
+    for param, schema, _ in checks:
+        if _json_size(schema, limits.max_bytes) > limits.max_bytes:
+            raise _Refused(f"{param}: the schema is over this server's limit of "
+                           f"{limits.max_bytes} bytes (--max-schema-bytes)", param, False)
+    return [(param, _json_rule(schema, strict)) for param, schema, strict in checks]
+
+
+def _digest(rules) -> str:
+    return hashlib.sha256(json.dumps(list(rules)).encode()).hexdigest()
+
+
+def _remember(memo: OrderedDict, key: str, value) -> None:
+    with _LOCK:
+        memo[key] = value
+        memo.move_to_end(key)
+        while len(memo) > _MEMO_MAX:
+            memo.popitem(last=False)
 
 
 def _first_line(err: str) -> str:
@@ -488,8 +577,7 @@ def _matcher(ll, grammar: str):
 def _why(err: str) -> str:
     """llguidance's error as a reason a client can act on (its first line, without the
     grammar position); "NoExtensionBias" (no token can start a value) in words."""
-    first = _first_line(err)
-    why = first.split("failed to compile JSON schema: ", 1)[-1]
+    why = _first_line(err).split("failed to compile JSON schema: ", 1)[-1]
     if why.startswith("NoExtensionBias"):
         return ("no JSON value satisfies it (for instance `$ref`s that only refer to each "
                 "other)")
@@ -514,7 +602,7 @@ def _roots(rule: str) -> list:
 
 def _check_one(ll, rule: str) -> Optional[str]:
     """llguidance's error for one schema rule compiled on its own and its first mask
-    computed, or None when it can start a value."""
+    computed (each definition's too), or None when every one can start a value."""
     for root in _roots(rule):
         m = _matcher(ll, "start: " + root)
         if not m.is_error():
@@ -524,42 +612,49 @@ def _check_one(ll, rule: str) -> Optional[str]:
     return None
 
 
-def _compile(grammar: str, checks: Sequence[tuple], ll, limits: SchemaLimits):
-    """The grammar's `LLMatcher` in its start state, after each schema of `checks`
-    ((param, JSON rule)) passed `limits.max_bytes` and compiled on its own; `_Refused`
-    naming the param otherwise, or when it all took more than `limits.timeout_s`.
-    `GrammarBusy` when no compile thread came free within the time-out."""
+def _check_each(rules, at, ll):
+    """Each schema rule through `_check_one`: a `_Refused` naming the first that
+    llguidance refuses, else None (the rules' digest remembered as passed)."""
+    for param, rule in rules:
+        at["param"] = param
+        err = _check_one(ll, rule)
+        if err is not None:
+            return _Refused(f"{param}: the schema cannot be enforced by constrained "
+                            f"decoding: {_why(err)}", param, True)
+    _remember(_PASSED, _digest(rules), True)
+    return None
+
+
+def _whole(grammar: str, ll, at):
+    """The whole grammar's matcher in its start state, or a `_Refused`."""
+    m = _matcher(ll, grammar)
+    if m.is_error():
+        return _Refused(f"{at['param']}: the schemas cannot be enforced by constrained "
+                        f"decoding: {_why(m.get_error())}", at["param"], True)
+    return m
+
+
+def _timed(work, rules, limits: SchemaLimits):
+    """`work(at)` on a compile thread within `limits.timeout_s` (at["param"]: the schema
+    being compiled); its result, raised when a `_Refused`. At the time-out: a `_Refused`
+    naming that param (remembered: the same rules are then refused at once; the compile
+    runs on to its end on its thread, without the GIL), or `GrammarBusy` when no compile
+    thread came free."""
     import time
 
-    for param, rule in checks:
-        size = len(rule.encode()) - len("%json ")
-        if size > limits.max_bytes:
-            raise _Refused(f"{param}: the schema is {size} bytes, over this server's limit of "
-                           f"{limits.max_bytes} bytes (--max-schema-bytes)", param, False)
-    digest = hashlib.sha256(grammar.encode()).hexdigest()
+    digest = _digest(rules)
     with _LOCK:
         hit = _REFUSED.get(digest)
-        if hit is not None:
-            _REFUSED.move_to_end(digest)
-            raise _Refused(str(hit), hit.param, hit.content)
-    at = {"param": checks[0][0] if checks else "response_format", "started": False}
+    if hit is not None:
+        raise _Refused(str(hit), hit.param, hit.content)
+    at = {"param": rules[0][0] if rules else "response_format", "started": False}
 
-    def work():
+    def run():
         at["started"] = True
-        for param, rule in checks:
-            at["param"] = param
-            err = _check_one(ll, rule)
-            if err is not None:
-                return _Refused(f"{param}: the schema cannot be enforced by constrained "
-                                f"decoding: {_why(err)}", param, True)
-        m = _matcher(ll, grammar)
-        if m.is_error():
-            return _Refused(f"{at['param']}: the schemas cannot be enforced by constrained "
-                            f"decoding: {_why(m.get_error())}", at["param"], True)
-        return m
+        return work(at)
 
     t0 = time.perf_counter()
-    fut = _POOL.submit(work)
+    fut = _POOL.submit(run)
     try:
         out = fut.result(timeout=limits.timeout_s)
     except FutureTimeout:
@@ -569,10 +664,7 @@ def _compile(grammar: str, checks: Sequence[tuple], ll, limits: SchemaLimits):
         refused = _Refused(f"{at['param']}: the schema did not compile within "
                            f"{limits.timeout_s:g} s (--schema-timeout); simplify it (fewer "
                            "optional properties, alternatives or definitions)", at["param"], False)
-        with _LOCK:
-            _REFUSED[digest] = refused
-            while len(_REFUSED) > _REFUSED_MAX:
-                _REFUSED.popitem(last=False)
+        _remember(_REFUSED, digest, refused)
         log.warning("a schema compile ran past %.1f s and was refused", time.perf_counter() - t0)
         raise refused from None
     if isinstance(out, _Refused):
