@@ -234,3 +234,32 @@ def test_huge_and_slow_schemas_are_refused_without_costing_a_neighbour(server):
             assert err.status_code == 503 and time.monotonic() < deadline, err
             time.sleep(1)
     assert r.choices[0].finish_reason == "stop"
+
+
+def test_end_of_message_is_forced_once_the_grammar_completes():
+    """Model-free: after `<|close|>message<|sep|>` the processor allows `<|end_of_msg|>`
+    alone (the chat format's end of turn, `text.chat_format`), for a JSON reply and a
+    forced call; before it, the message's close is what the grammar allows."""
+    import numpy as np
+
+    from kimi_mlx.generation.constrain import build_constraint
+    from kimi_mlx.text.chat_format import END_OF_MSG, THINK_START
+    from kimi_mlx.text.tokenizer import KimiTokenizer
+
+    tok = KimiTokenizer.from_pretrained(MICRO)
+    prompt = tok.encode(THINK_START, allow_special=True)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    cases = [({"response_format": {"type": "json_object"}},
+              '<|open|>response<|sep|>{}<|close|>response<|sep|>'),
+             ({"tools": [tool], "tool_choice": "required"},
+              '<|open|>tools<|sep|><|open|>call tool="f" index="1"<|sep|><|open|>json type="object"'
+              '<|sep|>{}<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')]
+    for kw, body in cases:
+        p = build_constraint(tok, prompt, **kw).processor()
+        for t in tok.encode("<|close|>think<|sep|>" + body + "<|close|>message<|sep|>",
+                            allow_special=True):
+            ok = p.allowed()
+            assert ok is None or ok[t], (kw, t)
+            p.feed(t)
+        ok = p.allowed()
+        assert np.flatnonzero(ok).tolist() == [tok.special_tokens[END_OF_MSG]], kw
