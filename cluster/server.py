@@ -50,7 +50,7 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
     from kimi_mlx.server.app import create_app
     from kimi_mlx.server.serving import (check_disk_cache_arguments, check_draft_server_arguments,
                                          check_server_arguments, make_service, resolve_api_key,
-                                         serve)
+                                         schema_limits_of, serve)
     from kimi_mlx.speculative.factory import PIPELINE, TENSOR, build_speculation, check_draft_target
 
     from kimi_mlx.cluster.net.auth import AuthError, load_secret
@@ -89,7 +89,7 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
     args.context = args.context or context
     pipeline_settings = replace(pipeline_settings, sequences=args.max_concurrency)
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes,
-                       args.max_tokens)
+                       args.max_tokens, schema_limits_of(args))
     svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
     svc.vocab_size = margs.vocab_size
     from kimi_mlx.server.images import image_settings

@@ -188,5 +188,5 @@ def test_tool_schemas_strict_only_when_they_say_so(tok):
     assert build_constraint(tok, prompt, tools=tools, tool_choice="required") is not None
     with pytest.raises(InputError) as e:
         build_constraint(tok, prompt, tools=strict, tool_choice="required")
-    assert e.value.param == "tools" and "uri-template" in str(e.value)
+    assert e.value.param == "tools[0]" and "uri-template" in str(e.value)
     assert build_constraint(tok, prompt, tools=strict) is None

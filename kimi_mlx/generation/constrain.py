@@ -26,21 +26,41 @@ processors (one process, batched, pipeline head, tensor rank 0) enforces it. The
 speculative loops that verify on this process (draft model, n-gram) mask each verify row
 with the grammar advanced over the drafts before it (`GrammarProcessor.verify_logits`),
 so a forbidden draft is rejected like any mismatch.
+
+Once the grammar is complete (the message's `<|close|>message<|sep|>`), the processor
+forces `<|end_of_msg|>`, the end-of-turn token every engine stops on: a constrained reply
+ends when its value (or its calls) are written, with finish reason "stop" ("tool_calls"
+when it holds calls), instead of decoding on, unconstrained, to `max_tokens`.
+
+Every schema is compiled at admission (`build_constraint`, on the request's worker
+thread), never while decoding: each schema on its own (and each of its `$defs` entries),
+its first mask computed, so that what llguidance refuses, including a schema no value
+satisfies (`$ref`s that only refer to each other), is a 400 naming `response_format` or
+`tools[i]` before any stream starts; then the whole grammar, whose matcher each
+sequence's processor copies. `SchemaLimits` bounds a schema's size in bytes and the
+compile's wall time (llguidance releases the GIL while it compiles, so a neighbour's
+decoding is not held up; a compile past the time-out is refused and left to finish on
+one of `COMPILE_THREADS` threads, and the same grammar is then refused at once).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 from kimi_mlx.sampling import InputError
-from kimi_mlx.text.chat_format import CLOSE, OPEN, SEP, THINK_END, THINK_START, TOOLS_START
+from kimi_mlx.text.chat_format import (CLOSE, END_OF_MSG, OPEN, SEP, THINK_END, THINK_START,
+                                       TOOLS_START)
 
-__all__ = ["Constraint", "GrammarProcessor", "build_constraint", "grammar_tokenizer",
-           "tool_choice_of"]
+__all__ = ["COMPILE_THREADS", "Constraint", "GrammarBusy", "GrammarProcessor", "SchemaLimits",
+           "build_constraint", "check_schemas", "grammar_tokenizer", "tool_choice_of"]
 
 log = logging.getLogger(__name__)
 _TOKENIZERS: dict = {}
@@ -106,7 +126,10 @@ class Constraint:
     sep_id: `<|sep|>`'s id (every marker ends with it); field: the API field that asked
     for it; think_budget: with trigger "think_end", the reasoning tokens after which the
     model is made to close its thinking (`think_end_ids` forced one by one), None for no
-    limit. `processor()` makes the stateful logits processor for one sequence."""
+    limit; matcher: the grammar compiled at admission (an `llguidance.LLMatcher` in its
+    start state, copied by each processor; None: compiled when the processor starts);
+    end_ids: the tokens forced once the grammar is complete (`<|end_of_msg|>`).
+    `processor()` makes the stateful logits processor for one sequence."""
 
     grammar: str
     trigger: str
@@ -116,6 +139,8 @@ class Constraint:
     field: str = "response_format"  # the API field that asked for it (for refusals)
     think_budget: Optional[int] = None  # reasoning tokens before the think block is closed
     think_end_ids: tuple = ()  # `<|close|>think<|sep|>` as token ids (forced at the budget)
+    matcher: Any = None  # llguidance.LLMatcher compiled at admission (start state)
+    end_ids: tuple = ()  # forced after the grammar completes: `<|end_of_msg|>`
 
     def processor(self) -> "GrammarProcessor":
         """A fresh processor (own matcher state) for one sequence."""
@@ -130,8 +155,10 @@ class GrammarProcessor:
     and then with the previous step's token last (mlx-lm's generate_step, its
     BatchGenerator, the pipeline head's chooser): each call after the first consumes
     `tokens[-1]`. Until the trigger marker the logits pass unchanged; after it, tokens
-    the grammar forbids get -inf. RuntimeError when a token the grammar forbade was
-    chosen anyway (a processor after this one undid the mask)."""
+    the grammar forbids get -inf, and once the grammar is complete the constraint's
+    `end_ids` are forced (the engine then stops on `<|end_of_msg|>`). RuntimeError when a
+    token the grammar forbade was chosen anyway (a processor after this one undid the
+    mask)."""
 
     def __init__(self, constraint: Constraint):
         self.c = constraint
@@ -141,19 +168,23 @@ class GrammarProcessor:
         self.done = False
         self.thought = 0  # reasoning tokens seen
         self.forced: list = []  # marker ids still to force (budget reached)
+        self.ending: list = []  # end-of-message ids still to force (grammar complete)
         if constraint.trigger == "now":
             self._start()
 
     def _start(self):
-        import llguidance
-
-        self.matcher = llguidance.LLMatcher(self.c.tokenizer, self.c.grammar, log_level=0)
+        if self.c.matcher is not None:
+            self.matcher = self.c.matcher.deep_copy()
+        else:
+            self.matcher = _matcher(self.c.tokenizer, self.c.grammar)
         if self.matcher.is_error():
-            raise RuntimeError(f"grammar failed: {self.matcher.get_error()}")
+            raise RuntimeError(f"grammar failed: {_first_line(self.matcher.get_error())}")
 
     def feed(self, token: int) -> None:
         """Advance over one generated token."""
         if self.done:
+            if self.ending and token == self.ending[0]:
+                self.ending.pop(0)
             return
         if self.matcher is None:
             if self.forced:
@@ -169,9 +200,10 @@ class GrammarProcessor:
             return
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"token {token} breaks the request's grammar: "
-                               f"{self.matcher.get_error()}")
+                               f"{_first_line(self.matcher.get_error())}")
         if self.matcher.is_stopped():
             self.done = True
+            self.ending = list(self.c.end_ids)
 
     def allowed(self):
         """numpy bool [tokenizer vocab]: the tokens the grammar allows next, or None
@@ -181,22 +213,23 @@ class GrammarProcessor:
         if self.matcher is None and self.c.trigger == "think_end" and not self.forced \
                 and self.c.think_budget is not None and self.thought >= self.c.think_budget:
             self.forced = list(self.c.think_end_ids)
-        if self.forced:
-            ok = np.zeros(self.c.tokenizer.vocab_size, bool)
-            ok[self.forced[0]] = True
+        force = self.forced or (self.ending if self.done else None)
+        if force:
+            ok = np.zeros(max(self.c.tokenizer.vocab_size, force[0] + 1), bool)
+            ok[force[0]] = True
             return ok
         if self.matcher is None or self.done:
             return None
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         if self.matcher.is_error():
-            raise RuntimeError(f"grammar failed: {self.matcher.get_error()}")
+            raise RuntimeError(f"grammar failed: {_first_line(self.matcher.get_error())}")
         return np.unpackbits(words, bitorder="little").view(bool)
 
     def copy(self) -> "GrammarProcessor":
         """An independent processor in this one's state (the matcher deep-copied)."""
         c = GrammarProcessor.__new__(GrammarProcessor)
         c.__dict__.update(self.__dict__)
-        c.forced = list(self.forced)
+        c.forced, c.ending = list(self.forced), list(self.ending)
         c.matcher = None if self.matcher is None else self.matcher.deep_copy()
         return c
 
@@ -236,7 +269,7 @@ class GrammarProcessor:
         if self.calls:
             self.feed(int(tokens[-1].item()))
         self.calls += 1
-        if self.matcher is not None or self.forced:
+        if self.matcher is not None or self.forced or self.ending:
             mx.async_eval(logits)  # the forward pass runs while the mask is computed
         ok = self.allowed()
         if ok is None:
@@ -305,7 +338,7 @@ def _calls_grammar(tok, tools: Sequence[Mapping], only: Optional[str], parallel:
 def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = None,
                      tools: Optional[Sequence[Mapping]] = None, tool_choice: Any = None,
                      think_budget: Optional[int] = None, parallel: bool = True,
-                     ) -> Optional[Constraint]:
+                     limits: Optional["SchemaLimits"] = None) -> Optional[Constraint]:
     """The grammar a request asks for, or None when it asks for nothing to enforce.
 
     Args:
@@ -321,14 +354,21 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
             block itself (None: the model closes it when it will).
         parallel: False allows one call per tools section (OpenAI
             `parallel_tool_calls: false`, Anthropic `disable_parallel_tool_use`).
+        limits: the schema size and compile time bounds (`SchemaLimits()` when None).
     Raises:
-        InputError: param "response_format" or "tools" when the schema cannot be
-            compiled (the message names the construct llguidance refused), or
-            "tool_choice" when it names a tool that is not in `tools`. With tools and
-            nothing forced, a tool schema that cannot be compiled is no error: the
-            calls are then left unconstrained (None, logged), as before.
+        InputError: param "response_format" or "tools[i]" (i: the tool's index in
+            `tools` as given) when the schema is over `limits.max_bytes`, cannot be
+            compiled or admits no value (the message names the construct llguidance
+            refused, never its parser state or the grammar), or did not compile within
+            `limits.timeout_s`; "tool_choice" when it names a tool that is not in
+            `tools`. With tools and nothing forced, a tool schema that llguidance
+            refuses is no error: the calls are then left unconstrained (None, logged),
+            as before; a size or time limit is refused all the same.
+        GrammarBusy: every compile thread is still busy with earlier time-outs.
     """
-    tools = [t for t in tools or () if isinstance(_tool_schema(t)[0], str)]
+    limits = limits or SchemaLimits()
+    given = list(tools or ())
+    tools = [t for t in given if isinstance(_tool_schema(t)[0], str)]
     kind = (response_format or {}).get("type") if isinstance(response_format, Mapping) else None
     named = tool_choice[1] if isinstance(tool_choice, tuple) else None
     if named is not None and named not in [_tool_schema(t)[0] for t in tools]:
@@ -369,26 +409,264 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
     grammar = "\n".join(rules)
     ll = grammar_tokenizer(tok)
     try:
-        _check(grammar, ll, param)
-    except InputError:
-        if trigger == "tools":  # nothing was forced: the request runs as it did before
-            log.warning("tool schemas cannot be enforced; tool calls are not constrained")
+        rules = _rules(_checks(response_format, given, tool_choice), limits)
+        if _digest(rules) not in _PASSED:  # `check_schemas` has not compiled them yet
+            _timed(lambda at: _check_each(rules, at, ll), rules, limits)
+        matcher = _timed(lambda at: _whole(grammar, ll, at), rules, limits)
+    except _Refused as e:
+        if trigger == "tools" and e.content:  # nothing was forced: runs as it did before
+            log.warning("tool schemas cannot be enforced (%s); tool calls are not constrained", e)
             return None
-        raise
+        raise InputError(str(e), e.param) from None
     tail = tok.decode_bytes(list(prompt_ids[-8:]))
     if trigger == "think_end" and not tail.endswith(THINK_START.encode()):
         trigger = "now"  # the prompt left the think block (no thinking)
     field = "response_format" if param == "response_format" else "tool_choice"
+    end = tok.special_tokens.get(END_OF_MSG, tok.eos_token_id)
     return Constraint(grammar, trigger, ll, tok.decode_bytes, tok.special_tokens[SEP], field,
-                      think_budget, tuple(tok.encode(THINK_END, allow_special=True)))
+                      think_budget, tuple(tok.encode(THINK_END, allow_special=True)),
+                      matcher, () if end is None else (end,))
 
 
-def _check(grammar: str, ll, param: str) -> None:
+# ------------------------------------------------------------------ admission compile
+
+COMPILE_THREADS = 2  # schema compiles at once; a timed-out one holds its thread till done
+_POOL = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kimi-mlx-grammar")
+_MEMO_MAX = 256
+_REFUSED: "OrderedDict[str, _Refused]" = OrderedDict()  # rules digest -> time-out refusal
+_PASSED: "OrderedDict[str, bool]" = OrderedDict()  # rules digests whose schemas each compiled
+
+
+@dataclass(frozen=True)
+class SchemaLimits:
+    """Bounds on what one request's schemas may cost at admission.
+
+    max_bytes: a schema's size as compact JSON (bytes, ASCII escapes), each schema on its
+    own (`response_format`'s, each tool's parameters): larger is refused before any
+    compiling (`--max-schema-bytes`). timeout_s: wall seconds for compiling a request's
+    schemas, and again for its whole grammar (`--schema-timeout`); llguidance's cost
+    grows faster than size (10,000 optional properties, 330 KB, take ~14 s on micro's
+    4,352 tokens), so size alone does not bound it."""
+
+    max_bytes: int = 256 << 10
+    timeout_s: float = 5.0
+
+
+class GrammarBusy(RuntimeError):
+    """Every compile thread is held by earlier schemas that ran past their time-out: the
+    request did not start compiling within its own time-out (a 503, retry later)."""
+
+
+class _Refused(Exception):
+    def __init__(self, message: str, param: str, content: bool):
+        super().__init__(message)
+        self.param, self.content = param, content  # content: llguidance refused the schema
+
+
+def _checks(response_format: Any, tools: Sequence[Mapping], tool_choice: Any) -> list:
+    """(param, schema, strict) of each schema a request's grammar enforces:
+    response_format's (unless a tool call is forced), then each tool's parameters (only
+    the named tool's when one is named), param "tools[i]" by the tool's index in `tools`
+    as given."""
+    named = tool_choice[1] if isinstance(tool_choice, tuple) else None
+    usable = [t for t in tools if isinstance(_tool_schema(t)[0], str)]
+    forced = bool(usable) and (tool_choice == "required" or named is not None)
+    out = []
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    if kind in ("json_object", "json_schema") and not forced:
+        if kind == "json_schema":
+            spec = response_format.get("json_schema") or {}
+            spec = spec if isinstance(spec, Mapping) else {}
+            schema = spec.get("schema") if spec.get("schema") is not None else {"type": "object"}
+            out.append(("response_format", schema, bool(spec.get("strict"))))
+        else:
+            out.append(("response_format", {"type": "object"}, True))
+    if usable and tool_choice != "none":
+        for i, t in enumerate(tools):
+            name, params = _tool_schema(t)
+            if isinstance(name, str) and (not forced or named is None or name == named):
+                fn = t.get("function", t) if isinstance(t, Mapping) else {}
+                out.append((f"tools[{i}]", params, fn.get("strict") is True))
+    return out
+
+
+def check_schemas(tok, response_format: Any = None, tools: Optional[Sequence[Mapping]] = None,
+                  tool_choice: Any = None, limits: Optional[SchemaLimits] = None) -> None:
+    """Admission before a request's prompt is built (the prompt carries its schemas as
+    text, which takes seconds to tokenize for a large one): each schema's size against
+    `limits.max_bytes`, then each compiled on its own within `limits.timeout_s` (what
+    passes is remembered, so `build_constraint` does not compile it twice).
+
+    Args: tok: our `KimiTokenizer`; the rest as `build_constraint` (`tool_choice` in
+    `tool_choice_of`'s form). Raises InputError naming `response_format` or `tools[i]`
+    as `build_constraint` does (a tool on auto that llguidance refuses is no error);
+    GrammarBusy when no compile thread came free in time."""
+    limits = limits or SchemaLimits()
+    checks = _checks(response_format, list(tools or ()), tool_choice)
+    if not checks:
+        return
+    try:
+        rules = _rules(checks, limits)
+        _timed(lambda at: _check_each(rules, at, grammar_tokenizer(tok)), rules, limits)
+    except _Refused as e:
+        kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+        forced = tool_choice == "required" or isinstance(tool_choice, tuple)
+        if not e.content or forced or kind in ("json_object", "json_schema"):
+            raise InputError(str(e), e.param) from None
+
+
+def _json_size(obj: Any, cap: int) -> int:
+    """Bytes of `obj` as compact JSON (ASCII escapes), counted only until past `cap` (a
+    5 MB schema is found over the limit after its first `cap` bytes)."""
+    n, stack = 0, [obj]
+    while stack and n <= cap:
+        v = stack.pop()
+        if isinstance(v, Mapping):
+            n += 1 + 2 * max(len(v), 1)
+            for k, x in v.items():
+                n += len(json.dumps(str(k)))
+                stack.append(x)
+                if n > cap:
+                    break
+        elif isinstance(v, (list, tuple)):
+            n += 1 + max(len(v), 1)
+            stack.extend(v)
+        else:
+            n += len(json.dumps(v))
+    return n
+
+
+def _rules(checks, limits: SchemaLimits) -> list:
+    """(param, JSON rule) of each check, once its size passed `limits.max_bytes`."""
+    for param, schema, _ in checks:
+        if _json_size(schema, limits.max_bytes) > limits.max_bytes:
+            raise _Refused(f"{param}: the schema is over this server's limit of "
+                           f"{limits.max_bytes} bytes (--max-schema-bytes)", param, False)
+    return [(param, _json_rule(schema, strict)) for param, schema, strict in checks]
+
+
+def _digest(rules) -> str:
+    return hashlib.sha256(json.dumps(list(rules)).encode()).hexdigest()
+
+
+def _remember(memo: OrderedDict, key: str, value) -> None:
+    with _LOCK:
+        memo[key] = value
+        memo.move_to_end(key)
+        while len(memo) > _MEMO_MAX:
+            memo.popitem(last=False)
+
+
+def _first_line(err: str) -> str:
+    return (err or "").strip().splitlines()[0] if (err or "").strip() else "unknown error"
+
+
+def _limits():
     import llguidance
 
-    err = llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar), ll)
-    if err and not err.startswith("WARNING"):
-        first = err.splitlines()[0]
-        why = first.split("failed to compile JSON schema: ", 1)[-1]
-        raise InputError(f"{param}: the schema cannot be enforced by constrained decoding: "
-                         f"{why}", param)
+    # verbose_errors False: errors say what failed, not the parser state and the grammar
+    return llguidance.LLParserLimits(verbose_errors=False)
+
+
+def _matcher(ll, grammar: str):
+    import llguidance
+
+    return llguidance.LLMatcher(ll, grammar, log_level=0, limits=_limits())
+
+
+def _why(err: str) -> str:
+    """llguidance's error as a reason a client can act on (its first line, without the
+    grammar position); "NoExtensionBias" (no token can start a value) in words."""
+    why = _first_line(err).split("failed to compile JSON schema: ", 1)[-1]
+    if why.startswith("NoExtensionBias"):
+        return ("no JSON value satisfies it (for instance `$ref`s that only refer to each "
+                "other)")
+    return why
+
+
+def _roots(rule: str) -> list:
+    """A schema's JSON rule, then one per `$defs` / `definitions` entry made the root (a
+    definition no value satisfies is found only when decoding reaches it otherwise)."""
+    body = json.loads(rule[len("%json "):])
+    out = [rule]
+    if isinstance(body, dict):
+        for key in ("$defs", "definitions"):
+            defs = body.get(key)
+            if isinstance(defs, dict):
+                for name in defs:
+                    ref = f"#/{key}/" + name.replace("~", "~0").replace("/", "~1")
+                    out.append("%json " + json.dumps({key: defs, "$ref": ref,
+                                                      "x-guidance": body.get("x-guidance")}))
+    return out
+
+
+def _check_one(ll, rule: str) -> Optional[str]:
+    """llguidance's error for one schema rule compiled on its own and its first mask
+    computed (each definition's too), or None when every one can start a value."""
+    for root in _roots(rule):
+        m = _matcher(ll, "start: " + root)
+        if not m.is_error():
+            m.compute_bitmask()
+        if m.is_error():
+            return m.get_error()
+    return None
+
+
+def _check_each(rules, at, ll):
+    """Each schema rule through `_check_one`: a `_Refused` naming the first that
+    llguidance refuses, else None (the rules' digest remembered as passed)."""
+    for param, rule in rules:
+        at["param"] = param
+        err = _check_one(ll, rule)
+        if err is not None:
+            return _Refused(f"{param}: the schema cannot be enforced by constrained "
+                            f"decoding: {_why(err)}", param, True)
+    _remember(_PASSED, _digest(rules), True)
+    return None
+
+
+def _whole(grammar: str, ll, at):
+    """The whole grammar's matcher in its start state, or a `_Refused`."""
+    m = _matcher(ll, grammar)
+    if m.is_error():
+        return _Refused(f"{at['param']}: the schemas cannot be enforced by constrained "
+                        f"decoding: {_why(m.get_error())}", at["param"], True)
+    return m
+
+
+def _timed(work, rules, limits: SchemaLimits):
+    """`work(at)` on a compile thread within `limits.timeout_s` (at["param"]: the schema
+    being compiled); its result, raised when a `_Refused`. At the time-out: a `_Refused`
+    naming that param (remembered: the same rules are then refused at once; the compile
+    runs on to its end on its thread, without the GIL), or `GrammarBusy` when no compile
+    thread came free."""
+    import time
+
+    digest = _digest(rules)
+    with _LOCK:
+        hit = _REFUSED.get(digest)
+    if hit is not None:
+        raise _Refused(str(hit), hit.param, hit.content)
+    at = {"param": rules[0][0] if rules else "response_format", "started": False}
+
+    def run():
+        at["started"] = True
+        return work(at)
+
+    t0 = time.perf_counter()
+    fut = _POOL.submit(run)
+    try:
+        out = fut.result(timeout=limits.timeout_s)
+    except FutureTimeout:
+        if fut.cancel() or not at["started"]:
+            raise GrammarBusy(f"no grammar compile thread came free within {limits.timeout_s:g} s "
+                              "(earlier schemas still compiling); retry later") from None
+        refused = _Refused(f"{at['param']}: the schema did not compile within "
+                           f"{limits.timeout_s:g} s (--schema-timeout); simplify it (fewer "
+                           "optional properties, alternatives or definitions)", at["param"], False)
+        _remember(_REFUSED, digest, refused)
+        log.warning("a schema compile ran past %.1f s and was refused", time.perf_counter() - t0)
+        raise refused from None
+    if isinstance(out, _Refused):
+        raise out
+    return out

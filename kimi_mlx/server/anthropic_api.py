@@ -15,7 +15,7 @@ from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (ANTHROPIC_PING, APIError, Service, budget, check_tool_name,
                                     effort_of, guarded_stream, reply_events, sampling_from,
                                     stop_list, submit)
-from kimi_mlx.server.structured import constrained
+from kimi_mlx.server.structured import check_request_schemas, constrained
 from kimi_mlx.server.images import allow_urls, anthropic_ref, job_images, request_images, setter
 from kimi_mlx.server.images import prepare as off_loop
 from kimi_mlx.server.jobs import Job
@@ -279,8 +279,9 @@ def _budget(req) -> Optional[int]:
 
 
 def prepare(svc: Service, req: MessagesRequest) -> Job:
-    ids, ends, images = _prompt(svc, req)
     tools = [{"name": t.name, "parameters": t.input_schema} for t in req.tools or ()]
+    check_request_schemas(svc, tools=tools, tool_choice=req.tool_choice)
+    ids, ends, images = _prompt(svc, req)
     sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
                            tool_choice=req.tool_choice, think_budget=_budget(req))
     return Job(ids, budget(svc, len(ids), req.max_tokens, anthropic=True), sampling,

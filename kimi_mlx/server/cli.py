@@ -13,7 +13,7 @@ from kimi_mlx.generation.request import (InputError, add_draft_arguments, add_mt
 from kimi_mlx.placement.wired import add_allow_paging_argument, allow_paging
 from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_disk_cache_arguments, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
-                                     serve)
+                                     schema_limits_of, serve)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def run(args) -> int:
     from kimi_mlx.server.app import create_app
 
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes,
-                       args.max_tokens)
+                       args.max_tokens, schema_limits_of(args))
 
     def load():
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,

@@ -72,6 +72,7 @@ class Service:
     images: Any = None  # server.images.ImageSettings (vision tower, URL policy, limits); None: no images
     default_max_tokens: Optional[int] = None  # a request's budget when it sets none (--max-tokens)
     keepalive_s: float = KEEPALIVE_S  # a streamed reply says something at least this often
+    schema_limits: Any = None  # generation.constrain.SchemaLimits (--max-schema-bytes, --schema-timeout)
 
     @property
     def ready(self) -> bool:

@@ -349,9 +349,10 @@ async def prepare(fn, svc, req):
     structured-output grammar is compiled there (`server.structured`, ~20-30 ms for 25
     tools on K3.1's vocabulary)."""
     # a continued Responses conversation may hold images from before
-    if not (has_image_parts(req) or getattr(req, "previous_response_id", None)
-            or getattr(req, "tools", None) or getattr(req, "response_format", None)
-            or getattr(req, "text", None)):
+    # the cheap tests first: walking a request with a large schema takes seconds
+    if not (getattr(req, "previous_response_id", None) or getattr(req, "tools", None)
+            or getattr(req, "response_format", None) or getattr(req, "text", None)
+            or has_image_parts(req)):
         return fn(svc, req)
     import asyncio
 

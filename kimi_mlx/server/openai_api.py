@@ -12,7 +12,7 @@ from kimi_mlx.generation.request import InputError, build_chat_prompt_with_ends
 from kimi_mlx.server.common import (APIError, Service, budget, check_tool_name, effort_of,
                                     guarded_stream, reply_events, sampling_from, stop_list,
                                     submit)
-from kimi_mlx.server.structured import constrained
+from kimi_mlx.server.structured import check_request_schemas, constrained
 from kimi_mlx.server.images import allow_urls, job_images, openai_refs, prepare, request_images
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
@@ -110,6 +110,8 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
     images = request_images(svc, openai_refs(messages, allow_urls(svc)))
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     options = chat_options(tools, req.tool_choice, req.response_format)
+    check_request_schemas(svc, response_format=req.response_format, tools=tools,
+                          tool_choice=req.tool_choice)
     try:
         ids, ends = build_chat_prompt_with_ends(svc.tok, messages, effort, tools, **options)
     except InputError as e:

@@ -35,7 +35,7 @@ from kimi_mlx.server.images import (allow_urls, job_images, lean_messages, prepa
                                     responses_ref, setter, stored_refs)
 from kimi_mlx.server.common import (APIError, Service, budget, effort_of, guarded_stream,
                                     reply_events, sampling_from, submit)
-from kimi_mlx.server.structured import constrained
+from kimi_mlx.server.structured import check_request_schemas, constrained
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.openai_api import chat_options
 from kimi_mlx.server.reply import ReplyBuilder
@@ -297,6 +297,8 @@ class _Turn:
                            param="input")
         tools, self.namespaces = _tools(req)
         options = chat_options(tools, choice, _response_format(req))
+        check_request_schemas(svc, response_format=_response_format(req), tools=tools,
+                              tool_choice=choice, format_param="text.format")
         try:
             ids, ends = build_chat_prompt_with_ends(svc.tok, messages, self.effort, tools, **options)
         except InputError as e:
@@ -305,7 +307,7 @@ class _Turn:
         sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
                                response_format=_response_format(req), tool_choice=choice,
                                think_budget=req.thinking_budget,
-                               parallel=req.parallel_tool_calls)
+                               parallel=req.parallel_tool_calls, format_param="text.format")
         self.job = Job(ids, budget(svc, len(ids), req.max_output_tokens, "max_output_tokens", "input"),
                        sampling,
                        None, ends, **job_images(svc, ids, media_in_order(messages)))

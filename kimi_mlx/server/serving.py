@@ -70,6 +70,12 @@ def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> 
     p.add_argument("--max-images", type=int, default=32,
                    help="images per request (default 32); image tokens are also bounded by "
                         "the context")
+    p.add_argument("--max-schema-bytes", type=int, default=256 << 10,
+                   help="largest JSON schema (response_format, each tool's parameters) a "
+                        "request may have enforced, in bytes (default 256 KiB); larger is a 400")
+    p.add_argument("--schema-timeout", type=float, default=5.0,
+                   help="seconds a request's schemas may take to compile into its grammar "
+                        "(default 5); past it the request is refused with a 400")
     if log_level:
         p.add_argument("--log-level", type=log_level_arg, default="INFO",
                       help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
@@ -113,6 +119,13 @@ def resolve_api_key(args) -> Optional[str]:
     return key
 
 
+def schema_limits_of(args):
+    """The `SchemaLimits` of --max-schema-bytes / --schema-timeout."""
+    from kimi_mlx.generation.constrain import SchemaLimits
+
+    return SchemaLimits(args.max_schema_bytes, args.schema_timeout)
+
+
 def check_server_arguments(args) -> None:
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in [0, 65535], got {args.port}")
@@ -120,6 +133,10 @@ def check_server_arguments(args) -> None:
         raise InputError(f"--max-queue must be >= 1, got {args.max_queue}")
     if args.max_body_bytes < 1024:
         raise InputError(f"--max-body-bytes must be >= 1024, got {args.max_body_bytes}")
+    if getattr(args, "max_schema_bytes", 1) < 1:
+        raise InputError(f"--max-schema-bytes must be >= 1, got {args.max_schema_bytes}")
+    if not getattr(args, "schema_timeout", 1.0) > 0:
+        raise InputError(f"--schema-timeout must be > 0, got {args.schema_timeout}")
     if getattr(args, "max_concurrency", 1) < 1:
         raise InputError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if getattr(args, "prompt_cache_bytes", 0) < 0:
@@ -277,15 +294,18 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
 
 def make_service(spec: str, api_key: Optional[str], served_name: Optional[str],
-                 max_body_bytes: int, default_max_tokens: Optional[int] = None):
+                 max_body_bytes: int, default_max_tokens: Optional[int] = None,
+                 schema_limits=None):
     """The `Service` of a server: its model id (`served_name` or the checkpoint folder's
     name), key, body limit, metrics, and the reply budget of a request that sets none
-    (`default_max_tokens`; None: the rest of the context)."""
+    (`default_max_tokens`; None: the rest of the context), and the bounds on a
+    request's schemas (`schema_limits`, a `generation.constrain.SchemaLimits`; None: its
+    defaults)."""
     from kimi_mlx.server.common import Service
     from kimi_mlx.server.metrics import Metrics
 
     svc = Service(api_key=api_key, max_body_bytes=max_body_bytes, created=int(time.time()),
-                  default_max_tokens=default_max_tokens)
+                  default_max_tokens=default_max_tokens, schema_limits=schema_limits)
     # the id only: the checkpoint's path is neither accepted as a model id nor told to
     # clients (a 404 lists the served ids)
     svc.model_ids = [served_name or Path(spec.rstrip("/")).name or "model"]
