@@ -71,6 +71,7 @@ class Service:
     responses: Any = None  # responses_api.ResponseStore (previous_response_id), made on first use
     images: Any = None  # server.images.ImageSettings (vision tower, URL policy, limits); None: no images
     default_max_tokens: Optional[int] = None  # a request's budget when it sets none (--max-tokens)
+    default_thinking_budget: Optional[int] = None  # reasoning tokens when a request sets none (--thinking-budget)
     keepalive_s: float = KEEPALIVE_S  # a streamed reply says something at least this often
 
     @property
@@ -230,7 +231,7 @@ def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
     """max_tokens for the job, in the wording and codes the API's clients parse.
 
     A prompt that does not fit: APIError 400, Anthropic's `prompt is too long: N tokens >
-    M maximum`, or OpenAI's message with code `context_length_exceeded` and param
+    C maximum`, or OpenAI's message with code `context_length_exceeded` and param
     `prompt_param` ("messages", "input" on /v1/responses, "prompt"). A prompt that fits
     but whose max_tokens passes the context: Anthropic answers 400 `input length and
     max_tokens exceed context limit: P + M > C, ...` (Claude Code retries with a
@@ -239,8 +240,9 @@ def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
     max_tokens 8000 whatever the context). No max_tokens: the server's --max-tokens
     (`svc.default_max_tokens`), else the room left."""
     if n_prompt >= svc.context:
-        if anthropic:
-            raise APIError(400, f"prompt is too long: {n_prompt} tokens > {svc.context - 1} "
+        if anthropic:  # the context itself, the one number every route states
+            rel = ">" if n_prompt > svc.context else ">="  # (a prompt must leave a token)
+            raise APIError(400, f"prompt is too long: {n_prompt} tokens {rel} {svc.context} "
                            "maximum", param=prompt_param)
         raise APIError(400, f"This model's maximum context length is {svc.context} tokens. "
                        f"However, your {prompt_param} resulted in {n_prompt} tokens. Please "
