@@ -84,14 +84,15 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
     args.context = args.context or context
     pipeline_settings = replace(pipeline_settings, sequences=args.max_concurrency)
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes,
-                       args.max_tokens)
+                       args.max_tokens, args.thinking_budget)
     svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
     svc.vocab_size = margs.vocab_size
     from kimi_mlx.server.images import image_settings
 
     # images: this head runs the tower (from the checkpoint folder here, on first use)
     svc.images = image_settings(model_dir, tok, read_config(model_dir), args.allow_image_urls,
-                                args.max_images, metrics=svc.metrics)
+                                args.max_images, metrics=svc.metrics,
+                                max_pixels=args.max_image_pixels)
     finder = NodeFinder(nodes, secret, model_dir, fp)
     cluster = Cluster(finder, pipeline_settings, args.context)
 

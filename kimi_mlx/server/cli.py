@@ -52,12 +52,13 @@ def run(args) -> int:
     from kimi_mlx.server.app import create_app
 
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes,
-                       args.max_tokens)
+                       args.max_tokens, args.thinking_budget)
 
     def load():
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
                      args.max_queue, args.max_kv_size, drafts=drafts, progress=not args.quiet,
                      allow_image_urls=args.allow_image_urls, max_images=args.max_images,
+                     max_image_pixels=args.max_image_pixels,
                      prompt_cache_dir=args.prompt_cache_dir,
                      prompt_cache_disk_bytes=args.prompt_cache_disk_bytes)
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)

@@ -122,8 +122,9 @@ def nesting(data) -> int:
 
 def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     """JSON body -> pydantic model; APIError 413 past `limit` bytes, 400 for malformed
-    JSON, JSON nested deeper than MAX_NESTING, or fields that fail validation (naming
-    the field)."""
+    JSON, JSON nested deeper than MAX_NESTING, fields that fail validation (naming the
+    field), or a top-level field a model that forbids extras does not declare (OpenAI's
+    "Unknown parameter: 'x'.", param x, code unknown_parameter)."""
     if len(raw) > limit:
         raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {limit} "
                        "bytes (--max-body-bytes)", "request_too_large")
@@ -140,7 +141,13 @@ def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        unknown = [x for x in errors if x["type"] == "extra_forbidden" and len(x["loc"]) == 1]
+        if unknown:  # OpenAI's wording and code for a parameter it does not define
+            name = str(unknown[0]["loc"][0])
+            raise APIError(400, f"Unknown parameter: '{name}'.", param=name,
+                           code="unknown_parameter") from None
+        err = errors[0]
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
         bounds = field_range(model, err["loc"]) or schema_range(model, err["loc"])

@@ -32,6 +32,14 @@ def _unsupported(req, chat: bool) -> None:
                            f"use one of {', '.join(_RESPONSE_FORMATS)}", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        for name, why in (("functions", "use tools"), ("function_call", "use tool_choice"),
+                          ("audio", "this model writes text only"),
+                          ("web_search_options", "this server has no web search")):
+            if getattr(req, name) is not None:
+                raise APIError(400, f"{name} is not supported: {why}", param=name)
+        if req.modalities is not None and any(m != "text" for m in req.modalities):
+            raise APIError(400, f"modalities {req.modalities!r} are not supported: this model "
+                           "writes text only", param="modalities")
     else:
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")

@@ -272,7 +272,11 @@ class _Turn:
         svc.check_model(req.model)
         if req.background:
             raise APIError(400, "background=true is not supported", param="background")
-        if getattr(req, "top_logprobs", None):
+        for name in ("conversation", "prompt"):
+            if getattr(req, name) is not None:
+                raise APIError(400, f"{name} is not supported: send the input itself (and "
+                               "previous_response_id to continue)", param=name)
+        if req.top_logprobs:
             raise APIError(400, "top_logprobs is not supported on /v1/responses (use "
                            "/v1/chat/completions with logprobs=true)", param="top_logprobs")
         choice = req.tool_choice
