@@ -39,6 +39,19 @@ def _effort():
     the efforts; each maps onto one of K3.1's); the OpenAPI document lists them."""
     return Field(None, json_schema_extra={"enum": [*API_EFFORTS, None]})
 
+def _only(schema: Dict[str, Any]):
+    """A field whose values beyond `schema` the API module refuses by name (with a
+    message saying why): the OpenAPI document states `schema` (or null), so that what it
+    calls valid is what is taken."""
+    def extra(s: Dict[str, Any]) -> None:
+        s.clear()
+        s.update({"anyOf": [schema, {"type": "null"}]} if schema != _REFUSED else dict(schema),
+                 default=None)
+    return Field(None, json_schema_extra=extra)
+
+
+_REFUSED = {"type": "null"}  # declared so that it is refused by name, never ignored
+
 # mx.random.key takes a uint64
 SEED_RANGE = dict(ge=0, lt=2 ** 64)
 # OpenAI's documented logit_bias range
@@ -107,7 +120,7 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
-    n: Optional[Int(ge=1)] = None
+    n: Optional[Int(ge=1)] = _only({"type": "integer", "enum": [1]})  # one choice (openai_api)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10)  # divides logits (float32)
@@ -138,12 +151,12 @@ class ChatRequest(_Sampling):
     thinking_budget: Optional[Int(ge=0)] = None
     # OpenAI parameters taken as hints or refused by name in `openai_api._unsupported`
     verbosity: Optional[str] = None
-    modalities: Optional[List[str]] = None
+    modalities: Optional[List[str]] = _only({"type": "array", "items": {"enum": ["text"]}})
     prediction: Optional[Dict[str, Any]] = None
-    audio: Optional[Dict[str, Any]] = None
-    web_search_options: Optional[Dict[str, Any]] = None
-    functions: Optional[List[Any]] = None
-    function_call: Optional[Union[str, Dict[str, Any]]] = None
+    audio: Optional[Dict[str, Any]] = _only(_REFUSED)
+    web_search_options: Optional[Dict[str, Any]] = _only(_REFUSED)
+    functions: Optional[List[Any]] = _only(_REFUSED)
+    function_call: Optional[Union[str, Dict[str, Any]]] = _only(_REFUSED)
 
 
 def _prompt_shape(v):
@@ -198,7 +211,7 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[Int(ge=0, le=20)] = None
     echo: bool = False
     suffix: Optional[str] = None
-    best_of: Optional[Int(ge=1)] = None
+    best_of: Optional[Int(ge=1)] = _only({"type": "integer", "enum": [1]})  # (openai_api)
 
 
 class AnthropicMessage(_Model):
@@ -272,10 +285,10 @@ class ResponsesRequest(_Strict):
     stream_options: Optional[Dict[str, Any]] = None
     truncation: Optional[str] = None
     max_tool_calls: Optional[Int(ge=1)] = None
-    top_logprobs: Optional[Int(ge=0, le=20)] = None  # refused when > 0 (responses_api)
     # refused by name when set (responses_api): they would change the reply
-    conversation: Optional[Union[str, Dict[str, Any]]] = None
-    prompt: Optional[Dict[str, Any]] = None
+    top_logprobs: Optional[Int(ge=0, le=20)] = _only({"type": "integer", "enum": [0]})
+    conversation: Optional[Union[str, Dict[str, Any]]] = _only(_REFUSED)
+    prompt: Optional[Dict[str, Any]] = _only(_REFUSED)
 
 
 class TokenizeRequest(_Model):
