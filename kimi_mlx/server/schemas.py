@@ -101,6 +101,15 @@ class StreamOptions(_Model):
 
 
 class ChatMessage(_Model):
+    # the document states a tool message's name as required (what the prompt needs; a
+    # tool_call_id that names an earlier assistant call also gives it, see openai_api)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True,
+                              json_schema_extra={
+                                  "if": {"properties": {"role": {"const": "tool"}},
+                                         "required": ["role"]},
+                                  "then": {"required": ["name"],
+                                           "properties": {"name": {"type": "string"}}}})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
@@ -124,7 +133,8 @@ class _Sampling(_Strict):
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10)  # divides logits (float32)
-    repetition_context_size: Optional[Int(ge=1)] = None  # tokens it looks back (mlx-lm: 20)
+    # tokens it looks back (mlx-lm: 20); below 2**31: MLX slices with 32-bit indices
+    repetition_context_size: Optional[Int(ge=1, lt=2 ** 31)] = None
     logit_bias: Optional[Dict[str, Bias]] = None
     user: Optional[str] = None
     # OpenAI parameters that do not change the tokens generated here: accepted, unused
