@@ -89,14 +89,16 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
     args.context = args.context or context
     pipeline_settings = replace(pipeline_settings, sequences=args.max_concurrency)
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes,
-                       args.max_tokens, schema_limits_of(args))
+                       args.max_tokens, default_thinking_budget=args.thinking_budget,
+                       schema_limits=schema_limits_of(args))
     svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
     svc.vocab_size = margs.vocab_size
     from kimi_mlx.server.images import image_settings
 
     # images: this head runs the tower (from the checkpoint folder here, on first use)
     svc.images = image_settings(model_dir, tok, read_config(model_dir), args.allow_image_urls,
-                                args.max_images, metrics=svc.metrics)
+                                args.max_images, metrics=svc.metrics,
+                                max_pixels=args.max_image_pixels)
     finder = NodeFinder(nodes, secret, model_dir, fp)
     cluster = Cluster(finder, pipeline_settings, args.context)
 

@@ -52,9 +52,10 @@ class Sampling:
     multiplies negative logits of tokens in the last `repetition_context_size` (>= 1,
     mlx-lm's default 20); presence_penalty / frequency_penalty: subtracted per seen token
     (once / per occurrence, over the last 20); logit_bias: {token id: added logit};
-    constraint: a structured-output grammar (`generation.constrain.Constraint`, built by
-    the server from response_format / tool_choice, never read from a request), whose
-    processor masks the tokens it forbids to -inf after the penalties.
+    constraint: a structured-output grammar and/or a thinking budget
+    (`generation.constrain.Constraint`, built by the server from response_format /
+    tool_choice / thinking_budget, never read from a request as such), whose processor
+    masks the tokens it forbids to -inf after the penalties.
     Raises nothing when built: `check` validates.
     """
 

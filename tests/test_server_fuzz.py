@@ -76,7 +76,8 @@ def _adjust(case, path, positive):
     required = path == "/v1/messages"
     for key in ("max_tokens", "max_completion_tokens"):
         v = body.get(key)
-        if isinstance(v, int) and not isinstance(v, bool) and v > MAX_TOKENS:
+        # (an integral float is an integer to the server: 175.0 is capped too)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > MAX_TOKENS:
             body[key] = MAX_TOKENS
     if positive:
         if isinstance(body.get("model"), str):

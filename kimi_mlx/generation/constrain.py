@@ -60,7 +60,8 @@ from kimi_mlx.text.chat_format import (CLOSE, END_OF_MSG, OPEN, SEP, THINK_END, 
                                        TOOLS_START)
 
 __all__ = ["COMPILE_THREADS", "Constraint", "GrammarBusy", "GrammarProcessor", "SchemaLimits",
-           "build_constraint", "check_schemas", "grammar_tokenizer", "tool_choice_of"]
+           "build_constraint", "check_schemas", "grammar_tokenizer", "think_budget_constraint",
+           "tool_choice_of"]
 
 log = logging.getLogger(__name__)
 _TOKENIZERS: dict = {}
@@ -124,12 +125,14 @@ class Constraint:
     its thinking), "tools" (starts after the model opens a tools section) or "now";
     tokenizer: the `LLTokenizer`; decode: ids -> bytes (to spot the trigger marker);
     sep_id: `<|sep|>`'s id (every marker ends with it); field: the API field that asked
-    for it; think_budget: with trigger "think_end", the reasoning tokens after which the
-    model is made to close its thinking (`think_end_ids` forced one by one), None for no
-    limit; matcher: the grammar compiled at admission (an `llguidance.LLMatcher` in its
-    start state, copied by each processor; None: compiled when the processor starts);
-    end_ids: the tokens forced once the grammar is complete (`<|end_of_msg|>`).
-    `processor()` makes the stateful logits processor for one sequence."""
+    for it; think_budget: the reasoning tokens after which the model is made to close its
+    thinking (`think_end_ids` forced one by one), None for no limit (or a prompt that does
+    not leave the model thinking); matcher: the grammar compiled at admission (an
+    `llguidance.LLMatcher` in its start state, copied by each processor; None: compiled
+    when the processor starts); end_ids: the tokens forced once the grammar is complete
+    (`<|end_of_msg|>`). An empty `grammar` constrains nothing after the thinking (a
+    thinking budget alone, `think_budget_constraint`). `processor()` makes the stateful
+    logits processor for one sequence."""
 
     grammar: str
     trigger: str
@@ -169,10 +172,17 @@ class GrammarProcessor:
         self.thought = 0  # reasoning tokens seen
         self.forced: list = []  # marker ids still to force (budget reached)
         self.ending: list = []  # end-of-message ids still to force (grammar complete)
+        # inside the think block with a budget to hold (a prompt that leaves the model
+        # thinking: build_constraint sets think_budget only then)
+        self.thinking = constraint.think_budget is not None and constraint.trigger != "now"
+        self.free = False  # past the thinking with no grammar to follow
         if constraint.trigger == "now":
             self._start()
 
     def _start(self):
+        if not self.c.grammar:  # a thinking budget alone: nothing after the thinking
+            self.free = True
+            return
         if self.c.matcher is not None:
             self.matcher = self.c.matcher.deep_copy()
         else:
@@ -186,7 +196,10 @@ class GrammarProcessor:
             if self.ending and token == self.ending[0]:
                 self.ending.pop(0)
             return
+        if self.free:
+            return
         if self.matcher is None:
+            self._budget_due()  # (a verify step masks a copy: this one learns it here)
             if self.forced:
                 if token != self.forced[0]:
                     raise RuntimeError(f"token {token} is not the forced end of thinking "
@@ -194,6 +207,8 @@ class GrammarProcessor:
                 self.forced.pop(0)
             self.thought += 1
             self.tail = (self.tail + self.c.decode([token]))[-64:]
+            if token == self.c.sep_id and self.tail.endswith(THINK_END.encode()):
+                self.thinking = False
             marker = (THINK_END if self.c.trigger == "think_end" else TOOLS_START).encode()
             if token == self.c.sep_id and self.tail.endswith(marker):
                 self._start()
@@ -205,17 +220,24 @@ class GrammarProcessor:
             self.done = True
             self.ending = list(self.c.end_ids)
 
+    def _budget_due(self) -> None:
+        """Start forcing the end of thinking once the budget is spent."""
+        if self.matcher is None and self.thinking and not self.forced \
+                and self.thought >= self.c.think_budget:
+            self.forced = list(self.c.think_end_ids)
+
     def allowed(self):
         """numpy bool [tokenizer vocab]: the tokens the grammar allows next, or None
         when it does not constrain this step."""
         import numpy as np
 
-        if self.matcher is None and self.c.trigger == "think_end" and not self.forced \
-                and self.c.think_budget is not None and self.thought >= self.c.think_budget:
-            self.forced = list(self.c.think_end_ids)
+        self._budget_due()
         force = self.forced or (self.ending if self.done else None)
         if force:
-            ok = np.zeros(max(self.c.tokenizer.vocab_size, force[0] + 1), bool)
+            # (a budget alone has no grammar tokenizer: the mask ends at the forced id and
+            # the callers pad it with False to the logits' width)
+            n = getattr(self.c.tokenizer, "vocab_size", 0) or force[0] + 1
+            ok = np.zeros(max(n, force[0] + 1), bool)
             ok[force[0]] = True
             return ok
         if self.matcher is None or self.done:
@@ -249,7 +271,10 @@ class GrammarProcessor:
         for i in range(len(drafts) + 1):
             ok = sim.allowed()
             rows.append(ok)
-            if i == len(drafts) or (ok is not None and not ok[drafts[i]]):
+            # (a draft past the mask's end is forbidden: masks end at the vocabulary, or
+            # at the forced id for a thinking budget alone)
+            if i == len(drafts) or (ok is not None and (drafts[i] >= ok.shape[0]
+                                                        or not ok[drafts[i]])):
                 break
             sim.feed(int(drafts[i]))
         if all(r is None for r in rows):
@@ -418,14 +443,33 @@ def build_constraint(tok, prompt_ids: Sequence[int], *, response_format: Any = N
             log.warning("tool schemas cannot be enforced (%s); tool calls are not constrained", e)
             return None
         raise InputError(str(e), e.param) from None
-    tail = tok.decode_bytes(list(prompt_ids[-8:]))
-    if trigger == "think_end" and not tail.endswith(THINK_START.encode()):
+    thinking = _leaves_thinking(tok, prompt_ids)
+    if trigger == "think_end" and not thinking:
         trigger = "now"  # the prompt left the think block (no thinking)
     field = "response_format" if param == "response_format" else "tool_choice"
     end = tok.special_tokens.get(END_OF_MSG, tok.eos_token_id)
     return Constraint(grammar, trigger, ll, tok.decode_bytes, tok.special_tokens[SEP], field,
-                      think_budget, tuple(tok.encode(THINK_END, allow_special=True)),
+                      think_budget if thinking else None,
+                      tuple(tok.encode(THINK_END, allow_special=True)),
                       matcher, () if end is None else (end,))
+
+
+def _leaves_thinking(tok, prompt_ids: Sequence[int]) -> bool:
+    """Whether the prompt ends inside an open think block (`<|open|>think<|sep|>`)."""
+    return tok.decode_bytes(list(prompt_ids[-8:])).endswith(THINK_START.encode())
+
+
+def think_budget_constraint(tok, prompt_ids: Sequence[int], think_budget: Optional[int],
+                            field: str = "thinking_budget") -> Optional[Constraint]:
+    """A thinking budget alone, for a request with no grammar: its processor lets the
+    model think `think_budget` tokens, then forces `<|close|>think<|sep|>` (K3.1's end of
+    thinking, `chat_format.THINK_END`) one token at a time, and constrains nothing after
+    it. None when there is no budget or the prompt does not leave the model thinking.
+    No llguidance work: the processor only counts tokens and masks to the forced id."""
+    if think_budget is None or not _leaves_thinking(tok, prompt_ids):
+        return None
+    return Constraint("", "think_end", None, tok.decode_bytes, tok.special_tokens[SEP], field,
+                      think_budget, tuple(tok.encode(THINK_END, allow_special=True)))
 
 
 # ------------------------------------------------------------------ admission compile

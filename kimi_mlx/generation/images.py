@@ -23,7 +23,8 @@ from typing import Any, List, Mapping, Optional, Sequence, Union
 
 from kimi_mlx.generation.request import InputError
 from kimi_mlx.vision.config import MediaProcArgs
-from kimi_mlx.vision.preprocess import MAX_PIXELS, ImageError, ProcessedImage, load_and_preprocess
+from kimi_mlx.vision.preprocess import (MAX_PIXELS, ImageError, ProcessedImage, image_size,
+                                        load_and_preprocess, token_count)
 
 MEDIA_PAD = "<|media_pad|>"
 # bytes of tower rows kept per checkpoint (`TowerCache`): at K3.1 size (hidden 7168,
@@ -126,6 +127,19 @@ class Vision:
             return load_and_preprocess(source, self.media, self.max_pixels, name)
         except ImageError as e:
             raise InputError(str(e)) from None
+
+    def image_size(self, source: Union[str, Path, bytes], name: Optional[str] = None):
+        """(width, height) of one encoded image from its header, nothing decoded
+        (`vision.preprocess.image_size`). InputError naming it as `load_image`."""
+        try:
+            return image_size(source, self.max_pixels, name)
+        except ImageError as e:
+            raise InputError(str(e)) from None
+
+    def token_count(self, width: int, height: int) -> int:
+        """`<|media_pad|>` tokens of a width x height image under this checkpoint's
+        processor settings (what `load_image(...).num_tokens` will be)."""
+        return token_count(width, height, self.media)
 
     def stats(self) -> dict:
         """{"tower_runs": images the tower ran on, "cache_hits": images whose rows came

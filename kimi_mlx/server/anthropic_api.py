@@ -16,6 +16,7 @@ from kimi_mlx.server.common import (ANTHROPIC_PING, APIError, Service, budget, c
                                     effort_of, guarded_stream, reply_events, sampling_from,
                                     stop_list, submit)
 from kimi_mlx.server.structured import check_request_schemas, constrained
+from kimi_mlx.server.thinking import think_budget, with_think_budget
 from kimi_mlx.server.images import allow_urls, anthropic_ref, job_images, request_images, setter
 from kimi_mlx.server.images import prepare as off_loop
 from kimi_mlx.server.jobs import Job
@@ -268,7 +269,7 @@ def _prompt(svc: Service, req):
 
 def _budget(req) -> Optional[int]:
     """`thinking.budget_tokens` of an enabled thinking block (None when absent); 0 when
-    thinking is disabled. A constrained request closes its thinking there."""
+    thinking is disabled. The thinking is closed there (`server.thinking`)."""
     if not thinking_enabled(req):
         return 0
     n = (req.thinking or {}).get("budget_tokens")
@@ -282,10 +283,12 @@ def prepare(svc: Service, req: MessagesRequest) -> Job:
     tools = [{"name": t.name, "parameters": t.input_schema} for t in req.tools or ()]
     check_request_schemas(svc, tools=tools, tool_choice=req.tool_choice)
     ids, ends, images = _prompt(svc, req)
+    max_tokens = budget(svc, len(ids), req.max_tokens, anthropic=True)
+    think = think_budget(svc, _budget(req), max_tokens)
     sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
-                           tool_choice=req.tool_choice, think_budget=_budget(req))
-    return Job(ids, budget(svc, len(ids), req.max_tokens, anthropic=True), sampling,
-               None, ends, **job_images(svc, ids, images))
+                           tool_choice=req.tool_choice, think_budget=think)
+    sampling = with_think_budget(svc, sampling, ids, think, "thinking")
+    return Job(ids, max_tokens, sampling, None, ends, **job_images(svc, ids, images))
 
 
 def _stop_reason(b: ReplyBuilder, done) -> str:

@@ -55,12 +55,14 @@ def run(args) -> int:
     from kimi_mlx.server.app import create_app
 
     svc = make_service(spec, key, args.served_model_name, args.max_body_bytes,
-                       args.max_tokens, schema_limits_of(args))
+                       args.max_tokens, default_thinking_budget=args.thinking_budget,
+                       schema_limits=schema_limits_of(args))
 
     def load():
         load_service(svc, spec, args.max_concurrency, args.prompt_cache_bytes,
                      args.max_queue, args.max_kv_size, drafts=drafts, progress=not args.quiet,
                      allow_image_urls=args.allow_image_urls, max_images=args.max_images,
+                     max_image_pixels=args.max_image_pixels,
                      prompt_cache_dir=args.prompt_cache_dir,
                      prompt_cache_disk_bytes=args.prompt_cache_disk_bytes)
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)

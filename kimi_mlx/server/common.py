@@ -71,6 +71,7 @@ class Service:
     responses: Any = None  # responses_api.ResponseStore (previous_response_id), made on first use
     images: Any = None  # server.images.ImageSettings (vision tower, URL policy, limits); None: no images
     default_max_tokens: Optional[int] = None  # a request's budget when it sets none (--max-tokens)
+    default_thinking_budget: Optional[int] = None  # reasoning tokens when a request sets none (--thinking-budget)
     keepalive_s: float = KEEPALIVE_S  # a streamed reply says something at least this often
     schema_limits: Any = None  # generation.constrain.SchemaLimits (--max-schema-bytes, --schema-timeout)
 
@@ -122,8 +123,9 @@ def nesting(data) -> int:
 
 def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     """JSON body -> pydantic model; APIError 413 past `limit` bytes, 400 for malformed
-    JSON, JSON nested deeper than MAX_NESTING, or fields that fail validation (naming
-    the field)."""
+    JSON, JSON nested deeper than MAX_NESTING, fields that fail validation (naming the
+    field), or a top-level field a model that forbids extras does not declare (OpenAI's
+    "Unknown parameter: 'x'.", param x, code unknown_parameter)."""
     if len(raw) > limit:
         raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {limit} "
                        "bytes (--max-body-bytes)", "request_too_large")
@@ -140,7 +142,13 @@ def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        unknown = [x for x in errors if x["type"] == "extra_forbidden" and len(x["loc"]) == 1]
+        if unknown:  # OpenAI's wording and code for a parameter it does not define
+            name = str(unknown[0]["loc"][0])
+            raise APIError(400, f"Unknown parameter: '{name}'.", param=name,
+                           code="unknown_parameter") from None
+        err = errors[0]
         loc = ".".join(str(p) for p in err["loc"])
         msg = err["msg"]
         bounds = field_range(model, err["loc"]) or schema_range(model, err["loc"])
@@ -231,7 +239,7 @@ def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
     """max_tokens for the job, in the wording and codes the API's clients parse.
 
     A prompt that does not fit: APIError 400, Anthropic's `prompt is too long: N tokens >
-    M maximum`, or OpenAI's message with code `context_length_exceeded` and param
+    C maximum`, or OpenAI's message with code `context_length_exceeded` and param
     `prompt_param` ("messages", "input" on /v1/responses, "prompt"). A prompt that fits
     but whose max_tokens passes the context: Anthropic answers 400 `input length and
     max_tokens exceed context limit: P + M > C, ...` (Claude Code retries with a
@@ -240,8 +248,9 @@ def budget(svc: Service, n_prompt: int, max_tokens: Optional[int],
     max_tokens 8000 whatever the context). No max_tokens: the server's --max-tokens
     (`svc.default_max_tokens`), else the room left."""
     if n_prompt >= svc.context:
-        if anthropic:
-            raise APIError(400, f"prompt is too long: {n_prompt} tokens > {svc.context - 1} "
+        if anthropic:  # the context itself, the one number every route states
+            rel = ">" if n_prompt > svc.context else ">="  # (a prompt must leave a token)
+            raise APIError(400, f"prompt is too long: {n_prompt} tokens {rel} {svc.context} "
                            "maximum", param=prompt_param)
         raise APIError(400, f"This model's maximum context length is {svc.context} tokens. "
                        f"However, your {prompt_param} resulted in {n_prompt} tokens. Please "

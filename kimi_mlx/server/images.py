@@ -28,9 +28,13 @@ from kimi_mlx.server.common import APIError
 __all__ = ["ImageSettings", "ImageRef", "resolve_images", "decode_data_url", "fetch_url",
            "cache_key", "setter", "openai_refs", "request_images", "job_images", "allow_urls",
            "image_settings", "openai_ref", "anthropic_ref", "responses_ref", "lean_messages",
-           "stored_refs", "has_image_parts", "prepare", "DEFAULT_MAX_IMAGES", "URL_MAX_BYTES", "URL_TIMEOUT_S"]
+           "stored_refs", "has_image_parts", "prepare", "DEFAULT_MAX_IMAGES", "DEFAULT_MAX_PIXELS",
+           "URL_MAX_BYTES", "URL_TIMEOUT_S"]
 
 DEFAULT_MAX_IMAGES = 32
+# pixels a request's images may have in all (--max-image-pixels): one 20000 x 20000
+# image, the per-image limit the preprocessor has always had
+DEFAULT_MAX_PIXELS = 20000 * 20000
 # an image fetched by URL (--allow-image-urls): at most this many bytes, this many seconds
 URL_MAX_BYTES = 20 << 20
 URL_TIMEOUT_S = 10.0
@@ -42,12 +46,15 @@ class ImageSettings:
     """The server's image policy. vision: `generation.images.Vision` of the checkpoint,
     or None when it has no vision weights; allow_urls: fetch `http(s)` image URLs
     (`--allow-image-urls`); max_images: images per request (`--max-images`);
-    pad_id: the tokenizer's `<|media_pad|>` id (None without vision)."""
+    max_pixels: pixels decoded per request, summed over its images, and so per image too
+    (`--max-image-pixels`); pad_id: the tokenizer's `<|media_pad|>` id (None without
+    vision)."""
 
     vision: Any = None
     allow_urls: bool = False
     max_images: int = DEFAULT_MAX_IMAGES
     pad_id: Optional[int] = None
+    max_pixels: int = DEFAULT_MAX_PIXELS
 
 
 @dataclass
@@ -186,13 +193,28 @@ def anthropic_ref(block: dict, where: str, put, allow_urls: bool) -> ImageRef:
                + (" or 'url'" if allow_urls else ""))
 
 
+def _input_error(ref: ImageRef, e: InputError) -> APIError:
+    msg = str(e)
+    return APIError(400, msg if msg.startswith(ref.where) else f"{ref.where}: {msg}",
+                    param=_field(ref.where))
+
+
 def resolve_images(settings: ImageSettings, refs: Sequence[ImageRef], context: int) -> List[Any]:
-    """Decode, check and preprocess a request's images (in prompt order) and store each
-    resolved part through its `put`. Returns the `ProcessedImage`s.
+    """Size, check, then decode and preprocess a request's images (in prompt order) and
+    store each resolved part through its `put`. Returns the `ProcessedImage`s.
+
+    Every check runs on the images' headers before any pixel is decoded (Pillow's
+    `Image.open` reads only the header): the count, each image's format and size, the
+    pixels of all of them together, and their tokens (`vision.preprocess.token_count`
+    of the header's width x height) against the context. So a decompression bomb costs
+    a header read, not a decode.
 
     APIError 400: images with a checkpoint that has no vision weights; more than
-    `settings.max_images` images; a corrupt, unsupported or oversized image (naming it);
-    image tokens that alone reach `context` (naming the count and the limit)."""
+    `settings.max_images` images; a corrupt or unsupported image, or one whose header
+    says more than `settings.max_pixels` pixels (naming it); images with more than
+    `settings.max_pixels` pixels in all (--max-image-pixels); image tokens that alone
+    reach `context` (naming the image that reaches it, its size, the count and the
+    limit)."""
     if not refs:
         return []
     if settings.vision is None:
@@ -203,22 +225,41 @@ def resolve_images(settings: ImageSettings, refs: Sequence[ImageRef], context: i
         raise APIError(400, f"the request has {len(refs)} images; this server takes at most "
                        f"{settings.max_images} per request (--max-images)",
                        param=_field(refs[0].where))
-    out, datas = [], []
-    for ref in refs:
+    vision = settings.vision
+    datas, sizes = [], []
+    pixels = tokens = 0
+    for ref in refs:  # headers only: nothing is decoded until every check has passed
         data = ref.data if ref.url is None else fetch_url(ref.url, ref.where)
-        datas.append(data)
         try:
-            im = settings.vision.load_image(data, name=ref.where)
+            w, h = vision.image_size(data, name=ref.where)
         except InputError as e:
-            msg = str(e)
-            raise APIError(400, msg if msg.startswith(ref.where) else f"{ref.where}: {msg}",
-                           param=_field(ref.where)) from None
+            raise _input_error(ref, e) from None
+        datas.append(data)
+        sizes.append((w, h))
+        pixels += w * h
+        if pixels > settings.max_pixels:
+            raise _bad(ref.where, f"the request's images up to this one ({w}x{h}) have "
+                       f"{pixels} pixels; this server decodes at most {settings.max_pixels} "
+                       "pixels per request (--max-image-pixels)")
+    counts = [vision.token_count(w, h) for w, h in sizes]
+    if sum(counts) >= context:
+        for ref, (w, h), n in zip(refs, sizes, counts):  # name the image that reaches it
+            tokens += n
+            if tokens >= context:
+                raise _bad(ref.where, f"the image ({w}x{h}) takes {n} tokens; the request's "
+                           f"{len(refs)} image(s) take {sum(counts)} tokens; this model's "
+                           f"context is {context} tokens (with the text, the prompt must "
+                           "stay below it)")
+    out = []
+    for ref, data, (w, h) in zip(refs, datas, sizes):
+        try:
+            im = vision.load_image(data, name=ref.where)
+        except InputError as e:
+            raise _input_error(ref, e) from None
+        if (im.width, im.height) != (w, h):  # a header that lied about the frame's size
+            raise _bad(ref.where, f"the image decodes to {im.width}x{im.height}, not the "
+                       f"{w}x{h} its header states")
         out.append(im)
-    n_tokens = sum(im.num_tokens for im in out)
-    if n_tokens >= context:
-        raise APIError(400, f"the request's {len(out)} image(s) take {n_tokens} tokens; this "
-                       f"model's context is {context} tokens (with the text, the prompt must "
-                       f"stay below it)", param=_field(refs[0].where))
     for ref, im, data in zip(refs, out, datas):
         # the encoded bytes stay with the part: a stored conversation (Responses API)
         # keeps them instead of the preprocessed patches (`lean_messages`)
@@ -253,16 +294,18 @@ def cache_key(ids: Sequence[int], images: Sequence[Any], pad_id: Optional[int]) 
 
 def image_settings(model_dir, tok, config: Optional[Dict[str, Any]] = None,
                    allow_urls: bool = False, max_images: int = DEFAULT_MAX_IMAGES,
-                   metrics=None) -> ImageSettings:
+                   metrics=None, max_pixels: int = DEFAULT_MAX_PIXELS) -> ImageSettings:
     """The image policy of a loaded checkpoint: its `Vision` (the tower is loaded on the
     first image; its rows cached by image digest) when it has vision weights, else none.
-    `metrics` (the server's `Metrics`): export the tower's run and cache counters."""
+    `metrics` (the server's `Metrics`): export the tower's run and cache counters.
+    `max_pixels`: pixels per request, summed over its images (--max-image-pixels)."""
     from kimi_mlx.checkpoint.loader import has_vision
     from kimi_mlx.generation.images import Vision, media_pad_id
 
-    settings = ImageSettings(allow_urls=allow_urls, max_images=max_images)
+    settings = ImageSettings(allow_urls=allow_urls, max_images=max_images,
+                             max_pixels=max_pixels)
     if has_vision(model_dir):
-        settings.vision = Vision(model_dir)
+        settings.vision = Vision(model_dir, max_pixels=max_pixels)
         settings.pad_id = media_pad_id(tok, config)
         if metrics is not None:
             metrics.watch_vision(settings.vision)

@@ -13,6 +13,7 @@ from kimi_mlx.server.common import (APIError, Service, budget, check_tool_name, 
                                     guarded_stream, reply_events, sampling_from, stop_list,
                                     submit)
 from kimi_mlx.server.structured import check_request_schemas, constrained
+from kimi_mlx.server.thinking import think_budget, with_think_budget
 from kimi_mlx.server.images import allow_urls, job_images, openai_refs, prepare, request_images
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall, token_bytes, token_logprobs
@@ -31,6 +32,14 @@ def _unsupported(req, chat: bool) -> None:
                            f"use one of {', '.join(_RESPONSE_FORMATS)}", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        for name, why in (("functions", "use tools"), ("function_call", "use tool_choice"),
+                          ("audio", "this model writes text only"),
+                          ("web_search_options", "this server has no web search")):
+            if getattr(req, name) is not None:
+                raise APIError(400, f"{name} is not supported: {why}", param=name)
+        if req.modalities is not None and any(m != "text" for m in req.modalities):
+            raise APIError(400, f"modalities {req.modalities!r} are not supported: this model "
+                           "writes text only", param="modalities")
     else:
         if req.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -116,11 +125,13 @@ def prepare_chat(svc: Service, req: ChatRequest) -> Job:
         ids, ends = build_chat_prompt_with_ends(svc.tok, messages, effort, tools, **options)
     except InputError as e:
         raise APIError(400, str(e), param="messages") from None
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    max_tokens = budget(svc, len(ids), req.max_completion_tokens or req.max_tokens)
+    think = think_budget(svc, req.thinking_budget, max_tokens)
     sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
                            response_format=req.response_format, tool_choice=req.tool_choice,
-                           think_budget=req.thinking_budget, parallel=req.parallel_tool_calls)
-    return Job(ids, budget(svc, len(ids), max_tokens), sampling,
+                           think_budget=think, parallel=req.parallel_tool_calls)
+    sampling = with_think_budget(svc, sampling, ids, think)
+    return Job(ids, max_tokens, sampling,
                (req.top_logprobs or 0) if req.logprobs else None, ends, None,
                **job_images(svc, ids, images))
 

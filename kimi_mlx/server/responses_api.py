@@ -36,6 +36,7 @@ from kimi_mlx.server.images import (allow_urls, job_images, lean_messages, prepa
 from kimi_mlx.server.common import (APIError, Service, budget, effort_of, guarded_stream,
                                     reply_events, sampling_from, submit)
 from kimi_mlx.server.structured import check_request_schemas, constrained
+from kimi_mlx.server.thinking import think_budget, with_think_budget
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.openai_api import chat_options
 from kimi_mlx.server.reply import ReplyBuilder
@@ -271,7 +272,11 @@ class _Turn:
         svc.check_model(req.model)
         if req.background:
             raise APIError(400, "background=true is not supported", param="background")
-        if getattr(req, "top_logprobs", None):
+        for name in ("conversation", "prompt"):
+            if getattr(req, name) is not None:
+                raise APIError(400, f"{name} is not supported: send the input itself (and "
+                               "previous_response_id to continue)", param=name)
+        if req.top_logprobs:
             raise APIError(400, "top_logprobs is not supported on /v1/responses (use "
                            "/v1/chat/completions with logprobs=true)", param="top_logprobs")
         choice = req.tool_choice
@@ -304,12 +309,14 @@ class _Turn:
         except InputError as e:
             raise APIError(400, str(e), param="input") from None
         self.svc, self.req = svc, req
+        max_tokens = budget(svc, len(ids), req.max_output_tokens, "max_output_tokens", "input")
+        think = think_budget(svc, req.thinking_budget, max_tokens)
         sampling = constrained(svc, sampling_from(svc, req), ids, tools=tools,
                                response_format=_response_format(req), tool_choice=choice,
-                               think_budget=req.thinking_budget,
-                               parallel=req.parallel_tool_calls, format_param="text.format")
-        self.job = Job(ids, budget(svc, len(ids), req.max_output_tokens, "max_output_tokens", "input"),
-                       sampling,
+                               think_budget=think, parallel=req.parallel_tool_calls,
+                               format_param="text.format")
+        sampling = with_think_budget(svc, sampling, ids, think)
+        self.job = Job(ids, max_tokens, sampling,
                        None, ends, **job_images(svc, ids, media_in_order(messages)))
         self.builder = ReplyBuilder(svc.wrapper, (), chat=True)
         self.id = "resp_" + uuid.uuid4().hex

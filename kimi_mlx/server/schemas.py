@@ -1,8 +1,16 @@
-"""pydantic request models of the OpenAI (chat completions, completions) and Anthropic
-(messages) APIs: the fields we read, typed and range-checked. Unknown fields are kept
-(`extra="allow"`) so newer clients work; fields we cannot honour and that would change
-the result (`n` > 1, an unknown `response_format` type, `suffix`, ...) are rejected in the API
-modules, by name, never ignored."""
+"""pydantic request models of the OpenAI (chat completions, completions, Responses) and
+Anthropic (messages) APIs: the fields we read, typed and range-checked.
+
+Unknown top-level fields: the OpenAI requests (`ChatRequest`, `CompletionRequest`,
+`ResponsesRequest`) refuse them (`extra="forbid"`; `common.parse_body` answers 400
+"Unknown parameter: 'x'." with param x, as OpenAI's API does), after declaring every
+parameter OpenAI documents for that endpoint, so what real clients send (the openai SDK,
+Codex, opencode, aider, the agents SDK: `stream_options`, `store`, `metadata`,
+`service_tier`, `prompt_cache_key`, `include`, ...) is still taken. The Anthropic
+requests and every nested object keep unknown fields (`extra="allow"`): Claude Code sends
+beta fields that differ by version. Fields we cannot honour and that would change the
+result (`n` > 1, an unknown `response_format` type, `suffix`, legacy `functions`, ...)
+are rejected in the API modules, by name, never ignored."""
 
 from __future__ import annotations
 
@@ -31,6 +39,19 @@ def _effort():
     the efforts; each maps onto one of K3.1's); the OpenAPI document lists them."""
     return Field(None, json_schema_extra={"enum": [*API_EFFORTS, None]})
 
+def _only(schema: Dict[str, Any]):
+    """A field whose values beyond `schema` the API module refuses by name (with a
+    message saying why): the OpenAPI document states `schema` (or null), so that what it
+    calls valid is what is taken."""
+    def extra(s: Dict[str, Any]) -> None:
+        s.clear()
+        s.update({"anyOf": [schema, {"type": "null"}]} if schema != _REFUSED else dict(schema),
+                 default=None)
+    return Field(None, json_schema_extra=extra)
+
+
+_REFUSED = {"type": "null"}  # declared so that it is refused by name, never ignored
+
 # mx.random.key takes a uint64
 SEED_RANGE = dict(ge=0, lt=2 ** 64)
 # OpenAI's documented logit_bias range
@@ -42,6 +63,11 @@ class _Model(BaseModel):
     # strict: no coercion a client cannot rely on (true is not 1, "yes" is not true, "1"
     # is not a number); an integer is still a valid float, an integral float an integer
     model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)
+
+
+class _Strict(_Model):
+    # a top-level OpenAI request: an undeclared field is a 400 naming it (parse_body)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class FunctionDef(_Model):
@@ -75,6 +101,15 @@ class StreamOptions(_Model):
 
 
 class ChatMessage(_Model):
+    # the document states a tool message's name as required (what the prompt needs; a
+    # tool_call_id that names an earlier assistant call also gives it, see openai_api)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True,
+                              json_schema_extra={
+                                  "if": {"properties": {"role": {"const": "tool"}},
+                                         "required": ["role"]},
+                                  "then": {"required": ["name"],
+                                           "properties": {"name": {"type": "string"}}}})
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
     name: Optional[str] = None
@@ -84,7 +119,7 @@ class ChatMessage(_Model):
     tool_call_id: Optional[str] = None
 
 
-class _Sampling(_Model):
+class _Sampling(_Strict):
     model: str
     temperature: Optional[float] = Field(None, ge=0, le=2)  # OpenAI's documented range
     top_p: Optional[float] = Field(None, gt=0, le=1)
@@ -94,13 +129,21 @@ class _Sampling(_Model):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, List[str]]] = None
-    n: Optional[Int(ge=1)] = None
+    n: Optional[Int(ge=1)] = _only({"type": "integer", "enum": [1]})  # one choice (openai_api)
     presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
     frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
     repetition_penalty: Optional[float] = Field(None, ge=0.01, le=10)  # divides logits (float32)
-    repetition_context_size: Optional[Int(ge=1)] = None  # tokens it looks back (mlx-lm: 20)
+    # tokens it looks back (mlx-lm: 20); below 2**31: MLX slices with 32-bit indices
+    repetition_context_size: Optional[Int(ge=1, lt=2 ** 31)] = None
     logit_bias: Optional[Dict[str, Bias]] = None
     user: Optional[str] = None
+    # OpenAI parameters that do not change the tokens generated here: accepted, unused
+    metadata: Optional[Dict[str, Any]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
 
 
 class ChatRequest(_Sampling):
@@ -114,8 +157,16 @@ class ChatRequest(_Sampling):
     parallel_tool_calls: Optional[bool] = None
     reasoning_effort: Optional[str] = _effort()
     response_format: Optional[Dict[str, Any]] = None
-    # reasoning tokens before a constrained request's grammar closes the thinking itself
+    # reasoning tokens after which the thinking is closed (`server.thinking`)
     thinking_budget: Optional[Int(ge=0)] = None
+    # OpenAI parameters taken as hints or refused by name in `openai_api._unsupported`
+    verbosity: Optional[str] = None
+    modalities: Optional[List[str]] = _only({"type": "array", "items": {"enum": ["text"]}})
+    prediction: Optional[Dict[str, Any]] = None
+    audio: Optional[Dict[str, Any]] = _only(_REFUSED)
+    web_search_options: Optional[Dict[str, Any]] = _only(_REFUSED)
+    functions: Optional[List[Any]] = _only(_REFUSED)
+    function_call: Optional[Union[str, Dict[str, Any]]] = _only(_REFUSED)
 
 
 def _prompt_shape(v):
@@ -170,7 +221,7 @@ class CompletionRequest(_Sampling):
     logprobs: Optional[Int(ge=0, le=20)] = None
     echo: bool = False
     suffix: Optional[str] = None
-    best_of: Optional[Int(ge=1)] = None
+    best_of: Optional[Int(ge=1)] = _only({"type": "integer", "enum": [1]})  # (openai_api)
 
 
 class AnthropicMessage(_Model):
@@ -208,7 +259,7 @@ class ReasoningOptions(_Model):
     summary: Optional[str] = None
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(_Strict):
     """OpenAI Responses API (POST /v1/responses). `input` is a string (one user
     message) or a list of items (messages, function_call, function_call_output,
     reasoning); the item shapes are checked in `responses_api`, naming the item."""
@@ -234,6 +285,20 @@ class ResponsesRequest(_Model):
     text: Optional[Dict[str, Any]] = None
     metadata: Optional[Dict[str, Any]] = None
     user: Optional[str] = None
+    # OpenAI parameters that do not change the tokens generated here: accepted, unused
+    # (Codex sends include, prompt_cache_key; the agents SDK truncation)
+    include: Optional[List[str]] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    stream_options: Optional[Dict[str, Any]] = None
+    truncation: Optional[str] = None
+    max_tool_calls: Optional[Int(ge=1)] = None
+    # refused by name when set (responses_api): they would change the reply
+    top_logprobs: Optional[Int(ge=0, le=20)] = _only({"type": "integer", "enum": [0]})
+    conversation: Optional[Union[str, Dict[str, Any]]] = _only(_REFUSED)
+    prompt: Optional[Dict[str, Any]] = _only(_REFUSED)
 
 
 class TokenizeRequest(_Model):

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8080
 DEFAULT_CONCURRENCY = 4
+# a reply's tokens when the request sets no budget (--max-tokens): K3.1 at effort max
+# may otherwise think to the end of a 256K context on one agent turn
+DEFAULT_SERVER_MAX_TOKENS = 32768
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
@@ -60,10 +63,18 @@ def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> 
                    help="context: prompt + generated tokens (default: the checkpoint's "
                         "max_position_embeddings; a larger value serves a longer context "
                         "than it was trained on, with a warning)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="reply budget for a request that sets none (OpenAI max_tokens / "
-                        "max_completion_tokens / max_output_tokens; Codex sends none): "
-                        "default the rest of the context, as OpenAI's API")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_SERVER_MAX_TOKENS,
+                   help="reply budget of a request that sets none (OpenAI max_tokens / "
+                        "max_completion_tokens, Responses max_output_tokens; Codex sends "
+                        f"none), on every route (default {DEFAULT_SERVER_MAX_TOKENS}, or the "
+                        "rest of the context when that is less)")
+    p.add_argument("--thinking-budget", type=int, default=None,
+                   help="reasoning tokens after which the server closes the model's thinking "
+                        "(<|close|>think<|sep|> forced) for a request that sets no budget of "
+                        "its own (thinking_budget, Anthropic thinking.budget_tokens); "
+                        "default none. Any budget is lowered so that the reply keeps room "
+                        "for its answer: at least min(half the reply's max tokens, "
+                        "1024) after the thinking")
     p.add_argument("--allow-image-urls", action="store_true",
                    help="fetch http(s) image URLs in requests (at most 20 MiB, 10 s each); "
                         "without it only data URLs / base64 images are taken and a URL is a 400")
@@ -76,6 +87,10 @@ def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> 
     p.add_argument("--schema-timeout", type=float, default=5.0,
                    help="seconds a request's schemas may take to compile into its grammar "
                         "(default 5); past it the request is refused with a 400")
+    p.add_argument("--max-image-pixels", type=int, default=20000 * 20000,
+                   help="pixels a request's images may have in all, read from their headers "
+                        "before any is decoded (default 400000000, one 20000 x 20000 image); "
+                        "image tokens against the context are also counted from the headers")
     if log_level:
         p.add_argument("--log-level", type=log_level_arg, default="INFO",
                       help="logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (default INFO)")
@@ -144,9 +159,13 @@ def check_server_arguments(args) -> None:
     check_disk_cache_arguments(args)
     if getattr(args, "max_images", 1) < 0:
         raise InputError(f"--max-images must be >= 0, got {args.max_images}")
+    if getattr(args, "max_image_pixels", 1) < 1:
+        raise InputError(f"--max-image-pixels must be >= 1, got {args.max_image_pixels}")
     check_max_kv_size(args.max_kv_size)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise InputError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if getattr(args, "thinking_budget", None) is not None and args.thinking_budget < 0:
+        raise InputError(f"--thinking-budget must be >= 0, got {args.thinking_budget}")
 
 
 DEFAULT_DISK_BYTES = 32 << 30
@@ -225,7 +244,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
                  drafts: Optional[DraftSettings] = None, progress: bool = False,
                  allow_image_urls: bool = False, max_images: int = 32,
                  prompt_cache_dir: Optional[str] = None,
-                 prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES) -> None:
+                 prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES,
+                 max_image_pixels: Optional[int] = None) -> None:
     """Load the checkpoint (and the draft `drafts` asks for, through the speculation
     factory) into `svc` (sets tokenizers, context, defaults, engine); `progress`: a
     loading bar on a terminal; `allow_image_urls` / `max_images`: the image policy
@@ -288,24 +308,28 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     from kimi_mlx.server.images import image_settings
 
     svc.images = image_settings(model_dir, tok, config, allow_image_urls, max_images,
-                                metrics=svc.metrics)
+                                metrics=svc.metrics,
+                                **({} if max_image_pixels is None else
+                                   {"max_pixels": max_image_pixels}))
     engine.vision, engine.pad_id = svc.images.vision, svc.images.pad_id
     svc.engine = engine.start()
 
 
 def make_service(spec: str, api_key: Optional[str], served_name: Optional[str],
                  max_body_bytes: int, default_max_tokens: Optional[int] = None,
-                 schema_limits=None):
+                 default_thinking_budget: Optional[int] = None, schema_limits=None):
     """The `Service` of a server: its model id (`served_name` or the checkpoint folder's
-    name), key, body limit, metrics, and the reply budget of a request that sets none
-    (`default_max_tokens`; None: the rest of the context), and the bounds on a
-    request's schemas (`schema_limits`, a `generation.constrain.SchemaLimits`; None: its
-    defaults)."""
+    name), key, body limit, metrics, the reply budget of a request that sets none
+    (`default_max_tokens`, --max-tokens; None: the rest of the context), the thinking
+    budget of a request that sets none (`default_thinking_budget`, --thinking-budget;
+    None: unlimited) and the bounds on a request's schemas (`schema_limits`, a
+    `generation.constrain.SchemaLimits`; None: its defaults)."""
     from kimi_mlx.server.common import Service
     from kimi_mlx.server.metrics import Metrics
 
     svc = Service(api_key=api_key, max_body_bytes=max_body_bytes, created=int(time.time()),
-                  default_max_tokens=default_max_tokens, schema_limits=schema_limits)
+                  default_max_tokens=default_max_tokens,
+                  default_thinking_budget=default_thinking_budget, schema_limits=schema_limits)
     # the id only: the checkpoint's path is neither accepted as a model id nor told to
     # clients (a 404 lists the served ids)
     svc.model_ids = [served_name or Path(spec.rstrip("/")).name or "model"]

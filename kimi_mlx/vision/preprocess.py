@@ -19,7 +19,8 @@ in_patch_limit 65536, patch_limit_on_one_side 512, mean = std = 0.5):
 
 Bounded work: the header is read first and an image of more than `max_pixels`
 (default 20000 x 20000) is refused as a possible decompression bomb before any pixel is
-decoded; anything accepted is resized to at most 512 x 512 patches before it is
+decoded; `image_size` reads only the header, so a caller can size a request's images
+(pixels, `token_count`) and refuse them before decoding any; anything accepted is resized to at most 512 x 512 patches before it is
 patchified. Decoding takes PNG, JPEG, WebP and GIF (its first frame); EXIF orientation
 is not applied (the release does not). Errors are `ImageError`, naming the image.
 """
@@ -38,7 +39,7 @@ import numpy as np
 from kimi_mlx.vision.config import MediaProcArgs
 
 __all__ = ["ImageError", "ProcessedImage", "FORMATS", "MAX_PIXELS", "resize_plan", "open_image",
-           "preprocess", "load_and_preprocess", "token_count"]
+           "image_size", "preprocess", "load_and_preprocess", "token_count"]
 
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MAX_PIXELS = 20000 * 20000
@@ -90,6 +91,58 @@ def token_count(width: int, height: int, cfg: MediaProcArgs = MediaProcArgs()) -
     return ((new_h + pad_h) // p // kh) * ((new_w + pad_w) // p // kw)
 
 
+def _read(source: Union[str, Path, bytes], name: str = None) -> Tuple[str, bytes]:
+    if isinstance(source, (str, Path)):
+        name = name or str(source)
+        try:
+            return name, Path(source).read_bytes()
+        except OSError as e:
+            raise ImageError(f"{name}: cannot read the image file ({e.strerror or e})") from None
+    return name or "image", bytes(source)
+
+
+def _open_header(data: bytes, max_pixels: int, name: str):
+    """Pillow's lazily opened image of `data` (only its header read), checked for format
+    and pixel count. Call under `_PIL_LOCK` with Pillow's own bomb check off."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        img = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ImageError(f"{name}: not an image Pillow can read (expected PNG, JPEG, "
+                         "WebP or GIF)") from None
+    except (OSError, ValueError, SyntaxError, EOFError) as e:
+        raise ImageError(f"{name}: corrupt or truncated image ({e})") from None
+    if img.format not in FORMATS:
+        raise ImageError(f"{name}: unsupported image format {img.format} (expected PNG, "
+                         "JPEG, WebP or GIF)")
+    w, h = img.size
+    if w * h > max_pixels:
+        raise ImageError(f"{name}: {w}x{h} = {w * h} pixels is over the limit of "
+                         f"{max_pixels} (refused unread as a possible decompression bomb)")
+    if w <= 0 or h <= 0:
+        raise ImageError(f"{name}: image size {w}x{h} is empty")
+    return img
+
+
+def image_size(source: Union[str, Path, bytes], max_pixels: int = MAX_PIXELS,
+               name: str = None) -> Tuple[int, int]:
+    """(width, height) in pixels of an encoded image from its header alone: no pixel is
+    decoded (Pillow's `Image.open` reads the header; `load` is never called), so a
+    decompression bomb costs microseconds here. Raises ImageError as `open_image` (an
+    unreadable file, another format, over `max_pixels`), naming `name`."""
+    from PIL import Image
+
+    name, data = _read(source, name)
+    with _PIL_LOCK:
+        saved = Image.MAX_IMAGE_PIXELS
+        Image.MAX_IMAGE_PIXELS = None
+        try:
+            return _open_header(data, max_pixels, name).size
+        finally:
+            Image.MAX_IMAGE_PIXELS = saved
+
+
 def open_image(source: Union[str, Path, bytes], max_pixels: int = MAX_PIXELS, name: str = None):
     """Decode `source` (a path or the encoded bytes) with Pillow: its first frame, loaded.
 
@@ -99,36 +152,16 @@ def open_image(source: Union[str, Path, bytes], max_pixels: int = MAX_PIXELS, na
             before decoding: a possible decompression bomb). Names `name` (default: the
             path, or "image").
     """
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    if isinstance(source, (str, Path)):
-        name = name or str(source)
-        try:
-            data = Path(source).read_bytes()
-        except OSError as e:
-            raise ImageError(f"{name}: cannot read the image file ({e.strerror or e})") from None
-    else:
-        name, data = name or "image", bytes(source)
+    name, data = _read(source, name)
     # Pillow's own bomb check (MAX_IMAGE_PIXELS, a process-wide setting) would refuse a
     # 20000 x 20000 image; ours replaces it for our decodes, under a lock.
     with _PIL_LOCK:
         saved = Image.MAX_IMAGE_PIXELS
         Image.MAX_IMAGE_PIXELS = None
         try:
-            try:
-                img = Image.open(io.BytesIO(data))
-            except UnidentifiedImageError:
-                raise ImageError(f"{name}: not an image Pillow can read (expected PNG, JPEG, "
-                                 "WebP or GIF)") from None
-            except (OSError, ValueError, SyntaxError, EOFError) as e:
-                raise ImageError(f"{name}: corrupt or truncated image ({e})") from None
-            if img.format not in FORMATS:
-                raise ImageError(f"{name}: unsupported image format {img.format} (expected PNG, "
-                                 "JPEG, WebP or GIF)")
-            w, h = img.size
-            if w * h > max_pixels:
-                raise ImageError(f"{name}: {w}x{h} = {w * h} pixels is over the limit of "
-                                 f"{max_pixels} (refused unread as a possible decompression bomb)")
+            img = _open_header(data, max_pixels, name)
             try:
                 img.seek(0)
                 img.load()
@@ -211,14 +244,7 @@ def load_and_preprocess(source: Union[str, Path, bytes], cfg: MediaProcArgs = Me
     bytes. Raises ImageError as `open_image`."""
     import hashlib
 
-    if isinstance(source, (str, Path)):
-        name = name or str(source)
-        try:
-            data = Path(source).read_bytes()
-        except OSError as e:
-            raise ImageError(f"{name}: cannot read the image file ({e.strerror or e})") from None
-    else:
-        data = bytes(source)
+    name, data = _read(source, name)
     out = preprocess(open_image(data, max_pixels, name), cfg, name or "image")
     out.digest = hashlib.sha256(data).hexdigest()
     return out
