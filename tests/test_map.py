@@ -66,6 +66,9 @@ NOT_CODE = {
     "text.format": "the Responses API request field (text: {format: ...})",
     "text.embed": "an attribute path on a model object (model.text.embed), not kimi_mlx.text",
     "settings.max_images": "a field of the ImageSettings argument named settings",
+    "settings.max_pixels": "a field of the ImageSettings argument named settings",
+    "thinking.budget_tokens": "the Anthropic Messages request field (thinking: {budget_tokens})",
+    "chat.completions.parse": "the openai SDK's method (client.chat.completions.parse)",
     "draft.make_cache()": "a method of the draft model argument, not kimi_mlx.micro.draft",
 }
 BACKTICK = re.compile(r"`([^`\n]+)`")

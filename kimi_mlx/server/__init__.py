@@ -16,6 +16,7 @@ Modules, one job each (every module of this folder):
   ollama_api.py   the Ollama API (/api/* and /ollama/api/*): each request becomes the chat
                   route's request, replies in Ollama's NDJSON / JSON shapes
   structured.py   response_format / tool_choice -> the grammar a request's sampling enforces
+  thinking.py     thinking budgets (a request's, --thinking-budget) as a forced end of thinking
   images.py       image parts of requests: data URLs / base64 (URLs with --allow-image-urls),
                   limits, 400s naming the image, the prompt-cache key of a prompt with images
   reply.py        token ids -> text (UTF-8 safe), stop strings, reasoning / content / tool calls
