@@ -45,7 +45,6 @@ REGISTRY = {
     "cluster/bench/grpc_floor.py:_proc_cpu": "test_no_proc_on_macos",
     "cluster/bench/hop.py:_cpu_seconds": "test_no_proc_on_macos",
     "cluster/tensor/relay.py:_anonymous_file": "test_host_list_in_a_removed_temp_file_without_memfd",
-    "cluster/tensor/relay.py:_die_with_parent": "test_rank0_polls_its_parent_without_pdeathsig",
     "cluster/tensor/relay.py:_pdeathsig": "test_rank0_polls_its_parent_without_pdeathsig",
     "kimi_mlx/bench/ranged.py:drop_cache": "test_cold_read_bench_without_posix_fadvise",
     "kimi_mlx/checkpoint/ranged.py:SliceReader._copy_mapped": "test_ranged_read_without_madvise",
