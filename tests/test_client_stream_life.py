@@ -154,5 +154,14 @@ def test_responses_stream_cut_at_max_output_tokens_ends_incomplete(server):
 
     streamed = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert reasoning(r) == streamed == reasoning(plain) and streamed
+    # the same items either way (a reply cut in its reasoning has no message item, as
+    # on OpenAI), the one the limit cut marked incomplete, in the stream's item.done too
+    assert [o.type for o in r.output] == [o.type for o in plain.output]
+    assert [o.status for o in r.output] == [o.status for o in plain.output]
+    assert r.output[-1].status == "incomplete" and r.output[0].type == "reasoning"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.status for i in done] == [o.status for o in r.output]
+    if not text:
+        assert [o.type for o in plain.output] == ["reasoning"]
     if final is not None:  # an SDK that returns the incomplete response
         assert final.status == "incomplete" and final.output_text == plain.output_text
