@@ -332,6 +332,17 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
     b = ReplyBuilder(svc.wrapper, stop_list(req.stop_sequences), chat=True)
     submit(svc, job)
     msg_id = "msg_" + uuid.uuid4().hex
+    live: Dict[str, Any] = {"open": None, "index": -1}  # the open block, for keep_alive
+
+    def keep_alive() -> str:
+        """What a quiet stream sends every svc.keepalive_s: inside an open thinking block
+        (a long prefill) an empty thinking_delta, which adds no text but is an event
+        the client's SDK hands on (Claude Code resets its stream idle timer on every
+        event except ping); elsewhere Anthropic's ping."""
+        if live["open"] == "thinking":
+            return _event("content_block_delta", {"index": live["index"], "delta": {
+                "type": "thinking_delta", "thinking": ""}})
+        return ANTHROPIC_PING
 
     async def body():
         # message_start waits for the admission, which tells the prompt-cache hit: its
@@ -355,11 +366,18 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
             if open_kind is not None:
                 out.append(_event("content_block_stop", {"index": index}))
             index += 1
-            open_kind = kind
+            open_kind = live["open"] = kind
+            live["index"] = index
             out.append(_event("content_block_start", {"index": index, "content_block": block}))
             return out
 
         show_thinking = thinking_enabled(req)
+        if show_thinking:
+            # the generation prompt ends inside K3.1's think block (chat_format), so the
+            # reply's thinking block is open from admission on: opened now, the prefill
+            # runs inside it (keep_alive sends its empty deltas meanwhile)
+            for s in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                yield s
         async for ev, _tok, fin in reply_events(job, b):
             if ev.reasoning and show_thinking:
                 if open_kind != "thinking":
@@ -382,6 +400,7 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
         if open_kind is None:
             for s in start("text", {"type": "text", "text": ""}):
                 yield s
+        live["open"] = None
         yield _event("content_block_stop", {"index": index})
         reason = _stop_reason(b, done)
         yield _event("message_delta", {"delta": {
@@ -391,7 +410,7 @@ async def messages_stream(svc: Service, req: MessagesRequest, request):
         yield _event("message_stop", {})
 
     # message_start is the first event (it goes out at admission); pings only after it
-    return guarded_stream(svc, job, body(), "/v1/messages", _error_event, ANTHROPIC_PING,
+    return guarded_stream(svc, job, body(), "/v1/messages", _error_event, keep_alive,
                           ping_first=False)
 
 

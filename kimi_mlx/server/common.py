@@ -353,7 +353,8 @@ ANTHROPIC_PING = 'event: ping\ndata: {"type": "ping"}\n\n'  # what Anthropic's A
 
 async def guarded_stream(svc: Service, job: Job, body: AsyncIterator[str], endpoint: str,
                          error_event: Callable[[str, str], str],
-                         ping: str = PING, ping_first: bool = True) -> AsyncIterator[str]:
+                         ping: Union[str, Callable[[], str]] = PING,
+                         ping_first: bool = True) -> AsyncIterator[str]:
     """A streamed reply's bytes after its 200: `body`'s chunks, and when generation fails
     after the stream started (a Failed job, a lost stage, an internal error) one last
     chunk `error_event(kind, message)` in the endpoint's dialect, counted in /metrics
@@ -364,19 +365,20 @@ async def guarded_stream(svc: Service, job: Job, body: AsyncIterator[str], endpo
     Signs of life: `ping` (an SSE comment; Anthropic's ping event on /v1/messages) goes
     out first when `ping_first`, and again whenever `body` has said nothing for
     `svc.keepalive_s` seconds (a long queue wait or prefill: a 40k-token prompt takes
-    minutes), so that proxies and clients with read timeouts keep the stream."""
+    minutes), so that proxies and clients with read timeouts keep the stream. A callable
+    `ping` is asked each time (what it returns may depend on the body's state)."""
     it = body.__aiter__()
     pending: Optional[asyncio.Future] = None
     try:
         try:
             if ping_first:
-                yield ping
+                yield ping() if callable(ping) else ping
             while True:
                 if pending is None:
                     pending = asyncio.ensure_future(it.__anext__())
                 done, _ = await asyncio.wait({pending}, timeout=svc.keepalive_s)
                 if not done:
-                    yield ping
+                    yield ping() if callable(ping) else ping
                     continue
                 task, pending = pending, None
                 try:

@@ -403,16 +403,21 @@ async def responses_response(svc: Service, req: ResponsesRequest, request) -> di
     async for _ev, _tok, fin in reply_events(t.job, t.builder, request):
         done = fin or done
     b = t.builder
+    status = t.status(done)
     output = []
     if b.reasoning:
         output.append(t.reasoning_item(b.reasoning))
-    if b.content or not b.tool_calls:
+    # a reply cut inside its reasoning has no message item, as on OpenAI (and as the
+    # stream has none)
+    if b.content or not (b.tool_calls or (status == "incomplete" and b.reasoning)):
         output.append(t.message_item(b.content))
+    if status == "incomplete" and output and not b.tool_calls:
+        output[-1]["status"] = "incomplete"  # the item the limit cut (a status items have)
     for k, c in enumerate(b.tool_calls):
         output.append(t.call_item(c, f"fc_{t.id[5:]}_{k}",
                                   json.dumps(c.arguments, ensure_ascii=False)))
     t.remember()
-    return t.response(t.status(done), output, done)
+    return t.response(status, output, done)
 
 
 async def responses_stream(svc: Service, req: ResponsesRequest, request):
@@ -434,7 +439,7 @@ async def responses_stream(svc: Service, req: ResponsesRequest, request):
         open_kind = None  # "reasoning" / "message": the item whose text is streaming
         text = ""
 
-        def close():
+        def close(item_status: str = "completed"):
             nonlocal open_kind
             out = []
             idx = len(output) - 1
@@ -450,13 +455,13 @@ async def responses_stream(svc: Service, req: ResponsesRequest, request):
                     out.append(event("response.reasoning_summary_part.done", item_id=t.reasoning_id,
                                      output_index=idx, summary_index=0,
                                      part={"type": "summary_text", "text": text}))
-                output[idx] = t.reasoning_item(text)
+                output[idx] = t.reasoning_item(text, item_status)
             elif open_kind == "message":
                 out.append(event("response.output_text.done", item_id=t.message_id,
                                  output_index=idx, content_index=0, text=text, logprobs=[]))
                 out.append(event("response.content_part.done", item_id=t.message_id,
                                  output_index=idx, content_index=0, part=_text_part(text)))
-                output[idx] = t.message_item(text)
+                output[idx] = t.message_item(text, item_status)
             if open_kind is not None:
                 out.append(event("response.output_item.done", output_index=idx, item=output[idx]))
             open_kind = None
@@ -521,10 +526,11 @@ async def responses_stream(svc: Service, req: ResponsesRequest, request):
         if not output:  # never an empty output: an empty message
             for s in open_("message"):
                 yield s
-        for s in close():
+        status = t.status(done)
+        # the item the limit cut is "incomplete" (a status the API defines for items)
+        for s in close("incomplete" if status == "incomplete" else "completed"):
             yield s
         t.remember()
-        status = t.status(done)
         yield event(f"response.{status}", response=t.response(status, output, done))
 
     return guarded_stream(svc, t.job, body(), "/v1/responses",
