@@ -45,7 +45,6 @@ one of `COMPILE_THREADS` threads, and the same grammar is then refused at once).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
@@ -55,6 +54,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from kimi_mlx.generation.grammar_tools import first_line as _first_line
+from kimi_mlx.generation.grammar_tools import json_size as _json_size
+from kimi_mlx.generation.grammar_tools import matcher as _matcher
+from kimi_mlx.generation.grammar_tools import reason as _why
+from kimi_mlx.generation.grammar_tools import rules_digest as _digest
+from kimi_mlx.generation.grammar_tools import schema_roots as _roots
 from kimi_mlx.sampling import InputError
 from kimi_mlx.text.chat_format import (CLOSE, END_OF_MSG, OPEN, SEP, THINK_END, THINK_START,
                                        TOOLS_START)
@@ -559,27 +564,6 @@ def check_schemas(tok, response_format: Any = None, tools: Optional[Sequence[Map
             raise InputError(str(e), e.param) from None
 
 
-def _json_size(obj: Any, cap: int) -> int:
-    """Bytes of `obj` as compact JSON (ASCII escapes), counted only until past `cap` (a
-    5 MB schema is found over the limit after its first `cap` bytes)."""
-    n, stack = 0, [obj]
-    while stack and n <= cap:
-        v = stack.pop()
-        if isinstance(v, Mapping):
-            n += 1 + 2 * max(len(v), 1)
-            for k, x in v.items():
-                n += len(json.dumps(str(k)))
-                stack.append(x)
-                if n > cap:
-                    break
-        elif isinstance(v, (list, tuple)):
-            n += 1 + max(len(v), 1)
-            stack.extend(v)
-        else:
-            n += len(json.dumps(v))
-    return n
-
-
 def _rules(checks, limits: SchemaLimits) -> list:
     """(param, JSON rule) of each check, once its size passed `limits.max_bytes`."""
     for param, schema, _ in checks:
@@ -589,59 +573,12 @@ def _rules(checks, limits: SchemaLimits) -> list:
     return [(param, _json_rule(schema, strict)) for param, schema, strict in checks]
 
 
-def _digest(rules) -> str:
-    return hashlib.sha256(json.dumps(list(rules)).encode()).hexdigest()
-
-
 def _remember(memo: OrderedDict, key: str, value) -> None:
     with _LOCK:
         memo[key] = value
         memo.move_to_end(key)
         while len(memo) > _MEMO_MAX:
             memo.popitem(last=False)
-
-
-def _first_line(err: str) -> str:
-    return (err or "").strip().splitlines()[0] if (err or "").strip() else "unknown error"
-
-
-def _limits():
-    import llguidance
-
-    # verbose_errors False: errors say what failed, not the parser state and the grammar
-    return llguidance.LLParserLimits(verbose_errors=False)
-
-
-def _matcher(ll, grammar: str):
-    import llguidance
-
-    return llguidance.LLMatcher(ll, grammar, log_level=0, limits=_limits())
-
-
-def _why(err: str) -> str:
-    """llguidance's error as a reason a client can act on (its first line, without the
-    grammar position); "NoExtensionBias" (no token can start a value) in words."""
-    why = _first_line(err).split("failed to compile JSON schema: ", 1)[-1]
-    if why.startswith("NoExtensionBias"):
-        return ("no JSON value satisfies it (for instance `$ref`s that only refer to each "
-                "other)")
-    return why
-
-
-def _roots(rule: str) -> list:
-    """A schema's JSON rule, then one per `$defs` / `definitions` entry made the root (a
-    definition no value satisfies is found only when decoding reaches it otherwise)."""
-    body = json.loads(rule[len("%json "):])
-    out = [rule]
-    if isinstance(body, dict):
-        for key in ("$defs", "definitions"):
-            defs = body.get(key)
-            if isinstance(defs, dict):
-                for name in defs:
-                    ref = f"#/{key}/" + name.replace("~", "~0").replace("/", "~1")
-                    out.append("%json " + json.dumps({key: defs, "$ref": ref,
-                                                      "x-guidance": body.get("x-guidance")}))
-    return out
 
 
 def _check_one(ll, rule: str) -> Optional[str]:
