@@ -82,7 +82,9 @@ def test_fields_real_clients_send_are_taken(server, oai):
         model="micro", input="hi", max_output_tokens=3, store=False, include=[
             "reasoning.encrypted_content"], prompt_cache_key="k", parallel_tool_calls=False,
         reasoning={"effort": "low"}, truncation="disabled", metadata={"a": "b"},
-        service_tier="auto", text={"format": {"type": "text"}})
+        service_tier="auto", text={"format": {"type": "text"}},
+        # Codex 0.171 sends client_metadata (its session and installation ids) on every turn
+        extra_body={"client_metadata": {"x-codex-installation-id": "i", "session_id": "s"}})
     assert resp.status in ("completed", "incomplete")
     c = oai.completions.create(model="micro", prompt="hi", max_tokens=2, user="u", seed=1)
     assert c.choices[0].text is not None

@@ -286,8 +286,9 @@ class ResponsesRequest(_Strict):
     metadata: Optional[Dict[str, Any]] = None
     user: Optional[str] = None
     # OpenAI parameters that do not change the tokens generated here: accepted, unused
-    # (Codex sends include, prompt_cache_key; the agents SDK truncation)
+    # (Codex sends include, prompt_cache_key, client_metadata; the agents SDK truncation)
     include: Optional[List[str]] = None
+    client_metadata: Optional[Dict[str, Any]] = None
     prompt_cache_key: Optional[str] = None
     prompt_cache_retention: Optional[str] = None
     service_tier: Optional[str] = None
