@@ -258,24 +258,33 @@ class _Group:
         return self._rank
 
 
-def test_tensor_rank_other_than_zero_wires_its_slices(tmp_path):
-    from kimi_mlx.checkpoint.ranged import load_sharded
+def _start_ranks(tmp_path, device: dict, rec, procs: list, logs: list) -> None:
+    """Start ranks 0 and 1 of a 2-rank ring group on micro (`python -m
+    kimi_mlx.cluster.tensor.rank`), each on the fake Metal `device` recording into `rec`,
+    appending each process to `procs` as it starts (so the caller's `finally` kills what
+    did start) with its output in `logs[r]`."""
     from kimi_mlx.testing.ports import free_ports
     from kimi_mlx.testing.tensor_parallel import write_hostfile
 
-    rec = tmp_path / "calls.jsonl"
     hosts = write_hostfile(tmp_path / "hosts.json", free_ports(2))
+    for r in range(2):
+        env = fake_metal.env(device, rec)
+        env.update(MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
+        with open(logs[r], "w") as out:
+            procs.append(subprocess.Popen(
+                [PY, "-m", "kimi_mlx.cluster.tensor.rank", "--model", str(MICRO),
+                 "--backend", "ring", "--name", f"n{r}", "--cache-bytes", "0"],
+                env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
+                start_new_session=True))
+
+
+def test_tensor_rank_other_than_zero_wires_its_slices(tmp_path):
+    from kimi_mlx.checkpoint.ranged import load_sharded
+
+    rec = tmp_path / "calls.jsonl"
     procs, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
     try:
-        for r in range(2):
-            env = fake_metal.env(MAC64, rec)
-            env.update(MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
-            with open(logs[r], "w") as out:
-                procs.append(subprocess.Popen(
-                    [PY, "-m", "kimi_mlx.cluster.tensor.rank", "--model", str(MICRO),
-                     "--backend", "ring", "--name", f"n{r}", "--cache-bytes", "0"],
-                    env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                    start_new_session=True))
+        _start_ranks(tmp_path, MAC64, rec, procs, logs)
         calls = _wait_records(rec, lambda rs: {c["pid"] for c in rs} >= {p.pid for p in procs},
                               timeout=240,
                               loaded=lambda: all("loaded its slices" in l.read_text() for l in logs))
@@ -392,22 +401,11 @@ def test_a_stage_that_does_not_fit_refuses_its_load_in_one_line(tmp_path):
 
 def test_a_rank_that_does_not_fit_exits_naming_the_sysctl(tmp_path):
     from kimi_mlx.checkpoint.ranged import load_sharded
-    from kimi_mlx.testing.ports import free_ports
-    from kimi_mlx.testing.tensor_parallel import write_hostfile
 
     rec = tmp_path / "calls.jsonl"
-    hosts = write_hostfile(tmp_path / "hosts.json", free_ports(2))
     procs, logs = [], [tmp_path / f"rank{r}.log" for r in range(2)]
     try:
-        for r in range(2):
-            env = fake_metal.env(_small_mac(MiB), rec)
-            env.update(MLX_RANK=str(r), MLX_HOSTFILE=str(hosts))
-            with open(logs[r], "w") as out:
-                procs.append(subprocess.Popen(
-                    [PY, "-m", "kimi_mlx.cluster.tensor.rank", "--model", str(MICRO),
-                     "--backend", "ring", "--name", f"n{r}", "--cache-bytes", "0"],
-                    env=env, stdout=out, stderr=out, stdin=subprocess.DEVNULL,
-                    start_new_session=True))
+        _start_ranks(tmp_path, _small_mac(MiB), rec, procs, logs)
         assert procs[1].wait(timeout=240) == 1
     finally:
         for p in procs:
