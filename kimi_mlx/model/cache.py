@@ -8,6 +8,17 @@
   as mlx-lm's `BatchKVCache`): MLA latent [B, 1, T, 512] as keys, rope key [B, 1, T, 64]
   as values, and indexer keys [B, 1, T, 128] at the same offsets.
 
+8-bit caches (`--kv-bits 8`, `kv_bits=8`): the latent's 512 values and the indexer key's
+128 values are kept in MLX's affine format, `mx.quantize(x, group_size, bits)` along the
+last axis: packed uint32 [.., D*bits/32] in `keys` / `index_keys`, scales and biases
+[.., D/group_size] in the cache dtype in `latent_scales` / `latent_biases` /
+`index_scales` / `index_biases`, all at the same positions (`AUX_QUANT`); the 64 rope
+values (`values`) stay unquantized. Each token is quantized once, when it is written, so
+a token reads back the same values whatever chunk, batch or rank wrote it.
+`update_and_fetch_all` returns dequantized (latent, k_pe, k_idx) for the reference path;
+`quantized()` gives the packed arrays themselves (`QuantizedDSA`) for kernels that
+dequantize as they read.
+
 A batched DSA layer runs the whole batch in one call (`BatchDSACache.attend`): each
 row's first real key (`starts`, its left padding) reaches the dense mask, the indexer's
 causal top-k and the sparse gather (metal/dsa.py), so no padded key is ever
@@ -24,12 +35,68 @@ grows into a new buffer (concatenation) before it writes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
 
-__all__ = ["ArraysCache", "DSACache", "BatchDSACache", "snapshot", "restore", "snapshot_nbytes"]
+__all__ = ["ArraysCache", "DSACache", "BatchDSACache", "QuantizedDSA", "KV_BITS", "KV_GROUP_SIZES",
+           "check_kv_quant", "group_for", "dequantize", "snapshot", "snapshot_kv_quant", "restore",
+           "snapshot_nbytes"]
+
+KV_BITS = (8,)  # quantized cache widths (None: the model dtype, no quantization)
+KV_GROUP_SIZES = (32, 64, 128)
+# per-position arrays a quantized DSA cache keeps beside keys / values / index_keys
+AUX_QUANT = ("latent_scales", "latent_biases", "index_scales", "index_biases")
+
+
+def check_kv_quant(bits: Optional[int], group_size: int = 64) -> None:
+    """Raise ValueError naming the flag for a cache quantization we do not support:
+    bits must be None (model dtype) or 8, group_size one of 32/64/128."""
+    if bits is not None and bits not in KV_BITS:
+        raise ValueError(f"--kv-bits {bits}: supported are {', '.join(map(str, KV_BITS))} "
+                         "(or leave it out for the model dtype)")
+    if group_size not in KV_GROUP_SIZES:
+        raise ValueError(f"--kv-group-size {group_size}: supported are "
+                         f"{', '.join(map(str, KV_GROUP_SIZES))}")
+
+
+class QuantizedDSA(NamedTuple):
+    """The packed arrays of a quantized DSA cache up to its position (the shared 8-bit
+    format, module doc). latent: (packed uint32 [B,1,S,R*bits/32], scales, biases
+    [B,1,S,R/group]); k_pe [B,1,S,P] unquantized; index: (packed [B,1,S,Di*bits/32],
+    scales, biases [B,1,S,Di/group]); scales/biases in the cache dtype. A vector shorter
+    than the group is one group (`group_for`); `dequantize` reads the group from shapes."""
+
+    latent: Tuple[mx.array, mx.array, mx.array]
+    k_pe: mx.array
+    index: Tuple[mx.array, mx.array, mx.array]
+    bits: int
+    group_size: int
+
+
+def group_for(dim: int, group_size: int) -> int:
+    """Values per scale for a `dim`-value vector: `group_size`, or `dim` itself when it is
+    smaller (a small model's 32-value index key is one group). ValueError when neither
+    divides (names the sizes)."""
+    g = min(group_size, dim)
+    if dim % g or g not in KV_GROUP_SIZES:
+        raise ValueError(f"--kv-group-size {group_size}: cannot quantize {dim}-value cache "
+                         f"vectors (need a group of {', '.join(map(str, KV_GROUP_SIZES))} "
+                         f"dividing {dim})")
+    return g
+
+
+def dequantize(q: Tuple[mx.array, mx.array, mx.array], bits: int) -> mx.array:
+    """(packed uint32 [.., D*bits/32], scales, biases [.., D/g]) -> values [.., D] in the
+    scales' dtype (`mx.dequantize`; the group g is read from the shapes)."""
+    dim = q[0].shape[-1] * 32 // bits
+    return mx.dequantize(q[0], q[1], q[2], group_size=dim // q[1].shape[-1], bits=bits)
+
+
+def _aux(cache) -> Tuple[str, ...]:
+    """Names of the per-position arrays kept beside keys / values."""
+    return ("index_keys",) + (AUX_QUANT if cache.kv_bits else ())
 
 
 class DSACache(KVCache):
@@ -37,28 +104,40 @@ class DSACache(KVCache):
     the indexer keys [B,1,T,Di] at the same offsets (keys only: no zero values stored).
     """
 
-    def __init__(self):
+    def __init__(self, kv_bits: Optional[int] = None, kv_group_size: int = 64):
         super().__init__()
+        check_kv_quant(kv_bits, kv_group_size)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.index_keys = None
+        for name in AUX_QUANT if kv_bits else ():
+            setattr(self, name, None)
 
     def update_and_fetch_all(
         self, latent: mx.array, k_pe: mx.array, k_idx: mx.array
     ) -> Tuple[mx.array, mx.array, mx.array]:
-        """Append L new tokens; return all cached (latent, k_pe, k_idx) up to the offset."""
+        """Append L new tokens; return all cached (latent, k_pe, k_idx) up to the offset
+        (dequantized when the cache is quantized)."""
         return _append_all(self, "offset", latent, k_pe, k_idx)
+
+    def quantized(self) -> Optional[QuantizedDSA]:
+        """The packed arrays up to the offset (None for an unquantized cache)."""
+        return _quantized(self, self.offset)
 
     @property
     def state(self):
-        return self.keys, self.values, self.index_keys, self.offset
+        return (self.keys, self.values, self.index_keys, self.offset,
+                *(getattr(self, a) for a in _aux(self)[1:]))
 
     @state.setter
     def state(self, v):
-        self.keys, self.values, self.index_keys, self.offset = v
+        self.keys, self.values, self.index_keys, self.offset = v[:4]
+        for name, a in zip(_aux(self)[1:], v[4:]):
+            setattr(self, name, a)
 
     @property
     def nbytes(self):
         n = super().nbytes
-        return n + (self.index_keys.nbytes if self.index_keys is not None else 0)
+        return n + sum(getattr(self, a).nbytes for a in _aux(self) if getattr(self, a) is not None)
 
     @classmethod
     def merge(cls, caches: List["DSACache"]) -> "BatchDSACache":
@@ -72,9 +151,14 @@ class BatchDSACache(BatchKVCache):
     operation (merge, extend, filter, extract, right-padding finalize).
     """
 
-    def __init__(self, left_padding: List[int]):
+    def __init__(self, left_padding: List[int], kv_bits: Optional[int] = None,
+                 kv_group_size: int = 64):
         super().__init__(left_padding)
+        check_kv_quant(kv_bits, kv_group_size)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.index_keys = None
+        for name in AUX_QUANT if kv_bits else ():
+            setattr(self, name, None)
         # Python copies of the padding, so a decode step never waits for the device to
         # read `left_padding` back (that would stall MLX's async pipelining every layer)
         self._pads = [int(p) for p in left_padding]
@@ -93,6 +177,10 @@ class BatchDSACache(BatchKVCache):
         """Append L new tokens to every row; return the buffers up to `_idx`."""
         return _append_all(self, "_idx", latent, k_pe, k_idx)
 
+    def quantized(self) -> Optional[QuantizedDSA]:
+        """The packed arrays up to `_idx` (None for an unquantized cache)."""
+        return _quantized(self, self._idx)
+
     def attend(self, layer_call: Callable[[mx.array, Any], mx.array], x: mx.array) -> mx.array:
         """Run a DSA layer on x [B, L, hidden] (-> [B, L, hidden]) against this batch in
         one call: `layer_call(x, view)` is the layer's forward on a view whose `offset`
@@ -109,11 +197,13 @@ class BatchDSACache(BatchKVCache):
         self._right = None
         super().finalize()
         if padding is not None and self.index_keys is not None:
-            self.index_keys = dynamic_roll(self.index_keys, padding[:, None], axis=2)
+            for name in _aux(self):
+                setattr(self, name, dynamic_roll(getattr(self, name), padding[:, None], axis=2))
 
     def filter(self, batch_indices):
         if self.index_keys is not None:
-            self.index_keys = self.index_keys[batch_indices]
+            for name in _aux(self):
+                setattr(self, name, getattr(self, name)[batch_indices])
         pads = [self._pads[i] for i in batch_indices]
         super().filter(batch_indices)
         self._pads = [p - min(pads) for p in pads] if pads else []
@@ -121,16 +211,23 @@ class BatchDSACache(BatchKVCache):
         if self.index_keys is not None and self.keys is not None:
             shift = self.index_keys.shape[2] - self.keys.shape[2]
             if shift > 0:
-                self.index_keys = self.index_keys[..., shift:, :]
+                for name in _aux(self):
+                    setattr(self, name, getattr(self, name)[..., shift:, :])
 
     def extend(self, other: "BatchDSACache"):
+        if (self.kv_bits, self.kv_group_size) != (other.kv_bits, other.kv_group_size):
+            raise ValueError(f"cannot extend a kv_bits={self.kv_bits}/{self.kv_group_size} "
+                             f"batch cache with a kv_bits={other.kv_bits}/"
+                             f"{other.kv_group_size} one")
         max_idx = max(self._idx, other._idx)
         sizes = [c.keys.shape[2] for c in (self, other) if c.keys is not None]
         max_size = max(sizes) if sizes else 0
-        ref = self.index_keys if self.index_keys is not None else other.index_keys
+        names = _aux(self)
+        refs = {n: (getattr(self, n) if getattr(self, n) is not None else getattr(other, n))
+                for n in names}
 
-        def pad(c):
-            k = c.index_keys
+        def pad(c, name):
+            k, ref = getattr(c, name), refs[name]
             if k is None:
                 k = mx.zeros((c.offset.shape[0], 1, 0, ref.shape[-1]), ref.dtype)
             left = max_idx - c._idx
@@ -142,59 +239,69 @@ class BatchDSACache(BatchKVCache):
                 k = mx.pad(k, [(0, 0), (0, 0), (left, right), (0, 0)])
             return k
 
-        idx_keys = None if ref is None else mx.concatenate([pad(self), pad(other)])
+        aux = {n: None if refs["index_keys"] is None
+               else mx.concatenate([pad(self, n), pad(other, n)]) for n in names}
         if self.keys is None and other.keys is None:
             pads = self._pads + other._pads
         else:
             pads = ([p + max_idx - self._idx for p in self._pads]
                     + [p + max_idx - other._idx for p in other._pads])
         super().extend(other)
-        self.index_keys = idx_keys
+        for n, a in aux.items():
+            setattr(self, n, a)
         self._pads = pads
 
     def extract(self, idx: int) -> DSACache:
-        cache = DSACache()
+        cache = DSACache(self.kv_bits, self.kv_group_size)
         padding = self._pads[idx]
         if self.keys is not None:
-            cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, padding : self._idx])
-            cache.values = mx.contiguous(self.values[idx : idx + 1, :, padding : self._idx])
-            cache.index_keys = mx.contiguous(self.index_keys[idx : idx + 1, :, padding : self._idx])
+            for name in ("keys", "values") + _aux(self):
+                setattr(cache, name,
+                        mx.contiguous(getattr(self, name)[idx : idx + 1, :, padding : self._idx]))
             cache.offset = cache.keys.shape[2]
         return cache
 
     @classmethod
     def merge(cls, caches: List[DSACache]) -> "BatchDSACache":
+        quant = {(getattr(c, "kv_bits", None), getattr(c, "kv_group_size", 64)) for c in caches}
+        if len(quant) != 1:
+            raise ValueError(f"cannot merge DSA caches of different kv_bits/group sizes {quant}")
+        bits, group = quant.pop()
         lengths = [c.offset if c.keys is not None else 0 for c in caches]
         n = max(lengths)
         if n == 0:
-            return cls([0] * len(caches))
+            return cls([0] * len(caches), bits, group)
         padding = [n - l for l in lengths]
         src = next(c for c in caches if c.keys is not None)
         B = len(caches)
+        names = ("keys", "values") + _aux(src)
 
         def buf(a):
             return mx.zeros((B, a.shape[1], n, a.shape[3]), a.dtype)
 
-        keys, values, idx = buf(src.keys), buf(src.values), buf(src.index_keys)
+        bufs = {name: buf(getattr(src, name)) for name in names}
         for i, (p, c) in enumerate(zip(padding, caches)):
             if c.keys is None:
                 continue
-            keys[i : i + 1, :, p:] = c.keys[..., : c.offset, :]
-            values[i : i + 1, :, p:] = c.values[..., : c.offset, :]
-            idx[i : i + 1, :, p:] = c.index_keys[..., : c.offset, :]
-        cache = cls(padding)
-        cache.keys, cache.values, cache.index_keys = keys, values, idx
+            for name in names:
+                bufs[name][i : i + 1, :, p:] = getattr(c, name)[..., : c.offset, :]
+        cache = cls(padding, bits, group)
+        for name in names:
+            setattr(cache, name, bufs[name])
         cache.offset += n
         cache._idx = n
         return cache
 
     @property
     def state(self):
-        return self.keys, self.values, self.index_keys, self.offset, self.left_padding, self._idx
+        return (self.keys, self.values, self.index_keys, self.offset, self.left_padding, self._idx,
+                *(getattr(self, a) for a in _aux(self)[1:]))
 
     @state.setter
     def state(self, v):
-        self.keys, self.values, self.index_keys, self.offset, self.left_padding, self._idx = v
+        self.keys, self.values, self.index_keys, self.offset, self.left_padding, self._idx = v[:6]
+        for name, a in zip(_aux(self)[1:], v[6:]):
+            setattr(self, name, a)
         self._pads = self.left_padding.tolist()
         self._right = None
         self._right_padding = None
@@ -205,25 +312,55 @@ class BatchDSACache(BatchKVCache):
     @property
     def nbytes(self):
         n = super().nbytes
-        return n + (self.index_keys.nbytes if self.index_keys is not None else 0)
+        return n + sum(getattr(self, a).nbytes for a in _aux(self) if getattr(self, a) is not None)
 
 
 def _append_all(cache, pos: str, latent, k_pe, k_idx):
     """Append L tokens (latent [B,1,L,R], k_pe [B,1,L,P], k_idx [B,1,L,Di]) to a DSA cache
     whose write position is the attribute `pos` (`offset` for one sequence, `_idx` for a
-    batch); the indexer keys follow the key buffer's capacity. Returns (latent, k_pe,
-    k_idx) up to the new position."""
+    batch); the indexer keys (and a quantized cache's scales and biases) follow the key
+    buffer's capacity. Returns (latent, k_pe, k_idx) up to the new position, dequantized
+    when the cache is quantized (then in the dtype of the values written)."""
+    bits, group = cache.kv_bits, cache.kv_group_size
     prev = getattr(cache, pos)
-    latent, k_pe = cache.update_and_fetch(latent, k_pe)
+    if bits:
+        lq, ls, lb = mx.quantize(latent, group_size=group_for(latent.shape[-1], group), bits=bits)
+        iq, is_, ib = mx.quantize(k_idx, group_size=group_for(k_idx.shape[-1], group), bits=bits)
+        new = {"index_keys": iq, "latent_scales": ls, "latent_biases": lb,
+               "index_scales": is_, "index_biases": ib}
+        _, k_pe = cache.update_and_fetch(lq, k_pe)
+    else:
+        new = {"index_keys": k_idx}
+        latent, k_pe = cache.update_and_fetch(latent, k_pe)
     end = getattr(cache, pos)
     cap = cache.keys.shape[2]
-    if cache.index_keys is None or cache.index_keys.shape[2] != cap:
-        new = mx.zeros((*k_idx.shape[:2], cap, k_idx.shape[-1]), k_idx.dtype)
-        if cache.index_keys is not None and prev:
-            new[..., :prev, :] = cache.index_keys[..., :prev, :]
-        cache.index_keys = new
-    cache.index_keys[..., prev:end, :] = k_idx
-    return latent, k_pe, cache.index_keys[..., :end, :]
+    for name, a in new.items():
+        buf = getattr(cache, name)
+        if buf is None or buf.shape[2] != cap:
+            grown = mx.zeros((*a.shape[:2], cap, a.shape[-1]), a.dtype)
+            if buf is not None and prev:
+                grown[..., :prev, :] = buf[..., :prev, :]
+            setattr(cache, name, grown)
+            buf = grown
+        buf[..., prev:end, :] = a
+    if not bits:
+        return latent, k_pe, cache.index_keys[..., :end, :]
+    q = _quantized(cache, end)
+    return dequantize(q.latent, bits), k_pe, dequantize(q.index, bits)
+
+
+def _quantized(cache, end: int) -> Optional[QuantizedDSA]:
+    """`QuantizedDSA` of a quantized DSA cache's arrays up to position `end`."""
+    if not cache.kv_bits or cache.keys is None:
+        return None
+
+    def upto(name):
+        return getattr(cache, name)[..., :end, :]
+
+    return QuantizedDSA((upto("keys"), upto("latent_scales"), upto("latent_biases")),
+                        upto("values"),
+                        (upto("index_keys"), upto("index_scales"), upto("index_biases")),
+                        cache.kv_bits, cache.kv_group_size)
 
 
 class _WholeBatch:
@@ -240,6 +377,9 @@ class _WholeBatch:
     def update_and_fetch_all(self, latent, k_pe, k_idx):
         return self.batch.update_and_fetch_all(latent, k_pe, k_idx)
 
+    def quantized(self) -> Optional[QuantizedDSA]:
+        return self.batch.quantized()
+
 
 # ------------------------------------------------------------------ prompt-cache snapshots
 
@@ -249,6 +389,10 @@ Snapshot = List[Tuple[str, Any]]
 def snapshot(cache: List[Any]) -> Snapshot:
     """Per-layer immutable state of a single-sequence model cache (see module doc).
 
+    A DSA layer's state is (latent, k_pe, index keys, positions) for an unquantized
+    cache; a quantized one adds a fifth item (latent scales, latent biases, index
+    scales, index biases, kv_bits, kv_group_size), latent / index keys then packed.
+
     Raises TypeError for a cache type this module does not know."""
     out: Snapshot = []
     for c in cache:
@@ -257,8 +401,11 @@ def snapshot(cache: List[Any]) -> Snapshot:
             if c.keys is None:
                 out.append(("dsa", None))
             else:
-                out.append(("dsa", (c.keys[..., :n, :], c.values[..., :n, :],
-                                    c.index_keys[..., :n, :], n)))
+                state = (c.keys[..., :n, :], c.values[..., :n, :], c.index_keys[..., :n, :], n)
+                if c.kv_bits:
+                    state += ((*(getattr(c, a)[..., :n, :] for a in AUX_QUANT),
+                               c.kv_bits, c.kv_group_size),)
+                out.append(("dsa", state))
         elif isinstance(c, ArraysCache):
             out.append(("arrays", list(c.cache)))
         else:
@@ -266,14 +413,39 @@ def snapshot(cache: List[Any]) -> Snapshot:
     return out
 
 
-def restore(snap: Snapshot) -> List[Any]:
-    """A fresh model cache holding a snapshot's state (the snapshot stays unchanged)."""
-    cache: List[Any] = []
+def snapshot_kv_quant(snap: Snapshot) -> Optional[Tuple[Optional[int], Optional[int]]]:
+    """(kv_bits, kv_group_size) of a snapshot's DSA layers ((None, None) unquantized);
+    None when it holds no DSA state."""
     for kind, state in snap:
+        if kind == "dsa" and state is not None:
+            return (state[4][4], state[4][5]) if len(state) > 4 else (None, None)
+    return None
+
+
+def restore(snap: Snapshot, kv_bits: Any = ..., kv_group_size: int = 64) -> List[Any]:
+    """A fresh model cache holding a snapshot's state (the snapshot stays unchanged).
+
+    kv_bits / kv_group_size: the cache format the caller runs (left out: the
+    snapshot's own); an empty DSA layer gets it, and a held one must match it
+    (ValueError otherwise: a snapshot of an 8-bit cache is never restored into a
+    model-dtype cache, nor the other way round)."""
+    cache: List[Any] = []
+    if kv_bits is ...:
+        kv_bits, kv_group_size = snapshot_kv_quant(snap) or (None, None)
+        kv_group_size = kv_group_size or 64
+    want = (kv_bits, kv_group_size if kv_bits else None)
+    for i, (kind, state) in enumerate(snap):
         if kind == "dsa":
-            c = DSACache()
+            c = DSACache(kv_bits, kv_group_size)
             if state is not None:
-                c.keys, c.values, c.index_keys, c.offset = state
+                got = (state[4][4], state[4][5]) if len(state) > 4 else (None, None)
+                if got != want:
+                    raise ValueError(f"snapshot layer {i}: a kv_bits={got[0]} group={got[1]} "
+                                     f"cache, restored into kv_bits={want[0]} group={want[1]}")
+                c.keys, c.values, c.index_keys, c.offset = state[:4]
+                if len(state) > 4:
+                    for name, a in zip(AUX_QUANT, state[4][:4]):
+                        setattr(c, name, a)
         else:
             c = ArraysCache(len(state))
             c.cache = list(state)
@@ -287,6 +459,6 @@ def snapshot_nbytes(snap: Snapshot) -> int:
     for kind, state in snap:
         if state is None:
             continue
-        arrays = state[:3] if kind == "dsa" else state
+        arrays = (state[:3] + (state[4][:4] if len(state) > 4 else ())) if kind == "dsa" else state
         n += sum(a.nbytes for a in arrays if a is not None)
     return n

@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from kimi_mlx.model.attn_res import Banks, attn_res_mix, res_weights
 from kimi_mlx.model.config import ModelArgs
-from kimi_mlx.model.cache import ArraysCache, DSACache
+from kimi_mlx.model.cache import ArraysCache, DSACache, check_kv_quant
 from kimi_mlx.model.dsa import GatedDSA
 from kimi_mlx.model.ffn import LatentMoE, SiTUMLP
 from kimi_mlx.model.kda import KimiDeltaAttention
@@ -264,9 +264,21 @@ class Model(nn.Module):
 
         return shard(self, group or mx.distributed.init(), lm_head=lm_head)
 
+    # cache format of the Gated DSA layers (`set_kv_quant`): None = the model dtype
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
+
+    def set_kv_quant(self, bits: Optional[int], group_size: int = 64) -> None:
+        """Make `make_cache` give DSA caches whose latent and index keys are kept in
+        `bits`-bit MLX affine format with `group_size` values per scale (model/cache.py);
+        bits None keeps the model dtype. ValueError for an unsupported pair."""
+        check_kv_quant(bits, group_size)
+        self.kv_bits, self.kv_group_size = bits, group_size
+
     def make_cache(self) -> List[Any]:
         """One cache per local layer: ArraysCache(2) for KDA, DSACache for Gated DSA."""
-        return [ArraysCache(size=2) if l.is_kda else DSACache() for l in self.layers]
+        return [ArraysCache(size=2) if l.is_kda else DSACache(self.kv_bits, self.kv_group_size)
+                for l in self.layers]
 
     def sanitize(self, weights: Dict[str, mx.array]) -> Dict[str, mx.array]:
         """Official checkpoint names -> module paths (see `tensor_map.sanitize_weights`)."""
