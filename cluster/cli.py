@@ -126,7 +126,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _parallel_arguments(q) -> None:
-    """--parallel and --backend, shared by `launch` and `server`."""
+    """--parallel, --backend and the cache format (--kv-bits, --kv-group-size: passed to
+    every stage and rank), shared by `launch` and `server`."""
+    from kimi_mlx.generation.kv_args import add_kv_arguments
+
+    add_kv_arguments(q)
     q.add_argument("--parallel", default="auto", choices=["auto", "pipeline", "tensor"],
                    help="pipeline stages, or one tensor-parallel group of this head (rank 0) "
                         "and the nodes (default: what `kimi-mlx plan` recommends for them)")
@@ -227,7 +231,9 @@ def node_settings(args) -> "NodeSettings":
     return NodeSettings(secret_file=args.secret_file, nodes=args.nodes,
                         discover_timeout=args.discover_timeout, interface=args.interface,
                         check_version=not args.allow_version_mismatch, replan=args.replan,
-                        tls=args.tls, peer_timeout=args.peer_timeout)
+                        tls=args.tls, peer_timeout=args.peer_timeout,
+                        kv_bits=getattr(args, "kv_bits", None),
+                        kv_group_size=getattr(args, "kv_group_size", 64))
 
 
 def pipeline_settings(args) -> "PipelineSettings":

@@ -115,7 +115,8 @@ class Cluster:
         bars = LoadBars(assignments, quiet=a.quiet)
         try:
             transport.load(f.fp, assignments, compute, wire, progress=bars.update,
-                           force=a.force_load, max_positions=self.context)
+                           force=a.force_load, max_positions=self.context,
+                           kv=(n.kv_bits, n.kv_group_size))
         except Exception:
             transport.shutdown()
             raise

@@ -113,7 +113,9 @@ class Transport(ABC):
     def load(self, fingerprint: str, stages: List[StageAssignment], compute_dtype: str,
              wire_dtype: str, progress: Optional[Callable[[int, object], None]] = None,
              force: bool = False) -> List[LoadResult]:
-        """Load every stage's layers (in parallel); `progress(stage index, LoadProgress)`."""
+        """Load every stage's layers (in parallel); `progress(stage index, LoadProgress)`.
+        Implementations also take `max_positions` and `kv` ((kv_bits, kv_group_size) of
+        the stages' DSA caches) as keywords."""
 
     @abstractmethod
     def open(self, session: str, sampling: Sampling, return_logprobs: bool = False,
@@ -266,7 +268,7 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
 
     # -- load ----------------------------------------------------------------------------
     def load(self, fingerprint, stages, compute_dtype, wire_dtype, progress=None, force=False,
-             max_positions: int = 0):
+             max_positions: int = 0, kv=(None, 64)):
         self._connect(stages)
         self._fingerprint = fingerprint
         self._wire_dtype = wire_dtype or compute_dtype or "float32"  # captured hiddens
@@ -279,7 +281,8 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
                 fingerprint=fingerprint, start=stages[i].start, end=stages[i].end, stage=i,
                 num_stages=n, next_address=stages[i + 1].node.address if i + 1 < n else "",
                 compute_dtype=compute_dtype, wire_dtype=wire_dtype, plan_id=self.head_id,
-                force=force, max_positions=max_positions)
+                force=force, max_positions=max_positions, kv_bits=kv[0] or 0,
+                kv_group_size=kv[1] or 64)
             try:
                 for p in self._stubs[i].Load(req, timeout=self.load_timeout):
                     if progress is not None:

@@ -176,7 +176,8 @@ class NodeSettings:
     check_version: refuse nodes with another kimi-mlx version. replan: carry on over the
     nodes left when a named node is unusable or a stage is lost. secret_file / tls: the
     cluster secret and whether to use its TLS certificate. peer_timeout: seconds of
-    silence before a stage or rank is reported lost.
+    silence before a stage or rank is reported lost. kv_bits / kv_group_size: the DSA
+    caches' format every stage and rank keeps (`--kv-bits`; None: the model dtype).
     """
 
     secret_file: Path
@@ -187,6 +188,8 @@ class NodeSettings:
     replan: bool = False
     tls: bool = False
     peer_timeout: float = 5.0
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
 
     @property
     def tls_secret_path(self) -> Optional[Path]:

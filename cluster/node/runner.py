@@ -55,6 +55,7 @@ class StageSpec:
     Attributes:
         fingerprint: checkpoint fingerprint. start/end: layer range [start, end).
         index/num_stages: position in the pipeline. compute_dtype/wire_dtype: dtype names.
+        kv_bits/kv_group_size: the DSA caches' format (`Model.set_kv_quant`).
     """
 
     fingerprint: str
@@ -64,6 +65,8 @@ class StageSpec:
     num_stages: int
     compute_dtype: str
     wire_dtype: str
+    kv_bits: Optional[int] = None
+    kv_group_size: int = 64
 
 
 @dataclass
@@ -117,6 +120,8 @@ class StageRunner:
         self.compute = mx_dtype(spec.compute_dtype)
         self.wire = mx_dtype(spec.wire_dtype)
         model.activation_dtype = self.compute
+        if hasattr(model, "set_kv_quant"):
+            model.set_kv_quant(spec.kv_bits, spec.kv_group_size)
         self.is_first = model.text.is_first
         self.is_last = model.text.is_last
         self.lock = threading.Lock()

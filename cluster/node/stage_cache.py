@@ -33,11 +33,15 @@ def stage_fingerprint(spec, files: str = "") -> dict:
     the checkpoint's fingerprint (`net.fingerprint`: config, index and every shard's
     header), `files` (`server.disk_cache.checkpoint_identity`: the shards' sizes and
     mtimes, which a retrained checkpoint of the same shapes changes), the layer range
-    [start, end) and the compute dtype of a `runner.StageSpec`. Another checkpoint,
-    split or dtype reads and writes another folder."""
-    return {"checkpoint": spec.fingerprint, "files": files,
-            "layers": [int(spec.start), int(spec.end)], "dtype": spec.compute_dtype,
-            "role": "pipeline stage"}
+    [start, end), the compute dtype and the cache format (kv_bits / kv_group_size, when
+    quantized) of a `runner.StageSpec`. Another checkpoint, split, dtype or cache format
+    reads and writes another folder."""
+    fp = {"checkpoint": spec.fingerprint, "files": files,
+          "layers": [int(spec.start), int(spec.end)], "dtype": spec.compute_dtype,
+          "role": "pipeline stage"}
+    if getattr(spec, "kv_bits", None):
+        fp.update(kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size)
+    return fp
 
 
 class StageCache(KeyedSnapshotCache):

@@ -68,6 +68,8 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
     from kimi_mlx.cluster.net.wire import package_versions
 
     transport = ControlClient(cluster.secret, cluster.settings.tls_secret_path)
+    # the DSA caches' format of every rank (`--kv-bits`, `net.nodes.NodeSettings`)
+    kv = (getattr(cluster.settings, "kv_bits", None), getattr(cluster.settings, "kv_group_size", 64))
     try:
         accepted = cluster.accepted(transport)
         if check is not None:
@@ -111,11 +113,12 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
 
             watch.rank0 = Rank0Process(cluster.model_dir, backend, group_env, epoch,
                                        hosts=None if backend == "jaccl" else hosts,
-                                       store=store, cancelled=cancelled)
+                                       store=store, cancelled=cancelled, kv=kv)
         try:
             watch.start([(n.node_id, transport.stub_for(n.address)) for n, _ in accepted],
                         [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),
-                                        backend=backend, hosts=hosts, head=transport.head_id)
+                                        backend=backend, hosts=hosts, head=transport.head_id,
+                                        kv_bits=kv[0] or 0, kv_group_size=kv[1])
                          for i in range(len(accepted))])
             if relay:
                 return (transport,) + _relay_rank0(cluster, watch, cancelled)
@@ -134,6 +137,7 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
 
         wire_rank(cluster.model_dir, group, "rank 0")
         model, _ = load_sharded(cluster.model_dir, group)
+        model.set_kv_quant(*kv)
     except BaseException:
         watch.close()
         transport.shutdown()

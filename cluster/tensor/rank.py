@@ -60,6 +60,9 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
                         "`cluster serve --prompt-cache-dir`)")
     p.add_argument("--prompt-cache-disk-bytes", type=int, default=0,
                    help="bytes of snapshot files kept there")
+    p.add_argument("--kv-bits", type=int, default=0,
+                   help="the DSA caches' format: 0 the model dtype, 8 8-bit (`--kv-bits`)")
+    p.add_argument("--kv-group-size", type=int, default=64, help="values per scale (8-bit)")
     a = p.parse_args(argv)
     who = f"rank {os.environ.get('MLX_RANK', '?')}" + (f" on node {a.name}" if a.name else "")
     from kimi_mlx.checkpoint.ranged import load_sharded
@@ -73,6 +76,7 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
               flush=True)
         wire_rank(a.model, group, who)
         model, _ = load_sharded(a.model, group)
+        model.set_kv_quant(a.kv_bits or None, a.kv_group_size)
         print(f"[tensor] {who}: loaded its slices of {a.model}", file=sys.stderr, flush=True)
         from kimi_mlx.cluster.tensor.prompt_cache import make_store, rank_fingerprint
 

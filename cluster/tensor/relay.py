@@ -322,10 +322,11 @@ class Rank0Process:
 
     def __init__(self, model_dir, backend: str, env: dict, epoch: int = 0,
                  hosts: Optional[str] = None, store: Optional[dict] = None,
-                 cancelled=lambda: False, timeout: float = 120.0):
+                 cancelled=lambda: False, timeout: float = 120.0, kv=(None, 64)):
         self.epoch = epoch
         config = {"model": str(model_dir), "backend": backend, "env": dict(env),
-                  "hosts": hosts, "cache_bytes": 0, "cache_dir": None, "disk_bytes": 0}
+                  "hosts": hosts, "cache_bytes": 0, "cache_dir": None, "disk_bytes": 0,
+                  "kv_bits": kv[0], "kv_group_size": kv[1]}
         if store is not None:
             config.update(cache_bytes=store.get("cache_bytes"), cache_dir=(
                 None if store.get("cache_dir") is None else str(store["cache_dir"])),
@@ -613,6 +614,7 @@ def _relay(a, conn, held: dict) -> int:
         t1 = time.monotonic()
         wire_rank(a.model, group, "rank 0 (this head's rank process)")
         model, _ = load_sharded(a.model, group)
+        model.set_kv_quant(cfg.get("kv_bits") or None, int(cfg.get("kv_group_size") or 64))
         fp = (rank_fingerprint(a.model, model, 0, group.size())
               if a.prompt_cache_dir is not None else None)
         store = held["store"] = make_store(a.cache_bytes, a.prompt_cache_dir,

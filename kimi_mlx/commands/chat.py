@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import List
 
 from kimi_mlx.checkpoint.loader import load_for_generation
+from kimi_mlx.generation.kv_args import add_kv_arguments, apply_kv_quant, kv_quant
 from kimi_mlx.generation.generate import use_color
 from kimi_mlx.generation.request import (EFFORTS, InputError, add_draft_arguments, add_model_arguments,
                                          add_mtp_argument, add_quiet_argument, check_model_arguments,
@@ -38,6 +39,7 @@ def add_arguments(p) -> None:
     from kimi_mlx.placement.wired import add_allow_paging_argument
 
     add_allow_paging_argument(p)
+    add_kv_arguments(p)
     p.add_argument("--system-prompt", default=None, help="system message")
     p.add_argument("--conversation", default=None, metavar="FILE",
                    help="keep the conversation in this JSON file: resumed from it when it "
@@ -328,7 +330,9 @@ def run(args) -> int:
 
         wire(lambda: model_plan(resolve(spec), "kimi-mlx chat", args.max_kv_size),
              allow_paging(args.allow_paging))
+        kv_quant(args)  # a bad --kv-group-size before the load
         model, wrapper, tok, _ = load_for_generation(spec, progress=not args.quiet)
+        apply_kv_quant(model, args)
         speculation = build_speculation(drafts, where=ONE_PROCESS, target_wrapper=wrapper,
                                         target_name=spec, model=model,
                                         sampling=sampling_from_args(args))

@@ -49,11 +49,15 @@ def add_arguments(p) -> None:
     from kimi_mlx.placement.wired import add_allow_paging_argument
 
     add_allow_paging_argument(p)
+    from kimi_mlx.generation.kv_args import add_kv_arguments
+
+    add_kv_arguments(p)
 
 
 def run(args) -> int:
     from kimi_mlx.checkpoint.hub import resolve
     from kimi_mlx.checkpoint.loader import byte_bar, load_model
+    from kimi_mlx.generation.kv_args import apply_kv_quant
     from kimi_mlx.generation.request import InputError, resolve_model_arg
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
@@ -85,6 +89,7 @@ def run(args) -> int:
             texts = read_texts(args.data)
             model, _, _ = load_model(model_dir, verbose=False,
                                      progress=byte_bar(f"loading {model_dir.name}", not args.quiet))
+            apply_kv_quant(model, args)
             for i, text in enumerate(texts):
                 ids = tokenizer.encode(text)
                 if len(ids) < 2:
@@ -100,6 +105,7 @@ def run(args) -> int:
             raise InputError(f"{args.data}: fewer than 2 tokens, nothing to predict")
         model, _, _ = load_model(model_dir, verbose=False,
                                  progress=byte_bar(f"loading {model_dir.name}", not args.quiet))
+        apply_kv_quant(model, args)
     except (InputError, FileNotFoundError, ValueError) as e:
         print(f"kimi-mlx eval: error: {e}", file=sys.stderr)
         return 2

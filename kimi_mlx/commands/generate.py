@@ -11,6 +11,7 @@ import sys
 
 from kimi_mlx.checkpoint.hub import resolve
 from kimi_mlx.checkpoint.loader import load_for_generation
+from kimi_mlx.generation.kv_args import add_kv_arguments, apply_kv_quant, kv_quant
 from kimi_mlx.generation.images import Vision, media_pad_id, prompt_embeddings
 from kimi_mlx.generation.generate import add_arguments as add_generate_arguments
 from kimi_mlx.generation.generate import print_generation, stream
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="an image for the prompt (PNG, JPEG, WebP or GIF; repeatable, in order, "
                         "before the prompt text); needs a checkpoint with vision weights")
     add_allow_paging_argument(p)
+    add_kv_arguments(p)
 
 
 def run(args) -> int:
@@ -54,7 +56,9 @@ def run(args) -> int:
             images = [vision.load_image(path) for path in args.image]
         wire(lambda: model_plan(resolve(spec), "kimi-mlx generate", args.max_kv_size),
              allow_paging(args.allow_paging))
+        kv_quant(args)  # a bad --kv-group-size before the load
         model, wrapper, tok, config = load_for_generation(spec, progress=not args.quiet)
+        apply_kv_quant(model, args)
         ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,
                            args.reasoning_effort, images)
         context, source = serving_context(model.args.max_position_embeddings, args.max_kv_size)

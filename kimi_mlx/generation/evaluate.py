@@ -102,7 +102,9 @@ def perplexity(
     for batch in batches:
         x = mx.array(batch, dtype=mx.int32)
         t0 = time.perf_counter()
-        logits = model(x[:, :-1]).astype(mx.float32)
+        # a quantized cache format (`--kv-bits`) acts only through a cache: give it one
+        cache = model.make_cache() if getattr(model, "kv_bits", None) else None
+        logits = (model(x[:, :-1], cache) if cache is not None else model(x[:, :-1])).astype(mx.float32)
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         picked = mx.take_along_axis(logp, x[:, 1:, None], axis=-1)
         mx.eval(picked)

@@ -11,6 +11,7 @@ import sys
 from kimi_mlx.generation.request import (InputError, add_draft_arguments, add_mtp_argument,
                                          add_quiet_argument, micro_note, resolve_model_arg)
 from kimi_mlx.placement.wired import add_allow_paging_argument, allow_paging
+from kimi_mlx.generation.kv_args import kv_quant
 from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_disk_cache_arguments, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
                                      schema_limits_of, serve)
@@ -24,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="checkpoint folder or Hugging Face id (default: the shipped micro model)")
     add_server_arguments(p)
+    from kimi_mlx.generation.kv_args import add_kv_arguments
+
+    add_kv_arguments(p)
     add_allow_paging_argument(p)
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"sequences generated at once by continuous batching (default "
@@ -47,6 +51,7 @@ def run(args) -> int:
         allow_paging(args.allow_paging)  # read by load_service's `wire`
         drafts = check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
         check_server_arguments(args)
+        kv_quant(args)
         spec = resolve_model_arg(args.model)
         key = resolve_api_key(args)
     except InputError as e:
@@ -64,7 +69,8 @@ def run(args) -> int:
                      allow_image_urls=args.allow_image_urls, max_images=args.max_images,
                      max_image_pixels=args.max_image_pixels,
                      prompt_cache_dir=args.prompt_cache_dir,
-                     prompt_cache_disk_bytes=args.prompt_cache_disk_bytes)
+                     prompt_cache_disk_bytes=args.prompt_cache_disk_bytes,
+                     kv=kv_quant(args))
         log.info("serving %s (context %d tokens)", svc.model_ids[0], svc.context)
         if micro_note(spec):
             log.info(micro_note(spec))

@@ -67,7 +67,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FORMAT_VERSION", "DiskSnapshotStore", "checkpoint_identity", "prefix_keys", "token_key"]
 
-FORMAT_VERSION = 1  # of the snapshot files: bump when snapshot()'s layout changes
+FORMAT_VERSION = 2  # of the snapshot files: bump when snapshot()'s layout changes
+# 2: a DSA layer may hold an 8-bit cache (packed latent / index keys plus their scales and
+#    biases, layout ['dsa', positions, [kv_bits, kv_group_size]])
 DEFAULT_READ_BPS = 1e9  # bytes/s assumed before the first read is measured
 INDEX = "index.json"
 
@@ -172,7 +174,9 @@ def _read_regular(path: Path) -> bytes:
 
 def _flatten(snap) -> Tuple[Dict[str, Any], list]:
     """A snapshot -> (name -> array, layout): 'i.k'/'i.v'/'i.x' (latent, rope key,
-    indexer keys) of a DSA layer with layout ['dsa', positions] (['dsa', None] empty),
+    indexer keys) of a DSA layer with layout ['dsa', positions] (['dsa', None] empty);
+    an 8-bit layer adds 'i.ks'/'i.kb'/'i.xs'/'i.xb' (latent and index scales, biases)
+    and its format: ['dsa', positions, [kv_bits, kv_group_size]];
     'i.j' of an ArraysCache layer with ['arrays', [slot j held]]."""
     arrays, layout = {}, []
     for i, (kind, state) in enumerate(snap):
@@ -180,9 +184,14 @@ def _flatten(snap) -> Tuple[Dict[str, Any], list]:
             if state is None:
                 layout.append(["dsa", None])
             else:
-                k, v, x, n = state
+                k, v, x, n = state[:4]
                 arrays.update({f"{i}.k": k, f"{i}.v": v, f"{i}.x": x})
-                layout.append(["dsa", int(n)])
+                if len(state) > 4:
+                    q = state[4]
+                    arrays.update({f"{i}.{s}": a for s, a in zip(("ks", "kb", "xs", "xb"), q[:4])})
+                    layout.append(["dsa", int(n), [int(q[4]), int(q[5])]])
+                else:
+                    layout.append(["dsa", int(n)])
         else:
             held = [a is not None for a in state]
             arrays.update({f"{i}.{j}": a for j, a in enumerate(state) if a is not None})
@@ -193,10 +202,14 @@ def _flatten(snap) -> Tuple[Dict[str, Any], list]:
 def _unflatten(arrays: Dict[str, Any], layout: list):
     """`_flatten`'s inverse (KeyError / ValueError on a file that does not match)."""
     snap = []
-    for i, (kind, spec) in enumerate(layout):
+    for i, (kind, spec, *quant) in enumerate(layout):
         if kind == "dsa":
-            snap.append(("dsa", None if spec is None else
-                         (arrays[f"{i}.k"], arrays[f"{i}.v"], arrays[f"{i}.x"], int(spec))))
+            state = None if spec is None else (arrays[f"{i}.k"], arrays[f"{i}.v"],
+                                                arrays[f"{i}.x"], int(spec))
+            if state is not None and quant:
+                bits, group = (int(a) for a in quant[0])
+                state += ((*(arrays[f"{i}.{s}"] for s in ("ks", "kb", "xs", "xb")), bits, group),)
+            snap.append(("dsa", state))
         elif kind == "arrays":
             snap.append(("arrays", [arrays[f"{i}.{j}"] if h else None for j, h in enumerate(spec)]))
         else:

@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 from kimi_mlx.generation.request import (InputError, check_max_kv_size, draft_settings,
                                          serving_context)
@@ -206,14 +206,23 @@ def check_disk_cache_arguments(args) -> None:
 def model_cache_fingerprint(model_dir, model, role: str = "one process") -> dict:
     """The disk tier's fingerprint of a whole model loaded from `model_dir`: the weights'
     identity (`disk_cache.checkpoint_identity`), its layer count, the dtypes of its
-    parameters (quantization shows as uint32 weights, and in config.json) and `role`."""
+    parameters (quantization shows as uint32 weights, and in config.json), `role`, and the
+    cache format (`kv_bits`, `kv_group_size`: an 8-bit cache's snapshots are never read
+    by a model-dtype server, nor the other way round)."""
     from mlx.utils import tree_flatten
 
     from kimi_mlx.server.disk_cache import checkpoint_identity
 
     dtypes = sorted({str(v.dtype) for _, v in tree_flatten(model.parameters())})
     return {"checkpoint": checkpoint_identity(model_dir), "layers": [0, len(model.layers)],
-            "dtypes": dtypes, "role": role}
+            "dtypes": dtypes, "role": role, **kv_fingerprint(model)}
+
+
+def kv_fingerprint(model) -> dict:
+    """{"kv_bits", "kv_group_size"} of a model's cache format (`Model.set_kv_quant`);
+    empty for the model dtype, so a model-dtype cache keeps the folder it had."""
+    bits = getattr(model, "kv_bits", None)
+    return {"kv_bits": bits, "kv_group_size": model.kv_group_size} if bits else {}
 
 
 def check_draft_server_arguments(args, batch_ngram: bool = True) -> Optional[DraftSettings]:
@@ -245,7 +254,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
                  allow_image_urls: bool = False, max_images: int = 32,
                  prompt_cache_dir: Optional[str] = None,
                  prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES,
-                 max_image_pixels: Optional[int] = None) -> None:
+                 max_image_pixels: Optional[int] = None,
+                 kv: Tuple[Optional[int], int] = (None, 64)) -> None:
     """Load the checkpoint (and the draft `drafts` asks for, through the speculation
     factory) into `svc` (sets tokenizers, context, defaults, engine); `progress`: a
     loading bar on a terminal; `allow_image_urls` / `max_images`: the image policy
@@ -253,7 +263,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     `prompt_cache_dir`: the prompt cache's disk tier; a folder that cannot be written
     (a full disk even after its own temporary files are deleted, a read-only folder) is
     one warning and the gauge kimi_mlx_prompt_cache_disk_enabled 0, and the server runs
-    with the memory cache only.
+    with the memory cache only. `kv`: (kv_bits, kv_group_size) of the DSA caches
+    (`Model.set_kv_quant`; (None, 64) keeps the model dtype), also in the disk fingerprint.
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.loop.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
@@ -274,6 +285,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     wire(lambda: model_plan(resolve(spec), "kimi-mlx server", max_kv_size,
                             max(1, max_concurrency or 1)))
     model, wrapper, tok, config = load_for_generation(spec, progress=progress)
+    model.set_kv_quant(*kv)  # `--kv-bits` / `--kv-group-size`: the DSA cache format
     # a hub id: the vision tower's shards too (a few hundred MB at K3.1 size), so that the
     # first image is answered, not a 500 for a shard never downloaded
     model_dir = Path(resolve(spec, vision=True))

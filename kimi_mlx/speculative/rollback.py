@@ -13,8 +13,9 @@ state does not allow (mlx-lm issue #1446). Here:
   `KimiDeltaAttention.__call__`). Rollback rebuilds the conv state from the recorded
   conv inputs (a slice: exact) and replays the recurrence over the accepted tokens from
   the kept state (`kda_decode`, the same ops a plain decode runs). No weight is read.
-* KV-type caches (our `DSACache`: latent, k_pe and indexer keys at the same offsets;
-  mlx-lm's `KVCache` in a draft model): trimmed to the kept offset.
+* KV-type caches (our `DSACache`: latent, k_pe and indexer keys at the same offsets,
+  8-bit ones with their scales and biases too; mlx-lm's `KVCache` in a draft model):
+  trimmed to the kept offset.
 
 Why replay and not per-step states: at K3.1's size a KDA state is 96 x 128 x 128 f32 =
 6.3 MB per layer. Keeping the state after each of k+1 verify tokens costs (k+1) x 6.3 MB
@@ -53,6 +54,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from kimi_mlx.metal.dispatch import kernel_mode
+from kimi_mlx.model.cache import AUX_QUANT
 
 __all__ = ["RollbackError", "KDARecord", "Verify", "snapshot", "restore", "begin_verify",
            "rollback", "rollback_rows", "end_verify"]
@@ -249,8 +251,10 @@ def _trim_rows(c, drop: List[int], i: int) -> None:
         sh = mx.array(shifts, mx.int32)[:, None]
         c.keys = dynamic_roll(c.keys, sh, axis=2)
         c.values = dynamic_roll(c.values, sh, axis=2)
-        if getattr(c, "index_keys", None) is not None:
-            c.index_keys = dynamic_roll(c.index_keys, sh, axis=2)
+        # the indexer keys, and an 8-bit cache's scales and biases, at the same positions
+        for name in ("index_keys",) + (AUX_QUANT if getattr(c, "kv_bits", None) else ()):
+            if getattr(c, name, None) is not None:
+                setattr(c, name, dynamic_roll(getattr(c, name), sh, axis=2))
         c.left_padding = c.left_padding + mx.array(shifts)
         if hasattr(c, "_pads"):
             c._pads = [p + s for p, s in zip(c._pads, shifts)]

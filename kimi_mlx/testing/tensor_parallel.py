@@ -291,9 +291,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "the first prompt, collectives per step, the bare all_sum floor")
     p.add_argument("--plant-error", action="store_true",
                    help="(tests) the last rank reverses its first KDA layer's dt_bias slice")
+    p.add_argument("--kv-bits", type=int, default=0, help="8: 8-bit DSA caches (`--kv-bits`)")
     a = p.parse_args(argv)
     group = mx.distributed.init(backend="ring", strict=True)
     model, loaded = load_tensor_parallel(a.model, group, ranged=a.ranged)
+    model.set_kv_quant(a.kv_bits or None)
     if a.plant_error and group.rank() == group.size() - 1:
         attn = next(l.self_attn for l in model.layers if l.is_kda)
         attn.dt_bias = attn.dt_bias[::-1]
