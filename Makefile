@@ -13,7 +13,7 @@ export LD_PRELOAD := $(OPENBLAS)
 endif
 endif
 
-.PHONY: install clients test-clients test-e2e demo test check-real check-real-tensor bench bench-prune bench-domains bench-quant bench-server bench-spec micro micro-moe micro-draft micro-dspark micro-mtp micro-vision micro-vision-tune eval-micro-vision proto clean
+.PHONY: install clients test-clients test-e2e demo test check-real check-real-tensor bench bench-prune bench-domains bench-quant bench-server bench-spec bench-kv micro micro-moe micro-draft micro-dspark micro-mtp micro-vision micro-vision-tune eval-micro-vision proto clean
 
 install: $(STAMP)
 
@@ -153,6 +153,18 @@ bench: install
 	$(BIN)/python -m kimi_mlx.cluster.bench.pipeline
 	@echo
 	$(BIN)/python -m kimi_mlx.cluster.bench.hop
+	@echo
+	$(BIN)/python -m kimi_mlx.bench.kv_memory
+
+# The 8-bit DSA caches (--kv-bits 8) against BF16: bytes per token, peak memory at 4k and
+# 16k, decode at 16k and mlx-lm's --kv-bits 8 (kimi_mlx/bench/kv_memory.py, also the end
+# of `make bench`); then quality on micro with its sparse path active: perplexity at
+# 1k/4k/16k, DSA top-k agreement, 50 greedy continuations, a 4-turn server conversation
+# (kimi_mlx/bench/kv_quality.py; about an hour on 2 busy cores).
+bench-kv: install
+	$(BIN)/python -m kimi_mlx.bench.kv_memory
+	@echo
+	$(BIN)/python -m kimi_mlx.bench.kv_quality
 
 # 1, 4, 8 concurrent HTTP clients vs one at a time: one process and a 3-stage cluster;
 # then the cluster's prompt cache: time to first token of turn 3 with a 2k-token history.

@@ -5,7 +5,8 @@ Sources: K31_SPEC.md section 3 ("Gated MLA / Gated DSA", "K3.1 lightning indexer
 conventions table (indexer tensor names, `dsa_config`); DeepSeek-V3.2 for the indexer math.
 No rotary embedding anywhere (the 64 "rope" dims are used raw; k_pe is shared by all heads).
 
-Cache per token: MLA latent c (kv_lora_rank=512), rope key k_pe (64), indexer key (128).
+Cache per token: MLA latent c (kv_lora_rank=512), rope key k_pe (64), indexer key (128);
+with `--kv-bits 8` the latent and indexer key are kept 8-bit (model/cache.py).
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class GatedDSA(nn.Module):
         # first real key of each row of a left-padded batch (None: no padding)
         starts = getattr(cache, "starts", None)
         if cache is not None:
+            # An 8-bit cache (`--kv-bits 8`) returns its latent and index keys dequantized
+            # here (the reference path); its packed arrays are `cache.quantized()`.
             latent, k_pe, k_idx = cache.update_and_fetch_all(latent, k_pe, k_idx)
         S = latent.shape[2]
 
