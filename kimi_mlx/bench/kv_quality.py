@@ -250,23 +250,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     errs = format_errors(model, ids)
     print("\nformat: error of the keys micro writes, mean / max, relative to their RMS")
     for part, res in errs.items():
-        print(f"  {part:7s} " + "   ".join(f"{k}: {m:.4f} / {x:.3f}" for k, (m, x) in res.items()))
-
-    contexts = [int(c) for c in a.contexts.split(",") if c]
-    rows = perplexities(model, ids, contexts, {1024: 8, 4096: 3, 16384: 1}, formats)
-    print("\nperplexity (chunked prefill through the cache; gate: <= +1% of fp32)")
-    print(f"{'context':>8s} {'windows':>8s} " + " ".join(f"{n:>16s}" for n, _, _ in formats))
-    for r in rows:
-        cells = [f"{r[formats[0][0]]:16.4f}"] + [
-            f"{r[n]:9.4f} ({(r[n] / r[formats[0][0]] - 1) * 100:+.2f}%)" for n, _, _ in formats[1:]]
-        print(f"{r['context']:8d} {r['windows']:8d} " + " ".join(cells))
+        print(f"  {part:7s} " + "   ".join(f"{k}: {m:.4f} / {x:.3f}" for k, (m, x) in res.items()),
+              flush=True)
 
     agree = topk_agreement(model, ids, 4096, formats)
     print("\nDSA top-k (64) sets equal to fp32's, per (query, DSA layer) of a 4k prefill "
-          "(gate: >= 99%)")
+          "(gate: >= 99%)", flush=True)
     for name, r in agree.items():
         print(f"  {name}: {r['equal'] * 100:.2f}% of {r['pairs']} pairs equal, mean overlap "
-              f"{r['overlap'] * 100:.2f}%")
+              f"{r['overlap'] * 100:.2f}%", flush=True)
 
     cont = continuations(model, ids, a.prompts, 128, a.tokens, formats)
     print(f"\ngreedy continuations, {a.prompts} held-out prompts x {a.tokens} tokens "
@@ -274,7 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, r in cont.items():
         print(f"  {name}: {r['same']}/{r['prompts']} the same "
               f"({r['same'] / r['prompts'] * 100:.0f}%); first difference at "
-              f"{sorted(r['first_diff']) or '-'}")
+              f"{sorted(r['first_diff']) or '-'}", flush=True)
 
     if not a.no_server:
         print("\n4-turn conversation through the server, prompt cache kept between turns, "
@@ -288,7 +280,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          None if len(r) == len(g) else min(len(r), len(g)))
                 same.append("same" if d is None else f"differs at char {d}")
             print(f"  {name}: " + ", ".join(f"turn {i + 1} {s}" for i, s in enumerate(same))
-                  + f" (cache hits {hits}; fp32 server {ref_hits})")
+                  + f" (cache hits {hits}; fp32 server {ref_hits})", flush=True)
+
+    contexts = [int(c) for c in a.contexts.split(",") if c]
+    print("\nperplexity (chunked prefill through the cache; gate: <= +1% of fp32)")
+    print(f"{'context':>8s} {'windows':>8s} " + " ".join(f"{n:>16s}" for n, _, _ in formats))
+    for c in contexts:
+        r = perplexities(model, ids, [c], {1024: 4, 4096: 2, 16384: 1}, formats)[0]
+        cells = [f"{r[formats[0][0]]:16.4f}"] + [
+            f"{r[n]:9.4f} ({(r[n] / r[formats[0][0]] - 1) * 100:+.2f}%)" for n, _, _ in formats[1:]]
+        print(f"{r['context']:8d} {r['windows']:8d} " + " ".join(cells), flush=True)
     print(f"\n({time.time() - t0:.0f} s)")
     return 0
 

@@ -102,6 +102,10 @@ def _aux(cache) -> Tuple[str, ...]:
 class DSACache(KVCache):
     """mlx-lm KVCache (keys = latent [B,1,T,512], values = k_pe [B,1,T,64]) that also keeps
     the indexer keys [B,1,T,Di] at the same offsets (keys only: no zero values stored).
+
+    kv_bits 8: keys and index_keys hold packed uint32 words and `AUX_QUANT` their scales
+    and biases (module doc); kv_group_size 32/64/128 values per scale. ValueError for
+    another pair (`check_kv_quant`).
     """
 
     def __init__(self, kv_bits: Optional[int] = None, kv_group_size: int = 64):
@@ -148,7 +152,9 @@ class DSACache(KVCache):
 class BatchDSACache(BatchKVCache):
     """`BatchKVCache` (left-padded rows, `_idx` buffer position) plus indexer keys
     `index_keys` [B, 1, cap, Di] kept at the same positions through every batch
-    operation (merge, extend, filter, extract, right-padding finalize).
+    operation (merge, extend, filter, extract, right-padding finalize); kv_bits 8 as
+    `DSACache` (the scales and biases follow the same operations; merging or extending
+    caches of different formats raises ValueError).
     """
 
     def __init__(self, left_padding: List[int], kv_bits: Optional[int] = None,
