@@ -21,7 +21,7 @@ import gc
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import mlx.core as mx
 
@@ -135,22 +135,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         print(f"\nmid-size K3.1 with K3.1's cache shapes ({path.name}; 2 DSA layers), chunked "
               "prefill (2048) + 1 decode step; weights included")
-        rows: Dict[str, List[Dict]] = {"BF16": [], "8-bit g64": []}
-        for n in prompts:
-            for name, bits in (("BF16", None), ("8-bit g64", 8)):
-                rows[name].append(peak_and_speed(loader(bits), n,
-                                                 a.decode if n == max(prompts) else 0))
         print(f"{'prompt':>7s} {'BF16 peak MB':>13s} {'8-bit peak MB':>14s} {'ratio':>6s} "
-              f"{'BF16 cache MB':>14s} {'8-bit cache MB':>15s}")
-        for r0, r1 in zip(rows["BF16"], rows["8-bit g64"]):
-            print(f"{r0['prompt']:7d} {r0['peak_bytes'] / 1e6:13.1f} {r1['peak_bytes'] / 1e6:14.1f} "
+              f"{'BF16 cache MB':>14s} {'8-bit cache MB':>15s}", flush=True)
+        for n in prompts:  # each row as soon as it is measured
+            r0, r1 = (peak_and_speed(loader(bits), n, a.decode if n == max(prompts) else 0)
+                      for bits in (None, 8))
+            print(f"{n:7d} {r0['peak_bytes'] / 1e6:13.1f} {r1['peak_bytes'] / 1e6:14.1f} "
                   f"{r1['peak_bytes'] / r0['peak_bytes']:5.3f}x {r0['cache_bytes'] / 1e6:14.1f} "
-                  f"{r1['cache_bytes'] / 1e6:15.1f}")
-        r0, r1 = rows["BF16"][-1], rows["8-bit g64"][-1]
+                  f"{r1['cache_bytes'] / 1e6:15.1f}", flush=True)
         if "decode_tps" in r0:
             print(f"decode at {r0['prompt']}: BF16 {r0['decode_tps']:.2f} tok/s, 8-bit "
                   f"{r1['decode_tps']:.2f} tok/s ({r1['decode_tps'] / r0['decode_tps']:.2f}x; "
-                  f"{'reference path' if not mx.metal.is_available() else 'Metal'})")
+                  f"{'reference path' if not mx.metal.is_available() else 'Metal'})", flush=True)
         print(f"\nmlx-lm kimi_k3 --kv-bits 8: {mlx_lm_kv8(path)}")
     return 0
 
