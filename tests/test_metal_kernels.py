@@ -545,7 +545,8 @@ def test_every_metal_source_has_a_kernel():
     assert files == {spec[0] for spec in kernels.SPECS.values()}
     for name, (file, _, _) in kernels.SPECS.items():
         assert name in kernels.load_sources(file)
-    assert {b[0] for b in BROKEN} == set(kernels.SPECS)
+    # (the quantized-cache kernels' planted bugs: tests/test_metal_kernels_quantized.py)
+    assert {b[0] for b in BROKEN} == {n for n in kernels.SPECS if not n.endswith("_q")}
 
 
 # ---------------------------------------------------------------- dispatch and model
