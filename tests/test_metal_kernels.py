@@ -615,6 +615,8 @@ def test_model_through_kernels_matches_reference_mode(counted):
         if isinstance(c.state, list) and len(c.state) == 2:  # KDA: conv, recurrent state
             assert rel_err(c.state[1], r.state[1]) < tol
     for name, c in counted.items():
+        if name.endswith("_q"):  # a quantized (--kv-bits) cache's kernels: not this cache
+            continue
         assert c.calls > 0, f"the model never called kernel {name}"
 
 

@@ -54,6 +54,11 @@ _MTP_RE = re.compile(r"^(?:language_model\.)?(?:model\.)?mtp")
 _EXPERT_TENSOR_RE = re.compile(
     r"^(?:language_model\.)?model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(.+)$")
 SHARD_BYTES = 5 * 10**9  # shard size assumed for a build sized from a config alone
+# The quantized DSA cache (`--kv-bits`): MLX affine quantization (`mx.quantize`) of the
+# latent's and the index key's values, a scale and a bias per group in the cache dtype.
+KV_CACHE_BITS = (8,)
+KV_CACHE_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DEFAULT_GROUP = 64
 
 Tensors = Dict[str, Tuple[str, Tuple[int, ...]]]  # name -> (safetensors dtype, shape)
 
@@ -156,6 +161,9 @@ class LayerBytes:
             every decode step to score all keys.
         index_topk: keys the main attention reads per step (None: all of them).
         state_bytes_per_sequence: constant per sequence (KDA conv + recurrent state).
+        cache_values: values per token of (MLA latent, rope key, index key), so the cache
+            can be recounted in another format (`with_kv_bits`); (0, 0, 0) for KDA.
+        cache_act_bytes: bytes of one unquantized cache value (the activation dtype).
     """
 
     index: int
@@ -169,6 +177,28 @@ class LayerBytes:
     index_bytes_per_token: int = 0
     index_topk: Optional[int] = None
     state_bytes_per_sequence: int = 0
+    cache_values: Tuple[int, int, int] = (0, 0, 0)
+    cache_act_bytes: int = 2
+
+    def with_kv_bits(self, bits: Optional[int], group_size: int = KV_CACHE_DEFAULT_GROUP
+                     ) -> "LayerBytes":
+        """This layer with its per-token cache counted in the `--kv-bits` format
+        (`kv_token_bytes`: the latent and the index key quantized, the rope key not);
+        bits None: unquantized. A layer with no per-token cache is returned as is.
+
+        Raises:
+            ValueError: a layer with a per-token cache but no `cache_values`, or a format
+            `kv_token_bytes` refuses."""
+        if not self.cache_bytes_per_token:
+            return self
+        if not any(self.cache_values):
+            raise ValueError(f"layer {self.index}: cache_values unknown, the cache cannot be "
+                             f"recounted for --kv-bits")
+        latent, rope, index = self.cache_values
+        act = self.cache_act_bytes
+        idx = kv_token_bytes(index, act, bits, group_size)
+        per_token = kv_token_bytes(latent, act, bits, group_size) + rope * act + idx
+        return replace(self, cache_bytes_per_token=per_token, index_bytes_per_token=idx)
 
     def cache_bytes(self, context: int, sequences: int = 1) -> int:
         """Cache bytes held for `sequences` sequences of `context` tokens each."""
@@ -252,6 +282,24 @@ class ModelBytes:
     max_position_embeddings: int = 0  # the config's context limit (0 = unknown)
     header_bytes: int = 0  # safetensors headers of every shard (estimated for a build)
     build: Optional[BuildSpec] = None  # the build these sizes are for (None: as stored)
+    kv_bits: Optional[int] = None  # the DSA cache format counted (None: the cache dtype)
+    kv_group_size: int = KV_CACHE_DEFAULT_GROUP
+
+    def with_kv_bits(self, bits: Optional[int], group_size: int = KV_CACHE_DEFAULT_GROUP
+                     ) -> "ModelBytes":
+        """The same model with its DSA caches counted in the `--kv-bits` format
+        (`LayerBytes.with_kv_bits`); bits None: unquantized.
+
+        Raises:
+            ValueError: as `LayerBytes.with_kv_bits`."""
+        layers = tuple(l.with_kv_bits(bits, group_size) for l in self.layers)
+        return replace(self, layers=layers, kv_bits=bits, kv_group_size=group_size)
+
+    def kv_format(self) -> str:
+        """The cache format counted, e.g. "bf16" or "8-bit (group 64)"."""
+        if self.kv_bits is None:
+            return "bf16" if not self.layers or self.layers[0].cache_act_bytes == 2 else "fp32"
+        return f"{self.kv_bits}-bit (group {self.kv_group_size})"
 
     @property
     def file_bytes(self) -> int:
@@ -466,7 +514,40 @@ def _act_bytes(config: Mapping[str, Any]) -> int:
     return 4 if str(dtype) in ("float32", "torch.float32") else 2
 
 
-def cache_bytes(args: ModelArgs, i: int, act_bytes: int = 2) -> Tuple[int, int, int]:
+def kv_token_bytes(values: int, act_bytes: int = 2, bits: Optional[int] = None,
+                   group_size: int = KV_CACHE_DEFAULT_GROUP) -> int:
+    """Bytes per token of `values` cache values: `act_bytes` each unquantized (bits None),
+    or in MLX's affine format (`mx.quantize(x, group_size, bits)`, the `--kv-bits` cache):
+    values * bits / 8 bytes of packed uint32 words plus a scale and a bias per group of
+    `group_size` values in the cache dtype (`act_bytes` each). K3.1's latent at 8 bits,
+    group 64: 512 + 2 * 8 * 2 = 544 B; its index key: 128 + 2 * 2 * 2 = 136 B.
+
+    Raises:
+        ValueError: bits not in KV_CACHE_BITS, a group size not in KV_CACHE_GROUP_SIZES or
+        one that does not divide `values`."""
+    if bits is None or values == 0:
+        return values * act_bytes
+    if bits not in KV_CACHE_BITS:
+        raise ValueError(f"--kv-bits {bits}: the cache is quantized to "
+                         f"{' or '.join(map(str, KV_CACHE_BITS))} bits")
+    if group_size not in KV_CACHE_GROUP_SIZES or values % group_size:
+        raise ValueError(f"--kv-group-size {group_size}: must be one of "
+                         f"{', '.join(map(str, KV_CACHE_GROUP_SIZES))} and divide the "
+                         f"{values} cache values of a token")
+    return values * bits // 8 + 2 * (values // group_size) * act_bytes
+
+
+def cache_values(args: ModelArgs, i: int) -> Tuple[int, int, int]:
+    """Values per token of layer `i`'s cache: (MLA latent, rope key, index key); zeros for
+    KDA (K31_SPEC.md section 4)."""
+    if args.is_kda(i):
+        return 0, 0, 0
+    return (args.kv_lora_rank, args.qk_rope_head_dim,
+            args.index_head_dim if args.is_dsa(i) else 0)
+
+
+def cache_bytes(args: ModelArgs, i: int, act_bytes: int = 2, kv_bits: Optional[int] = None,
+                kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> Tuple[int, int, int]:
     """(cache bytes per token, of which index-key bytes per token, state bytes per sequence).
 
     K31_SPEC.md section 4, for 0-based layer `i`:
@@ -474,14 +555,21 @@ def cache_bytes(args: ModelArgs, i: int, act_bytes: int = 2) -> Tuple[int, int, 
       [H, D, D] fp32 per sequence; nothing per token. K3.1: 221,184 + 6,291,456 B.
     - MLA: latent c (kv_lora_rank) + rope key (qk_rope_head_dim) per token, bf16: 1,152 B.
     - DSA: MLA + indexer key (index_head_dim) per token, bf16: 1,152 + 256 B.
+    With `kv_bits` (the `--kv-bits` cache) the latent and the index key are counted in the
+    quantized format (`kv_token_bytes`), the rope key unquantized: K3.1 at 8 bits, group
+    64: 544 + 128 + 136 = 808 B per DSA layer.
+
+    Raises:
+        ValueError: a format `kv_token_bytes` refuses.
     """
     if args.is_kda(i):
         lin = args.linear_attn_config
         heads, hd = lin["num_heads"], lin["head_dim"]
         conv = (lin["short_conv_kernel_size"] - 1) * 3 * heads * hd * act_bytes
         return 0, 0, conv + heads * hd * hd * 4
-    per_token = (args.kv_lora_rank + args.qk_rope_head_dim) * act_bytes
-    index = args.index_head_dim * act_bytes if args.is_dsa(i) else 0
+    latent, rope, index_values = cache_values(args, i)
+    per_token = kv_token_bytes(latent, act_bytes, kv_bits, kv_group_size) + rope * act_bytes
+    index = kv_token_bytes(index_values, act_bytes, kv_bits, kv_group_size)
     return per_token + index, index, 0
 
 
@@ -551,6 +639,8 @@ def _assemble(args: ModelArgs, sizes: Mapping[str, int], act_bytes: int, source:
             index_bytes_per_token=index,
             index_topk=args.index_topk if args.is_dsa(i) else None,
             state_bytes_per_sequence=state,
+            cache_values=cache_values(args, i),
+            cache_act_bytes=act_bytes,
         ))
     if build is not None:
         source = f"{source}, build: {build.describe()}"
