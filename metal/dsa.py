@@ -243,6 +243,13 @@ def sparse_mla_attend(
     rows = (mx.where(valid, indices, 0) + (mx.arange(B) * S)[:, None, None]).astype(mx.int32)
     c = mx.take(latent.reshape(B * S, R), rows, axis=0).astype(mx.float32)  # [B, L, K, R]
     kp = mx.take(k_pe.reshape(B * S, -1), rows, axis=0).astype(mx.float32)  # [B, L, K, P]
+    return _attend_gathered(q_lat, q_pe, c, kp, valid, scale)
+
+
+def _attend_gathered(q_lat: mx.array, q_pe: mx.array, c: mx.array, kp: mx.array,
+                     valid: mx.array, scale: float) -> mx.array:
+    """`sparse_mla_attend`'s math on rows already gathered per query: c [B, L, K, R] and
+    kp [B, L, K, P] float32, valid [B, L, K] bool. Returns [B, H, L, R] in q_lat's dtype."""
     # Per query l: heads as matmul rows, [B, L, H, R] @ [B, L, R, K].
     ql = q_lat.transpose(0, 2, 1, 3).astype(mx.float32)
     qp = q_pe.transpose(0, 2, 1, 3).astype(mx.float32)
@@ -363,15 +370,13 @@ def sparse_mla_attend_quantized(
     Returns:
         [B, H, L, R] in q_lat's dtype.
     """
-    B, L, K = indices.shape
+    B = indices.shape[0]
     S = k_pe.shape[1]
-    valid = (indices >= 0) & (indices < S)
+    valid = (indices >= 0) & (indices < S)  # [B, L, K]
     rows = (mx.where(valid, indices, 0) + (mx.arange(B) * S)[:, None, None]).astype(mx.int32)
-    c = _gather_rows(latent, rows, group_size, bits).reshape(B, L * K, -1)  # float32
-    kp = mx.take(k_pe.reshape(B * S, -1), rows, axis=0).reshape(B, L * K, -1)
-    local = (mx.arange(L, dtype=mx.int32)[:, None] * K + mx.arange(K, dtype=mx.int32)[None])
-    local = mx.where(valid, local[None], -1)
-    return sparse_mla_attend(q_lat, q_pe, c, kp, local, scale)
+    c = _gather_rows(latent, rows, group_size, bits)  # [B, L, K, R] float32
+    kp = mx.take(k_pe.reshape(B * S, -1), rows, axis=0).astype(mx.float32)  # [B, L, K, P]
+    return _attend_gathered(q_lat, q_pe, c, kp, valid, scale)
 
 
 def dsa_prefill_indices_quantized(
