@@ -115,7 +115,8 @@ class Cluster:
         bars = LoadBars(assignments, quiet=a.quiet)
         try:
             transport.load(f.fp, assignments, compute, wire, progress=bars.update,
-                           force=a.force_load, max_positions=self.context)
+                           force=a.force_load, max_positions=self.context,
+                           planned_tokens=self.context, planned_sequences=a.sequences)
         except Exception:
             transport.shutdown()
             raise

@@ -317,7 +317,8 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         rank = RankProcess(path, request.rank, request.size, request.backend, request.hosts,
                            self.node_id, cache_bytes=self.cache_bytes,
-                           cache_dir=self.cache_dir, cache_disk_bytes=self.cache_disk_bytes)
+                           cache_dir=self.cache_dir, cache_disk_bytes=self.cache_disk_bytes,
+                           plan=(request.planned_tokens, request.planned_sequences))
         context.add_callback(lambda: rank.kill("the head's lease ended: stream cancelled or "
                                                "its connection lost"))
         self._ranks.add(rank)

@@ -41,8 +41,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
+    """`kimi-mlx server`; returns the exit status. Started by a process that named itself
+    (`lifetime.PARENT_ENV`, `lifetime.child_env`: a harness, a bench), it stops as on
+    SIGTERM (its memory freed, the wired limit restored) once that process is gone."""
+    from kimi_mlx.lifetime import watch_parent_from_env
+
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    watch_parent_from_env(grace=60.0)
     try:
         allow_paging(args.allow_paging)  # read by load_service's `wire`
         drafts = check_draft_server_arguments(args)  # first: it fills in --max-concurrency's default
