@@ -300,8 +300,15 @@ class ModelHolder:
 
     @property
     def loaded_name(self) -> Optional[str]:
+        """The model loaded and serving (None while nothing is, or during a load / unload)."""
         cur = self.current
         return cur.name if cur is not None and self.busy is None else None
+
+    @property
+    def held_name(self) -> Optional[str]:
+        """The model whose weights are in memory (loaded, or being unloaded), or None."""
+        cur = self.current
+        return cur.name if cur is not None else None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -533,9 +540,9 @@ class ModelHolder:
 
     last_load_s: Optional[float] = None
 
-    def status(self, name: str) -> Dict[str, Any]:
+    def status(self, name: Optional[str]) -> Dict[str, Any]:
         """What /v1/models and /api/ps say of `name`: "state" (loaded, loading,
-        unloading, unloaded), and for the loaded model "size" (MLX active memory now,
+        unloading, unloaded), and while it holds memory (loaded, unloading) "size" (MLX active memory now,
         bytes: weights and caches), "weights_bytes" (what its load added), "loaded_at"
         and "expires_at" (time.time() of the next unload; None: not planned: in use
         with keep-alive forever, or no idle unload)."""
@@ -544,13 +551,16 @@ class ModelHolder:
         with self._cond:
             cur, busy, leases = self.current, self.busy, self.leases
             keep, expires = self.keep, self.expires
-        if busy is not None and busy.endswith(" " + name):
-            return {"state": busy.split()[0]}
+        if busy == f"loading {name}":
+            return {"state": "loading"}
         if cur is None or cur.name != name:
             return {"state": "unloaded"}
-        if leases and keep is not None:
+        state = "unloading" if busy is not None else "loaded"
+        if state == "unloading":
+            expires = time.time()
+        elif leases and keep is not None:
             expires = time.time() + keep  # as Ollama shows a model in use
-        return {"state": "loaded", "size": int(mx.get_active_memory()),
+        return {"state": state, "size": int(mx.get_active_memory()),
                 "weights_bytes": cur.weights_bytes, "loaded_at": cur.loaded_at,
                 "expires_at": expires}
 
@@ -677,7 +687,7 @@ def models_list(svc) -> List[Dict[str, Any]]:
         st = holder.status(name)
         d = {"id": name, **base, "context_length": holder.context_of(name, holder.max_kv_size),
              "status": {"value": st["state"]}}
-        if st["state"] == "loaded":
+        if "size" in st:
             d.update(memory_bytes=st["size"], weights_bytes=st["weights_bytes"],
                      expires_at=None if st["expires_at"] is None else int(st["expires_at"]))
         out.append(d)

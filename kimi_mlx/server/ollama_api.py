@@ -628,9 +628,9 @@ def ps(svc: Service) -> dict:
         return {"models": [{"name": m, "model": m, "size": size, "digest": _digest(svc, m),
                             "details": _details(), "expires_at": _NEVER, "size_vram": 0,
                             "context_length": svc.context} for m in svc.model_ids[:1]]}
-    name = holder.loaded_name
-    st = holder.status(name) if name is not None else {"state": "unloaded"}
-    if st["state"] != "loaded":
+    name = holder.held_name
+    st = holder.status(name)
+    if "size" not in st:  # nothing in memory (an unloading model still is, and is listed)
         return {"models": []}
     vram = st["size"] if mx.metal.is_available() else 0
     return {"models": [{"name": name, "model": name, "size": st["size"],

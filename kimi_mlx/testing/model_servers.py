@@ -4,17 +4,19 @@ builds from --model NAME=PATH / --idle-unload / --allow-models, on a free port."
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 
 def start_model_server(checkpoints: Dict[str, str], *, idle_unload: Optional[float] = None,
                        wait_s: float = 120.0, allowed: Optional[List[str]] = None,
                        api_key: Optional[str] = None, max_body_bytes: int = 1 << 20,
                        max_concurrency: int = 1, prompt_cache_bytes: int = 0,
-                       max_queue: int = 8, **load_kw) -> Tuple[object, object]:
+                       max_queue: int = 8, before_load: Optional[Callable[[str], None]] = None,
+                       **load_kw) -> Tuple[object, object]:
     """Load the first (allowed) of `checkpoints` (name -> folder) and serve them all:
     (BackgroundServer, Service), `svc.models` the holder. `load_kw` goes to
-    `serving.load_service` (drafts, prompt_cache_dir, ...). Stop with `stop_model_server`."""
+    `serving.load_service` (drafts, prompt_cache_dir, ...); `before_load(name)` runs
+    before each load (a test slows loads down with it). Stop with `stop_model_server`."""
     from kimi_mlx.server.app import create_app
     from kimi_mlx.server.models import ModelHolder
     from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
@@ -23,6 +25,8 @@ def start_model_server(checkpoints: Dict[str, str], *, idle_unload: Optional[flo
     svc = make_service(checkpoints[first], api_key, first, max_body_bytes)
 
     def load_one(svc, name, path):
+        if before_load is not None:
+            before_load(name)
         svc.model_ids = [name]
         load_service(svc, path, max_concurrency=max_concurrency,
                      prompt_cache_bytes=prompt_cache_bytes, max_queue=max_queue,
