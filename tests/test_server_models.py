@@ -86,6 +86,8 @@ def test_idle_unload_frees_memory_and_reload_answers_as_fresh(fresh):
         assert after - before < 0.02 * (loaded - before), (before, loaded, after)
         listed = {m.id: m.model_extra for m in _openai(srv.url).models.list().data}
         assert listed["micro"]["status"] == {"value": "unloaded"}
+        health = urllib.request.urlopen(srv.url + "/health", timeout=30)
+        assert health.status == 200  # unloaded is serving: the next request loads it
         t0 = time.monotonic()
         assert _chat(srv.url, "micro") == fresh["micro", "openai", 1]  # reloaded
         reload_s = time.monotonic() - t0
@@ -179,6 +181,8 @@ def test_keep_alive(fresh):
         # 0: the reply comes whole, then the model is unloaded
         assert _ollama_chat(srv.url, "micro", keep_alive=0) == fresh["micro", "ollama", 1]
         assert _wait_unloaded(srv.url, 10) < 10
+        r = c.generate(model="micro", prompt="class Queue:", raw=True, options=OPTS)
+        assert r.load_duration > 0.1e9 and r.load_duration < r.total_duration  # it loaded
         # the next request loads it again; `ollama stop` (empty, keep_alive 0) unloads
         assert _ollama_chat(srv.url, "micro:latest", keep_alive="1h") == fresh["micro", "ollama", 1]
         assert c.ps().models

@@ -78,6 +78,7 @@ class Service:
     # server.models.ModelHolder where the server loads, unloads and swaps checkpoints
     # (`kimi-mlx server`); None: the one model loaded at start stays (the cluster server)
     models: Any = None
+    weights_bytes: int = 0  # the cluster server's tensor bytes, held on its stages (0: not known)
 
     @property
     def ready(self) -> bool:

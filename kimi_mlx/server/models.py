@@ -187,8 +187,9 @@ class Lease:
     (`bind`, ended by the job's Finished / Failed); released when all have ended.
     Thread-safe (jobs end on the engine's worker thread)."""
 
-    def __init__(self, holder: "ModelHolder", name: str):
+    def __init__(self, holder: "ModelHolder", name: str, waited_s: float = 0.0):
         self.holder, self.name = holder, name
+        self.waited_s = waited_s  # seconds the request waited for its model (a load, a swap)
         self._count = 1
         self._lock = threading.Lock()
 
@@ -356,7 +357,7 @@ class ModelHolder:
                         self.leases += 1
                         self.expires = None
                         self.keep = self.idle_unload if keep_alive is DEFAULT else keep_alive
-                        return Lease(self, name)
+                        return Lease(self, name, time.monotonic() - w.since)
                     doing = self.busy or (f"{self.current.name} finishing its requests"
                                           if self.current else "nothing loaded")
                 left = w.since + self.wait_s - time.monotonic()
@@ -692,3 +693,16 @@ def models_list(svc) -> List[Dict[str, Any]]:
                      expires_at=None if st["expires_at"] is None else int(st["expires_at"]))
         out.append(d)
     return out
+
+
+def checkpoint_tensor_bytes(model_dir) -> int:
+    """Bytes of the tensors a checkpoint's loaded model holds, from its shard headers
+    (`placement.layer_bytes.model_bytes_from_checkpoint`): what the cluster server
+    reports for a model whose weights are on its stages; 0 when it cannot be read."""
+    from kimi_mlx.placement.layer_bytes import model_bytes_from_checkpoint
+
+    try:
+        return int(model_bytes_from_checkpoint(Path(model_dir)).weight_bytes)
+    except (OSError, ValueError, KeyError) as e:
+        log.debug("tensor bytes of %s not known: %s", model_dir, e)
+        return 0

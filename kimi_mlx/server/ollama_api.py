@@ -50,8 +50,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from kimi_mlx.server.common import (APIError, ClientGone, Service, guarded_stream, parse_body,
-                                    reply_events, stop_list, submit)
+from kimi_mlx.server.common import (LEASE, APIError, ClientGone, Service, guarded_stream,
+                                    parse_body, reply_events, stop_list, submit)
 from kimi_mlx.server.images import prepare
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.models import model_lease
@@ -357,6 +357,8 @@ class _Run:
         self.svc, self.job, self.model = svc, job, model
         self.builder = ReplyBuilder(svc.wrapper, stops, chat=chat)
         self.t0 = t0  # the request's arrival (perf_counter)
+        lease = LEASE.get()  # the wait for its model to load, Ollama's load_duration
+        self.load_s = lease.waited_s if lease is not None else 0.0
         self.t_first: Optional[float] = None
         self.done = None
 
@@ -372,7 +374,8 @@ class _Run:
         b = self.builder
         reason = b.finish_reason(self.done.reason if self.done else "stop")
         return {"done": True, "done_reason": "length" if reason == "length" else "stop",
-                "total_duration": int((end - self.t0) * 1e9), "load_duration": 0,
+                "total_duration": int((end - self.t0) * 1e9),
+                "load_duration": int(self.load_s * 1e9),
                 "prompt_eval_count": len(self.job.ids),
                 "prompt_eval_duration": int((first - self.t0) * 1e9),
                 "eval_count": b.n_tokens, "eval_duration": int((end - first) * 1e9)}
