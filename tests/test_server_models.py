@@ -254,3 +254,47 @@ def test_draft_model_loads_and_unloads_with_its_target():
         assert mx.get_active_memory() - before < 0.02 * (loaded - before)
         assert _chat(srv.url, "micro") == ref
         assert svc.engine.speculation is not None
+
+
+def test_tensor_bytes_are_what_mlx_holds_for_the_weights():
+    """What the cluster server reports as its model's size (the shard headers' tensor
+    bytes) is what MLX holds once the weights are loaded in one process."""
+    from kimi_mlx.checkpoint.loader import load_for_generation
+    from kimi_mlx.server.models import checkpoint_tensor_bytes
+
+    import gc
+
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    model = load_for_generation(MICRO)[0]
+    held = mx.get_active_memory() - before
+    assert abs(checkpoint_tensor_bytes(MICRO) - held) <= 0.01 * held, (held, checkpoint_tensor_bytes(MICRO))
+    del model
+
+
+def test_cluster_server_reports_its_model_honestly(tmp_path):
+    """`kimi-mlx cluster server` has no holder: /api/ps and /v1/models list its one model
+    as loaded, never unloading, with the checkpoint's tensor bytes (held on its stages)."""
+    import httpx
+
+    from kimi_mlx.server.models import checkpoint_tensor_bytes
+    from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+    from kimi_mlx.testing.ports import free_ports
+
+    cluster = LocalCluster(tmp_path, n=2, prefix="mdl")
+    server = None
+    try:
+        server = ServerProc(cluster, free_ports(1)[0])
+        want = checkpoint_tensor_bytes(cluster.ckpt)
+        assert want > 0
+        ps = ollama.Client(host=server.url, timeout=60).ps().models
+        assert [(m.model, m.size, m.size_vram) for m in ps] == [("micro", want, 0)]
+        assert ps[0].expires_at.year > 2300
+        data = httpx.get(server.url + "/v1/models", timeout=60).json()["data"]
+        assert [(d["id"], d["status"], d["weights_bytes"], d["expires_at"]) for d in data] == \
+            [("micro", {"value": "loaded"}, want, None)]
+    finally:
+        if server is not None:
+            server.stop()
+        cluster.stop()

@@ -196,7 +196,9 @@ class Lease:
     def bind(self, job) -> None:
         """Hold the model until `job` ends."""
         with self._lock:
-            if self._count <= 0:
+            if self._count <= 0:  # a job queued after its handler returned: a caller's bug
+                log.warning("a job was queued after its request let go of the model; "
+                            "the model may unload under it")
                 return
             self._count += 1
         job.on_end(self._drop)
