@@ -260,7 +260,7 @@ def test_tensor_bytes_are_what_mlx_holds_for_the_weights():
     """What the cluster server reports as its model's size (the shard headers' tensor
     bytes) is what MLX holds once the weights are loaded in one process."""
     from kimi_mlx.checkpoint.loader import load_for_generation
-    from kimi_mlx.server.models import checkpoint_tensor_bytes
+    from kimi_mlx.server.catalog import checkpoint_tensor_bytes
 
     import gc
 
@@ -278,7 +278,7 @@ def test_cluster_server_reports_its_model_honestly(tmp_path):
     as loaded, never unloading, with the checkpoint's tensor bytes (held on its stages)."""
     import httpx
 
-    from kimi_mlx.server.models import checkpoint_tensor_bytes
+    from kimi_mlx.server.catalog import checkpoint_tensor_bytes
     from kimi_mlx.testing.cluster import LocalCluster, ServerProc
     from kimi_mlx.testing.ports import free_ports
 
@@ -298,3 +298,49 @@ def test_cluster_server_reports_its_model_honestly(tmp_path):
         if server is not None:
             server.stop()
         cluster.stop()
+
+
+def test_idle_unload_gives_the_wired_limit_back(tmp_path):
+    """`kimi-mlx server --idle-unload` on a faked Mac (`testing.fake_metal`): the wired
+    limit set before the load goes back to the process's own at the unload, is set again
+    for the reload, and restored at exit. Each figure is the fake device's record."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import httpx
+
+    from kimi_mlx.testing import fake_metal
+    from kimi_mlx.testing.ports import free_ports
+
+    info = json.loads((Path(__file__).parent / "data" / "macos" / "device_info_64gb.json").read_text())
+    rec, port = tmp_path / "calls.jsonl", free_ports(1)[0]
+    url = f"http://127.0.0.1:{port}"
+    with open(tmp_path / "server.log", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx", "server", "--port", str(port),
+                                 "--model", f"micro={MICRO}", "--idle-unload", "1",
+                                 "--max-kv-size", "1024", "--quiet"],
+                                env=fake_metal.env(info, str(rec)), stdout=out, stderr=out,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        def limits(n, timeout=120):
+            t0 = time.monotonic()
+            while len(fake_metal.records(rec)) < n:
+                assert proc.poll() is None, (tmp_path / "server.log").read_text()
+                assert time.monotonic() - t0 < timeout, fake_metal.records(rec)
+                time.sleep(0.1)
+            return [c["limit"] for c in fake_metal.records(rec)]
+
+        first = limits(2)  # wired for the load, then given back by the idle unload
+        assert first[0] > 0 and first[1] == 0, first
+        r = httpx.post(url + "/v1/completions", json={"model": "micro", "prompt": "class Queue:",
+                                                     "max_tokens": 4}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert limits(3)[2] == first[0]  # the reload wires the same plan again
+        assert limits(4)[3] == 0  # and the next idle unload gives it back
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)

@@ -23,7 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kimi_mlx.server import anthropic_api, ollama_api, openai_api, responses_api
 from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body
 from kimi_mlx.server.metrics import CONTENT_TYPE_LATEST
-from kimi_mlx.server.models import model_lease, models_list
+from kimi_mlx.server.catalog import models_list
+from kimi_mlx.server.models import model_lease
 from kimi_mlx.server.schemas import (ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
                                     ResponsesRequest)
 

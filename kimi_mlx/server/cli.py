@@ -14,7 +14,8 @@ import sys
 from kimi_mlx.generation.request import (InputError, add_draft_arguments, add_mtp_argument,
                                          add_quiet_argument, micro_note, resolve_model_arg)
 from kimi_mlx.placement.wired import add_allow_paging_argument, allow_paging
-from kimi_mlx.server.models import ModelHolder, add_model_arguments, catalog
+from kimi_mlx.server.catalog import add_model_arguments, catalog
+from kimi_mlx.server.models import ModelHolder
 from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_disk_cache_arguments, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
                                      schema_limits_of, serve)
