@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 log = logging.getLogger(__name__)
 
-__all__ = ["parse_keep_alive", "catalog", "is_checkpoint", "add_model_arguments",
+__all__ = ["parse_keep_alive", "catalog", "check_allowed", "is_checkpoint", "add_model_arguments",
            "models_list", "checkpoint_tensor_bytes", "FOREVER", "DEFAULT", "DEFAULT_WAIT_S"]
 
 FOREVER = None  # a keep-alive that never expires
@@ -129,6 +129,14 @@ def catalog(models: Optional[List[str]], models_dir: Optional[str],
     for name, path in dir_models:
         add(name, path, f"--models-dir {models_dir}")
     return out
+
+
+def check_allowed(models: Dict[str, str], allowed: Optional[List[str]]) -> None:
+    """ValueError naming --allow-models for an allowed name not in `models`."""
+    unknown = [n for n in allowed or () if n not in models]
+    if unknown:
+        raise ValueError(f"--allow-models names {', '.join(map(repr, unknown))}, not "
+                         f"among the models ({', '.join(map(repr, models))})")
 
 
 def add_model_arguments(p) -> None:

@@ -14,7 +14,7 @@ import sys
 from kimi_mlx.generation.request import (InputError, add_draft_arguments, add_mtp_argument,
                                          add_quiet_argument, micro_note, resolve_model_arg)
 from kimi_mlx.placement.wired import add_allow_paging_argument, allow_paging
-from kimi_mlx.server.catalog import add_model_arguments, catalog
+from kimi_mlx.server.catalog import add_model_arguments, catalog, check_allowed
 from kimi_mlx.server.models import ModelHolder
 from kimi_mlx.server.serving import (DEFAULT_CONCURRENCY, add_disk_cache_arguments, add_server_arguments, check_draft_server_arguments,
                                      check_server_arguments, load_service, make_service, resolve_api_key,
@@ -60,7 +60,8 @@ def run(args) -> int:
                          lambda: resolve_model_arg(None))
         allowed = [n.strip() for n in args.allow_models.split(",") if n.strip()] \
             if args.allow_models else None
-        spec = models[allowed[0] if allowed else next(iter(models))] if models else None
+        check_allowed(models, allowed)
+        spec = models[allowed[0]] if allowed else next(iter(models.values()))
         key = resolve_api_key(args)
     except (InputError, ValueError) as e:
         print(f"kimi-mlx server: error: {e}", file=sys.stderr)

@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 log = logging.getLogger(__name__)
 
-from kimi_mlx.server.catalog import DEFAULT, DEFAULT_WAIT_S
+from kimi_mlx.server.catalog import DEFAULT, DEFAULT_WAIT_S, check_allowed
 
 __all__ = ["ModelHolder", "Lease", "model_lease"]
 
@@ -129,10 +129,7 @@ class ModelHolder:
                  max_kv_size: Optional[int] = None):
         if not checkpoints:
             raise ValueError("no model to serve")
-        unknown = [n for n in allowed or () if n not in checkpoints]
-        if unknown:
-            raise ValueError(f"--allow-models names {', '.join(map(repr, unknown))}, not "
-                             f"among the models ({', '.join(map(repr, checkpoints))})")
+        check_allowed(checkpoints, allowed)
         self.svc, self.checkpoints, self._load_fn = svc, dict(checkpoints), load
         self.allowed = list(allowed) if allowed else list(checkpoints)
         self.idle_unload = idle_unload
