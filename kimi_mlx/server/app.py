@@ -231,7 +231,7 @@ def _add_info_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        """Every model a request may name, with what is loaded (`models.models_list`)."""
+        """Every model a request may name, with what is loaded (`catalog.models_list`)."""
         check_key(svc, request)
         return {"object": "list", "data": models_list(svc)}
 

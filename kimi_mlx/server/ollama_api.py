@@ -149,8 +149,8 @@ def served_name(svc: Service, name: Any) -> str:
 
 
 def keep_alive(body: Dict[str, Any]):
-    """The request's keep_alive as `server.models` takes it: seconds, `models.FOREVER`,
-    or `models.DEFAULT` when absent; APIError 400 naming keep_alive for a bad value."""
+    """The request's keep_alive as `server.models` takes it: seconds, `catalog.FOREVER`,
+    or `catalog.DEFAULT` when absent; APIError 400 naming keep_alive for a bad value."""
     from kimi_mlx.server.catalog import DEFAULT, parse_keep_alive
 
     if body.get("keep_alive") is None:
