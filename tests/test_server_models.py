@@ -139,6 +139,22 @@ def test_wait_bound_is_a_named_503_with_retry_after():
         assert _chat(srv.url, "micro-vision")[3] > 0  # the load went on: served now
 
 
+def test_a_failed_load_fails_its_requests_only(fresh):
+    broken = {"on": True}
+
+    def fail(name):
+        if name == "micro-vision" and broken["on"]:
+            raise OSError("disk unplugged")
+
+    with model_server(BOTH, before_load=fail) as (srv, svc):
+        with pytest.raises(openai.InternalServerError) as e:
+            _chat(srv.url, "micro-vision")
+        assert "micro-vision" in e.value.message and "disk unplugged" in e.value.message
+        assert _chat(srv.url, "micro") == fresh["micro", "openai", 1]  # loaded again
+        broken["on"] = False
+        assert _chat(srv.url, "micro-vision") == fresh["micro-vision", "openai", 1]
+
+
 def test_swap_by_request_answers_as_single_model_servers(fresh):
     import gc
 

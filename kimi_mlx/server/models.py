@@ -376,13 +376,15 @@ class ModelHolder:
                  "another model was asked for")
         engine = self.svc.engine
         self.svc.engine = None
-        if engine is not None:
-            engine.stop()
-        del engine
-        self._drop_references()
-        with self._cond:
-            self.current, self.busy, self.expires = None, None, None
-            self._cond.notify_all()
+        try:
+            if engine is not None:
+                engine.stop()
+        finally:  # whatever stop raised, the model is let go of and the holder goes on
+            del engine
+            self._drop_references()
+            with self._cond:
+                self.current, self.busy, self.expires = None, None, None
+                self._cond.notify_all()
         if self._unloads is not None:
             self._unloads.labels(reason).inc()
             self._loaded_gauge.set(0)
