@@ -68,6 +68,11 @@ def measure(model: str, other: str, repeats: int = 3) -> dict:
     """The figures of the module doc, `repeats` reloads and swaps (medians and all)."""
     import mlx.core as mx
 
+    # the server's code imported first: the RSS figures are the model's, not the imports'
+    import kimi_mlx.checkpoint.loader  # noqa: F401
+    import kimi_mlx.server.app  # noqa: F401
+    import kimi_mlx.server.engine  # noqa: F401
+    import mlx_lm.generate  # noqa: F401
     from kimi_mlx.testing.model_servers import model_server
 
     mx.clear_cache()
