@@ -93,6 +93,9 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
                        schema_limits=schema_limits_of(args))
     svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
     svc.vocab_size = margs.vocab_size
+    from kimi_mlx.server.catalog import checkpoint_tensor_bytes
+
+    svc.weights_bytes = checkpoint_tensor_bytes(model_dir)  # /api/ps, /v1/models: on the stages
     from kimi_mlx.server.images import image_settings
 
     # images: this head runs the tower (from the checkpoint folder here, on first use)

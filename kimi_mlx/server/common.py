@@ -5,6 +5,7 @@ reply events (`reply_events`)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 from dataclasses import dataclass, field
@@ -74,6 +75,10 @@ class Service:
     default_thinking_budget: Optional[int] = None  # reasoning tokens when a request sets none (--thinking-budget)
     keepalive_s: float = KEEPALIVE_S  # a streamed reply says something at least this often
     schema_limits: Any = None  # generation.constrain.SchemaLimits (--max-schema-bytes, --schema-timeout)
+    # server.models.ModelHolder where the server loads, unloads and swaps checkpoints
+    # (`kimi-mlx server`); None: the one model loaded at start stays (the cluster server)
+    models: Any = None
+    weights_bytes: int = 0  # the cluster server's tensor bytes, held on its stages (0: not known)
 
     @property
     def ready(self) -> bool:
@@ -83,11 +88,21 @@ class Service:
         """None when serving; else why not (loading, failed load, lost stage)."""
         if self.loading_error:
             return self.loading_error
+        if self.models is not None and self.models.ever_loaded and self.engine is None:
+            return None  # unloaded (idle, a swap): the next request loads its model
         if self.engine is None:
             return "the model is loading"
         return self.engine.health()
 
     def check_model(self, name: str) -> None:
+        if self.models is not None:
+            try:
+                self.models.resolve(name)
+                return
+            except KeyError as e:
+                raise APIError(404, f"model {name!r} is not served here; this server serves "
+                               f"{e.args[0]} (GET /v1/models)", "not_found_error",
+                               "model") from None
         if name not in self.model_ids:
             raise APIError(404, f"model {name!r} is not served here; this server serves "
                            f"{', '.join(repr(m) for m in self.model_ids)} (GET /v1/models)",
@@ -294,15 +309,24 @@ def stop_list(stop: Union[None, str, Sequence[str]]) -> List[str]:
     return stops
 
 
+# the request's hold on the loaded model (`server.models.Lease`), set by the route
+# handler that took it; `submit` binds each job to it so the model stays until they end
+LEASE: contextvars.ContextVar = contextvars.ContextVar("kimi_mlx_model_lease", default=None)
+
+
 def submit(svc: Service, job: Job) -> Job:
     """Queue a job whose events arrive on the running event loop; 503 when full."""
     refused = svc.engine.refusal(job)
     if refused:
         raise APIError(400, refused[1], param=refused[0])
     job.attach(asyncio.get_running_loop())
+    lease = LEASE.get()
+    if lease is not None:
+        lease.bind(job)
     try:
         return svc.engine.submit(job)
     except Busy as e:
+        job.ended()
         raise APIError(503, f"the server is busy: {e}; retry later", "overloaded_error",
                        headers={"Retry-After": "1"}) from None
 

@@ -110,6 +110,29 @@ class Job:
         self._queue: Optional[asyncio.Queue] = None
         self._sync: Optional[queue.Queue] = None
         self._held: List[Event] = []
+        self._on_end: List[Callable[[], None]] = []
+        self._end_lock = threading.Lock()
+        self._ended = False
+
+    def on_end(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` once when the job ends (its Finished or Failed is emitted, or
+        `ended()`); at once if it already has. Runs on the thread that ends it."""
+        with self._end_lock:
+            if not self._ended:
+                self._on_end.append(fn)
+                return
+        fn()
+
+    def ended(self) -> None:
+        """The job is over (also for one that was never queued): run `on_end`'s
+        callbacks, once."""
+        with self._end_lock:
+            if self._ended:
+                return
+            self._ended = True
+            todo, self._on_end = self._on_end, []
+        for fn in todo:
+            fn()
 
     def attach(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Deliver events to an asyncio queue on `loop` (or, with None, a thread queue)."""
@@ -127,6 +150,8 @@ class Job:
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 self.cancelled.set()
+        if isinstance(ev, (Finished, Failed)):
+            self.ended()
 
     async def next_event(self, timeout: Optional[float] = None) -> Event:
         if self._held:
