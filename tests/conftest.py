@@ -10,7 +10,7 @@ from kimi_mlx.testing.checkpoints import build_checkpoint
 # tests/fixtures/: the session-scoped micro model, server, 3-stage pipeline and tensor node
 # shared by the modules that only read them (shared), the clean-up after a timed-out test
 # (timeouts) and the start-up counter (counting, only under KIMI_MLX_COUNT_STARTUPS)
-pytest_plugins = ["fixtures.counting", "fixtures.shared", "fixtures.timeouts"]
+pytest_plugins = ["fixtures.counting", "fixtures.cputime", "fixtures.shared", "fixtures.timeouts"]
 
 
 @pytest.fixture(scope="session")
