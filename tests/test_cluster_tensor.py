@@ -116,6 +116,7 @@ LONG_PROMPT = " ".join([PROMPT] * 4 + ["Permission is hereby granted, free of ch
                                        "person obtaining a copy of this software"] * 3)
 
 
+@pytest.mark.e2e  # two whole runs of 32 tokens on a 100-token prompt, one through the group (make test-e2e)
 def test_block_drafter_greedy_equals_one_process(node):
     """A DSpark block drafter on rank 0 reads the group's hidden states (rank 0's own
     forward pass): greedy output equals plain greedy in one process, on a prompt past
@@ -149,6 +150,7 @@ def test_backend_missing_refused_by_name(node):
     assert "started, pid" not in node.procs[0].log_text()[start:]  # nothing ran on the node
 
 
+@pytest.mark.e2e  # a fault run: a 2000-token launch whose rank is killed or stopped (make test-e2e)
 @pytest.mark.parametrize("sig,why", [(signal.SIGKILL, "was killed by SIGKILL"),
                                      (signal.SIGSTOP, "is stopped (SIGSTOP)")])
 def test_rank_lost_mid_generation(node, sig, why):
