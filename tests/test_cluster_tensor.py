@@ -81,7 +81,9 @@ def _one_process(ckpt: str) -> subprocess.CompletedProcess:
     return ref
 
 
-@pytest.mark.parametrize("extra", [(), ("--draft-model", str(DRAFT)), ("--draft", "ngram")],
+# plain in make test; the two speculative launches through the group in make test-e2e
+@pytest.mark.parametrize("extra", [(), pytest.param(("--draft-model", str(DRAFT)), marks=pytest.mark.e2e),
+                                   pytest.param(("--draft", "ngram"), marks=pytest.mark.e2e)],
                          ids=["plain", "draft-model", "ngram"])
 def test_greedy_equals_one_process(node, extra):
     """Greedy output through the group equals one process, plain and speculative (the
