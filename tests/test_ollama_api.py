@@ -481,16 +481,16 @@ def test_ollama_npm_client(server, oai, tmp_path):
 # ------------------------------------------------------------------ cluster server
 
 
-def test_cluster_server_speaks_ollama(tmp_path):
+def test_cluster_server_speaks_ollama(micro_pipeline):
     """`kimi-mlx cluster server` builds the same app: the Ollama routes answer through
-    the pipeline with the OpenAI route's greedy reply."""
-    from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+    the pipeline (the session's 3 stages, tests/fixtures/shared.py, only read here) with
+    the OpenAI route's greedy reply."""
+    from kimi_mlx.testing.cluster import ServerProc
     from kimi_mlx.testing.ports import free_ports
 
-    cluster = LocalCluster(tmp_path, n=2, prefix="oll")
     server = None
     try:
-        server = ServerProc(cluster, free_ports(1)[0])
+        server = ServerProc(micro_pipeline, free_ports(1)[0])
         ol, oai = _clients(server.url, key=None)
         r = ol.chat(model="micro", messages=MSGS, options={"temperature": 0, "num_predict": 6})
         o = oai.chat.completions.create(model="micro", messages=MSGS, max_tokens=6, temperature=0)
@@ -503,4 +503,3 @@ def test_cluster_server_speaks_ollama(tmp_path):
     finally:
         if server is not None:
             server.stop()
-        cluster.stop()
