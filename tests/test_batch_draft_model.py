@@ -1,0 +1,149 @@
+"""A draft model inside continuous batching (`speculative.proposers.DraftModelRows`): the
+draft's caches batched row for row with the target's, each row rolled back to its own
+accepted length.
+
+References are independent of the code under test: mlx-lm's `generate_step` on the plain
+micro model, one sequence at a time, and the plain batched server without drafts.
+
+- mlx-lm's `BatchGenerator` with micro-draft proposing for every row: rows of different
+  lengths, one joining mid-way, copy-heavy and ordinary prompts: every row's greedy tokens
+  equal its single run; drafts were accepted, partly (rows rolled back by different
+  counts); a row with a logits processor decodes with k = 0 and equals its single run
+  with that processor.
+- temperature > 0: a sampled row's drafts and their q are the draft's own distribution
+  (a plain single-sequence forward of the draft), and after `settle` every row's draft
+  cache equals a single run over the tokens it kept.
+- the server: `--draft-model micro-draft --max-concurrency 4`: four concurrent greedy
+  replies equal the plain batched server's, and drafts were verified.
+"""
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import BatchGenerator, generate_step
+
+from kimi_mlx.checkpoint.loader import load_for_generation
+from kimi_mlx.generation.request import default_model
+from kimi_mlx.sampling import Sampling
+from kimi_mlx.speculative.batch import BatchDrafts, install
+
+MICRO = str(default_model())
+DRAFT = str(default_model().parent / "micro-draft")
+LOOP = [7, 8, 9, 10, 11, 12]
+N = 24
+
+
+def greedy(lp):
+    return mx.argmax(lp, axis=-1)
+
+
+@pytest.fixture(scope="module")
+def micro():
+    model, _, tok, _ = load_for_generation(MICRO)
+    draft, _, _, _ = load_for_generation(DRAFT)
+    text = open(os.path.join(MICRO, "heldout", "prose.txt")).read()
+    code = "def add(a, b):\n    return a + b\n\n" * 3 + "def add(a, b):"
+    prompts = [tok.encode(text[:40]), tok.encode(code), list(range(100, 170)) + LOOP * 3,
+               tok.encode(text[700:1000]), LOOP * 6 + [300, 301]]
+    singles = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=N,
+                                                  sampler=greedy)] for p in prompts]
+    return model, draft, prompts, singles
+
+
+def _run(model, draft, prompts, k, at_once, join_after, samplings=None, processors=None,
+         max_tokens=N, batch=(2, 8)):
+    gen = BatchGenerator(model, max_tokens=max_tokens, prefill_batch_size=batch[0],
+                         completion_batch_size=batch[1], prefill_step_size=32)
+    drafts = BatchDrafts(draft, k, gate=None, vocab=model.args.vocab_size)
+    install(gen, drafts)
+    samplings = samplings or [Sampling()] * len(prompts)
+    processors = processors or [None] * len(prompts)
+    order = []
+
+    def insert(i):
+        s = samplings[i]
+        (uid,) = gen.insert([prompts[i]], samplers=[None if s.greedy else s.sampler()],
+                            logits_processors=[processors[i] or []])
+        drafts.add(uid, prompts[i], s)
+        order.append(uid)
+
+    for i in range(at_once):
+        insert(i)
+    out, steps, nxt = {}, 0, at_once
+    while True:
+        rs = gen.next_generated()
+        steps += 1
+        for r in rs:
+            out.setdefault(r.uid, []).append(int(r.token))
+        if nxt < len(prompts) and steps % join_after == 0:
+            insert(nxt)
+            nxt += 1
+        elif not rs and nxt >= len(prompts):
+            break
+    gen.close()
+    return [out[u] for u in order], drafts
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_batched_draft_model_greedy_equals_single_runs(micro, k):
+    model, draft, prompts, singles = micro
+    got, drafts = _run(model, draft, prompts, k, at_once=3, join_after=3)
+    assert got == singles
+    st = drafts.stats
+    assert st.steps > 0 and 0 < st.accepted < st.drafted
+    assert any(0 < n < k for n in st.per_step)  # partly accepted: rows rolled back
+    assert not drafts.rows and not drafts.proposer.uids  # every finished row forgotten
+
+
+def test_a_processor_row_beside_draft_model_rows(micro):
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, draft, prompts, singles = micro
+    bias = {int(singles[1][0]): -100.0}
+    procs = make_logits_processors(bias)
+    want = [int(t) for t, _ in generate_step(mx.array(prompts[1]), model, max_tokens=N,
+                                              sampler=greedy, logits_processors=procs)]
+    got, drafts = _run(model, draft, prompts, 3, at_once=5, join_after=1,
+                       processors=[None, make_logits_processors(bias), None, None, None])
+    assert got[1] == want
+    assert [got[i] for i in (0, 2, 3, 4)] == [singles[i] for i in (0, 2, 3, 4)]
+    assert drafts.stats.accepted > 0
+
+
+def test_sampled_rows_draw_from_the_draft_and_return_its_q(micro):
+    """Temperature > 0: a sampled row's drafts are drawn from the draft's own distribution
+    and returned as q for the residual rule (`loop.accept_drafts`, whose statistics
+    tests/test_speculative.py holds): q at each position equals the row's sampling of the
+    draft's logits from a plain single-sequence forward of prompt + y + the drafts before
+    it; a greedy row beside it drafts the draft's argmax; after `settle` each row's draft
+    cache equals a single run of its kept tokens."""
+    from kimi_mlx.speculative.proposers import DraftModelRows
+
+    model, draft, prompts, _ = micro
+    rows = DraftModelRows(draft, model.args.vocab_size)
+    ps = [prompts[1], prompts[0]]
+    for uid, p in enumerate(ps):
+        rows.add(uid, p)
+    s = Sampling(temp=0.7)
+    ys = [5, 6]
+    mx.random.seed(0)
+    props, qs = rows.propose([0, 1], ys, [3, 3], [s, Sampling()])
+    assert qs[1] is None and len(props[0]) == len(props[1]) == 3
+    for b, smp in ((0, s), (1, None)):
+        ctx = ps[b] + [ys[b]]
+        for j in range(3):
+            ref = draft(mx.array(ctx)[None])[0, -1].astype(mx.float32)
+            if smp is None:
+                assert props[b][j] == mx.argmax(ref).item()
+            else:
+                want = smp.log_probs(ref)
+                assert mx.allclose(qs[b][j], want, atol=1e-4).item()
+            ctx.append(props[b][j])
+    rows.settle([1, 3])
+    nxt = mx.array([7, 8], mx.uint32)
+    got = rows._step(nxt)
+    for b, n in enumerate([1, 3]):
+        ref = draft(mx.array(ps[b] + [ys[b]] + props[b][:n] + [int(nxt[b])])[None])[0, -1]
+        assert mx.allclose(got[b], ref.astype(mx.float32), atol=1e-3).item(), b
