@@ -58,7 +58,8 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
 
     try:
         # first: it fills in --max-concurrency's default; n-gram drafts batch in a tensor group
-        drafts = check_draft_server_arguments(args, batch_ngram=args.parallel == "tensor")
+        drafts = check_draft_server_arguments(args, batch_ngram=args.parallel == "tensor",
+                                              batch_models=False)
         check_draft_target(drafts, PIPELINE if args.parallel != "tensor" else TENSOR)
         check_server_arguments(args)
         check_disk_cache_arguments(args)

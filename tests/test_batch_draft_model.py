@@ -147,3 +147,74 @@ def test_sampled_rows_draw_from_the_draft_and_return_its_q(micro):
     for b, n in enumerate([1, 3]):
         ref = draft(mx.array(ps[b] + [ys[b]] + props[b][:n] + [int(nxt[b])])[None])[0, -1]
         assert mx.allclose(got[b], ref.astype(mx.float32), atol=1e-3).item(), b
+
+
+ASKS = ["Write a queue class.", "def add(a, b):\n    return a + b\n\ndef add(a, b):",
+        "Repeat: the cat sat on the mat, the cat sat on the mat, the cat",
+        "class Stack:\n    def push(self, x):\n        self.items.append(x)\n"]
+
+
+def test_server_batches_a_draft_model_and_equals_single_runs():
+    """`kimi-mlx server --draft-model micro-draft --max-concurrency 4`: four concurrent
+    greedy replies equal the plain server's one request at a time (no draft, no batch),
+    drafts were verified and accepted, /metrics counts them; the same prompts again
+    (prompt-cache hits of the target's rows) give the same replies."""
+    import openai
+
+    from kimi_mlx.server.app import create_app
+    from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
+    from kimi_mlx.speculative.settings import DraftSettings
+
+    made = []
+    try:
+        for drafts, conc in ((None, 1), (DraftSettings(model=DRAFT, num_draft_tokens=3), 4)):
+            svc = make_service(MICRO, None, None, 1 << 20)
+            load_service(svc, MICRO, max_concurrency=conc, prompt_cache_bytes=64 << 20,
+                         max_queue=8, max_kv_size=None, drafts=drafts)
+            srv = BackgroundServer(create_app(svc)).start()
+            made.append((svc, srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x",
+                                                 timeout=120, max_retries=0)))
+
+        def replies(client):
+            def one(ask):
+                r = client.chat.completions.create(
+                    model="micro", messages=[{"role": "user", "content": ask}],
+                    max_tokens=40, temperature=0)
+                return r.choices[0].message.content, r.usage
+
+            with ThreadPoolExecutor(len(ASKS)) as pool:
+                return list(pool.map(one, ASKS))
+
+        (_, _, single), (svc, _, spec) = made
+        assert svc.engine.batched_drafts and svc.engine.max_concurrency == 4
+        want = [t for t, _ in replies(single)]
+        assert [t for t, _ in replies(spec)] == want
+        st = svc.engine.speculation.stats
+        assert st.steps > 0 and st.accepted > 0
+        assert svc.metrics.verify_steps._value.get() == st.steps
+        again = replies(spec)
+        assert [t for t, _ in again] == want
+        assert all(u.prompt_tokens_details.cached_tokens > 0 for _, u in again)
+    finally:
+        for svc, srv, _ in made:
+            srv.stop()
+            svc.engine.stop()
+
+
+def test_tensor_group_rows_verify_draft_model_drafts_in_one_process(micro):
+    """The same proposer through a tensor group's rows (`cluster.tensor.rows.GroupRows`, a
+    group of one): the draft runs beside the group, its rows follow the group's."""
+    from kimi_mlx.cluster.tensor.rows import GroupRows
+    from kimi_mlx.testing.tensor_rows import batched_greedy
+
+    model, draft, _, _ = micro
+    prompts = [list(range(100, 105)) + LOOP * 4, list(range(200, 237)), LOOP * 6 + [300, 301],
+               list(range(100, 170)) + LOOP * 3]
+    refs = [[int(t) for t, _ in generate_step(mx.array(p), model, max_tokens=N,
+                                               sampler=greedy)] for p in prompts]
+    rows = GroupRows(model, mx.distributed.init())
+    drafts = BatchDrafts(draft, 4, gate=None, vocab=model.args.vocab_size)
+    got = batched_greedy(rows, prompts, N, at_once=3, join_after=3, prefill_step=16,
+                         drafts=drafts)
+    assert got == refs
+    assert drafts.stats.accepted > 0
