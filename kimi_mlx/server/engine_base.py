@@ -130,6 +130,15 @@ class BaseEngine:
         """Jobs submitted and not yet started."""
         return self._jobs.qsize()
 
+    def stopping(self) -> bool:
+        """Whether `stop` was called (a worker loop ends at its next check)."""
+        return self._stopping.is_set()
+
+    def next_job(self, block: bool = True) -> Optional[Job]:
+        """The next queued job; None when the engine is stopping (`stop` queues one None
+        per worker). Raises queue.Empty when `block` is False and none waits."""
+        return self._jobs.get(block=block)
+
     def submit(self, job: Job) -> Job:
         """Queue `job`; `Busy` when the target is down or max_queue jobs wait beyond the
         free slots (`jobs.enqueue`)."""
