@@ -270,10 +270,16 @@ class SpeculativeBatch(GenerationBatch):
                       or rooms[i] < 1 or k < 1) else min(k, rooms[i])
                 for i, r in enumerate(rows)]
         samplings = [r.sampling if r is not None else None for r in rows]
+        gate, B = d.gate, len(self.uids)
+        if (d.proposer.drafts_every_row and max(want) and gate is not None
+                and not gate.should_verify(B, max(want), sum(1 for w in want if w))):
+            # a draft model's proposal costs K + 1 draft passes: asked before they run
+            # (it proposes exactly `want` for every row, so the gate knows the step)
+            want = [0] * B
         props, qs = d.proposer.propose(list(self.uids), ys, want, samplings)
-        B, K = len(self.uids), max(len(p) for p in props)
-        gate = d.gate
-        if K and gate is not None and not gate.should_verify(B, K, sum(1 for p in props if p)):
+        K = max(len(p) for p in props)
+        if (K and gate is not None and not d.proposer.drafts_every_row
+                and not gate.should_verify(B, K, sum(1 for p in props if p))):
             props = [[] for _ in props]
         if gate is not None:
             gate.step(("plain", B) if not any(props) else ("verify", B, K))

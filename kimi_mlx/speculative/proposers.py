@@ -35,7 +35,11 @@ __all__ = ["Proposer", "NgramRows", "DraftModelRows", "proposer_for", "batches_d
 
 
 class Proposer(Protocol):
-    """What the batched loop asks of a drafter (module doc)."""
+    """What the batched loop asks of a drafter (module doc). `drafts_every_row`: the
+    proposer gives every row exactly the drafts it may have (a draft model), so the loop
+    can decide whether to verify before paying for the proposal."""
+
+    drafts_every_row: bool
 
     def add(self, uid: int, context: Sequence[int]) -> None: ...
 
@@ -55,6 +59,8 @@ class NgramRows:
     Args:
         draft: the `ngram.NgramDraft` (its n-gram sizes).
     """
+
+    drafts_every_row = False  # a row without a match gets none
 
     def __init__(self, draft):
         self.draft = draft
@@ -128,6 +134,8 @@ class DraftModelRows:
     Raises (from `propose` / `plain`): whatever the draft's forward pass raises; a
     `rollback.RollbackError` for a draft cache type that has no per-row trim.
     """
+
+    drafts_every_row = True
 
     def __init__(self, model, vocab: Optional[int] = None, prefill_step: int = 512):
         self.model, self.vocab, self.prefill_step = model, vocab, prefill_step
