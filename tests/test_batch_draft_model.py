@@ -10,6 +10,8 @@ micro model, one sequence at a time, and the plain batched server without drafts
   equal its single run; drafts were accepted, partly (rows rolled back by different
   counts); a row with a logits processor decodes with k = 0 and equals its single run
   with that processor.
+- draft caches with attention rows (a tiny K3.1 draft: KDA and DSA layers; an mlx-lm
+  llama: KVCache rows): each row trimmed to its own kept length, left padding and all.
 - temperature > 0: a sampled row's drafts and their q are the draft's own distribution
   (a plain single-sequence forward of the draft), and after `settle` every row's draft
   cache equals a single run over the tokens it kept.
@@ -218,3 +220,51 @@ def test_tensor_group_rows_verify_draft_model_drafts_in_one_process(micro):
                          drafts=drafts)
     assert got == refs
     assert drafts.stats.accepted > 0
+
+
+def _kimi_draft():
+    """A tiny K3.1 (KDA and DSA layers: `ArraysCache` and `DSACache` rows), float32."""
+    from kimi_mlx.model.config import ModelArgs
+    from kimi_mlx.testing.checkpoints import full_config, random_model, tiny_text_config
+
+    return random_model(ModelArgs.from_config(full_config(tiny_text_config(vocab_size=4352))),
+                        seed=1)
+
+
+def _llama_draft():
+    """A 1-layer mlx-lm llama (`KVCache` rows, merged into mlx-lm's `BatchKVCache`)."""
+    from mlx_lm.models import llama
+
+    a = llama.ModelArgs(model_type="llama", hidden_size=16, num_hidden_layers=1,
+                        intermediate_size=32, num_attention_heads=2, rms_norm_eps=1e-5,
+                        vocab_size=4352, num_key_value_heads=2)
+    mx.random.seed(2)
+    return llama.Model(a)
+
+
+@pytest.mark.parametrize("make", [_kimi_draft, _llama_draft], ids=["kimi-kda-dsa", "llama-kv"])
+def test_draft_caches_with_attention_rows_settle_per_row(micro, make):
+    """Draft caches other than micro-draft's KDA-only ones: attention rows of different
+    prompt lengths (left padding) trimmed per row by `settle`; after it, each row's next
+    draft logits equal a plain single-sequence forward of the tokens it kept; and the
+    batched generator with this draft still gives every row its single greedy run."""
+    from kimi_mlx.speculative.proposers import DraftModelRows
+
+    model, _, prompts, singles = micro
+    draft = make()
+    rows = DraftModelRows(draft, model.args.vocab_size)
+    ps = [prompts[0], prompts[2], prompts[3]]
+    for uid, p in enumerate(ps):
+        rows.add(uid, p)
+    ys = [5, 6, 7]
+    props, _ = rows.propose([0, 1, 2], ys, [3, 3, 2], [Sampling()] * 3)
+    keep = [0, 3, 2]
+    rows.settle(keep)
+    nxt = mx.array([9, 10, 11], mx.uint32)
+    got = rows._step(nxt)
+    for b, n in enumerate(keep):
+        ref = draft(mx.array(ps[b] + [ys[b]] + props[b][:n] + [int(nxt[b])])[None])[0, -1]
+        ref = ref.astype(mx.float32)
+        assert mx.allclose(got[b], ref, atol=1e-3 * max(1.0, mx.abs(ref).max().item())).item(), b
+    out, drafts = _run(model, draft, prompts, 3, at_once=3, join_after=2)
+    assert out == singles and drafts.stats.steps > 0
