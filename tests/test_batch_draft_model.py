@@ -3,7 +3,8 @@ draft's caches batched row for row with the target's, each row rolled back to it
 accepted length.
 
 References are independent of the code under test: mlx-lm's `generate_step` on the plain
-micro model, one sequence at a time, and the plain batched server without drafts.
+micro model, one sequence at a time, a plain forward of the draft over a row's kept
+tokens, and the plain server one request at a time without drafts.
 
 - mlx-lm's `BatchGenerator` with micro-draft proposing for every row: rows of different
   lengths, one joining mid-way, copy-heavy and ordinary prompts: every row's greedy tokens
@@ -16,7 +17,9 @@ micro model, one sequence at a time, and the plain batched server without drafts
   (a plain single-sequence forward of the draft), and after `settle` every row's draft
   cache equals a single run over the tokens it kept.
 - the server: `--draft-model micro-draft --max-concurrency 4`: four concurrent greedy
-  replies equal the plain batched server's, and drafts were verified.
+  replies equal the plain server's one request at a time, and drafts were verified.
+- a tensor group's rows (a group of one, in this process): the same proposer, every row
+  equal to its single run.
 """
 
 import os
