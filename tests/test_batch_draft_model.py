@@ -271,3 +271,52 @@ def test_draft_caches_with_attention_rows_settle_per_row(micro, make):
         assert mx.allclose(got[b], ref, atol=1e-3 * max(1.0, mx.abs(ref).max().item())).item(), b
     out, drafts = _run(model, draft, prompts, 3, at_once=3, join_after=2)
     assert out == singles and drafts.stats.steps > 0
+
+
+def test_plain_steps_are_caught_up_in_one_pass(micro):
+    """Steps the verify gate keeps plain do not run the draft (`DraftModelRows.plain`
+    notes their tokens); the next proposal feeds them first, and a row that joined
+    during those steps is prefilled with them: every row's greedy drafts then equal the
+    draft's own greedy continuation of its whole sequence, one sequence at a time."""
+    from kimi_mlx.speculative.proposers import DraftModelRows
+
+    model, draft, prompts, _ = micro
+    rows = DraftModelRows(draft, model.args.vocab_size)
+    ctx = {0: list(prompts[1]), 1: list(prompts[0]), 2: list(prompts[4])}
+    rows.add(0, ctx[0])
+    rows.add(1, ctx[1])
+    props, _ = rows.propose([0, 1], [5, 6], [2, 2], [Sampling()] * 2)
+    rows.settle([1, 0])
+    ctx[0] += [5] + props[0][:1]
+    ctx[1] += [6]
+    calls = []
+
+    class Counting:  # the draft, its forward calls counted
+        def __call__(self, x, **kw):
+            calls.append(x.shape)
+            return draft(x, **kw)
+
+        def __getattr__(self, name):
+            return getattr(draft, name)
+
+    rows.model = Counting()
+    rows.plain([0, 1], mx.array([7, 8], mx.uint32))
+    ctx[0].append(7)
+    ctx[1].append(8)
+    rows.add(2, ctx[2])  # joins: in the next two plain steps
+    for a, b, c in ((9, 10, 11), (12, 13, 14)):
+        rows.plain([0, 1, 2], mx.array([a, b, c], mx.uint32))
+        for u, t in zip((0, 1, 2), (a, b, c)):
+            ctx[u].append(t)
+    assert not calls  # plain steps run nothing
+    ys = [15, 16, 17]
+    props, _ = rows.propose([0, 1, 2], ys, [3, 3, 3], [Sampling()] * 3)
+    # one catch-up pass of the two old rows (3 tokens each), the new row's prefill, and
+    # the K + 1 draft passes
+    assert calls[0] == (2, 3)
+    for u, y in zip((0, 1, 2), ys):
+        seq, want = ctx[u] + [y], []
+        for _ in range(3):
+            want.append(mx.argmax(draft(mx.array(seq)[None])[0, -1]).item())
+            seq.append(want[-1])
+        assert props[u] == want, u

@@ -126,6 +126,8 @@ class DraftModelRows:
     rows trimmed per row (`rollback._trim_rows`: the rejected tail becomes left padding).
     Drafts are the draft's argmax for greedy rows, else drawn from the row's own sampling
     of the draft's logits (`Sampling.log_probs`, returned as q for `accept_drafts`).
+    Plain steps (the verify gate closed, nothing to draft) run no draft pass: their
+    tokens are fed in one multi-token pass before the next proposal (`_catch_up`).
 
     Args:
         model: the draft (kimi-mlx or mlx-lm model, the target's tokenizer).
@@ -143,6 +145,7 @@ class DraftModelRows:
         self.uids: List[int] = []
         self.contexts: Dict[int, List[int]] = {}  # rows added, not prefilled yet
         self._snaps: Optional[List[List[Any]]] = None  # per pass of the last propose
+        self._pending: List[Tuple[List[int], mx.array]] = []  # plain steps' feeds (`plain`)
 
     def add(self, uid: int, context: Sequence[int]) -> None:
         self.contexts[uid] = list(context)
@@ -201,22 +204,52 @@ class DraftModelRows:
         return _vocab_align(logits.astype(mx.float32), self.vocab)
 
     def plain(self, uids: List[int], ys: mx.array) -> None:
-        self._sync(uids)
+        """Noted, not run: the draft catches up on every plain step's tokens in one
+        multi-token pass when it next drafts (`_catch_up`), so steps that the verify
+        gate keeps plain cost the draft nothing."""
+        self._pending.append((list(uids), ys))
         self._snaps = None
-        self._step(ys)  # lazy: computed with the plain step that follows
+
+    def _catch_up(self, uids: List[int]) -> None:
+        """Feed the rows already in the draft's batch the tokens the plain steps since
+        its last pass fed (the same count for each: a row in the batch was in every one
+        of those steps), in one [B, P] pass; a row not in it yet takes them into the
+        context it is prefilled with."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        fed: Dict[int, List[int]] = {}
+        for step_uids, ys in pending:
+            for u, y in zip(step_uids, ys.tolist()):
+                fed.setdefault(u, []).append(int(y))
+        want = set(uids)
+        self._sync([u for u in self.uids if u in want])  # rows that left: gone first
+        for u, toks in fed.items():
+            if u not in self.uids and u in self.contexts:
+                self.contexts[u].extend(toks)
+        if self.uids:
+            rows = [fed.get(u, []) for u in self.uids]
+            if len({len(r) for r in rows}) != 1:
+                raise RuntimeError(f"draft rows {self.uids} missed different numbers of "
+                                   f"plain steps {[len(r) for r in rows]}")
+            if rows[0]:
+                self.model(mx.array(rows, mx.uint32), cache=self.cache)
 
     def propose(self, uids, ys, want, samplings):
         from kimi_mlx.speculative.rollback import snapshot
 
-        self._sync(uids)
         B, K = len(uids), max(want) if want else 0
+        if not K:  # nothing to draft: as a plain step
+            self.plain(uids, mx.array(ys, mx.uint32))
+            return [[] for _ in range(B)], [None] * B
+        self._catch_up(uids)
+        self._sync(uids)
         feed = mx.array(ys, mx.uint32)
         sampled = [w > 0 and not s.greedy for w, s in zip(want, samplings)]
         drafts, qs, snaps = [], [[] for _ in range(B)], []
         for j in range(K + 1):
             logits = self._step(feed)
-            if K:
-                snaps.append(snapshot(self.cache))
+            snaps.append(snapshot(self.cache))
             if j == K:
                 break
             d = mx.argmax(logits, axis=-1)
@@ -232,10 +265,7 @@ class DraftModelRows:
                 d = mx.stack(picks)
             drafts.append(d)
             feed = d
-        self._snaps = snaps if K else None
-        if not K:
-            mx.async_eval([c.state for c in self.cache])
-            return [[] for _ in range(B)], [None] * B
+        self._snaps = snaps
         d_all = mx.stack(drafts, axis=1)  # [B, K]
         mx.eval(d_all)
         rows = d_all.tolist()
