@@ -57,8 +57,10 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
     from kimi_mlx.cluster.net.fingerprint import FingerprintError, fingerprint, is_checkpoint
 
     try:
-        # first: it fills in --max-concurrency's default; n-gram drafts batch in a tensor group
-        drafts = check_draft_server_arguments(args, batch_ngram=args.parallel == "tensor")
+        # first: it fills in --max-concurrency's default; n-gram drafts and draft models
+        # batch in a tensor group
+        drafts = check_draft_server_arguments(args, batch_ngram=args.parallel == "tensor",
+                                              batch_models=args.parallel == "tensor")
         check_draft_target(drafts, PIPELINE if args.parallel != "tensor" else TENSOR)
         check_server_arguments(args)
         check_disk_cache_arguments(args)

@@ -35,15 +35,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_allow_paging_argument(p)
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"sequences generated at once by continuous batching (default "
-                        f"{DEFAULT_CONCURRENCY}; 1 with --draft-model or --draft mtp, the only "
-                        "value allowed there; --draft ngram batches; 1 = one request at a time)")
+                        f"{DEFAULT_CONCURRENCY}; 1 with --draft mtp or a block drafter, the only "
+                        "value allowed there; --draft ngram and draft models batch; 1 = one "
+                        "request at a time)")
     p.add_argument("--prompt-cache-bytes", type=int, default=1 << 30,
                    help="bytes of cache snapshots kept across requests (default 1 GiB; 0 = off)")
     add_disk_cache_arguments(p)
     add_draft_arguments(p, note=": every request speculatively (requests with penalties "
-                        "or logit_bias decode plainly); a draft model or the MTP one request "
+                        "or logit_bias decode plainly); the MTP or a block drafter one request "
                         "at a time (--max-concurrency 1), n-gram drafts (--draft ngram) "
-                        "in the batch, every row's drafts verified in one pass", mtp=True)
+                        "and draft models in the batch, every row's drafts verified in "
+                        "one pass", mtp=True)
     add_mtp_argument(p)  # --draft ngram / mtp: the same one-at-a-time rule
     add_quiet_argument(p)
 
