@@ -246,7 +246,8 @@ class MessagesRequest(_AnthropicStrict):
     max_tokens, container, context_management, inference_geo, mcp_servers, metadata,
     output_config, service_tier, stop_sequences, stream, system, temperature, thinking,
     tool_choice, tools, top_k, top_p), its beta fields (`betas`, `output_format`,
-    `speed`) and the body fields Claude Code 2.1 adds (`anthropic_beta` and
+    `speed`, ...: every key of the anthropic SDK's MessageCreateParams and
+    MessageCountTokensParams, beta ones included) and the body fields Claude Code 2.1 adds (`anthropic_beta` and
     `anthropic_version` as for Bedrock/Vertex, `fallbacks`, `diagnostics`) are declared;
     any other top-level field is a 400 naming it. Nested objects keep unknown keys."""
 
@@ -278,6 +279,14 @@ class MessagesRequest(_AnthropicStrict):
     betas: Optional[List[str]] = None
     output_format: Optional[Dict[str, Any]] = None
     speed: Optional[str] = None
+    # in the anthropic SDK 2.17's create / count_tokens params besides the above
+    cache_control: Optional[Dict[str, Any]] = None
+    user_profile_id: Optional[str] = None
+    workspace_id: Optional[str] = None
+    billing_policy: Optional[Dict[str, Any]] = None
+    compaction: Optional[Dict[str, Any]] = None
+    thread: Optional[Dict[str, Any]] = None
+    fallback_credit_token: Optional[Union[str, Dict[str, Any]]] = None
     # what Claude Code 2.1 adds to the body (its queryModel request builder):
     # anthropic_beta (CLAUDE_CODE_EXTRA_BODY / Bedrock style), fallbacks (its refusal
     # fallback), diagnostics ({previous_message_id}); anthropic_version as Bedrock/Vertex
