@@ -10,6 +10,8 @@ Modules, one job each (every module of this folder):
   metrics.py      Prometheus metrics, one registry per app
   common.py       what the API modules share: the served model (`Service`), API errors, a
                   `Job` from checked parameters, token events -> reply events
+  body_json.py    request bodies parsed in pieces, their nesting read from the bytes,
+                  so a multi-MB body does not stall the other clients' streams
   schemas.py      pydantic request models of the APIs
   openai_api.py, anthropic_api.py, responses_api.py   request -> prompt, reply events ->
                   response shapes (chat / completions, messages, responses)

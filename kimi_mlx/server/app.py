@@ -21,7 +21,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimi_mlx.server import anthropic_api, ollama_api, openai_api, responses_api
-from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body
+from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body_async
 from kimi_mlx.server.metrics import CONTENT_TYPE_LATEST
 from kimi_mlx.server.catalog import models_list
 from kimi_mlx.server.models import model_lease
@@ -252,7 +252,7 @@ def generation_endpoint(svc: Service, schema, respond: Callable[..., Awaitable],
         check_key(svc, request)
         check_json(request)
         raw = await read_body(request, svc.max_body_bytes)
-        req = parse_body(raw, schema, svc.max_body_bytes)
+        req = await parse_body_async(raw, schema, svc.max_body_bytes)
         async with model_lease(svc, getattr(req, "model", None)):  # loads / swaps it in
             reason = svc.not_ready_reason()
             if reason:
@@ -309,7 +309,7 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
     async def count_tokens(request: Request):
         check_key(svc, request)
         check_json(request)
-        req = parse_body(await read_body(request, svc.max_body_bytes), CountTokensRequest,
+        req = await parse_body_async(await read_body(request, svc.max_body_bytes), CountTokensRequest,
                          svc.max_body_bytes)
         if svc.tok is None:
             raise APIError(503, "not ready: the model is loading", "overloaded_error")
@@ -331,7 +331,7 @@ def _add_tokenize_routes(app: FastAPI, svc: Service) -> None:
     async def body_of(request: Request, schema):
         check_key(svc, request)
         check_json(request)
-        req = parse_body(await read_body(request, svc.max_body_bytes), schema, svc.max_body_bytes)
+        req = await parse_body_async(await read_body(request, svc.max_body_bytes), schema, svc.max_body_bytes)
         if svc.tok is None:
             raise APIError(503, "not ready: the model is loading", "overloaded_error")
         return req

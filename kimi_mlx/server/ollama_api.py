@@ -51,7 +51,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kimi_mlx.server.common import (LEASE, APIError, ClientGone, Service, guarded_stream,
-                                    parse_body, reply_events, stop_list, submit)
+                                    loads_async, parse_body, parse_body_async, reply_events,
+                                    stop_list, submit)
 from kimi_mlx.server.images import prepare
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.models import model_lease
@@ -515,8 +516,8 @@ def generation_route(svc: Service, kind: str, schema, check_key, read_body):
         t0 = time.perf_counter()
         check_key(svc, request)
         raw = await read_body(request, svc.max_body_bytes)
-        req = parse_body(raw, schema, svc.max_body_bytes)
-        body = json.loads(raw)
+        req = await parse_body_async(raw, schema, svc.max_body_bytes)
+        body = await loads_async(raw)
         model = served_name(svc, req.model)  # 404 before anything else
         keep = keep_alive(body)
         if kind == "generate":
@@ -655,7 +656,7 @@ def add_routes(app: FastAPI, svc: Service, check_key, read_body) -> None:
 
     async def post_show(request: Request):
         check_key(svc, request)
-        req = parse_body(await read_body(request, svc.max_body_bytes), OllamaShowRequest,
+        req = await parse_body_async(await read_body(request, svc.max_body_bytes), OllamaShowRequest,
                          svc.max_body_bytes)
         name = req.model or req.name
         if not name:
