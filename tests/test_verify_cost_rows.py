@@ -176,3 +176,8 @@ def test_plan_prints_pipeline_and_tensor_tables_at_max_concurrency(capsys):
     # over TCP each step pays 6x JACCL's collectives: same bytes, more ms
     assert all(float(tcp[k][-3]) > float(jaccl[k][-3]) for k in range(5))
     assert [jaccl[k][-4] for k in range(5)] == [tcp[k][-4] for k in range(5)]
+    # the summary names each deployment's best row of its own table
+    summary = next(l for l in out.splitlines() if l.startswith("what drafts buy at 3 sequence(s)"))
+    for name, table in (("pipeline", pipe), ("tensor over JACCL", jaccl), ("tensor over TCP ring", tcp)):
+        k = max(table, key=lambda k: float(table[k][-2]))
+        assert f"{name} {table[k][-2]} at k = {k} ({table[0][-2]})" in summary

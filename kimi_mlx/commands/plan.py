@@ -347,15 +347,23 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner,
     if tensor is None:
         return lines
     targs, tensors, tp, fits = tensor
+    best = {"pipeline": (max([plain] + rows, key=lambda r: r.tokens_per_s), plain)}
     for link, lat in (("JACCL", args.jaccl_latency_us * 1e-6),
                       ("TCP ring", args.tcp_latency_us * 1e-6)):
         t_plain, t_rows = tensor_k_table(tp, tensors, targs, plan.context, acceptance, lat, ks,
                                          args.draft_ms / 1e3, curve, rows=B)
+        if fits:
+            best[f"tensor over {link}"] = (max([t_plain] + t_rows, key=lambda r: r.tokens_per_s),
+                                           t_plain)
         lines += ["", f"speculative decoding, {who} through the tensor group of {tp.ranks} "
                   f"Macs over {link} ({args.jaccl_latency_us if link == 'JACCL' else args.tcp_latency_us:g} us x "
                   f"{tp.collectives} collectives per step, any k): the largest rank's share "
                   f"of the same reads" + ("" if fits else " (the group does NOT fit)")]
         lines += _k_lines(t_plain, t_rows)
+    lines += ["", f"what drafts buy at {B} sequence(s) (best k of each, tok/s of all rows; plain "
+              "in brackets): " + "; ".join(
+                  f"{name} {r.tokens_per_s:.1f} at k = {r.k} ({p.tokens_per_s:.1f})"
+                  for name, (r, p) in best.items())]
     return lines
 
 
