@@ -302,7 +302,7 @@ def run(args) -> int:
 
 def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner,
                  tensor=None) -> List[str]:
-    """Predicted tok/s per k of a block drafter on this plan, `plan.sequences` rows
+    """Predicted tok/s per k of a block drafter on this plan, the plan's sequences as rows
     verified together (`--max-concurrency`), through the pipeline and, given `tensor`
     ((config, tensors, TensorPlan, fits) from `_versus_tensor`), through the tensor group
     over JACCL and the TCP ring: `kimi_mlx.placement.verify_cost`, with the
