@@ -20,7 +20,7 @@ from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S,
                                                snapshot_bytes_per_rank, tensor_plan_for,
                                                tensors_of)
 from kimi_mlx.placement.verify_cost import (DEFAULT_DRAFT_BLOCK, DSPARK_ACCEPTANCE_LENGTH,
-                                            k_table, parse_acceptance)
+                                            k_table, parse_acceptance, tensor_k_table)
 from kimi_mlx.placement.planner import (
     DEFAULT_CHIP, DEFAULT_CONTEXT, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
     StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs, planned_context,
@@ -294,17 +294,19 @@ def run(args) -> int:
     print()
     for line in _summary(plan, model, planner, args.wired_limit_mb is not None):
         print(line)
+    tensor = None
     if len(nodes) > 1:
         print()
-        for line in _versus_tensor(args, plan, planner, nodes, build):
+        lines, tensor = _versus_tensor(args, plan, planner, nodes, build)
+        for line in lines:
             print(line)
     if getattr(args, "kv_bits", None) is not None:
         print()
         for line in _kv_versus_bf16(args, plan, model, bf16, planner, nodes, build):
             print(line)
-    if model.num_experts and plan.sequences == 1:
+    if model.num_experts:
         try:
-            spec = _speculative(args, plan, model, planner)
+            spec = _speculative(args, plan, model, planner, tensor)
         except ValueError as e:
             print(f"kimi-mlx plan: error: {e}", file=sys.stderr)
             return 2
@@ -315,10 +317,13 @@ def run(args) -> int:
     return 0
 
 
-def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner) -> List[str]:
-    """Predicted tok/s per k of a block drafter on this plan (one sequence through the
-    pipeline): `kimi_mlx.placement.verify_cost`, with the distinct-experts curve of
-    `kimi_mlx.placement.expert_union`.
+def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner,
+                 tensor=None) -> List[str]:
+    """Predicted tok/s per k of a block drafter on this plan, the plan's sequences as rows
+    verified together (`--max-concurrency`), through the pipeline and, given `tensor`
+    ((config, tensors, TensorPlan, fits) from `_versus_tensor`), through the tensor group
+    over JACCL and the TCP ring: `kimi_mlx.placement.verify_cost`, with the
+    distinct-experts curve of `kimi_mlx.placement.expert_union`.
 
     Raises:
         ValueError: a bad --draft-acceptance / --draft-block-size / --max-draft-tokens."""
@@ -329,14 +334,23 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner) -> 
     acceptance, how = parse_acceptance(args.draft_acceptance, args.draft_block_size)
     uniform = args.expert_union == "uniform"
     curve = UnionCurve.uniform_bound() if uniform else load_curve()
-    plain, rows = k_table(plan, model, acceptance, planner.hop_latency_s,
-                          range(1, args.max_draft_tokens + 1), args.draft_ms / 1e3, curve)
+    B = plan.sequences
+    ks = range(1, args.max_draft_tokens + 1)
+    plain, rows = k_table(plan, model, acceptance, planner.hop_latency_s, ks,
+                          args.draft_ms / 1e3, curve, rows=B)
     E, k0 = model.num_experts, model.experts_per_token
+    who = ("one sequence" if B == 1 else
+           f"{B} sequences verified together (--max-concurrency {B}: one [{B}, k + 1] pass)")
     lines = [
-        f"speculative decoding, one sequence through the pipeline: {how}"
+        f"speculative decoding, {who} through the pipeline: {how}"
         + (f"; drafter {args.draft_ms:g} ms per step" if args.draft_ms else ""),
-        f"verify step of k drafts = one target pass over k + 1 tokens: trunk read once, routed "
-        f"experts x D(k+1) distinct per layer, caches once (kimi_mlx/placement/verify_cost.py)",
+        (f"verify step of k drafts = one target pass over k + 1 tokens: trunk read once, routed "
+         f"experts x D(k+1) distinct per layer, caches once (kimi_mlx/placement/verify_cost.py)"
+         if B == 1 else
+         f"verify step of k drafts = one target pass over {B} rows x (k + 1) tokens: trunk "
+         f"read once, routed experts x D({B} rows of k+1) distinct per layer (the union over "
+         f"all {B}(k + 1) tokens), each row's caches once; tokens/step and tok/s are all "
+         f"{B} rows' (kimi_mlx/placement/verify_cost.py)"),
         (f"D(n) = {E} (1 - (1 - {k0}/{E})^n): uniform independent routing, the upper "
          f"bound (--expert-union uniform)" if uniform else
          f"D(n) = P (1 - (1 - {k0}/P)^(n^beta)), P = rho x {E}, rho = {curve.rho_mean:.3f} "
@@ -346,15 +360,42 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner) -> 
          f"assumed to hold at E/top-k = {E / k0:g}; uniform routing would read D(16) = "
          f"{union_experts(16, E, k0):.0f} (--expert-union uniform)"),
     ]
+    lines += _k_lines(plain, rows)
+    if tensor is None:
+        return lines
+    targs, tensors, tp, fits = tensor
+    best = {"pipeline": (max([plain] + rows, key=lambda r: r.tokens_per_s), plain)}
+    for link, lat in (("JACCL", args.jaccl_latency_us * 1e-6),
+                      ("TCP ring", args.tcp_latency_us * 1e-6)):
+        t_plain, t_rows = tensor_k_table(tp, tensors, targs, plan.context, acceptance, lat, ks,
+                                         args.draft_ms / 1e3, curve, rows=B)
+        if fits:
+            best[f"tensor over {link}"] = (max([t_plain] + t_rows, key=lambda r: r.tokens_per_s),
+                                           t_plain)
+        lines += ["", f"speculative decoding, {who} through the tensor group of {tp.ranks} "
+                  f"Macs over {link} ({args.jaccl_latency_us if link == 'JACCL' else args.tcp_latency_us:g} us x "
+                  f"{tp.collectives} collectives per step, any k): the largest rank's share "
+                  f"of the same reads" + ("" if fits else " (the group does NOT fit)")]
+        lines += _k_lines(t_plain, t_rows)
+    lines += ["", f"what drafts buy at {B} sequence(s) (best k of each, tok/s of all rows; plain "
+              "in brackets): " + "; ".join(
+                  f"{name} {r.tokens_per_s:.1f} at k = {r.k} ({p.tokens_per_s:.1f})"
+                  for name, (r, p) in best.items())]
+    return lines
+
+
+def _k_lines(plain, rows) -> List[str]:
+    """The per-k table (k = 0 first) and its best k, as `_speculative` prints them."""
     head = ("k", "tokens/step", "experts/layer", "GB/step", "ms/step", "tok/s", "vs plain")
-    table = [("0 (plain)", "1.00", f"{plain.distinct:.0f}", _gb(int(plain.read_bytes)),
-              f"{plain.seconds * 1e3:.1f}", f"{plain.tokens_per_s:.1f}", "1.00x")]
+    table = [("0 (plain)", f"{plain.tokens_per_step:.2f}", f"{plain.distinct:.0f}",
+              _gb(int(plain.read_bytes)), f"{plain.seconds * 1e3:.1f}",
+              f"{plain.tokens_per_s:.1f}", "1.00x")]
     for r in rows:
         table.append((str(r.k), f"{r.tokens_per_step:.2f}", f"{r.distinct:.0f}",
                       _gb(int(r.read_bytes)), f"{r.seconds * 1e3:.1f}",
                       f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x"))
     widths = [max(len(t[j]) for t in table + [head]) for j in range(len(head))]
-    lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(head, widths)))
+    lines = ["  " + "  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(t, widths)) for t in table]
     best = max(rows, key=lambda r: r.tokens_per_s)
     if best.tokens_per_s > plain.tokens_per_s:
@@ -367,8 +408,10 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner) -> 
     return lines
 
 
-def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> List[str]:
-    """Pipeline vs tensor parallelism over the same Macs (kimi_mlx/placement/tensor_parallel.py)."""
+def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build):
+    """Pipeline vs tensor parallelism over the same Macs (kimi_mlx/placement/tensor_parallel.py).
+    Returns (lines, (config, tensors, TensorPlan, fits) or None when no tensor group is
+    possible)."""
     from kimi_mlx.model.shard import ShardError
 
     jaccl, tcp = args.jaccl_latency_us * 1e-6, args.tcp_latency_us * 1e-6
@@ -420,7 +463,7 @@ def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> Lis
             choice, why = choose_for_server(plan.tokens_per_s, plan.sequences, tp, lat, fits,
                                             args.max_concurrency)
             lines.append(f"cluster server --parallel auto over {link}: {choice} ({why})")
-    return lines
+    return lines, (None if tp is None else (targs, tensors, tp, fits))
 
 
 def _kv(args) -> dict:
