@@ -146,7 +146,7 @@ def run(args, nodes: NodeSettings, pipeline: PipelineSettings) -> int:
             return 1
     if parallel == "tensor":
         code = launch_tensor(args, finder, inputs.ids, inputs.wrapper, inputs.speculation,
-                             inputs.media)
+                             inputs.media, context=plan_context)
         # Once a ring group was joined, interpreter exit can block on the backend's
         # threads (seen once in tests after the last token); nothing is left to clean up.
         sys.stdout.flush()
@@ -217,7 +217,7 @@ def recommended(finder: NodeFinder, context: int, sequences: int) -> str:
 
 
 def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation=None,
-                  media=None) -> int:
+                  media=None, context: int = 0) -> int:
     """`cluster launch --parallel tensor`: form the group (`form_group`), generate `ids`'
     continuation on rank 0 (plain, or speculatively with `speculation`'s draft on this
     head: `tensor.step`) and print it as `kimi-mlx generate` does. `media`: (pad id,
@@ -242,7 +242,8 @@ def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation
 
     watch = TensorGroup(finder.settings.peer_timeout)
     try:
-        transport, group, model = form_group(finder, watch, args.backend)
+        # every rank wires memory for this one request's `context` tokens (0: the trained)
+        transport, group, model = form_group(finder, watch, args.backend, plan=(context, 1))
     except (TensorSetupError, RuntimeError, ValueError, OSError) as e:
         print(f"kimi-mlx cluster launch: error: {e}", file=sys.stderr)
         return 1

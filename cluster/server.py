@@ -57,8 +57,10 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
     from kimi_mlx.cluster.net.fingerprint import FingerprintError, fingerprint, is_checkpoint
 
     try:
-        # first: it fills in --max-concurrency's default; n-gram drafts batch in a tensor group
-        drafts = check_draft_server_arguments(args, batch_ngram=args.parallel == "tensor")
+        # first: it fills in --max-concurrency's default; n-gram drafts and draft models
+        # batch in a tensor group
+        drafts = check_draft_server_arguments(args, batch_ngram=args.parallel == "tensor",
+                                              batch_models=args.parallel == "tensor")
         check_draft_target(drafts, PIPELINE if args.parallel != "tensor" else TENSOR)
         check_server_arguments(args)
         check_disk_cache_arguments(args)
@@ -93,6 +95,9 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
                        schema_limits=schema_limits_of(args))
     svc.wrapper, svc.tok, svc.context, svc.defaults = wrapper, tok, context, defaults
     svc.vocab_size = margs.vocab_size
+    from kimi_mlx.server.catalog import checkpoint_tensor_bytes
+
+    svc.weights_bytes = checkpoint_tensor_bytes(model_dir)  # /api/ps, /v1/models: on the stages
     from kimi_mlx.server.images import image_settings
 
     # images: this head runs the tower (from the checkpoint folder here, on first use)

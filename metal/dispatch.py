@@ -54,7 +54,8 @@ SIM_ENV = "KIMI_MLX_METAL_SIM"
 KERNELS_ENV = "KIMI_MLX_KERNELS"
 KERNELS_SETTINGS = ("auto", "metal", "reference")
 # Every kernel the dispatch functions can choose (a wrapper in kimi_mlx.metal.kernels).
-KERNEL_NAMES = ("kda_decode", "kda_prefill", "dsa_index_topk", "sparse_mla_decode")
+KERNEL_NAMES = ("kda_decode", "kda_prefill", "dsa_index_topk", "sparse_mla_decode",
+                "dsa_index_topk_q", "sparse_mla_decode_q")
 
 _sim_depth = 0
 _sim_lock = threading.Lock()

@@ -16,6 +16,17 @@ attends to a key before it, so a padded row computes what its single run compute
 Dispatch points (kernel on Metal / in the emulator where `dispatch.kernel_enabled` says so,
 these references otherwise):
 `dsa_prefill_indices` (selected keys of a block of queries) and `dsa_sparse_decode` (one decode token past index_topk).
+
+Over an affine-quantized cache (the `--kv-bits 8` cache: MLX's `mx.quantize` along the last
+axis, the 512 latent values and the 128 index-key values quantized, the 64 rope values
+not) the same three steps have `_quantized` entry points, each taking a cache tensor as
+the tuple (packed uint32, scales, biases) plus `group_size` and `bits`:
+`dsa_prefill_indices_quantized`, `sparse_mla_attend_quantized` (prefill past index_topk)
+and `dsa_sparse_decode_quantized` (decode past index_topk). Their kernels
+(`dsa_index_topk_q`, `sparse_mla_decode_q`) dequantize in the kernel; their reference ops
+(`dsa_index_topk_q_reference`, `sparse_mla_decode_q_reference`,
+`sparse_mla_attend_quantized`) dequantize only what they read (`dequantize_rows`): the
+index keys, and the selected latent rows, never the whole latent cache.
 """
 
 from __future__ import annotations
@@ -232,6 +243,13 @@ def sparse_mla_attend(
     rows = (mx.where(valid, indices, 0) + (mx.arange(B) * S)[:, None, None]).astype(mx.int32)
     c = mx.take(latent.reshape(B * S, R), rows, axis=0).astype(mx.float32)  # [B, L, K, R]
     kp = mx.take(k_pe.reshape(B * S, -1), rows, axis=0).astype(mx.float32)  # [B, L, K, P]
+    return _attend_gathered(q_lat, q_pe, c, kp, valid, scale)
+
+
+def _attend_gathered(q_lat: mx.array, q_pe: mx.array, c: mx.array, kp: mx.array,
+                     valid: mx.array, scale: float) -> mx.array:
+    """`sparse_mla_attend`'s math on rows already gathered per query: c [B, L, K, R] and
+    kp [B, L, K, P] float32, valid [B, L, K] bool. Returns [B, H, L, R] in q_lat's dtype."""
     # Per query l: heads as matmul rows, [B, L, H, R] @ [B, L, R, K].
     ql = q_lat.transpose(0, 2, 1, 3).astype(mx.float32)
     qp = q_pe.transpose(0, 2, 1, 3).astype(mx.float32)
@@ -267,6 +285,182 @@ def query_block(L: int, S: int, K: int, heads: int, index_heads: int, row: int,
     return max(1, min(L, budget // per_query))
 
 
+# ---------------------------------------------------------- over a quantized cache
+
+
+def dequantize_rows(parts, group_size: int, bits: int) -> mx.array:
+    """`mx.dequantize` of one quantized cache tensor, computed in float32.
+
+    Args:
+        parts: (packed uint32 [..., D * bits / 32], scales [..., D / group_size], biases
+            [..., D / group_size]) from `mx.quantize(x, group_size, bits)`.
+    Returns:
+        [..., D] float32: scale * q + bias with the scales and biases taken to float32
+        first (what the `_q` kernels compute), so a bf16 cache's values are not rounded
+        to bf16 again after dequantizing.
+    """
+    w, sc, bi = parts
+    return mx.dequantize(w, sc.astype(mx.float32), bi.astype(mx.float32),
+                         group_size=group_size, bits=bits)
+
+
+def _gather_rows(parts, rows: mx.array, group_size: int, bits: int) -> mx.array:
+    """Rows `rows` (int32, any shape, into the flattened leading axes) of a quantized
+    tensor, dequantized in float32: [*rows.shape, D]."""
+    flat = [p.reshape(-1, p.shape[-1]) for p in parts]
+    picked = [mx.take(p, rows.reshape(-1), axis=0) for p in flat]
+    return dequantize_rows(picked, group_size, bits).reshape(*rows.shape, -1)
+
+
+def dsa_index_topk_q_reference(
+    q_idx: mx.array, weights: mx.array, k_idx, topk: int, offset: int,
+    starts: Optional[mx.array] = None, *, group_size: int = 64, bits: int = 8,
+) -> mx.array:
+    """`dsa_index_topk` over quantized index keys (reference for the `dsa_index_topk_q`
+    kernel): the keys dequantized (`dequantize_rows`), then `dsa_index_topk`.
+
+    Args:
+        k_idx: (packed uint32 [B, S, Di * bits / 32], scales [B, S, Di / group_size],
+            biases [B, S, Di / group_size]); the rest as `dsa_index_topk`.
+    Returns:
+        [B, L, min(topk, S)] int32, -1 padded (as `dsa_index_topk`).
+    """
+    return dsa_index_topk(q_idx, weights, dequantize_rows(k_idx, group_size, bits), topk,
+                          offset, starts)
+
+
+def sparse_mla_decode_q_reference(
+    q_lat: mx.array, q_pe: mx.array, latent, k_pe: mx.array, indices: mx.array,
+    scale: float, *, group_size: int = 64, bits: int = 8,
+) -> mx.array:
+    """`sparse_mla_decode` over a quantized latent cache (reference for the
+    `sparse_mla_decode_q` kernel): only the K selected rows are gathered and dequantized.
+
+    Args:
+        latent: (packed uint32 [B, S, R * bits / 32], scales [B, S, R / group_size],
+            biases [B, S, R / group_size]); k_pe: [B, S, P] unquantized; the rest as
+            `sparse_mla_decode`.
+    Returns:
+        [B, H, 1, R] in q_lat's dtype.
+    """
+    B, K = indices.shape
+    S = k_pe.shape[1]
+    valid = (indices >= 0) & (indices < S)
+    rows = (mx.where(valid, indices, 0) + mx.arange(B)[:, None] * S).astype(mx.int32)
+    c = _gather_rows(latent, rows, group_size, bits)  # [B, K, R] float32
+    kp = mx.take(k_pe.reshape(B * S, -1), rows, axis=0)  # [B, K, P]
+    local = mx.where(valid, mx.arange(K, dtype=mx.int32)[None], -1)
+    return sparse_mla_decode(q_lat, q_pe, c, kp, local, scale)
+
+
+def sparse_mla_attend_quantized(
+    q_lat: mx.array, q_pe: mx.array, latent, k_pe: mx.array, indices: mx.array,
+    scale: float, *, group_size: int = 64, bits: int = 8,
+) -> mx.array:
+    """`sparse_mla_attend` (prefill past index_topk, a block of queries) over a quantized
+    latent cache; a reference op (no kernel): each query's K selected rows are gathered
+    and dequantized (`dequantize_rows`), so memory stays O(L * K) as in `sparse_mla_attend`.
+
+    Args:
+        q_lat: [B, H, L, R]; q_pe: [B, H, L, P].
+        latent: (packed uint32 [B, S, R * bits / 32], scales [B, S, R / group_size],
+            biases [B, S, R / group_size]); k_pe: [B, S, P] unquantized.
+        indices: [B, L, K] int32 (outside [0, S) skipped); scale: softmax scale.
+        group_size: 32, 64 or 128; bits: 4 or 8.
+    Returns:
+        [B, H, L, R] in q_lat's dtype.
+    """
+    B = indices.shape[0]
+    S = k_pe.shape[1]
+    valid = (indices >= 0) & (indices < S)  # [B, L, K]
+    rows = (mx.where(valid, indices, 0) + (mx.arange(B) * S)[:, None, None]).astype(mx.int32)
+    c = _gather_rows(latent, rows, group_size, bits)  # [B, L, K, R] float32
+    kp = mx.take(k_pe.reshape(B * S, -1), rows, axis=0).astype(mx.float32)  # [B, L, K, P]
+    return _attend_gathered(q_lat, q_pe, c, kp, valid, scale)
+
+
+def dsa_prefill_indices_quantized(
+    q_idx: mx.array, weights: mx.array, k_idx, topk: int, offset: int,
+    starts: Optional[mx.array] = None, *, group_size: int = 64, bits: int = 8,
+) -> mx.array:
+    """`dsa_prefill_indices` over quantized index keys (dispatch point: the
+    `dsa_index_topk_q` kernel on Metal or in the emulator, `dsa_index_topk_q_reference`
+    otherwise).
+
+    Args:
+        q_idx: [B, L, Hi, Di]; weights: [B, L, Hi].
+        k_idx: (packed uint32 [B, S, Di * bits / 32], scales [B, S, Di / group_size],
+            biases [B, S, Di / group_size]): `mx.quantize(keys, group_size, bits)` of the
+            [B, S, Di] index keys (a [B, 1, S, *] cache entry indexed [:, 0]).
+        topk, offset, starts: as `dsa_prefill_indices`.
+        group_size: 32, 64 or 128; bits: 4 or 8 (keyword-only).
+    Returns:
+        [B, L, min(topk, S)] int32, -1 padded; the selected set is what is defined.
+    Raises:
+        ValueError: shapes or format the kernel cannot read (`kernels.quantized_parts`).
+    """
+    if not kernel_enabled("dsa_index_topk_q"):
+        return dsa_index_topk_q_reference(q_idx, weights, k_idx, topk, offset, starts,
+                                          group_size=group_size, bits=bits)
+    from kimi_mlx.metal import kernels
+
+    return kernels.dsa_index_topk_q(q_idx, weights, k_idx, topk, offset, starts,
+                                    group_size=group_size, bits=bits)
+
+
+def dsa_sparse_decode_quantized(
+    q_lat: mx.array,
+    q_pe: mx.array,
+    latent,
+    k_pe: mx.array,
+    scale: float,
+    q_idx: mx.array,
+    weights: mx.array,
+    k_idx,
+    topk: int,
+    offset: int,
+    starts: Optional[mx.array] = None,
+    *,
+    group_size: int = 64,
+    bits: int = 8,
+) -> mx.array:
+    """`dsa_sparse_decode` (one decode token past index_topk) over a quantized cache
+    (dispatch point).
+
+    Args:
+        q_lat: [B, H, 1, R]; q_pe: [B, H, 1, P]; scale: softmax scale.
+        latent: (packed uint32 [B, 1, S, R * bits / 32], scales [B, 1, S, R / group_size],
+            biases [B, 1, S, R / group_size]): the quantized MLA latent cache in the DSACache
+            layout (`mx.quantize(latent, group_size, bits)` of [B, 1, S, R]).
+        k_pe: [B, 1, S, P] rope keys, unquantized (the cache dtype).
+        q_idx: [B, 1, Hi, Di]; weights: [B, 1, Hi].
+        k_idx: (packed uint32 [B, S, Di * bits / 32], scales [B, S, Di / group_size],
+            biases [B, S, Di / group_size]): the quantized index keys (a [B, 1, S, *] cache
+            entry indexed [:, 0], as `dsa_sparse_decode` takes k_idx).
+        topk, offset, starts: as `dsa_sparse_decode`.
+        group_size: 32, 64 or 128; bits: 4 or 8 (keyword-only; both tensors share them).
+    Returns:
+        [B, H, 1, R] in q_lat's dtype: the `dsa_index_topk_q` kernel (or its reference op),
+        then the `sparse_mla_decode_q` kernel (or its reference op) over the selected rows;
+        each falls back alone where `kernel_enabled` refuses it. Without kernels nothing
+        is dequantized beyond the index keys and the K selected latent rows.
+    Raises:
+        ValueError: shapes or format the kernels cannot read (`kernels.quantized_parts`).
+    """
+    from kimi_mlx.metal import kernels
+
+    B = q_lat.shape[0]
+    S = k_pe.shape[2]
+    lat = [p.reshape(B, S, p.shape[-1]) for p in latent]
+    kwargs = dict(group_size=group_size, bits=bits)
+    index_op = (kernels.dsa_index_topk_q if kernel_enabled("dsa_index_topk_q")
+                else dsa_index_topk_q_reference)
+    attend_op = (kernels.sparse_mla_decode_q if kernel_enabled("sparse_mla_decode_q")
+                 else sparse_mla_decode_q_reference)
+    idx = index_op(q_idx, weights, k_idx, topk, offset, starts, **kwargs)  # [B, 1, k]
+    return attend_op(q_lat, q_pe, lat, k_pe[:, 0], idx[:, 0], scale, **kwargs)
+
+
 def _check_dsa_index_topk_kernel():
     from kimi_mlx.metal import kernels
 
@@ -280,6 +474,22 @@ def _check_sparse_mla_decode_kernel():
     return selfcheck.check_sparse_mla_decode(kernels.sparse_mla_decode, sparse_mla_decode)
 
 
+def _check_dsa_index_topk_q_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_dsa_index_topk_q(kernels.dsa_index_topk_q, dsa_index_topk_q_reference,
+                                            dsa_index_scores, dequantize_rows)
+
+
+def _check_sparse_mla_decode_q_kernel():
+    from kimi_mlx.metal import kernels
+
+    return selfcheck.check_sparse_mla_decode_q(kernels.sparse_mla_decode_q,
+                                               sparse_mla_decode_q_reference)
+
+
 # The device checks `kernel_enabled` runs before these kernels' first use on Metal.
 register_check("dsa_index_topk", _check_dsa_index_topk_kernel)
 register_check("sparse_mla_decode", _check_sparse_mla_decode_kernel)
+register_check("dsa_index_topk_q", _check_dsa_index_topk_q_kernel)
+register_check("sparse_mla_decode_q", _check_sparse_mla_decode_q_kernel)

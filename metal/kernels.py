@@ -9,13 +9,20 @@ reference ops:
 | `kda_prefill`         | kda_prefill.metal         | `kimi_mlx.metal.kda.kda_chunked` (and `kda_recurrent`) |
 | `dsa_index_topk`      | dsa_index_topk.metal      | `kimi_mlx.metal.dsa.dsa_index_topk`           |
 | `sparse_mla_decode`   | sparse_mla_decode.metal   | `kimi_mlx.metal.dsa.sparse_mla_decode`        |
+| `dsa_index_topk_q`    | dsa_index_topk.metal      | `kimi_mlx.metal.dsa.dsa_index_topk_q_reference` |
+| `sparse_mla_decode_q` | sparse_mla_decode.metal   | `kimi_mlx.metal.dsa.sparse_mla_decode_q_reference` |
+
+The `_q` kernels read an affine-quantized cache (MLX's `mx.quantize` format: packed uint32
+words, a scale and a bias per group of values, `quantized_parts`) and dequantize it in the
+kernel; the BF16 kernels are unchanged beside them.
 
 Model code does not call these directly: the dispatch functions in `kda.py` / `dsa.py`
 (`kda_forward`, `kda_update`, `dsa_select`, `dsa_sparse_decode`) pick kernel or reference
 by `kernel_mode()`. Calling a wrapper in "reference" mode raises MetalUnavailableError.
 
 `.metal` file format: a leading comment, then sections opened by a line `// @kernel NAME`
-(the body mx.fast.metal_kernel takes) or `// @header` (text placed before every kernel of
+(the body mx.fast.metal_kernel takes; `// @kernel NAME1 NAME2` gives one body to two
+kernels, built and checked separately) or `// @header` (text placed before every kernel of
 that file). Sizes that change from call to call (T, S, offset, K) are scalar inputs, never
 template values, so one compiled pipeline serves every step.
 """
@@ -36,6 +43,11 @@ __all__ = [
     "kda_prefill",
     "dsa_index_topk",
     "sparse_mla_decode",
+    "dsa_index_topk_q",
+    "sparse_mla_decode_q",
+    "quantized_parts",
+    "QUANT_BITS",
+    "QUANT_GROUP_SIZES",
     "KERNELS",
     "SPECS",
     "load_sources",
@@ -43,7 +55,7 @@ __all__ = [
 ]
 
 _DIR = Path(__file__).resolve().parent
-_SECTION = re.compile(r"^//\s*@(kernel\s+(\w+)|header)\s*$", re.M)
+_SECTION = re.compile(r"^//\s*@(kernel\s+(\w+(?:[ \t]+\w+)*)|header)\s*$", re.M)
 
 # kernel name -> (file, input names, output names)
 SPECS: Dict[str, Tuple[str, Sequence[str], Sequence[str]]] = {
@@ -73,6 +85,22 @@ SPECS: Dict[str, Tuple[str, Sequence[str], Sequence[str]]] = {
         ["part_o", "part_ml", "NSPLIT"],
         ["out"],
     ),
+    "dsa_index_topk_q": (
+        "dsa_index_topk.metal",
+        ["q", "w", "kx_w", "kx_s", "kx_b", "start", "S", "L", "offset", "K"],
+        ["idx", "scores"],
+    ),
+    "sparse_mla_partial_q": (
+        "sparse_mla_decode.metal",
+        ["q_lat", "q_pe", "latent_w", "latent_s", "latent_b", "k_pe", "sel", "S", "K",
+         "NSPLIT", "scale"],
+        ["part_o", "part_ml"],
+    ),
+    "sparse_mla_combine_q": (
+        "sparse_mla_decode.metal",
+        ["part_o", "part_ml", "NSPLIT"],
+        ["out"],
+    ),
 }
 
 MAX_THREADGROUP_BYTES = 32768
@@ -92,7 +120,8 @@ def load_sources(file: str) -> Dict[str, str]:
     for m, nxt in zip(marks, marks[1:] + [None]):
         body = text[m.end() : nxt.start() if nxt is not None else len(text)]
         if m.group(2):
-            out[m.group(2)] = body
+            for name in m.group(2).split():
+                out[name] = body
         else:
             out["header"] += body
     return out
@@ -330,6 +359,158 @@ def sparse_mla_decode(
         output_dtypes=[mx.float32, mx.float32],
     )
     (out,) = KERNELS["sparse_mla_combine"](
+        inputs=[part_o, part_ml, nsplit],
+        template=[("OutT", q_lat.dtype), ("H", H), ("R", R)],
+        grid=(32, H, B),
+        threadgroup=(32, HG, 1),
+        output_shapes=[(B, H, 1, R)],
+        output_dtypes=[q_lat.dtype],
+    )
+    return out
+
+
+# ------------------------------------------------------- DSA over a quantized cache
+
+QUANT_BITS = (4, 8)  # widths whose values never straddle a uint32 word
+QUANT_GROUP_SIZES = (32, 64, 128)  # what mx.quantize accepts
+
+
+def quantized_parts(what: str, parts: Sequence[mx.array], group_size: int, bits: int,
+                    lead: Tuple[int, ...]) -> Tuple[mx.array, mx.array, mx.array, int]:
+    """Check one affine-quantized cache tensor (MLX's `mx.quantize(x, group_size, bits)`
+    along the last axis) and return it flattened to the kernels' layout.
+
+    Args:
+        what: the tensor's name for error messages ("latent", "index keys").
+        parts: (packed uint32 [*lead, D * bits / 32], scales [*lead, D / group_size],
+            biases [*lead, D / group_size]); value d of a row is
+            scales[d // group_size] * ((packed[d // (32 / bits)] >> (bits * (d % (32 / bits))))
+            & (2^bits - 1)) + biases[d // group_size].
+        group_size: 32, 64 or 128; bits: 4 or 8.
+        lead: the expected leading shape (e.g. (B, S)).
+    Returns:
+        (packed, scales, biases, D) with the leading shape `lead` (contiguous).
+    Raises:
+        ValueError: not three arrays, a packed dtype other than uint32, bits or group size
+        not supported, shapes that disagree with each other, with `lead` or with D.
+    """
+    if len(parts) != 3:
+        raise ValueError(f"{what}: expected (packed, scales, biases), got {len(parts)} arrays")
+    w, s, b = parts
+    if bits not in QUANT_BITS:
+        raise ValueError(f"{what}: bits={bits} not supported by the kernels (use "
+                         f"{' or '.join(map(str, QUANT_BITS))})")
+    if group_size not in QUANT_GROUP_SIZES:
+        raise ValueError(f"{what}: group_size={group_size} not one of "
+                         f"{', '.join(map(str, QUANT_GROUP_SIZES))}")
+    if w.dtype != mx.uint32:
+        raise ValueError(f"{what}: packed values must be uint32 (mx.quantize), got {w.dtype}")
+    D = w.shape[-1] * 32 // bits
+    if (tuple(w.shape[:-1]) != tuple(lead) or tuple(s.shape) != tuple(b.shape)
+            or tuple(s.shape) != (*lead, D // group_size) or D % group_size):
+        raise ValueError(
+            f"{what}: packed {tuple(w.shape)}, scales {tuple(s.shape)}, biases "
+            f"{tuple(b.shape)} do not describe rows of {D} values quantized with "
+            f"group_size={group_size}, bits={bits} over leading shape {tuple(lead)} "
+            f"(expected scales and biases {(*lead, D // group_size)})")
+    return w, s, b, D
+
+
+def dsa_index_topk_q(
+    q_idx: mx.array, weights: mx.array, k_idx: Sequence[mx.array], topk: int, offset: int,
+    starts: Optional[mx.array] = None, *, group_size: int = 64, bits: int = 8,
+) -> mx.array:
+    """Indexer top-k per query row over quantized index keys (kernel for
+    `dsa.dsa_index_topk_q_reference`): `dsa_index_topk` with the keys dequantized in the
+    kernel.
+
+    Args:
+        q_idx: [B, L, Hi, Di]; weights: [B, L, Hi]; topk, offset, starts: as
+            `dsa_index_topk`.
+        k_idx: (packed uint32 [B, S, Di * bits / 32], scales [B, S, Di / group_size],
+            biases [B, S, Di / group_size]), `mx.quantize` of the [B, S, Di] keys.
+        group_size: 32, 64 or 128; bits: 4 or 8.
+    Returns:
+        [B, L, min(topk, S)] int32, as `dsa_index_topk`.
+    Raises:
+        ValueError: inconsistent shapes or an unsupported format (`quantized_parts`).
+        MetalUnavailableError: kernel_mode() == "reference".
+    """
+    B, L, Hi, Di = q_idx.shape
+    _check(len(k_idx) == 3, "dsa_index_topk_q: k_idx must be (packed, scales, biases)")
+    S = k_idx[0].shape[1] if k_idx[0].ndim == 3 else -1
+    kw, ks, kb, D = quantized_parts("dsa_index_topk_q: index keys", k_idx, group_size, bits,
+                                    (B, S))
+    _check(D == Di, f"dsa_index_topk_q: keys hold {D} values a row, queries {Di}")
+    _check(weights.shape == (B, L, Hi), "dsa_index_topk_q: weights must be [B, L, Hi]")
+    _check(topk >= 1 and S >= 1, "dsa_index_topk_q: topk and S must be >= 1")
+    starts = mx.zeros((B,), mx.int32) if starts is None else starts.astype(mx.int32)
+    _check(starts.shape == (B,), "dsa_index_topk_q: starts must be [B]")
+    NT = 256
+    _check(4 * (Hi * Di + Hi + 256 + 2 * NT // 32 + 2) <= MAX_THREADGROUP_BYTES,
+           "dsa_index_topk_q: Hi * Di too large for threadgroup memory")
+    K = min(topk, S)
+    idx, _ = KERNELS["dsa_index_topk_q"](
+        inputs=[q_idx, weights, kw, ks, kb, starts, S, L, int(offset), K],
+        template=[("Hi", Hi), ("Di", Di), ("NT", NT), ("BITS", bits), ("GS", group_size)],
+        grid=(NT, L, B),
+        threadgroup=(NT, 1, 1),
+        output_shapes=[(B, L, K), (B, L, S)],
+        output_dtypes=[mx.int32, mx.float32],
+    )
+    return idx
+
+
+def sparse_mla_decode_q(
+    q_lat: mx.array,
+    q_pe: mx.array,
+    latent: Sequence[mx.array],
+    k_pe: mx.array,
+    indices: mx.array,
+    scale: float,
+    *,
+    group_size: int = 64,
+    bits: int = 8,
+    splits: Optional[int] = None,
+) -> mx.array:
+    """Absorbed-MLA decode over the selected rows of a quantized latent cache (kernel for
+    `dsa.sparse_mla_decode_q_reference`): `sparse_mla_decode` with the latent rows
+    dequantized in the kernel; the rope keys are unquantized.
+
+    Args:
+        q_lat: [B, H, 1, R]; q_pe: [B, H, 1, P]; k_pe: [B, S, P]; indices: [B, K] int32
+            (outside [0, S) skipped); scale: softmax scale.
+        latent: (packed uint32 [B, S, R * bits / 32], scales [B, S, R / group_size],
+            biases [B, S, R / group_size]), `mx.quantize` of the [B, S, R] latent.
+        group_size: 32, 64 or 128; bits: 4 or 8; splits: as `sparse_mla_decode`.
+    Returns:
+        [B, H, 1, R] in q_lat's dtype.
+    Raises:
+        ValueError: inconsistent shapes or an unsupported format (`quantized_parts`).
+        MetalUnavailableError: kernel_mode() == "reference".
+    """
+    B, H, one, R = q_lat.shape
+    P = q_pe.shape[-1]
+    S = k_pe.shape[1]
+    K = indices.shape[-1]
+    _check(one == 1 and q_pe.shape == (B, H, 1, P), "sparse_mla_decode_q: one query per row")
+    _check(k_pe.shape == (B, S, P), "sparse_mla_decode_q: k_pe must be [B, S, P]")
+    lw, ls, lb, D = quantized_parts("sparse_mla_decode_q: latent", latent, group_size, bits,
+                                    (B, S))
+    _check(D == R, f"sparse_mla_decode_q: latent rows hold {D} values, q_lat {R}")
+    _check(indices.shape == (B, K) and K >= 1, "sparse_mla_decode_q: indices must be [B, K]")
+    nsplit = _splits(K) if splits is None else max(1, min(int(splits), K))
+    HG = min(H, 4)
+    part_o, part_ml = KERNELS["sparse_mla_partial_q"](
+        inputs=[q_lat, q_pe, lw, ls, lb, k_pe, indices.astype(mx.int32), S, K, nsplit,
+                float(scale)],
+        template=[("H", H), ("R", R), ("P", P), ("BITS", bits), ("GS", group_size)],
+        grid=(32, H, B * nsplit),
+        threadgroup=(32, HG, 1),
+        output_shapes=[(B, nsplit, H, R), (B, nsplit, H, 2)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (out,) = KERNELS["sparse_mla_combine_q"](
         inputs=[part_o, part_ml, nsplit],
         template=[("OutT", q_lat.dtype), ("H", H), ("R", R)],
         grid=(32, H, B),

@@ -20,6 +20,10 @@ Cases (edge cases in brackets), each against its reference op:
   fewer allowed keys than top-k; a left-padded row with none].
 - `sparse_mla_decode` vs `dsa.sparse_mla_decode`: three splits [a row with fewer valid
   keys than top-k, a row with none, an index equal to S].
+- `dsa_index_topk_q` / `sparse_mla_decode_q` (over an `mx.quantize`d cache) vs
+  `dsa.dsa_index_topk_q_reference` / `dsa.sparse_mla_decode_q_reference`: the cases above
+  with the index keys / latent quantized, at 8 bits (the cache's format) and 4 bits, group
+  size 32 [the same edge cases; the unpacking order of the words].
 
 Tolerance (`tolerance`): the rule of ``kimi_mlx/testing/checkpoints.py`` (``tolerance``),
 restated here because metal imports nothing of ours but its own:
@@ -41,7 +45,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 __all__ = ["tolerance", "rel_err", "topk_mismatch", "check_kda_decode", "check_kda_prefill",
-           "check_dsa_index_topk", "check_sparse_mla_decode", "EDGE_CASES"]
+           "check_dsa_index_topk", "check_sparse_mla_decode", "check_dsa_index_topk_q",
+           "check_sparse_mla_decode_q", "EDGE_CASES"]
 
 F32_UNIT_ROUNDOFF = 2.0**-24
 
@@ -144,9 +149,10 @@ DSA_SHAPE = dict(B=2, L=10, Hi=2, Di=16, offset=2, topk=5, groups=4, repeat=3)
 DSA_STARTS = (0, 3)
 
 
-def _dsa_inputs():
+def _dsa_inputs(Di: Optional[int] = None):
     s = DSA_SHAPE
-    B, L, Hi, Di = s["B"], s["L"], s["Hi"], s["Di"]
+    B, L, Hi = s["B"], s["L"], s["Hi"]
+    Di = s["Di"] if Di is None else Di
     S = s["offset"] + L
     kq, kw, kk = _keys(31, 3)
     q = mx.random.normal((B, L, Hi, Di), key=kq)
@@ -247,6 +253,62 @@ def check_sparse_mla_decode(kernel: Callable, reference: Callable) -> Optional[s
     mx.eval(got, ref)
     # n: (R + P)-long score dot products; K-long softmax sums.
     return _close(f"splits={s['splits']}, out", got, ref, max(s["R"] + s["P"], s["K"]))
+
+
+# The quantized variants: (bits, group size) of each run; Di and R a multiple of the group.
+QUANT_CASES = ((8, 32), (4, 32))
+DSA_Q_DI = 32
+
+
+def check_dsa_index_topk_q(kernel: Callable, reference: Callable, scores_op: Callable,
+                           dequantize: Callable) -> Optional[str]:
+    """`kernel` (kernels.dsa_index_topk_q) against `reference`
+    (dsa.dsa_index_topk_q_reference) on `check_dsa_index_topk`'s cases with the keys
+    quantized (`QUANT_CASES`), the selections compared on `scores_op`
+    (dsa.dsa_index_scores) of the keys as `dequantize` (dsa.dequantize_rows) gives them.
+    None if they agree, else why not (exceptions propagate)."""
+    s = DSA_SHAPE
+    q, w, kx, S = _dsa_inputs(DSA_Q_DI)
+    starts = mx.array(DSA_STARTS, dtype=mx.int32)
+    for bits, gs in QUANT_CASES:
+        parts = mx.quantize(kx, group_size=gs, bits=bits)
+        got = kernel(q, w, parts, s["topk"], s["offset"], starts, group_size=gs, bits=bits)
+        ref = reference(q, w, parts, s["topk"], s["offset"], starts, group_size=gs, bits=bits)
+        scores = scores_op(q, w, dequantize(parts, gs, bits), s["offset"], starts)
+        mx.eval(got, ref, scores)
+        if tuple(got.shape) != tuple(ref.shape):
+            return (f"{bits}-bit keys: indices of shape {tuple(got.shape)}, the reference "
+                    f"{tuple(ref.shape)}")
+        tol = tolerance(1, s["Hi"] * DSA_Q_DI)
+        G, R, SC = got.tolist(), ref.tolist(), scores.tolist()
+        for b in range(s["B"]):
+            for l in range(s["L"]):
+                bad = topk_mismatch(G[b][l], R[b][l], SC[b][l], tol)
+                if bad:
+                    return (f"{bits}-bit keys, group {gs}: batch row {b} (first key "
+                            f"{DSA_STARTS[b]}), query {l}: {bad}")
+    return None
+
+
+def check_sparse_mla_decode_q(kernel: Callable, reference: Callable) -> Optional[str]:
+    """`kernel` (kernels.sparse_mla_decode_q) against `reference`
+    (dsa.sparse_mla_decode_q_reference) on `check_sparse_mla_decode`'s case with the
+    latent quantized (`QUANT_CASES`). None if they agree, else why not (exceptions
+    propagate)."""
+    s = MLA_SHAPE
+    q_lat, q_pe, latent, k_pe, indices = _mla_inputs()
+    scale = (s["R"] + s["P"]) ** -0.5
+    for bits, gs in QUANT_CASES:
+        parts = mx.quantize(latent, group_size=gs, bits=bits)
+        got = kernel(q_lat, q_pe, parts, k_pe, indices, scale, group_size=gs, bits=bits,
+                     splits=s["splits"])
+        ref = reference(q_lat, q_pe, parts, k_pe, indices, scale, group_size=gs, bits=bits)
+        mx.eval(got, ref)
+        bad = _close(f"{bits}-bit latent, group {gs}, splits={s['splits']}, out", got, ref,
+                     max(s["R"] + s["P"], s["K"]))
+        if bad:
+            return bad
+    return None
 
 
 # The edge-case inputs each check builds (tests assert they are what they claim).

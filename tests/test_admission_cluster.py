@@ -1,37 +1,34 @@
-"""Thinking budgets through `kimi-mlx cluster server` (2 pipeline stages, and a tensor
-group of this head and 1 rank, on loopback), the server run with --thinking-budget 5:
-a request with no budget of its own thinks 5 tokens, then the forced
-`<|close|>think<|sep|>`, then its answer. Reference: the same cluster's greedy reply with
-a larger budget of the request's own (20 after the answer's room), whose first 5 tokens
-the budgeted reply's thinking must be, token for token (chat logprobs list them)."""
+"""Thinking budgets through `kimi-mlx cluster server` (the session's 3 pipeline stages,
+and a tensor group of this head and the session's tensor node, on loopback:
+tests/fixtures/shared.py), the server run with --thinking-budget 5: a request with no
+budget of its own thinks 5 tokens, then the forced `<|close|>think<|sep|>`, then its
+answer. Reference: the same cluster's greedy reply with a larger budget of the request's
+own (20 after the answer's room), whose first 5 tokens the budgeted reply's thinking must
+be, token for token (chat logprobs list them)."""
 
 import httpx
 import pytest
 
-from kimi_mlx.testing.cluster import LocalCluster, ServerProc
-from kimi_mlx.testing.tensor_parallel import free_ports
+from kimi_mlx.testing.cluster import ServerProc
+from kimi_mlx.testing.ports import free_ports
 from kimi_mlx.text.chat_format import THINK_END
 
 MESSAGES = [{"role": "user", "content": "What is 2+3? Think about it."}]
 
 
 @pytest.fixture(scope="module", params=["pipeline", "tensor"])
-def server(request, tmp_path_factory):
+def server(request):
+    # the shared stages are only read: the server's sessions end with it
     if request.param == "pipeline":
-        cluster = LocalCluster(tmp_path_factory.mktemp("ap"), n=2, prefix="ap")
-        extra = ()
+        cluster, extra = request.getfixturevalue("micro_pipeline"), ()
     else:
-        grpc_port, _ = free_ports(2, consecutive=True)
-        cluster = LocalCluster(tmp_path_factory.mktemp("at"), n=1, prefix="at", ports=[grpc_port])
+        cluster = request.getfixturevalue("tensor_node")
         extra = ("--parallel", "tensor", "--max-concurrency", "1")
-    srv = None
+    srv = ServerProc(cluster, free_ports(1)[0], "--thinking-budget", "5", *extra, timeout=240)
     try:
-        srv = ServerProc(cluster, free_ports(1)[0], "--thinking-budget", "5", *extra, timeout=240)
         yield srv
     finally:
-        if srv is not None:
-            srv.stop()
-        cluster.stop()
+        srv.stop()
 
 
 def _chat(srv, **extra):

@@ -4,7 +4,8 @@ on micro, driven by the real `openai` and `anthropic` clients.
 OpenAI's API answers a parameter it does not define with 400 "Unknown parameter: 'x'."
 (param x, code unknown_parameter); the OpenAI routes here do the same, while every
 parameter OpenAI documents (what the SDK, Codex, opencode, aider and the agents SDK send)
-is still taken. The Anthropic route stays lenient (Claude Code sends beta fields). A
+is still taken. The Anthropic route takes the beta fields Claude Code sends (its unknown
+fields: tests/test_anthropic_unknown_fields.py). A
 request with no budget stops at the server's --max-tokens on every route, counted by the
 tokens each reply lists (chat logprobs) and its usage."""
 

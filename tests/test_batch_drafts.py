@@ -251,7 +251,8 @@ def test_server_batches_ngram_drafts_and_equals_the_plain_server():
 
 @pytest.mark.parametrize("flags,message", [
     (["--draft", "mtp", "--max-concurrency", "4"], "--draft mtp serves one request"),
-    (["--draft-model", "x", "--max-concurrency", "2"], "--draft ngram batches"),
+    (["--draft-model", str(default_model().parent / "micro-dspark"), "--max-concurrency", "2"],
+     "(a block drafter) serves one request"),
 ])
 def test_drafts_that_do_not_batch_are_refused_with_concurrency(capsys, flags, message):
     from kimi_mlx.server.cli import main

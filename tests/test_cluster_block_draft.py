@@ -279,6 +279,7 @@ def _run(cmd):
                           capture_output=True, text=True, timeout=HARD_TIMEOUT)
 
 
+@pytest.mark.e2e  # a whole launch run; the cluster server with the drafter stays in make test
 def test_launch_with_a_block_drafter_prints_the_plain_text(cluster):
     """`cluster launch --draft-model micro-dspark` over the 3 stages: the text of plain
     `kimi-mlx generate`, with drafts accepted (its Speculative line)."""

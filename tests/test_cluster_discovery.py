@@ -42,6 +42,7 @@ def _body(stdout):
                      if not l.startswith(("Prompt:", "Generation:", "Peak memory:")))
 
 
+@pytest.mark.e2e  # 2 advertising stages of its own, a launch, a kill and a rejoin: ~17 s quiet (make test-e2e)
 def test_mdns_on_loopback_ls_launch_and_rejoin(tmp_path):
     ckpt = reference_checkpoint(tmp_path)
     models = tmp_path / "models"

@@ -44,6 +44,7 @@ def _body(stdout: str) -> str:
                      if not l.startswith(("Prompt:", "Generation:", "Peak memory:")))
 
 
+@pytest.mark.e2e  # a whole launch + generate --image run; the cluster server's image test stays in make test
 def test_launch_with_images_prints_what_generate_prints(cluster, tmp_path):
     a, b = tmp_path / "a.png", tmp_path / "b.jpg"
     a.write_bytes(png(112, 84, 0))  # 12 image tokens: split over 3 prefill chunks of 5

@@ -61,6 +61,7 @@ def test_greedy_ngram_through_three_stages_equals_plain_greedy(cluster, loaded, 
     assert _wait_no_sessions(cluster, [0, 1, 2]) == [0, 0, 0]
 
 
+@pytest.mark.e2e  # a whole launch + generate run; the in-process greedy run above stays in make test
 def test_launch_with_ngram_prints_what_generate_prints(cluster):
     flags = ["--model", str(cluster.ckpt), "--prompt", "def f(x):\n    return x\n\ndef f(x):",
              "--max-tokens", "24", "--ignore-chat-template", "--temp", "0"]

@@ -296,7 +296,10 @@ def _body(stdout: str) -> str:
                      if not l.startswith(("Prompt:", "Generation:", "Peak memory:")))
 
 
-@pytest.mark.parametrize("mode", ["raw greedy", "chat template", "seeded sampling"])
+# raw greedy in make test; the chat template and seeded sampling launches (two more whole
+# launch + generate runs) in make test-e2e
+@pytest.mark.parametrize("mode", ["raw greedy", pytest.param("chat template", marks=pytest.mark.e2e),
+                                  pytest.param("seeded sampling", marks=pytest.mark.e2e)])
 def test_launch_cli_prints_what_generate_prints(cluster, mode):
     flags = ["--model", str(cluster.ckpt), "--prompt", "The licence grants you the right to",
              "--max-tokens", "24"]

@@ -29,6 +29,7 @@ def node(tmp_path):
         stop_all(procs)
 
 
+@pytest.mark.e2e  # a node of its own, a checkpoint built and copied in, a launch (make test-e2e)
 def test_a_checkpoint_copied_into_a_running_node_is_launchable(node, tmp_path):
     proc, models, secret_file = node
     src = build_checkpoint(tmp_path / "src" / "my-build", seed=3)

@@ -268,7 +268,8 @@ def _text(stdout):
     return stdout.split("==========")[1]
 
 
-@pytest.mark.parametrize("mode", ["greedy", "seeded sampling"])
+# greedy in make test; the seeded sampling launch (a whole launch + generate run) in make test-e2e
+@pytest.mark.parametrize("mode", ["greedy", pytest.param("seeded sampling", marks=pytest.mark.e2e)])
 def test_launch_with_a_draft_prints_what_generate_prints(cluster, mode):
     """Greedy: the plain `kimi-mlx generate` text. Seeded sampling: `kimi-mlx generate
     --draft-model` with the same seed (the head draws the same random numbers, and the

@@ -81,7 +81,9 @@ def _one_process(ckpt: str) -> subprocess.CompletedProcess:
     return ref
 
 
-@pytest.mark.parametrize("extra", [(), ("--draft-model", str(DRAFT)), ("--draft", "ngram")],
+# plain in make test; the two speculative launches through the group in make test-e2e
+@pytest.mark.parametrize("extra", [(), pytest.param(("--draft-model", str(DRAFT)), marks=pytest.mark.e2e),
+                                   pytest.param(("--draft", "ngram"), marks=pytest.mark.e2e)],
                          ids=["plain", "draft-model", "ngram"])
 def test_greedy_equals_one_process(node, extra):
     """Greedy output through the group equals one process, plain and speculative (the
@@ -116,6 +118,7 @@ LONG_PROMPT = " ".join([PROMPT] * 4 + ["Permission is hereby granted, free of ch
                                        "person obtaining a copy of this software"] * 3)
 
 
+@pytest.mark.e2e  # two whole runs of 32 tokens on a 100-token prompt, one through the group (make test-e2e)
 def test_block_drafter_greedy_equals_one_process(node):
     """A DSpark block drafter on rank 0 reads the group's hidden states (rank 0's own
     forward pass): greedy output equals plain greedy in one process, on a prompt past
@@ -149,6 +152,7 @@ def test_backend_missing_refused_by_name(node):
     assert "started, pid" not in node.procs[0].log_text()[start:]  # nothing ran on the node
 
 
+@pytest.mark.e2e  # a fault run: a 2000-token launch whose rank is killed or stopped (make test-e2e)
 @pytest.mark.parametrize("sig,why", [(signal.SIGKILL, "was killed by SIGKILL"),
                                      (signal.SIGSTOP, "is stopped (SIGSTOP)")])
 def test_rank_lost_mid_generation(node, sig, why):

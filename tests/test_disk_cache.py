@@ -21,21 +21,7 @@ from kimi_mlx.server.prompt_cache import KeyedSnapshotCache, PromptCache
 FP = {"checkpoint": "abc", "layers": [0, 4], "dtypes": ["bfloat16"], "role": "test"}
 
 
-@pytest.fixture(autouse=True)
-def _close_stores(monkeypatch):
-    """Close every store a test opened (its writer thread, its folder lock) and let its
-    snapshots go: arrays left alive would count in later tests' MLX peak memory."""
-    opened = []
-    init = DiskSnapshotStore.__init__
-
-    def tracked(self, *a, **kw):
-        init(self, *a, **kw)
-        opened.append(self)
-
-    monkeypatch.setattr(DiskSnapshotStore, "__init__", tracked)
-    yield
-    for store in opened:
-        store.close()
+pytestmark = pytest.mark.usefixtures("close_disk_stores")  # tests/fixtures/stores.py
 
 
 @pytest.fixture(scope="module")

@@ -36,20 +36,7 @@ from kimi_mlx.server.metrics import Metrics
 FP = {"checkpoint": "abc", "layers": [0, 1], "dtypes": ["float32"], "role": "test"}
 
 
-@pytest.fixture(autouse=True)
-def _close_stores(monkeypatch):
-    """Close every store a test opened (writer thread, folder lock)."""
-    opened = []
-    init = DiskSnapshotStore.__init__
-
-    def tracked(self, *a, **kw):
-        init(self, *a, **kw)
-        opened.append(self)
-
-    monkeypatch.setattr(DiskSnapshotStore, "__init__", tracked)
-    yield
-    for store in opened:
-        store.close()
+pytestmark = pytest.mark.usefixtures("close_disk_stores")  # tests/fixtures/stores.py
 
 
 def tiny_snap(seed: int):

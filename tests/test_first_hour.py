@@ -279,8 +279,8 @@ def test_help_texts_say_what_each_command_does():
     assert _option_help(p, "generate", "--num-draft-tokens") == k_help
     assert _option_help(p, "server", "--max-concurrency") == (
         "sequences generated at once by continuous batching (default 4; 1 with "
-        "--draft-model or --draft mtp, the only value allowed there; --draft ngram batches; "
-        "1 = one request at a time)")
+        "--draft mtp or a block drafter, the only value allowed there; --draft ngram and "
+        "draft models batch; 1 = one request at a time)")
     assert _option_help(p, "cluster", "server", "--context") == (
         "tokens per sequence to plan caches for (default: the model's context, or --max-kv-size)")
     assert _option_help(p, "cluster", "launch", "--context") == (

@@ -545,7 +545,8 @@ def test_every_metal_source_has_a_kernel():
     assert files == {spec[0] for spec in kernels.SPECS.values()}
     for name, (file, _, _) in kernels.SPECS.items():
         assert name in kernels.load_sources(file)
-    assert {b[0] for b in BROKEN} == set(kernels.SPECS)
+    # (the quantized-cache kernels' planted bugs: tests/test_metal_kernels_quantized.py)
+    assert {b[0] for b in BROKEN} == {n for n in kernels.SPECS if not n.endswith("_q")}
 
 
 # ---------------------------------------------------------------- dispatch and model
@@ -614,6 +615,8 @@ def test_model_through_kernels_matches_reference_mode(counted):
         if isinstance(c.state, list) and len(c.state) == 2:  # KDA: conv, recurrent state
             assert rel_err(c.state[1], r.state[1]) < tol
     for name, c in counted.items():
+        if name.endswith("_q"):  # a quantized (--kv-bits) cache's kernels: not this cache
+            continue
         assert c.calls > 0, f"the model never called kernel {name}"
 
 

@@ -30,6 +30,8 @@ PARTS = {
     "kda_prefill": ("kda_prefill",),
     "dsa_index_topk": ("dsa_index_topk",),
     "sparse_mla_decode": ("sparse_mla_partial", "sparse_mla_combine"),
+    "dsa_index_topk_q": ("dsa_index_topk_q",),
+    "sparse_mla_decode_q": ("sparse_mla_partial_q", "sparse_mla_combine_q"),
 }
 KERNEL_OF = {part: name for name, parts in PARTS.items() for part in parts}
 
@@ -140,6 +142,22 @@ def run_dispatch_points():
     idx = dsa_ref.dsa_index_topk(qi, w, kx, 5, 11)
     want["sparse_mla_decode"] = dsa_ref.sparse_mla_decode(
         q_lat, q_pe, latent[:, 0], k_pe[:, 0], idx[:, 0], scale)
+
+    # the same over an 8-bit cache (mx.quantize, group 32): latent and index keys
+    qi, w, kx = _dsa_inputs(Di=32)
+    kq = mx.quantize(kx, group_size=32, bits=8)
+    got["dsa_index_topk_q"] = dsa_ref.dsa_prefill_indices_quantized(qi, w, kq, 5, 8,
+                                                                    group_size=32)
+    want["dsa_index_topk_q"] = dsa_ref.dsa_index_topk_q_reference(qi, w, kq, 5, 8,
+                                                                  group_size=32)
+    qi, w, kx = _dsa_inputs(seed=4, L=1, Di=32)
+    kq = mx.quantize(kx, group_size=32, bits=8)
+    lat = mx.quantize(latent, group_size=32, bits=8)
+    got["sparse_mla_decode_q"] = dsa_ref.dsa_sparse_decode_quantized(
+        q_lat, q_pe, lat, k_pe, scale, qi, w, kq, 5, 11, group_size=32)
+    idx = dsa_ref.dsa_index_topk_q_reference(qi, w, kq, 5, 11, group_size=32)
+    want["sparse_mla_decode_q"] = dsa_ref.sparse_mla_decode_q_reference(
+        q_lat, q_pe, [p[:, 0] for p in lat], k_pe[:, 0], idx[:, 0], scale, group_size=32)
     mx.eval(got, want)
     return got, want
 
@@ -154,7 +172,7 @@ def assert_reference_output(got, want, name, exact=True):
     same math, and (exact=False) where another, passing kernel takes part (both within
     the project's tolerance)."""
     for g, w in zip(_flat(got), _flat(want)):
-        if name == "sparse_mla_decode" or not exact:
+        if name.startswith("sparse_mla_decode") or not exact:
             err = selfcheck.rel_err(g, w)
             assert err <= project_tolerance(1, 48), f"{name}: rel err {err}"
         else:
@@ -227,7 +245,7 @@ def test_passing_kernels_are_used_after_their_check(device, caplog):
         for part in parts:
             assert fake.builds[part] == 1 and fake.calls[part] >= 2, (part, fake.calls)
     for name in KERNEL_NAMES:  # kernel outputs, close to the reference
-        if name == "dsa_index_topk":
+        if name.startswith("dsa_index_topk"):
             continue
         for g, w in zip(_flat(got[name]), _flat(want[name])):
             assert selfcheck.rel_err(g, w) <= 1e-5, name

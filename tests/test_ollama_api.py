@@ -12,7 +12,6 @@ import io
 import json
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import httpx
@@ -23,9 +22,9 @@ import openai
 import pytest
 
 from kimi_mlx.generation.request import default_model
-from kimi_mlx.server.engine_base import BaseEngine
-from kimi_mlx.server.jobs import Finished, TokenOut
 from kimi_mlx.testing.servers import served, sibling_server, start_server, stop_server
+
+from fixtures.scripted import TOOL_REPLY, ScriptedEngine
 
 KEY = "sk-ollama-test"
 MICRO = str(default_model())
@@ -317,34 +316,6 @@ def test_tool_history_gives_the_openai_prompt_and_reply(ol, oai):
     assert r.prompt_eval_count > no_tools.prompt_eval_count + 20  # the tools are in the prompt
 
 
-class ScriptedEngine(BaseEngine):
-    """Stands in for the model: answers every job with a fixed token sequence."""
-
-    def __init__(self, tokens):
-        super().__init__()
-        self.tokens = tokens
-
-    def submit(self, job):
-        def run():
-            for t in self.tokens[: job.max_tokens]:
-                if job.cancelled.is_set():
-                    break
-                job.emit(TokenOut(t))
-            job.emit(Finished("stop", len(job.ids), 0, len(self.tokens)))
-        threading.Thread(target=run, daemon=True).start()
-        return job
-
-
-# K3.1's tool-call section, as the model writes it (text of chat_format's markers)
-TOOL_REPLY = (
-    "Let me look.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>"
-    '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
-    '<|open|>argument key="city" type="string"<|sep|>Paris é<|close|>argument<|sep|>'
-    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
-    "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>"
-)
-
-
 def test_tool_calls_parse_streamed_and_not(server):
     real = server[1]
     srv = sibling_server(real, ScriptedEngine(real.tok.encode(TOOL_REPLY, allow_special=True)))
@@ -510,16 +481,16 @@ def test_ollama_npm_client(server, oai, tmp_path):
 # ------------------------------------------------------------------ cluster server
 
 
-def test_cluster_server_speaks_ollama(tmp_path):
+def test_cluster_server_speaks_ollama(micro_pipeline):
     """`kimi-mlx cluster server` builds the same app: the Ollama routes answer through
-    the pipeline with the OpenAI route's greedy reply."""
-    from kimi_mlx.testing.cluster import LocalCluster, ServerProc
+    the pipeline (the session's 3 stages, tests/fixtures/shared.py, only read here) with
+    the OpenAI route's greedy reply."""
+    from kimi_mlx.testing.cluster import ServerProc
     from kimi_mlx.testing.ports import free_ports
 
-    cluster = LocalCluster(tmp_path, n=2, prefix="oll")
     server = None
     try:
-        server = ServerProc(cluster, free_ports(1)[0])
+        server = ServerProc(micro_pipeline, free_ports(1)[0])
         ol, oai = _clients(server.url, key=None)
         r = ol.chat(model="micro", messages=MSGS, options={"temperature": 0, "num_predict": 6})
         o = oai.chat.completions.create(model="micro", messages=MSGS, max_tokens=6, temperature=0)
@@ -532,4 +503,3 @@ def test_cluster_server_speaks_ollama(tmp_path):
     finally:
         if server is not None:
             server.stop()
-        cluster.stop()

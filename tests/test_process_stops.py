@@ -143,6 +143,7 @@ def test_stage_ends_when_its_starter_is_killed(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.e2e  # the whole bench spec run up to its 2 stages, then SIGTERM: ~19 s quiet (make test-e2e)
 def test_sigterm_to_bench_spec_leaves_no_process_and_no_folder(tmp_path):
     tmp = tmp_path / "tmpdir-bench-stop"  # unique: in every stage's command line
     tmp.mkdir()

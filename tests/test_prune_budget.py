@@ -64,7 +64,7 @@ def spread(src, tmp_path_factory):
     out = tmp_path_factory.mktemp("out") / "spread"
     assert cli_main(["prune", "--model", str(src), "--calib", str(code), "--out", str(out),
                      "--seq-len", "96", "--calib-tokens", "1200", "--quiet", "--keep", "0.25",
-                     "--budget", "spread"]) == 0
+                     "--budget", "spread", "--heldout-tokens", "0"]) == 0
     return out
 
 
@@ -178,7 +178,7 @@ def test_the_default_budget_is_spread_at_keep_quarter_and_uniform_above(src, spr
 
     code = write_code_text(tmp_path / "code.txt", n=120)
     args = ["--model", str(src), "--calib", str(code), "--seq-len", "96", "--calib-tokens",
-            "1200", "--quiet"]
+            "1200", "--quiet", "--heldout-tokens", "0"]
     assert cli_main(["prune", *args, "--keep", "0.25", "--out", str(tmp_path / "auto")]) == 0
     assert _kept(tmp_path / "auto") == _kept(spread)
     assert cli_main(["prune", *args, "--keep", "0.5", "--out", str(tmp_path / "half")]) == 0

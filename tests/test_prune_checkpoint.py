@@ -16,7 +16,7 @@ from kimi_mlx.model.config import ModelArgs
 from kimi_mlx.checkpoint.loader import load_model
 from kimi_mlx.prune.calib import load_calibration
 from kimi_mlx.prune.observe import ExpertRecorder, LayerStats, observe
-from kimi_mlx.prune.saliency import DEFAULT_METHOD
+from kimi_mlx.prune.saliency import DEFAULT_GATE, DEFAULT_METHOD, select
 from kimi_mlx.testing.prune import moe_text_config, set_router_bias, write_code_text
 from kimi_mlx.checkpoint.shards import read_header, weight_map
 from kimi_mlx.testing.checkpoints import build_checkpoint, full_config, random_model
@@ -72,7 +72,7 @@ def pruned(src, code, tmp_path_factory):
 
 def test_keep_one_gives_the_same_logits_exactly(src, code, tmp_path, capsys):
     out = tmp_path / "full"
-    code_, _, err = run(prune_args(src, code, out, "--keep", "1.0"), capsys)
+    code_, _, err = run(prune_args(src, code, out, "--keep", "1.0", "--heldout-tokens", "0"), capsys)
     assert code_ == 0, err
     x = mx.array([list(range(5, 70, 3))])
     a, _, _ = load_model(src, verbose=False)
@@ -177,16 +177,25 @@ def test_never_routed_expert_is_counted_zero_and_dropped_first(src, code, tmp_pa
         assert st.count.sum() == K * calib.num_tokens
         assert (np.delete(st.count, DEAD) > 0).any()
     # Some layer may leave another expert unrouted by chance: keep E - 2, so every
-    # never-routed expert must be among the dropped ones, the forced one included.
+    # never-routed expert must be among the dropped ones, the forced one included, by
+    # every method (the selection `prune` makes from these statistics, the command's
+    # default gate and budget) ...
+    unrouted = {l: {j for j, c in enumerate(st.count) if c == 0} for l, st in res.stats.items()}
+    for l, u in unrouted.items():
+        assert DEAD in u and len(u) <= 2, (l, u)
     for method in ("reap", "reap-sum", "frequency", "ean"):
-        out = tmp_path / method
-        code_, _, err = run(prune_args(src, code, out, "--experts", str(E - 2), "--method", method),
-                            capsys)
-        assert code_ == 0, err
-        for l in json.loads((out / "saliency.json").read_text())["layers"]:
-            unrouted = {j for j, c in enumerate(l["count"]) if c == 0}
-            assert DEAD in unrouted and len(unrouted) <= 2
-            assert unrouted <= set(l["dropped"]), (method, l["layer"])
+        sel = select(res.stats, method, E - 2, gate=DEFAULT_GATE, budget="auto")
+        for l, u in unrouted.items():
+            assert u.isdisjoint(sel.kept[l]), (method, l, sel.kept[l])
+    # ... and through the command line (no held-out text, so it calibrates on the same
+    # tokens): the same counts in saliency.json, the unrouted experts dropped.
+    out = tmp_path / "cli"
+    code_, _, err = run(prune_args(src, code, out, "--experts", str(E - 2), "--method", "ean",
+                                   "--heldout-tokens", "0"), capsys)
+    assert code_ == 0, err
+    for l in json.loads((out / "saliency.json").read_text())["layers"]:
+        assert l["count"] == res.stats[l["layer"]].count.tolist()
+        assert unrouted[l["layer"]] <= set(l["dropped"]), l["layer"]
 
 
 def test_streamed_statistics_equal_a_whole_model_forward(src, code):

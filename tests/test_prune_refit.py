@@ -100,7 +100,8 @@ def builds(tmp_path_factory):
     for name, extra in (("plain", []), ("refit", ["--refit-router", "--refit-steps", "100"])):
         outs[name] = base / name
         argv = ["prune", "--model", str(src), "--calib", str(code), "--out", str(outs[name]),
-                "--seq-len", "96", "--calib-tokens", "1200", "--quiet", "--keep", "0.25", *extra]
+                "--seq-len", "96", "--calib-tokens", "1200", "--quiet", "--keep", "0.25",
+                "--heldout-tokens", "0", *extra]
         assert cli_main(argv) == 0
     return src, outs
 

@@ -5,18 +5,17 @@ greedy text), `encode_chat` for the prompt a tool round trip must produce, and t
 event-by-event stream against the non-streamed response."""
 
 import json
-import threading
 
 import httpx
 import openai
 import pytest
 
-from kimi_mlx.server.engine_base import BaseEngine
 from kimi_mlx.generation.request import default_model
-from kimi_mlx.server.jobs import Finished, TokenOut
 from kimi_mlx.server.responses_api import ResponseStore
 from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.testing.servers import served, sibling_server
+
+from fixtures.scripted import ScriptedEngine
 
 KEY = "sk-responses"
 MICRO = str(default_model())
@@ -173,27 +172,6 @@ def test_auth_and_unknown_model(server):
 # ------------------------------------------------------------------ tools (scripted reply)
 
 
-class RecordingEngine(BaseEngine):
-    """Stands in for the model: answers every job with a fixed token sequence and keeps
-    the prompt ids it was given."""
-
-    def __init__(self, tokens):
-        super().__init__()
-        self.tokens, self.prompts = tokens, []
-
-    def submit(self, job):
-        self.prompts.append(list(job.ids))
-
-        def run():
-            for t in self.tokens[: job.max_tokens]:
-                if job.cancelled.is_set():
-                    break
-                job.emit(TokenOut(t))
-            job.emit(Finished("stop", len(job.ids), 0, len(self.tokens)))
-        threading.Thread(target=run, daemon=True).start()
-        return job
-
-
 TOOL_REPLY = (
     "Let me look.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>"
     '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
@@ -209,7 +187,7 @@ CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "descript
 @pytest.fixture(scope="module")
 def scripted(server):
     _, real = server
-    engine = RecordingEngine(real.tok.encode(TOOL_REPLY, allow_special=True))
+    engine = ScriptedEngine(real.tok.encode(TOOL_REPLY, allow_special=True))
     srv = sibling_server(real, engine)
     yield srv, engine, real.tok
     srv.stop()

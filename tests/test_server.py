@@ -19,9 +19,11 @@ from kimi_mlx.server.engine_base import BaseEngine
 from kimi_mlx.text.chat_format import encode_chat
 from kimi_mlx.server.app import create_app
 from kimi_mlx.server.serving import BackgroundServer, load_service, make_service, resolve_api_key
-from kimi_mlx.server.jobs import Finished, TokenOut
+from kimi_mlx.server.jobs import TokenOut
 from kimi_mlx.generation.request import InputError, default_model
 from kimi_mlx.testing.servers import served, sibling_server
+
+from fixtures.scripted import TOOL_REPLY, ScriptedEngine
 
 KEY = "sk-test-key"
 MICRO = str(default_model())
@@ -201,33 +203,6 @@ def test_prompt_cache_hit_gives_cold_greedy_tokens(server, oai):
 
 
 # ------------------------------------------------------------------ tool calls (scripted)
-
-
-class ScriptedEngine(BaseEngine):
-    """Stands in for the model: answers every job with a fixed token sequence."""
-
-    def __init__(self, tokens):
-        super().__init__()
-        self.tokens = tokens
-
-    def submit(self, job):
-        def run():
-            for t in self.tokens[: job.max_tokens]:
-                if job.cancelled.is_set():
-                    break
-                job.emit(TokenOut(t, -0.5, [(t, -0.5)]) if job.logprobs is not None else TokenOut(t))
-            job.emit(Finished("stop", len(job.ids), 0, len(self.tokens)))
-        threading.Thread(target=run, daemon=True).start()
-        return job
-
-
-TOOL_REPLY = (
-    "Let me look.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>"
-    '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
-    '<|open|>argument key="city" type="string"<|sep|>Paris é<|close|>argument<|sep|>'
-    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
-    "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>"
-)
 
 
 @pytest.fixture(scope="module")

@@ -62,11 +62,17 @@ SCHEMA_OF = {t["name"]: t["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module", params=["batched", "one-process", "ngram-draft"])
 def server(request):
-    """The one-process server: batched (4 at once), one at a time, and with `--draft
-    ngram` (a constrained request decodes without the draft, as one with penalties)."""
+    """The one-process server: batched (4 at once), one at a time (the session's cold
+    reference server, tests/fixtures/shared.py: no prompt cache, read only here), and with
+    `--draft ngram` (a constrained request decodes without the draft, as one with
+    penalties)."""
     from kimi_mlx.speculative.settings import DraftSettings
 
-    kw = {"batched": dict(max_concurrency=4), "one-process": dict(max_concurrency=1),
+    if request.param == "one-process":
+        srv, svc = request.getfixturevalue("micro_cold_server")
+        yield svc, srv
+        return
+    kw = {"batched": dict(max_concurrency=4),
           "ngram-draft": dict(max_concurrency=1, drafts=DraftSettings(kind="ngram"))}[request.param]
     srv, svc = start_server(MICRO, None, "micro", 1 << 20, **kw)
     yield svc, srv

@@ -122,7 +122,10 @@ def test_plan_prints_tok_s_per_k(capsys):
     lines = out.splitlines()
     assert out.rstrip().endswith("fits")
     assert "mean acceptance length 3.45 at blocks of 16 positions" in out
-    rows = {l.split()[0]: l.split() for l in lines if l.startswith("  ") and
+    start = next(i for i, l in enumerate(lines) if l.startswith("speculative decoding, one "
+                                                                "sequence through the pipeline"))
+    pipeline = lines[start:start + next(i for i, l in enumerate(lines[start:]) if not l.strip())]
+    rows = {l.split()[0]: l.split() for l in pipeline if l.startswith("  ") and
             l.split()[0] in [str(k) for k in range(9)]}
     plain = float(next(l for l in lines if l.startswith("decode estimate")).split(
         "tokens/s")[0].split()[-1])

@@ -9,16 +9,16 @@ import json
 import os
 import re
 import shutil
-import threading
 import time
 
 import httpx
 import pytest
 
-from kimi_mlx.server.engine_base import BaseEngine
 from kimi_mlx.generation.request import default_model
-from kimi_mlx.server.jobs import Finished, TokenOut
+from kimi_mlx.server.jobs import Finished
 from kimi_mlx.testing.servers import sibling_server
+
+from fixtures.scripted import ScriptedEngine
 
 MICRO = str(default_model())
 KEY = "sk-page-key"
@@ -195,25 +195,6 @@ def test_stop_button_cancels_the_generation_on_the_server(server, page):
     assert not page.is_disabled("#send")
 
 
-class ScriptedEngine(BaseEngine):
-    """Stands in for the model: every job gets the same token sequence."""
-
-    def __init__(self, tokens):
-        super().__init__()
-        self.tokens = tokens
-
-    def submit(self, job):
-        def run():
-            for t in self.tokens[: job.max_tokens]:
-                if job.cancelled.is_set():
-                    break
-                job.emit(TokenOut(t))
-                time.sleep(0.002)
-            job.emit(Finished("stop", len(job.ids), 0, len(self.tokens)))
-        threading.Thread(target=run, daemon=True).start()
-        return job
-
-
 XSS_REPLY = (
     "Planning <b>bold</b> <img src=x onerror=\"window.__xss='reasoning'\"><|close|>think<|sep|>"
     "<|open|>response<|sep|>Here:\n\n<img src=x onerror=\"window.__xss='img'\">\n\n"
@@ -228,7 +209,7 @@ XSS_REPLY = (
 
 def test_model_output_is_sanitized_and_tool_calls_shown(server, page, tmp_path_factory):
     _, real = server
-    srv = _shared(real, engine=ScriptedEngine(real.tok.encode(XSS_REPLY, allow_special=True)))
+    srv = _shared(real, engine=ScriptedEngine(delay=0.002, tokens=real.tok.encode(XSS_REPLY, allow_special=True)))
     try:
         page.goto(srv.url + "/")
         settings(page, max_tokens="400")
@@ -307,7 +288,7 @@ def test_a_request_cancelled_while_queued_is_counted(server):
 
 def test_conversations_new_rename_export_delete(server, page, tmp_path):
     _, real = server
-    srv = _shared(real, engine=ScriptedEngine(real.tok.encode(
+    srv = _shared(real, engine=ScriptedEngine(delay=0.002, tokens=real.tok.encode(
         "Hm.<|close|>think<|sep|><|open|>response<|sep|>Blue.<|close|>response<|sep|><|close|>message<|sep|>",
         allow_special=True)))
     try:

@@ -262,8 +262,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if os.environ.get("OPENBLAS_NUM_THREADS") != "1":  # one BLAS thread per stage, as cluster.bench
         os.execve(sys.executable, [sys.executable, "-m", "kimi_mlx.cluster.bench.hop"] + argv,
                   dict(os.environ, **_threads_env(1)))
-    with tempfile.TemporaryDirectory(prefix="kimi-mlx-hop-bench-") as tmp:
-        return _run(args, Path(tmp))
+    from kimi_mlx.cluster.net.lifetime import Stopped, exit_on_signals
+
+    exit_on_signals()  # in the exec'd process too: SIGTERM / SIGHUP run the `finally`s
+    try:
+        with tempfile.TemporaryDirectory(prefix="kimi-mlx-hop-bench-") as tmp:
+            return _run(args, Path(tmp))
+    except Stopped as e:  # its stage processes are stopped and their folder removed by now
+        print(f"kimi-mlx bench hop: stopped ({e})", flush=True)
+        return 128 + e.signum
 
 
 def _cpu_seconds(pids: Sequence[int]) -> float:

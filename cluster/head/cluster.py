@@ -116,6 +116,7 @@ class Cluster:
         try:
             transport.load(f.fp, assignments, compute, wire, progress=bars.update,
                            force=a.force_load, max_positions=self.context,
+                           planned_tokens=self.context, planned_sequences=a.sequences,
                            kv=(n.kv_bits, n.kv_group_size))
         except Exception:
             transport.shutdown()

@@ -133,6 +133,7 @@ class ClusterEngine(BaseEngine):
 
     def _run(self, job) -> None:
         from kimi_mlx.server.jobs import Started, stream_to_job
+        from kimi_mlx.server.prompt_cache import DEFAULT_EVERY, snapshot_points
 
         want_lp = job.logprobs is not None
         choose = head_chooser(job) if job.logits_processors else None
@@ -157,6 +158,9 @@ class ClusterEngine(BaseEngine):
             media = self._media(job)
             if media is not None:
                 extra["media"] = media
+            # no prompt cache: chunks end at the policy's points all the same, so a reply
+            # is computed as a snapshot-restored one would be (one process does the same)
+            extra["stops"] = snapshot_points(len(job.ids), 0, job.segment_ends, DEFAULT_EVERY)
             gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
                                               return_logprobs=want_lp or choose is not None,
                                               choose=choose, **extra)

@@ -97,6 +97,7 @@ class Pipeline:
                       choose: Optional[Callable[[object], Tuple[int, object]]] = None,
                       restore: Optional[Tuple[str, int]] = None,
                       snapshots: Optional[Dict[int, str]] = None,
+                      stops: Sequence[int] = (),
                       batcher: Optional["Batcher"] = None,
                       media: Optional[Tuple[int, object]] = None,
                       score: Optional[int] = None, scores: Optional[list] = None,
@@ -120,6 +121,9 @@ class Pipeline:
                 `StageFailure` whose message says `net.cache_keys.CACHE_MISS`).
             snapshots: {position e: key}: every stage keeps a snapshot of the first e
                 prompt tokens (n < e < len(prompt)) under key; chunks end there.
+            stops: more positions where chunks end, with no snapshot (a cache-free
+                prefill ends its chunks at the snapshot policy's points, so that its
+                float operations are those of a reply restored from a snapshot).
             batcher: decode through this `Batcher` (one batched message per step for
                 all the sessions decoding at once) instead of one message per token.
             media: (pad id, rows mx.array [P, hidden]): the prompt's images, the vision
@@ -157,7 +161,8 @@ class Pipeline:
         ok = False
         try:
             seq = 0
-            chunks = prefill_chunks(len(prompt), self.prefill_chunk, start, list(snapshots))
+            chunks = prefill_chunks(len(prompt), self.prefill_chunk, start,
+                                    list(snapshots) + list(stops))
             for off, n in chunks:
                 extra = {}
                 key = snapshots.get(off + n)

@@ -268,7 +268,14 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
 
     # -- load ----------------------------------------------------------------------------
     def load(self, fingerprint, stages, compute_dtype, wire_dtype, progress=None, force=False,
-             max_positions: int = 0, kv=(None, 64)):
+             max_positions: int = 0, planned_tokens: int = 0, planned_sequences: int = 0,
+             kv=(None, 64)):
+        """Load every stage's layers (`LoadRequest`, one thread per stage); returns a
+        `LoadResult` per stage. `max_positions`: the head's context when past the model's;
+        `planned_tokens` x `planned_sequences`: what the stages size their wired memory
+        for (the head's plan; 0: the trained context x one sequence); `kv`: (kv_bits or
+        None, group size) of the DSA caches (--kv-bits). Raises
+        StageFailure naming each stage that failed."""
         self._connect(stages)
         self._fingerprint = fingerprint
         self._wire_dtype = wire_dtype or compute_dtype or "float32"  # captured hiddens
@@ -281,8 +288,9 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
                 fingerprint=fingerprint, start=stages[i].start, end=stages[i].end, stage=i,
                 num_stages=n, next_address=stages[i + 1].node.address if i + 1 < n else "",
                 compute_dtype=compute_dtype, wire_dtype=wire_dtype, plan_id=self.head_id,
-                force=force, max_positions=max_positions, kv_bits=kv[0] or 0,
-                kv_group_size=kv[1] or 64)
+                force=force, max_positions=max_positions, planned_tokens=planned_tokens,
+                planned_sequences=planned_sequences,
+                kv_bits=kv[0] or 0, kv_group_size=kv[1] or 64)
             try:
                 for p in self._stubs[i].Load(req, timeout=self.load_timeout):
                     if progress is not None:

@@ -5,7 +5,7 @@ import warnings
 
 from kimi_mlx.cluster.net import stage_pb2 as kimi__mlx_dot_cluster_dot_net_dot_stage__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -38,17 +38,24 @@ def rchar() -> int:
     return -1
 
 
-def _wire_stage(path: Path, spec: StageSpec, head_context: int, who: str) -> None:
+def _wire_stage(path: Path, spec: StageSpec, request, who: str) -> None:
     """MLX's wired limit for this stage's layers and their caches before loading them
-    (`placement.wired`; a no-op without Metal). Raises `WiredLimitError` (one line with
-    the sysctl to run) when they exceed the Mac's GPU working set."""
+    (`placement.wired`; a no-op without Metal), planned as the head planned them: the
+    LoadRequest's `planned_tokens` per sequence x `planned_sequences` (the head's
+    --max-kv-size / context and --max-concurrency); a head that sends neither (0) gets the
+    trained context, or its longer `max_positions`, x one sequence. Raises
+    `WiredLimitError` (one line with the sysctl to run) when they exceed the Mac's GPU
+    working set."""
     from kimi_mlx.model.config import ModelArgs, read_config
     from kimi_mlx.placement.wired import stage_plan, wire
 
     def plan():
-        trained = ModelArgs.from_config(read_config(path)).max_position_embeddings
+        tokens = int(request.planned_tokens)
+        if tokens <= 0:
+            trained = ModelArgs.from_config(read_config(path)).max_position_embeddings
+            tokens = max(trained, int(request.max_positions or 0))
         return stage_plan(path, spec.start, spec.end, f"{who} layers [{spec.start}, {spec.end})",
-                          context=max(trained, int(head_context or 0)))
+                          context=tokens, sequences=max(1, int(request.planned_sequences)))
 
     wire(plan)
 
@@ -127,6 +134,11 @@ class LoadRPC:
                 for live in list(self.sessions.values()):
                     self._free(live, "replaced by a new load")
             if self.runner is not None and self.spec == spec:
+                try:  # this head's plan may differ from the one loaded for (context, sequences)
+                    _wire_stage(path, spec, request, self.who)
+                except ValueError as e:  # WiredLimitError: the one line with the sysctl
+                    yield pb.LoadProgress(phase="error", message=str(e))
+                    return
                 self.next_address = request.next_address
                 self._set_positions(request.max_positions)
                 tensor_bytes, disk, secs = self.load_stats
@@ -134,7 +146,7 @@ class LoadRPC:
                                       message="already loaded", tensor_bytes=tensor_bytes,
                                       disk_read_bytes=disk, seconds=secs)
                 return
-            yield from self._load(spec, path, request.next_address, request.max_positions)
+            yield from self._load(spec, path, request.next_address, request)
         finally:
             self.load_lock.release()
 
@@ -165,7 +177,10 @@ class LoadRPC:
             self.runner.max_positions = max(self.runner.args.max_position_embeddings,
                                             int(head_context))
 
-    def _load(self, spec: StageSpec, path: Path, next_address: str, head_context: int = 0):
+    def _load(self, spec: StageSpec, path: Path, next_address: str, request):
+        """Load `spec` of `path` (its LoadRequest `request`: the head's context and plan)
+        on the MLX thread, yielding LoadProgress."""
+        head_context = int(request.max_positions or 0)
         self.state, self.runner, self.spec = "loading", None, None
         self.prompt_cache.clear()  # snapshots of the layers held before
         self.prompt_cache.attach_disk(None)  # their folder too (queued writes finish)
@@ -192,7 +207,7 @@ class LoadRPC:
                     if bar:
                         bar(d, t)
 
-                _wire_stage(path, spec, head_context, self.who)
+                _wire_stage(path, spec, request, self.who)
                 res = loader(path, spec, report)
                 events.put(("done", res, rchar()))
             except Exception as e:  # CheckpointError, ConfigError, MLX errors

@@ -57,11 +57,14 @@ class RankProcess:
 
     `cache_bytes`, `cache_dir`, `cache_disk_bytes`: the node's `cluster serve --cache-bytes /
     --prompt-cache-dir / --prompt-cache-disk-bytes`, handed to the rank's prompt cache.
+    `plan`: (tokens per sequence, sequences) the rank's wired memory is planned for (the
+    head's `RankRequest.planned_tokens` / `planned_sequences`; 0: the trained context /
+    one sequence).
     """
 
     def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str,
                  cache_bytes: Optional[int] = None, cache_dir=None, cache_disk_bytes: int = 0,
-                 stop_timeout: float = STOP_TIMEOUT, kv=(None, 64)):
+                 stop_timeout: float = STOP_TIMEOUT, plan=(0, 0), kv=(None, 64)):
         self.rank, self.node_id, self.stop_timeout = rank, node_id, stop_timeout
         if backend == "jaccl":  # MLX_RANK, MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES
             from kimi_mlx.cluster.net.jaccl import rank_env
@@ -79,7 +82,8 @@ class RankProcess:
              "--kv-bits", str(kv[0] or 0), "--kv-group-size", str(kv[1] or 64)]
             + ([] if cache_bytes is None else ["--cache-bytes", str(cache_bytes)])
             + ([] if cache_dir is None else ["--prompt-cache-dir", str(cache_dir),
-                                             "--prompt-cache-disk-bytes", str(cache_disk_bytes)]),
+                                             "--prompt-cache-disk-bytes", str(cache_disk_bytes)])
+            + ["--planned-tokens", str(int(plan[0])), "--planned-sequences", str(int(plan[1]))],
             env=child_env(env), stdin=subprocess.DEVNULL)
         self._stopped_seen = 0
         self._lock = threading.Lock()

@@ -318,6 +318,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
         rank = RankProcess(path, request.rank, request.size, request.backend, request.hosts,
                            self.node_id, cache_bytes=self.cache_bytes,
                            cache_dir=self.cache_dir, cache_disk_bytes=self.cache_disk_bytes,
+                           plan=(request.planned_tokens, request.planned_sequences),
                            kv=(request.kv_bits or None, request.kv_group_size or 64))
         context.add_callback(lambda: rank.kill("the head's lease ended: stream cancelled or "
                                                "its connection lost"))

@@ -85,7 +85,7 @@ class BatchHost:
         self.model = rows
         self.eos_ids = engine.eos_ids
         self.max_concurrency = engine.max_concurrency
-        self._stopping, self._jobs, self.metrics = engine._stopping, engine._jobs, engine.metrics
+        self.metrics = engine.metrics
         self.prompt_cache = None
         if engine.prompt_cache is not None:
             counter = engine._lookups.labels if engine._lookups is not None else None
@@ -94,6 +94,12 @@ class BatchHost:
                 (lambda r: counter(r).inc()) if counter is not None else None)
 
     feeds_media_by_id = False  # `GroupRows` takes image rows per prefill chunk (MEDIA)
+
+    def stopping(self) -> bool:
+        return self.engine.stopping()
+
+    def next_job(self, block: bool = True):
+        return self.engine.next_job(block)
 
     def batch_drafts(self):
         """The engine's batched n-gram drafts (`BaseEngine.batch_drafts`), or None."""
@@ -118,14 +124,14 @@ class BatchHost:
     def active(self, n: int) -> None:
         self.engine.active = n
 
-    def _start_cache(self, job):
+    def start_cache(self, job):
         """(cache [RowCache], prompt positions it holds) for a job."""
         if self.prompt_cache is not None and job.score is None:
             row, n = self.prompt_cache.fetch(job.cache_key, job.segment_ends)
             return [row], n
         return [self.model.new_row()], 0
 
-    def _models(self, cache):
+    def cache_models(self, cache):
         return [(_Logits(self.model), cache)]
 
     def snapshot_points(self, ids: Sequence[int], start: int,

@@ -505,7 +505,8 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
     process, bounded by `cache_bytes` (None: `prompt_cache.default_cache_bytes` there;
     the nodes' ranks take their node's `cluster serve --cache-bytes`), with a disk tier
     in `cache_dir` of at most `cache_disk_bytes` (`cluster server --prompt-cache-dir`; the
-    nodes' ranks take their node's). Raises what `form_group` raises (the server then
+    nodes' ranks take their node's). Every rank wires memory (`placement.wired.rank_plan`)
+    for `context` tokens x the sequences decoded together. Raises what `form_group` raises (the server then
     ends, naming it)."""
     from kimi_mlx.cluster.tensor.group import TensorGroup
     from kimi_mlx.cluster.tensor.launch import check_fits, form_group
@@ -514,6 +515,9 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
     cached = prompt_cache is not None and (speculation is None or batched)
     rank0_cache = (dict(cache_bytes=cache_bytes, cache_dir=cache_dir, disk_bytes=cache_disk_bytes)
                    if cached else None)
+    # every rank wires memory for the caches it will hold: `context` tokens x the rows
+    # decoded together (`TensorEngine`: max_concurrency when batched, else one)
+    plan = (context, max(1, int(max_concurrency)) if batched else 1)
 
     def form(excluded, epoch, cancelled=lambda: False):
         cluster.excluded = set(excluded)
@@ -521,7 +525,8 @@ def start_tensor_engine(cluster, eos_ids, metrics, speculation, *, max_queue: in
         check = ((lambda accepted: check_fits(cluster.model_dir, accepted, context))
                  if excluded else None)
         transport, group, model = form_group(cluster, watch, backend, relay=True, epoch=epoch,
-                                             check=check, cancelled=cancelled, store=rank0_cache)
+                                             check=check, cancelled=cancelled, store=rank0_cache,
+                                             plan=plan)
         ranks = [(i + 1, name) for i, name in enumerate(watch.names)]
         return transport, group, model, watch, ranks
 

@@ -46,7 +46,7 @@ def check_fits(model_dir, accepted, context: int) -> None:
 
 def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
                relay: bool = False, epoch: int = 0, check=None, cancelled=lambda: False,
-               store=None):
+               store=None, plan=(0, 0)):
     """Form the group (this head rank 0, the accepted nodes ranks 1..N, each started by its
     node's `StartRank` under `watch`) and load this head's slices.
 
@@ -58,6 +58,9 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
     `cancelled`: with `relay`, give up (RuntimeError, everything closed, the host file
     removed) once it returns True while rank 0 joins and loads (a server stopping).
     `store`: with `relay`, rank 0's prompt-cache settings for its process (`Rank0Process`).
+    `plan`: (tokens per sequence, sequences) every rank sizes its wired memory for (the
+    head's context and the sequences it decodes together; 0: the trained context / one
+    sequence), sent in each `RankRequest` and handed to rank 0.
     Returns (transport, group, model): with `relay`, group is the `Rank0Process` and model
     a stand-in carrying only the checkpoint's `args`. Raises TensorSetupError (naming the
     node), RuntimeError, ValueError or OSError after closing what it opened.
@@ -113,11 +116,14 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
 
             watch.rank0 = Rank0Process(cluster.model_dir, backend, group_env, epoch,
                                        hosts=None if backend == "jaccl" else hosts,
-                                       store=store, cancelled=cancelled, kv=kv)
+                                       store=store, cancelled=cancelled, plan=plan,
+                                       kv=kv)
         try:
             watch.start([(n.node_id, transport.stub_for(n.address)) for n, _ in accepted],
                         [pb.RankRequest(fingerprint=cluster.fp, rank=i + 1, size=len(addresses),
                                         backend=backend, hosts=hosts, head=transport.head_id,
+                                        planned_tokens=int(plan[0]),
+                                        planned_sequences=int(plan[1]),
                                         kv_bits=kv[0] or 0, kv_group_size=kv[1])
                          for i in range(len(accepted))])
             if relay:
@@ -135,7 +141,7 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
             os.unlink(hostfile)
         from kimi_mlx.cluster.tensor.rank import wire_rank
 
-        wire_rank(cluster.model_dir, group, "rank 0")
+        wire_rank(cluster.model_dir, group, "rank 0", *plan)
         model, _ = load_sharded(cluster.model_dir, group)
         model.set_kv_quant(*kv)
     except BaseException:

@@ -25,7 +25,8 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
         ids: the prompt's token ids. key: its cache key (`Job.cache_key`: ids with image
             pads as (pad id, digest)); default the ids.
         index / store: rank 0's record of snapshot prefixes and its own shard's
-            `KeyedSnapshotCache`; None / None: no prompt cache.
+            `KeyedSnapshotCache`; None / None: no prompt cache (the chunks then end at
+            the same policy points all the same, as one process's `Engine.prefill`).
         step: prefill tokens per forward command.
         count: called with "hit" (the longest remembered prefix restored), "shorter" (a
             rank had lost it: a shorter one all held), "miss" (full prefill: none
@@ -60,13 +61,16 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
             else:
                 count("hit" if cands and cached == cands[0][0] else "shorter" if cached else "miss")
         snaps = index.plan(key, cached, segment_ends) if index is not None else {}
+        # without a prompt cache the chunks still end at the policy's points, so that a
+        # reply from a snapshot and a cache-free one run the same float operations
+        stops = set(snaps) if index is not None else set(_policy_points(ids, cached, segment_ends))
         if callable(media):  # the tower runs only when a chunk to prefill holds pads
             pad, rows = media.pad_id, None
         else:
             pad, rows = media if media is not None else (None, None)
         before = ids[:cached].count(pad) if pad is not None else 0  # rows already cached
         pos = cached
-        for end in sorted(set(snaps) | {len(ids) - 1}):
+        for end in sorted(stops | {len(ids) - 1}):
             while pos < end:
                 chunk = ids[pos:min(pos + step, end)]
                 part = None
@@ -85,3 +89,10 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
         raise
     return target
 
+
+def _policy_points(ids: Sequence[int], start: int, segment_ends: Sequence[int]) -> list:
+    """Where a cache-free prefill stops: `server.prompt_cache.snapshot_points` with its
+    default spacing, as the one-process `Engine.snapshot_points` does without a cache."""
+    from kimi_mlx.server.prompt_cache import DEFAULT_EVERY, snapshot_points
+
+    return snapshot_points(len(ids), start, segment_ends, DEFAULT_EVERY)

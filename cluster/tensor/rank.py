@@ -31,13 +31,16 @@ def _remove_group_files() -> None:
                 pass
 
 
-def wire_rank(model_path, group, who: str) -> None:
+def wire_rank(model_path, group, who: str, tokens: int = 0, sequences: int = 0) -> None:
     """MLX's wired limit for this rank's slices and caches before loading them
-    (`placement.wired.rank_plan`; a no-op without Metal). Raises `WiredLimitError` (one
-    line with the sysctl to run) when they exceed the Mac's GPU working set."""
+    (`placement.wired.rank_plan`; a no-op without Metal), the caches of `sequences`
+    sequences of `tokens` tokens (the head's plan, `RankRequest.planned_tokens` /
+    `planned_sequences`; 0: the trained context / one sequence). Raises `WiredLimitError`
+    (one line with the sysctl to run) when they exceed the Mac's GPU working set."""
     from kimi_mlx.placement.wired import rank_plan, wire
 
-    wire(lambda: rank_plan(model_path, group.size(), group.rank(), who))
+    wire(lambda: rank_plan(model_path, group.size(), group.rank(), who,
+                           context=int(tokens) or None, sequences=max(1, int(sequences))))
 
 
 def rank_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -63,6 +66,11 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--kv-bits", type=int, default=0,
                    help="the DSA caches' format: 0 the model dtype, 8 8-bit (`--kv-bits`)")
     p.add_argument("--kv-group-size", type=int, default=64, help="values per scale (8-bit)")
+    p.add_argument("--planned-tokens", type=int, default=0,
+                   help="tokens per sequence this rank's wired memory is planned for (the "
+                        "head's context; default 0: the trained context)")
+    p.add_argument("--planned-sequences", type=int, default=0,
+                   help="sequences decoded together, for the same plan (default 0: one)")
     a = p.parse_args(argv)
     who = f"rank {os.environ.get('MLX_RANK', '?')}" + (f" on node {a.name}" if a.name else "")
     from kimi_mlx.checkpoint.ranged import load_sharded
@@ -74,7 +82,7 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
         _remove_group_files()
         print(f"[tensor] {who}: joined a {a.backend} group of {group.size()}", file=sys.stderr,
               flush=True)
-        wire_rank(a.model, group, who)
+        wire_rank(a.model, group, who, a.planned_tokens, a.planned_sequences)
         model, _ = load_sharded(a.model, group)
         model.set_kv_quant(a.kv_bits or None, a.kv_group_size)
         print(f"[tensor] {who}: loaded its slices of {a.model}", file=sys.stderr, flush=True)

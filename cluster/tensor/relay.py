@@ -315,6 +315,8 @@ class Rank0Process:
             "cache_bytes" (int bytes, None: `prompt_cache.default_cache_bytes` in the
             child), "cache_dir" (the disk tier's folder or None) and "disk_bytes" (int).
             After `wait_ready`, `store` is a `ChildStore` (or None: the child has none).
+        plan: (tokens per sequence, sequences) its wired memory is planned for
+            (`rank.wire_rank`; 0: the trained context / one sequence).
         cancelled / timeout: give up (RuntimeError) when `cancelled()` or after `timeout` s
             while the process imports (the constructor returns once it has its settings).
     Raises RuntimeError naming the child's failure or its exit (also from `wait_ready`).
@@ -322,10 +324,10 @@ class Rank0Process:
 
     def __init__(self, model_dir, backend: str, env: dict, epoch: int = 0,
                  hosts: Optional[str] = None, store: Optional[dict] = None,
-                 cancelled=lambda: False, timeout: float = 120.0, kv=(None, 64)):
+                 cancelled=lambda: False, timeout: float = 120.0, plan=(0, 0), kv=(None, 64)):
         self.epoch = epoch
-        config = {"model": str(model_dir), "backend": backend, "env": dict(env),
-                  "hosts": hosts, "cache_bytes": 0, "cache_dir": None, "disk_bytes": 0,
+        config = {"model": str(model_dir), "backend": backend, "env": dict(env), "hosts": hosts,
+                  "cache_bytes": 0, "cache_dir": None, "disk_bytes": 0, "plan": list(plan),
                   "kv_bits": kv[0], "kv_group_size": kv[1]}
         if store is not None:
             config.update(cache_bytes=store.get("cache_bytes"), cache_dir=(
@@ -612,7 +614,7 @@ def _relay(a, conn, held: dict) -> int:
 
             _pdeathsig(signal.SIGTERM)
         t1 = time.monotonic()
-        wire_rank(a.model, group, "rank 0 (this head's rank process)")
+        wire_rank(a.model, group, "rank 0 (this head's rank process)", *cfg.get("plan", (0, 0)))
         model, _ = load_sharded(a.model, group)
         model.set_kv_quant(cfg.get("kv_bits") or None, int(cfg.get("kv_group_size") or 64))
         fp = (rank_fingerprint(a.model, model, 0, group.size())

@@ -141,6 +141,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`kimi-mlx bench WHAT`; returns the exit status. SIGTERM and SIGHUP stop it as
+    Ctrl-C does (`lifetime.exit_on_signals`): the processes a bench started (stages,
+    ranks, servers) are stopped and its temporary folders removed by their `finally`s,
+    then it exits 128 + the signal (130 for SIGINT)."""
+    from kimi_mlx.lifetime import Stopped, exit_on_signals
+
+    restore = exit_on_signals()
+    try:
+        return _run(args)
+    except Stopped as e:
+        print(f"kimi-mlx bench {args.what}: stopped ({e})", flush=True)
+        return 128 + e.signum
+    except KeyboardInterrupt:
+        print(f"kimi-mlx bench {args.what}: stopped (SIGINT)", flush=True)
+        return 130
+    finally:
+        restore()
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.what == "model":
         from kimi_mlx.bench.model import main
 

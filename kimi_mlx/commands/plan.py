@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List
+from typing import List, Optional
 
 from kimi_mlx.model.config import QUANT_DEFAULT_GROUP, QUANT_EXPERT_BITS, QUANT_GROUP_SIZES, QUANT_TRUNK_BITS
 
-from kimi_mlx.placement.layer_bytes import DEFAULT_MODEL_ID, BuildSpec, ModelBytes, model_bytes
+from kimi_mlx.placement.layer_bytes import (DEFAULT_MODEL_ID, KV_CACHE_BITS,
+                                            KV_CACHE_DEFAULT_GROUP, KV_CACHE_GROUP_SIZES,
+                                            BuildSpec, ModelBytes, model_bytes)
 from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S,
                                                choose_for_server, recommend,
                                                snapshot_bytes_per_rank, tensor_plan_for,
                                                tensors_of)
 from kimi_mlx.placement.verify_cost import (DEFAULT_DRAFT_BLOCK, DSPARK_ACCEPTANCE_LENGTH,
-                                            k_table, parse_acceptance)
+                                            k_table, parse_acceptance, tensor_k_table)
 from kimi_mlx.placement.planner import (
     DEFAULT_CHIP, DEFAULT_CONTEXT, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
     StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs, planned_context,
@@ -86,6 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "or uniform (independent uniform routing: the upper bound)")
     p.add_argument("--max-draft-tokens", type=int, default=16,
                    help="largest k in the speculative table (default 16)")
+    p.add_argument("--kv-bits", type=int, choices=KV_CACHE_BITS, default=None,
+                   help="plan the quantized DSA cache (the MLA latent and the indexer keys "
+                        "in MLX's affine format, the rope keys bf16), printed beside bf16")
+    p.add_argument("--kv-group-size", type=int, choices=KV_CACHE_GROUP_SIZES,
+                   default=KV_CACHE_DEFAULT_GROUP,
+                   help=f"with --kv-bits (default {KV_CACHE_DEFAULT_GROUP})")
 
 
 def _planner(args) -> StagePlanner:
@@ -178,7 +186,8 @@ def _summary(plan: Plan, model: ModelBytes, planner: StagePlanner, wired_given: 
 
         lines.append(
             f"prompt-cache snapshot on disk (--prompt-cache-dir; one file per snapshot, "
-            f"KDA state + DSA cache of one sequence, bf16) at {plan.context} tokens: "
+            f"KDA state + DSA cache of one sequence, {model.kv_format()}) at {plan.context} "
+            "tokens: "
             + _sizes(snap) + (" per stage" if len(snap) > 1 else "")
             + f"; the default --prompt-cache-disk-bytes ({DEFAULT_DISK_BYTES / GiB:.0f} GiB) "
             f"holds {DEFAULT_DISK_BYTES // max(max(snap), 1)} of them"
@@ -251,6 +260,10 @@ def run(args) -> int:
             build = BuildSpec(keep, args.q_bits, args.q_group_size, args.expert_bits,
                               args.expert_group_size)
             model = model_bytes(args.model, build)
+        bf16 = model  # the cache as the model's dtype, beside the --kv-bits one
+        kv_bits = getattr(args, "kv_bits", None)
+        if kv_bits is not None:
+            model = model.with_kv_bits(kv_bits, args.kv_group_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"kimi-mlx plan: error: {e}", file=sys.stderr)
         return 2
@@ -281,13 +294,19 @@ def run(args) -> int:
     print()
     for line in _summary(plan, model, planner, args.wired_limit_mb is not None):
         print(line)
+    tensor = None
     if len(nodes) > 1:
         print()
-        for line in _versus_tensor(args, plan, planner, nodes, build):
+        lines, tensor = _versus_tensor(args, plan, planner, nodes, build)
+        for line in lines:
             print(line)
-    if model.num_experts and plan.sequences == 1:
+    if getattr(args, "kv_bits", None) is not None:
+        print()
+        for line in _kv_versus_bf16(args, plan, model, bf16, planner, nodes, build):
+            print(line)
+    if model.num_experts:
         try:
-            spec = _speculative(args, plan, model, planner)
+            spec = _speculative(args, plan, model, planner, tensor)
         except ValueError as e:
             print(f"kimi-mlx plan: error: {e}", file=sys.stderr)
             return 2
@@ -298,10 +317,13 @@ def run(args) -> int:
     return 0
 
 
-def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner) -> List[str]:
-    """Predicted tok/s per k of a block drafter on this plan (one sequence through the
-    pipeline): `kimi_mlx.placement.verify_cost`, with the distinct-experts curve of
-    `kimi_mlx.placement.expert_union`.
+def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner,
+                 tensor=None) -> List[str]:
+    """Predicted tok/s per k of a block drafter on this plan, the plan's sequences as rows
+    verified together (`--max-concurrency`), through the pipeline and, given `tensor`
+    ((config, tensors, TensorPlan, fits) from `_versus_tensor`), through the tensor group
+    over JACCL and the TCP ring: `kimi_mlx.placement.verify_cost`, with the
+    distinct-experts curve of `kimi_mlx.placement.expert_union`.
 
     Raises:
         ValueError: a bad --draft-acceptance / --draft-block-size / --max-draft-tokens."""
@@ -312,14 +334,23 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner) -> 
     acceptance, how = parse_acceptance(args.draft_acceptance, args.draft_block_size)
     uniform = args.expert_union == "uniform"
     curve = UnionCurve.uniform_bound() if uniform else load_curve()
-    plain, rows = k_table(plan, model, acceptance, planner.hop_latency_s,
-                          range(1, args.max_draft_tokens + 1), args.draft_ms / 1e3, curve)
+    B = plan.sequences
+    ks = range(1, args.max_draft_tokens + 1)
+    plain, rows = k_table(plan, model, acceptance, planner.hop_latency_s, ks,
+                          args.draft_ms / 1e3, curve, rows=B)
     E, k0 = model.num_experts, model.experts_per_token
+    who = ("one sequence" if B == 1 else
+           f"{B} sequences verified together (--max-concurrency {B}: one [{B}, k + 1] pass)")
     lines = [
-        f"speculative decoding, one sequence through the pipeline: {how}"
+        f"speculative decoding, {who} through the pipeline: {how}"
         + (f"; drafter {args.draft_ms:g} ms per step" if args.draft_ms else ""),
-        f"verify step of k drafts = one target pass over k + 1 tokens: trunk read once, routed "
-        f"experts x D(k+1) distinct per layer, caches once (kimi_mlx/placement/verify_cost.py)",
+        (f"verify step of k drafts = one target pass over k + 1 tokens: trunk read once, routed "
+         f"experts x D(k+1) distinct per layer, caches once (kimi_mlx/placement/verify_cost.py)"
+         if B == 1 else
+         f"verify step of k drafts = one target pass over {B} rows x (k + 1) tokens: trunk "
+         f"read once, routed experts x D({B} rows of k+1) distinct per layer (the union over "
+         f"all {B}(k + 1) tokens), each row's caches once; tokens/step and tok/s are all "
+         f"{B} rows' (kimi_mlx/placement/verify_cost.py)"),
         (f"D(n) = {E} (1 - (1 - {k0}/{E})^n): uniform independent routing, the upper "
          f"bound (--expert-union uniform)" if uniform else
          f"D(n) = P (1 - (1 - {k0}/P)^(n^beta)), P = rho x {E}, rho = {curve.rho_mean:.3f} "
@@ -329,15 +360,42 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner) -> 
          f"assumed to hold at E/top-k = {E / k0:g}; uniform routing would read D(16) = "
          f"{union_experts(16, E, k0):.0f} (--expert-union uniform)"),
     ]
+    lines += _k_lines(plain, rows)
+    if tensor is None:
+        return lines
+    targs, tensors, tp, fits = tensor
+    best = {"pipeline": (max([plain] + rows, key=lambda r: r.tokens_per_s), plain)}
+    for link, lat in (("JACCL", args.jaccl_latency_us * 1e-6),
+                      ("TCP ring", args.tcp_latency_us * 1e-6)):
+        t_plain, t_rows = tensor_k_table(tp, tensors, targs, plan.context, acceptance, lat, ks,
+                                         args.draft_ms / 1e3, curve, rows=B)
+        if fits:
+            best[f"tensor over {link}"] = (max([t_plain] + t_rows, key=lambda r: r.tokens_per_s),
+                                           t_plain)
+        lines += ["", f"speculative decoding, {who} through the tensor group of {tp.ranks} "
+                  f"Macs over {link} ({args.jaccl_latency_us if link == 'JACCL' else args.tcp_latency_us:g} us x "
+                  f"{tp.collectives} collectives per step, any k): the largest rank's share "
+                  f"of the same reads" + ("" if fits else " (the group does NOT fit)")]
+        lines += _k_lines(t_plain, t_rows)
+    lines += ["", f"what drafts buy at {B} sequence(s) (best k of each, tok/s of all rows; plain "
+              "in brackets): " + "; ".join(
+                  f"{name} {r.tokens_per_s:.1f} at k = {r.k} ({p.tokens_per_s:.1f})"
+                  for name, (r, p) in best.items())]
+    return lines
+
+
+def _k_lines(plain, rows) -> List[str]:
+    """The per-k table (k = 0 first) and its best k, as `_speculative` prints them."""
     head = ("k", "tokens/step", "experts/layer", "GB/step", "ms/step", "tok/s", "vs plain")
-    table = [("0 (plain)", "1.00", f"{plain.distinct:.0f}", _gb(int(plain.read_bytes)),
-              f"{plain.seconds * 1e3:.1f}", f"{plain.tokens_per_s:.1f}", "1.00x")]
+    table = [("0 (plain)", f"{plain.tokens_per_step:.2f}", f"{plain.distinct:.0f}",
+              _gb(int(plain.read_bytes)), f"{plain.seconds * 1e3:.1f}",
+              f"{plain.tokens_per_s:.1f}", "1.00x")]
     for r in rows:
         table.append((str(r.k), f"{r.tokens_per_step:.2f}", f"{r.distinct:.0f}",
                       _gb(int(r.read_bytes)), f"{r.seconds * 1e3:.1f}",
                       f"{r.tokens_per_s:.1f}", f"{r.speedup:.2f}x"))
     widths = [max(len(t[j]) for t in table + [head]) for j in range(len(head))]
-    lines.append("  " + "  ".join(h.rjust(w) for h, w in zip(head, widths)))
+    lines = ["  " + "  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines += ["  " + "  ".join(c.rjust(w) for c, w in zip(t, widths)) for t in table]
     best = max(rows, key=lambda r: r.tokens_per_s)
     if best.tokens_per_s > plain.tokens_per_s:
@@ -350,8 +408,10 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner) -> 
     return lines
 
 
-def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> List[str]:
-    """Pipeline vs tensor parallelism over the same Macs (kimi_mlx/placement/tensor_parallel.py)."""
+def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build):
+    """Pipeline vs tensor parallelism over the same Macs (kimi_mlx/placement/tensor_parallel.py).
+    Returns (lines, (config, tensors, TensorPlan, fits) or None when no tensor group is
+    possible)."""
     from kimi_mlx.model.shard import ShardError
 
     jaccl, tcp = args.jaccl_latency_us * 1e-6, args.tcp_latency_us * 1e-6
@@ -361,7 +421,8 @@ def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> Lis
              "kimi_mlx/placement/tensor_parallel.py):"]
     try:
         targs, tensors = tensors_of(args.model, build)
-        tp = tensor_plan_for(tensors, targs, [n.bandwidth_bytes_per_s for n in nodes], plan.context)
+        tp = tensor_plan_for(tensors, targs, [n.bandwidth_bytes_per_s for n in nodes], plan.context,
+                             **_kv(args))
     except ShardError as e:
         lines.append(f"  tensor: not possible ({e})")
         tp = None
@@ -390,7 +451,7 @@ def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> Lis
                       ("TCP ring (Thunderbolt bridge)", tcp)):
         lines.append(f"recommended over {link}: {recommend(plan.tokens_per_s, tp, lat, fits)}")
     if tp is not None:
-        state, per_token = snapshot_bytes_per_rank(targs, tp.ranks)
+        state, per_token = snapshot_bytes_per_rank(targs, tp.ranks, **_kv(args))
         lines.append(
             "prompt-cache snapshot per tensor rank (cluster server --parallel tensor; counted "
             f"against each rank's --cache-bytes): {state / 1e6:.0f} MB of KDA state (its "
@@ -402,4 +463,100 @@ def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build) -> Lis
             choice, why = choose_for_server(plan.tokens_per_s, plan.sequences, tp, lat, fits,
                                             args.max_concurrency)
             lines.append(f"cluster server --parallel auto over {link}: {choice} ({why})")
+    return lines, (None if tp is None else (targs, tensors, tp, fits))
+
+
+def _kv(args) -> dict:
+    """The --kv-bits cache format as keyword arguments of the tensor-parallel estimates."""
+    return dict(kv_bits=getattr(args, "kv_bits", None),
+                kv_group_size=getattr(args, "kv_group_size", KV_CACHE_DEFAULT_GROUP))
+
+
+def _kv_versus_bf16(args, plan: Plan, model: ModelBytes, bf16: ModelBytes,
+                    planner: StagePlanner, nodes, build) -> List[str]:
+    """`--kv-bits`: the quantized DSA cache beside the bf16 one at the plan's context and
+    sequences (kimi_mlx/placement/kv_cache.py): bytes per token, cache per stage and per
+    tensor rank, snapshots, what a decode step reads, decode estimates, most sequences."""
+    from kimi_mlx.model.shard import ShardError
+    from kimi_mlx.placement.kv_cache import (cache_read_bytes_per_sequence,
+                                             most_sequences_pipeline, most_sequences_tensor)
+
+    ctx, seqs = plan.context, plan.sequences
+    fmt = model.kv_format()
+    try:
+        plan_bf16 = planner.plan(bf16, nodes, ctx, seqs)
+    except PlanError:
+        plan_bf16 = None
+    dsa = [l for l in model.layers if l.cache_bytes_per_token]
+    lines = [f"DSA cache {fmt} (--kv-bits {model.kv_bits} --kv-group-size "
+             f"{model.kv_group_size}) beside bf16, at {ctx} tokens x {seqs} sequence(s):"]
+    if dsa:
+        latent, rope, index = dsa[0].cache_values
+        act, g = dsa[0].cache_act_bytes, model.kv_group_size
+        lat_b = latent * model.kv_bits // 8
+        idx_b = index * model.kv_bits // 8
+        lines.append(
+            f"  per DSA layer per token: latent {lat_b} B + {2 * (latent // g) * act} B of scales "
+            f"and biases, rope key {rope * act} B, index key {idx_b} B + "
+            f"{2 * (index // g) * act} B = {dsa[0].cache_bytes_per_token:,} B "
+            f"(bf16: {bf16.layers[dsa[0].index].cache_bytes_per_token:,} B)")
+
+    def stages(p: Optional[Plan], what) -> str:
+        if p is None:
+            return "does not fit"
+        return " / ".join(what(st) for st in p.used_stages)
+
+    def snap(m: ModelBytes):
+        return lambda st: _gb(sum(l.cache_bytes(ctx, 1) for l in m.layers[st.start:st.end]))
+
+    rows = [("", fmt, "bf16"),
+            ("cache per token, all layers", f"{model.cache_bytes_per_token:,} B",
+             f"{bf16.cache_bytes_per_token:,} B "
+             f"({model.cache_bytes_per_token / max(bf16.cache_bytes_per_token, 1):.2f}x)"),
+            (f"DSA cache, {seqs} sequence(s) (GB)",
+             _gb(model.cache_bytes_per_token * ctx * seqs),
+             _gb(bf16.cache_bytes_per_token * ctx * seqs)),
+            ("cache per stage (GB, with KDA state)",
+             stages(plan, lambda st: _gb(st.cache_bytes)),
+             stages(plan_bf16, lambda st: _gb(st.cache_bytes))),
+            ("snapshot per stage, one sequence (GB)", stages(plan, snap(model)),
+             stages(plan_bf16, snap(bf16))),
+            ("cache read per step per sequence (GB)",
+             _gb(cache_read_bytes_per_sequence(model, ctx)),
+             _gb(cache_read_bytes_per_sequence(bf16, ctx))),
+            ("  of it index keys (GB)",
+             *(_gb(sum(l.index_bytes_per_token for l in m.layers) * ctx) for m in (model, bf16))),
+            (f"pipeline decode tok/s ({seqs} sequence(s))",
+             f"{plan.aggregate_tokens_per_s:.1f}",
+             "-" if plan_bf16 is None else f"{plan_bf16.aggregate_tokens_per_s:.1f}"),
+            (f"pipeline: most sequences at {ctx}",
+             str(most_sequences_pipeline(planner, model, nodes, ctx)),
+             str(most_sequences_pipeline(planner, bf16, nodes, ctx)))]
+    if len(nodes) > 1:
+        jaccl, tcp = args.jaccl_latency_us * 1e-6, args.tcp_latency_us * 1e-6
+        try:
+            targs, tensors = tensors_of(args.model, build)
+            bws = [n.bandwidth_bytes_per_s for n in nodes]
+            tps = [tensor_plan_for(tensors, targs, bws, ctx, **kv) for kv in
+                   (_kv(args), dict(kv_bits=None))]
+            snaps = [snapshot_bytes_per_rank(targs, tps[0].ranks, **kv) for kv in
+                     (_kv(args), dict(kv_bits=None))]
+        except ShardError:
+            tps = []
+        if tps:
+            rows += [
+                (f"cache per tensor rank, {seqs} sequence(s) (GB)",
+                 *(_gb(t.cache_bytes * seqs) for t in tps)),
+                ("snapshot per tensor rank, one sequence (GB)",
+                 *(_gb(state + per_token * ctx) for state, per_token in snaps)),
+                (f"tensor decode tok/s over JACCL ({seqs} rows)",
+                 *(f"{t.aggregate_tokens_per_s(jaccl, seqs):.1f}" for t in tps)),
+                (f"tensor decode tok/s over TCP ({seqs} rows)",
+                 *(f"{t.aggregate_tokens_per_s(tcp, seqs):.1f}" for t in tps)),
+                (f"tensor group: most sequences at {ctx}",
+                 *(str(most_sequences_tensor(t, nodes, planner)) for t in tps)),
+            ]
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    lines += [f"  {a.ljust(w0)}  {b.ljust(w1)}  {c}".rstrip() for a, b, c in rows]
     return lines

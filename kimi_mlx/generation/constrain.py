@@ -479,7 +479,7 @@ def think_budget_constraint(tok, prompt_ids: Sequence[int], think_budget: Option
 
 # ------------------------------------------------------------------ admission compile
 
-COMPILE_THREADS = 2  # schema compiles at once; a timed-out one holds its thread till done
+COMPILE_THREADS = 1  # schema compiles at once (one core left to decoding); a timed-out one holds it till done
 _POOL = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kimi-mlx-grammar")
 _MEMO_MAX = 256
 _REFUSED: "OrderedDict[str, _Refused]" = OrderedDict()  # rules digest -> time-out refusal

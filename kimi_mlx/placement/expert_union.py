@@ -45,26 +45,32 @@ MAX_BLOCK = 16  # blocks of 1..MAX_BLOCK tokens are measured
 
 
 def union_experts(n: float, num_experts: int, top_k: int, rho: float = 1.0,
-                  beta: float = 1.0) -> float:
+                  beta: float = 1.0, rows: int = 1) -> float:
     """Expected distinct experts of a block of n tokens under the effective-pool model:
     n^beta independent tokens each picking `top_k` of rho x E equally likely experts,
     P (1 - (1 - k/P)^(n^beta)) with P = max(rho E, k). n = 1 gives k exactly.
+    `rows` blocks of n consecutive tokens from independent sequences (a batched verify
+    step: B rows x (1 + k) tokens) count as rows x n^beta independent tokens: locality
+    acts within a row's block, not across rows.
 
     Args:
         n: tokens in the block (>= 0; 0 gives 0). num_experts: E >= 1. top_k: 1..E.
         rho: effective pool fraction (> 0). beta: locality exponent (> 0; 1 = none).
+        rows: independent blocks (>= 1).
     Returns:
         float in [0, P].
     Raises:
         ValueError: E < 1, k outside 1..E, rho <= 0, beta <= 0 or n < 0.
     """
-    if num_experts < 1 or not 1 <= top_k <= num_experts or rho <= 0 or beta <= 0 or n < 0:
+    if (num_experts < 1 or not 1 <= top_k <= num_experts or rho <= 0 or beta <= 0 or n < 0
+            or rows < 1):
         raise ValueError(f"union_experts: need E >= 1, 1 <= k <= E, rho > 0, beta > 0, "
-                         f"n >= 0; got E={num_experts}, k={top_k}, rho={rho}, beta={beta}, n={n}")
+                         f"n >= 0, rows >= 1; got E={num_experts}, k={top_k}, rho={rho}, "
+                         f"beta={beta}, n={n}, rows={rows}")
     if n == 0:
         return 0.0
     pool = max(rho * num_experts, float(top_k))
-    return pool * (1.0 - (1.0 - top_k / pool) ** (n ** beta))
+    return pool * (1.0 - (1.0 - top_k / pool) ** (rows * n ** beta))
 
 
 def fit_rho(counts: Sequence[float], num_experts: int, top_k: int) -> float:
@@ -135,11 +141,12 @@ class UnionCurve:
         rows = list(self.block.values())
         return [sum(r[i] for r in rows) / len(rows) for i in range(len(rows[0]))]
 
-    def distinct(self, n: float, num_experts: int, top_k: int) -> float:
+    def distinct(self, n: float, num_experts: int, top_k: int, rows: int = 1) -> float:
         """Distinct experts per layer for a block of n tokens of a model with `num_experts`
-        routed experts and `top_k` per token, scaled from this curve by the effective-pool
-        model (module docstring): `union_experts(n, E, k, rho_mean, beta_mean)`."""
-        return union_experts(n, num_experts, top_k, self.rho_mean, self.beta_mean)
+        routed experts and `top_k` per token (`rows` such blocks of independent sequences),
+        scaled from this curve by the effective-pool model (module docstring):
+        `union_experts(n, E, k, rho_mean, beta_mean, rows)`."""
+        return union_experts(n, num_experts, top_k, self.rho_mean, self.beta_mean, rows)
 
     @classmethod
     def uniform_bound(cls) -> "UnionCurve":

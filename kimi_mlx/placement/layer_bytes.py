@@ -37,6 +37,7 @@ from kimi_mlx.checkpoint.hub import looks_local, missing_folder
 from kimi_mlx.checkpoint.shards import DTYPE_BYTES, INDEX_FILE, CheckpointError, read_header
 from kimi_mlx.checkpoint.shards import weight_map as _weight_map
 from kimi_mlx.model.tensor_map import expert_outputs, quantizable, trunk_outputs
+from kimi_mlx.placement.expected_tensors import expected_tensors  # noqa: F401 (re-exported)
 
 # Shipped official configs (no weights): `kimi_mlx/assets/official/<repo name>/config.json`.
 OFFICIAL_DIR = Path(kimi_mlx.__file__).resolve().parent / "assets" / "official"
@@ -54,6 +55,11 @@ _MTP_RE = re.compile(r"^(?:language_model\.)?(?:model\.)?mtp")
 _EXPERT_TENSOR_RE = re.compile(
     r"^(?:language_model\.)?model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(.+)$")
 SHARD_BYTES = 5 * 10**9  # shard size assumed for a build sized from a config alone
+# The quantized DSA cache (`--kv-bits`): MLX affine quantization (`mx.quantize`) of the
+# latent's and the index key's values, a scale and a bias per group in the cache dtype.
+KV_CACHE_BITS = (8,)
+KV_CACHE_GROUP_SIZES = (32, 64, 128)
+KV_CACHE_DEFAULT_GROUP = 64
 
 Tensors = Dict[str, Tuple[str, Tuple[int, ...]]]  # name -> (safetensors dtype, shape)
 
@@ -156,6 +162,9 @@ class LayerBytes:
             every decode step to score all keys.
         index_topk: keys the main attention reads per step (None: all of them).
         state_bytes_per_sequence: constant per sequence (KDA conv + recurrent state).
+        cache_values: values per token of (MLA latent, rope key, index key), so the cache
+            can be recounted in another format (`with_kv_bits`); (0, 0, 0) for KDA.
+        cache_act_bytes: bytes of one unquantized cache value (the activation dtype).
     """
 
     index: int
@@ -169,6 +178,28 @@ class LayerBytes:
     index_bytes_per_token: int = 0
     index_topk: Optional[int] = None
     state_bytes_per_sequence: int = 0
+    cache_values: Tuple[int, int, int] = (0, 0, 0)
+    cache_act_bytes: int = 2
+
+    def with_kv_bits(self, bits: Optional[int], group_size: int = KV_CACHE_DEFAULT_GROUP
+                     ) -> "LayerBytes":
+        """This layer with its per-token cache counted in the `--kv-bits` format
+        (`kv_token_bytes`: the latent and the index key quantized, the rope key not);
+        bits None: unquantized. A layer with no per-token cache is returned as is.
+
+        Raises:
+            ValueError: a layer with a per-token cache but no `cache_values`, or a format
+            `kv_token_bytes` refuses."""
+        if not self.cache_bytes_per_token:
+            return self
+        if not any(self.cache_values):
+            raise ValueError(f"layer {self.index}: cache_values unknown, the cache cannot be "
+                             f"recounted for --kv-bits")
+        latent, rope, index = self.cache_values
+        act = self.cache_act_bytes
+        idx = kv_token_bytes(index, act, bits, group_size)
+        per_token = kv_token_bytes(latent, act, bits, group_size) + rope * act + idx
+        return replace(self, cache_bytes_per_token=per_token, index_bytes_per_token=idx)
 
     def cache_bytes(self, context: int, sequences: int = 1) -> int:
         """Cache bytes held for `sequences` sequences of `context` tokens each."""
@@ -252,6 +283,24 @@ class ModelBytes:
     max_position_embeddings: int = 0  # the config's context limit (0 = unknown)
     header_bytes: int = 0  # safetensors headers of every shard (estimated for a build)
     build: Optional[BuildSpec] = None  # the build these sizes are for (None: as stored)
+    kv_bits: Optional[int] = None  # the DSA cache format counted (None: the cache dtype)
+    kv_group_size: int = KV_CACHE_DEFAULT_GROUP
+
+    def with_kv_bits(self, bits: Optional[int], group_size: int = KV_CACHE_DEFAULT_GROUP
+                     ) -> "ModelBytes":
+        """The same model with its DSA caches counted in the `--kv-bits` format
+        (`LayerBytes.with_kv_bits`); bits None: unquantized.
+
+        Raises:
+            ValueError: as `LayerBytes.with_kv_bits`."""
+        layers = tuple(l.with_kv_bits(bits, group_size) for l in self.layers)
+        return replace(self, layers=layers, kv_bits=bits, kv_group_size=group_size)
+
+    def kv_format(self) -> str:
+        """The cache format counted, e.g. "bf16" or "8-bit (group 64)"."""
+        if self.kv_bits is None:
+            return "bf16" if not self.layers or self.layers[0].cache_act_bytes == 2 else "fp32"
+        return f"{self.kv_bits}-bit (group {self.kv_group_size})"
 
     @property
     def file_bytes(self) -> int:
@@ -316,148 +365,6 @@ def _prod(shape: Iterable[int]) -> int:
     return n
 
 
-def expected_tensors(args: ModelArgs, vision: Optional[Mapping[str, Any]] = None,
-                     prefix: str = "language_model.") -> Dict[str, Tuple[str, Tuple[int, ...]]]:
-    """Every tensor of the official checkpoint layout computed from the config.
-
-    Returns {name: (safetensors dtype, shape)} (K31_SPEC.md section 2): BF16 everywhere
-    except KDA conv/A_log/dt_bias/o_norm and the router correction bias (F32) and routed
-    experts (MXFP4: `weight_packed` U8 [out, in/2] + `weight_scale` U8 [out, in/32]). The
-    indexer (`self_attn.indexer.*`) follows the kimi-mlx convention: wq_b
-    [heads*dim, q_lora_rank], wk [dim, hidden], weights_proj [heads, hidden], k_norm weight
-    and bias [dim], BF16. With `vision` (a `vision_config`), the vision tower and projector
-    are included under their own names (estimated, not loaded by us).
-    """
-    h = args.hidden_size
-    lin = args.linear_attn_config
-    heads, hd = lin["num_heads"], lin["head_dim"]
-    proj = heads * hd
-    kernel = lin["short_conv_kernel_size"]
-    qk_head = args.qk_nope_head_dim + args.qk_rope_head_dim
-    n_heads = args.num_attention_heads
-    latent = args.routed_expert_hidden_size or h
-    quantized = args.quantization is not None
-    group = (args.quantization or {}).get("group_size", 32)
-    t: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
-    m = f"{prefix}model."
-
-    def linear(name: str, out: int, inp: int, packed: bool = False) -> None:
-        if packed and quantized:
-            t[f"{name}.weight_packed"] = ("U8", (out, inp // 2))
-            t[f"{name}.weight_scale"] = ("U8", (out, inp // group))
-        else:
-            t[f"{name}.weight"] = ("BF16", (out, inp))
-
-    t[f"{m}embed_tokens.weight"] = ("BF16", (args.vocab_size, h))
-    t[f"{m}norm.weight"] = ("BF16", (h,))
-    if args.attn_res_block_size:
-        t[f"{m}output_attn_res_norm.weight"] = ("BF16", (h,))
-        t[f"{m}output_attn_res_proj.weight"] = ("BF16", (1, h))
-    if not args.tie_word_embeddings:
-        t[f"{prefix}lm_head.weight"] = ("BF16", (args.vocab_size, h))
-
-    for i in range(args.num_hidden_layers):
-        p = f"{m}layers.{i}."
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            t[f"{p}{norm}.weight"] = ("BF16", (h,))
-        if args.attn_res_block_size:
-            for res in ("self_attention_res", "mlp_res"):
-                t[f"{p}{res}_norm.weight"] = ("BF16", (h,))
-                t[f"{p}{res}_proj.weight"] = ("BF16", (1, h))
-        a = f"{p}self_attn."
-        if args.is_kda(i):
-            for x in "qkvg":
-                linear(f"{a}{x}_proj", proj, h)
-            for x in "qkv":
-                t[f"{a}{x}_conv1d.weight"] = ("F32", (proj, 1, kernel))
-            linear(f"{a}f_a_proj", hd, h)
-            linear(f"{a}f_b_proj", proj, hd)
-            linear(f"{a}b_proj", heads, h)
-            # [128] for 96 heads in the release: per-head values zero-padded (s.2); our
-            # checkpoint writers pad to 128 as well (kimi_mlx.testing.checkpoints).
-            t[f"{a}A_log"] = ("F32", (max(heads, 128),))
-            t[f"{a}dt_bias"] = ("F32", (proj,))
-            t[f"{a}o_norm.weight"] = ("F32", (hd,))
-            linear(f"{a}o_proj", h, proj)
-        else:
-            q_in = h
-            if args.q_lora_rank:
-                linear(f"{a}q_a_proj", args.q_lora_rank, h)
-                t[f"{a}q_a_layernorm.weight"] = ("BF16", (args.q_lora_rank,))
-                q_in = args.q_lora_rank
-            linear(f"{a}q_b_proj" if args.q_lora_rank else f"{a}q_proj", n_heads * qk_head, q_in)
-            linear(f"{a}kv_a_proj_with_mqa", args.kv_lora_rank + args.qk_rope_head_dim, h)
-            t[f"{a}kv_a_layernorm.weight"] = ("BF16", (args.kv_lora_rank,))
-            linear(f"{a}kv_b_proj", n_heads * (args.qk_nope_head_dim + args.v_head_dim),
-                   args.kv_lora_rank)
-            if args.mla_use_output_gate:
-                linear(f"{a}g_proj", n_heads * args.v_head_dim, h)
-            linear(f"{a}o_proj", h, n_heads * args.v_head_dim)
-            if args.is_dsa(i):
-                ih, idim = args.index_n_heads, args.index_head_dim
-                linear(f"{a}indexer.wq_b", ih * idim, args.q_lora_rank or h)
-                linear(f"{a}indexer.wk", idim, h)
-                linear(f"{a}indexer.weights_proj", ih, h)
-                t[f"{a}indexer.k_norm.weight"] = ("BF16", (idim,))
-                t[f"{a}indexer.k_norm.bias"] = ("BF16", (idim,))
-        if args.is_moe(i):
-            b = f"{p}block_sparse_moe."
-            e = args.experts_in(i)
-            t[f"{b}gate.weight"] = ("BF16", (e, h))
-            t[f"{b}gate.e_score_correction_bias"] = ("F32", (e,))
-            if latent != h:
-                linear(f"{b}routed_expert_down_proj", latent, h)
-                linear(f"{b}routed_expert_up_proj", h, latent)
-                if args.latent_moe_use_norm:
-                    t[f"{b}routed_expert_norm.weight"] = ("BF16", (latent,))
-            if args.num_shared_experts:
-                width = args.moe_intermediate_size * args.num_shared_experts
-                linear(f"{b}shared_experts.gate_proj", width, h)
-                linear(f"{b}shared_experts.up_proj", width, h)
-                linear(f"{b}shared_experts.down_proj", h, width)
-            for j in range(e):
-                linear(f"{b}experts.{j}.w1", args.moe_intermediate_size, latent, packed=True)
-                linear(f"{b}experts.{j}.w3", args.moe_intermediate_size, latent, packed=True)
-                linear(f"{b}experts.{j}.w2", latent, args.moe_intermediate_size, packed=True)
-        else:
-            linear(f"{p}mlp.gate_proj", args.intermediate_size, h)
-            linear(f"{p}mlp.up_proj", args.intermediate_size, h)
-            linear(f"{p}mlp.down_proj", h, args.intermediate_size)
-    if vision:
-        t.update(_vision_tensors(vision))
-    return t
-
-
-def _vision_tensors(v: Mapping[str, Any]) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
-    """MoonViT3d tower + patchmergerv2 projector shapes (K31_SPEC.md s.1-2), BF16."""
-    hid = v.get("vt_hidden_size", v.get("hidden_size", 1024))
-    qkv = v.get("qkv_hidden_size", hid)
-    mlp = v.get("vt_intermediate_size", v.get("intermediate_size", 4 * hid))
-    n = v.get("vt_num_hidden_layers", v.get("num_hidden_layers", 0))
-    patch = v.get("patch_size", 14)
-    kh, kw = v.get("merge_kernel_size", [2, 2])
-    # the projector reads kh * kw merged tokens of mm_hidden_size (= vt_hidden_size, 1024
-    # in the published config): 4096 wide
-    merged = (v.get("mm_hidden_size") or hid) * kh * kw
-    text = v.get("text_hidden_size", 7168)
-    t: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
-    enc = "vision_tower.encoder."
-    for i in range(n):
-        b = f"{enc}blocks.{i}."
-        t[b + "wqkv.weight"] = ("BF16", (3 * qkv, hid))
-        t[b + "wo.weight"] = ("BF16", (hid, qkv))
-        t[b + "mlp.fc0.weight"] = ("BF16", (mlp, hid))
-        t[b + "mlp.fc1.weight"] = ("BF16", (hid, mlp))
-        t[b + "norm0.weight"] = ("BF16", (hid,))
-        t[b + "norm1.weight"] = ("BF16", (hid,))
-    t[enc + "final_layernorm.weight"] = ("BF16", (hid,))
-    t["vision_tower.patch_embed.pos_emb.weight"] = (
-        "BF16", (v.get("init_pos_emb_height", 64), v.get("init_pos_emb_width", 64), hid))
-    t["vision_tower.patch_embed.proj.weight"] = ("BF16", (hid, 3, patch, patch))
-    t["mm_projector.proj.0.weight"] = ("BF16", (merged, merged))
-    t["mm_projector.proj.2.weight"] = ("BF16", (text, merged))
-    t["mm_projector.post_norm.weight"] = ("BF16", (text,))
-    return t
 
 
 def _act_bytes(config: Mapping[str, Any]) -> int:
@@ -466,7 +373,40 @@ def _act_bytes(config: Mapping[str, Any]) -> int:
     return 4 if str(dtype) in ("float32", "torch.float32") else 2
 
 
-def cache_bytes(args: ModelArgs, i: int, act_bytes: int = 2) -> Tuple[int, int, int]:
+def kv_token_bytes(values: int, act_bytes: int = 2, bits: Optional[int] = None,
+                   group_size: int = KV_CACHE_DEFAULT_GROUP) -> int:
+    """Bytes per token of `values` cache values: `act_bytes` each unquantized (bits None),
+    or in MLX's affine format (`mx.quantize(x, group_size, bits)`, the `--kv-bits` cache):
+    values * bits / 8 bytes of packed uint32 words plus a scale and a bias per group of
+    `group_size` values in the cache dtype (`act_bytes` each). K3.1's latent at 8 bits,
+    group 64: 512 + 2 * 8 * 2 = 544 B; its index key: 128 + 2 * 2 * 2 = 136 B.
+
+    Raises:
+        ValueError: bits not in KV_CACHE_BITS, a group size not in KV_CACHE_GROUP_SIZES or
+        one that does not divide `values`."""
+    if bits is None or values == 0:
+        return values * act_bytes
+    if bits not in KV_CACHE_BITS:
+        raise ValueError(f"--kv-bits {bits}: the cache is quantized to "
+                         f"{' or '.join(map(str, KV_CACHE_BITS))} bits")
+    if group_size not in KV_CACHE_GROUP_SIZES or values % group_size:
+        raise ValueError(f"--kv-group-size {group_size}: must be one of "
+                         f"{', '.join(map(str, KV_CACHE_GROUP_SIZES))} and divide the "
+                         f"{values} cache values of a token")
+    return values * bits // 8 + 2 * (values // group_size) * act_bytes
+
+
+def cache_values(args: ModelArgs, i: int) -> Tuple[int, int, int]:
+    """Values per token of layer `i`'s cache: (MLA latent, rope key, index key); zeros for
+    KDA (K31_SPEC.md section 4)."""
+    if args.is_kda(i):
+        return 0, 0, 0
+    return (args.kv_lora_rank, args.qk_rope_head_dim,
+            args.index_head_dim if args.is_dsa(i) else 0)
+
+
+def cache_bytes(args: ModelArgs, i: int, act_bytes: int = 2, kv_bits: Optional[int] = None,
+                kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> Tuple[int, int, int]:
     """(cache bytes per token, of which index-key bytes per token, state bytes per sequence).
 
     K31_SPEC.md section 4, for 0-based layer `i`:
@@ -474,14 +414,21 @@ def cache_bytes(args: ModelArgs, i: int, act_bytes: int = 2) -> Tuple[int, int, 
       [H, D, D] fp32 per sequence; nothing per token. K3.1: 221,184 + 6,291,456 B.
     - MLA: latent c (kv_lora_rank) + rope key (qk_rope_head_dim) per token, bf16: 1,152 B.
     - DSA: MLA + indexer key (index_head_dim) per token, bf16: 1,152 + 256 B.
+    With `kv_bits` (the `--kv-bits` cache) the latent and the index key are counted in the
+    quantized format (`kv_token_bytes`), the rope key unquantized: K3.1 at 8 bits, group
+    64: 544 + 128 + 136 = 808 B per DSA layer.
+
+    Raises:
+        ValueError: a format `kv_token_bytes` refuses.
     """
     if args.is_kda(i):
         lin = args.linear_attn_config
         heads, hd = lin["num_heads"], lin["head_dim"]
         conv = (lin["short_conv_kernel_size"] - 1) * 3 * heads * hd * act_bytes
         return 0, 0, conv + heads * hd * hd * 4
-    per_token = (args.kv_lora_rank + args.qk_rope_head_dim) * act_bytes
-    index = args.index_head_dim * act_bytes if args.is_dsa(i) else 0
+    latent, rope, index_values = cache_values(args, i)
+    per_token = kv_token_bytes(latent, act_bytes, kv_bits, kv_group_size) + rope * act_bytes
+    index = kv_token_bytes(index_values, act_bytes, kv_bits, kv_group_size)
     return per_token + index, index, 0
 
 
@@ -551,6 +498,8 @@ def _assemble(args: ModelArgs, sizes: Mapping[str, int], act_bytes: int, source:
             index_bytes_per_token=index,
             index_topk=args.index_topk if args.is_dsa(i) else None,
             state_bytes_per_sequence=state,
+            cache_values=cache_values(args, i),
+            cache_act_bytes=act_bytes,
         ))
     if build is not None:
         source = f"{source}, build: {build.describe()}"

@@ -45,7 +45,7 @@ from kimi_mlx.model.shard import HEADS, IN, OUT, split_of, split_range
 from kimi_mlx.model.tensor_map import canonical, kind
 from kimi_mlx.placement.layer_bytes import (BuildSpec, _hf_cached_file, apply_build,
                                             expected_tensors, official_config, DEFAULT_MODEL_ID,
-                                            cache_bytes)
+                                            KV_CACHE_DEFAULT_GROUP, cache_bytes)
 
 JACCL_LATENCY_S = 50e-6
 TCP_LATENCY_S = 300e-6
@@ -185,14 +185,17 @@ def rank_load_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int,
 def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, context: int,
                     lm_head: Optional[bool] = None, act_bytes: int = 2,
                     classes: Optional[Dict[_Class, int]] = None,
-                    layers: Optional[Tuple[int, int]] = None, sequences: int = 1) -> int:
+                    layers: Optional[Tuple[int, int]] = None, sequences: int = 1,
+                    kv_bits: Optional[int] = None,
+                    kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> int:
     """Bytes rank `rank` reads for one decode step of `sequences` rows (one token each) at
     `context` tokens: its share of every weight, of the routed experts only the picked
     ones (the expected union over the rows, `active_experts`: experts_per_token /
     num_experts for one), one embedding row per row; per row its heads' KDA states and
     the DSA caches whole (the latent and the index keys are replicated). `layers` (start,
     end): count the caches of those layers only (a checkpoint slice that holds only their
-    tensors, as `make check-real`'s); default all."""
+    tensors, as `make check-real`'s); default all. `kv_bits`, `kv_group_size`: the DSA
+    caches in the `--kv-bits` format (`layer_bytes.cache_bytes`)."""
     total = Fraction(0)
     e, k = max(1, args.num_experts), min(args.num_experts_per_token, max(1, args.num_experts))
     picked = (Fraction(k, e) if sequences <= 1
@@ -207,7 +210,7 @@ def rank_read_bytes(tensors: Tensors, args: ModelArgs, ranks: int, rank: int, co
     heads = args.linear_attn_config["num_heads"]
     a, b = split_range(heads, ranks, rank)
     for i in range(*(layers or (0, args.num_hidden_layers))):
-        per_token, index, state = cache_bytes(args, i, act_bytes)
+        per_token, index, state = cache_bytes(args, i, act_bytes, kv_bits, kv_group_size)
         attended = min(context, args.index_topk) if args.is_dsa(i) else context
         total += sequences * (Fraction(state * (b - a), heads) + index * context
                               + (per_token - index) * attended)
@@ -261,28 +264,34 @@ class TensorPlan:
 
 
 def plan_tensor(tensors: Tensors, args: ModelArgs, ranks: int, bandwidth: int, context: int,
-                lm_head: Optional[bool] = None) -> TensorPlan:
-    """`TensorPlan` for `ranks` Macs of `bandwidth` bytes/s at `context` tokens."""
+                lm_head: Optional[bool] = None, kv_bits: Optional[int] = None,
+                kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> TensorPlan:
+    """`TensorPlan` for `ranks` Macs of `bandwidth` bytes/s at `context` tokens (the DSA
+    caches in the `--kv-bits` format with `kv_bits`; None: bf16). Its `cache_bytes` is one
+    sequence's."""
+    kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     lm_head = _lm_head(args, ranks, lm_head)
     classes = _classes(tensors, args, lm_head)
     load = tuple(rank_load_bytes(tensors, args, ranks, r, lm_head, classes) for r in range(ranks))
-    read = max(rank_read_bytes(tensors, args, ranks, r, context, lm_head, classes=classes)
+    read = max(rank_read_bytes(tensors, args, ranks, r, context, lm_head, classes=classes, **kv)
                for r in range(ranks))
     heads = args.linear_attn_config["num_heads"]
     cache = 0
     for i in range(args.num_hidden_layers):
-        per_token, _, state = cache_bytes(args, i)
+        per_token, _, state = cache_bytes(args, i, **kv)
         a, b = split_range(heads, ranks, 0)
         cache += per_token * context + state * (b - a) // heads
     sums, gathers = collectives_per_token(args, ranks, lm_head)
     by_rows = tuple(max(rank_read_bytes(tensors, args, ranks, r, context, lm_head,
-                                        classes=classes, sequences=rows) for r in range(ranks))
+                                        classes=classes, sequences=rows, **kv)
+                        for r in range(ranks))
                     for rows in range(1, MAX_ROWS_PLANNED + 1))
     return TensorPlan(ranks, load, read, cache, sums, gathers, bandwidth, by_rows)
 
 
 def tensor_plan_for(tensors: Tensors, args: ModelArgs, bandwidths: Sequence[int],
-                    context: int) -> TensorPlan:
+                    context: int, kv_bits: Optional[int] = None,
+                    kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> TensorPlan:
     """`plan_tensor` for one rank per Mac (the slowest Mac's bandwidth sets the pace);
     lm_head is split when the vocabulary divides evenly.
 
@@ -295,7 +304,8 @@ def tensor_plan_for(tensors: Tensors, args: ModelArgs, bandwidths: Sequence[int]
                         ("attention", args.num_attention_heads)):
         if heads % n:
             raise ShardError(f"{heads} {what} heads do not split across {n} Macs")
-    return plan_tensor(tensors, args, n, min(bandwidths), context)
+    return plan_tensor(tensors, args, n, min(bandwidths), context, kv_bits=kv_bits,
+                       kv_group_size=kv_group_size)
 
 
 def recommend(pipeline_tokens_per_s: float, tensor: Optional[TensorPlan], latency_s: float,
@@ -307,7 +317,9 @@ def recommend(pipeline_tokens_per_s: float, tensor: Optional[TensorPlan], latenc
     return "tensor" if tensor.tokens_per_s(latency_s) > pipeline_tokens_per_s else "pipeline"
 
 
-def snapshot_bytes_per_rank(args: ModelArgs, ranks: int, rank: int = 0) -> Tuple[int, int]:
+def snapshot_bytes_per_rank(args: ModelArgs, ranks: int, rank: int = 0,
+                            kv_bits: Optional[int] = None,
+                            kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> Tuple[int, int]:
     """(bytes of KDA state, bytes per token of DSA cache) in one prompt-cache snapshot of
     rank `rank`'s shard (`cluster.tensor.prompt_cache`): the recurrent + conv states of
     its share of the KDA heads (copied into the snapshot), and the DSA latent, rope key
@@ -316,7 +328,7 @@ def snapshot_bytes_per_rank(args: ModelArgs, ranks: int, rank: int = 0) -> Tuple
     a, b = split_range(heads, ranks, rank)
     state = per_token = 0
     for i in range(args.num_hidden_layers):
-        t, _, s = cache_bytes(args, i)
+        t, _, s = cache_bytes(args, i, kv_bits=kv_bits, kv_group_size=kv_group_size)
         per_token += t
         state += s * (b - a) // heads
     return state, per_token

@@ -19,6 +19,19 @@ rejected; `kimi-mlx bench spec` measures it), and compute (bandwidth dominates a
 block sizes: 16 tokens of ~33B active parameters is ~1 TFLOP, tens of ms on an M3 Ultra,
 against hundreds of ms of reads).
 
+Rows: a server at `--max-concurrency` B verifies B sequences together, one [B, k + 1]
+pass: the trunk is still read once, the routed experts x D(B rows of k + 1 tokens) (the
+union over all B(k + 1) tokens, `expert_union.union_experts(..., rows=B)`: locality
+within a row's block, none across rows), each row's caches once, B(k + 1) embedding rows.
+k = 0 is then the plain batched decode step of B rows with the same union model.
+
+Tensor group (`tensor_verify_seconds`): every rank reads its share of each tensor (the
+`tensor_parallel` split) for the same [B, k + 1] block: its share of the trunk, of the
+D(B, k + 1) experts' rows, the caches of its KDA heads and the replicated DSA caches per
+row; the step takes the largest rank's bytes / the slowest Mac's bandwidth + the
+collectives of one step (2 all_sums per layer + the logits' all_gather, whatever the
+block: the rows' activations travel together) x latency per collective.
+
 Time: through the pipeline the stages run in turn for one sequence, so a verify step
 takes sum_s bytes_s / bandwidth_s + hops x hop latency (as `Plan.seconds_per_step`),
 plus the draft's own time per step (`draft_s`, run on the head).
@@ -45,10 +58,10 @@ DSPARK_ACCEPTANCE_LENGTH = 3.45  # LithosAI Kimi-K3.1-Pro-DSpark, mean over 10 b
 DEFAULT_DRAFT_BLOCK = 16  # positions per drafted block the published figure is taken at (assumed)
 
 
-def layer_verify_bytes(layer: LayerBytes, context: int, distinct: float) -> float:
+def layer_verify_bytes(layer: LayerBytes, context: int, distinct: float, rows: int = 1) -> float:
     """Bytes one layer reads for a verify block whose tokens route to `distinct` distinct
-    experts in total (module docstring). distinct: D(T) (ignored by a dense layer;
-    clipped to [0, num_experts])."""
+    experts in total (module docstring), `rows` sequences' caches. distinct: D(T) (ignored
+    by a dense layer; clipped to [0, num_experts])."""
     weights = layer.weight_bytes - layer.routed_expert_bytes
     if layer.num_experts:
         weights += layer.routed_expert_bytes * min(max(distinct, 0.0), layer.num_experts) / layer.num_experts
@@ -56,19 +69,21 @@ def layer_verify_bytes(layer: LayerBytes, context: int, distinct: float) -> floa
     caches = (layer.index_bytes_per_token * context
               + (layer.cache_bytes_per_token - layer.index_bytes_per_token) * attended
               + layer.state_bytes_per_sequence)
-    return weights + caches
+    return weights + rows * caches
 
 
 def stage_verify_bytes(model: ModelBytes, start: int, end: int, context: int, tokens: int,
-                       curve: UnionCurve) -> float:
+                       curve: UnionCurve, rows: int = 1) -> float:
     """Bytes read by the stage holding layers [start, end) for a verify block of `tokens`
-    tokens (embedding rows on the first stage, the head on the last)."""
+    tokens in each of `rows` sequences (embedding rows on the first stage, the head on
+    the last)."""
     total = 0.0
     for layer in model.layers[start:end]:
-        d = curve.distinct(tokens, layer.num_experts, layer.experts_per_token) if layer.num_experts else 0.0
-        total += layer_verify_bytes(layer, context, d)
+        d = (curve.distinct(tokens, layer.num_experts, layer.experts_per_token, rows)
+             if layer.num_experts else 0.0)
+        total += layer_verify_bytes(layer, context, d, rows)
     if end > start and start == 0:
-        total += model.embed_read_bytes(tokens)
+        total += model.embed_read_bytes(rows * tokens)
     if end > start and end == len(model.layers):
         total += model.head_bytes
     return total
@@ -86,15 +101,17 @@ class KRow:
     tokens_per_step: float
     tokens_per_s: float
     speedup: float
+    rows: int = 1  # sequences verified together; tokens_per_step / tokens_per_s: all rows'
 
 
 def verify_seconds(plan: Plan, model: ModelBytes, k: int, curve: UnionCurve,
-                   hop_latency_s: float, draft_s: float = 0.0) -> Tuple[float, float]:
-    """(bytes, seconds) of one step verifying k drafts on `plan`'s stages (k = 0: a plain
-    decode step, no draft time)."""
+                   hop_latency_s: float, draft_s: float = 0.0, rows: int = 1
+                   ) -> Tuple[float, float]:
+    """(bytes, seconds) of one step verifying k drafts in each of `rows` sequences on
+    `plan`'s stages (k = 0: a plain decode step, no draft time)."""
     read = secs = 0.0
     for s in plan.used_stages:
-        b = stage_verify_bytes(model, s.start, s.end, plan.context, k + 1, curve)
+        b = stage_verify_bytes(model, s.start, s.end, plan.context, k + 1, curve, rows)
         read += b
         secs += b / s.node.bandwidth_bytes_per_s
     return read, secs + plan.hops * hop_latency_s + (draft_s if k else 0.0)
@@ -156,18 +173,78 @@ def parse_acceptance(text: str, block: int = DEFAULT_DRAFT_BLOCK) -> Tuple[List[
 
 def k_table(plan: Plan, model: ModelBytes, acceptance: Sequence[float], hop_latency_s: float,
             ks: Sequence[int] = range(1, 17), draft_s: float = 0.0,
-            curve: Optional[UnionCurve] = None) -> Tuple[KRow, List[KRow]]:
-    """(the plain step as k = 0, one row per k in `ks`) for `plan` and the acceptance."""
+            curve: Optional[UnionCurve] = None, rows: int = 1) -> Tuple[KRow, List[KRow]]:
+    """(the plain step as k = 0, one row per k in `ks`) for `plan` and the acceptance,
+    `rows` sequences verified together (tokens per step and tok/s: all rows')."""
     curve = curve or load_curve()
-    b0, t0 = verify_seconds(plan, model, 0, curve, hop_latency_s)
-    plain_tps = 1.0 / t0
-    e0 = model.experts_per_token
+    return _rows_table(lambda k: verify_seconds(plan, model, k, curve, hop_latency_s,
+                                                draft_s, rows),
+                       model.num_experts, model.experts_per_token, acceptance, ks, curve, rows)
+
+
+def _rows_table(cost, num_experts: int, top_k: int, acceptance: Sequence[float],
+                ks: Sequence[int], curve: UnionCurve, rows: int) -> Tuple[KRow, List[KRow]]:
+    """k_table's rows from `cost(k)` -> (bytes, seconds) of one step."""
 
     def row(k: int) -> KRow:
-        b, t = verify_seconds(plan, model, k, curve, hop_latency_s, draft_s)
-        e = expected_tokens(acceptance, k)
-        d = curve.distinct(k + 1, model.num_experts, e0) if model.num_experts else 0.0
-        return KRow(k, d, b, t, e, e / t, (e / t) / plain_tps)
+        b, t = cost(k)
+        e = rows * expected_tokens(acceptance, k)
+        d = curve.distinct(k + 1, num_experts, top_k, rows) if num_experts else 0.0
+        return KRow(k, d, b, t, e, e / t, 1.0, rows)
 
-    plain = KRow(0, float(e0), b0, t0, 1.0, plain_tps, 1.0)
-    return plain, [row(k) for k in ks]
+    plain = row(0)
+    return plain, [KRow(r.k, r.distinct, r.read_bytes, r.seconds, r.tokens_per_step,
+                        r.tokens_per_s, r.tokens_per_s / plain.tokens_per_s, rows)
+                   for r in map(row, ks)]
+
+
+def tensor_verify_bytes(tensors, args, ranks: int, context: int, k: int, curve: UnionCurve,
+                        rows: int = 1, classes=None) -> int:
+    """Bytes the largest-read rank of a `ranks`-Mac tensor group reads for one step
+    verifying k drafts in each of `rows` sequences (module docstring): its share of every
+    non-expert tensor (`tensor_parallel.rank_read_bytes` without the experts, at `rows`
+    sequences: their caches and embedding rows), plus the rows' other k embedding rows
+    each and its share of the routed experts x D(rows, k + 1) / E.
+
+    Args: tensors, args: `tensor_parallel.tensors_of`; context: tokens per sequence;
+        classes: `tensor_parallel._classes` of them if already computed (K3.1: seconds)."""
+    from kimi_mlx.placement.tensor_parallel import _classes, _lm_head, _share, rank_read_bytes
+
+    classes = classes or _classes(tensors, args, _lm_head(args, ranks, None))
+    trunk = {c: n for c, n in classes.items() if not c.expert}
+    e, top = args.num_experts, args.num_experts_per_token
+    frac = curve.distinct(k + 1, e, top, rows) / e if e else 0.0
+    best = 0
+    for r in range(ranks):
+        b = rank_read_bytes(tensors, args, ranks, r, context, classes=trunk, sequences=rows)
+        for c, n in classes.items():
+            share = _share(c, ranks, r) * c.nbytes * n
+            if c.expert:
+                b += share * frac
+            elif c.embed_rows:
+                b += share * rows * k / c.embed_rows
+        best = max(best, int(b))
+    return best
+
+
+def tensor_k_table(tensor_plan, tensors, args, context: int, acceptance: Sequence[float],
+                   latency_s: float,
+                   ks: Sequence[int] = range(1, 17), draft_s: float = 0.0,
+                   curve: Optional[UnionCurve] = None, rows: int = 1
+                   ) -> Tuple[KRow, List[KRow]]:
+    """`k_table` for a tensor group (`tensor_parallel.TensorPlan`): a step takes
+    `tensor_verify_bytes` / the plan's bandwidth + its collectives x `latency_s` (+ the
+    drafter's `draft_s` when k > 0), at `context` tokens per sequence."""
+    from kimi_mlx.placement.tensor_parallel import _classes, _lm_head
+
+    curve = curve or load_curve()
+    ranks = tensor_plan.ranks
+    classes = _classes(tensors, args, _lm_head(args, ranks, None))
+
+    def cost(k: int) -> Tuple[float, float]:
+        b = tensor_verify_bytes(tensors, args, ranks, context, k, curve, rows, classes)
+        return b, (b / tensor_plan.bandwidth + tensor_plan.collectives * latency_s
+                   + (draft_s if k else 0.0))
+
+    return _rows_table(cost, args.num_experts, args.num_experts_per_token, acceptance, ks,
+                       curve, rows)

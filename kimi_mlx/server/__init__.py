@@ -10,6 +10,8 @@ Modules, one job each (every module of this folder):
   metrics.py      Prometheus metrics, one registry per app
   common.py       what the API modules share: the served model (`Service`), API errors, a
                   `Job` from checked parameters, token events -> reply events
+  body_json.py    request bodies parsed in pieces, their nesting read from the bytes,
+                  so a multi-MB body does not stall the other clients' streams
   schemas.py      pydantic request models of the APIs
   openai_api.py, anthropic_api.py, responses_api.py   request -> prompt, reply events ->
                   response shapes (chat / completions, messages, responses)
@@ -24,6 +26,10 @@ Modules, one job each (every module of this folder):
   jobs.py         a request (`Job`), its events, queue admission (`Busy`) and the MLX worker
                   thread wrapper, shared by every engine
   engine_base.py  the engine contract every deployment serves through (`BaseEngine`)
+  models.py       which checkpoint the one-process server holds: load, idle unload
+                  (--idle-unload, keep_alive), reload, swap by request; requests' leases
+  catalog.py      the models a server may serve (--model NAME=PATH, --models-dir,
+                  --allow-models), keep_alive durations, the /v1/models listing
   engine.py       the one-process engine: a worker thread running mlx-lm's generate loop,
                   streaming token events to the requests waiting on them
   batch.py        continuous batching for that engine (mlx-lm's `BatchGenerator`)

@@ -21,8 +21,10 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimi_mlx.server import anthropic_api, ollama_api, openai_api, responses_api
-from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body
+from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body_async
 from kimi_mlx.server.metrics import CONTENT_TYPE_LATEST
+from kimi_mlx.server.catalog import models_list
+from kimi_mlx.server.models import model_lease
 from kimi_mlx.server.schemas import (ChatRequest, CompletionRequest, CountTokensRequest, MessagesRequest,
                                     ResponsesRequest)
 
@@ -229,10 +231,9 @@ def _add_info_routes(app: FastAPI, svc: Service) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request):
+        """Every model a request may name, with what is loaded (`catalog.models_list`)."""
         check_key(svc, request)
-        return {"object": "list", "data": [
-            {"id": m, "object": "model", "created": svc.created, "owned_by": "kimi-mlx",
-             "context_length": svc.context} for m in svc.model_ids[:1]]}
+        return {"object": "list", "data": models_list(svc)}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
@@ -251,22 +252,23 @@ def generation_endpoint(svc: Service, schema, respond: Callable[..., Awaitable],
         check_key(svc, request)
         check_json(request)
         raw = await read_body(request, svc.max_body_bytes)
-        req = parse_body(raw, schema, svc.max_body_bytes)
-        reason = svc.not_ready_reason()
-        if reason:
-            raise APIError(503, f"not ready: {reason}", "overloaded_error",
-                           headers={"Retry-After": "5"})
-        if req.stream:
-            body = await stream(svc, req, request)
-            return StreamingResponse(body, media_type=media,
-                                     headers={"Cache-Control": "no-cache"})
-        t0 = time.perf_counter()
-        try:
-            out = await respond(svc, req, request)
-        except ClientGone:
-            log.info("client left after %.1fs; generation stopped", time.perf_counter() - t0)
-            return Response(status_code=499)
-        return JSONResponse(out)
+        req = await parse_body_async(raw, schema, svc.max_body_bytes)
+        async with model_lease(svc, getattr(req, "model", None)):  # loads / swaps it in
+            reason = svc.not_ready_reason()
+            if reason:
+                raise APIError(503, f"not ready: {reason}", "overloaded_error",
+                               headers={"Retry-After": "5"})
+            if req.stream:
+                body = await stream(svc, req, request)
+                return StreamingResponse(body, media_type=media,
+                                         headers={"Cache-Control": "no-cache"})
+            t0 = time.perf_counter()
+            try:
+                out = await respond(svc, req, request)
+            except ClientGone:
+                log.info("client left after %.1fs; generation stopped", time.perf_counter() - t0)
+                return Response(status_code=499)
+            return JSONResponse(out)
     return handler
 
 
@@ -307,7 +309,7 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
     async def count_tokens(request: Request):
         check_key(svc, request)
         check_json(request)
-        req = parse_body(await read_body(request, svc.max_body_bytes), CountTokensRequest,
+        req = await parse_body_async(await read_body(request, svc.max_body_bytes), CountTokensRequest,
                          svc.max_body_bytes)
         if svc.tok is None:
             raise APIError(503, "not ready: the model is loading", "overloaded_error")
@@ -329,7 +331,7 @@ def _add_tokenize_routes(app: FastAPI, svc: Service) -> None:
     async def body_of(request: Request, schema):
         check_key(svc, request)
         check_json(request)
-        req = parse_body(await read_body(request, svc.max_body_bytes), schema, svc.max_body_bytes)
+        req = await parse_body_async(await read_body(request, svc.max_body_bytes), schema, svc.max_body_bytes)
         if svc.tok is None:
             raise APIError(503, "not ready: the model is loading", "overloaded_error")
         return req

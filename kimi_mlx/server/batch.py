@@ -37,11 +37,11 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import mlx.core as mx
 
-from kimi_mlx.server.jobs import Failed, Finished, Job, Started, TokenOut, reseed_random, top_logprobs
+from kimi_mlx.server.jobs import Failed, Finished, Job, Started, TokenEmitter, reseed_random
 
 log = logging.getLogger(__name__)
 
@@ -174,18 +174,72 @@ class _Live:
     come (snapshot points, then the end of the prompt but its last token)."""
 
     def __init__(self, job: Job, cached: int, ends: List[int], snaps: List[int],
-                 guard: Optional[_RowGuard] = None, media: Optional[int] = None):
-        self.job, self.cached, self.guard = job, cached, guard
+                 out: TokenEmitter, guard: Optional[_RowGuard] = None,
+                 media: Optional[int] = None):
+        self.job, self.cached, self.guard, self.out = job, cached, guard, out
         self.ends, self.snaps = ends, set(snaps)
         self.media = media  # its base id in the `_MediaFeed` while its prefill runs
-        self.n = 0
-        self.t0 = time.perf_counter()
-        self.t_first = None  # when its first token was sampled
-        self.prompt_tps = 0.0
 
 
-def run_batched(engine) -> None:
-    """Worker loop of `Engine` with max_concurrency > 1 (runs until engine.stop())."""
+class BatchHost(Protocol):
+    """What `run_batched` reads of an engine: public members only. The one-process
+    `server.engine.Engine` is one; a tensor group's `cluster.tensor.batched.BatchHost`
+    answers it for `TensorEngine`. An engine implements either this (and runs
+    `run_batched` from its `_serve`) or `BaseEngine._run` for one job at a time.
+
+    Attributes:
+        model: what the generator calls (tokens [B, L] -> logits [B, L, vocab], with
+            `make_cache`). eos_ids: ids that end a reply. max_concurrency: rows at once.
+        metrics: the server's `Metrics` or None. prompt_cache: a cache with `every`,
+            `store`, `note_prompt_speed` (snapshots), or None. pad_id / vision: the image
+            pad id and the vision tower (None without). feeds_media_by_id: whether
+            `model` embeds image rows given as ids past the vocabulary (`_MediaFeed`).
+        active: rows in flight, set by the loop (the queue's admission reads it).
+    """
+
+    model: Any
+    eos_ids: Any
+    max_concurrency: int
+    metrics: Any
+    prompt_cache: Any
+    pad_id: Optional[int]
+    vision: Any
+    feeds_media_by_id: bool
+    active: int
+
+    def stopping(self) -> bool:
+        """Whether the engine is stopping (the loop returns)."""
+
+    def next_job(self, block: bool = True) -> Optional[Job]:
+        """The next queued job (None: stopping; queue.Empty when not `block`)."""
+
+    def start_cache(self, job: Job) -> Tuple[list, int]:
+        """(the job's cache, prompt tokens it already holds)."""
+
+    def cache_models(self, cache) -> List[Tuple[Any, list]]:
+        """(model, its part of `cache`) pairs, for a scored prompt's prefill."""
+
+    def batch_drafts(self):
+        """A `speculative.batch.BatchDrafts` for the generator, or None."""
+
+    def speculates(self, job: Job) -> bool:
+        """Whether `job`'s row may be drafted for."""
+
+    def snapshot_points(self, ids: Sequence[int], start: int,
+                        segment_ends: Sequence[int]) -> List[int]:
+        """Prompt positions where the prompt cache keeps a snapshot."""
+
+    def embeddings(self, job: Job, start: int):
+        """Image rows of a prompt prefilled alone, or None."""
+
+    def prefill(self, ids: List[int], cache, start: int, segment_ends: Sequence[int],
+                step: int = 2048, embeddings=None, key: Optional[Sequence] = None) -> None:
+        """Run ids[start:-1] into `cache` alone (snapshots where the policy says)."""
+
+
+def run_batched(engine: BatchHost) -> None:
+    """Worker loop of an engine with max_concurrency > 1 (`BatchHost`; runs until its
+    `stopping()`)."""
     from mlx_lm.generate import BatchGenerator
 
     feed = (_MediaFeed(engine.model, engine.pad_id)
@@ -203,7 +257,7 @@ def run_batched(engine) -> None:
     live: Dict[int, _Live] = {}
     staged: list = []  # a job between its images' tower runs (`_admit`)
     try:
-        while not engine._stopping.is_set():
+        while not engine.stopping():
             if not _admit(engine, gen, live, feed, staged, drafts):
                 return
             engine.active = len(live)
@@ -237,28 +291,17 @@ def run_batched(engine) -> None:
                 s = live.get(r.uid)
                 if s is None:
                     continue
-                if s.t_first is None:
-                    s.t_first = time.perf_counter()
+                if s.out.t_first is None:
+                    dt = s.out.first(s.cached)
                     if feed is not None:  # its prompt is in the cache: rows no longer read
                         feed.drop(s.media)
                         s.media = None
-                    s.prompt_tps = (len(s.job.ids) - s.cached) / max(s.t_first - s.t0, 1e-9)
                     if engine.prompt_cache is not None:
-                        engine.prompt_cache.note_prompt_speed(len(s.job.ids) - s.cached,
-                                                              s.t_first - s.t0)
-                if r.finish_reason == "stop" and r.token in engine.eos_ids:
-                    if s.job.score is not None and s.job.logprobs is not None:
-                        s.job.stop_token = TokenOut(r.token, *top_logprobs(
-                            r.logprobs, r.token, s.job.logprobs))
+                        engine.prompt_cache.note_prompt_speed(len(s.job.ids) - s.cached, dt)
+                if s.out.token(r.token, r.logprobs) == "stop":
                     live.pop(r.uid)
                     _finish(engine, s, "stop", feed)
                     continue
-                s.n += 1
-                if s.job.logprobs is not None:
-                    chosen, top = top_logprobs(r.logprobs, r.token, s.job.logprobs)
-                    s.job.emit(TokenOut(r.token, chosen, top))
-                else:
-                    s.job.emit(TokenOut(r.token))
                 if r.finish_reason is not None:
                     live.pop(r.uid)
                     _finish(engine, s, "length", feed)
@@ -286,7 +329,7 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
             job, cache, cached = staged.pop()
         else:
             try:
-                job = engine._jobs.get(block=not live)
+                job = engine.next_job(block=not live)
             except queue.Empty:
                 return True
             if job is None:
@@ -300,7 +343,7 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
         media = None
         try:
             if cache is None:
-                cache, cached = engine._start_cache(job)
+                cache, cached = engine.start_cache(job)
             start = cached
             ids = job.ids
             if job.score is not None:
@@ -365,7 +408,9 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
             job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
             reseed_random()
             continue
-        live[uid] = _Live(job, cached, ends, snaps, guard, media)
+        live[uid] = _Live(job, cached, ends, snaps,
+                          TokenEmitter(job, engine.eos_ids, time.perf_counter(), engine.metrics),
+                          guard, media)
         job.emit(Started(cached))
         engine.active = len(live)
     return True
@@ -413,10 +458,4 @@ def _finish(engine, s: _Live, reason: str, feed: Optional[_MediaFeed] = None) ->
     if feed is not None:
         feed.drop(s.media)
         s.media = None
-    t = s.t_first if s.t_first is not None else s.t0
-    dt = time.perf_counter() - t
-    done = Finished(reason, len(s.job.ids), s.cached, s.n, s.prompt_tps,
-                    s.n / dt if dt > 0 else 0.0)
-    if engine.metrics is not None:
-        engine.metrics.finished(done)
-    s.job.emit(done)
+    s.out.finish(reason, s.cached)

@@ -5,8 +5,10 @@ reply events (`reply_events`)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -15,6 +17,7 @@ from pydantic import BaseModel, ValidationError
 from kimi_mlx.generation.request import InputError
 from kimi_mlx.sampling import Sampling
 from kimi_mlx.text.chat_format import api_effort
+from kimi_mlx.server import body_json
 from kimi_mlx.server.jobs import Busy, Failed, Finished, Job, Started, TokenOut
 from kimi_mlx.server.reply import Event, ReplyBuilder
 
@@ -74,6 +77,10 @@ class Service:
     default_thinking_budget: Optional[int] = None  # reasoning tokens when a request sets none (--thinking-budget)
     keepalive_s: float = KEEPALIVE_S  # a streamed reply says something at least this often
     schema_limits: Any = None  # generation.constrain.SchemaLimits (--max-schema-bytes, --schema-timeout)
+    # server.models.ModelHolder where the server loads, unloads and swaps checkpoints
+    # (`kimi-mlx server`); None: the one model loaded at start stays (the cluster server)
+    models: Any = None
+    weights_bytes: int = 0  # the cluster server's tensor bytes, held on its stages (0: not known)
 
     @property
     def ready(self) -> bool:
@@ -83,11 +90,21 @@ class Service:
         """None when serving; else why not (loading, failed load, lost stage)."""
         if self.loading_error:
             return self.loading_error
+        if self.models is not None and self.models.ever_loaded and self.engine is None:
+            return None  # unloaded (idle, a swap): the next request loads its model
         if self.engine is None:
             return "the model is loading"
         return self.engine.health()
 
     def check_model(self, name: str) -> None:
+        if self.models is not None:
+            try:
+                self.models.resolve(name)
+                return
+            except KeyError as e:
+                raise APIError(404, f"model {name!r} is not served here; this server serves "
+                               f"{e.args[0]} (GET /v1/models)", "not_found_error",
+                               "model") from None
         if name not in self.model_ids:
             raise APIError(404, f"model {name!r} is not served here; this server serves "
                            f"{', '.join(repr(m) for m in self.model_ids)} (GET /v1/models)",
@@ -104,39 +121,50 @@ def n_vocab(svc) -> Optional[int]:
 # deeper JSON than any real request (a tool's parameter schema included) holds, and
 # shallow enough for every recursive walk after parsing (validation, prompt encoding)
 MAX_NESTING = 128
+# bodies up to this many bytes are parsed on the event loop (well under a millisecond);
+# larger ones on `_PARSER`'s one thread, in pieces (`body_json`), so that a multi-MB body
+# costs the other clients' streams nothing measurable
+PARSE_INLINE_BYTES = 64 << 10
+_PARSER = ThreadPoolExecutor(1, thread_name_prefix="kimi-mlx-body")
 
 
-def nesting(data) -> int:
-    """Nesting depth of parsed JSON (a scalar 0, [] or {} 1), walked without recursion."""
-    deepest, todo = 0, [(data, 1)]
-    while todo:
-        node, depth = todo.pop()
-        if isinstance(node, dict):
-            node = list(node.values())
-        elif not isinstance(node, list):
-            continue
-        deepest = max(deepest, depth)
-        if depth <= MAX_NESTING:  # past the limit the answer is known
-            todo.extend((x, depth + 1) for x in node)
-    return deepest
+async def parse_body_async(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
+    """`parse_body` off the event loop for a body over PARSE_INLINE_BYTES (one large body
+    at a time: the GIL admits one parser anyway, and a queue of threads would only add
+    switching), inline for a smaller one. Same result and errors as `parse_body`."""
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return parse_body(raw, model, limit)
+    return await asyncio.get_running_loop().run_in_executor(_PARSER, parse_body, raw, model, limit)
+
+
+async def loads_async(raw: bytes) -> Any:
+    """The JSON of a body that `parse_body_async` already checked (nesting, validity),
+    parsed as it does: off the event loop, in pieces, when over PARSE_INLINE_BYTES."""
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return json.loads(raw)
+    return await asyncio.get_running_loop().run_in_executor(_PARSER, body_json.loads, raw,
+                                                            MAX_NESTING)
 
 
 def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     """JSON body -> pydantic model; APIError 413 past `limit` bytes, 400 for malformed
-    JSON, JSON nested deeper than MAX_NESTING, fields that fail validation (naming the
-    field), or a top-level field a model that forbids extras does not declare (OpenAI's
-    "Unknown parameter: 'x'.", param x, code unknown_parameter)."""
+    JSON, JSON nested deeper than MAX_NESTING (found from the bytes before parsing,
+    `body_json.structure`), fields that fail validation (naming the field), or a
+    top-level field a model that forbids extras does not declare (OpenAI's "Unknown
+    parameter: 'x'.", param x, code unknown_parameter; the model's
+    `unknown_field_message` when it has one, as Anthropic's requests do). A large body
+    is parsed in pieces (`body_json.loads`); call `parse_body_async` from the event loop."""
     if len(raw) > limit:
         raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {limit} "
                        "bytes (--max-body-bytes)", "request_too_large")
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = body_json.loads(raw, MAX_NESTING)
+    except body_json.BodyError as e:
+        if e.nested:
+            raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep") from None
         raise APIError(400, f"request body is not valid JSON: {e}") from None
-    except RecursionError:
-        data = None
-    if data is None or nesting(data) > MAX_NESTING:
-        raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:
@@ -144,9 +172,12 @@ def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
     except ValidationError as e:
         errors = e.errors()
         unknown = [x for x in errors if x["type"] == "extra_forbidden" and len(x["loc"]) == 1]
-        if unknown:  # OpenAI's wording and code for a parameter it does not define
+        if unknown:  # the copied API's wording for a parameter it does not define
             name = str(unknown[0]["loc"][0])
-            raise APIError(400, f"Unknown parameter: '{name}'.", param=name,
+            wording = getattr(model, "unknown_field_message", None)
+            if wording:  # Anthropic's
+                raise APIError(400, wording.format(name=name), param=name) from None
+            raise APIError(400, f"Unknown parameter: '{name}'.", param=name,  # OpenAI's
                            code="unknown_parameter") from None
         err = errors[0]
         loc = ".".join(str(p) for p in err["loc"])
@@ -294,15 +325,24 @@ def stop_list(stop: Union[None, str, Sequence[str]]) -> List[str]:
     return stops
 
 
+# the request's hold on the loaded model (`server.models.Lease`), set by the route
+# handler that took it; `submit` binds each job to it so the model stays until they end
+LEASE: contextvars.ContextVar = contextvars.ContextVar("kimi_mlx_model_lease", default=None)
+
+
 def submit(svc: Service, job: Job) -> Job:
     """Queue a job whose events arrive on the running event loop; 503 when full."""
     refused = svc.engine.refusal(job)
     if refused:
         raise APIError(400, refused[1], param=refused[0])
     job.attach(asyncio.get_running_loop())
+    lease = LEASE.get()
+    if lease is not None:
+        lease.bind(job)
     try:
         return svc.engine.submit(job)
     except Busy as e:
+        job.ended()
         raise APIError(503, f"the server is busy: {e}; retry later", "overloaded_error",
                        headers={"Retry-After": "1"}) from None
 

@@ -79,7 +79,7 @@ class Engine(BaseEngine):
             return
         super()._serve()
 
-    def _start_cache(self, job: Job):
+    def start_cache(self, job: Job):
         """(cache, number of prompt tokens it already holds) for a job."""
         if self.prompt_cache is not None and job.score is None:  # a scored prompt needs every logit
             cache, n = self.prompt_cache.fetch(job.cache_key)
@@ -90,7 +90,7 @@ class Engine(BaseEngine):
             cache += _draft_cache(self.speculation.draft)
         return cache, 0
 
-    def _models(self, cache) -> List[Tuple[object, list]]:
+    def cache_models(self, cache) -> List[Tuple[object, list]]:
         """(model, its part of `cache`) pairs: the target, then the draft if any."""
         if self.speculation is None or self.batched_drafts:
             return [(self.model, cache)]
@@ -127,7 +127,7 @@ class Engine(BaseEngine):
         for end in sorted(snaps | {len(ids) - 1}):
             while pos < end:
                 n = min(step, end - pos)
-                for model, part in self._models(cache):
+                for model, part in self.cache_models(cache):
                     if embeddings is None:
                         model(mx.array(ids[pos:pos + n])[None], cache=part)
                     else:
@@ -159,7 +159,7 @@ class Engine(BaseEngine):
         from mlx_lm.generate import generate_step
 
         tic = time.perf_counter()
-        cache, cached = self._start_cache(job)
+        cache, cached = self.start_cache(job)
         job.emit(Started(cached))
         speculate = self.speculates(job)
         if job.score is not None:
@@ -188,7 +188,7 @@ class Engine(BaseEngine):
             gen = generate_step(mx.array(job.ids[-1:]), self.model, max_tokens=job.max_tokens,
                                 sampler=job.sampling.sampler(),
                                 logits_processors=job.logits_processors,
-                                prompt_cache=self._models(cache)[0][1])
+                                prompt_cache=self.cache_models(cache)[0][1])
         stream_to_job(job, gen, self.eos_ids, tic, self.metrics, cached=lambda: cached)
 
 

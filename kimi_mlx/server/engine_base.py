@@ -130,6 +130,15 @@ class BaseEngine:
         """Jobs submitted and not yet started."""
         return self._jobs.qsize()
 
+    def stopping(self) -> bool:
+        """Whether `stop` was called (a worker loop ends at its next check)."""
+        return self._stopping.is_set()
+
+    def next_job(self, block: bool = True) -> Optional[Job]:
+        """The next queued job; None when the engine is stopping (`stop` queues one None
+        per worker). Raises queue.Empty when `block` is False and none waits."""
+        return self._jobs.get(block=block)
+
     def submit(self, job: Job) -> Job:
         """Queue `job`; `Busy` when the target is down or max_queue jobs wait beyond the
         free slots (`jobs.enqueue`)."""
@@ -216,8 +225,9 @@ class BaseEngine:
 
     @property
     def batched_drafts(self) -> bool:
-        """Whether drafts are verified inside the continuous batch (n-gram drafts with
-        max_concurrency > 1, `speculative.batch`) rather than one request at a time."""
+        """Whether drafts are verified inside the continuous batch (n-gram drafts and
+        draft models with max_concurrency > 1, `speculative.batch`) rather than one
+        request at a time."""
         return (self.speculation is not None and self.max_concurrency > 1
                 and _batches(self.speculation))
 
@@ -228,8 +238,11 @@ class BaseEngine:
             return None
         from kimi_mlx.speculative.batch import BatchDrafts
 
+        from kimi_mlx.speculative.loop import model_vocab
+
         spec = self.speculation
-        return BatchDrafts(spec.draft, spec.num_draft_tokens, spec.stats)
+        return BatchDrafts(spec.draft, spec.num_draft_tokens, spec.stats,
+                           vocab=model_vocab(getattr(self, "model", None)))
 
     def speculates(self, job: Job) -> bool:
         """Whether `job` decodes speculatively: with a draft and no logits processors
@@ -266,6 +279,6 @@ class BaseEngine:
 
 
 def _batches(speculation) -> bool:
-    from kimi_mlx.speculative.batch import batches_drafts
+    from kimi_mlx.speculative.proposers import batches_drafts
 
     return batches_drafts(speculation.draft)

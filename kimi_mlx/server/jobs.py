@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 from kimi_mlx.sampling import Sampling
 
-__all__ = ["Busy", "Started", "TokenOut", "Finished", "Failed", "Event", "Job", "enqueue", "run_mlx_thread",
+__all__ = ["TokenEmitter", "Busy", "Started", "TokenOut", "Finished", "Failed", "Event", "Job", "enqueue", "run_mlx_thread",
            "top_logprobs", "reseed_random"]
 
 
@@ -110,6 +110,29 @@ class Job:
         self._queue: Optional[asyncio.Queue] = None
         self._sync: Optional[queue.Queue] = None
         self._held: List[Event] = []
+        self._on_end: List[Callable[[], None]] = []
+        self._end_lock = threading.Lock()
+        self._ended = False
+
+    def on_end(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` once when the job ends (its Finished or Failed is emitted, or
+        `ended()`); at once if it already has. Runs on the thread that ends it."""
+        with self._end_lock:
+            if not self._ended:
+                self._on_end.append(fn)
+                return
+        fn()
+
+    def ended(self) -> None:
+        """The job is over (also for one that was never queued): run `on_end`'s
+        callbacks, once."""
+        with self._end_lock:
+            if self._ended:
+                return
+            self._ended = True
+            todo, self._on_end = self._on_end, []
+        for fn in todo:
+            fn()
 
     def attach(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Deliver events to an asyncio queue on `loop` (or, with None, a thread queue)."""
@@ -127,6 +150,8 @@ class Job:
                 self._loop.call_soon_threadsafe(self._queue.put_nowait, ev)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 self.cancelled.set()
+        if isinstance(ev, (Finished, Failed)):
+            self.ended()
 
     async def next_event(self, timeout: Optional[float] = None) -> Event:
         if self._held:
@@ -233,13 +258,77 @@ def cancelled_in_queue(job: "Job", metrics=None) -> bool:
     return True
 
 
+class TokenEmitter:
+    """One job's generated tokens as its events, the same for every loop (the
+    one-at-a-time engines through `stream_to_job`, the batched loop
+    `server.batch.run_batched` row by row): an EOS id ends the job ("stop", kept as
+    `job.stop_token` for a scored request that asked for logprobs), every other token is
+    a `TokenOut` (with its top log-probabilities when the job asked for them); `finish`
+    emits and counts the `Finished` with its speeds.
+
+    Args:
+        job: the `Job`. eos_ids: token ids that end a reply. tic: `time.perf_counter()`
+            when the request started (prompt tokens/s runs from it to the first token).
+        metrics: the server's `Metrics` (`finished` counted there), or None.
+    """
+
+    def __init__(self, job: "Job", eos_ids, tic: float, metrics=None):
+        self.job, self.eos_ids, self.tic, self.metrics = job, eos_ids, tic, metrics
+        self.n = 0
+        self.prompt_tps = 0.0
+        self.t_first: Optional[float] = None  # when the first token came
+
+    def first(self, cached: int) -> float:
+        """The first token came now (`cached` prompt tokens were restored): returns the
+        seconds since `tic` (the prompt's time)."""
+        import time
+
+        self.t_first = time.perf_counter()
+        dt = self.t_first - self.tic
+        self.prompt_tps = (len(self.job.ids) - cached) / max(dt, 1e-9)
+        return dt
+
+    def token(self, tok: int, lp) -> Optional[str]:
+        """Emit generated token `tok` (logprobs `lp` [vocab]); "stop" (nothing emitted)
+        when it is an EOS id, else None."""
+        import mlx.core as mx
+
+        job = self.job
+        if tok in self.eos_ids:
+            if job.score is not None and job.logprobs is not None:
+                lp = lp if isinstance(lp, mx.array) else mx.array(lp)
+                job.stop_token = TokenOut(tok, *top_logprobs(lp, tok, job.logprobs))
+            return "stop"
+        self.n += 1
+        if job.logprobs is not None:
+            lp = lp if isinstance(lp, mx.array) else mx.array(lp)
+            chosen, top = top_logprobs(lp, tok, job.logprobs)
+            job.emit(TokenOut(tok, chosen, top))
+        else:
+            job.emit(TokenOut(tok))
+        return None
+
+    def finish(self, reason: str, cached: int) -> "Finished":
+        """Emit and count the job's `Finished` (generation tokens/s from the first token)."""
+        import time
+
+        t = self.t_first if self.t_first is not None else self.tic
+        dt = time.perf_counter() - t
+        done = Finished(reason, len(self.job.ids), cached, self.n, self.prompt_tps,
+                        self.n / dt if dt > 0 else 0.0)
+        if self.metrics is not None:
+            self.metrics.finished(done)
+        self.job.emit(done)
+        return done
+
+
 def stream_to_job(job: "Job", gen, eos_ids, tic: float, metrics=None,
                   cached: Callable[[], int] = lambda: 0,
                   on_first: Optional[Callable[[], None]] = None) -> "Finished":
-    """Hand `gen`'s (token id, logprobs [vocab]) to `job` as `TokenOut`s until an EOS id,
-    the client's cancel or the end of `gen` (then reason "length"); closes `gen` however
-    it ends (an engine's generator frees its session / group state there), then emits
-    and counts the `Finished` with its speeds and returns it.
+    """Hand `gen`'s (token id, logprobs [vocab]) to `job` as `TokenOut`s (`TokenEmitter`)
+    until an EOS id, the client's cancel or the end of `gen` (then reason "length");
+    closes `gen` however it ends (an engine's generator frees its session / group state
+    there), then emits and counts the `Finished` with its speeds and returns it.
 
     Args:
         tic: `time.perf_counter()` when the request started (prompt tokens/s runs from it
@@ -247,39 +336,20 @@ def stream_to_job(job: "Job", gen, eos_ids, tic: float, metrics=None,
             the first token (a pipeline knows it only then). on_first: called once at the
             first token (before it is emitted).
     Shared by the one-at-a-time engine, the pipeline's and the tensor group's."""
-    import time
-
-    import mlx.core as mx
-
-    reason, n, prompt_tps, t_gen = "length", 0, 0.0, tic
+    out = TokenEmitter(job, eos_ids, tic, metrics)
+    reason = "length"
     try:
         for tok, lp in gen:
-            if n == 0:
-                t_gen = time.perf_counter()
-                prompt_tps = (len(job.ids) - cached()) / max(t_gen - tic, 1e-9)
+            if out.t_first is None:
+                out.first(cached())
                 if on_first is not None:
                     on_first()
             if job.cancelled.is_set():
                 reason = "cancelled"
                 break
-            if tok in eos_ids:
+            if out.token(tok, lp) is not None:
                 reason = "stop"
-                if job.score is not None and job.logprobs is not None:
-                    lp = lp if isinstance(lp, mx.array) else mx.array(lp)
-                    job.stop_token = TokenOut(tok, *top_logprobs(lp, tok, job.logprobs))
                 break
-            n += 1
-            if job.logprobs is not None:
-                lp = lp if isinstance(lp, mx.array) else mx.array(lp)
-                chosen, top = top_logprobs(lp, tok, job.logprobs)
-                job.emit(TokenOut(tok, chosen, top))
-            else:
-                job.emit(TokenOut(tok))
     finally:
         gen.close()
-    dt = time.perf_counter() - t_gen
-    done = Finished(reason, len(job.ids), cached(), n, prompt_tps, n / dt if dt > 0 else 0.0)
-    if metrics is not None:
-        metrics.finished(done)
-    job.emit(done)
-    return done
+    return out.finish(reason, cached())

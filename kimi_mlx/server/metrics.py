@@ -47,6 +47,15 @@ class Metrics:
                                "tokens the draft proposed", registry=r)
         self.accepted = Counter("kimi_mlx_speculative_accepted_tokens", "speculative "
                                 "decoding: draft tokens the target accepted", registry=r)
+        self._model_collectors: list = []  # those of the loaded checkpoint (`forget_model`)
+        self._disk_off = None
+
+    def forget_model(self) -> None:
+        """The checkpoint was unloaded (`server.models`): drop the collectors that read its
+        prompt-cache disk tier and vision tower, so a reload registers fresh ones."""
+        for c in self._model_collectors:
+            self.registry.unregister(c)
+        self._model_collectors = []
 
     def watch_disk_cache(self, disk) -> None:
         """Export a prompt-cache disk tier's counters (`server.disk_cache.DiskSnapshotStore
@@ -54,22 +63,28 @@ class Metrics:
         read_seconds,write_seconds,evictions,write_errors,write_dropped}_total,
         _ignored_total{reason=foreign|corrupt}, the gauge kimi_mlx_prompt_cache_disk_bytes
         (files held now) and kimi_mlx_prompt_cache_disk_enabled 1."""
-        self.registry.register(_DiskCollector(disk))
+        c = _DiskCollector(disk)
+        self.registry.register(c)
+        self._model_collectors.append(c)
 
     def disk_cache_off(self) -> None:
         """A --prompt-cache-dir that could not be used (a full disk, a read-only folder):
         the gauge kimi_mlx_prompt_cache_disk_enabled 0, the server running with the memory
         cache only."""
-        Gauge("kimi_mlx_prompt_cache_disk_enabled", "1: the prompt cache's disk tier is in "
-              "use; 0: --prompt-cache-dir could not be used (memory cache only)",
-              registry=self.registry).set(0)
+        if self._disk_off is None:  # once: a reload may find the folder unusable again
+            self._disk_off = Gauge("kimi_mlx_prompt_cache_disk_enabled", "1: the prompt "
+                                   "cache's disk tier is in use; 0: --prompt-cache-dir could "
+                                   "not be used (memory cache only)", registry=self.registry)
+        self._disk_off.set(0)
 
     def watch_vision(self, vision) -> None:
         """Export the vision tower's counters (`generation.images.Vision.stats`):
         kimi_mlx_vision_tower_runs_total (images the tower ran on),
         kimi_mlx_vision_tower_cache_hits_total (images whose rows came from the tower
         cache) and the gauge kimi_mlx_vision_tower_cache_bytes (rows kept now)."""
-        self.registry.register(_VisionCollector(vision))
+        c = _VisionCollector(vision)
+        self.registry.register(c)
+        self._model_collectors.append(c)
 
     def speculated(self, steps: int, drafted: int, accepted: int) -> None:
         """Account one request's speculative decoding (verify steps, drafted and accepted

@@ -24,7 +24,10 @@ Mapping (Ollama -> this server):
   (num_gpu, mirostat, ...) are ignored, as Ollama ignores the ones a runner lacks.
   One option of this server's own: `thinking_budget` (the chat route's field: reasoning
   tokens before a `format` grammar closes the thinking).
-- `keep_alive`: accepted; the model stays loaded whatever it says (no unload yet).
+- `keep_alive`: how long the model stays loaded after the request (`server.models`:
+  seconds, a Go duration string, 0 unloads once the reply ends, negative: forever);
+  a request with nothing to generate and keep_alive 0 unloads it (`ollama stop`),
+  answered with done_reason "unload". A request naming another served model swaps it in.
 - `images`: base64 images on a message (or on /api/generate), routed as OpenAI
   `image_url` data-URL parts to the vision tower.
 - /api/generate: `system` + `prompt` as a chat turn; `raw: true` encodes the prompt
@@ -47,10 +50,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
-from kimi_mlx.server.common import (APIError, ClientGone, Service, guarded_stream, parse_body,
-                                    reply_events, stop_list, submit)
+from kimi_mlx.server.common import (LEASE, APIError, ClientGone, Service, guarded_stream,
+                                    loads_async, parse_body, parse_body_async, reply_events,
+                                    stop_list, submit)
 from kimi_mlx.server.images import prepare
 from kimi_mlx.server.jobs import Job
+from kimi_mlx.server.models import model_lease
 from kimi_mlx.server.reply import ReplyBuilder, ToolCall
 from kimi_mlx.server.schemas import ChatRequest, CompletionRequest
 
@@ -64,7 +69,8 @@ PREFIXES = ("/api", "/ollama/api")
 ROUTES = {p + r for p in PREFIXES for r in ("/chat", "/generate", "/tags", "/show", "/ps",
                                             "/version")}
 NDJSON = "application/x-ndjson"
-# what /api/ps says for expires_at: nothing unloads the model (keep_alive is not honoured)
+# what /api/ps says for expires_at of a model that does not unload (Ollama's own
+# "forever" shows as this far date)
 _NEVER = "2318-08-13T00:00:00Z"
 
 
@@ -125,17 +131,35 @@ class OllamaShowRequest(_Body):
 # ------------------------------------------------------------------ translation
 
 
+def _names(svc: Service) -> List[str]:
+    """The model names requests may use (every allowed one with a `ModelHolder`)."""
+    return list(svc.models.allowed) if svc.models is not None else list(svc.model_ids[:1])
+
+
 def served_name(svc: Service, name: Any) -> str:
     """The served model a request names: `name`, or `name` with the tag ":latest" (what
     Ollama clients add); APIError 404 (Ollama's `model "x" not found`) otherwise."""
     if isinstance(name, str):
         base = name[:-len(":latest")] if name.endswith(":latest") else name
         for n in (name, base):
-            if n in svc.model_ids:
+            if n in _names(svc) or (svc.models is None and n in svc.model_ids):
                 return n
     raise APIError(404, f"model {name!r} not found; this server serves "
-                   f"{', '.join(repr(m) for m in svc.model_ids)} (GET /api/tags)",
+                   f"{', '.join(repr(m) for m in _names(svc))} (GET /api/tags)",
                    "not_found_error", "model")
+
+
+def keep_alive(body: Dict[str, Any]):
+    """The request's keep_alive as `server.models` takes it: seconds, `catalog.FOREVER`,
+    or `catalog.DEFAULT` when absent; APIError 400 naming keep_alive for a bad value."""
+    from kimi_mlx.server.catalog import DEFAULT, parse_keep_alive
+
+    if body.get("keep_alive") is None:
+        return DEFAULT
+    try:
+        return parse_keep_alive(body["keep_alive"])
+    except ValueError as e:
+        raise APIError(400, str(e), param="keep_alive") from None
 
 
 def effort(think: Any) -> Optional[str]:
@@ -334,6 +358,8 @@ class _Run:
         self.svc, self.job, self.model = svc, job, model
         self.builder = ReplyBuilder(svc.wrapper, stops, chat=chat)
         self.t0 = t0  # the request's arrival (perf_counter)
+        lease = LEASE.get()  # the wait for its model to load, Ollama's load_duration
+        self.load_s = lease.waited_s if lease is not None else 0.0
         self.t_first: Optional[float] = None
         self.done = None
 
@@ -349,7 +375,8 @@ class _Run:
         b = self.builder
         reason = b.finish_reason(self.done.reason if self.done else "stop")
         return {"done": True, "done_reason": "length" if reason == "length" else "stop",
-                "total_duration": int((end - self.t0) * 1e9), "load_duration": 0,
+                "total_duration": int((end - self.t0) * 1e9),
+                "load_duration": int(self.load_s * 1e9),
                 "prompt_eval_count": len(self.job.ids),
                 "prompt_eval_duration": int((first - self.t0) * 1e9),
                 "eval_count": b.n_tokens, "eval_duration": int((end - first) * 1e9)}
@@ -473,10 +500,10 @@ async def _stream(svc: Service, kind: str, body: Dict[str, Any], model: str, t0:
                           ping_first=False)
 
 
-def _loaded(kind: str, model: str) -> dict:
+def _loaded(kind: str, model: str, reason: str = "load") -> dict:
     """Ollama's answer to a request with nothing to generate (no messages / an empty
-    prompt): the model is loaded, done_reason "load"."""
-    base = {"model": model, "created_at": _now(), "done": True, "done_reason": "load"}
+    prompt): the model is loaded, done_reason "load" (or unloaded: "unload")."""
+    base = {"model": model, "created_at": _now(), "done": True, "done_reason": reason}
     if kind == "chat":
         return {**base, "message": {"role": "assistant", "content": ""}}
     return {**base, "response": ""}
@@ -489,13 +516,10 @@ def generation_route(svc: Service, kind: str, schema, check_key, read_body):
         t0 = time.perf_counter()
         check_key(svc, request)
         raw = await read_body(request, svc.max_body_bytes)
-        req = parse_body(raw, schema, svc.max_body_bytes)
-        body = json.loads(raw)
-        served_name(svc, req.model)  # 404 before anything else
-        reason = svc.not_ready_reason()
-        if reason:
-            raise APIError(503, f"not ready: {reason}", "overloaded_error",
-                           headers={"Retry-After": "5"})
+        req = await parse_body_async(raw, schema, svc.max_body_bytes)
+        body = await loads_async(raw)
+        model = served_name(svc, req.model)  # 404 before anything else
+        keep = keep_alive(body)
         if kind == "generate":
             for name in ("template", "suffix"):
                 if body.get(name):
@@ -507,17 +531,26 @@ def generation_route(svc: Service, kind: str, schema, check_key, read_body):
                                "/api/chat", param="context")
         empty = (not body.get("messages")) if kind == "chat" else (
             not body.get("prompt") and not body.get("images"))
-        if empty:
-            return JSONResponse(_loaded(kind, req.model))
-        if req.stream:
-            lines = await _stream(svc, kind, body, req.model, t0)
-            return StreamingResponse(lines, media_type=NDJSON, headers={"Cache-Control": "no-cache"})
-        try:
-            out = await _respond(svc, kind, body, req.model, request, t0)
-        except ClientGone:
-            log.info("client left after %.1fs; generation stopped", time.perf_counter() - t0)
-            return Response(status_code=499)
-        return JSONResponse(out)
+        if empty and keep == 0 and svc.models is not None:  # `ollama stop`: no load first
+            svc.models.unload_now(model)
+            return JSONResponse(_loaded(kind, req.model, "unload"))
+        async with model_lease(svc, model, keep):  # loads / swaps it in
+            reason = svc.not_ready_reason()
+            if reason:
+                raise APIError(503, f"not ready: {reason}", "overloaded_error",
+                               headers={"Retry-After": "5"})
+            if empty:
+                return JSONResponse(_loaded(kind, req.model))
+            if req.stream:
+                lines = await _stream(svc, kind, body, req.model, t0)
+                return StreamingResponse(lines, media_type=NDJSON,
+                                         headers={"Cache-Control": "no-cache"})
+            try:
+                out = await _respond(svc, kind, body, req.model, request, t0)
+            except ClientGone:
+                log.info("client left after %.1fs; generation stopped", time.perf_counter() - t0)
+                return Response(status_code=499)
+            return JSONResponse(out)
 
     return handler
 
@@ -538,41 +571,76 @@ def _modified(svc: Service) -> str:
     return datetime.fromtimestamp(svc.created or 0, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def capabilities(svc: Service) -> List[str]:
-    """What /api/show lists: completion, tools, thinking, and vision when the loaded
-    checkpoint has a vision tower."""
+def capabilities(svc: Service, name: Optional[str] = None) -> List[str]:
+    """What /api/show lists: completion, tools, thinking, and vision when the checkpoint
+    (`name`'s, read from its folder when it is not the loaded one) has a vision tower."""
     caps = ["completion", "tools", "thinking"]
-    if svc.images is not None and getattr(svc.images, "vision", None) is not None:
+    holder = svc.models
+    if holder is not None and name is not None and holder.loaded_name != holder.resolve(name):
+        vision = holder.has_vision(holder.resolve(name))
+    else:
+        vision = svc.images is not None and getattr(svc.images, "vision", None) is not None
+    if vision:
         caps.append("vision")
     return caps
 
 
 def tags(svc: Service) -> dict:
-    """GET /api/tags: the served model (its name without a tag: the name the OpenAI
-    routes accept, which VS Code Copilot sends to /v1/chat/completions)."""
-    return {"models": [{"name": m, "model": m, "modified_at": _modified(svc), "size": 0,
+    """GET /api/tags: every served model (its name without a tag: the name the OpenAI
+    routes accept, which VS Code Copilot sends to /v1/chat/completions); size: its
+    safetensors files' bytes (0 where not known: the cluster server, a hub id)."""
+    holder = svc.models
+    return {"models": [{"name": m, "model": m, "modified_at": _modified(svc),
+                        "size": holder.disk_bytes(m) if holder is not None else 0,
                         "digest": _digest(svc, m), "details": _details()}
-                       for m in svc.model_ids[:1]]}
+                       for m in _names(svc)]}
 
 
 def show(svc: Service, name: str) -> dict:
     """POST /api/show: model_info with general.architecture and
     `<architecture>.context_length` (VS Code Copilot's context window), capabilities."""
+    holder = svc.models
+    context = (holder.context_of(holder.resolve(name), holder.max_kv_size)
+               if holder is not None else svc.context)
     return {"license": "", "modelfile": f"# served by kimi-mlx\nFROM {name}\n",
             "parameters": "", "template": "", "details": _details(),
             "model_info": {"general.architecture": ARCHITECTURE, "general.basename": name,
-                           f"{ARCHITECTURE}.context_length": svc.context},
-            "capabilities": capabilities(svc), "modified_at": _modified(svc)}
+                           f"{ARCHITECTURE}.context_length": context},
+            "capabilities": capabilities(svc, name), "modified_at": _modified(svc)}
+
+
+def _iso(t: Optional[float]) -> str:
+    if t is None:
+        return _NEVER
+    return datetime.fromtimestamp(t, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def ps(svc: Service) -> dict:
-    """GET /api/ps: the loaded model (nothing is loaded while it loads). Sizes are not
-    measured (0); expires_at is far off: this server does not unload."""
-    if not svc.ready:
+    """GET /api/ps: the loaded model, none while it loads or after an unload. With a
+    `server.models.ModelHolder`: size is MLX's active memory now (weights and caches;
+    size_vram the same on a Mac, where it is all GPU memory, 0 on MLX's CPU backend),
+    expires_at when it unloads (far off when it does not). The cluster server: the
+    weights are on the stages, so size is the checkpoint's tensor bytes when known
+    (else 0) and size_vram 0, never unloaded."""
+    import mlx.core as mx
+
+    holder = svc.models
+    if holder is None:
+        if not svc.ready:
+            return {"models": []}
+        size = int(getattr(svc, "weights_bytes", 0) or 0)
+        return {"models": [{"name": m, "model": m, "size": size, "digest": _digest(svc, m),
+                            "details": _details(), "expires_at": _NEVER, "size_vram": 0,
+                            "context_length": svc.context} for m in svc.model_ids[:1]]}
+    name = holder.held_name
+    st = holder.status(name)
+    if "size" not in st:  # nothing in memory (an unloading model still is, and is listed)
         return {"models": []}
-    return {"models": [{"name": m, "model": m, "size": 0, "digest": _digest(svc, m),
-                        "details": _details(), "expires_at": _NEVER, "size_vram": 0,
-                        "context_length": svc.context} for m in svc.model_ids[:1]]}
+    vram = st["size"] if mx.metal.is_available() else 0
+    return {"models": [{"name": name, "model": name, "size": st["size"],
+                        "digest": _digest(svc, name), "details": _details(),
+                        "expires_at": _iso(st["expires_at"]), "size_vram": vram,
+                        "context_length": svc.context}]}
 
 
 def add_routes(app: FastAPI, svc: Service, check_key, read_body) -> None:
@@ -588,7 +656,7 @@ def add_routes(app: FastAPI, svc: Service, check_key, read_body) -> None:
 
     async def post_show(request: Request):
         check_key(svc, request)
-        req = parse_body(await read_body(request, svc.max_body_bytes), OllamaShowRequest,
+        req = await parse_body_async(await read_body(request, svc.max_body_bytes), OllamaShowRequest,
                          svc.max_body_bytes)
         name = req.model or req.name
         if not name:

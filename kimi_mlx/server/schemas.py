@@ -7,14 +7,16 @@ Unknown top-level fields: the OpenAI requests (`ChatRequest`, `CompletionRequest
 parameter OpenAI documents for that endpoint, so what real clients send (the openai SDK,
 Codex, opencode, aider, the agents SDK: `stream_options`, `store`, `metadata`,
 `service_tier`, `prompt_cache_key`, `include`, ...) is still taken. The Anthropic
-requests and every nested object keep unknown fields (`extra="allow"`): Claude Code sends
-beta fields that differ by version. Fields we cannot honour and that would change the
+requests (`MessagesRequest`, `CountTokensRequest`) refuse them too, in Anthropic's wording
+("x: Extra inputs are not permitted"), after declaring Anthropic's documented and beta
+fields and the ones Claude Code sends; every nested object keeps unknown keys
+(`extra="allow"`): Claude Code's content blocks carry beta keys that differ by version. Fields we cannot honour and that would change the
 result (`n` > 1, an unknown `response_format` type, `suffix`, legacy `functions`, ...)
 are rejected in the API modules, by name, never ignored."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from typing_extensions import Annotated
@@ -231,7 +233,24 @@ class AnthropicMessage(_Model):
     content: Union[str, List[Dict[str, Any]]]
 
 
-class MessagesRequest(_Model):
+class _AnthropicStrict(_Model):
+    # a top-level Anthropic request: an undeclared field is a 400 in Anthropic's own
+    # wording (`parse_body`), as api.anthropic.com answers it
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    unknown_field_message: ClassVar[str] = "{name}: Extra inputs are not permitted"
+
+
+class MessagesRequest(_AnthropicStrict):
+    """Anthropic Messages (POST /v1/messages). Every top-level field of Anthropic's
+    "Create a Message" reference (docs.anthropic.com/en/api/messages: model, messages,
+    max_tokens, container, context_management, inference_geo, mcp_servers, metadata,
+    output_config, service_tier, stop_sequences, stream, system, temperature, thinking,
+    tool_choice, tools, top_k, top_p), its beta fields (`betas`, `output_format`,
+    `speed`, ...: every key of the anthropic SDK's MessageCreateParams and
+    MessageCountTokensParams, beta ones included) and the body fields Claude Code 2.1 adds (`anthropic_beta` and
+    `anthropic_version` as for Bedrock/Vertex, `fallbacks`, `diagnostics`) are declared;
+    any other top-level field is a 400 naming it. Nested objects keep unknown keys."""
+
     model: str
     messages: List[AnthropicMessage] = Field(..., min_length=1)
     max_tokens: Int(ge=1)
@@ -247,7 +266,34 @@ class MessagesRequest(_Model):
     metadata: Optional[Dict[str, Any]] = None
     reasoning_effort: Optional[str] = _effort()
     output_config: Optional[Dict[str, Any]] = None  # {"effort": ...}: Anthropic's effort
-    seed: Optional[Int(**SEED_RANGE)] = None
+    seed: Optional[Int(**SEED_RANGE)] = None  # ours: a sampled reply's seed
+    # Anthropic fields that do not change the tokens generated here: accepted, unused.
+    # Documented: container (code execution), context_management (Claude Code sends its
+    # clear-thinking edits), inference_geo, mcp_servers, service_tier; beta: betas (the
+    # SDK moves them to the anthropic-beta header), output_format, speed ("fast").
+    container: Optional[Union[str, Dict[str, Any]]] = None
+    context_management: Optional[Dict[str, Any]] = None
+    inference_geo: Optional[str] = None
+    mcp_servers: Optional[List[Dict[str, Any]]] = None
+    service_tier: Optional[str] = None
+    betas: Optional[List[str]] = None
+    output_format: Optional[Dict[str, Any]] = None
+    speed: Optional[str] = None
+    # in the anthropic SDK 2.17's create / count_tokens params besides the above
+    cache_control: Optional[Dict[str, Any]] = None
+    user_profile_id: Optional[str] = None
+    workspace_id: Optional[str] = None
+    billing_policy: Optional[Dict[str, Any]] = None
+    compaction: Optional[Dict[str, Any]] = None
+    thread: Optional[Dict[str, Any]] = None
+    fallback_credit_token: Optional[Union[str, Dict[str, Any]]] = None
+    # what Claude Code 2.1 adds to the body (its queryModel request builder):
+    # anthropic_beta (CLAUDE_CODE_EXTRA_BODY / Bedrock style), fallbacks (its refusal
+    # fallback), diagnostics ({previous_message_id}); anthropic_version as Bedrock/Vertex
+    anthropic_beta: Optional[List[str]] = None
+    anthropic_version: Optional[str] = None
+    fallbacks: Optional[List[Dict[str, Any]]] = None
+    diagnostics: Optional[Dict[str, Any]] = None
 
 
 class CountTokensRequest(MessagesRequest):

@@ -30,10 +30,10 @@ def score_prefill(engine, ids: Sequence[int], cache, top_k: int, segment_ends: S
     """Prefill ids[:-1] into a fresh `cache` and score ids[1:].
 
     Args:
-        engine: the `server.engine.Engine` (its `_models(cache)`: the target, then a
+        engine: the `server.engine.Engine` (its `cache_models(cache)`: the target, then a
             draft whose caches are prefilled alongside; its prompt cache for snapshots).
         ids: prompt token ids (at least 1).
-        cache: fresh caches for `engine._models`, holding nothing yet.
+        cache: fresh caches for `engine.cache_models`, holding nothing yet.
         top_k: alternatives to report per token (0..20).
         segment_ends, key: the job's snapshot points and prompt-cache key (as
             `Engine.prefill`).
@@ -55,7 +55,7 @@ def score_prefill(engine, ids: Sequence[int], cache, top_k: int, segment_ends: S
             n = min(step, end - pos)
             x = mx.array(ids[pos:pos + n])[None]
             logits = None
-            for i, (model, part) in enumerate(engine._models(cache)):
+            for i, (model, part) in enumerate(engine.cache_models(cache)):
                 y = model(x, cache=part)
                 if i == 0:
                     logits = y

@@ -225,23 +225,35 @@ def kv_fingerprint(model) -> dict:
     return {"kv_bits": bits, "kv_group_size": model.kv_group_size} if bits else {}
 
 
-def check_draft_server_arguments(args, batch_ngram: bool = True) -> Optional[DraftSettings]:
+def check_draft_server_arguments(args, batch_ngram: bool = True,
+                                 batch_models: bool = True) -> Optional[DraftSettings]:
     """--draft-model / --draft / --num-draft-tokens for `kimi-mlx server` and `cluster
     server`: their `DraftSettings` (None without a draft); sets --max-concurrency's
     default (4; 1 with a draft that speculates one request at a time). `--draft ngram`
     batches where `batch_ngram` (the one-process server, a tensor group: every row's
-    drafts verified in one batched pass, `speculative.batch`); every other draft, and
-    n-gram drafts through a pipeline, run one sequence at a time. InputError for
+    drafts verified in one batched pass, `speculative.batch`), a draft model where
+    `batch_models` (the one-process server: the draft's caches batched with the rows,
+    `speculative.proposers.DraftModelRows`); the MTP, a block drafter, and the others
+    where they do not batch, run one sequence at a time. InputError for
     --max-concurrency > 1 with such a draft: batching would silently turn it off."""
+    from kimi_mlx.speculative.factory import block_drafter_path
+
     drafts = draft_settings(args)
     draft = drafts.flag if drafts is not None else None
-    batches = drafts is not None and drafts.kind == "ngram" and batch_ngram
+    batches = drafts is not None and (
+        (drafts.kind == "ngram" and batch_ngram)
+        or (batch_models and drafts.model is not None
+            and block_drafter_path(drafts.model) is None))
     if args.max_concurrency is None:
         args.max_concurrency = 1 if draft and not batches else DEFAULT_CONCURRENCY
     elif draft and not batches and args.max_concurrency != 1:
-        also = ("; --draft ngram batches (in one process and with --parallel tensor)"
+        where = ("in one process and with --parallel tensor" if batch_ngram or not batch_models
+                 else "in one process")
+        also = (f"; --draft ngram batches ({where}), and a draft model in one process"
                 if drafts.kind != "ngram" else
                 "; n-gram drafts batch in one process and with --parallel tensor")
+        if drafts.model is not None and block_drafter_path(drafts.model) is not None:
+            draft = f"{draft} {drafts.model} (a block drafter)"
         raise InputError(f"{draft} serves one request at a time: use it with "
                          f"--max-concurrency 1 (or leave that flag out), not "
                          f"{args.max_concurrency}{also}")
@@ -268,7 +280,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.loop.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
-    not the target's; ValueError for a draft other than n-gram with max_concurrency > 1."""
+    not the target's; ValueError for the MTP or a block drafter with max_concurrency > 1."""
     from kimi_mlx.checkpoint.hub import resolve
     from kimi_mlx.generation.request import generation_defaults
     from kimi_mlx.checkpoint.loader import load_for_generation
@@ -276,9 +288,12 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     from kimi_mlx.server.prompt_cache import PromptCache
     from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
 
-    if drafts is not None and max_concurrency != 1 and drafts.kind != "ngram":
-        raise ValueError("speculative decoding with a draft model or the MTP needs "
-                         "max_concurrency 1 (n-gram drafts batch)")
+    from kimi_mlx.speculative.factory import block_drafter_path
+
+    if drafts is not None and max_concurrency != 1 and (
+            drafts.kind == "mtp" or block_drafter_path(drafts.model) is not None):
+        raise ValueError("speculative decoding with the MTP or a block drafter needs "
+                         "max_concurrency 1 (n-gram drafts and draft models batch)")
     from kimi_mlx.placement.wired import model_plan, wire
 
     # wired before loading (KIMI_MLX_ALLOW_PAGING, which --allow-paging sets, lets it page)
@@ -299,8 +314,10 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     svc.vocab_size = model.args.vocab_size
     svc.context = serving_context(model.args.max_position_embeddings, max_kv_size)[0]
     disk = None
+    from kimi_mlx.speculative.proposers import batches_drafts
+
     if prompt_cache_dir is not None and (speculation is None or (
-            max_concurrency > 1 and drafts.kind == "ngram")):
+            max_concurrency > 1 and batches_drafts(speculation.draft))):
         from kimi_mlx.server.disk_cache import DiskSnapshotStore
 
         try:

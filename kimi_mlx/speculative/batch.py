@@ -56,7 +56,7 @@ from mlx_lm.generate import GenerationBatch
 from kimi_mlx.speculative.auto_k import draft_policy
 from kimi_mlx.speculative.loop import SpecStats, accept_drafts
 from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS
-from kimi_mlx.speculative.ngram import NgramDraft, NgramIndex
+from kimi_mlx.speculative.proposers import Proposer, batches_drafts, proposer_for
 from kimi_mlx.speculative.rollback import begin_verify, end_verify, rollback_rows
 
 __all__ = ["BatchDrafts", "SpeculativeBatch", "VerifyGate", "batches_drafts", "install"]
@@ -158,19 +158,13 @@ class VerifyGate:
         return go
 
 
-def batches_drafts(draft) -> bool:
-    """Whether `draft` can speculate inside a batch (n-gram drafts: no draft caches to
-    batch; a draft model's or the MTP's would need their own batched rollback)."""
-    return isinstance(draft, NgramDraft)
-
-
 @dataclass
 class _Row:
-    """One row's drafting state: its n-gram index, sampling, whether it may speculate,
-    and `drafted`, the draft tokens it was given to verify so far (0 for a row with
-    logits processors, which is never drafted)."""
+    """One row's drafting state: its sampling, whether it may speculate, and `drafted`,
+    the draft tokens it was given to verify so far (0 for a row with logits processors,
+    which is never drafted). Its drafter's state is the proposer's
+    (`proposers.Proposer`, by uid)."""
 
-    index: NgramIndex
     greedy: bool
     sampling: Any
     speculates: bool
@@ -179,11 +173,11 @@ class _Row:
 
 @dataclass
 class BatchDrafts:
-    """The drafts of one batched generator: the n-gram sizes, k, the shared statistics
-    and each row's context (by the generator's uid).
+    """The drafts of one batched generator: the drafter, k, the shared statistics and
+    each row's state (by the generator's uid).
 
     Args:
-        draft: the `NgramDraft` (n-gram sizes).
+        draft: the `NgramDraft` or a draft model (`proposers.batches_drafts`).
         num_draft_tokens: k, drafts per row per verify step at most (>= 1), or "auto" /
             an `AutoK` (`auto_k.draft_policy`: one k per batched step, from every row's
             outcomes and the batched step's time).
@@ -191,26 +185,33 @@ class BatchDrafts:
             verified, so `mean_accepted` is per row as in the one-sequence loop).
         gate: the `VerifyGate` that skips verify steps that would cost more than they
             give (None: verify whenever a row has a draft).
+        vocab: the target's vocabulary size (a draft model's logits are cut or padded to
+            it), or None.
+    Raises:
+        ValueError: a draft that does not batch (MTP, block drafter).
     """
 
-    draft: NgramDraft
+    draft: Any
     num_draft_tokens: Any = DEFAULT_NUM_DRAFT_TOKENS
     stats: SpecStats = field(default_factory=SpecStats)
     rows: Dict[int, _Row] = field(default_factory=dict)
     gate: Optional[VerifyGate] = field(default_factory=VerifyGate)
+    vocab: Optional[int] = None
 
     def __post_init__(self):
         self.policy = draft_policy(self.num_draft_tokens)
+        self.proposer: Proposer = proposer_for(self.draft, self.vocab)
 
     def add(self, uid: int, context: Sequence[int], sampling, speculates: bool = True) -> None:
         """Row `uid` starts from prompt `context` (all its ids: the generator feeds the
         last one when the row moves to decoding, before this batch's first step on it,
         whose input is the first sampled token)."""
-        self.rows[uid] = _Row(self.draft.index(list(context)), sampling.greedy, sampling,
-                              speculates)
+        self.rows[uid] = _Row(sampling.greedy, sampling, speculates)
+        self.proposer.add(uid, context)
 
     def drop(self, uid: int) -> None:
         self.rows.pop(uid, None)
+        self.proposer.drop(uid)
 
 
 def install(gen, drafts: BatchDrafts) -> None:
@@ -257,41 +258,40 @@ class SpeculativeBatch(GenerationBatch):
             if d.gate.closed(B):  # drafts would not pay: mlx-lm's step as it is
                 d.gate.step(("plain", B))
                 d.stats.plain += B
-                out = super().next()
-                for r in out:  # the tokens it fed, into their rows' contexts
-                    row = d.rows.get(r.uid)
-                    if row is not None:
-                        row.index.append(r.token)
-                return out
+                d.proposer.plain(list(self.uids), self._next_tokens)
+                return super().next()
         y = self._next_tokens
         mx.eval(y)  # the previous step's forward pass is done here (mlx-lm overlaps it)
         ys = y.tolist()
         rows = [d.rows.get(uid) for uid in self.uids]
         rooms = [self.max_tokens[i] - self._num_tokens[i] - 1 for i in range(len(rows))]
         k = d.policy.choose(max(rooms))
-        props: List[List[int]] = []
-        for i, r in enumerate(rows):
-            if r is not None:
-                r.index.append(ys[i])  # fed in this step, whichever kind it is
-            if (r is None or not r.speculates or self.logits_processors[i] or rooms[i] < 1
-                    or k < 1):
-                props.append([])
-            else:
-                props.append(r.index.propose(min(k, rooms[i])))
-        B, K = len(self.uids), max(len(p) for p in props)
-        gate = d.gate
-        if K and gate is not None and not gate.should_verify(B, K, sum(1 for p in props if p)):
+        want = [0 if (r is None or not r.speculates or self.logits_processors[i]
+                      or rooms[i] < 1 or k < 1) else min(k, rooms[i])
+                for i, r in enumerate(rows)]
+        samplings = [r.sampling if r is not None else None for r in rows]
+        gate, B = d.gate, len(self.uids)
+        if (d.proposer.drafts_every_row and max(want) and gate is not None
+                and not gate.should_verify(B, max(want), sum(1 for w in want if w))):
+            # a draft model's proposal costs K + 1 draft passes: asked before they run
+            # (it proposes exactly `want` for every row, so the gate knows the step)
+            want = [0] * B
+        props, qs = d.proposer.propose(list(self.uids), ys, want, samplings)
+        K = max(len(p) for p in props)
+        if (K and gate is not None and not d.proposer.drafts_every_row
+                and not gate.should_verify(B, K, sum(1 for p in props if p))):
             props = [[] for _ in props]
         if gate is not None:
             gate.step(("plain", B) if not any(props) else ("verify", B, K))
         if not any(props):
+            d.proposer.settle([0] * B)  # the step feeds y alone
             d.policy.skip()
             d.stats.plain += B
             return super().next()
-        return self._verify(ys, rows, props)
+        return self._verify(ys, rows, props, qs)
 
-    def _verify(self, ys: List[int], rows: List[Optional[_Row]],
-                props: List[List[int]]) -> List[GenerationBatch.Response]:
+    def _verify(self, ys: List[int], rows: List[Optional[_Row]], props: List[List[int]],
+                qs: List[Optional[mx.array]]) -> List[GenerationBatch.Response]:
         d, B = self.drafts, len(self.uids)
         K = max(len(p) for p in props)
         x = mx.array([[ys[i]] + p + [ys[i]] * (K - len(p)) for i, p in enumerate(props)],
@@ -317,8 +317,10 @@ class SpeculativeBatch(GenerationBatch):
                     lazy[i] = (mx.array(0, mx.int32), self.samplers[i](lp).reshape(()), lp[0])
                 elif p and not r.greedy:
                     m = len(p)
-                    q = mx.where(mx.arange(logits.shape[-1])[None] == mx.array(p)[:, None],
-                                 0.0, -mx.inf)
+                    q = qs[i]
+                    if q is None:  # deterministic drafts (n-gram): q one-hot
+                        q = mx.where(mx.arange(logits.shape[-1])[None] == mx.array(p)[:, None],
+                                     0.0, -mx.inf)
                     n, tok = accept_drafts(r.sampling.log_probs(logits[i, : m + 1]), q,
                                            mx.array(p, mx.int32))
                     lazy[i] = (n, tok, None)
@@ -338,6 +340,7 @@ class SpeculativeBatch(GenerationBatch):
                 nxt.append(tok)
                 next_lp.append(lp if lp is not None else logprobs[i, n])
             roll(verify, [n + 1 for n in accepted], K + 1)
+            d.proposer.settle(accepted)
         finally:
             end()
         st = d.stats
@@ -368,9 +371,6 @@ class SpeculativeBatch(GenerationBatch):
             toks = [ys[i]] + props[i][: accepted[i]]
             lps = [prev_lp[i]] + [logprobs[i, j] for j in range(accepted[i])]
             self.tokens[i].extend(toks)
-            r = d.rows.get(self.uids[i])
-            if r is not None:
-                r.index.extend(props[i][: accepted[i]])
             finish = None
             for tok, lp in zip(toks, lps):
                 self._num_tokens[i] += 1

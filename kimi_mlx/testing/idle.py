@@ -14,6 +14,17 @@ command here is BEGIN then END through rank 0's child: the END's answer comes on
 KIMI_MLX_TENSOR_PARK_AFTER=inf gives ranks that wait in `all_sum` (no parking) for a
 before/after figure.
 
+`--compare` (the first command after a long idle against a group that never parks, in
+one run): `--rounds` times, a parked group (the default `relay.PARK_AFTER`) and then a
+group whose rank 0 never parks (KIMI_MLX_TENSOR_PARK_AFTER=inf, today's idle before the
+doorbell), each timed after `--cycles` idle times of `--idle` s; `--command token`
+(default there) times one decode step (BEGIN, a one-token FORWARD with its logits back,
+END: the first token of a request), `--command wake` the bare BEGIN / END. Prints one
+JSON line with every figure, the medians of the first commands and their difference
+(parked minus never-parked, ms), and one summary line on stderr. A group that never
+parks spins two cores while it waits, so the groups run one after the other, never
+together.
+
 `--what stage`: one `cluster serve` stage idle, before and after a head loaded it;
 `--what server`: the one-process `kimi-mlx server` idle; `--what cluster`: `cluster
 server --parallel tensor` with one node, as process trees.
@@ -31,6 +42,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+PARK_ENV = "KIMI_MLX_TENSOR_PARK_AFTER"  # read by rank 0's child (`cluster.tensor.relay`)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -62,7 +75,9 @@ class IdleGroup:
     `Rank0Process`, `node_rank` rank 1's `node.rank.RankProcess` (started as a node starts
     it). Use as a context manager: both processes are ended on exit (`stop`)."""
 
-    def __init__(self, ckpt: Path, timeout: float = 180.0):
+    def __init__(self, ckpt: Path, timeout: float = 180.0, park_after: Optional[str] = None):
+        """`park_after`: KIMI_MLX_TENSOR_PARK_AFTER for rank 0's child ("inf": never
+        parks; "": the default); None: this process's environment as it is."""
         from kimi_mlx.cluster.tensor.group import hosts_json
         from kimi_mlx.cluster.tensor.relay import Rank0Process
         from kimi_mlx.testing.ports import free_ports
@@ -74,9 +89,19 @@ class IdleGroup:
         self.node_rank = RankProcess(ckpt, 1, 2, "ring", hosts, "idle-test", cache_bytes=0)
         self.rank1 = self.node_rank.proc
         self.rank0 = None
+        saved = os.environ.get(PARK_ENV)
         try:
-            self.rank0 = Rank0Process(ckpt, "ring", {"MLX_RANK": "0"}, hosts=hosts,
-                                      timeout=timeout)
+            if park_after is not None:  # rank 0's child reads it at import (a new process)
+                os.environ.pop(PARK_ENV, None)
+                if park_after:
+                    os.environ[PARK_ENV] = park_after
+            try:
+                self.rank0 = Rank0Process(ckpt, "ring", {"MLX_RANK": "0"}, hosts=hosts,
+                                          timeout=timeout)
+            finally:
+                os.environ.pop(PARK_ENV, None)
+                if saved is not None:
+                    os.environ[PARK_ENV] = saved
             self.rank0.wait_ready(timeout, cancelled=lambda: self.rank1.poll() is not None)
         except BaseException:
             self.stop()
@@ -90,6 +115,13 @@ class IdleGroup:
         t0 = time.perf_counter()
         self.rank0.relay_command(OP_BEGIN)
         self.rank0.relay_command(OP_END)
+        return time.perf_counter() - t0
+
+    def token(self, token_id: int = 1) -> float:
+        """Seconds for one decode step through the group: BEGIN, a one-token FORWARD with
+        the logits back to rank 0's caller, END (the first token of a request)."""
+        t0 = time.perf_counter()
+        self.forward([token_id])
         return time.perf_counter() - t0
 
     def forward(self, ids: Sequence[int]):
@@ -130,23 +162,50 @@ class IdleGroup:
 
 
 def measure(ckpt: Path, idle: float, window: float, repeats: int,
-            cycles: int = 1) -> dict:
+            cycles: int = 1, park_after: Optional[str] = None, command: str = "wake") -> dict:
     """{"cpu_s": {process: CPU s over the last `window` s of the first idle time},
     "window_s", "idle_s", "first_ms": [the first command after each of `cycles` idle
     times of `idle` s], "warm_ms": median of `repeats` back-to-back commands after each,
-    "exit": exit statuses}."""
-    with IdleGroup(ckpt) as g:
-        g.command()  # the first command ever (lazy set-up on both sides) is not the figure
+    "exit": exit statuses}. `command`: "wake" (BEGIN / END, `IdleGroup.command`) or
+    "token" (one decode step, `IdleGroup.token`); `park_after`: as `IdleGroup`'s."""
+    window = min(window, idle)
+    with IdleGroup(ckpt, park_after=park_after) as g:
+        run = g.token if command == "token" else g.command
+        run()  # the first command ever (lazy set-up on both sides) is not the figure
+        run()
         cpu, first, warm = None, [], []
         for _ in range(cycles):
             time.sleep(max(0.0, idle - window))
             c = g.cpu(window)
             cpu = cpu or c
-            first.append(g.command() * 1e3)
-            warm.append(statistics.median(g.command() for _ in range(repeats)) * 1e3)
+            first.append(run() * 1e3)
+            warm.append(statistics.median(run() for _ in range(repeats)) * 1e3)
         codes = g.stop()
     return {"cpu_s": cpu, "window_s": window, "idle_s": idle, "first_ms": first,
             "warm_ms": warm, "exit": codes}
+
+
+def compare(ckpt: Path, idle: float, window: float, repeats: int, cycles: int = 3,
+            rounds: int = 1, command: str = "token") -> dict:
+    """The first command after `idle` s of a parked group against a group that never
+    parks (module doc, `--compare`). Returns {"parked": {...}, "never_parked": {...}}
+    (each: "first_ms" [rounds x cycles], "warm_ms", "cpu_s" per round) with
+    "median_first_ms" of each, "difference_ms" (parked minus never-parked) and
+    "within_1ms" (abs(difference) <= 1 ms), plus the settings."""
+    kinds = {"parked": "", "never_parked": "inf"}
+    out = {k: {"first_ms": [], "warm_ms": [], "cpu_s": []} for k in kinds}
+    for _ in range(rounds):
+        for kind, park in kinds.items():
+            m = measure(ckpt, idle, window, repeats, cycles, park_after=park, command=command)
+            out[kind]["first_ms"] += m["first_ms"]
+            out[kind]["warm_ms"] += m["warm_ms"]
+            out[kind]["cpu_s"].append(m["cpu_s"])
+    med = {k: statistics.median(v["first_ms"]) for k, v in out.items()}
+    diff = med["parked"] - med["never_parked"]
+    return dict(out, command=command, idle_s=idle, cycles=cycles, rounds=rounds,
+                median_first_ms=med, median_warm_ms={k: statistics.median(v["warm_ms"])
+                                                     for k, v in out.items()},
+                difference_ms=diff, within_1ms=abs(diff) <= 1.0)
 
 
 def stage_cpu(ckpt: Path, workdir: Path, window: float, settle: float = 2.0) -> dict:
@@ -239,7 +298,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--idle", type=float, default=60.0, help="seconds idle before the command")
     p.add_argument("--window", type=float, default=10.0, help="seconds of CPU measured")
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--cycles", type=int, default=1, help="idle times, each then timed")
+    p.add_argument("--cycles", type=int, default=None,
+                   help="idle times per group, each then timed (default 1; 5 with --compare)")
+    p.add_argument("--compare", action="store_true",
+                   help="tensor: the first command after --idle s of a parked group against "
+                        "a group that never parks (KIMI_MLX_TENSOR_PARK_AFTER=inf), medians "
+                        "over --rounds x --cycles")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--compare: parked then never-parked groups, this many times")
+    p.add_argument("--command", default=None, choices=("wake", "token"),
+                   help="what is timed: wake (BEGIN/END) or token (one decode step); "
+                        "default token with --compare, else wake")
     p.add_argument("--what", default="tensor", choices=("tensor", "stage", "server", "cluster"),
                    help="tensor: the 2-rank group; stage: one `cluster serve` stage idle "
                         "before and after loading; server: the one-process server idle; "
@@ -255,8 +324,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             out = {"cluster_cpu_s": cluster_cpu(ckpt, Path(tmp), a.window), "window_s": a.window}
         elif a.what == "server":
             out = {"server_cpu_s": server_cpu(ckpt, Path(tmp), a.window), "window_s": a.window}
+        elif a.compare:
+            out = compare(ckpt, a.idle, a.window, a.repeats, a.cycles or 5, a.rounds,
+                          a.command or "token")
+            print(f"first {out['command']} after {a.idle:g} s idle, median of "
+                  f"{len(out['parked']['first_ms'])}: parked {out['median_first_ms']['parked']:.2f} ms, "
+                  f"never parked {out['median_first_ms']['never_parked']:.2f} ms, difference "
+                  f"{out['difference_ms']:+.2f} ms ({'within' if out['within_1ms'] else 'NOT within'}"
+                  f" 1 ms); back-to-back medians {out['median_warm_ms']['parked']:.2f} / "
+                  f"{out['median_warm_ms']['never_parked']:.2f} ms", file=sys.stderr, flush=True)
         else:
-            out = measure(ckpt, a.idle, a.window, a.repeats, a.cycles)
+            out = measure(ckpt, a.idle, a.window, a.repeats, a.cycles or 1,
+                          command=a.command or "wake")
         print(json.dumps(out), flush=True)
     return 0
 
