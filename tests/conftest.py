@@ -10,9 +10,10 @@ from kimi_mlx.testing.checkpoints import build_checkpoint
 # tests/fixtures/: the session-scoped micro model, server, 3-stage pipeline and tensor node
 # shared by the modules that only read them (shared), the clean-up after a timed-out test
 # (timeouts), the disk prompt-cache stores closed after each test (stores), the start-up
-# counter (counting, only under KIMI_MLX_COUNT_STARTUPS) and per-test CPU seconds (cputime,
-# only under KIMI_MLX_TEST_CPU)
-pytest_plugins = ["fixtures.counting", "fixtures.cputime", "fixtures.shared", "fixtures.stores",
+# counter (counting, only under KIMI_MLX_COUNT_STARTUPS), per-test CPU seconds (cputime,
+# only under KIMI_MLX_TEST_CPU) and the long runs left to make test-e2e (long_runs)
+pytest_plugins = ["fixtures.counting", "fixtures.cputime", "fixtures.long_runs", "fixtures.shared",
+                  "fixtures.stores",
                   "fixtures.timeouts"]
 
 

@@ -198,7 +198,7 @@ def test_keep_alive(fresh):
         assert _ollama_chat(srv.url, "micro", keep_alive=0) == fresh["micro", "ollama", 1]
         assert _wait_unloaded(srv.url, 10) < 10
         r = c.generate(model="micro", prompt="class Queue:", raw=True, options=OPTS)
-        assert r.load_duration > 0.1e9 and r.load_duration < r.total_duration  # it loaded
+        assert r.load_duration > 1e6 and r.load_duration < r.total_duration  # it loaded (0 without a load)
         # the next request loads it again; `ollama stop` (empty, keep_alive 0) unloads
         assert _ollama_chat(srv.url, "micro:latest", keep_alive="1h") == fresh["micro", "ollama", 1]
         assert c.ps().models
