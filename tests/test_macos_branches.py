@@ -30,6 +30,7 @@ GiB = 2**30
 # file:function (qualified) -> the test that runs its macOS side: a test of this module, or
 # "tests/<file>.py::test_name" for one that lives beside its subsystem's other tests
 REGISTRY = {
+    "kimi_mlx/bench/models.py:rss_bytes": "test_rss_through_ps_without_proc",
     "kimi_mlx/commands/blas.py:preload_env": "test_blas_preload_is_linux_only",
     "kimi_mlx/commands/blas.py:blas_in_use": "test_blas_in_use_says_accelerate_on_macos",
     "kimi_mlx/placement/wired.py:wire": "test_wired_limit_on_macos_and_not_elsewhere",
@@ -306,6 +307,24 @@ def test_no_proc_on_macos(monkeypatch):
     assert grpc_floor._proc_cpu(os.getpid()) == 0.0
     t0 = time.process_time()
     assert hop._cpu_seconds([os.getpid()]) - t0 < 1.0  # only this process's own time
+
+
+def test_rss_through_ps_without_proc(monkeypatch):
+    """macOS has no /proc: the model bench reads this process's RSS from `ps -o rss=` (KiB),
+    which agrees with Linux's /proc/self/statm (resident pages x page size) read here."""
+    from kimi_mlx.bench import models
+
+    with open("/proc/self/statm") as f:
+        want = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def no_proc(path, *a, **k):
+        if str(path).startswith("/proc"):
+            raise FileNotFoundError(2, "No such file or directory", str(path))
+        return open(path, *a, **k)
+
+    monkeypatch.setattr(models, "open", no_proc, raising=False)
+    got = models.rss_bytes()
+    assert abs(got - want) < 0.1 * want, (got, want)
 
 
 def test_blas_preload_is_linux_only(monkeypatch):
