@@ -348,23 +348,34 @@ def sparse_mla_decode(
            "sparse_mla_decode: latent [B, S, R], k_pe [B, S, P]")
     _check(indices.shape == (B, K) and K >= 1, "sparse_mla_decode: indices must be [B, K]")
     nsplit = _splits(K) if splits is None else max(1, min(int(splits), K))
+    return _split_decode("sparse_mla_partial", "sparse_mla_combine",
+                         [q_lat, q_pe, latent, k_pe], [("H", H), ("R", R), ("P", P)],
+                         indices, S, K, nsplit, scale, q_lat.dtype, B, H, R)
+
+
+def _split_decode(partial: str, combine: str, data, template, indices, S, K, nsplit, scale,
+                  out_dtype, B, H, R):
+    """One sparse-MLA decode as its two dispatches (the BF16 and the quantized-cache
+    variants share it): `partial` scores `nsplit` slices of each row's K selected keys
+    into per-split outputs and (max, sum) pairs; `combine` merges the splits into
+    [B, H, 1, R] of `out_dtype`. `data`: the kernel's cache/query inputs before the
+    indices; `template`: `partial`'s template parameters."""
     HG = min(H, 4)
-    part_o, part_ml = KERNELS["sparse_mla_partial"](
-        inputs=[q_lat, q_pe, latent, k_pe, indices.astype(mx.int32), S, K, nsplit,
-                float(scale)],
-        template=[("H", H), ("R", R), ("P", P)],
+    part_o, part_ml = KERNELS[partial](
+        inputs=[*data, indices.astype(mx.int32), S, K, nsplit, float(scale)],
+        template=template,
         grid=(32, H, B * nsplit),
         threadgroup=(32, HG, 1),
         output_shapes=[(B, nsplit, H, R), (B, nsplit, H, 2)],
         output_dtypes=[mx.float32, mx.float32],
     )
-    (out,) = KERNELS["sparse_mla_combine"](
+    (out,) = KERNELS[combine](
         inputs=[part_o, part_ml, nsplit],
-        template=[("OutT", q_lat.dtype), ("H", H), ("R", R)],
+        template=[("OutT", out_dtype), ("H", H), ("R", R)],
         grid=(32, H, B),
         threadgroup=(32, HG, 1),
         output_shapes=[(B, H, 1, R)],
-        output_dtypes=[q_lat.dtype],
+        output_dtypes=[out_dtype],
     )
     return out
 
@@ -500,22 +511,7 @@ def sparse_mla_decode_q(
     _check(D == R, f"sparse_mla_decode_q: latent rows hold {D} values, q_lat {R}")
     _check(indices.shape == (B, K) and K >= 1, "sparse_mla_decode_q: indices must be [B, K]")
     nsplit = _splits(K) if splits is None else max(1, min(int(splits), K))
-    HG = min(H, 4)
-    part_o, part_ml = KERNELS["sparse_mla_partial_q"](
-        inputs=[q_lat, q_pe, lw, ls, lb, k_pe, indices.astype(mx.int32), S, K, nsplit,
-                float(scale)],
-        template=[("H", H), ("R", R), ("P", P), ("BITS", bits), ("GS", group_size)],
-        grid=(32, H, B * nsplit),
-        threadgroup=(32, HG, 1),
-        output_shapes=[(B, nsplit, H, R), (B, nsplit, H, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    (out,) = KERNELS["sparse_mla_combine_q"](
-        inputs=[part_o, part_ml, nsplit],
-        template=[("OutT", q_lat.dtype), ("H", H), ("R", R)],
-        grid=(32, H, B),
-        threadgroup=(32, HG, 1),
-        output_shapes=[(B, H, 1, R)],
-        output_dtypes=[q_lat.dtype],
-    )
-    return out
+    return _split_decode("sparse_mla_partial_q", "sparse_mla_combine_q",
+                         [q_lat, q_pe, lw, ls, lb, k_pe],
+                         [("H", H), ("R", R), ("P", P), ("BITS", bits), ("GS", group_size)],
+                         indices, S, K, nsplit, scale, q_lat.dtype, B, H, R)
