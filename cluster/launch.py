@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, List, NamedTuple
+from typing import Any, List, NamedTuple, Optional
 
 from kimi_mlx.cluster.head.cluster import Cluster, PipelineSettings
 from kimi_mlx.cluster.net.nodes import NodeFinder, NodeSettings
@@ -140,7 +140,9 @@ def run(args, nodes: NodeSettings, pipeline: PipelineSettings) -> int:
     parallel = args.parallel
     if parallel == "auto":
         try:
-            parallel = recommended(finder, plan_context, pipeline.sequences)
+            parallel = recommended(finder, plan_context, pipeline.sequences,
+                                   drafts=inputs.speculation is not None,
+                                   kv_bits=args.kv_bits, kv_group_size=args.kv_group_size)
         except (PlanError, StageFailure, RuntimeError, ValueError) as e:
             _err(e)
             return 1
@@ -178,18 +180,18 @@ def run(args, nodes: NodeSettings, pipeline: PipelineSettings) -> int:
     return code
 
 
-def recommended(finder: NodeFinder, context: int, sequences: int) -> str:
-    """`kimi_mlx.placement.tensor_parallel.choose_for_server` for these nodes: the pipeline
+def recommended(finder: NodeFinder, context: int, sequences: int, drafts: bool = False,
+                kv_bits: Optional[int] = None, kv_group_size: int = 64) -> str:
+    """`kimi_mlx.placement.parallel_choice.choose_parallel` for these nodes: the pipeline
     over the nodes at `sequences` requests at once vs a tensor group of this head and the
     nodes (the slowest node's bandwidth, the TCP ring's latency: the group runs over the
-    ring), by predicted aggregate decode; says which and why in one line. The nodes it
-    checked are kept for the launch that follows (`finder.checked`)."""
-    from kimi_mlx.cluster.head.plan import plan_stages
+    ring), both holding `sequences` sequences' caches in the `--kv-bits` format
+    (`kv_bits`, `kv_group_size`), by predicted aggregate decode, with drafts (`drafts`:
+    each mode's best k) or plain; says which and why in one line. The nodes it checked
+    are kept for the launch that follows (`finder.checked`)."""
     from kimi_mlx.cluster.net.control import ControlClient
-    from kimi_mlx.model.shard import ShardError
-    from kimi_mlx.placement.planner import PlanError
-    from kimi_mlx.placement.tensor_parallel import (TCP_LATENCY_S, choose_for_server,
-                                                   tensor_plan_for, tensors_of)
+    from kimi_mlx.placement.parallel_choice import choose_parallel
+    from kimi_mlx.placement.tensor_parallel import TCP_LATENCY_S
 
     transport = ControlClient(finder.secret, finder.settings.tls_secret_path)
     try:
@@ -197,23 +199,14 @@ def recommended(finder: NodeFinder, context: int, sequences: int) -> str:
     finally:
         transport.shutdown()
     nodes = [n.planner_node() for n, _ in accepted]
-    try:
-        pipeline = plan_stages(finder.model_dir, [n for n, _ in accepted], context,
-                               sequences)[0].tokens_per_s
-    except PlanError:
-        pipeline = 0.0
-    tp, fits = None, False
-    try:
-        targs, tensors = tensors_of(str(finder.model_dir))
-        bw = [n.bandwidth_bytes_per_s for n in nodes]
-        tp = tensor_plan_for(tensors, targs, bw + [min(bw)], context)
-        fits = all(max(tp.load_bytes) + tp.cache_bytes <= n.usable_bytes for n in nodes)
-    except (ShardError, ValueError):  # heads or experts that do not split so
-        pass
-    choice, why = choose_for_server(pipeline, sequences, tp, TCP_LATENCY_S, fits, sequences)
-    print(f"[cluster] --parallel auto chose {choice}: {why} ({len(nodes)} node(s); "
+    # the head is a rank too: counted as the slowest node
+    group = nodes + [min(nodes, key=lambda n: n.bandwidth_bytes_per_s)] if nodes else []
+    choice = choose_parallel(str(finder.model_dir), nodes, context, sequences, TCP_LATENCY_S,
+                             drafts=drafts, tensor_nodes=group, kv_bits=kv_bits,
+                             kv_group_size=kv_group_size)
+    print(f"[cluster] --parallel auto chose {choice.mode}: {choice.why} ({len(nodes)} node(s); "
           "--parallel pipeline|tensor to choose)", file=sys.stderr)
-    return choice
+    return choice.mode
 
 
 def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation=None,

@@ -109,7 +109,9 @@ def _run(args, nodes: NodeSettings, pipeline_settings: PipelineSettings, chosen:
 
     def choose_parallel() -> str:
         chosen.append(args.parallel if args.parallel != "auto"
-                      else recommended(finder, args.context, pipeline_settings.sequences))
+                      else recommended(finder, args.context, pipeline_settings.sequences,
+                                       drafts=drafts is not None, kv_bits=args.kv_bits,
+                                       kv_group_size=args.kv_group_size))
         return chosen[-1]
 
     def load():

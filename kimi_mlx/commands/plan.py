@@ -17,10 +17,12 @@ from kimi_mlx.placement.layer_bytes import (DEFAULT_MODEL_ID, KV_CACHE_BITS,
                                             BuildSpec, ModelBytes, model_bytes)
 from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S,
                                                choose_for_server, recommend,
-                                               snapshot_bytes_per_rank, tensor_plan_for,
+                                               snapshot_bytes_per_rank, tensor_fits,
+                                               tensor_plan_for,
                                                tensors_of)
 from kimi_mlx.placement.verify_cost import (DEFAULT_DRAFT_BLOCK, DSPARK_ACCEPTANCE_LENGTH,
-                                            k_table, parse_acceptance, tensor_k_table)
+                                            choose_with_drafts, k_table, parse_acceptance,
+                                            tensor_k_table)
 from kimi_mlx.placement.planner import (
     DEFAULT_CHIP, DEFAULT_CONTEXT, DEFAULT_HOP_LATENCY_S, GB, GiB, MAC_BANDWIDTH, Plan, PlanError,
     StagePlanner, macos_default_wired_bytes, parse_bytes, parse_macs, planned_context,
@@ -86,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="distinct experts a verify block reads: measured (the curve fitted "
                         "on micro-moe's routing, kimi_mlx/assets/expert_union.json; default) "
                         "or uniform (independent uniform routing: the upper bound)")
+    p.add_argument("--drafts", action="store_true",
+                   help="plan for a server that drafts (--draft-model, --draft, --mtp): "
+                        "`--parallel auto` then decides on each mode's best k of the "
+                        "speculative tables (at --draft-acceptance), not the plain figures")
     p.add_argument("--max-draft-tokens", type=int, default=16,
                    help="largest k in the speculative table (default 16)")
     p.add_argument("--kv-bits", type=int, choices=KV_CACHE_BITS, default=None,
@@ -365,10 +371,12 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner,
         return lines
     targs, tensors, tp, fits = tensor
     best = {"pipeline": (max([plain] + rows, key=lambda r: r.tokens_per_s), plain)}
+    choices = []
     for link, lat in (("JACCL", args.jaccl_latency_us * 1e-6),
                       ("TCP ring", args.tcp_latency_us * 1e-6)):
         t_plain, t_rows = tensor_k_table(tp, tensors, targs, plan.context, acceptance, lat, ks,
                                          args.draft_ms / 1e3, curve, rows=B)
+        choices.append((link, *choose_with_drafts((plain, rows), (t_plain, t_rows), fits, B)))
         if fits:
             best[f"tensor over {link}"] = (max([t_plain] + t_rows, key=lambda r: r.tokens_per_s),
                                            t_plain)
@@ -381,6 +389,9 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner,
               "in brackets): " + "; ".join(
                   f"{name} {r.tokens_per_s:.1f} at k = {r.k} ({p.tokens_per_s:.1f})"
                   for name, (r, p) in best.items())]
+    if getattr(args, "drafts", False):
+        lines += [f"cluster server --parallel auto with drafts over {link}: {choice} ({why})"
+                  for link, choice, why in choices]
     return lines
 
 
@@ -431,8 +442,9 @@ def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build):
     per_mac = max(s.weight_bytes + s.cache_bytes for s in used)
     fits = False
     if tp is not None:
-        tp_mem = max(tp.load_bytes) + tp.cache_bytes
-        fits = all(tp_mem + planner._headroom(n) <= n.usable_bytes for n in nodes)
+        # every rank holds the caches of all the plan's sequences (--max-concurrency)
+        tp_mem = tp.rank_bytes(plan.sequences)
+        fits = tensor_fits(tp, nodes, plan.sequences, planner._headroom)
         rows += [
             ("bytes per Mac (GB, weights + cache)", f"{_gb(per_mac)} (largest stage)",
              f"{_gb(tp_mem)}" + ("" if fits else " (does NOT fit)")),
@@ -458,7 +470,10 @@ def _versus_tensor(args, plan: Plan, planner: StagePlanner, nodes, build):
             f"heads, copied) + {per_token / 1e3:.1f} KB per token of DSA cache (replicated, "
             f"references); at {plan.context} tokens: {_gb(state + per_token * plan.context)} GB, "
             "and as much per file on each rank's disk with --prompt-cache-dir")
-    if getattr(args, "max_concurrency", None) is not None:
+    if getattr(args, "drafts", False):
+        lines.append("cluster server --parallel auto with drafts: chosen on the "
+                     "speculative tables (below)")
+    elif getattr(args, "max_concurrency", None) is not None:
         for link, lat in (("JACCL", jaccl), ("TCP ring", tcp)):
             choice, why = choose_for_server(plan.tokens_per_s, plan.sequences, tp, lat, fits,
                                             args.max_concurrency)

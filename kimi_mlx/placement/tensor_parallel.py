@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from kimi_mlx.checkpoint.shards import DTYPE_BYTES, read_header, weight_map
 from kimi_mlx.model.config import ModelArgs, read_config
@@ -251,6 +251,18 @@ class TensorPlan:
     def tokens_per_s(self, latency_s: float) -> float:
         return 1.0 / self.seconds_per_token(latency_s)
 
+    def rank_bytes(self, sequences: int = 1) -> int:
+        """Bytes the fullest rank holds for `sequences` sequences at the planned context:
+        the largest share of the weights (`load_bytes`) plus, per sequence, the caches
+        (`cache_bytes`: the replicated DSA caches whole and rank 0's KDA heads' states,
+        the most any rank holds; in the `--kv-bits` format the plan was made with).
+
+        Raises:
+            ValueError: sequences < 1."""
+        if sequences < 1:
+            raise ValueError(f"sequences must be >= 1, got {sequences}")
+        return max(self.load_bytes) + self.cache_bytes * int(sequences)
+
     def aggregate_tokens_per_s(self, latency_s: float, rows: int) -> float:
         """Tokens/s of `rows` sequences decoded together (`cluster server --parallel
         tensor` batches them: one forward command, the same collectives, for all rows):
@@ -306,6 +318,23 @@ def tensor_plan_for(tensors: Tensors, args: ModelArgs, bandwidths: Sequence[int]
             raise ShardError(f"{heads} {what} heads do not split across {n} Macs")
     return plan_tensor(tensors, args, n, min(bandwidths), context, kv_bits=kv_bits,
                        kv_group_size=kv_group_size)
+
+
+def tensor_fits(tp: TensorPlan, nodes: Sequence, sequences: int = 1,
+                headroom: Optional[Callable[[object], int]] = None) -> bool:
+    """Whether a tensor group of one rank per node in `nodes` (`planner.Node`s) holds
+    `sequences` sequences (`--max-concurrency`) at the plan's context: on every node
+    `tp.rank_bytes(sequences)` plus `headroom(node)` bytes (default the stage planner's:
+    10% of usable memory, at least 2 GiB, as the pipeline keeps) within its usable bytes.
+
+    Raises:
+        ValueError: sequences < 1."""
+    if headroom is None:
+        from kimi_mlx.placement.planner import StagePlanner
+
+        headroom = StagePlanner()._headroom
+    need = tp.rank_bytes(sequences)
+    return all(need + headroom(n) <= n.usable_bytes for n in nodes)
 
 
 def recommend(pipeline_tokens_per_s: float, tensor: Optional[TensorPlan], latency_s: float,

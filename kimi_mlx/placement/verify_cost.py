@@ -248,3 +248,45 @@ def tensor_k_table(tensor_plan, tensors, args, context: int, acceptance: Sequenc
 
     return _rows_table(cost, args.num_experts, args.num_experts_per_token, acceptance, ks,
                        curve, rows)
+
+
+def best_row(table: Tuple[KRow, List[KRow]]) -> KRow:
+    """The row of a `k_table` / `tensor_k_table` result with the most tok/s, plain (k = 0)
+    included; plain on a tie."""
+    plain, rows = table
+    return max([plain] + list(rows), key=lambda r: (r.tokens_per_s, -r.k))
+
+
+def choose_with_drafts(pipeline: Optional[Tuple[KRow, List[KRow]]],
+                       tensor: Optional[Tuple[KRow, List[KRow]]], tensor_fits: bool,
+                       concurrency: int) -> Tuple[str, str]:
+    """("tensor" | "pipeline", why in one line) for a server that drafts, at
+    `concurrency` sequences verified together: each mode at its best k (`best_row` of its
+    speculative table, k = 0 included, tok/s of all rows), the higher wins; a tie keeps
+    the pipeline, as `tensor_parallel.choose_for_server` does. The line also says when
+    the plain figures of the same tables would choose the other mode.
+
+    Args:
+        pipeline: `k_table(..., rows=concurrency)` of the pipeline, None when it does not fit.
+        tensor: `tensor_k_table(..., rows=concurrency)` of the group, None when no group
+            is possible (heads that do not split).
+        tensor_fits: whether the group holds `concurrency` sequences
+            (`tensor_parallel.tensor_fits`)."""
+    if tensor is None:
+        return "pipeline", "a tensor group is not possible here (heads or memory)"
+    if not tensor_fits:
+        return "pipeline", "a tensor group does not fit in the Macs' memory"
+    t = best_row(tensor)
+    if pipeline is None:
+        return "tensor", (f"the pipeline does not fit; the tensor group with drafts "
+                          f"predicts {t.tokens_per_s:.1f} tok/s at k = {t.k}")
+    p = best_row(pipeline)
+    choice = "tensor" if t.tokens_per_s > p.tokens_per_s else "pipeline"
+    plain = "tensor" if tensor[0].tokens_per_s > pipeline[0].tokens_per_s else "pipeline"
+    why = (f"with drafts at --max-concurrency {concurrency} the planner predicts "
+           f"{t.tokens_per_s:.1f} tok/s for the tensor group at k = {t.k} (plain "
+           f"{tensor[0].tokens_per_s:.1f}) vs {p.tokens_per_s:.1f} for the pipeline at "
+           f"k = {p.k} (plain {pipeline[0].tokens_per_s:.1f})")
+    if plain != choice:
+        why += f"; without drafts it would be the {plain}"
+    return choice, why
