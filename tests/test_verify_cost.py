@@ -2,20 +2,14 @@
 the routing counter against brute force, the verify cost model against a NumPy hand
 computation from the layer sizes, and `kimi-mlx plan`'s per-k table."""
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
+from fixtures.verify_cost import REPO, hand_verify, moe_two_stage_plan, monte_carlo_union
 
 from kimi_mlx.bench.routing import block_counts
-from kimi_mlx.placement.expert_union import CURVE_FILE, load_curve, union_experts
-from kimi_mlx.placement.layer_bytes import model_bytes_from_config
-from kimi_mlx.placement.planner import GB, Node, StagePlanner
+from kimi_mlx.placement.expert_union import load_curve, union_experts
 from kimi_mlx.placement.verify_cost import (alpha_from_acceptance_length, expected_tokens,
                                             parse_acceptance, verify_seconds)
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_uniform_union_matches_a_monte_carlo_count():
@@ -23,12 +17,8 @@ def test_uniform_union_matches_a_monte_carlo_count():
     rng = np.random.default_rng(0)
     E, k, draws = 32, 4, 6000
     for n in (1, 2, 5, 16):
-        picks = np.argsort(rng.random((draws, n, E)), axis=-1)[..., :k].reshape(draws, -1)
-        seen = np.zeros((draws, E), bool)
-        np.put_along_axis(seen, picks, True, axis=1)
-        mc = seen.sum(1)
-        se = mc.std() / np.sqrt(draws)
-        assert abs(union_experts(n, E, k) - mc.mean()) < 5 * se + 1e-9, n
+        mean, se = monte_carlo_union(rng, E, k, n, draws)
+        assert abs(union_experts(n, E, k) - mean) < 5 * se + 1e-9, n
 
 
 def test_block_counts_match_brute_force():
@@ -65,43 +55,12 @@ def test_acceptance_length_conversion():
 
 
 def test_verify_cost_matches_a_numpy_hand_computation():
-    config = json.loads((REPO / "kimi_mlx/assets/micro-moe/config.json").read_text())
-    model = model_bytes_from_config(config)
-    half = model.weight_bytes // 2 + 10**6
-    nodes = [Node("a", int(half * 1.6), 400 * GB), Node("b", int(half * 1.6), 800 * GB)]
-    plan = StagePlanner(headroom=0.0, min_headroom_bytes=0).plan(model, nodes, context=200)
-    assert len(plan.used_stages) == 2
-    curve = json.loads(CURVE_FILE.read_text())
-    rho, beta = curve["rho_mean"], curve["beta_mean"]
-    L = model.layers
-    w = np.array([l.weight_bytes for l in L], np.float64)
-    r = np.array([l.routed_expert_bytes for l in L], np.float64)
-    E = np.array([l.num_experts for l in L], np.float64)
-    k0 = np.array([l.experts_per_token for l in L], np.float64)
-    topk = np.array([l.index_topk or 10**9 for l in L], np.float64)
-    idx = np.array([l.index_bytes_per_token for l in L], np.float64)
-    per = np.array([l.cache_bytes_per_token for l in L], np.float64)
-    state = np.array([l.state_bytes_per_sequence for l in L], np.float64)
-    ctx, hop = plan.context, 0.5e-3
+    model, plan = moe_two_stage_plan()
+    hop = 0.5e-3
     for k in (0, 1, 3, 7):
-        T = k + 1
-        with np.errstate(divide="ignore", invalid="ignore"):
-            P = np.maximum(rho * E, k0)
-            D = np.where(E > 0, P * (1 - (1 - k0 / P) ** (T ** beta)), 0.0)
-            experts = np.where(E > 0, r * D / E, 0.0)
-        layer = (w - r) + experts + idx * ctx + (per - idx) * np.minimum(ctx, topk) + state
-        want_b = want_t = 0.0
-        for s in plan.used_stages:
-            b = layer[s.start:s.end].sum()
-            if s.start == 0:
-                b += model.embed_bytes * T / model.embed_rows
-            if s.end == len(L):
-                b += model.head_bytes
-            want_b += b
-            want_t += b / s.node.bandwidth_bytes_per_s
-        want_t += plan.hops * hop + (0.002 if k else 0.0)
+        want_b, want_t = hand_verify(model, plan, k, hop_s=hop, draft_s=0.002)
         got_b, got_t = verify_seconds(plan, model, k, load_curve(), hop, draft_s=0.002)
-        assert got_b == pytest.approx(want_b, rel=1e-6, abs=T)  # embed rows: integer bytes
+        assert got_b == pytest.approx(want_b, rel=1e-6, abs=k + 1)  # embed rows: integer bytes
         assert got_t == pytest.approx(want_t, rel=1e-6)
     # k = 0 is the planner's own plain decode step (its read_bytes / seconds_per_step)
     plain_b, plain_t = verify_seconds(plan, model, 0, load_curve(), plan.hops and

@@ -10,22 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures.verify_cost import MOE, hand_union, hand_verify, moe_config, moe_two_stage_plan, \
+    monte_carlo_union
 
-from kimi_mlx.placement.expert_union import CURVE_FILE, load_curve, union_experts
+from kimi_mlx.placement.expert_union import load_curve, union_experts
 from kimi_mlx.placement.layer_bytes import model_bytes_from_config
-from kimi_mlx.placement.planner import GB, Node, StagePlanner
+from kimi_mlx.placement.planner import GB
 from kimi_mlx.placement.verify_cost import tensor_k_table, tensor_verify_bytes, verify_seconds
-
-REPO = Path(__file__).resolve().parents[1]
-MOE = REPO / "kimi_mlx/assets/micro-moe"
-CURVE = json.loads(CURVE_FILE.read_text())
-RHO, BETA = CURVE["rho_mean"], CURVE["beta_mean"]
-
-
-def hand_union(E, k0, T, B):
-    """B independent rows of T consecutive tokens: B x T^beta independent draws."""
-    P = np.maximum(RHO * E, k0)
-    return P * (1 - (1 - k0 / P) ** (B * T ** BETA))
 
 
 def test_rows_of_uniform_routing_match_a_monte_carlo_count():
@@ -33,46 +24,17 @@ def test_rows_of_uniform_routing_match_a_monte_carlo_count():
     rng = np.random.default_rng(0)
     E, k, draws = 32, 4, 4000
     for B, T in ((2, 1), (4, 3), (3, 5)):
-        picks = np.argsort(rng.random((draws, B * T, E)), axis=-1)[..., :k].reshape(draws, -1)
-        seen = np.zeros((draws, E), bool)
-        np.put_along_axis(seen, picks, True, axis=1)
-        mc = seen.sum(1)
-        assert abs(union_experts(T, E, k, rows=B) - mc.mean()) < 5 * mc.std() / np.sqrt(draws) + 1e-9
+        mean, se = monte_carlo_union(rng, E, k, B * T, draws)
+        assert abs(union_experts(T, E, k, rows=B) - mean) < 5 * se + 1e-9
 
 
 def test_pipeline_verify_of_rows_matches_a_numpy_hand_computation():
-    model = model_bytes_from_config(json.loads((MOE / "config.json").read_text()))
-    half = model.weight_bytes // 2 + 10**6
-    nodes = [Node("a", int(half * 1.6), 400 * GB), Node("b", int(half * 1.6), 800 * GB)]
-    plan = StagePlanner(headroom=0.0, min_headroom_bytes=0).plan(model, nodes, context=200)
-    assert len(plan.used_stages) == 2
-    L = model.layers
-    w = np.array([l.weight_bytes for l in L], np.float64)
-    r = np.array([l.routed_expert_bytes for l in L], np.float64)
-    E = np.array([l.num_experts for l in L], np.float64)
-    k0 = np.array([l.experts_per_token for l in L], np.float64)
-    topk = np.array([l.index_topk or 10**9 for l in L], np.float64)
-    idx = np.array([l.index_bytes_per_token for l in L], np.float64)
-    per = np.array([l.cache_bytes_per_token for l in L], np.float64)
-    state = np.array([l.state_bytes_per_sequence for l in L], np.float64)
-    ctx, hop = plan.context, 0.5e-3
+    model, plan = moe_two_stage_plan()
+    hop = 0.5e-3
     for k, B in ((3, 4), (0, 4), (2, 1)):
-        T = k + 1
-        with np.errstate(divide="ignore", invalid="ignore"):
-            experts = np.where(E > 0, r * hand_union(E, k0, T, B) / E, 0.0)
-        layer = (w - r) + experts + B * (idx * ctx + (per - idx) * np.minimum(ctx, topk) + state)
-        want_b = want_t = 0.0
-        for s in plan.used_stages:
-            b = layer[s.start:s.end].sum()
-            if s.start == 0:
-                b += model.embed_bytes * B * T / model.embed_rows
-            if s.end == len(L):
-                b += model.head_bytes
-            want_b += b
-            want_t += b / s.node.bandwidth_bytes_per_s
-        want_t += plan.hops * hop + (0.002 if k else 0.0)
+        want_b, want_t = hand_verify(model, plan, k, rows=B, hop_s=hop, draft_s=0.002)
         got_b, got_t = verify_seconds(plan, model, k, load_curve(), hop, draft_s=0.002, rows=B)
-        assert got_b == pytest.approx(want_b, rel=1e-6, abs=B * T)  # embed rows: integer bytes
+        assert got_b == pytest.approx(want_b, rel=1e-6, abs=B * (k + 1))  # embed rows: integer bytes
         assert got_t == pytest.approx(want_t, rel=1e-6)
 
 
@@ -97,7 +59,7 @@ def test_one_rank_tensor_verify_of_rows_matches_the_checkpoint_headers():
     same context): summed here from the raw safetensors headers with NumPy."""
     from kimi_mlx.placement.tensor_parallel import tensors_of
 
-    config = json.loads((MOE / "config.json").read_text())
+    config = moe_config()
     text = config.get("text_config", config)
     E, k0 = text["num_experts"], text["num_experts_per_token"]
     vocab = text["vocab_size"]
