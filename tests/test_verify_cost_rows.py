@@ -139,7 +139,12 @@ def test_plan_prints_pipeline_and_tensor_tables_at_max_concurrency(capsys):
     assert all(float(tcp[k][-3]) > float(jaccl[k][-3]) for k in range(5))
     assert [jaccl[k][-4] for k in range(5)] == [tcp[k][-4] for k in range(5)]
     # the summary names each deployment's best row of its own table
-    summary = next(l for l in out.splitlines() if l.startswith("what drafts buy at 3 sequence(s)"))
+    lines = out.splitlines()
+    at = next(i for i, l in enumerate(lines) if l.startswith("what drafts buy at 3 sequence(s)"))
+    assert lines[at + 1].split() == ["deployment", "plain", "best", "k", "with", "drafts", "gain"]
+    summary = {re.split(r"\s{2,}", l.strip())[0]: l.split()[-4:] for l in lines[at + 2:at + 5]}
     for name, table in (("pipeline", pipe), ("tensor over JACCL", jaccl), ("tensor over TCP ring", tcp)):
         k = max(table, key=lambda k: float(table[k][-2]))
-        assert f"{name} {table[k][-2]} at k = {k} ({table[0][-2]})" in summary
+        gain = float(table[k][-2]) / float(table[0][-2])
+        assert summary[name][:3] == [table[0][-2], str(k), table[k][-2]], name
+        assert float(summary[name][3].rstrip("x")) == pytest.approx(gain, abs=0.011)

@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "on micro-moe's routing, kimi_mlx/assets/expert_union.json; default) "
                         "or uniform (independent uniform routing: the upper bound)")
     p.add_argument("--drafts", action="store_true",
-                   help="plan for a server that drafts (--draft-model, --draft, --mtp): "
+                   help="plan for a server that drafts (--draft-model, --draft mtp|ngram): "
                         "`--parallel auto` then decides on each mode's best k of the "
                         "speculative tables (at --draft-acceptance), not the plain figures")
     p.add_argument("--max-draft-tokens", type=int, default=16,
@@ -385,14 +385,25 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner,
                   f"{tp.collectives} collectives per step, any k): the largest rank's share "
                   f"of the same reads" + ("" if fits else " (the group does NOT fit)")]
         lines += _k_lines(t_plain, t_rows)
-    lines += ["", f"what drafts buy at {B} sequence(s) (best k of each, tok/s of all rows; plain "
-              "in brackets): " + "; ".join(
-                  f"{name} {r.tokens_per_s:.1f} at k = {r.k} ({p.tokens_per_s:.1f})"
-                  for name, (r, p) in best.items())]
+    lines += ["", f"what drafts buy at {B} sequence(s) (tok/s of all rows; each deployment "
+              "at its best k of the tables above):"]
+    lines += _best_lines(best)
     if getattr(args, "drafts", False):
         lines += [f"cluster server --parallel auto with drafts over {link}: {choice} ({why})"
                   for link, choice, why in choices]
     return lines
+
+
+def _best_lines(best) -> List[str]:
+    """`_speculative`'s summary table: per deployment ({name: (best row, plain row)}) its
+    plain tok/s, best k, tok/s there and the ratio."""
+    head = ("deployment", "plain", "best k", "with drafts", "gain")
+    table = [(name, f"{p.tokens_per_s:.1f}", str(r.k), f"{r.tokens_per_s:.1f}",
+              f"{r.tokens_per_s / p.tokens_per_s:.2f}x") for name, (r, p) in best.items()]
+    widths = [max(len(t[j]) for t in table + [head]) for j in range(len(head))]
+    fmt = lambda t: "  " + "  ".join(c.ljust(w) if j == 0 else c.rjust(w)
+                                     for j, (c, w) in enumerate(zip(t, widths)))
+    return [fmt(head)] + [fmt(t) for t in table]
 
 
 def _k_lines(plain, rows) -> List[str]:
