@@ -18,8 +18,7 @@ from kimi_mlx.placement.layer_bytes import (DEFAULT_MODEL_ID, KV_CACHE_BITS,
 from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S,
                                                choose_for_server, recommend,
                                                snapshot_bytes_per_rank, tensor_fits,
-                                               tensor_plan_for,
-                                               tensors_of)
+                                               tensor_plan_for, tensors_of)
 from kimi_mlx.placement.verify_cost import (DEFAULT_DRAFT_BLOCK, DSPARK_ACCEPTANCE_LENGTH,
                                             choose_with_drafts, k_table, parse_acceptance,
                                             tensor_k_table)

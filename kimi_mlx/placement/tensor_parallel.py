@@ -46,6 +46,7 @@ from kimi_mlx.model.tensor_map import canonical, kind
 from kimi_mlx.placement.layer_bytes import (BuildSpec, _hf_cached_file, apply_build,
                                             expected_tensors, official_config, DEFAULT_MODEL_ID,
                                             KV_CACHE_DEFAULT_GROUP, cache_bytes)
+from kimi_mlx.placement.planner import StagePlanner
 
 JACCL_LATENCY_S = 50e-6
 TCP_LATENCY_S = 300e-6
@@ -280,7 +281,7 @@ def plan_tensor(tensors: Tensors, args: ModelArgs, ranks: int, bandwidth: int, c
                 kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> TensorPlan:
     """`TensorPlan` for `ranks` Macs of `bandwidth` bytes/s at `context` tokens (the DSA
     caches in the `--kv-bits` format with `kv_bits`; None: bf16). Its `cache_bytes` is one
-    sequence's."""
+    sequence's; `TensorPlan.rank_bytes(n)` / `tensor_fits` count n."""
     kv = dict(kv_bits=kv_bits, kv_group_size=kv_group_size)
     lm_head = _lm_head(args, ranks, lm_head)
     classes = _classes(tensors, args, lm_head)
@@ -330,8 +331,6 @@ def tensor_fits(tp: TensorPlan, nodes: Sequence, sequences: int = 1,
     Raises:
         ValueError: sequences < 1."""
     if headroom is None:
-        from kimi_mlx.placement.planner import StagePlanner
-
         headroom = StagePlanner()._headroom
     need = tp.rank_bytes(sequences)
     return all(need + headroom(n) <= n.usable_bytes for n in nodes)
