@@ -128,7 +128,7 @@ def test_plan_drafts_flag_prints_the_choice_with_drafts(capsys):
     assert main(argv + ["--max-concurrency", "1"]) == 0
     out = capsys.readouterr().out
     assert "cluster server --parallel auto over TCP ring: pipeline (" in out
-    assert "with drafts" not in out
+    assert "--parallel auto with drafts" not in out
     assert main(argv + ["--drafts"]) == 0
     out = capsys.readouterr().out
     lines = {l.split(":")[0]: l for l in out.splitlines()
