@@ -41,7 +41,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
 
 __all__ = ["ArraysCache", "DSACache", "BatchDSACache", "QuantizedDSA", "KV_BITS", "KV_GROUP_SIZES",
-           "check_kv_quant", "group_for", "dequantize", "snapshot", "snapshot_kv_quant", "restore",
+           "check_kv_quant", "group_for", "dequantize", "dequantize_error_bound", "snapshot", "snapshot_kv_quant", "restore",
            "snapshot_nbytes"]
 
 KV_BITS = (8,)  # quantized cache widths (None: the model dtype, no quantization)
@@ -92,6 +92,33 @@ def dequantize(q: Tuple[mx.array, mx.array, mx.array], bits: int) -> mx.array:
     scales' dtype (`mx.dequantize`; the group g is read from the shapes)."""
     dim = q[0].shape[-1] * 32 // bits
     return mx.dequantize(q[0], q[1], q[2], group_size=dim // q[1].shape[-1], bits=bits)
+
+
+_UNIT_ROUNDOFF = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+
+
+def dequantize_error_bound(q: Tuple[mx.array, mx.array, mx.array], bits: int) -> mx.array:
+    """Per value, a bound [.., D] (float32) on |x - dequantize(q)| for the values x that
+    `mx.quantize(x, group, bits)` turned into q = (packed, scales, biases), read from q's
+    own group scale s and bias b and the dequantized value y:
+
+        |s| + (n |s| + |b| + |y|) u,   n = 2^bits - 1, u = unit roundoff of s's dtype
+
+    Derivation (MLX's affine rule, mlx/backend/*/quantized: s = (max - min) / n, then s
+    moved to edge / round(edge / s) so that zero is exact, b = edge): rounding to the
+    grid errs by at most s/2, and the moved scale leaves at most n * s * 0.5 / (n / 2) = s
+    of the group's range uncovered at the far end, so together <= |s|; storing s and b in
+    their dtype moves q * s + b by <= (n |s| + |b|) u and rounding y to it by <= |y| u.
+    Checked against random groups in tests/test_kv_quality_ties.py (measured up to 0.83
+    of this bound in BF16)."""
+    packed, scales, biases = q
+    dim = packed.shape[-1] * 32 // bits
+    g = dim // scales.shape[-1]
+    u = _UNIT_ROUNDOFF.get(scales.dtype, 2.0**-24)
+    y = dequantize(q, bits).astype(mx.float32)
+    s = mx.repeat(mx.abs(scales.astype(mx.float32)), g, axis=-1)
+    b = mx.repeat(mx.abs(biases.astype(mx.float32)), g, axis=-1)
+    return s + ((2**bits - 1) * s + b + mx.abs(y)) * u
 
 
 def _aux(cache) -> Tuple[str, ...]:
