@@ -249,13 +249,23 @@ def topk_agreement(model, ids: Sequence[int], context: int, formats,
         eq, tie = classify_topk(sel, alt, sc, bd)
         _, ltie = classify_topk(sel, alt, sc, likely)
         ov = np.array([len(np.intersect1d(a, b)) / a.shape[0] for a, b in zip(sel, alt)])
+        # how crowded the boundary is: the k-th minus the (k+1)-th score, against the
+        # bounds at the k-th key
+        rows = np.arange(sc.shape[0])
+        order = np.argsort(-np.where(np.isfinite(sc), sc, -np.inf), axis=1)
+        kth, nxt = order[:, topk - 1], order[:, topk]
+        gaps.append(np.stack([sc[rows, kth] - sc[rows, nxt], bd[rows, kth], likely[rows, kth]]))
         return eq, tie, ltie, ov
 
     out: Dict[str, Dict] = {}
     for qname, qb, qg in quant:
+        gaps: List[np.ndarray] = []
         out[qname] = {"same_q": summary([judge(*r) for r in same_q[qname]])}
+        g = np.concatenate(gaps, axis=1)
+        out[qname]["same_q"]["boundary"] = tuple(float(np.median(v)) for v in g)
     base = calls[formats[0][0]]
     for name, bits, group in formats[1:]:
+        gaps = []
         rows = []
         for (sel, qn, wn, kn, off), alt in zip(base, calls[name]):
             _, err = quantize_keys(kn, bits, group)
@@ -506,6 +516,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               f" (worst-case bound), {(x['equal'] + x['likely_tie']) * 100:.2f}%"
                               f" (3-sigma bound); mean overlap {x['overlap'] * 100:.2f}%",
                               flush=True)
+                        if "boundary" in x:
+                            print("      medians: k-th minus (k+1)-th BF16 score {:.4f}, bound "
+                                  "{:.4f}, 3-sigma bound {:.4f}".format(*x["boundary"]))
 
         if "greedy" in parts:
             cont = continuations(model, ids, a.prompts, 128, a.tokens, formats)
