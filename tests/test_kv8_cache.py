@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from mlx_lm.generate import _merge_caches
 
-from kimi_mlx.model.cache import (AUX_QUANT, DSACache, check_kv_quant, restore, snapshot,
+from kimi_mlx.model.cache import (AUX_QUANT, KV_DEFAULT_GROUP, DSACache, check_kv_quant, restore, snapshot,
                                   snapshot_kv_quant, snapshot_nbytes)
 from kimi_mlx.testing.checkpoints import model_tolerance, rel_err
 
@@ -254,7 +254,7 @@ def test_disk_snapshot_round_trip_and_identity(micro, tmp_path):
     cache = micro.make_cache()
     micro(mx.array(p)[None], cache)
     snap = snapshot(cache)
-    assert snapshot_kv_quant(snap) == (8, 64)
+    assert snapshot_kv_quant(snap) == (8, KV_DEFAULT_GROUP)
     fp8 = model_cache_fingerprint(MICRO, micro)
     store = DiskSnapshotStore(tmp_path, 1 << 30, fp8)
     store.put(token_key(p), len(p), snap, snapshot_nbytes(snap))
@@ -262,7 +262,7 @@ def test_disk_snapshot_round_trip_and_identity(micro, tmp_path):
     store.close()
     store = DiskSnapshotStore(tmp_path, 1 << 30, fp8)
     back = store.get(token_key(p), len(p))
-    assert back is not None and snapshot_kv_quant(back) == (8, 64)
+    assert back is not None and snapshot_kv_quant(back) == (8, KV_DEFAULT_GROUP)
     for (k1, s1), (k2, s2) in zip(snap, back):
         if k1 == "dsa":
             assert np.array_equal(np.asarray(s1[0]), np.asarray(s2[0]))  # packed words
@@ -270,7 +270,7 @@ def test_disk_snapshot_round_trip_and_identity(micro, tmp_path):
                 assert np.array_equal(np.asarray(a1.astype(mx.float32)),
                                       np.asarray(a2.astype(mx.float32)))
     want = micro(mx.array([[7]]), cache)[0, -1]
-    got = micro(mx.array([[7]]), restore(back, 8, 64))[0, -1]
+    got = micro(mx.array([[7]]), restore(back, 8, KV_DEFAULT_GROUP))[0, -1]
     assert np.array_equal(np.asarray(got), np.asarray(want))
     store.close()
     with pytest.raises(ValueError, match="kv_bits=8"):

@@ -170,9 +170,10 @@ def test_cli_prints_kv_bits_beside_bf16(capsys):
                "--max-concurrency", "8", "--kv-bits", "8"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    block = out[out.index("DSA cache 8-bit (group 64)"):]
-    assert "= 808 B (bf16: 1,408 B)" in block
-    assert "19,392 B" in block and "33,792 B (0.57x)" in block
+    # the default group is the cache's own (`--kv-group-size` 128): 528 + 128 + 132 B a layer
+    block = out[out.index("DSA cache 8-bit (group 128)"):]
+    assert "= 788 B (bf16: 1,408 B)" in block
+    assert "18,912 B" in block and "33,792 B (0.56x)" in block
     rows = {}
     for line in block.splitlines()[3:]:
         cells = re.split(r"\s{2,}", line.strip())
@@ -184,8 +185,8 @@ def test_cli_prints_kv_bits_beside_bf16(capsys):
     q, b = rows["tensor decode tok/s over JACCL (8 rows)"]
     assert float(q) > float(b)
     # the stage table and the summary count the 8-bit cache
-    assert "KV cache per token: 19,392 B (24 attention layers x 808 B)" in out
-    assert "8-bit (group 64)) at 131072" in out
+    assert "KV cache per token: 18,912 B (24 attention layers x 788 B)" in out
+    assert "8-bit (group 128)) at 131072" in out
 
 
 def test_cli_without_kv_bits_prints_no_comparison(capsys):

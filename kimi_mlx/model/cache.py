@@ -40,17 +40,21 @@ from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache, dynamic_roll
 
-__all__ = ["ArraysCache", "DSACache", "BatchDSACache", "QuantizedDSA", "KV_BITS", "KV_GROUP_SIZES",
-           "check_kv_quant", "group_for", "dequantize", "snapshot", "snapshot_kv_quant", "restore",
+__all__ = ["ArraysCache", "DSACache", "BatchDSACache", "QuantizedDSA", "KV_BITS", "KV_GROUP_SIZES", "KV_DEFAULT_GROUP",
+           "check_kv_quant", "group_for", "dequantize", "dequantize_error_bound", "snapshot", "snapshot_kv_quant", "restore",
            "snapshot_nbytes"]
 
 KV_BITS = (8,)  # quantized cache widths (None: the model dtype, no quantization)
 KV_GROUP_SIZES = (32, 64, 128)
+# values per scale by default: the only group of 32/64/128 within 0.56x of BF16's bytes on
+# K3.1 (788 B per DSA layer against 1,408), and on micro the same quality as 64 (README,
+# `--kv-bits`); placement/layer_bytes.py KV_CACHE_DEFAULT_GROUP counts the same
+KV_DEFAULT_GROUP = 128
 # per-position arrays a quantized DSA cache keeps beside keys / values / index_keys
 AUX_QUANT = ("latent_scales", "latent_biases", "index_scales", "index_biases")
 
 
-def check_kv_quant(bits: Optional[int], group_size: int = 64) -> None:
+def check_kv_quant(bits: Optional[int], group_size: int = KV_DEFAULT_GROUP) -> None:
     """Raise ValueError naming the flag for a cache quantization we do not support:
     bits must be None (model dtype) or 8, group_size one of 32/64/128."""
     if bits is not None and bits not in KV_BITS:
@@ -94,6 +98,33 @@ def dequantize(q: Tuple[mx.array, mx.array, mx.array], bits: int) -> mx.array:
     return mx.dequantize(q[0], q[1], q[2], group_size=dim // q[1].shape[-1], bits=bits)
 
 
+_UNIT_ROUNDOFF = {mx.float32: 2.0**-24, mx.float16: 2.0**-11, mx.bfloat16: 2.0**-8}
+
+
+def dequantize_error_bound(q: Tuple[mx.array, mx.array, mx.array], bits: int) -> mx.array:
+    """Per value, a bound [.., D] (float32) on |x - dequantize(q)| for the values x that
+    `mx.quantize(x, group, bits)` turned into q = (packed, scales, biases), read from q's
+    own group scale s and bias b and the dequantized value y:
+
+        |s| + (n |s| + |b| + |y|) u,   n = 2^bits - 1, u = unit roundoff of s's dtype
+
+    Derivation (MLX's affine rule, mlx/backend/*/quantized: s = (max - min) / n, then s
+    moved to edge / round(edge / s) so that zero is exact, b = edge): rounding to the
+    grid errs by at most s/2, and the moved scale leaves at most n * s * 0.5 / (n / 2) = s
+    of the group's range uncovered at the far end, so together <= |s|; storing s and b in
+    their dtype moves q * s + b by <= (n |s| + |b|) u and rounding y to it by <= |y| u.
+    Checked against random groups in tests/test_kv_quality_ties.py (measured up to 0.83
+    of this bound in BF16)."""
+    packed, scales, biases = q
+    dim = packed.shape[-1] * 32 // bits
+    g = dim // scales.shape[-1]
+    u = _UNIT_ROUNDOFF.get(scales.dtype, 2.0**-24)
+    y = dequantize(q, bits).astype(mx.float32)
+    s = mx.repeat(mx.abs(scales.astype(mx.float32)), g, axis=-1)
+    b = mx.repeat(mx.abs(biases.astype(mx.float32)), g, axis=-1)
+    return s + ((2**bits - 1) * s + b + mx.abs(y)) * u
+
+
 def _aux(cache) -> Tuple[str, ...]:
     """Names of the per-position arrays kept beside keys / values."""
     return ("index_keys",) + (AUX_QUANT if cache.kv_bits else ())
@@ -108,7 +139,7 @@ class DSACache(KVCache):
     another pair (`check_kv_quant`).
     """
 
-    def __init__(self, kv_bits: Optional[int] = None, kv_group_size: int = 64):
+    def __init__(self, kv_bits: Optional[int] = None, kv_group_size: int = KV_DEFAULT_GROUP):
         super().__init__()
         check_kv_quant(kv_bits, kv_group_size)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
@@ -158,7 +189,7 @@ class BatchDSACache(BatchKVCache):
     """
 
     def __init__(self, left_padding: List[int], kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64):
+                 kv_group_size: int = KV_DEFAULT_GROUP):
         super().__init__(left_padding)
         check_kv_quant(kv_bits, kv_group_size)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
@@ -428,7 +459,8 @@ def snapshot_kv_quant(snap: Snapshot) -> Optional[Tuple[Optional[int], Optional[
     return None
 
 
-def restore(snap: Snapshot, kv_bits: Any = ..., kv_group_size: int = 64) -> List[Any]:
+def restore(snap: Snapshot, kv_bits: Any = ...,
+            kv_group_size: int = KV_DEFAULT_GROUP) -> List[Any]:
     """A fresh model cache holding a snapshot's state (the snapshot stays unchanged).
 
     kv_bits / kv_group_size: the cache format the caller runs (left out: the
@@ -438,7 +470,7 @@ def restore(snap: Snapshot, kv_bits: Any = ..., kv_group_size: int = 64) -> List
     cache: List[Any] = []
     if kv_bits is ...:
         kv_bits, kv_group_size = snapshot_kv_quant(snap) or (None, None)
-        kv_group_size = kv_group_size or 64
+        kv_group_size = kv_group_size or KV_DEFAULT_GROUP
     want = (kv_bits, kv_group_size if kv_bits else None)
     for i, (kind, state) in enumerate(snap):
         if kind == "dsa":

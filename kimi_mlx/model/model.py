@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from kimi_mlx.model.attn_res import Banks, attn_res_mix, res_weights
 from kimi_mlx.model.config import ModelArgs
-from kimi_mlx.model.cache import ArraysCache, DSACache, check_kv_quant
+from kimi_mlx.model.cache import KV_DEFAULT_GROUP, ArraysCache, DSACache, check_kv_quant
 from kimi_mlx.model.dsa import GatedDSA
 from kimi_mlx.model.ffn import LatentMoE, SiTUMLP
 from kimi_mlx.model.kda import KimiDeltaAttention
@@ -266,9 +266,9 @@ class Model(nn.Module):
 
     # cache format of the Gated DSA layers (`set_kv_quant`): None = the model dtype
     kv_bits: Optional[int] = None
-    kv_group_size: int = 64
+    kv_group_size: int = KV_DEFAULT_GROUP
 
-    def set_kv_quant(self, bits: Optional[int], group_size: int = 64) -> None:
+    def set_kv_quant(self, bits: Optional[int], group_size: int = KV_DEFAULT_GROUP) -> None:
         """Make `make_cache` give DSA caches whose latent and index keys are kept in
         `bits`-bit MLX affine format with `group_size` values per scale (model/cache.py);
         bits None keeps the model dtype. ValueError for an unsupported pair."""

@@ -59,7 +59,7 @@ SHARD_BYTES = 5 * 10**9  # shard size assumed for a build sized from a config al
 # latent's and the index key's values, a scale and a bias per group in the cache dtype.
 KV_CACHE_BITS = (8,)
 KV_CACHE_GROUP_SIZES = (32, 64, 128)
-KV_CACHE_DEFAULT_GROUP = 64
+KV_CACHE_DEFAULT_GROUP = 128  # as model/cache.py KV_DEFAULT_GROUP (`--kv-group-size`)
 
 Tensors = Dict[str, Tuple[str, Tuple[int, ...]]]  # name -> (safetensors dtype, shape)
 
