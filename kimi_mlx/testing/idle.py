@@ -232,28 +232,18 @@ def stage_cpu(ckpt: Path, workdir: Path, window: float, settle: float = 2.0) -> 
 def server_cpu(ckpt: Path, workdir: Path, window: float, timeout: float = 180.0) -> float:
     """CPU s of an idle one-process `kimi-mlx server` (model loaded, no request) over
     `window` s."""
-    import urllib.request
-
     from kimi_mlx.cluster.net.lifetime import child_env, stop_process
+    from kimi_mlx.testing.health import wait_healthy
     from kimi_mlx.testing.ports import free_ports
 
     port = free_ports(1)[0]
-    log = open(Path(workdir) / "server.log", "wb")
+    path = Path(workdir) / "server.log"
+    log = open(path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx.commands.main", "server", "--model",
                              str(ckpt), "--port", str(port)], env=child_env(),
                             stdout=log, stderr=subprocess.STDOUT)
     try:
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > end or proc.poll() is not None:
-                raise RuntimeError(f"the server did not become ready (exit {proc.poll()})")
-            time.sleep(0.2)
+        wait_healthy(f"http://127.0.0.1:{port}", timeout, proc, output=path)
         time.sleep(2.0)
         return _window(proc.pid, window)
     finally:
