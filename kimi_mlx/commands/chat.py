@@ -330,7 +330,7 @@ def run(args) -> int:
 
         kv = kv_quant(args)  # a bad --kv-group-size before the load
         wire(lambda: model_plan(resolve(spec), "kimi-mlx chat", args.max_kv_size,
-                                kv_bits=kv[0], kv_group_size=kv[1]),
+                                kv_bits=kv[0], kv_group_size=kv[1], drafts=drafts),
              allow_paging(args.allow_paging))
         model, wrapper, tok, _ = load_for_generation(spec, progress=not args.quiet)
         apply_kv_quant(model, args)

@@ -57,7 +57,7 @@ def run(args) -> int:
         kv = kv_quant(args)  # a bad --kv-group-size before the load
         # the caches planned in the format they will have (`--kv-bits`)
         wire(lambda: model_plan(resolve(spec), "kimi-mlx generate", args.max_kv_size,
-                                kv_bits=kv[0], kv_group_size=kv[1]),
+                                kv_bits=kv[0], kv_group_size=kv[1], drafts=drafts),
              allow_paging(args.allow_paging))
         model, wrapper, tok, config = load_for_generation(spec, progress=not args.quiet)
         apply_kv_quant(model, args)

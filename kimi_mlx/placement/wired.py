@@ -33,11 +33,11 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from kimi_mlx.placement.layer_bytes import KV_CACHE_DEFAULT_GROUP
+from kimi_mlx.placement.layer_bytes import KV_CACHE_DEFAULT_GROUP, ModelBytes
 from kimi_mlx.placement.layer_bytes import cache_bytes as layer_cache_bytes
 from kimi_mlx.placement.layer_bytes import model_bytes_from_checkpoint
 
@@ -107,22 +107,55 @@ def _kv_note(kv_bits: Optional[int], kv_group_size: int) -> str:
     return f", {kv_bits}-bit cache (group {kv_group_size})" if kv_bits else ""
 
 
+def draft_bytes(drafts, target: ModelBytes, tokens: int, sequences: int) -> Tuple[int, int, str]:
+    """(weight bytes, cache bytes, note) a draft adds to its target's process: the MTP
+    layers of the target checkpoint (`--draft mtp`: loaded beside the trunk, counted
+    apart as `not_loaded["mtp"]`), or a `--draft-model` folder's tensors (each
+    *.safetensors file less its header) and, when it is a kimi-mlx checkpoint, its caches
+    at `tokens` x `sequences`. Nothing for n-gram drafts, no draft, or a draft model that
+    is a hub id not downloaded yet or cannot be read (its own load then says why)."""
+    if drafts is None:
+        return 0, 0, ""
+    if getattr(drafts, "kind", None) == "mtp":
+        mtp = int(target.not_loaded.get("mtp", 0))
+        return mtp, 0, " + the MTP layers" if mtp else ""
+    folder = Path(getattr(drafts, "model", None) or "")
+    shards = sorted(folder.glob("*.safetensors")) if str(folder) not in ("", ".") else []
+    if not shards:
+        return 0, 0, ""
+    weights = 0
+    try:
+        for shard in shards:
+            with open(shard, "rb") as f:
+                weights += shard.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+    except OSError as e:
+        log.debug("draft %s not counted in the wired plan: %s", folder, e)
+        return 0, 0, ""
+    try:
+        cache = model_bytes_from_checkpoint(folder).cache_bytes(tokens, sequences)
+    except (OSError, ValueError, KeyError):  # a block drafter or an mlx-lm model
+        cache = 0
+    return weights, cache, f" + draft {folder.name}"
+
+
 def model_plan(model_dir, what: str, max_kv_size: Optional[int] = None, sequences: int = 1,
                context: Optional[int] = None, kv_bits: Optional[int] = None,
-               kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> WiredPlan:
+               kv_group_size: int = KV_CACHE_DEFAULT_GROUP, drafts=None) -> WiredPlan:
     """The whole model in one process (generate, chat, eval, the one-process server):
     every loaded tensor (`ModelBytes.weight_bytes`, from the shard headers) plus the
     caches of `sequences` sequences of `context` tokens (default `serving_tokens`), the
     DSA caches counted in the `--kv-bits` / `--kv-group-size` format
-    (`ModelBytes.with_kv_bits`; kv_bits None: the model dtype).
+    (`ModelBytes.with_kv_bits`; kv_bits None: the model dtype), plus what the draft of
+    `drafts` (a `speculative.settings.DraftSettings`, or None) adds (`draft_bytes`).
 
     Raises FileNotFoundError / CheckpointError as `model_bytes_from_checkpoint`;
     ValueError for a cache format `layer_bytes.kv_token_bytes` refuses."""
     mb = model_bytes_from_checkpoint(Path(model_dir)).with_kv_bits(kv_bits or None, kv_group_size)
     tokens = context if context is not None else serving_tokens(mb.max_position_embeddings, max_kv_size)
-    return WiredPlan(what, mb.weight_bytes, mb.cache_bytes(tokens, sequences),
+    dw, dc, dnote = draft_bytes(drafts, mb, tokens, sequences)
+    return WiredPlan(what, mb.weight_bytes + dw, mb.cache_bytes(tokens, sequences) + dc,
                      f"{tokens} tokens x {sequences} sequence(s)"
-                     + _kv_note(kv_bits, kv_group_size))
+                     + _kv_note(kv_bits, kv_group_size) + dnote)
 
 
 def stage_plan(model_dir, start: int, end: int, what: str, context: Optional[int] = None,
