@@ -61,23 +61,17 @@ def _paragraphs(n_min=200, n_max=600):
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    from kimi_mlx.lifetime import child_env
+    from kimi_mlx.testing.health import wait_healthy
+
+    env = child_env({**os.environ, "HF_HUB_OFFLINE": "1"})  # ends with this process
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx", "server", "--model", str(MICRO),
                                  "--host", "127.0.0.1", "--port", str(port), "--max-concurrency", "1",
                                  "--log-level", "INFO"], stdout=f, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"server did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        wait_healthy(url, 180, proc, output=log)
         yield url, log
     finally:
         proc.terminate()

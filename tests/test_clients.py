@@ -70,15 +70,18 @@ class Stack:
         self.requests = tmp / "requests.jsonl"
         sport, pport = _free_port(), _free_port()
         self.procs = []
+        from kimi_mlx.lifetime import child_env
+        from kimi_mlx.testing.health import wait_healthy
+
         env = dict(os.environ)
         with self.server_log.open("w") as f:
-            self.procs.append(subprocess.Popen(
+            self.procs.append(subprocess.Popen(  # child_env: it ends with this process
                 [str(KIMI), "server", "--port", str(sport), "--max-kv-size",
                  str(drivers.CONTEXT), "--max-tokens", str(drivers.MAX_TOKENS), "--quiet"],
                 stdout=f, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True))
+                env=child_env(env), start_new_session=True))
         # /health is 503 until the model has loaded
-        _wait_ready(f"http://127.0.0.1:{sport}/health", self.procs[0], self.server_log, 300)
+        wait_healthy(f"http://127.0.0.1:{sport}", 300, self.procs[0], output=self.server_log)
         plog = tmp / "proxy.log"
         penv = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
         with plog.open("w") as f:

@@ -365,11 +365,9 @@ def test_sigterm_is_a_clean_stop_that_keeps_the_snapshots(tmp_path):
     cleanup like Ctrl-C: exit status 0, the engine stopped, the queued snapshot writes on
     disk and the index saved (uvicorn raises SIGTERM again once it has shut down, which
     used to end the process before the cleanup)."""
-    import time
-
-    import httpx
-
     from kimi_mlx.generation.request import default_model
+    from kimi_mlx.lifetime import child_env
+    from kimi_mlx.testing.health import wait_healthy
     from kimi_mlx.testing.ports import free_ports
 
     port = free_ports(1)[0]
@@ -377,18 +375,10 @@ def test_sigterm_is_a_clean_stop_that_keeps_the_snapshots(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kimi_mlx.commands.main", "server", "--model",
          str(default_model()), "--port", str(port), "--prompt-cache-dir", str(folder)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env())
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read1(8000)
-            time.sleep(0.2)
+        wait_healthy(url, 120, proc)
         _chat(url, [LONG_SYSTEM, {"role": "user", "content": "What is functools.partial?"}], 2)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, proc.stderr.read().decode()[-2000:]

@@ -668,6 +668,9 @@ def cluster_url(micro_pipeline):
 
     from kimi_mlx.testing.ports import free_ports
 
+    from kimi_mlx.lifetime import child_env
+    from kimi_mlx.testing.health import wait_healthy
+
     cluster = micro_pipeline
     port = free_ports(1)[0]
     proc = subprocess.Popen(
@@ -675,19 +678,10 @@ def cluster_url(micro_pipeline):
          str(cluster.ckpt), "--nodes", ",".join(p.address for p in cluster.procs),
          "--secret-file", str(cluster.secret_file), "--port", str(port),
          "--peer-timeout", "3", "--served-model-name", "micro"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env())
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                pytest.fail("cluster server did not start: " + proc.stderr.read1(8000).decode())
-            time.sleep(0.3)
+        wait_healthy(url, 120, proc)
         yield url
     finally:
         proc.terminate()

@@ -30,7 +30,8 @@ pytestmark = [
 BOUND_S = 30.0  # parent poll 0.5 s + uvicorn's graceful stop, on a loaded 2-core machine
 
 REAPER = r"""
-import ctypes, json, os, signal, subprocess, sys, time, urllib.request
+import ctypes, json, os, signal, subprocess, sys, time
+from kimi_mlx.testing.health import wait_healthy
 port, bound = sys.argv[1], float(sys.argv[2])
 libc = ctypes.CDLL(None, use_errno=True)
 if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER: orphans come to this process
@@ -47,18 +48,11 @@ parent = subprocess.Popen([sys.executable, "-c", parent_code, port], stdout=subp
 server = int(parent.stdout.readline())
 out = {"server": server}
 try:
-    end = time.monotonic() + 300
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            pass
-        if time.monotonic() > end:
-            out["error"] = "the server did not become ready"
-            raise SystemExit
-        time.sleep(0.2)
+    try:  # the server is a grandchild: not ours to poll(), its parent prints its output
+        wait_healthy(f"http://127.0.0.1:{port}", 300)
+    except RuntimeError as e:
+        out["error"] = str(e)
+        raise SystemExit
     t0 = time.monotonic()
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()

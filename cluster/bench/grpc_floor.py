@@ -181,15 +181,20 @@ def _write_port(port_file: str, port: int) -> None:
 
 def serve(argv: Sequence[str]) -> int:
     """`python -m kimi_mlx.cluster.bench.grpc_floor serve KIND --port-file F`: an echo server
-    (KIND sync, aio or tcp) on 127.0.0.1; writes its port to F, serves until SIGTERM."""
+    (KIND sync, aio or tcp) on 127.0.0.1; writes its port to F, serves until SIGTERM /
+    SIGHUP / SIGINT, or until the bench that started it is gone (`lifetime.watch_parent`:
+    its SIGTERM to this process)."""
+    from kimi_mlx.lifetime import watch_parent_from_env
+
     p = argparse.ArgumentParser(prog="grpc_floor serve")
     p.add_argument("kind", choices=KINDS + RELAY_KINDS)
     p.add_argument("--port-file", required=True)
     p.add_argument("--next", default="", help="relays: the next relay's host:port")
     a = p.parse_args(argv)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
+    watch_parent_from_env(grace=10.0)
     if a.kind in ("sync", "relay-sync"):
         from concurrent import futures
 
@@ -257,8 +262,11 @@ def _tcp_echo(conn: socket.socket) -> None:
 
 class _Server:
     def __init__(self, kind: str, workdir: Path, name: str = "", next_address: str = ""):
+        from kimi_mlx.lifetime import child_env
+
         self.port_file = Path(workdir) / f"floor-{name or kind}.port"
-        env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        # child_env: the echo server ends by itself when this process is gone
+        env = child_env(dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"))
         self.proc = subprocess.Popen([sys.executable, "-m", "kimi_mlx.cluster.bench.grpc_floor",
                                       "serve", kind, "--port-file", str(self.port_file),
                                       "--next", next_address],
@@ -615,6 +623,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import tempfile
 
+    from kimi_mlx.lifetime import exit_on_signals
+
+    exit_on_signals()  # SIGTERM / SIGHUP: the servers stopped and the folder removed below
     with tempfile.TemporaryDirectory(prefix="kimi-mlx-floor-") as tmp:
         bench = FloorBench(Path(tmp), a.payload, a.n)
         try:

@@ -135,7 +135,11 @@ def null_loader(ms_per_token: float):
 
 def serve(argv: Sequence[str]) -> int:
     """`python -m kimi_mlx.cluster.bench.hop serve ...`: a stage process whose Load builds
-    `NullRunner`s; prints 'listening on HOST:PORT' and serves until SIGTERM."""
+    `NullRunner`s; prints 'listening on HOST:PORT' and serves until SIGTERM / SIGHUP /
+    SIGINT, or until the bench that started it is gone (`lifetime.watch_parent`: it
+    started this one with `child_env`, `testing.cluster.StageProc`)."""
+    from kimi_mlx.lifetime import watch_parent_from_env
+
     from kimi_mlx.cluster.net.auth import load_secret
     from kimi_mlx.cluster.node.server import StageServer
     from kimi_mlx.cluster.node.service import StageService
@@ -156,8 +160,9 @@ def serve(argv: Sequence[str]) -> int:
     service = NullService(a.node_id, Path(a.models), secret)
     server = StageServer(service, [a.interface], a.port, secret).start()
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
+    watch_parent_from_env(grace=10.0)
     print(f"hop_bench null stage {a.node_id} listening on {a.interface}:{server.port} "
           f"({a.ms_per_token} ms per token of sleep)", flush=True)
     stop.wait()

@@ -46,8 +46,15 @@ def main(argv=None) -> int:
         # whose one-process figures are the reference).
         os.execve(sys.executable, [sys.executable, "-m", "kimi_mlx.cluster.bench.pipeline"] + sys.argv[1:],
                   dict(os.environ, **_threads_env(args.stage_threads)))
-    with tempfile.TemporaryDirectory(prefix="kimi-mlx-cluster-bench-") as tmp:
-        return _run(args, Path(tmp))
+    from kimi_mlx.cluster.net.lifetime import Stopped, exit_on_signals
+
+    exit_on_signals()  # SIGTERM / SIGHUP: the stages stopped and the folder removed
+    try:
+        with tempfile.TemporaryDirectory(prefix="kimi-mlx-cluster-bench-") as tmp:
+            return _run(args, Path(tmp))
+    except Stopped as e:
+        print(f"cluster bench: stopped ({e})", flush=True)
+        return 128 + e.signum
 
 
 def _run(args, tmp: Path) -> int:

@@ -43,7 +43,8 @@ def _wire_stage(path: Path, spec: StageSpec, request, who: str) -> None:
     (`placement.wired`; a no-op without Metal), planned as the head planned them: the
     LoadRequest's `planned_tokens` per sequence x `planned_sequences` (the head's
     --max-kv-size / context and --max-concurrency); a head that sends neither (0) gets the
-    trained context, or its longer `max_positions`, x one sequence. Raises
+    trained context, or its longer `max_positions`, x one sequence; the DSA caches in
+    the LoadRequest's format (`kv_bits` / `kv_group_size`, in `spec`). Raises
     `WiredLimitError` (one line with the sysctl to run) when they exceed the Mac's GPU
     working set."""
     from kimi_mlx.model.config import ModelArgs, read_config
@@ -55,7 +56,8 @@ def _wire_stage(path: Path, spec: StageSpec, request, who: str) -> None:
             trained = ModelArgs.from_config(read_config(path)).max_position_embeddings
             tokens = max(trained, int(request.max_positions or 0))
         return stage_plan(path, spec.start, spec.end, f"{who} layers [{spec.start}, {spec.end})",
-                          context=tokens, sequences=max(1, int(request.planned_sequences)))
+                          context=tokens, sequences=max(1, int(request.planned_sequences)),
+                          kv_bits=spec.kv_bits, kv_group_size=spec.kv_group_size)
 
     wire(plan)
 

@@ -141,7 +141,7 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
             os.unlink(hostfile)
         from kimi_mlx.cluster.tensor.rank import wire_rank
 
-        wire_rank(cluster.model_dir, group, "rank 0", *plan)
+        wire_rank(cluster.model_dir, group, "rank 0", *plan, kv=kv)
         model, _ = load_sharded(cluster.model_dir, group)
         model.set_kv_quant(*kv)
     except BaseException:

@@ -31,16 +31,20 @@ def _remove_group_files() -> None:
                 pass
 
 
-def wire_rank(model_path, group, who: str, tokens: int = 0, sequences: int = 0) -> None:
+def wire_rank(model_path, group, who: str, tokens: int = 0, sequences: int = 0,
+              kv=(None, 64)) -> None:
     """MLX's wired limit for this rank's slices and caches before loading them
     (`placement.wired.rank_plan`; a no-op without Metal), the caches of `sequences`
     sequences of `tokens` tokens (the head's plan, `RankRequest.planned_tokens` /
-    `planned_sequences`; 0: the trained context / one sequence). Raises `WiredLimitError`
-    (one line with the sysctl to run) when they exceed the Mac's GPU working set."""
+    `planned_sequences`; 0: the trained context / one sequence) in the format `kv`
+    ((kv_bits or None/0, kv_group_size): `RankRequest.kv_bits` / `kv_group_size`).
+    Raises `WiredLimitError` (one line with the sysctl to run) when they exceed the
+    Mac's GPU working set."""
     from kimi_mlx.placement.wired import rank_plan, wire
 
     wire(lambda: rank_plan(model_path, group.size(), group.rank(), who,
-                           context=int(tokens) or None, sequences=max(1, int(sequences))))
+                           context=int(tokens) or None, sequences=max(1, int(sequences)),
+                           kv_bits=kv[0] or None, kv_group_size=int(kv[1] or 64)))
 
 
 def rank_main(argv: Optional[Sequence[str]] = None) -> int:
@@ -82,7 +86,8 @@ def rank_main(argv: Optional[Sequence[str]] = None) -> int:
         _remove_group_files()
         print(f"[tensor] {who}: joined a {a.backend} group of {group.size()}", file=sys.stderr,
               flush=True)
-        wire_rank(a.model, group, who, a.planned_tokens, a.planned_sequences)
+        wire_rank(a.model, group, who, a.planned_tokens, a.planned_sequences,
+                  (a.kv_bits, a.kv_group_size))
         model, _ = load_sharded(a.model, group)
         model.set_kv_quant(a.kv_bits or None, a.kv_group_size)
         print(f"[tensor] {who}: loaded its slices of {a.model}", file=sys.stderr, flush=True)

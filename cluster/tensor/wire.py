@@ -16,14 +16,27 @@ command), so nothing else is exchanged and a group whose rank 0 never parks runs
 before. A rank that cannot reach the doorbell (a firewall) leaves the group waiting in
 `all_sum` as before (warned once). The doorbell closing (rank 0 gone) ends a parked rank
 with RuntimeError, as a lost peer ends a collective.
+
+What a wake costs (measured by `kimi_mlx.testing.idle --compare`): with
+KIMI_MLX_WAKE_LOG=FILE in their environment, rank 0 notes `time.monotonic_ns()` and a
+sequence number each time it rings, and every other rank, for the same sequence number,
+when its blocking `recv` returned and when it re-entered the collective (the broadcast of
+the command that rang). The notes are kept in memory and appended to FILE (one JSON line
+each) only when the process parks again, so nothing is written between the ring and the
+collective and nothing at all happens without the variable; the steps of a request never
+pass here. The stamps compare only between processes of one machine (one monotonic
+clock: loopback groups, as the idle tool runs).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import secrets
 import socket
 import struct
+import time
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
@@ -42,6 +55,35 @@ RECORD, LOGITS, MEDIA = 1, 2, 4
 HIDDEN = 8
 INLINE = 12  # token ids carried in the command itself
 HEADER = 4
+WAKE_LOG_ENV = "KIMI_MLX_WAKE_LOG"  # where the wake notes go (module doc); unset: none
+_wake_log: Optional[str] = os.environ.get(WAKE_LOG_ENV) or None
+_wake_notes: List[dict] = []  # not yet written to _wake_log
+
+
+def _note_wake(record: dict) -> None:
+    if _wake_log is not None:
+        _wake_notes.append(record)
+
+
+def _write_wake_notes() -> None:
+    """Append the notes taken since the last park to `_wake_log` (called as the process
+    parks: idle, off every command's path); a file that cannot be written is warned once
+    and dropped."""
+    global _wake_log
+    if _wake_log is None or not _wake_notes:
+        return
+    data = "".join(json.dumps(r) + "\n" for r in _wake_notes).encode()
+    _wake_notes.clear()
+    try:
+        fd = os.open(_wake_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, data)  # one append: lines of several processes never interleave
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("%s=%s: cannot write the wake notes (%s): no more notes", WAKE_LOG_ENV,
+                    _wake_log, e)
+        _wake_log = None
 
 
 def broadcast(x: mx.array, group) -> mx.array:
@@ -62,6 +104,8 @@ class _Doorbell:
         self.sock: Optional[socket.socket] = None  # ranks 1..N-1: to rank 0
         self.off = False  # it could not be opened: the group waits in all_sum, as before
         self.woken = False  # ranks 1..: rank 0 rang this doorbell at least once
+        self.rings = 0  # rings sent (rank 0) / received (the others): the notes' sequence
+        self.woke_ns = 0  # ranks 1..: when the last ring's recv returned (with a wake log)
 
     def accept(self, n: int, timeout: float) -> List[int]:
         """Rank 0: accept the `n` other ranks (each sends the token and its rank); returns
@@ -96,6 +140,9 @@ class _Doorbell:
     def ring(self) -> None:
         """Rank 0: wake every parked rank (a lost one fails the collective that follows)."""
         self.parked = False
+        self.rings += 1
+        if _wake_log is not None:
+            _note_wake({"ring": self.rings, "pid": os.getpid(), "rang_ns": time.monotonic_ns()})
         for c in self.peers:
             try:
                 c.sendall(b"\x01")
@@ -113,6 +160,9 @@ class _Doorbell:
         if not got:
             raise RuntimeError(f"rank 0 is gone: its doorbell ended while this rank was idle "
                                f"({why})")
+        if _wake_log is not None:
+            self.woke_ns = time.monotonic_ns()
+        self.rings += 1
         self.parked = False
 
 
@@ -144,6 +194,7 @@ def park(group, host: str) -> None:
     bell = _bells.get(id(group))
     if bell is not None and (bell.parked or bell.off):
         return
+    _write_wake_notes()  # idle now: the notes of the last ring (module doc)
     words = [0] * 5
     if bell is None:
         ip = socket.gethostbyname(host)  # IPv4, as the ring's host list
@@ -195,6 +246,7 @@ def _follow_park(group, words: Sequence[int]) -> None:
     if bell.off:
         return
     bell.parked = True
+    _write_wake_notes()  # idle now: the notes of the last wake (module doc)
     try:
         bell.wait()
     except RuntimeError:
@@ -226,6 +278,11 @@ def command(group, op: int = OP_EXIT, tokens: Sequence[int] = (), keep: int = -1
         if got[0] != OP_PARK or group.rank() == 0:
             return got
         _follow_park(group, got[1])  # asleep until rank 0's next command
+        bell = _bells.get(id(group))
+        if bell is not None and bell.woke_ns:  # a wake log: back in the collective now
+            _note_wake({"ring": bell.rings, "rank": group.rank(), "pid": os.getpid(),
+                        "woke_ns": bell.woke_ns, "entered_ns": time.monotonic_ns()})
+            bell.woke_ns = 0
 
 
 def _receive(group, tokens, op, keep, flags):

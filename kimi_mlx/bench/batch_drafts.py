@@ -58,7 +58,12 @@ def run(model_dir: Path, concurrency: int, rounds: int, max_tokens: int, request
         svcs = {name: _load(model_dir, concurrency, d) for name, d in configs.items()}
         urls = {name: stack.enter_context(_serving(s)) for name, s in svcs.items()}
         ctx = mp.get_context("spawn")
-        pool = stack.enter_context(cf.ProcessPoolExecutor(1, mp_context=ctx))
+        from kimi_mlx.lifetime import watch_parent
+
+        # the clients' process ends with this one, even when this one is killed
+        pool = stack.enter_context(cf.ProcessPoolExecutor(1, mp_context=ctx,
+                                                          initializer=watch_parent,
+                                                          initargs=(os.getpid(),)))
         for workload in ("ordinary", "copy"):
             prompts = _prompts(model_dir, requests, workload)
             want = _texts(ref_url, "bench", prompts, max_tokens, 1)

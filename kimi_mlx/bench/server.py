@@ -105,7 +105,11 @@ def bench(url: str, model: str, prompts: List[str], max_tokens: int, label: str,
     lines = [f"{label}: {len(prompts)} requests x {max_tokens} tokens, median of {rounds} "
              f"interleaved rounds (load average {os.getloadavg()[0]:.1f} at start)"]
     ctx = mp.get_context("spawn")
-    with cf.ProcessPoolExecutor(1, mp_context=ctx) as clients_proc:
+    from kimi_mlx.lifetime import watch_parent
+
+    # the clients' process ends with this one, even when this one is killed
+    with cf.ProcessPoolExecutor(1, mp_context=ctx, initializer=watch_parent,
+                                initargs=(os.getpid(),)) as clients_proc:
         clients_proc.submit(_one, url, model, prompts[0], 4).result()  # warm-up
         runs = {c: [] for c in CLIENTS}
         for _ in range(rounds):

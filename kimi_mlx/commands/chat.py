@@ -328,9 +328,10 @@ def run(args) -> int:
         from kimi_mlx.checkpoint.hub import resolve
         from kimi_mlx.placement.wired import allow_paging, model_plan, wire
 
-        wire(lambda: model_plan(resolve(spec), "kimi-mlx chat", args.max_kv_size),
+        kv = kv_quant(args)  # a bad --kv-group-size before the load
+        wire(lambda: model_plan(resolve(spec), "kimi-mlx chat", args.max_kv_size,
+                                kv_bits=kv[0], kv_group_size=kv[1], drafts=drafts),
              allow_paging(args.allow_paging))
-        kv_quant(args)  # a bad --kv-group-size before the load
         model, wrapper, tok, _ = load_for_generation(spec, progress=not args.quiet)
         apply_kv_quant(model, args)
         speculation = build_speculation(drafts, where=ONE_PROCESS, target_wrapper=wrapper,

@@ -57,7 +57,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from kimi_mlx.checkpoint.hub import resolve
     from kimi_mlx.checkpoint.loader import byte_bar, load_model
-    from kimi_mlx.generation.kv_args import apply_kv_quant
+    from kimi_mlx.generation.kv_args import apply_kv_quant, kv_quant
     from kimi_mlx.generation.request import InputError, resolve_model_arg
     from kimi_mlx.text.tokenizer import KimiTokenizer
 
@@ -82,8 +82,10 @@ def run(args) -> int:
         from kimi_mlx.placement.wired import allow_paging, model_plan, wire
 
         # windows of seq_len + 1 tokens, batch_size of them per forward pass
+        kv = kv_quant(args)  # the caches planned in their `--kv-bits` format
         wire(lambda: model_plan(model_dir, "kimi-mlx eval", sequences=args.batch_size,
-                                context=args.seq_len + 1), allow_paging(args.allow_paging))
+                                context=args.seq_len + 1, kv_bits=kv[0], kv_group_size=kv[1]),
+             allow_paging(args.allow_paging))
         tokenizer = KimiTokenizer.from_pretrained(model_dir)
         if args.per_text:
             texts = read_texts(args.data)

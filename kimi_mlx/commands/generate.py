@@ -54,9 +54,11 @@ def run(args) -> int:
                                  "(no vision_config or no vision_tower.* / mm_projector.* "
                                  "tensors), so it cannot take --image")
             images = [vision.load_image(path) for path in args.image]
-        wire(lambda: model_plan(resolve(spec), "kimi-mlx generate", args.max_kv_size),
+        kv = kv_quant(args)  # a bad --kv-group-size before the load
+        # the caches planned in the format they will have (`--kv-bits`)
+        wire(lambda: model_plan(resolve(spec), "kimi-mlx generate", args.max_kv_size,
+                                kv_bits=kv[0], kv_group_size=kv[1], drafts=drafts),
              allow_paging(args.allow_paging))
-        kv_quant(args)  # a bad --kv-group-size before the load
         model, wrapper, tok, config = load_for_generation(spec, progress=not args.quiet)
         apply_kv_quant(model, args)
         ids = build_prompt(tok, prompt, args.system_prompt, args.ignore_chat_template,

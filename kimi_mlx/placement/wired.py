@@ -33,10 +33,11 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Tuple, Union
 
 import mlx.core as mx
 
+from kimi_mlx.placement.layer_bytes import KV_CACHE_DEFAULT_GROUP, ModelBytes
 from kimi_mlx.placement.layer_bytes import cache_bytes as layer_cache_bytes
 from kimi_mlx.placement.layer_bytes import model_bytes_from_checkpoint
 
@@ -102,26 +103,70 @@ def serving_tokens(max_position_embeddings: int, max_kv_size: Optional[int]) -> 
     return int(max_kv_size) if max_kv_size else int(max_position_embeddings)
 
 
+def _kv_note(kv_bits: Optional[int], kv_group_size: int) -> str:
+    return f", {kv_bits}-bit cache (group {kv_group_size})" if kv_bits else ""
+
+
+def draft_bytes(drafts, target: ModelBytes, tokens: int, sequences: int) -> Tuple[int, int, str]:
+    """(weight bytes, cache bytes, note) a draft adds to its target's process: the MTP
+    layers of the target checkpoint (`--draft mtp`: loaded beside the trunk, counted
+    apart as `not_loaded["mtp"]`), or a `--draft-model` folder's tensors (each
+    *.safetensors file less its header) and, when it is a kimi-mlx checkpoint, its caches
+    at `tokens` x `sequences`. Nothing for n-gram drafts, no draft, or a draft model that
+    is a hub id not downloaded yet or cannot be read (its own load then says why)."""
+    if drafts is None:
+        return 0, 0, ""
+    if getattr(drafts, "kind", None) == "mtp":
+        mtp = int(target.not_loaded.get("mtp", 0))
+        return mtp, 0, " + the MTP layers" if mtp else ""
+    folder = Path(getattr(drafts, "model", None) or "")
+    shards = sorted(folder.glob("*.safetensors")) if str(folder) not in ("", ".") else []
+    if not shards:
+        return 0, 0, ""
+    weights = 0
+    try:
+        for shard in shards:
+            with open(shard, "rb") as f:
+                weights += shard.stat().st_size - 8 - int.from_bytes(f.read(8), "little")
+    except OSError as e:
+        log.debug("draft %s not counted in the wired plan: %s", folder, e)
+        return 0, 0, ""
+    try:
+        cache = model_bytes_from_checkpoint(folder).cache_bytes(tokens, sequences)
+    except (OSError, ValueError, KeyError):  # a block drafter or an mlx-lm model
+        cache = 0
+    return weights, cache, f" + draft {folder.name}"
+
+
 def model_plan(model_dir, what: str, max_kv_size: Optional[int] = None, sequences: int = 1,
-               context: Optional[int] = None) -> WiredPlan:
+               context: Optional[int] = None, kv_bits: Optional[int] = None,
+               kv_group_size: int = KV_CACHE_DEFAULT_GROUP, drafts=None) -> WiredPlan:
     """The whole model in one process (generate, chat, eval, the one-process server):
     every loaded tensor (`ModelBytes.weight_bytes`, from the shard headers) plus the
-    caches of `sequences` sequences of `context` tokens (default `serving_tokens`).
+    caches of `sequences` sequences of `context` tokens (default `serving_tokens`), the
+    DSA caches counted in the `--kv-bits` / `--kv-group-size` format
+    (`ModelBytes.with_kv_bits`; kv_bits None: the model dtype), plus what the draft of
+    `drafts` (a `speculative.settings.DraftSettings`, or None) adds (`draft_bytes`).
 
-    Raises FileNotFoundError / CheckpointError as `model_bytes_from_checkpoint`."""
-    mb = model_bytes_from_checkpoint(Path(model_dir))
+    Raises FileNotFoundError / CheckpointError as `model_bytes_from_checkpoint`;
+    ValueError for a cache format `layer_bytes.kv_token_bytes` refuses."""
+    mb = model_bytes_from_checkpoint(Path(model_dir)).with_kv_bits(kv_bits or None, kv_group_size)
     tokens = context if context is not None else serving_tokens(mb.max_position_embeddings, max_kv_size)
-    return WiredPlan(what, mb.weight_bytes, mb.cache_bytes(tokens, sequences),
-                     f"{tokens} tokens x {sequences} sequence(s)")
+    dw, dc, dnote = draft_bytes(drafts, mb, tokens, sequences)
+    return WiredPlan(what, mb.weight_bytes + dw, mb.cache_bytes(tokens, sequences) + dc,
+                     f"{tokens} tokens x {sequences} sequence(s)"
+                     + _kv_note(kv_bits, kv_group_size) + dnote)
 
 
 def stage_plan(model_dir, start: int, end: int, what: str, context: Optional[int] = None,
-               sequences: int = 1) -> WiredPlan:
+               sequences: int = 1, kv_bits: Optional[int] = None,
+               kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> WiredPlan:
     """A pipeline stage holding layers [start, end): their weights, the embedding on the
     stage holding layer 0, norm / output mix / lm_head on the one holding the last layer
     (the planner's `_Costs.weights`), plus their caches at `context` tokens (default the
-    trained context) x `sequences`."""
-    mb = model_bytes_from_checkpoint(Path(model_dir))
+    trained context) x `sequences`, DSA caches in the `kv_bits` / `kv_group_size` format
+    (`ModelBytes.with_kv_bits`; None: the model dtype). ValueError: a format refused."""
+    mb = model_bytes_from_checkpoint(Path(model_dir)).with_kv_bits(kv_bits or None, kv_group_size)
     layers = mb.layers[start:end]
     weights = sum(l.weight_bytes for l in layers)
     weights += mb.embed_bytes if start == 0 else 0
@@ -129,15 +174,19 @@ def stage_plan(model_dir, start: int, end: int, what: str, context: Optional[int
     tokens = context or mb.max_position_embeddings
     cache = sum(l.cache_bytes(tokens, sequences) for l in layers)
     return WiredPlan(what, weights, cache,
-                     f"{tokens} tokens x {sequences} sequence(s) for layers [{start}, {end})")
+                     f"{tokens} tokens x {sequences} sequence(s) for layers [{start}, {end})"
+                     + _kv_note(kv_bits, kv_group_size))
 
 
 def rank_plan(model_dir, ranks: int, rank: int, what: str, context: Optional[int] = None,
-              sequences: int = 1) -> WiredPlan:
+              sequences: int = 1, kv_bits: Optional[int] = None,
+              kv_group_size: int = KV_CACHE_DEFAULT_GROUP) -> WiredPlan:
     """Tensor rank `rank` of `ranks`: its slices (`tensor_parallel.rank_load_bytes`, what
     `checkpoint.ranged.load_sharded` reads) plus its caches: its share of the KDA heads'
     states and the DSA / MLA caches whole (replicated on every rank), at `context` tokens
-    (default the trained context) x `sequences`."""
+    (default the trained context) x `sequences`, the DSA caches in the `kv_bits` /
+    `kv_group_size` format (`layer_bytes.cache_bytes`; None: the model dtype).
+    ValueError: a format refused."""
     from kimi_mlx.model.shard import split_range
     from kimi_mlx.placement.tensor_parallel import rank_load_bytes, tensors_of
 
@@ -148,9 +197,11 @@ def rank_plan(model_dir, ranks: int, rank: int, what: str, context: Optional[int
     a, b = split_range(heads, ranks, rank)
     cache = 0
     for i in range(args.num_hidden_layers):
-        per_token, _, state = layer_cache_bytes(args, i)
+        per_token, _, state = layer_cache_bytes(args, i, kv_bits=kv_bits or None,
+                                                kv_group_size=kv_group_size)
         cache += sequences * (state * (b - a) // heads + per_token * tokens)
-    return WiredPlan(what, weights, cache, f"{tokens} tokens x {sequences} sequence(s)")
+    return WiredPlan(what, weights, cache, f"{tokens} tokens x {sequences} sequence(s)"
+                     + _kv_note(kv_bits, kv_group_size))
 
 
 # -- the flag ----------------------------------------------------------------------------

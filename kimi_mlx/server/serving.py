@@ -298,7 +298,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
     # wired before loading (KIMI_MLX_ALLOW_PAGING, which --allow-paging sets, lets it page)
     wire(lambda: model_plan(resolve(spec), "kimi-mlx server", max_kv_size,
-                            max(1, max_concurrency or 1)))
+                            max(1, max_concurrency or 1), kv_bits=kv[0],
+                            kv_group_size=kv[1] or 64, drafts=drafts))
     model, wrapper, tok, config = load_for_generation(spec, progress=progress)
     model.set_kv_quant(*kv)  # `--kv-bits` / `--kv-group-size`: the DSA cache format
     # a hub id: the vision tower's shards too (a few hundred MB at K3.1 size), so that the

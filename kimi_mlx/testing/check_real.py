@@ -348,6 +348,8 @@ def tensor_check(path: Path, start: int, end: int, opts, report: Report, workdir
     printed as it runs; its exit status is one check here."""
     import subprocess
 
+    from kimi_mlx.lifetime import child_env
+
     if (start, end) != TP_LAYERS:
         report.info("tensor parallel", "skipped", f"tp_real runs layers {list(TP_LAYERS)}, "
                     f"not [{start}, {end})")
@@ -355,9 +357,11 @@ def tensor_check(path: Path, start: int, end: int, opts, report: Report, workdir
     with report.phase("tensor parallel: 2 ranks vs one process"):
         sys.stdout.flush()  # this process's lines before the child's
         try:
-            rc = subprocess.run([sys.executable, "-m", "kimi_mlx.testing.tp_real", "--path",
-                                 str(path), "--workdir", workdir, "--seed", str(opts.seed)],
-                                timeout=1800).returncode
+            # through `testing.watched`: it (and so its ranks) ends with this process
+            rc = subprocess.run([sys.executable, "-m", "kimi_mlx.testing.watched",
+                                 "kimi_mlx.testing.tp_real", "--path", str(path), "--workdir",
+                                 workdir, "--seed", str(opts.seed)],
+                                timeout=1800, env=child_env()).returncode
         except subprocess.TimeoutExpired:
             rc = -1
     report.check("tensor parallel (2 ranks, layers sliced 48/48 heads)", "ok" if rc == 0 else

@@ -275,7 +275,9 @@ class ServerProc:
             env=child_env(dict(os.environ, PYTHONUNBUFFERED="1")))  # ends when this process does
         threading.Thread(target=self._read, daemon=True).start()
         try:
-            self.wait_health(200, timeout)
+            from kimi_mlx.testing.health import wait_healthy
+
+            wait_healthy(self.url, timeout, self.proc, output=self.log_text)
         except BaseException:
             self.stop()
             raise

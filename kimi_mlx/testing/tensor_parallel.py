@@ -200,10 +200,14 @@ def run_ranks(ports: Sequence[int], args: Sequence[str], workdir: Path,
 
     Every process is stopped (SIGTERM, SIGKILL after 10 s) at `timeout` seconds or when
     the first one fails (a ring
-    peer that never starts blocks the others forever). Returns each rank's combined
+    peer that never starts blocks the others forever). Each runs through
+    `testing.watched`: SIGTERM / SIGHUP stop it cleanly, and it ends by itself when this
+    process is gone (killed before its `finally` ran). Returns each rank's combined
     stdout/stderr. Raises RuntimeError naming the rank that failed or timed out, with
     its output's tail.
     """
+    from kimi_mlx.lifetime import child_env
+
     hostfile = write_hostfile(workdir / "hosts.json", ports)
     procs, logs = [], []
     for rank in range(len(ports)):
@@ -211,8 +215,8 @@ def run_ranks(ports: Sequence[int], args: Sequence[str], workdir: Path,
         log = open(workdir / f"rank{rank}.log", "w+b")
         logs.append(log)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            stdout=log, stderr=subprocess.STDOUT, env=e))
+            [sys.executable, "-m", "kimi_mlx.testing.watched", module, *args],
+            stdout=log, stderr=subprocess.STDOUT, env=child_env(e)))
     deadline = time.monotonic() + timeout
     failed = None
     try:
