@@ -579,6 +579,7 @@ def _relay(a, conn, held: dict) -> int:
     from kimi_mlx.cluster.tensor.step import (OP_BEGIN, OP_END, OP_EXIT, OP_FORWARD,
                                               OP_RESTORE, OP_SNAPSHOT, _Runner, command)
     from kimi_mlx.cluster.tensor.wire import park
+    from kimi_mlx.model.cache import KV_DEFAULT_GROUP
 
     # imported: say so, wait for the group's settings (this process may be the spare)
     try:
@@ -616,7 +617,8 @@ def _relay(a, conn, held: dict) -> int:
         t1 = time.monotonic()
         wire_rank(a.model, group, "rank 0 (this head's rank process)", *cfg.get("plan", (0, 0)))
         model, _ = load_sharded(a.model, group)
-        model.set_kv_quant(cfg.get("kv_bits") or None, int(cfg.get("kv_group_size") or 64))
+        model.set_kv_quant(cfg.get("kv_bits") or None,
+                           int(cfg.get("kv_group_size") or KV_DEFAULT_GROUP))
         fp = (rank_fingerprint(a.model, model, 0, group.size())
               if a.prompt_cache_dir is not None else None)
         store = held["store"] = make_store(a.cache_bytes, a.prompt_cache_dir,
