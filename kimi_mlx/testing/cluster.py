@@ -214,7 +214,8 @@ class LocalCluster:
                        dtype: str = "float32", kv=(None, None)):
         """A `GrpcTransport` with every stage process checked (none refused) and loaded on
         `plan_stages`' split, activations and wire in `dtype`, DSA caches in format `kv`
-        ((kv_bits, kv_group_size)). Returns (transport, stages);
+        ((kv_bits, kv_group_size); None: the model dtype, the cache's default group),
+        planned in that format as `cluster launch` plans them. Returns (transport, stages);
         the caller calls `transport.shutdown()`. Raises AssertionError naming the refused
         nodes."""
         from kimi_mlx.cluster.net.nodes import check_nodes
