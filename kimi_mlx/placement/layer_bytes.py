@@ -377,25 +377,26 @@ def kv_token_bytes(values: int, act_bytes: int = 2, bits: Optional[int] = None,
                    group_size: int = KV_CACHE_DEFAULT_GROUP) -> int:
     """Bytes per token of `values` cache values: `act_bytes` each unquantized (bits None),
     or in MLX's affine format (`mx.quantize(x, group_size, bits)`, the `--kv-bits` cache):
-    values * bits / 8 bytes of packed uint32 words plus a scale and a bias per group in the
-    cache dtype (`act_bytes` each). The group is the one the cache uses (model/cache.py
-    `group_for`): `group_size`, or all `values` when fewer (micro's 32-value index key at
-    group 128 is one group of 32). K3.1's latent at 8 bits, group 64: 512 + 2 * 8 * 2 =
-    544 B; its index key: 128 + 2 * 2 * 2 = 136 B.
+    values * bits / 8 bytes of packed uint32 words plus a scale and a bias per group of
+    `group_size` values (all `values` as one group when fewer: `model.cache.group_for`)
+    in the cache dtype (`act_bytes` each). K3.1's latent at 8 bits,
+    group 64: 512 + 2 * 8 * 2 = 544 B; its index key: 128 + 2 * 2 * 2 = 136 B.
 
     Raises:
-        ValueError: bits not in KV_CACHE_BITS, a group size not in KV_CACHE_GROUP_SIZES, or
-        a group that does not divide `values` (the cache refuses the same)."""
+        ValueError: bits not in KV_CACHE_BITS, a group size not in KV_CACHE_GROUP_SIZES or
+        one (below `values`) that does not divide `values`."""
     if bits is None or values == 0:
         return values * act_bytes
     if bits not in KV_CACHE_BITS:
         raise ValueError(f"--kv-bits {bits}: the cache is quantized to "
                          f"{' or '.join(map(str, KV_CACHE_BITS))} bits")
-    group = min(group_size, values)
-    if {group_size, group} - set(KV_CACHE_GROUP_SIZES) or values % group:
+    # a vector shorter than the group is one group, as the cache stores it
+    # (`model.cache.group_for`: a small model's 32-value index key at group 64)
+    group = min(group_size, values) if group_size in KV_CACHE_GROUP_SIZES else group_size
+    if group not in KV_CACHE_GROUP_SIZES or values % group:
         raise ValueError(f"--kv-group-size {group_size}: must be one of "
                          f"{', '.join(map(str, KV_CACHE_GROUP_SIZES))} and divide the "
-                         f"{values} cache values of a token (or be their number)")
+                         f"{values} cache values of a token")
     return values * bits // 8 + 2 * (values // group) * act_bytes
 
 
