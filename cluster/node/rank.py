@@ -65,7 +65,7 @@ class RankProcess:
 
     def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str,
                  cache_bytes: Optional[int] = None, cache_dir=None, cache_disk_bytes: int = 0,
-                 stop_timeout: float = STOP_TIMEOUT, plan=(0, 0), kv=(None, 64)):
+                 stop_timeout: float = STOP_TIMEOUT, plan=(0, 0), kv=(None, None)):
         self.rank, self.node_id, self.stop_timeout = rank, node_id, stop_timeout
         if backend == "jaccl":  # MLX_RANK, MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES
             from kimi_mlx.cluster.net.jaccl import rank_env

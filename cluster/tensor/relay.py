@@ -324,7 +324,7 @@ class Rank0Process:
 
     def __init__(self, model_dir, backend: str, env: dict, epoch: int = 0,
                  hosts: Optional[str] = None, store: Optional[dict] = None,
-                 cancelled=lambda: False, timeout: float = 120.0, plan=(0, 0), kv=(None, 64)):
+                 cancelled=lambda: False, timeout: float = 120.0, plan=(0, 0), kv=(None, None)):
         self.epoch = epoch
         config = {"model": str(model_dir), "backend": backend, "env": dict(env), "hosts": hosts,
                   "cache_bytes": 0, "cache_dir": None, "disk_bytes": 0, "plan": list(plan),
