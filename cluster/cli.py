@@ -227,13 +227,14 @@ def _logging(level: Optional[str], default: str) -> None:
 def node_settings(args) -> "NodeSettings":
     """`--nodes`, `--discover-timeout`, ... of `launch` / `server` as `NodeSettings`."""
     from kimi_mlx.cluster.net.nodes import NodeSettings
+    from kimi_mlx.model.cache import KV_DEFAULT_GROUP
 
     return NodeSettings(secret_file=args.secret_file, nodes=args.nodes,
                         discover_timeout=args.discover_timeout, interface=args.interface,
                         check_version=not args.allow_version_mismatch, replan=args.replan,
                         tls=args.tls, peer_timeout=args.peer_timeout,
                         kv_bits=getattr(args, "kv_bits", None),
-                        kv_group_size=getattr(args, "kv_group_size", 64))
+                        kv_group_size=getattr(args, "kv_group_size", KV_DEFAULT_GROUP))
 
 
 def pipeline_settings(args) -> "PipelineSettings":

@@ -16,6 +16,7 @@ from typing import Any, List, NamedTuple, Optional
 
 from kimi_mlx.cluster.head.cluster import Cluster, PipelineSettings
 from kimi_mlx.cluster.net.nodes import NodeFinder, NodeSettings
+from kimi_mlx.model.cache import KV_DEFAULT_GROUP
 
 
 def _err(e) -> None:
@@ -181,7 +182,7 @@ def run(args, nodes: NodeSettings, pipeline: PipelineSettings) -> int:
 
 
 def recommended(finder: NodeFinder, context: int, sequences: int, drafts: bool = False,
-                kv_bits: Optional[int] = None, kv_group_size: int = 64) -> str:
+                kv_bits: Optional[int] = None, kv_group_size: int = KV_DEFAULT_GROUP) -> str:
     """`kimi_mlx.placement.parallel_choice.choose_parallel` for these nodes: the pipeline
     over the nodes at `sequences` requests at once vs a tensor group of this head and the
     nodes (the slowest node's bandwidth, the TCP ring's latency: the group runs over the

@@ -99,12 +99,18 @@ class Cluster:
             transport.shutdown()
             raise
         nodes = [node for node, _ in accepted]
-        plan, assignments = plan_stages(f.model_dir, nodes, self.context, a.sequences)
+        try:  # in the caches' format the stages will run (--kv-bits)
+            plan, assignments = plan_stages(f.model_dir, nodes, self.context, a.sequences,
+                                            n.kv_bits, n.kv_group_size)
+        except Exception:
+            transport.shutdown()
+            raise
         replies = {node.node_id: r for node, r in accepted}
         compute = choose_compute_dtype([replies[s.node.node_id] for s in assignments],
                                        f.model_dir, a.activation_dtype)
         wire = compute if a.wire_dtype == "same" else a.wire_dtype
-        print(f"[cluster] plan for {self.context} tokens x {a.sequences} sequence(s), "
+        kv = f", {n.kv_bits}-bit caches (group {n.kv_group_size})" if n.kv_bits else ""
+        print(f"[cluster] plan for {self.context} tokens x {a.sequences} sequence(s){kv}, "
               f"activations {compute} (wire {wire}):", file=sys.stderr)
         for i, s in enumerate(assignments):
             st = plan.used_stages[i]

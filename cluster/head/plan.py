@@ -4,7 +4,7 @@ the one activation dtype every stage computes in."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from kimi_mlx.cluster.head.transport import StageAssignment
 from kimi_mlx.cluster.net import stage_pb2 as pb
@@ -34,17 +34,26 @@ def choose_compute_dtype(replies: Sequence[pb.HealthReply], model_dir: Path, req
     return checkpoint_dtype(model_dir)
 
 
-def plan_stages(model_dir: Path, nodes: List[NodeInfo], context: int, sequences: int = 1):
-    """Plan with the stage planner; returns (Plan, [StageAssignment]) for the used nodes.
+def plan_stages(model_dir: Path, nodes: List[NodeInfo], context: int, sequences: int = 1,
+                kv_bits: Optional[int] = None, kv_group_size: Optional[int] = None):
+    """Plan with the stage planner for `sequences` sequences of `context` tokens whose DSA
+    caches the stages keep in the `--kv-bits` format (`kv_bits` None: the model dtype;
+    `kv_group_size` None: model/cache.py's default group), as `kimi-mlx plan --kv-bits`
+    counts them (`ModelBytes.with_kv_bits`); returns (Plan, [StageAssignment]) for the
+    used nodes.
 
     Raises:
         PlanError: the model does not fit these nodes (message says by how much).
+        ValueError: a cache format the stages would refuse too (names the flag).
     """
+    from kimi_mlx.model.cache import KV_DEFAULT_GROUP
     from kimi_mlx.placement.layer_bytes import model_bytes
     from kimi_mlx.placement.planner import StagePlanner
 
-    plan = StagePlanner().plan(model_bytes(str(model_dir)), [n.planner_node() for n in nodes],
-                               context, sequences)
+    model = model_bytes(str(model_dir))
+    if kv_bits:
+        model = model.with_kv_bits(kv_bits, kv_group_size or KV_DEFAULT_GROUP)
+    plan = StagePlanner().plan(model, [n.planner_node() for n in nodes], context, sequences)
     by_id = {n.node_id: n for n in nodes}
     return plan, [StageAssignment(by_id[name], s, e) for name, s, e in plan.ranges()]
 

@@ -36,6 +36,7 @@ from kimi_mlx.cluster.net.channel import DEFAULT_MAX_MESSAGE, make_channel
 from kimi_mlx.cluster.head.leases import StageLeases
 from kimi_mlx.cluster.net.control import ControlClient, rpc_reason
 from kimi_mlx.cluster.net.wire import from_tensor, sampling_to_pb, to_tensor
+from kimi_mlx.model.cache import KV_DEFAULT_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,7 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
     # -- load ----------------------------------------------------------------------------
     def load(self, fingerprint, stages, compute_dtype, wire_dtype, progress=None, force=False,
              max_positions: int = 0, planned_tokens: int = 0, planned_sequences: int = 0,
-             kv=(None, 64)):
+             kv=(None, KV_DEFAULT_GROUP)):
         """Load every stage's layers (`LoadRequest`, one thread per stage); returns a
         `LoadResult` per stage. `max_positions`: the head's context when past the model's;
         `planned_tokens` x `planned_sequences`: what the stages size their wired memory
@@ -290,7 +291,7 @@ class GrpcTransport(ControlClient, StageLeases, Transport):
                 compute_dtype=compute_dtype, wire_dtype=wire_dtype, plan_id=self.head_id,
                 force=force, max_positions=max_positions, planned_tokens=planned_tokens,
                 planned_sequences=planned_sequences,
-                kv_bits=kv[0] or 0, kv_group_size=kv[1] or 64)
+                kv_bits=kv[0] or 0, kv_group_size=kv[1] or KV_DEFAULT_GROUP)
             try:
                 for p in self._stubs[i].Load(req, timeout=self.load_timeout):
                     if progress is not None:

@@ -17,6 +17,7 @@ from kimi_mlx.cluster.net import stage_pb2 as pb
 from kimi_mlx.cluster.net.control import rpc_reason
 from kimi_mlx.cluster.net.discovery import NodeInfo
 from kimi_mlx.cluster.net.wire import PROTOCOL_VERSION, build_id, package_versions
+from kimi_mlx.model.cache import KV_DEFAULT_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class NodeSettings:
     tls: bool = False
     peer_timeout: float = 5.0
     kv_bits: Optional[int] = None
-    kv_group_size: int = 64
+    kv_group_size: int = KV_DEFAULT_GROUP
 
     @property
     def tls_secret_path(self) -> Optional[Path]:

@@ -19,7 +19,7 @@ from kimi_mlx.cluster.net.fingerprint import fingerprint, named, scan
 from kimi_mlx.cluster.net.wire import ACTIVATION_DTYPES
 from kimi_mlx.cluster.node.compute import ComputeStopped
 from kimi_mlx.cluster.node.runner import Refused, StageSpec, load_stage
-from kimi_mlx.model.cache import check_kv_quant
+from kimi_mlx.model.cache import KV_DEFAULT_GROUP, check_kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class LoadRPC:
             raise Refused("the last stage has no next address, every other stage needs one")
         if r.next_address and not ADDRESS_RE.match(r.next_address):
             raise Refused(f"next address {r.next_address[:80]!r} is not host:port")
-        kv = (r.kv_bits or None, r.kv_group_size or 64)
+        kv = (r.kv_bits or None, r.kv_group_size or KV_DEFAULT_GROUP)
         try:
             check_kv_quant(*kv)
         except ValueError as e:

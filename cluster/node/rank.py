@@ -19,16 +19,17 @@ import mlx.core as mx
 
 from kimi_mlx.cluster.net.lifetime import STOP_TIMEOUT, child_env, stop_process
 from kimi_mlx.cluster.net.ranks import TensorSetupError, available_backends, process_stopped
+from kimi_mlx.model.cache import KV_DEFAULT_GROUP
 
 log = logging.getLogger(__name__)
 
 
 def check_rank_request(r, node_id: str) -> None:
     """Refuse (TensorSetupError naming the node) a rank this node cannot run."""
-    from kimi_mlx.model.cache import check_kv_quant
+    from kimi_mlx.model.cache import KV_DEFAULT_GROUP, check_kv_quant
 
     try:
-        check_kv_quant(r.kv_bits or None, r.kv_group_size or 64)
+        check_kv_quant(r.kv_bits or None, r.kv_group_size or KV_DEFAULT_GROUP)
     except ValueError as e:
         raise TensorSetupError(f"node {node_id}: {e}") from None
     if r.backend not in available_backends():
@@ -64,7 +65,7 @@ class RankProcess:
 
     def __init__(self, model_path, rank: int, size: int, backend: str, hosts: str, node_id: str,
                  cache_bytes: Optional[int] = None, cache_dir=None, cache_disk_bytes: int = 0,
-                 stop_timeout: float = STOP_TIMEOUT, plan=(0, 0), kv=(None, 64)):
+                 stop_timeout: float = STOP_TIMEOUT, plan=(0, 0), kv=(None, None)):
         self.rank, self.node_id, self.stop_timeout = rank, node_id, stop_timeout
         if backend == "jaccl":  # MLX_RANK, MLX_JACCL_COORDINATOR, MLX_IBV_DEVICES
             from kimi_mlx.cluster.net.jaccl import rank_env
@@ -79,7 +80,7 @@ class RankProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kimi_mlx.cluster.tensor.rank", "--model", str(model_path),
              "--backend", backend, "--name", node_id,
-             "--kv-bits", str(kv[0] or 0), "--kv-group-size", str(kv[1] or 64)]
+             "--kv-bits", str(kv[0] or 0), "--kv-group-size", str(kv[1] or KV_DEFAULT_GROUP)]
             + ([] if cache_bytes is None else ["--cache-bytes", str(cache_bytes)])
             + ([] if cache_dir is None else ["--prompt-cache-dir", str(cache_dir),
                                              "--prompt-cache-disk-bytes", str(cache_disk_bytes)])

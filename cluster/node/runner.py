@@ -37,6 +37,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from kimi_mlx.model.attn_res import Banks
+from kimi_mlx.model.cache import KV_DEFAULT_GROUP
 from kimi_mlx.sampling import Sampling
 
 from kimi_mlx.cluster.net.wire import mx_dtype
@@ -66,7 +67,7 @@ class StageSpec:
     compute_dtype: str
     wire_dtype: str
     kv_bits: Optional[int] = None
-    kv_group_size: int = 64
+    kv_group_size: int = KV_DEFAULT_GROUP
 
 
 @dataclass

@@ -70,6 +70,7 @@ from kimi_mlx.cluster.node.rank import RankProcess, check_rank_request
 from kimi_mlx.cluster.node.runner import Refused, StageRunner, StageSpec, default_compute_dtype
 from kimi_mlx.cluster.node.sessions import Live, Watcher
 from kimi_mlx.cluster.node.stage_cache import StageCache
+from kimi_mlx.model.cache import KV_DEFAULT_GROUP
 
 log = logging.getLogger(__name__)
 
@@ -319,7 +320,7 @@ class StageService(LoadRPC, ForwardRPC, pb_grpc.StageServicer):
                            self.node_id, cache_bytes=self.cache_bytes,
                            cache_dir=self.cache_dir, cache_disk_bytes=self.cache_disk_bytes,
                            plan=(request.planned_tokens, request.planned_sequences),
-                           kv=(request.kv_bits or None, request.kv_group_size or 64))
+                           kv=(request.kv_bits or None, request.kv_group_size or KV_DEFAULT_GROUP))
         context.add_callback(lambda: rank.kill("the head's lease ended: stream cancelled or "
                                                "its connection lost"))
         self._ranks.add(rank)

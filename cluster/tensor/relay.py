@@ -324,7 +324,7 @@ class Rank0Process:
 
     def __init__(self, model_dir, backend: str, env: dict, epoch: int = 0,
                  hosts: Optional[str] = None, store: Optional[dict] = None,
-                 cancelled=lambda: False, timeout: float = 120.0, plan=(0, 0), kv=(None, 64)):
+                 cancelled=lambda: False, timeout: float = 120.0, plan=(0, 0), kv=(None, None)):
         self.epoch = epoch
         config = {"model": str(model_dir), "backend": backend, "env": dict(env), "hosts": hosts,
                   "cache_bytes": 0, "cache_dir": None, "disk_bytes": 0, "plan": list(plan),
@@ -579,6 +579,7 @@ def _relay(a, conn, held: dict) -> int:
     from kimi_mlx.cluster.tensor.step import (OP_BEGIN, OP_END, OP_EXIT, OP_FORWARD,
                                               OP_RESTORE, OP_SNAPSHOT, _Runner, command)
     from kimi_mlx.cluster.tensor.wire import park
+    from kimi_mlx.model.cache import KV_DEFAULT_GROUP
 
     # imported: say so, wait for the group's settings (this process may be the spare)
     try:
@@ -617,7 +618,8 @@ def _relay(a, conn, held: dict) -> int:
         wire_rank(a.model, group, "rank 0 (this head's rank process)", *cfg.get("plan", (0, 0)),
                   kv=(cfg.get("kv_bits"), cfg.get("kv_group_size") or 64))
         model, _ = load_sharded(a.model, group)
-        model.set_kv_quant(cfg.get("kv_bits") or None, int(cfg.get("kv_group_size") or 64))
+        model.set_kv_quant(cfg.get("kv_bits") or None,
+                           int(cfg.get("kv_group_size") or KV_DEFAULT_GROUP))
         fp = (rank_fingerprint(a.model, model, 0, group.size())
               if a.prompt_cache_dir is not None else None)
         store = held["store"] = make_store(a.cache_bytes, a.prompt_cache_dir,

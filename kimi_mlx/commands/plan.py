@@ -14,7 +14,7 @@ from kimi_mlx.model.config import QUANT_DEFAULT_GROUP, QUANT_EXPERT_BITS, QUANT_
 
 from kimi_mlx.placement.layer_bytes import (DEFAULT_MODEL_ID, KV_CACHE_BITS,
                                             KV_CACHE_DEFAULT_GROUP, KV_CACHE_GROUP_SIZES,
-                                            BuildSpec, ModelBytes, model_bytes)
+                                            BuildSpec, ModelBytes, kv_token_bytes, model_bytes)
 from kimi_mlx.placement.tensor_parallel import (JACCL_LATENCY_S, TCP_LATENCY_S,
                                                choose_for_server, recommend,
                                                snapshot_bytes_per_rank, tensor_fits,
@@ -505,6 +505,7 @@ def _kv_versus_bf16(args, plan: Plan, model: ModelBytes, bf16: ModelBytes,
     from kimi_mlx.model.shard import ShardError
     from kimi_mlx.placement.kv_cache import (cache_read_bytes_per_sequence,
                                              most_sequences_pipeline, most_sequences_tensor)
+    from kimi_mlx.server.serving import DEFAULT_DISK_BYTES
 
     ctx, seqs = plan.context, plan.sequences
     fmt = model.kv_format()
@@ -517,13 +518,15 @@ def _kv_versus_bf16(args, plan: Plan, model: ModelBytes, bf16: ModelBytes,
              f"{model.kv_group_size}) beside bf16, at {ctx} tokens x {seqs} sequence(s):"]
     if dsa:
         latent, rope, index = dsa[0].cache_values
-        act, g = dsa[0].cache_act_bytes, model.kv_group_size
-        lat_b = latent * model.kv_bits // 8
-        idx_b = index * model.kv_bits // 8
+        act, bits, g = dsa[0].cache_act_bytes, model.kv_bits, model.kv_group_size
+        lat_b, idx_b = latent * bits // 8, index * bits // 8
+        # scales and biases: what kv_token_bytes adds to the packed values (its group rule)
+        lat_s = kv_token_bytes(latent, act, bits, g) - lat_b
+        idx_s = kv_token_bytes(index, act, bits, g) - idx_b
         lines.append(
-            f"  per DSA layer per token: latent {lat_b} B + {2 * (latent // g) * act} B of scales "
+            f"  per DSA layer per token: latent {lat_b} B + {lat_s} B of scales "
             f"and biases, rope key {rope * act} B, index key {idx_b} B + "
-            f"{2 * (index // g) * act} B = {dsa[0].cache_bytes_per_token:,} B "
+            f"{idx_s} B = {dsa[0].cache_bytes_per_token:,} B "
             f"(bf16: {bf16.layers[dsa[0].index].cache_bytes_per_token:,} B)")
 
     def stages(p: Optional[Plan], what) -> str:
@@ -531,8 +534,19 @@ def _kv_versus_bf16(args, plan: Plan, model: ModelBytes, bf16: ModelBytes,
             return "does not fit"
         return " / ".join(what(st) for st in p.used_stages)
 
+    def snap_bytes(m: ModelBytes, st) -> int:
+        return sum(l.cache_bytes(ctx, 1) for l in m.layers[st.start:st.end])
+
     def snap(m: ModelBytes):
-        return lambda st: _gb(sum(l.cache_bytes(ctx, 1) for l in m.layers[st.start:st.end]))
+        return lambda st: _gb(snap_bytes(m, st))
+
+    def on_disk(p: Optional[Plan], m: ModelBytes) -> str:
+        """Snapshot files of one sequence the default disk budget holds on the fullest stage."""
+        if p is None:
+            return "-"
+        return str(DEFAULT_DISK_BYTES // max(max(snap_bytes(m, st) for st in p.used_stages), 1))
+
+    disk_gib = f"{DEFAULT_DISK_BYTES / GiB:.0f} GiB"
 
     rows = [("", fmt, "bf16"),
             ("cache per token, all layers", f"{model.cache_bytes_per_token:,} B",
@@ -546,6 +560,8 @@ def _kv_versus_bf16(args, plan: Plan, model: ModelBytes, bf16: ModelBytes,
              stages(plan_bf16, lambda st: _gb(st.cache_bytes))),
             ("snapshot per stage, one sequence (GB)", stages(plan, snap(model)),
              stages(plan_bf16, snap(bf16))),
+            (f"  files in --prompt-cache-disk-bytes {disk_gib} (fullest stage)",
+             on_disk(plan, model), on_disk(plan_bf16, bf16)),
             ("cache read per step per sequence (GB)",
              _gb(cache_read_bytes_per_sequence(model, ctx)),
              _gb(cache_read_bytes_per_sequence(bf16, ctx))),
@@ -574,6 +590,9 @@ def _kv_versus_bf16(args, plan: Plan, model: ModelBytes, bf16: ModelBytes,
                  *(_gb(t.cache_bytes * seqs) for t in tps)),
                 ("snapshot per tensor rank, one sequence (GB)",
                  *(_gb(state + per_token * ctx) for state, per_token in snaps)),
+                (f"  files in --prompt-cache-disk-bytes {disk_gib} (per rank)",
+                 *(str(DEFAULT_DISK_BYTES // max(state + per_token * ctx, 1))
+                   for state, per_token in snaps)),
                 (f"tensor decode tok/s over JACCL ({seqs} rows)",
                  *(f"{t.aggregate_tokens_per_s(jaccl, seqs):.1f}" for t in tps)),
                 (f"tensor decode tok/s over TCP ({seqs} rows)",

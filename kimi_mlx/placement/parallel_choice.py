@@ -79,7 +79,7 @@ def choose_parallel(model: str, nodes: Sequence[Node], context: int, sequences: 
     if kv_bits is not None:
         try:
             mb = mb.with_kv_bits(kv_bits, kv_group_size)
-        except ValueError as e:  # a group the planner's count refuses (micro's 32 values)
+        except ValueError as e:  # a format the cache refuses too (a 16-value key)
             log.warning("--parallel auto counts the caches in the model dtype: %s", e)
             kv_bits = None
     try:

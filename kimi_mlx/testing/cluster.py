@@ -211,10 +211,11 @@ class LocalCluster:
         return [NodeInfo(p.node_id, p.host, p.port) for p in self.procs]
 
     def load_transport(self, max_len: int = 4096, batch: int = 1, peer_timeout: float = 10.0,
-                       dtype: str = "float32", kv=(None, 64)):
+                       dtype: str = "float32", kv=(None, None)):
         """A `GrpcTransport` with every stage process checked (none refused) and loaded on
         `plan_stages`' split, activations and wire in `dtype`, DSA caches in format `kv`
-        ((kv_bits, kv_group_size)). Returns (transport, stages);
+        ((kv_bits, kv_group_size); None: the model dtype, the cache's default group),
+        planned in that format as `cluster launch` plans them. Returns (transport, stages);
         the caller calls `transport.shutdown()`. Raises AssertionError naming the refused
         nodes."""
         from kimi_mlx.cluster.net.nodes import check_nodes
@@ -225,7 +226,7 @@ class LocalCluster:
         try:
             accepted, rejected = check_nodes(self.nodes(), t.stub_for, self.fp)
             assert not rejected, rejected
-            stages = plan_stages(self.ckpt, [n for n, _ in accepted], max_len, batch)[1]
+            stages = plan_stages(self.ckpt, [n for n, _ in accepted], max_len, batch, *kv)[1]
             t.load(self.fp, stages, dtype, dtype, kv=kv)
         except BaseException:
             t.shutdown()
