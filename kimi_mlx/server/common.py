@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 
 from pydantic import BaseModel, ValidationError
 
+from kimi_mlx.generation.background import lower_thread_priority
 from kimi_mlx.generation.request import InputError
 from kimi_mlx.sampling import Sampling
 from kimi_mlx.text.chat_format import api_effort
@@ -125,7 +126,9 @@ MAX_NESTING = 128
 # larger ones on `_PARSER`'s one thread, in pieces (`body_json`), so that a multi-MB body
 # costs the other clients' streams nothing measurable
 PARSE_INLINE_BYTES = 64 << 10
-_PARSER = ThreadPoolExecutor(1, thread_name_prefix="kimi-mlx-body")
+# at a lower CPU priority than decoding (`generation.background`): a body being refused
+# yields the cores to the streams already running
+_PARSER = ThreadPoolExecutor(1, thread_name_prefix="kimi-mlx-body", initializer=lower_thread_priority)
 
 
 async def parse_body_async(raw: bytes, model: type[BaseModel], limit: int,
