@@ -182,7 +182,10 @@ def load_body(raw: bytes, model: type[BaseModel], limit: int,
         raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {limit} "
                        "bytes (--max-body-bytes)", "request_too_large")
     try:
-        if schema_bytes is not None and len(raw) > schema_bytes and getattr(model, "schema_fields", ()):
+        # a body with at most MAX_NESTING containers is one cheap json.loads (a few
+        # objects, however long its strings): scanned only when it has more
+        if (schema_bytes is not None and len(raw) > schema_bytes and getattr(model, "schema_fields", ())
+                and raw.count(b"[") + raw.count(b"{") > MAX_NESTING):
             doc = body_json.Document(raw, MAX_NESTING)
             _schema_too_large(doc, model, schema_bytes)
             data = doc.value()
