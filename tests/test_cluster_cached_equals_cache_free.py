@@ -3,7 +3,12 @@ second turn bit for bit, across processes, as one process's does
 (tests/test_cached_equals_cache_free.py): the same tokens, and at every reply position
 the same top-20 log-probabilities as floats (the log-softmax of the logits, compared
 with ==, not within a tolerance). For a 2-stage pipeline (snapshots on the stages) and
-a 2-rank tensor group (snapshots on each rank). The reference is the same cluster with
+a 2-rank tensor group (snapshots on each rank), one request at a time and in batched
+rows (the default). Before, a cache-free group prefilled each prompt in one piece (one
+at a time: `tensor.engine` decoded it without `open_request`; batched:
+`tensor.batched.BatchHost.snapshot_points` gave no points without a cache), and the
+first reply token's log-probability was -1.8939314 against the restored -1.8939309
+(the tokens equal). The reference is the same cluster with
 --no-prompt-cache, which has nothing to restore; the cached turn must have restored a
 prefix (`cached_tokens` > 0), else nothing was compared. The prefill chunks of both
 runs end at the same positions (tests/test_pipeline_prefill_stops.py,
@@ -78,13 +83,15 @@ def test_two_stage_pipeline_cached_second_turn_equals_cache_free(two_stages):
                 s.stop()
 
 
-def test_two_rank_tensor_group_cached_second_turn_equals_cache_free(tensor_node):
+# one request at a time, and the batched rows (the server's default, --max-concurrency 4)
+@pytest.mark.parametrize("rows", ["1", "4"])
+def test_two_rank_tensor_group_cached_second_turn_equals_cache_free(tensor_node, rows):
     runs = []
     for extra in ((), ("--no-prompt-cache",)):  # one group at a time on the shared node
         srv = None
         try:
             srv = ServerProc(tensor_node, free_ports(1)[0], "--parallel", "tensor",
-                             "--max-concurrency", "1", *extra, timeout=HARD_TIMEOUT)
+                             "--max-concurrency", rows, *extra, timeout=HARD_TIMEOUT)
             runs.append(_second_turns(srv.url))
         finally:
             if srv is not None:
