@@ -17,6 +17,10 @@ released inside one C call. So a body is read here in two steps:
    result equals `json.loads(raw)` (the same parser reads every value; a repeated key
    keeps its last value, as `json.loads` does); invalid JSON raises `BodyError`.
 
+`Document` keeps step 1's scan so that a request's fields can be measured from the bytes
+first (`find` locates the values at a key path, `compact_size` sizes one): a schema over
+--max-schema-bytes is refused (`server.common.load_body`) before step 2 builds its objects.
+
 Run on a worker thread (`server.common.parse_body_async`) this costs a neighbour's
 stream a few milliseconds per piece at most. Source of the JSON grammar: RFC 8259
 (strings are the only place where brackets, commas or colons are not structure; a
