@@ -136,11 +136,16 @@ class BatchHost:
 
     def snapshot_points(self, ids: Sequence[int], start: int,
                         segment_ends: Sequence[int]) -> List[int]:
-        if self.prompt_cache is None:
-            return []
-        from kimi_mlx.server.prompt_cache import snapshot_points
+        """Where a prefill stops (and the prompt cache, if any, keeps a snapshot): the
+        same points with or without a prompt cache (`prompt_cache.DEFAULT_EVERY`
+        without), as the one-process `server.engine.Engine.snapshot_points`, so that a
+        reply from a snapshot runs the float operations of a cache-free one. Before,
+        a cache-free group prefilled each prompt in one piece, and its logits differed
+        from a restored reply's in the low bits."""
+        from kimi_mlx.server.prompt_cache import DEFAULT_EVERY, snapshot_points
 
-        return snapshot_points(len(ids), start, segment_ends, self.prompt_cache.every)
+        every = self.prompt_cache.every if self.prompt_cache is not None else DEFAULT_EVERY
+        return snapshot_points(len(ids), start, segment_ends, every)
 
     def embeddings(self, job, start: int):
         """The image rows [pads, hidden] of a job with image pads left to prefill after

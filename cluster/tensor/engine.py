@@ -411,8 +411,11 @@ class TensorEngine(BaseEngine):
 
     def _generate(self, job):
         """(token, logprobs [vocab]) of `job` through the group, and the prompt tokens
-        restored from the prompt cache."""
-        if not self.speculates(job) and (self.prompt_cache is not None or job.images):
+        restored from the prompt cache. Without a prompt cache the prompt still goes
+        through `open_request`, whose chunks end at the policy's points as a cached run's
+        do (a one-piece prefill rounds differently: a reply from a snapshot would not be
+        bit for bit the cache-free one)."""
+        if not self.speculates(job):
             return self._cached_generate(job)
         return self._plain_generate(job), 0
 

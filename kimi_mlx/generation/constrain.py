@@ -54,6 +54,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from kimi_mlx.generation.background import lower_thread_priority
 from kimi_mlx.generation.grammar_tools import first_line as _first_line
 from kimi_mlx.generation.grammar_tools import json_size as _json_size
 from kimi_mlx.generation.grammar_tools import matcher as _matcher
@@ -480,7 +481,9 @@ def think_budget_constraint(tok, prompt_ids: Sequence[int], think_budget: Option
 # ------------------------------------------------------------------ admission compile
 
 COMPILE_THREADS = 1  # schema compiles at once (one core left to decoding); a timed-out one holds it till done
-_POOL = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kimi-mlx-grammar")
+# compiles run at a lower CPU priority than decoding (`generation.background`)
+_POOL = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="kimi-mlx-grammar",
+                           initializer=lower_thread_priority)
 _MEMO_MAX = 256
 _REFUSED: "OrderedDict[str, _Refused]" = OrderedDict()  # rules digest -> time-out refusal
 _PASSED: "OrderedDict[str, bool]" = OrderedDict()  # rules digests whose schemas each compiled

@@ -21,7 +21,8 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kimi_mlx.server import anthropic_api, ollama_api, openai_api, responses_api
-from kimi_mlx.server.common import APIError, ClientGone, Service, parse_body_async
+from kimi_mlx.server.common import (APIError, ClientGone, Service, max_schema_bytes,
+                                    parse_body_async)
 from kimi_mlx.server.metrics import CONTENT_TYPE_LATEST
 from kimi_mlx.server.catalog import models_list
 from kimi_mlx.server.models import model_lease
@@ -252,7 +253,7 @@ def generation_endpoint(svc: Service, schema, respond: Callable[..., Awaitable],
         check_key(svc, request)
         check_json(request)
         raw = await read_body(request, svc.max_body_bytes)
-        req = await parse_body_async(raw, schema, svc.max_body_bytes)
+        req = await parse_body_async(raw, schema, svc.max_body_bytes, max_schema_bytes(svc))
         async with model_lease(svc, getattr(req, "model", None)):  # loads / swaps it in
             reason = svc.not_ready_reason()
             if reason:
@@ -310,7 +311,7 @@ def _add_api_routes(app: FastAPI, svc: Service) -> None:
         check_key(svc, request)
         check_json(request)
         req = await parse_body_async(await read_body(request, svc.max_body_bytes), CountTokensRequest,
-                         svc.max_body_bytes)
+                                     svc.max_body_bytes, max_schema_bytes(svc))
         if svc.tok is None:
             raise APIError(503, "not ready: the model is loading", "overloaded_error")
         return await anthropic_api.count_tokens(svc, req)

@@ -17,6 +17,10 @@ released inside one C call. So a body is read here in two steps:
    result equals `json.loads(raw)` (the same parser reads every value; a repeated key
    keeps its last value, as `json.loads` does); invalid JSON raises `BodyError`.
 
+`Document` keeps step 1's scan so that a request's fields can be measured from the bytes
+first (`find` locates the values at a key path, `compact_size` sizes one): a schema over
+--max-schema-bytes is refused (`server.common.load_body`) before step 2 builds its objects.
+
 Run on a worker thread (`server.common.parse_body_async`) this costs a neighbour's
 stream a few milliseconds per piece at most. Source of the JSON grammar: RFC 8259
 (strings are the only place where brackets, commas or colons are not structure; a
@@ -25,11 +29,11 @@ backslash escapes exactly the next character inside a string)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["BodyError", "CHUNK_BYTES", "loads", "structure"]
+__all__ = ["BodyError", "CHUNK_BYTES", "Document", "loads", "structure"]
 
 CHUNK_BYTES = 64 << 10  # a piece one json.loads reads: ~1-2 ms of GIL on this machine
 
@@ -38,6 +42,8 @@ _DELTA = np.zeros(256, np.int8)
 _DELTA[list(_OPEN)] = 1
 _DELTA[list(_CLOSE)] = -1
 _WS = b" \t\r\n"
+_IS_WS = np.zeros(256, bool)
+_IS_WS[list(_WS)] = True
 
 
 class BodyError(ValueError):
@@ -52,22 +58,17 @@ class BodyError(ValueError):
 BLOCK_BYTES = 256 << 10  # bytes `structure` reads per NumPy pass (~1 ms), GIL free between
 
 
-def structure(raw: bytes, max_depth: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(depth, commas, colons) of a JSON text: depth int32 [len(raw)], the bracket depth
-    after each byte (brackets inside strings not counted); commas and colons int64, the
-    sorted positions of the `,` and `:` bytes that are outside strings. Raises BodyError
-    for unbalanced quotes or brackets, or (nested=True) when the depth passes
-    `max_depth`. Read in blocks of BLOCK_BYTES (cut where no backslash run is split),
-    a few NumPy passes each, with no Python object per value."""
-    n = len(raw)
-    depth = np.empty(n, np.int32)
-    commas, colons = [], []
-    inside, level, a = False, 0, 0  # carried from block to block
-    while a < n:
-        b = min(a + BLOCK_BYTES, n)
-        while b < n and raw[b - 1] == 92:  # keep a backslash run and what it escapes together
-            b += 1
-        c = np.frombuffer(raw, np.uint8, b - a, a)
+def _blocks(raw: bytes, a: int, b: int):
+    """(start, c, ins, quote) for each block of raw[a:b] (`a` outside any string), read
+    in blocks of BLOCK_BYTES cut where no backslash run is split: c the bytes (uint8),
+    quote the `"` bytes that open or close a string (escaped ones not), ins True from a
+    string's opening quote up to, not including, its closing quote."""
+    inside = False  # carried from block to block
+    while a < b:
+        e = min(a + BLOCK_BYTES, b)
+        while e < b and raw[e - 1] == 92:  # keep a backslash run and what it escapes together
+            e += 1
+        c = np.frombuffer(raw, np.uint8, e - a, a)
         quote = c == 34
         bs = np.flatnonzero(c == 92)
         if bs.size:  # a quote after an odd run of backslashes is escaped, not a string's end
@@ -84,6 +85,24 @@ def structure(raw: bytes, max_depth: int) -> Tuple[np.ndarray, np.ndarray, np.nd
         ins = (np.cumsum(quote, dtype=np.int32) & 1).astype(bool)
         if inside:
             ins = ~ins
+        inside = bool(ins[-1])
+        yield a, c, ins, quote
+        a = e
+
+
+def structure(raw: bytes, max_depth: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(depth, commas, colons) of a JSON text: depth int32 [len(raw)], the bracket depth
+    after each byte (brackets inside strings not counted); commas and colons int64, the
+    sorted positions of the `,` and `:` bytes that are outside strings. Raises BodyError
+    for unbalanced quotes or brackets, or (nested=True) when the depth passes
+    `max_depth`. Read in blocks of BLOCK_BYTES (cut where no backslash run is split),
+    a few NumPy passes each, with no Python object per value."""
+    n = len(raw)
+    depth = np.empty(n, np.int32)
+    commas, colons = [], []
+    inside, level = False, 0  # carried from block to block
+    for a, c, ins, quote in _blocks(raw, 0, n):
+        b = a + c.size
         outside = ~(ins | quote)
         np.cumsum(np.where(outside, _DELTA[c], 0), dtype=np.int32, out=depth[a:b])
         depth[a:b] += level
@@ -95,7 +114,6 @@ def structure(raw: bytes, max_depth: int) -> Tuple[np.ndarray, np.ndarray, np.nd
         if int(depth[a:b].min()) < 0:
             raise BodyError(f"a bracket closes at byte {a + int(np.argmax(depth[a:b] < 0))} "
                             "that was not opened")
-        a = b
     if inside:
         raise BodyError("a string is not closed")
     if level:
@@ -110,10 +128,59 @@ def loads(raw: bytes, max_depth: int) -> Any:
     or nested=True past `max_depth`); UnicodeDecodeError as `json.loads` does."""
     if raw.count(b"[") + raw.count(b"{") <= max_depth:  # cannot be nested deeper
         return _one(raw, 0)
-    depth, commas, colons = structure(raw, max_depth)
-    if len(raw) <= CHUNK_BYTES:
-        return _one(raw, 0)
-    return _Pieces(raw, depth, commas, colons).value(*_strip(raw, 0, len(raw)))
+    return Document(raw, max_depth).value()
+
+
+class Document:
+    """A JSON text scanned once by `structure` (BodyError as it raises): its value
+    (`value`, as `loads`), and the byte spans of the values at a key path (`find`) with
+    their sizes (`compact_size`), read from the scan without parsing them, so that a
+    request's oversized field is refused before any Python object is built for it."""
+
+    def __init__(self, raw: bytes, max_depth: int):
+        self.raw = raw
+        self._p = _Pieces(raw, *structure(raw, max_depth))
+
+    def value(self) -> Any:
+        """`json.loads(raw)`, in pieces when over CHUNK_BYTES. Raises BodyError."""
+        raw = self.raw
+        if len(raw) <= CHUNK_BYTES:
+            return _one(raw, 0)
+        return self._p.value(*_strip(raw, 0, len(raw)))
+
+    def find(self, path: Sequence[str]) -> List[Tuple[Tuple[int, ...], int, int]]:
+        """(indices, start, end) of each value at `path` from the top-level value: a
+        step is an object key (the member's last occurrence, as `json.loads` keeps it)
+        or "*" (each element of an array; `indices` holds their positions, in order).
+        raw[start:end] is the value's text, whitespace stripped. A step that meets a
+        value of another kind, or a missing key, yields nothing for that branch."""
+        raw = self.raw
+        spans = [((),) + _strip(raw, 0, len(raw))]
+        for step in path:
+            out = []
+            for idx, a, b in spans:
+                if b - a < 2:
+                    continue
+                if step == "*":
+                    if raw[a] == ord("["):
+                        out.extend((idx + (k,), s, e) for k, (s, e) in enumerate(self._p.items(a, b)))
+                elif raw[a] == ord("{"):
+                    hit = self._p.member(a, b, step)
+                    if hit is not None:
+                        out.append((idx,) + hit)
+            spans = out
+        return spans
+
+    def compact_size(self, a: int, b: int, cap: Optional[int] = None) -> int:
+        """Bytes of raw[a:b] (a value's text) not counting whitespace outside strings:
+        its size as compact JSON as sent (escapes as written). With `cap`, counted only
+        until past it (a block at a time)."""
+        n = 0
+        for _, c, ins, _q in _blocks(self.raw, a, b):
+            n += c.size - int(np.count_nonzero(_IS_WS[c] & ~ins))
+            if cap is not None and n > cap:
+                break
+        return n
 
 
 def _one(text: bytes, at: int) -> Any:
@@ -141,6 +208,35 @@ class _Pieces:
     def _at_level(self, pos, pos_depth, a: int, b: int, level: int) -> np.ndarray:
         lo, hi = np.searchsorted(pos, a), np.searchsorted(pos, b)
         return pos[lo:hi][pos_depth[lo:hi] == level]
+
+    def items(self, a: int, b: int) -> List[Tuple[int, int]]:
+        """(start, end) of each element (an array's values, an object's `key: value`
+        members), whitespace stripped, of the container raw[a:b]; empty ones left out."""
+        level = int(self.depth[a])
+        seps = self._at_level(self.commas, self.comma_depth, a + 1, b - 1, level)
+        bounds = zip([a + 1] + [int(p) + 1 for p in seps], [int(p) for p in seps] + [b - 1])
+        return [(s, e) for s, e in (_strip(self.raw, s, e) for s, e in bounds) if e > s]
+
+    def member(self, a: int, b: int, key: str):
+        """(start, end) of the value of `key`'s last occurrence in the object raw[a:b],
+        whitespace stripped, or None."""
+        raw, level, want, hit = self.raw, int(self.depth[a]), key.encode(), None
+        colons = self._at_level(self.colons, self.colon_depth, a + 1, b - 1, level)
+        for s, e in self.items(a, b):
+            k = np.searchsorted(colons, s)
+            if k == colons.size or colons[k] >= e:
+                continue
+            c = int(colons[k])
+            ks, ke = _strip(raw, s, c)
+            name = raw[ks + 1:ke - 1] if ke - ks >= 2 and raw[ks] == raw[ke - 1] == 34 else None
+            if name is not None and 92 in name:  # escapes: read the key as JSON does
+                try:
+                    name = json.loads(raw[ks:ke]).encode()
+                except (ValueError, UnicodeError):
+                    name = None
+            if name == want:
+                hit = _strip(raw, c + 1, e)
+        return hit
 
     def value(self, a: int, b: int) -> Any:
         raw = self.raw

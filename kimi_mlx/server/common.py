@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Callable, Dict, List, Optional, Sequence,
 
 from pydantic import BaseModel, ValidationError
 
+from kimi_mlx.generation.background import lower_thread_priority
 from kimi_mlx.generation.request import InputError
 from kimi_mlx.sampling import Sampling
 from kimi_mlx.text.chat_format import api_effort
@@ -125,40 +126,71 @@ MAX_NESTING = 128
 # larger ones on `_PARSER`'s one thread, in pieces (`body_json`), so that a multi-MB body
 # costs the other clients' streams nothing measurable
 PARSE_INLINE_BYTES = 64 << 10
-_PARSER = ThreadPoolExecutor(1, thread_name_prefix="kimi-mlx-body")
+# at a lower CPU priority than decoding (`generation.background`): a body being refused
+# yields the cores to the streams already running
+_PARSER = ThreadPoolExecutor(1, thread_name_prefix="kimi-mlx-body", initializer=lower_thread_priority)
 
 
-async def parse_body_async(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
+async def parse_body_async(raw: bytes, model: type[BaseModel], limit: int,
+                           schema_bytes: Optional[int] = None) -> BaseModel:
     """`parse_body` off the event loop for a body over PARSE_INLINE_BYTES (one large body
     at a time: the GIL admits one parser anyway, and a queue of threads would only add
     switching), inline for a smaller one. Same result and errors as `parse_body`."""
     if len(raw) <= PARSE_INLINE_BYTES:
-        return parse_body(raw, model, limit)
-    return await asyncio.get_running_loop().run_in_executor(_PARSER, parse_body, raw, model, limit)
+        return parse_body(raw, model, limit, schema_bytes)
+    return await asyncio.get_running_loop().run_in_executor(_PARSER, parse_body, raw, model,
+                                                            limit, schema_bytes)
 
 
-async def loads_async(raw: bytes) -> Any:
-    """The JSON of a body that `parse_body_async` already checked (nesting, validity),
-    parsed as it does: off the event loop, in pieces, when over PARSE_INLINE_BYTES."""
-    if len(raw) <= PARSE_INLINE_BYTES:
-        return json.loads(raw)
-    return await asyncio.get_running_loop().run_in_executor(_PARSER, body_json.loads, raw,
-                                                            MAX_NESTING)
+def max_schema_bytes(svc: "Service") -> int:
+    """The server's --max-schema-bytes (`Service.schema_limits`, else its default)."""
+    limits = getattr(svc, "schema_limits", None)
+    if limits is None:
+        from kimi_mlx.generation.constrain import SchemaLimits
+
+        limits = SchemaLimits()
+    return limits.max_bytes
 
 
-def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
-    """JSON body -> pydantic model; APIError 413 past `limit` bytes, 400 for malformed
-    JSON, JSON nested deeper than MAX_NESTING (found from the bytes before parsing,
-    `body_json.structure`), fields that fail validation (naming the field), or a
-    top-level field a model that forbids extras does not declare (OpenAI's "Unknown
-    parameter: 'x'.", param x, code unknown_parameter; the model's
-    `unknown_field_message` when it has one, as Anthropic's requests do). A large body
-    is parsed in pieces (`body_json.loads`); call `parse_body_async` from the event loop."""
+def _schema_too_large(doc: body_json.Document, model: type[BaseModel], schema_bytes: int) -> None:
+    """APIError 400 (the wording of `generation.constrain`'s check after parsing) naming
+    the first schema of `model.schema_fields` whose text in the body is over
+    `schema_bytes` bytes (whitespace outside strings not counted)."""
+    for label, path in getattr(model, "schema_fields", ()):
+        for idx, a, b in doc.find(path):
+            if b - a > schema_bytes and doc.compact_size(a, b, schema_bytes) > schema_bytes:
+                param = label.format(*idx)
+                raise APIError(400, f"{param}: the schema is over this server's limit of "
+                               f"{schema_bytes} bytes (--max-schema-bytes)", param=param)
+
+
+def load_body(raw: bytes, model: type[BaseModel], limit: int,
+              schema_bytes: Optional[int] = None) -> Dict[str, Any]:
+    """JSON body -> its dict, before validation (`validate`; `parse_body` does both):
+    APIError 413 past `limit` bytes, 400 for malformed JSON, JSON nested deeper than
+    MAX_NESTING (found from the bytes before parsing, `body_json.structure`) or a body
+    that is not an object. A large body is parsed in pieces (`body_json.loads`); from
+    the event loop call `parse_body_async` / `parse_with_data_async`.
+
+    `schema_bytes` (--max-schema-bytes; None: not checked here): a schema the model's
+    `schema_fields` locate ((param format, key path) pairs for `body_json.Document.find`,
+    e.g. ("tools[{}]", ("tools", "*", "function", "parameters"))) whose text in the body
+    is longer than this, whitespace outside strings not counted, is a 400 naming it,
+    found from the bytes' scan before anything is parsed (a 5 MB schema would otherwise
+    build ~450k Python objects only to be refused)."""
     if len(raw) > limit:
         raise APIError(413, f"request body is {len(raw)} bytes, over the limit of {limit} "
                        "bytes (--max-body-bytes)", "request_too_large")
     try:
-        data = body_json.loads(raw, MAX_NESTING)
+        # a body with at most MAX_NESTING containers is one cheap json.loads (a few
+        # objects, however long its strings): scanned only when it has more
+        if (schema_bytes is not None and len(raw) > schema_bytes and getattr(model, "schema_fields", ())
+                and raw.count(b"[") + raw.count(b"{") > MAX_NESTING):
+            doc = body_json.Document(raw, MAX_NESTING)
+            _schema_too_large(doc, model, schema_bytes)
+            data = doc.value()
+        else:
+            data = body_json.loads(raw, MAX_NESTING)
     except body_json.BodyError as e:
         if e.nested:
             raise APIError(400, f"request body is nested more than {MAX_NESTING} levels deep") from None
@@ -167,6 +199,40 @@ def parse_body(raw: bytes, model: type[BaseModel], limit: int) -> BaseModel:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_body(raw: bytes, model: type[BaseModel], limit: int,
+               schema_bytes: Optional[int] = None) -> BaseModel:
+    """JSON body -> pydantic model (`load_body`, then `validate`): APIError 413 / 400 as
+    they raise: for malformed or too deeply nested JSON, a schema over `schema_bytes`,
+    fields that fail validation (naming the field), or a top-level field a model that
+    forbids extras does not declare (OpenAI's "Unknown parameter: 'x'.", param x, code
+    unknown_parameter; the model's `unknown_field_message` when it has one, as
+    Anthropic's requests do)."""
+    return validate(load_body(raw, model, limit, schema_bytes), model)
+
+
+def _parse_with_data(raw: bytes, model: type[BaseModel], limit: int,
+                     schema_bytes: Optional[int]) -> Tuple[BaseModel, dict]:
+    data = load_body(raw, model, limit, schema_bytes)
+    return validate(data, model), data
+
+
+async def parse_with_data_async(raw: bytes, model: type[BaseModel], limit: int,
+                                schema_bytes: Optional[int] = None) -> Tuple[BaseModel, dict]:
+    """(`parse_body`'s model, the body's dict) from one parse, off the event loop as
+    `parse_body_async` does; its errors."""
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return _parse_with_data(raw, model, limit, schema_bytes)
+    return await asyncio.get_running_loop().run_in_executor(
+        _PARSER, _parse_with_data, raw, model, limit, schema_bytes)
+
+
+def validate(data: Dict[str, Any], model: type[BaseModel]) -> BaseModel:
+    """A parsed body (a dict) -> pydantic model; APIError 400 for fields that fail
+    validation (naming the field, with its range for a bound) or a top-level field a
+    model that forbids extras does not declare (see `parse_body`)."""
     try:
         return model.model_validate(data)
     except ValidationError as e:

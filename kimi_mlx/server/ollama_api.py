@@ -44,15 +44,15 @@ import json
 import logging
 import time
 from datetime import datetime, timezone
-from typing import Any, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from kimi_mlx.server.common import (LEASE, APIError, ClientGone, Service, guarded_stream,
-                                    loads_async, parse_body, parse_body_async, reply_events,
-                                    stop_list, submit)
+                                    max_schema_bytes, parse_body_async, parse_with_data_async,
+                                    reply_events, stop_list, submit, validate)
 from kimi_mlx.server.images import prepare
 from kimi_mlx.server.jobs import Job
 from kimi_mlx.server.models import model_lease
@@ -92,6 +92,9 @@ class _Body(BaseModel):
 class OllamaChatRequest(_Body):
     """POST /api/chat (Ollama's ChatRequest)."""
 
+    schema_fields: ClassVar[tuple] = (("format", ("format",)),
+                                      ("tools[{}]", ("tools", "*", "function", "parameters")))
+
     model: str
     messages: List[Dict[str, Any]] = []
     tools: Optional[List[Dict[str, Any]]] = None
@@ -104,6 +107,8 @@ class OllamaChatRequest(_Body):
 
 class OllamaGenerateRequest(_Body):
     """POST /api/generate (Ollama's GenerateRequest)."""
+
+    schema_fields: ClassVar[tuple] = (("format", ("format",)),)
 
     model: str
     prompt: Optional[str] = None
@@ -316,7 +321,8 @@ def chat_messages(messages: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
 def chat_request(svc: Service, body: Dict[str, Any], messages: List[Dict[str, Any]],
                  model: str) -> ChatRequest:
     """The OpenAI ChatRequest an Ollama request stands for (checked by its schema; a 400
-    names the Ollama field)."""
+    names the Ollama field). Validated from the dict as it is (no JSON written and read
+    again: the body may carry megabytes of base64 images)."""
     d: Dict[str, Any] = {"model": model, "messages": messages,
                          **sampling_fields(svc, body.get("options"))}
     if body.get("tools"):
@@ -328,7 +334,7 @@ def chat_request(svc: Service, body: Dict[str, Any], messages: List[Dict[str, An
     if e is not None:
         d["reasoning_effort"] = e
     try:
-        return parse_body(json.dumps(d).encode(), ChatRequest, 1 << 62)
+        return validate(d, ChatRequest)
     except APIError as err:
         head, sep, rest = err.message.partition(":")
         first = head.split(".")[0]
@@ -409,7 +415,7 @@ def _raw_job(svc: Service, body: Dict[str, Any], model: str) -> Job:
     fields = sampling_fields(svc, body.get("options"))
     d = {"model": model, "prompt": body["prompt"], **fields}
     try:
-        req = parse_body(json.dumps(d).encode(), CompletionRequest, 1 << 62)
+        req = validate(d, CompletionRequest)
     except APIError as err:
         first = err.message.split(":")[0].split(".")[0]
         if first in _FIELD_NAMES:
@@ -516,8 +522,9 @@ def generation_route(svc: Service, kind: str, schema, check_key, read_body):
         t0 = time.perf_counter()
         check_key(svc, request)
         raw = await read_body(request, svc.max_body_bytes)
-        req = await parse_body_async(raw, schema, svc.max_body_bytes)
-        body = await loads_async(raw)
+        # one parse gives both (off the event loop for a large body)
+        req, body = await parse_with_data_async(raw, schema, svc.max_body_bytes,
+                                                max_schema_bytes(svc))
         model = served_name(svc, req.model)  # 404 before anything else
         keep = keep_alive(body)
         if kind == "generate":

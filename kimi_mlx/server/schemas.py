@@ -149,6 +149,10 @@ class _Sampling(_Strict):
 
 
 class ChatRequest(_Sampling):
+    # the schemas a body's bytes are measured for before parsing (`common.parse_body`)
+    schema_fields: ClassVar[tuple] = (
+        ("response_format", ("response_format", "json_schema", "schema")),
+        ("tools[{}]", ("tools", "*", "function", "parameters")))
     messages: List[ChatMessage] = Field(..., min_length=1)
     max_tokens: Optional[Int(ge=1)] = None
     max_completion_tokens: Optional[Int(ge=1)] = None
@@ -251,6 +255,8 @@ class MessagesRequest(_AnthropicStrict):
     `anthropic_version` as for Bedrock/Vertex, `fallbacks`, `diagnostics`) are declared;
     any other top-level field is a 400 naming it. Nested objects keep unknown keys."""
 
+    schema_fields: ClassVar[tuple] = (("tools[{}]", ("tools", "*", "input_schema")),)
+
     model: str
     messages: List[AnthropicMessage] = Field(..., min_length=1)
     max_tokens: Int(ge=1)
@@ -309,6 +315,11 @@ class ResponsesRequest(_Strict):
     """OpenAI Responses API (POST /v1/responses). `input` is a string (one user
     message) or a list of items (messages, function_call, function_call_output,
     reasoning); the item shapes are checked in `responses_api`, naming the item."""
+
+    schema_fields: ClassVar[tuple] = (
+        ("text.format", ("text", "format", "schema")),
+        ("tools[{}]", ("tools", "*", "parameters")),
+        ("tools[{}].tools[{}]", ("tools", "*", "tools", "*", "parameters")))  # a namespace's
 
     model: str
     input: Union[str, List[Dict[str, Any]]]

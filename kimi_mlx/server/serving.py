@@ -83,7 +83,8 @@ def add_server_arguments(p: argparse.ArgumentParser, log_level: bool = True) -> 
                         "the context")
     p.add_argument("--max-schema-bytes", type=int, default=256 << 10,
                    help="largest JSON schema (response_format, each tool's parameters) a "
-                        "request may have enforced, in bytes (default 256 KiB); larger is a 400")
+                        "request may have enforced, in bytes as compact JSON (default 256 KiB); "
+                        "larger is a 400, found from the body's bytes before it is parsed")
     p.add_argument("--schema-timeout", type=float, default=5.0,
                    help="seconds a request's schemas may take to compile into its grammar "
                         "(default 5); past it the request is refused with a 400")
