@@ -241,6 +241,7 @@ def install(gen, drafts: BatchDrafts) -> None:
         from kimi_mlx.speculative.hidden_rows import Capture
 
         gen.model = Capture(gen.model, drafts.proposer)
+        gen._prompt_batch.model = gen.model  # made with the model it was built with
     batch = SpeculativeBatch.empty(gen.model, gen.sampler)
     batch.drafts = drafts
     gen._generation_batch = batch
