@@ -206,8 +206,8 @@ def test_hidden_state_drafters_batch_in_one_process_not_through_a_pipeline(flags
     from kimi_mlx.server.serving import DEFAULT_CONCURRENCY, check_draft_server_arguments
 
     def args(conc):
-        base = dict(draft=None, draft_model=None, num_draft_tokens=3, ngram_max=4,
-                    ngram_min=1, max_concurrency=conc)
+        base = dict(draft=None, draft_model=None, num_draft_tokens=3, ngram_max=None,
+                    ngram_min=None, max_concurrency=conc)
         return argparse.Namespace(**{**base, **flags})
 
     one = args(None)

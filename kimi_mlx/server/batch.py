@@ -271,6 +271,7 @@ def run_batched(engine: BatchHost) -> None:
             gone = [uid for uid, s in live.items() if s.job.cancelled.is_set()]
             if gone:
                 gen.remove(gone)
+                _drop_drafts(drafts, gone)  # those still prefilling never reached the batch
                 for uid in gone:
                     _finish(engine, live.pop(uid), "cancelled", feed)
                 engine.active = len(live)
@@ -287,6 +288,7 @@ def run_batched(engine: BatchHost) -> None:
             except Exception as e:  # noqa: BLE001 - a failed step fails the jobs in it
                 log.exception("batched generation step failed")
                 gen.remove(list(live))
+                _drop_drafts(drafts, list(live))
                 for s in live.values():
                     s.job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
                 live.clear()
@@ -435,6 +437,14 @@ def _spec_counts(drafts) -> tuple:
         return (0, 0, 0)
     st = drafts.stats
     return (st.steps, st.drafted, st.accepted)
+
+
+def _drop_drafts(drafts, uids) -> None:
+    """Forget the drafting state of rows removed from the generator (a row removed
+    while its prompt is prefilled never left the decode batch, which forgets the rest)."""
+    if drafts is not None:
+        for uid in uids:
+            drafts.drop(uid)
 
 
 def _drop_failed_rows(gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = None) -> None:

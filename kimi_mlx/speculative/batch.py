@@ -272,12 +272,14 @@ class SpeculativeBatch(GenerationBatch):
             self.drafts.proposer.joined(list(batch.uids), batch._next_tokens)
 
     def filter(self, keep: List[int]):
+        left = [u for i, u in enumerate(self.uids) if i not in set(keep)]
         super().filter(keep)
         if self.drafts is not None and self.drafts.gate is not None and not keep:
             self.drafts.gate.idle()  # no step is running: the wait for new rows is no step's
         if self.drafts is not None:
-            live = set(self.uids)
-            for uid in [u for u in self.drafts.rows if u not in live]:
+            # only the rows that left this batch: a row added while its prompt is still
+            # being prefilled (not in the batch yet) keeps its drafting state
+            for uid in left:
                 self.drafts.drop(uid)
 
     def next(self) -> List[GenerationBatch.Response]:
