@@ -229,9 +229,9 @@ class BaseEngine:
 
     @property
     def batched_drafts(self) -> bool:
-        """Whether drafts are verified inside the continuous batch (n-gram drafts and
-        draft models with max_concurrency > 1, `speculative.batch`) rather than one
-        request at a time."""
+        """Whether drafts are verified inside the continuous batch (max_concurrency > 1:
+        n-gram drafts and draft models; the MTP and block drafters where the deployment
+        `captures_hiddens`; `speculative.batch`) rather than one request at a time."""
         return (self.speculation is not None and self.max_concurrency > 1
                 and _batches(self.speculation, self.captures_hiddens))
 

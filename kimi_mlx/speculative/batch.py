@@ -1,12 +1,13 @@
-"""Speculative decoding inside continuous batching: n-gram drafts for every row of
-mlx-lm's `BatchGenerator`, verified together in one batched pass.
+"""Speculative decoding inside continuous batching: drafts for every row of mlx-lm's
+`BatchGenerator` (from a proposer: n-gram lookup, a draft model, the MTP, a block
+drafter; `proposers`, `hidden_rows`), verified together in one batched pass.
 
 Every MLX server turns batching off to speculate (mlx-lm, LM Studio, exo, ours before
 this); here a batch of B sequences keeps decoding together and each decode step may
 verify drafts for all of them at once:
 
-  * each row proposes up to k tokens from its own context (`NgramIndex`, its prompt and
-    what it generated; `--draft ngram`'s index and proposal rule);
+  * each row proposes up to k tokens (`proposers.Proposer`: e.g. `NgramIndex` over its
+    prompt and what it generated, `--draft ngram`'s index and proposal rule);
   * when no row has a draft, the step is mlx-lm's own decode step (`GenerationBatch.next`);
   * else the target scores [y_b, d_b1..d_bK] for every row in one [B, K+1] forward pass
     (K the longest proposal; a shorter row's tail is filler its acceptance never reads),
@@ -260,8 +261,10 @@ def _verifier(cache: List[Any]):
 
 
 class SpeculativeBatch(GenerationBatch):
-    """mlx-lm's `GenerationBatch` whose `next` verifies every row's n-gram drafts in one
-    batched pass (module doc); `drafts` is set by `install`."""
+    """mlx-lm's `GenerationBatch` whose `next` verifies every row's drafts in one batched
+    pass (module doc); `drafts` is set by `install`. With a proposer of hidden states
+    (`BatchDrafts.captures`) every step is a verify step (k = 0 where nothing is
+    drafted), so every position's hiddens reach it."""
 
     drafts: Optional[BatchDrafts] = None
 

@@ -18,9 +18,11 @@ state follows the target's:
   * `add(uid, context)` / `drop(uid)`: a row joins with its prompt ids (all of them: the
     generator has fed the last one when the row reaches decoding) / leaves.
 
-Two proposers: `NgramRows` (`--draft ngram`: each row's own `NgramIndex`) and
+Proposers: `NgramRows` (`--draft ngram`: each row's own `NgramIndex`),
 `DraftModelRows` (a draft model: its caches batched row for row with the target's,
-rows restored each to its own accepted length). The acceptance rule stays the loop's
+rows restored each to its own accepted length), and in `hidden_rows` the drafters of
+the target's hidden states (`BlockDrafterRows`, `MtpRows`: `captures`, every batched
+pass of the target keeps its hiddens for them). The acceptance rule stays the loop's
 (`loop.accept_drafts`, greedy: the longest prefix equal to the target's argmax).
 """
 
