@@ -8,7 +8,9 @@ model one sequence at a time, the plain server one request at a time without dra
 
 - micro + micro-dspark in a `BatchGenerator`, rows joining mid-way: every greedy row
   equals its single run; drafts were accepted, partly (rows rolled back by different
-  counts); a row's acceptance is that of the one-sequence block loop on the same prompt.
+  counts); a row's acceptance is that of the one-sequence block loop on the same prompt;
+  greedy rows drafted in one drafter pass accept step for step what they accept drafted
+  one by one.
 - the server, `--draft-model micro-dspark --max-concurrency 4`: four concurrent greedy
   replies equal the plain server's one request at a time.
 - the MTP (a tiny checkpoint with one MTP layer, its logits replaced by an oracle that is
@@ -79,6 +81,26 @@ def test_batched_block_drafter_greedy_rows_equal_single_runs(micro):
     for p in prompts:
         list(block_generate_step(p, model, draft, num_draft_tokens=4, max_tokens=N, stats=one))
     assert abs(st.accepted - one.accepted) <= 0.2 * one.accepted, (st.accepted, one.accepted)
+
+
+
+def test_greedy_rows_drafted_together_draft_as_one_by_one(micro, monkeypatch):
+    """The block drafter's greedy rows drafted in one pass (contexts left-padded and
+    masked, per-row positions) give each row the drafts it gets drafted alone: the same
+    accepted counts, step for step."""
+    from kimi_mlx.speculative import hidden_rows
+
+    model, draft, prompts, singles = micro
+
+    def run():
+        drafts = BatchDrafts(draft, 4, gate=None, vocab=model.args.vocab_size)
+        got, drafts = run_batch(model, drafts, prompts, at_once=4, join_after=2, max_tokens=N)
+        assert got == singles
+        return drafts.stats.per_step
+
+    together = run()
+    monkeypatch.setattr(hidden_rows.BlockDrafterRows, "propose", hidden_rows._HiddenRows.propose)
+    assert run() == together
 
 
 def test_server_batches_a_block_drafter_and_equals_the_plain_server():

@@ -189,6 +189,48 @@ class BlockDrafterRows(_HiddenRows):
     def _row(self, hidden, context):
         return _BlockRow(self.drafter, hidden)
 
+    def propose(self, uids, ys, want, samplings):
+        """As `_HiddenRows.propose`; greedy rows drafted together in one drafter pass
+        (each row's context left-padded to the longest and masked, its block at its own
+        positions: `BlockDrafter.block_hidden`'s per-row offsets and context mask), where
+        every drafter layer is full attention (the mask's condition); the others (sampled
+        rows) one by one."""
+        dr = self.drafter
+        idx = [i for i, u in enumerate(uids)
+               if u in self.rows and want[i] > 0 and samplings[i].greedy]
+        if len(idx) < 2 or any(t != "full_attention" for t in dr.config.layer_types):
+            return super().propose(uids, ys, want, samplings)
+        props, qs = super().propose(uids, ys, [0 if i in idx else w
+                                               for i, w in enumerate(want)], samplings)
+        k = min(max(want[i] for i in idx), dr.config.proposals)
+        caches = [self.rows[uids[i]].cache for i in idx]
+        lens = [c[0].offset for c in caches]
+        S = max(lens)
+        kv = []
+        for j, layer in enumerate(dr.layers):
+            a = layer.self_attn
+            parts = []
+            for c, n in zip(caches, lens):
+                ck = c[j]
+                pad = mx.zeros((1, a.Hk, S - n, a.D), ck.keys.dtype if n else mx.float32)
+                parts.append((mx.concatenate([pad, ck.keys[..., :n, :]], axis=2) if n else pad,
+                              mx.concatenate([pad, ck.values[..., :n, :]], axis=2) if n else pad))
+            kv.append((mx.concatenate([p[0] for p in parts]),
+                       mx.concatenate([p[1] for p in parts])))
+        mask = mx.arange(S)[None] >= (S - mx.array(lens))[:, None]  # [B, S]: own context
+        anchor = mx.array([ys[i] for i in idx], mx.uint32)
+        h = dr.block_hidden(dr.block_inputs(anchor, k), kv, mx.array(lens, mx.int32), mask)
+        base = dr.logits(h if dr.config.sample_from_anchor else h[:, 1:])
+        prev, out = anchor, []
+        for j in range(k):
+            prev = mx.argmax(dr.step_logits(base[:, j], prev), axis=-1).astype(mx.uint32)
+            out.append(prev)
+        drafted = mx.stack(out, axis=1).tolist()
+        for b, i in enumerate(idx):
+            props[i] = drafted[b][: want[i]]
+        self._props = props
+        return props, qs
+
 
 class _MtpRow:
     """One row of the MTP: its layer cache, the pairs (target hidden h_j, next token
