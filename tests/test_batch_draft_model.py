@@ -23,25 +23,22 @@ tokens, and the plain server one request at a time without drafts.
 """
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import generate_step
 
 from kimi_mlx.checkpoint.loader import load_for_generation
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.sampling import Sampling
-from kimi_mlx.speculative.batch import BatchDrafts, install
+from kimi_mlx.speculative.batch import BatchDrafts
+
+from fixtures.batched import greedy, replies, run_batch, start_servers, stop_servers
 
 MICRO = str(default_model())
 DRAFT = str(default_model().parent / "micro-draft")
 LOOP = [7, 8, 9, 10, 11, 12]
 N = 24
-
-
-def greedy(lp):
-    return mx.argmax(lp, axis=-1)
 
 
 @pytest.fixture(scope="module")
@@ -59,36 +56,9 @@ def micro():
 
 def _run(model, draft, prompts, k, at_once, join_after, samplings=None, processors=None,
          max_tokens=N, batch=(2, 8)):
-    gen = BatchGenerator(model, max_tokens=max_tokens, prefill_batch_size=batch[0],
-                         completion_batch_size=batch[1], prefill_step_size=32)
     drafts = BatchDrafts(draft, k, gate=None, vocab=model.args.vocab_size)
-    install(gen, drafts)
-    samplings = samplings or [Sampling()] * len(prompts)
-    processors = processors or [None] * len(prompts)
-    order = []
-
-    def insert(i):
-        s = samplings[i]
-        (uid,) = gen.insert([prompts[i]], samplers=[None if s.greedy else s.sampler()],
-                            logits_processors=[processors[i] or []])
-        drafts.add(uid, prompts[i], s)
-        order.append(uid)
-
-    for i in range(at_once):
-        insert(i)
-    out, steps, nxt = {}, 0, at_once
-    while True:
-        rs = gen.next_generated()
-        steps += 1
-        for r in rs:
-            out.setdefault(r.uid, []).append(int(r.token))
-        if nxt < len(prompts) and steps % join_after == 0:
-            insert(nxt)
-            nxt += 1
-        elif not rs and nxt >= len(prompts):
-            break
-    gen.close()
-    return [out[u] for u in order], drafts
+    return run_batch(model, drafts, prompts, at_once, join_after, samplings, processors,
+                     max_tokens, batch)
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -154,42 +124,15 @@ def test_sampled_rows_draw_from_the_draft_and_return_its_q(micro):
         assert mx.allclose(got[b], ref.astype(mx.float32), atol=1e-3).item(), b
 
 
-ASKS = ["Write a queue class.", "def add(a, b):\n    return a + b\n\ndef add(a, b):",
-        "Repeat: the cat sat on the mat, the cat sat on the mat, the cat",
-        "class Stack:\n    def push(self, x):\n        self.items.append(x)\n"]
-
-
 def test_server_batches_a_draft_model_and_equals_single_runs():
     """`kimi-mlx server --draft-model micro-draft --max-concurrency 4`: four concurrent
     greedy replies equal the plain server's one request at a time (no draft, no batch),
     drafts were verified and accepted, /metrics counts them; the same prompts again
     (prompt-cache hits of the target's rows) give the same replies."""
-    import openai
-
-    from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
     from kimi_mlx.speculative.settings import DraftSettings
 
-    made = []
+    made = start_servers(MICRO, [(None, 1), (DraftSettings(model=DRAFT, num_draft_tokens=3), 4)])
     try:
-        for drafts, conc in ((None, 1), (DraftSettings(model=DRAFT, num_draft_tokens=3), 4)):
-            svc = make_service(MICRO, None, None, 1 << 20)
-            load_service(svc, MICRO, max_concurrency=conc, prompt_cache_bytes=64 << 20,
-                         max_queue=8, max_kv_size=None, drafts=drafts)
-            srv = BackgroundServer(create_app(svc)).start()
-            made.append((svc, srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x",
-                                                 timeout=120, max_retries=0)))
-
-        def replies(client):
-            def one(ask):
-                r = client.chat.completions.create(
-                    model="micro", messages=[{"role": "user", "content": ask}],
-                    max_tokens=40, temperature=0)
-                return r.choices[0].message.content, r.usage
-
-            with ThreadPoolExecutor(len(ASKS)) as pool:
-                return list(pool.map(one, ASKS))
-
         (_, _, single), (svc, _, spec) = made
         assert svc.engine.batched_drafts and svc.engine.max_concurrency == 4
         want = [t for t, _ in replies(single)]
@@ -201,9 +144,7 @@ def test_server_batches_a_draft_model_and_equals_single_runs():
         assert [t for t, _ in again] == want
         assert all(u.prompt_tokens_details.cached_tokens > 0 for _, u in again)
     finally:
-        for svc, srv, _ in made:
-            srv.stop()
-            svc.engine.stop()
+        stop_servers(made)
 
 
 def test_tensor_group_rows_verify_draft_model_drafts_in_one_process(micro):

@@ -22,26 +22,23 @@ and the plain server without drafts.
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import generate_step
 
 from kimi_mlx.checkpoint.loader import load_for_generation
 from kimi_mlx.generation.request import default_model
 from kimi_mlx.sampling import Sampling
-from kimi_mlx.speculative.batch import BatchDrafts, install
+from kimi_mlx.speculative.batch import BatchDrafts
 from kimi_mlx.speculative.ngram import NgramDraft
+
+from fixtures.batched import greedy, replies, run_batch, start_servers, stop_servers
 
 MICRO = str(default_model())
 LOOP = [7, 8, 9, 10, 11, 12]
 N = 24
-
-
-def greedy(lp):
-    return mx.argmax(lp, axis=-1)
 
 
 @pytest.fixture(scope="module")
@@ -60,35 +57,9 @@ def micro():
 def _run(model, prompts, k, at_once, join_after, samplings=None, processors=None):
     """Tokens per prompt from a speculative BatchGenerator (the first `at_once` inserted
     together, one more every `join_after` steps); returns (tokens, drafts)."""
-    gen = BatchGenerator(model, max_tokens=N, prefill_batch_size=2, completion_batch_size=8,
-                         prefill_step_size=32)
     drafts = BatchDrafts(NgramDraft(), k, gate=None)  # verify whenever a row has a draft
-    install(gen, drafts)
-    samplings = samplings or [Sampling()] * len(prompts)
-    processors = processors or [None] * len(prompts)
-    order = []
-
-    def insert(i):
-        s = samplings[i]
-        (uid,) = gen.insert([prompts[i]], samplers=[None if s.greedy else s.sampler()],
-                            logits_processors=[processors[i] or []])
-        drafts.add(uid, prompts[i], s)
-        order.append(uid)
-
-    for i in range(at_once):
-        insert(i)
-    out, steps, nxt = {}, 0, at_once
-    while True:
-        rs = gen.next_generated()
-        steps += 1
-        for r in rs:
-            out.setdefault(r.uid, []).append(int(r.token))
-        if nxt < len(prompts) and steps % join_after == 0:
-            insert(nxt)
-            nxt += 1
-        elif not rs and nxt >= len(prompts):
-            break
-    return [out[u] for u in order], drafts
+    return run_batch(model, drafts, prompts, at_once, join_after, samplings, processors,
+                     max_tokens=N)
 
 
 def test_the_verify_gate_follows_the_measured_costs():
@@ -200,38 +171,11 @@ def test_a_row_with_a_processor_and_a_sampled_row_beside_speculating_rows(micro)
     assert drafts.stats.accepted > 0
 
 
-ASKS = ["Write a queue class.", "def add(a, b):\n    return a + b\n\ndef add(a, b):",
-        "Repeat: the cat sat on the mat, the cat sat on the mat, the cat",
-        "class Stack:\n    def push(self, x):\n        self.items.append(x)\n"]
-
-
 def test_server_batches_ngram_drafts_and_equals_the_plain_server():
-    import openai
-
-    from kimi_mlx.server.app import create_app
-    from kimi_mlx.server.serving import BackgroundServer, load_service, make_service
     from kimi_mlx.speculative.settings import DraftSettings
 
-    made = []
+    made = start_servers(MICRO, [(None, 4), (DraftSettings(kind="ngram", num_draft_tokens=3), 4)])
     try:
-        for drafts in (None, DraftSettings(kind="ngram", num_draft_tokens=3)):
-            svc = make_service(MICRO, None, None, 1 << 20)
-            load_service(svc, MICRO, max_concurrency=4, prompt_cache_bytes=64 << 20,
-                         max_queue=8, max_kv_size=None, drafts=drafts)
-            srv = BackgroundServer(create_app(svc)).start()
-            made.append((svc, srv, openai.OpenAI(base_url=srv.url + "/v1", api_key="x",
-                                                 timeout=120, max_retries=0)))
-
-        def replies(client):
-            def one(ask):
-                r = client.chat.completions.create(
-                    model="micro", messages=[{"role": "user", "content": ask}],
-                    max_tokens=40, temperature=0)
-                return r.choices[0].message.content, r.usage
-
-            with ThreadPoolExecutor(len(ASKS)) as pool:
-                return list(pool.map(one, ASKS))
-
         (_, _, plain), (svc, _, spec) = made
         assert svc.engine.batched_drafts and svc.engine.max_concurrency == 4
         want = [t for t, _ in replies(plain)]
@@ -244,21 +188,37 @@ def test_server_batches_ngram_drafts_and_equals_the_plain_server():
         assert [t for t, _ in again] == want
         assert all(u.prompt_tokens_details.cached_tokens > 0 for _, u in again)
     finally:
-        for svc, srv, _ in made:
-            srv.stop()
-            svc.engine.stop()
+        stop_servers(made)
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--draft", "mtp", "--max-concurrency", "4"], "--draft mtp serves one request"),
-    (["--draft-model", str(default_model().parent / "micro-dspark"), "--max-concurrency", "2"],
+    (dict(draft="mtp"), "--draft mtp serves one request"),
+    (dict(draft_model=str(default_model().parent / "micro-dspark")),
      "(a block drafter) serves one request"),
 ])
-def test_drafts_that_do_not_batch_are_refused_with_concurrency(capsys, flags, message):
-    from kimi_mlx.server.cli import main
+def test_hidden_state_drafters_batch_in_one_process_not_through_a_pipeline(flags, message):
+    """The MTP and block drafters batch in one process (`speculative.hidden_rows`); where
+    the target's hiddens are not kept per batched pass (a pipeline) they serve one request
+    at a time, and --max-concurrency > 1 is refused, naming the draft."""
+    import argparse
 
-    assert main(["--port", "0"] + flags) == 2
-    assert message in capsys.readouterr().err
+    from kimi_mlx.sampling import InputError
+    from kimi_mlx.server.serving import DEFAULT_CONCURRENCY, check_draft_server_arguments
+
+    def args(conc):
+        base = dict(draft=None, draft_model=None, num_draft_tokens=3, ngram_max=None,
+                    ngram_min=None, max_concurrency=conc)
+        return argparse.Namespace(**{**base, **flags})
+
+    one = args(None)
+    check_draft_server_arguments(one)
+    assert one.max_concurrency == DEFAULT_CONCURRENCY > 1
+    piped = args(None)
+    check_draft_server_arguments(piped, batch_ngram=False, batch_models=False)
+    assert piped.max_concurrency == 1
+    with pytest.raises(InputError) as e:
+        check_draft_server_arguments(args(4), batch_ngram=False, batch_models=False)
+    assert message in str(e.value)
 
 
 def test_ngram_drafts_default_to_batching():

@@ -135,8 +135,6 @@ def test_a_failed_load_ends_the_server_naming_path_and_error(tmp_path, tiny_ckpt
 @pytest.mark.parametrize("flags, message", [
     (["--num-draft-tokens", "2"], "--num-draft-tokens needs --draft-model"),
     (["--draft-model", DRAFT, "--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
-    (["--draft-model", str(default_model().parent / "micro-dspark"), "--max-concurrency", "4"],
-     "--max-concurrency 1"),
     (["--max-kv-size", "1"], "--max-kv-size must be >= 2"),
 ])
 def test_draft_and_context_flags_are_checked_before_loading(capsys, flags, message):

@@ -74,7 +74,6 @@ def test_four_concurrent_greedy_requests_equal_the_plain_server(servers):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--draft", "mtp", "--max-concurrency", "4"], "--draft mtp serves one request"),
     (["--ngram-min", "2"], "need --draft ngram"),
     (["--draft", "ngram", "--ngram-max", "0"], "--ngram-min"),
 ])

@@ -1,6 +1,7 @@
 """Drafts inside continuous batching, measured: the one-process server at
 `--max-concurrency C` without drafts against the same with each batched drafter
-(`--draft ngram`, `--draft-model micro-draft`), C concurrent clients, on ordinary
+(`--draft ngram`, `--draft-model micro-draft`, the block drafter `--draft-model
+micro-dspark`), C concurrent clients, on ordinary
 (held-out prose) and copy-heavy prompts (`bench.spec.copy_texts`).
 
 Every server is loaded once in this process and the measurements are interleaved: each
@@ -47,6 +48,8 @@ def run(model_dir: Path, concurrency: int, rounds: int, max_tokens: int, request
         "plain": None,
         "--draft ngram": DraftSettings(kind="ngram", num_draft_tokens=k),
         "--draft-model micro-draft": DraftSettings(model=str(draft_dir), num_draft_tokens=k),
+        "--draft-model micro-dspark": DraftSettings(model=str(model_dir.parent / "micro-dspark"),
+                                                    num_draft_tokens=k),
     }
     lines = [f"one process, --max-concurrency {concurrency}, {concurrency} clients, "
              f"{requests} requests x {max_tokens} tokens, k = {k}, median of {rounds} "
@@ -91,6 +94,7 @@ def run(model_dir: Path, concurrency: int, rounds: int, max_tokens: int, request
                     line += (f"  {statistics.median(r):.2f}x plain (rounds {r[0]:.2f}-"
                              f"{r[-1]:.2f}), {acc:.2f} accepted per verified row")
                 lines.append(line)
+    lines.append(f"load average {os.getloadavg()[0]:.1f} at the end")
     return lines
 
 

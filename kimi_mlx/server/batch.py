@@ -17,11 +17,14 @@ generator as a token id past the vocabulary that names its row; the model the ge
 calls embeds such ids as those rows, so the image's rows land in its own row of each
 right-padded chunk, and it holds the others' decode for one chunk at a time, as text does.
 
-With n-gram drafts (`--draft ngram`) the generator's decode steps verify every row's
-drafts in one batched pass (`speculative.batch.SpeculativeBatch`, installed here; each
-row is registered with its prompt ids when it is admitted); the loop below is the same,
-a step just yields several tokens of a row in order. The acceptance figures go to the
-metrics after each step.
+With drafts (n-gram, a draft model, the MTP, a block drafter) the generator's decode
+steps verify every row's drafts in one batched pass (`speculative.batch.SpeculativeBatch`,
+installed here; each row is registered with its prompt ids when it is admitted); the loop
+below is the same, a step just yields several tokens of a row in order. The acceptance
+figures go to the metrics after each step. A drafter of the target's hidden states (the
+MTP, a block drafter, `speculative.hidden_rows`) needs them at every prompt position, so
+each prompt is prefilled alone with capture when it is admitted (it holds the others'
+decode for its whole prompt, not one chunk) and joins for its last token.
 
 One request cannot fail or poison the others (`_RowGuard`): its sampler and logits
 processors run guarded, row by row; when one raises (building its graph or evaluating
@@ -242,14 +245,18 @@ def run_batched(engine: BatchHost) -> None:
     `stopping()`)."""
     from mlx_lm.generate import BatchGenerator
 
+    drafts = engine.batch_drafts()
+    # a drafter of hidden states (MTP, block drafter) has every prompt prefilled alone with
+    # capture (`_admit`): image rows then go in as embeddings, not by id
+    captures = drafts is not None and drafts.captures
     feed = (_MediaFeed(engine.model, engine.pad_id)
-            if engine.pad_id is not None and engine.feeds_media_by_id else None)
+            if engine.pad_id is not None and engine.feeds_media_by_id and not captures
+            else None)
     gen = BatchGenerator(feed or engine.model, max_tokens=1 << 30,
                          stop_tokens=[[e] for e in sorted(engine.eos_ids)],
                          completion_batch_size=engine.max_concurrency,
                          prefill_batch_size=engine.max_concurrency,
                          prefill_step_size=PREFILL_STEP)
-    drafts = engine.batch_drafts()
     if drafts is not None:
         from kimi_mlx.speculative.batch import install
 
@@ -264,6 +271,7 @@ def run_batched(engine: BatchHost) -> None:
             gone = [uid for uid, s in live.items() if s.job.cancelled.is_set()]
             if gone:
                 gen.remove(gone)
+                _drop_drafts(drafts, gone)  # those still prefilling never reached the batch
                 for uid in gone:
                     _finish(engine, live.pop(uid), "cancelled", feed)
                 engine.active = len(live)
@@ -280,6 +288,7 @@ def run_batched(engine: BatchHost) -> None:
             except Exception as e:  # noqa: BLE001 - a failed step fails the jobs in it
                 log.exception("batched generation step failed")
                 gen.remove(list(live))
+                _drop_drafts(drafts, list(live))
                 for s in live.values():
                     s.job.emit(Failed(f"generation failed: {type(e).__name__}: {e}"))
                 live.clear()
@@ -385,6 +394,12 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
                     if ids[i] == engine.pad_id:
                         ids[i] = media + k
                         k += 1
+            hidden = None
+            if drafts is not None and drafts.captures and start < len(job.ids) - 1:
+                # its drafter reads the target's hiddens at every prompt position: the
+                # prompt runs alone here, captured, and joins for its last token
+                hidden = drafts.prefill(engine.model, job.ids, cache, start, PREFILL_STEP)
+                start = len(job.ids) - 1
             snaps = engine.snapshot_points(job.ids, start, job.segment_ends)
             cuts = [start] + snaps + [len(job.ids)]
             segments = [ids[a:b] for a, b in zip(cuts, cuts[1:])]
@@ -400,7 +415,7 @@ def _admit(engine, gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = Non
                 # a seeded sampled request keeps its own PRNG stream: no drafts for it
                 seeded = job.sampling.seed is not None and not job.sampling.greedy
                 drafts.add(uid, job.ids, job.sampling,
-                           engine.speculates(job) and not seeded)
+                           engine.speculates(job) and not seeded, hidden=hidden)
         except Exception as e:  # noqa: BLE001 - this job fails, the others go on
             log.exception("admitting a job failed")
             if feed is not None:
@@ -422,6 +437,14 @@ def _spec_counts(drafts) -> tuple:
         return (0, 0, 0)
     st = drafts.stats
     return (st.steps, st.drafted, st.accepted)
+
+
+def _drop_drafts(drafts, uids) -> None:
+    """Forget the drafting state of rows removed from the generator (a row removed
+    while its prompt is prefilled never left the decode batch, which forgets the rest)."""
+    if drafts is not None:
+        for uid in uids:
+            drafts.drop(uid)
 
 
 def _drop_failed_rows(gen, live: Dict[int, _Live], feed: Optional[_MediaFeed] = None) -> None:

@@ -34,10 +34,11 @@ class Engine(BaseEngine):
         speculation: optional `speculative.loop.Speculation` (a draft model, `--draft ngram`'s
             `NgramDraft` or `--draft mtp`'s `MTP`, drafts per verify step): every request
             decodes speculatively, except those with logits processors (penalties,
-            logit_bias), which the verify step does not apply. Needs max_concurrency 1,
-            except n-gram drafts, which the batch verifies for all its rows at once
-            (`speculative.batch`; the prompt cache then keeps the target's caches only,
-            the context comes from each request's ids).
+            logit_bias), which the verify step does not apply. With max_concurrency > 1
+            the batch verifies every row's drafts at once (`speculative.batch`; the
+            prompt cache then keeps the target's caches only, the context comes from each
+            request's ids; off for the MTP and block drafters, which read every prompt
+            position's hiddens).
             A job's cache is then the target's caches followed by the draft's (mlx-lm's
             convention), prefilled and snapshotted together; with a draft whose caches
             cannot be snapshotted (an mlx-lm KVCache model), or one that prefills itself
@@ -47,6 +48,7 @@ class Engine(BaseEngine):
     """
 
     feeds_media_by_id = True
+    captures_hiddens = True  # the MTP and block drafters batch (`speculative.hidden_rows`)
 
     # scores a prompt's own tokens (`Job.score`, `server.scoring`)
     supports_scoring = True
@@ -57,8 +59,9 @@ class Engine(BaseEngine):
                  max_concurrency: int = 1, prompt_cache=None, metrics=None,
                  speculation=None):
         super().__init__(eos_ids, max_queue, max_concurrency, metrics, speculation)
-        if speculation is not None and prompt_cache is not None and not (
-                max_concurrency > 1 and _batches(speculation)):  # batched: target caches only
+        if speculation is not None and prompt_cache is not None and (
+                speculation.prefills_itself  # its drafter reads every prompt position's hiddens
+                or not (max_concurrency > 1 and _batches(speculation, True))):
             if speculation.prefills_itself or not _snapshots(_draft_cache(speculation.draft)):
                 log.warning("the draft's caches cannot be snapshotted: prompt cache off")
                 prompt_cache = None

@@ -64,11 +64,15 @@ class BaseEngine:
     lost: Optional[str] = None  # why the target is gone for good (None: serving)
     speculation = None
     active = 0
+    # whether this deployment's batched target passes can keep their hidden states, so
+    # the MTP and block drafters draft inside the batch (the one-process engine)
+    captures_hiddens = False
 
     def __init__(self, eos_ids: Sequence[int] = (), max_queue: int = 64,
                  max_concurrency: int = 1, metrics=None, speculation=None, workers: int = 1,
                  name: str = "kimi-mlx-engine"):
-        if speculation is not None and max_concurrency != 1 and not _batches(speculation):
+        if (speculation is not None and max_concurrency != 1
+                and not _batches(speculation, self.captures_hiddens)):
             raise ValueError(f"speculative decoding with {speculation.draft!r} serves one "
                              f"request at a time, not max_concurrency {max_concurrency} "
                              "(n-gram drafts, --draft ngram, batch)")
@@ -225,11 +229,11 @@ class BaseEngine:
 
     @property
     def batched_drafts(self) -> bool:
-        """Whether drafts are verified inside the continuous batch (n-gram drafts and
-        draft models with max_concurrency > 1, `speculative.batch`) rather than one
-        request at a time."""
+        """Whether drafts are verified inside the continuous batch (max_concurrency > 1:
+        n-gram drafts and draft models; the MTP and block drafters where the deployment
+        `captures_hiddens`; `speculative.batch`) rather than one request at a time."""
         return (self.speculation is not None and self.max_concurrency > 1
-                and _batches(self.speculation))
+                and _batches(self.speculation, self.captures_hiddens))
 
     def batch_drafts(self):
         """A fresh `speculative.batch.BatchDrafts` for a batched generator (sharing the
@@ -278,7 +282,7 @@ class BaseEngine:
                                         st.accepted - before[2])
 
 
-def _batches(speculation) -> bool:
+def _batches(speculation, captures: bool = False) -> bool:
     from kimi_mlx.speculative.proposers import batches_drafts
 
-    return batches_drafts(speculation.draft)
+    return batches_drafts(speculation.draft, captures)

@@ -234,23 +234,24 @@ def check_draft_server_arguments(args, batch_ngram: bool = True,
     batches where `batch_ngram` (the one-process server, a tensor group: every row's
     drafts verified in one batched pass, `speculative.batch`), a draft model where
     `batch_models` (the one-process server: the draft's caches batched with the rows,
-    `speculative.proposers.DraftModelRows`); the MTP, a block drafter, and the others
-    where they do not batch, run one sequence at a time. InputError for
-    --max-concurrency > 1 with such a draft: batching would silently turn it off."""
+    `speculative.proposers.DraftModelRows`) and the MTP and block drafters too where
+    `batch_models` (`speculative.hidden_rows`); elsewhere those run one sequence at a
+    time. InputError for --max-concurrency > 1 with a draft that does not batch there:
+    batching would silently turn it off."""
     from kimi_mlx.speculative.factory import block_drafter_path
 
     drafts = draft_settings(args)
     draft = drafts.flag if drafts is not None else None
     batches = drafts is not None and (
         (drafts.kind == "ngram" and batch_ngram)
-        or (batch_models and drafts.model is not None
-            and block_drafter_path(drafts.model) is None))
+        or (batch_models and (drafts.model is not None or drafts.kind == "mtp")))
     if args.max_concurrency is None:
         args.max_concurrency = 1 if draft and not batches else DEFAULT_CONCURRENCY
     elif draft and not batches and args.max_concurrency != 1:
         where = ("in one process and with --parallel tensor" if batch_ngram or not batch_models
                  else "in one process")
-        also = (f"; --draft ngram batches ({where}), and a draft model in one process"
+        also = (f"; --draft ngram batches ({where}), and draft models, the MTP and block "
+                "drafters in one process"
                 if drafts.kind != "ngram" else
                 "; n-gram drafts batch in one process and with --parallel tensor")
         if drafts.model is not None and block_drafter_path(drafts.model) is not None:
@@ -281,7 +282,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.loop.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
-    not the target's; ValueError for the MTP or a block drafter with max_concurrency > 1."""
+    not the target's."""
     from kimi_mlx.checkpoint.hub import resolve
     from kimi_mlx.generation.request import generation_defaults
     from kimi_mlx.checkpoint.loader import load_for_generation
@@ -289,12 +290,6 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     from kimi_mlx.server.prompt_cache import PromptCache
     from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
 
-    from kimi_mlx.speculative.factory import block_drafter_path
-
-    if drafts is not None and max_concurrency != 1 and (
-            drafts.kind == "mtp" or block_drafter_path(drafts.model) is not None):
-        raise ValueError("speculative decoding with the MTP or a block drafter needs "
-                         "max_concurrency 1 (n-gram drafts and draft models batch)")
     from kimi_mlx.placement.wired import model_plan, wire
 
     # wired before loading (KIMI_MLX_ALLOW_PAGING, which --allow-paging sets, lets it page)
@@ -319,7 +314,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     from kimi_mlx.speculative.proposers import batches_drafts
 
     if prompt_cache_dir is not None and (speculation is None or (
-            max_concurrency > 1 and batches_drafts(speculation.draft))):
+            max_concurrency > 1 and batches_drafts(speculation.draft)
+            and not speculation.prefills_itself)):
         from kimi_mlx.server.disk_cache import DiskSnapshotStore
 
         try:

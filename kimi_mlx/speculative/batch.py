@@ -1,12 +1,13 @@
-"""Speculative decoding inside continuous batching: n-gram drafts for every row of
-mlx-lm's `BatchGenerator`, verified together in one batched pass.
+"""Speculative decoding inside continuous batching: drafts for every row of mlx-lm's
+`BatchGenerator` (from a proposer: n-gram lookup, a draft model, the MTP, a block
+drafter; `proposers`, `hidden_rows`), verified together in one batched pass.
 
 Every MLX server turns batching off to speculate (mlx-lm, LM Studio, exo, ours before
 this); here a batch of B sequences keeps decoding together and each decode step may
 verify drafts for all of them at once:
 
-  * each row proposes up to k tokens from its own context (`NgramIndex`, its prompt and
-    what it generated; `--draft ngram`'s index and proposal rule);
+  * each row proposes up to k tokens (`proposers.Proposer`: e.g. `NgramIndex` over its
+    prompt and what it generated, `--draft ngram`'s index and proposal rule);
   * when no row has a draft, the step is mlx-lm's own decode step (`GenerationBatch.next`);
   * else the target scores [y_b, d_b1..d_bK] for every row in one [B, K+1] forward pass
     (K the longest proposal; a shorter row's tail is filler its acceptance never reads),
@@ -188,7 +189,7 @@ class BatchDrafts:
         vocab: the target's vocabulary size (a draft model's logits are cut or padded to
             it), or None.
     Raises:
-        ValueError: a draft that does not batch (MTP, block drafter).
+        ValueError: a draft that does not batch (`proposers.proposer_for`).
     """
 
     draft: Any
@@ -202,12 +203,32 @@ class BatchDrafts:
         self.policy = draft_policy(self.num_draft_tokens)
         self.proposer: Proposer = proposer_for(self.draft, self.vocab)
 
-    def add(self, uid: int, context: Sequence[int], sampling, speculates: bool = True) -> None:
+    @property
+    def captures(self) -> bool:
+        """Whether the proposer drafts from the target's hidden states (`hidden_rows`):
+        every step then verifies through its `forward`, and prompts are prefilled alone
+        (`prefill`)."""
+        return getattr(self.proposer, "captures", False)
+
+    def add(self, uid: int, context: Sequence[int], sampling, speculates: bool = True,
+            hidden: Optional[mx.array] = None) -> None:
         """Row `uid` starts from prompt `context` (all its ids: the generator feeds the
         last one when the row moves to decoding, before this batch's first step on it,
-        whose input is the first sampled token)."""
+        whose input is the first sampled token). `hidden`: for a proposer that
+        `captures`, the hiddens of the prompt positions `prefill` ran (or None)."""
         self.rows[uid] = _Row(sampling.greedy, sampling, speculates)
-        self.proposer.add(uid, context)
+        if self.captures:
+            self.proposer.add(uid, context, hidden)
+        else:
+            self.proposer.add(uid, context)
+
+    def prefill(self, model, ids: Sequence[int], cache, start: int, step: int):
+        """A joining row's prompt ids[start:-1] run alone into `cache` with the hiddens
+        the proposer drafts from (`hidden_rows._HiddenRows.prefill`); None for a proposer
+        that does not capture (nothing is run then)."""
+        if not self.captures:
+            return None
+        return self.proposer.prefill(model, ids, cache, start, step)
 
     def drop(self, uid: int) -> None:
         self.rows.pop(uid, None)
@@ -217,6 +238,11 @@ class BatchDrafts:
 def install(gen, drafts: BatchDrafts) -> None:
     """Make mlx-lm `BatchGenerator` `gen` decode speculatively with `drafts` (before any
     insert: the generation batch it starts from is empty)."""
+    if drafts.captures:  # every pass of the target keeps the hiddens the drafter reads
+        from kimi_mlx.speculative.hidden_rows import Capture
+
+        gen.model = Capture(gen.model, drafts.proposer)
+        gen._prompt_batch.model = gen.model  # made with the model it was built with
     batch = SpeculativeBatch.empty(gen.model, gen.sampler)
     batch.drafts = drafts
     gen._generation_batch = batch
@@ -235,27 +261,39 @@ def _verifier(cache: List[Any]):
 
 
 class SpeculativeBatch(GenerationBatch):
-    """mlx-lm's `GenerationBatch` whose `next` verifies every row's n-gram drafts in one
-    batched pass (module doc); `drafts` is set by `install`."""
+    """mlx-lm's `GenerationBatch` whose `next` verifies every row's drafts in one batched
+    pass (module doc); `drafts` is set by `install`. With a proposer of hidden states
+    (`BatchDrafts.captures`) every step is a verify step (k = 0 where nothing is
+    drafted), so every position's hiddens reach it."""
 
     drafts: Optional[BatchDrafts] = None
 
+    def extend(self, batch):
+        super().extend(batch)
+        if self.drafts is not None and self.drafts.captures and batch.uids:
+            # the new rows' first step (their last prompt token) ran in the captured model
+            self.drafts.proposer.joined(list(batch.uids), batch._next_tokens)
+
     def filter(self, keep: List[int]):
+        left = [u for i, u in enumerate(self.uids) if i not in set(keep)]
         super().filter(keep)
         if self.drafts is not None and self.drafts.gate is not None and not keep:
             self.drafts.gate.idle()  # no step is running: the wait for new rows is no step's
         if self.drafts is not None:
-            live = set(self.uids)
-            for uid in [u for u in self.drafts.rows if u not in live]:
+            # only the rows that left this batch: a row added while its prompt is still
+            # being prefilled (not in the batch yet) keeps its drafting state
+            for uid in left:
                 self.drafts.drop(uid)
 
     def next(self) -> List[GenerationBatch.Response]:
         if not self.uids or self.drafts is None:
             return super().next()
         d, B = self.drafts, len(self.uids)
+        closed = False
         if d.gate is not None:
             d.gate.mark()
-            if d.gate.closed(B):  # drafts would not pay: mlx-lm's step as it is
+            closed = d.gate.closed(B)
+            if closed and not d.captures:  # drafts would not pay: mlx-lm's step as it is
                 d.gate.step(("plain", B))
                 d.stats.plain += B
                 d.proposer.plain(list(self.uids), self._next_tokens)
@@ -267,7 +305,7 @@ class SpeculativeBatch(GenerationBatch):
         rooms = [self.max_tokens[i] - self._num_tokens[i] - 1 for i in range(len(rows))]
         k = d.policy.choose(max(rooms))
         want = [0 if (r is None or not r.speculates or self.logits_processors[i]
-                      or rooms[i] < 1 or k < 1) else min(k, rooms[i])
+                      or rooms[i] < 1 or k < 1 or closed) else min(k, rooms[i])
                 for i, r in enumerate(rows)]
         samplings = [r.sampling if r is not None else None for r in rows]
         gate, B = d.gate, len(self.uids)
@@ -283,11 +321,13 @@ class SpeculativeBatch(GenerationBatch):
             props = [[] for _ in props]
         if gate is not None:
             gate.step(("plain", B) if not any(props) else ("verify", B, K))
-        if not any(props):
+        if not any(props) and not d.captures:
             d.proposer.settle([0] * B)  # the step feeds y alone
             d.policy.skip()
             d.stats.plain += B
             return super().next()
+        if not any(props):  # a drafter of hiddens: a one-token verify step keeps them
+            d.policy.skip()
         return self._verify(ys, rows, props, qs)
 
     def _verify(self, ys: List[int], rows: List[Optional[_Row]], props: List[List[int]],
@@ -340,7 +380,10 @@ class SpeculativeBatch(GenerationBatch):
                 nxt.append(tok)
                 next_lp.append(lp if lp is not None else logprobs[i, n])
             roll(verify, [n + 1 for n in accepted], K + 1)
-            d.proposer.settle(accepted)
+            if d.captures:
+                d.proposer.settle(accepted, nxt)
+            else:
+                d.proposer.settle(accepted)
         finally:
             end()
         st = d.stats

@@ -18,9 +18,11 @@ state follows the target's:
   * `add(uid, context)` / `drop(uid)`: a row joins with its prompt ids (all of them: the
     generator has fed the last one when the row reaches decoding) / leaves.
 
-Two proposers: `NgramRows` (`--draft ngram`: each row's own `NgramIndex`) and
+Proposers: `NgramRows` (`--draft ngram`: each row's own `NgramIndex`),
 `DraftModelRows` (a draft model: its caches batched row for row with the target's,
-rows restored each to its own accepted length). The acceptance rule stays the loop's
+rows restored each to its own accepted length), and in `hidden_rows` the drafters of
+the target's hidden states (`BlockDrafterRows`, `MtpRows`: `captures`, every batched
+pass of the target keeps its hiddens for them). The acceptance rule stays the loop's
 (`loop.accept_drafts`, greedy: the longest prefix equal to the target's argmax).
 """
 
@@ -293,26 +295,46 @@ class DraftModelRows:
                 _trim_rows(c, [K - n for n in accepted], i)
 
 
-def batches_drafts(draft) -> bool:
+def batches_drafts(draft, captures: bool = False) -> bool:
     """Whether `draft` can speculate inside a batch: n-gram drafts, and draft models
     (their caches batched with the target's rows, `DraftModelRows`); the MTP and block
-    drafters bring their own one-sequence loops (`loop.OwnLoop`)."""
+    drafters where the deployment's target passes can keep their hidden states
+    (`captures`: the one-process server, `hidden_rows`)."""
     from kimi_mlx.speculative.loop import OwnLoop
     from kimi_mlx.speculative.ngram import NgramDraft
 
-    return isinstance(draft, NgramDraft) or not isinstance(draft, OwnLoop)
+    if isinstance(draft, NgramDraft) or not isinstance(draft, OwnLoop):
+        return True
+    return captures and _hidden_proposer(draft) is not None
+
+
+def _hidden_proposer(draft):
+    """The `hidden_rows` class for an MTP or a block drafter, else None."""
+    from kimi_mlx.speculative.block_loop import BlockDraft
+    from kimi_mlx.speculative.hidden_rows import BlockDrafterRows, MtpRows
+    from kimi_mlx.speculative.mtp import MTP
+
+    if isinstance(draft, BlockDraft):
+        return BlockDrafterRows
+    if isinstance(draft, MTP):
+        return MtpRows
+    return None
 
 
 def proposer_for(draft, vocab: Optional[int] = None) -> Proposer:
     """The batched proposer of a draft (`batches_drafts`).
 
     Raises:
-        ValueError: a draft that brings its own one-sequence loop (MTP, block drafter).
+        ValueError: a draft that brings its own one-sequence loop and has no batched
+        proposer.
     """
     from kimi_mlx.speculative.ngram import NgramDraft
 
     if isinstance(draft, NgramDraft):
         return NgramRows(draft)
+    hidden = _hidden_proposer(draft)
+    if hidden is not None:
+        return hidden(draft)
     if not batches_drafts(draft):
         raise ValueError(f"{type(draft).__name__} does not draft inside a batch")
     return DraftModelRows(draft, vocab)
