@@ -34,7 +34,7 @@ class LaunchInputs(NamedTuple):
     context: int
     fingerprint: str
     speculation: Any  # Speculation or None
-    media: Any = None  # (pad id, image rows) for Pipeline.generate_step, or None
+    media: Any = None  # (pad id, image rows) for the session's prefill, or None
 
 
 def launch_inputs(args) -> LaunchInputs:
@@ -83,7 +83,7 @@ def launch_inputs(args) -> LaunchInputs:
                                     sampling=sampling_from_args(args))
     media = None
     if images:
-        from kimi_mlx.cluster.head.pipeline import media_rows
+        from kimi_mlx.cluster.net.session import media_rows
         from kimi_mlx.generation.images import media_pad_id
 
         media = media_rows(vision, images, media_pad_id(tok, read_config(model_dir)))

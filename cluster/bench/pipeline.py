@@ -117,7 +117,7 @@ def _run(args, tmp: Path) -> int:
         one, three = [], []
         for r in range(args.repeats + 1):  # the first round warms up (compile, caches)
             a = per_token(generate_step(mx.array(prompt), single, max_tokens=n))
-            b = per_token(pipe.generate_step(prompt, Sampling(), n))
+            b = per_token(pipe.generate(prompt, Sampling(), n))
             if r:
                 one.append(a)
                 three.append(b)
@@ -135,7 +135,7 @@ def _run(args, tmp: Path) -> int:
 
         def ttft(pipelined: bool) -> float:
             t0 = time.perf_counter()
-            next(pipe.generate_step(long_prompt, Sampling(), 1, pipelined=pipelined))
+            next(pipe.generate(long_prompt, Sampling(), 1, pipelined=pipelined))
             return time.perf_counter() - t0
 
         def one_process() -> float:
