@@ -72,11 +72,13 @@ class ClusterEngine(BaseEngine):
         # net.cache_index.HeadCacheIndex: snapshots on the stages (None: every request
         # prefills its whole prompt; a draft decodes without it)
         self.prompt_cache = prompt_cache if speculation is None else None
-        self._lookups = None
+        # count_lookup(result): one prompt-cache lookup ("hit", "shorter", "miss", "disk",
+        # "refused") in /metrics
+        self.count_lookup = lambda result: None
         if self.prompt_cache is not None and metrics is not None:
-            from kimi_mlx.cluster.net.cache_index import lookup_counter
+            from kimi_mlx.cluster.net.cache_index import lookup_count
 
-            self._lookups = lookup_counter(metrics.registry)
+            self.count_lookup = lookup_count(metrics)
             metrics.registry.register(_StageDiskCollector(self))
         self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
         self._vision_lock = threading.Lock()
@@ -229,12 +231,6 @@ class ClusterEngine(BaseEngine):
         if not guessed:
             self.count_lookup("miss")
         return None, 0
-
-    def count_lookup(self, result: str) -> None:
-        """Count one prompt-cache lookup ("hit", "shorter", "miss", "disk", "refused") in
-        /metrics (nothing without metrics or a prompt cache)."""
-        if self._lookups is not None:
-            self._lookups.labels(result).inc()
 
     def _cached_generate(self, job, kw, start):
         """`Pipeline.generate` from the longest prefix the stages hold, taking snapshots

@@ -88,10 +88,8 @@ class BatchHost:
         self.metrics = engine.metrics
         self.prompt_cache = None
         if engine.prompt_cache is not None:
-            counter = engine._lookups.labels if engine._lookups is not None else None
-            self.prompt_cache = RowPromptCache(
-                engine.prompt_cache, rows, engine.store,
-                (lambda r: counter(r).inc()) if counter is not None else None)
+            self.prompt_cache = RowPromptCache(engine.prompt_cache, rows, engine.store,
+                                               engine.count_lookup)
 
     feeds_media_by_id = False  # `GroupRows` takes image rows per prefill chunk (MEDIA)
 
