@@ -56,7 +56,8 @@ def _run(args, tmp: Path) -> int:
 
     from kimi_mlx.checkpoint.loader import load_model
 
-    from kimi_mlx.cluster.head.pipeline import Pipeline, prefill_chunks
+    from kimi_mlx.cluster.head.pipeline import Pipeline
+    from kimi_mlx.cluster.net.session import prefill_chunks
 
     from kimi_mlx.cluster.net.nodes import check_nodes
 

@@ -22,8 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from kimi_mlx.cluster.head.transport import StageFailure, Transport
-from kimi_mlx.cluster.net.session import (RemoteSession, chunk_media, generate,  # noqa: F401
-                                          media_rows, prefill_chunks)
+from kimi_mlx.cluster.net.session import RemoteSession, generate
 from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
 
 log = logging.getLogger(__name__)
@@ -267,14 +266,4 @@ def _score_outs(r, targets: Sequence[int]) -> list:
     return [TokenOut(int(t), lp, top) for t, (lp, top) in zip(targets, r.scores)]
 
 
-def stream_generate(tokens, tokenizer, n_prompt: int, max_tokens: int, peak_memory):
-    """mlx-lm's `stream_generate` over a token iterator of (token, logprobs[, from_draft])
-    (`kimi_mlx.generation.streaming.stream_responses`): yields GenerationResponse with text segments,
-    tokens/s and peak memory (GB, the largest of any stage)."""
-    from kimi_mlx.generation.streaming import stream_responses
-
-    yield from stream_responses(tokens, tokenizer, n_prompt, max_tokens, peak_memory)
-
-
-__all__ = ["Pipeline", "PipelineTarget", "stream_generate", "prefill_chunks", "chunk_media",
-           "media_rows", "StageFailure"]
+__all__ = ["Pipeline", "PipelineTarget", "StageFailure"]
