@@ -227,8 +227,8 @@ def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation
     Returns the exit status; a rank lost mid-generation ends the process through
     `TensorGroup.fail`.
     """
-    from kimi_mlx.cluster.net.session import generate
-    from kimi_mlx.cluster.tensor.step import OP_EXIT, GroupTarget, command, speculative_run
+    from kimi_mlx.cluster.net.session import generate, speculative_run
+    from kimi_mlx.cluster.tensor.step import OP_EXIT, GroupTarget, command
     from kimi_mlx.generation.generate import print_generation
     from kimi_mlx.generation.streaming import stream_responses
     from dataclasses import replace

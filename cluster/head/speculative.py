@@ -10,9 +10,10 @@ k + 1 rows of logits (float32), from which the head applies the acceptance rule.
 
 The loop itself is the one-process one, `kimi_mlx.speculative.loop.speculative_generate_step`
 (draft, acceptance rule `accept_drafts` at temperature > 0, mlx-lm's greedy rule at 0,
-draft snapshots): here the target it drives is `head.pipeline.PipelineTarget`, a stand-in model whose
-forward pass is a message through the stages and whose one "cache" is the pipeline's
-position, trimmed (= the next message's `keep`) by the loop's own `rollback` call. So
+draft snapshots): here the target it drives is `head.pipeline.PipelineTarget`, a stand-in
+model whose forward pass is a message through the stages and whose one "cache" is the
+pipeline's position, trimmed (= the next message's `keep`, `net.session.RemoteSession`)
+by the loop's own `rollback` call. So
 greedy output is token for token the plain pipeline's (and one process's), and sampled
 output keeps the target's distribution, by the same code in both places.
 
@@ -34,9 +35,8 @@ from typing import Generator, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from kimi_mlx.cluster.head.pipeline import Pipeline, PipelineTarget
-from kimi_mlx.cluster.net.session import generate
+from kimi_mlx.cluster.net.session import generate, speculative_run
 from kimi_mlx.sampling import DEFAULT_MAX_TOKENS
-from kimi_mlx.speculative.loop import loop_for
 from kimi_mlx.speculative.settings import DEFAULT_NUM_DRAFT_TOKENS
 
 __all__ = ["PipelineTarget", "speculative_pipeline_step"]  # PipelineTarget: head.pipeline
@@ -73,24 +73,14 @@ def speculative_pipeline_step(
             cancelled (`net.session.generate`).
         ValueError: empty prompt, k < 1.
     """
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from kimi_mlx.speculative.auto_k import draft_policy
-
     if len(prompt) == 0:
         raise ValueError("the prompt is empty")
-    num_draft_tokens = draft_policy(num_draft_tokens)  # ValueError for k < 1
-
-    def run(target):
-        # A draft with its own loop (`--draft ngram`: `NgramDraft.generate_step`) runs it
-        # over the same session; its plain steps (no match) are 1-token verify messages.
-        caches = target.make_cache() + make_prompt_cache(draft_model)
-        return loop_for(draft_model)(
-            list(prompt), target, draft_model, num_draft_tokens=num_draft_tokens,
-            max_tokens=max_tokens, sampling=sampling, prompt_cache=caches,
-            prefill_step_size=pipeline.prefill_chunk, stats=stats)
-
-    # The stages' own sampler is not used: every token comes from a verify step here.
+    # A draft with its own loop (`--draft ngram`: `NgramDraft.generate_step`) runs it over
+    # the same session; its plain steps (no match) are 1-token verify messages. The
+    # stages' own sampler is not used: every token comes from a verify step here.
+    run = speculative_run(prompt, draft_model, num_draft_tokens=num_draft_tokens,
+                          max_tokens=max_tokens, sampling=sampling, stats=stats,
+                          prefill_step=pipeline.prefill_chunk)
     yield from generate(lambda: pipeline.open(len(prompt), record=True, args=model_args,
                                               session=session),
                         prompt, max_tokens, run=run)

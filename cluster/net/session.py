@@ -2,7 +2,7 @@
 
 A remote session is the stand-in model that the head's loops drive for one request
 (mlx-lm's `generate_step` and the speculative loops of `kimi_mlx.speculative`), whose
-layers run elsewhere: a pipeline's stages (`head.speculative.PipelineTarget`) or a tensor
+layers run elsewhere: a pipeline's stages (`head.pipeline.PipelineTarget`) or a tensor
 group's ranks (`tensor.step.GroupTarget`). What both targets do the same way lives here:
 
 * keep/trim: a verify step (speculative decoding) is recorded by every stage / rank; the
@@ -37,7 +37,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import mlx.core as mx
 
-__all__ = ["RemoteSession", "prefill_chunks", "chunk_media", "media_rows", "generate"]
+__all__ = ["RemoteSession", "prefill_chunks", "chunk_media", "media_rows", "generate",
+           "speculative_run"]
 
 
 def prefill_chunks(n_prompt: int, chunk: int, start: int = 0,
@@ -338,3 +339,27 @@ def generate(session, prompt: Sequence[int], max_tokens: int, *, sampler=None,
         raise
     finally:
         s.end(ok)
+
+
+def speculative_run(prompt: Sequence[int], draft, *, num_draft_tokens, max_tokens: int,
+                    sampling=None, stats=None, prefill_step: int = 2048):
+    """`run` for `generate` over a session opened with `record`: the one-process
+    speculative loop for `draft` (`kimi_mlx.speculative.loop.loop_for`: a draft model, or
+    `NgramDraft` whose own loop runs) with the draft on the head, the session as its
+    target (its one stand-in cache, then the draft's); yields (token, logprobs [vocab],
+    from_draft) as `speculative_generate_step`. `num_draft_tokens`: k >= 1, or "auto" /
+    an `AutoK` (ValueError for k < 1, `speculative.auto_k.draft_policy`)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from kimi_mlx.speculative.auto_k import draft_policy
+    from kimi_mlx.speculative.loop import loop_for
+
+    k = draft_policy(num_draft_tokens)
+
+    def run(session):
+        caches = session.make_cache() + make_prompt_cache(draft)
+        return loop_for(draft)(list(prompt), session, draft, num_draft_tokens=k,
+                               max_tokens=max_tokens, sampling=sampling, prompt_cache=caches,
+                               prefill_step_size=prefill_step, stats=stats)
+
+    return run

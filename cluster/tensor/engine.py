@@ -321,11 +321,11 @@ class TensorEngine(BaseEngine):
     def _generate(self, job):
         """(token, logprobs [vocab]) of `job` through the group, and the prompt tokens
         restored from the prompt cache: a draft's loop over the group
-        (`step.speculative_run`), or the session's prefill (`tensor.prefill.open_request`
+        (`net.session.speculative_run`), or the session's prefill (`tensor.prefill.open_request`
         with the prompt cache or images) and mlx-lm's `generate_step` from the last prompt
         token with the job's sampler and logits processors (`net.session.generate`)."""
-        from kimi_mlx.cluster.net.session import generate
-        from kimi_mlx.cluster.tensor.step import GroupTarget, speculative_run
+        from kimi_mlx.cluster.net.session import generate, speculative_run
+        from kimi_mlx.cluster.tensor.step import GroupTarget
 
         if self.speculates(job):
             return self._speculate(job, lambda spec: generate(

@@ -13,7 +13,7 @@ in different collectives.
 
 Speculative decoding (the draft on rank 0 only): post-prefill forward passes are verify
 steps on every rank (`kimi_mlx.speculative.rollback.begin_verify` before the pass). The
-loop's own rollback trims the stand-in cache (as `head.speculative.PipelineTarget`
+loop's own rollback trims the stand-in cache (as `head.pipeline.PipelineTarget`
 does for the pipeline); how many positions of the step it keeps rides on the next
 command (`keep`), and every rank then rolls its real caches back exactly (KDA states
 replayed from the recorded inputs, DSA caches trimmed: `rollback` + `end_verify`), in
@@ -326,22 +326,3 @@ def score_prompt(model, group, ids: Sequence[int], top_k: int, step: Optional[in
         target.end()
         raise
     return out, target
-
-
-def speculative_run(prompt: Sequence[int], draft, *, num_draft_tokens: int, max_tokens: int,
-                    sampling=None, stats=None, prefill_step: int = 2048):
-    """`run` for `net.session.generate` over a `GroupTarget` with record=True: speculative
-    decoding with `draft` on rank 0 (a draft model, or `NgramDraft` whose own loop runs);
-    yields (token, logprobs [vocab], from_draft) as `speculative_generate_step`."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from kimi_mlx.speculative.loop import loop_for
-
-    def run(target):
-        step = loop_for(draft)
-        caches = target.make_cache() + make_prompt_cache(draft)
-        return step(list(prompt), target, draft, num_draft_tokens=num_draft_tokens,
-                    max_tokens=max_tokens, sampling=sampling, prompt_cache=caches,
-                    prefill_step_size=prefill_step, stats=stats)
-
-    return run
