@@ -35,7 +35,7 @@ class LaunchInputs(NamedTuple):
     context: int
     fingerprint: str
     speculation: Any  # Speculation or None
-    media: Any = None  # (pad id, image rows) for Pipeline.generate_step, or None
+    media: Any = None  # (pad id, image rows) for the session's prefill, or None
 
 
 def launch_inputs(args) -> LaunchInputs:
@@ -84,7 +84,7 @@ def launch_inputs(args) -> LaunchInputs:
                                     sampling=sampling_from_args(args))
     media = None
     if images:
-        from kimi_mlx.cluster.head.pipeline import media_rows
+        from kimi_mlx.cluster.net.session import media_rows
         from kimi_mlx.generation.images import media_pad_id
 
         media = media_rows(vision, images, media_pad_id(tok, read_config(model_dir)))
@@ -221,8 +221,8 @@ def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation
     Returns the exit status; a rank lost mid-generation ends the process through
     `TensorGroup.fail`.
     """
-    from kimi_mlx.cluster.tensor.step import (OP_EXIT, command, group_stream, plain_run,
-                                              speculative_run)
+    from kimi_mlx.cluster.net.session import generate, speculative_run
+    from kimi_mlx.cluster.tensor.step import OP_EXIT, GroupTarget, command
     from kimi_mlx.generation.generate import print_generation
     from kimi_mlx.generation.streaming import stream_responses
     from dataclasses import replace
@@ -247,19 +247,19 @@ def launch_tensor(args, finder: NodeFinder, ids: List[int], wrapper, speculation
 
     def tokens():
         if speculation is not None:
-            yield from group_stream(model, group, ids, speculative_run(
-                ids, speculation.draft, max_tokens=args.max_tokens, **speculation.kwargs()),
-                record=True)
+            yield from generate(
+                lambda: GroupTarget(model, group, len(ids) - 1, record=True), ids,
+                args.max_tokens, run=speculative_run(ids, speculation.draft,
+                                                     max_tokens=args.max_tokens,
+                                                     **speculation.kwargs()))
             return
         if media is not None:
             from kimi_mlx.cluster.tensor.prefill import open_request
 
-            target = open_request(model, group, ids, media=media)
-            stream = group_stream(model, group, ids[-1:], plain_run(
-                ids[-1:], args.max_tokens, sampler), target=target)
+            session = open_request(model, group, ids, media=media)
         else:
-            stream = group_stream(model, group, ids, plain_run(ids, args.max_tokens, sampler))
-        for tok, lp in stream:
+            session = lambda: GroupTarget(model, group, len(ids) - 1)  # noqa: E731
+        for tok, lp in generate(session, ids, args.max_tokens, sampler=sampler):
             yield tok, lp, False
 
     try:

@@ -118,7 +118,7 @@ def test_a_full_session_table_answers_resource_exhausted_with_the_limit(cluster)
         assert [cluster.sessions(i) for i in range(3)] == [HEADS] * 3
         # one more through the head: refused by stage 0, with the limit named
         with pytest.raises(StageFailure) as e:
-            list(Pipeline(t).generate_step([1, 2, 3], Sampling(), 2, session="one-too-many"))
+            list(Pipeline(t).generate([1, 2, 3], Sampling(), 2, session="one-too-many"))
         assert "session table full" in str(e.value) and f"the limit is {HEADS}" in str(e.value)
         assert "stage 0" in str(e.value)
         # and on the wire: RESOURCE_EXHAUSTED from the last stage, whose table is full too

@@ -161,7 +161,7 @@ def test_restarted_node_rejoins(faults):
         stages = [StageAssignment(NodeInfo(p.node_id, p.host, p.port), cut[i], cut[i + 1])
                   for i, p in enumerate(faults.procs)]
         t.load(faults.fp, stages, "float32", "float32")
-        toks = [tok for tok, _ in Pipeline(t, prefill_chunk=8).generate_step([5, 6, 7, 8], Sampling(), 5)]
+        toks = [tok for tok, _ in Pipeline(t, prefill_chunk=8).generate([5, 6, 7, 8], Sampling(), 5)]
         assert len(toks) == 5
     finally:
         t.shutdown()
@@ -177,7 +177,7 @@ def test_hung_stage_is_named_within_10s(faults):
         stages = [StageAssignment(NodeInfo(p.node_id, p.host, p.port), cut[i], cut[i + 1])
                   for i, p in enumerate(faults.procs)]
         t.load(faults.fp, stages, "float32", "float32")
-        gen = Pipeline(t, prefill_chunk=8).generate_step([5, 6, 7, 8], Sampling(), 100000)
+        gen = Pipeline(t, prefill_chunk=8).generate([5, 6, 7, 8], Sampling(), 100000)
         for _ in range(5):
             next(gen)
         faults.procs[2].signal(signal.SIGSTOP)

@@ -47,7 +47,7 @@ def test_three_null_stages_echo_tokens_through_the_real_transport(tmp_path):
         pipe = Pipeline(t, prefill_chunk=4)
         for last in (1, 257, vocab - 1):  # ids float32 holds exactly, > bf16's 256
             prompt = [5, 6, 7, 8, 9, 10, last]  # two prefill chunks, then the sampled one
-            got = [tok for tok, _ in pipe.generate_step(prompt, Sampling(), 3)]
+            got = [tok for tok, _ in pipe.generate(prompt, Sampling(), 3)]
             assert got == [last] * 3
     finally:
         t.shutdown()

@@ -106,13 +106,13 @@ def test_three_stages_match_one_process_bitwise(cluster, loaded, single):
     t, stages, _ = loaded
     assert len(stages) == 3 and stages[0].start == 0 and stages[-1].end == cluster.args.num_hidden_layers
     pipe = Pipeline(t, prefill_chunk=8)
-    got = list(pipe.generate_step(PROMPT, Sampling(), 16, return_logprobs=True))
+    got = list(pipe.generate(PROMPT, Sampling(), 16, return_logprobs=True))
     ref = _reference(single, PROMPT, 16, 8)
     assert [g[0] for g in got] == [r[0] for r in ref]
     for (_, a), (_, b) in zip(got, ref):
         assert np.array_equal(np.array(a), b)  # float32 on the wire: bitwise the same
     # the launcher's default chunking against mlx-lm's default: same greedy tokens
-    toks = [tok for tok, _ in Pipeline(t).generate_step(PROMPT, Sampling(), 16)]
+    toks = [tok for tok, _ in Pipeline(t).generate(PROMPT, Sampling(), 16)]
     assert toks == [r[0] for r in _reference(single, PROMPT, 16, 2048)]
     assert cluster.wait_no_sessions() == [0, 0, 0]
 
@@ -149,7 +149,7 @@ def test_concurrent_sessions(cluster, loaded, single):
     pipe = Pipeline(t, prefill_chunk=8, step_timeout=60)
 
     def one(k):
-        got[k] = [tok for tok, _ in pipe.generate_step(prompts[k], Sampling(), 10)]
+        got[k] = [tok for tok, _ in pipe.generate(prompts[k], Sampling(), 10)]
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
     for th in threads:
@@ -173,7 +173,7 @@ def test_concurrent_seeded_sessions_each_sample_as_one_process(cluster, loaded, 
 
     def one(k):
         start.wait()
-        got[k] = [tok for tok, _ in pipe.generate_step(runs[k][0], runs[k][1], 12)]
+        got[k] = [tok for tok, _ in pipe.generate(runs[k][0], runs[k][1], 12)]
 
     threads = [threading.Thread(target=one, args=(k,)) for k in range(len(runs))]
     for th in threads:
@@ -261,7 +261,7 @@ def test_malformed_messages_are_refused_and_the_stage_keeps_serving(cluster, loa
     assert err is not None and "no checkpoint with fingerprint ../../etc" in err.details()
     assert cluster.wait_no_sessions() == [0, 0, 0]
     # the stages still serve: a normal generation is unchanged
-    toks = [tok for tok, _ in Pipeline(t, prefill_chunk=8).generate_step(PROMPT, Sampling(), 6)]
+    toks = [tok for tok, _ in Pipeline(t, prefill_chunk=8).generate(PROMPT, Sampling(), 6)]
     assert toks == [r[0] for r in _reference(single, PROMPT, 6, 8)]
     assert "refused message seq" in mid.log_text()
 
@@ -273,7 +273,7 @@ def test_bf16_on_the_wire(cluster, single):
     try:
         stages = cluster.plan(t)
         t.load(cluster.fp, stages, "float32", "bfloat16")
-        got = list(Pipeline(t, prefill_chunk=8).generate_step(PROMPT, Sampling(), 4, return_logprobs=True))
+        got = list(Pipeline(t, prefill_chunk=8).generate(PROMPT, Sampling(), 4, return_logprobs=True))
         ref = _reference(single, PROMPT, 4, 8)
         diff = max(float(np.abs(np.array(g[1]) - r[1]).max()) for g, r in zip(got, ref))
         print(f"\nbf16 wire: tokens {[g[0] for g in got]} vs {[r[0] for r in ref]}, "

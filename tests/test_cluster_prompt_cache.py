@@ -8,7 +8,7 @@ import random
 import mlx.core as mx
 import pytest
 
-from kimi_mlx.cluster.head.pipeline import prefill_chunks
+from kimi_mlx.cluster.net.session import prefill_chunks
 from kimi_mlx.cluster.net.cache_index import HeadCacheIndex
 from kimi_mlx.cluster.node.stage_cache import StageCache
 from kimi_mlx.cluster.net.cache_keys import key_length, prefix_key

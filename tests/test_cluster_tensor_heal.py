@@ -334,15 +334,15 @@ def test_recovery_waits_replans_and_ignores_an_old_group():
     ranks = {r["rank"]: r for r in eng.stages()}
     assert not ranks[0]["ok"] and ranks[0]["reason"] is None
     assert "node b" in ranks[2]["reason"] and ranks[1]["reason"] is None
-    eng._heal()
+    eng.keeper.heal()
     assert calls == [] and "waiting for it to answer again" in eng.health()
     assert "node b at 127.0.0.1:2: not answering" in eng.health()
 
     eng, old = _engine(reform, lambda nodes: ([], [down]), replan=True)
-    eng._heal()
+    eng.keeper.heal()
     assert calls == [({"b"}, 1)] and "failed, trying again" in eng.health()
     assert "does not split over 2 ranks" in eng.health()
-    eng._heal()
+    eng.keeper.heal()
     assert calls[-1] == ({"b"}, 1) and eng.health() is None and eng.epoch == 1
     assert eng.ranks == [(1, "a")]
     assert [(r["rank"], r["node"], r["ok"]) for r in eng.stages()] == [(0, "this head", True),

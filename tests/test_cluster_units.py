@@ -14,7 +14,7 @@ from kimi_mlx.cluster.net.auth import AuthError, Verifier, init_secret, key_id, 
 from kimi_mlx.cluster.net.discovery import NodeInfo, from_properties, interface_addresses, to_properties
 from kimi_mlx.cluster.net.fingerprint import fingerprint, scan
 from kimi_mlx.cluster.net.nodes import parse_address
-from kimi_mlx.cluster.head.pipeline import prefill_chunks
+from kimi_mlx.cluster.net.session import prefill_chunks
 from kimi_mlx.sampling import Sampling
 from kimi_mlx.cluster.node.runner import Refused, StageRunner, StageSpec
 from kimi_mlx.cluster.net.wire import WireError, from_tensor, to_tensor

@@ -62,7 +62,7 @@ def test_pipeline_stages_keep_8bit_caches(micro_pipeline, single):
     for bits in (8, None):
         t, _ = micro_pipeline.load_transport(kv=(bits, 64))
         try:
-            got = list(Pipeline(t, prefill_chunk=64).generate_step(prompt, Sampling(), 8,
+            got = list(Pipeline(t, prefill_chunk=64).generate(prompt, Sampling(), 8,
                                                                    return_logprobs=True))
         finally:
             t.shutdown()

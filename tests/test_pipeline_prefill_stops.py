@@ -48,7 +48,7 @@ def test_cache_free_chunks_end_where_the_cached_run_snapshots(n, segment_ends):
     ids = [i % 97 for i in range(n)]
     cached = _Recording()
     snaps = HeadCacheIndex(every=DEFAULT_EVERY).plan(ids, 0, segment_ends)
-    list(Pipeline(cached, 128).generate_step(ids, Sampling(), 1, snapshots=snaps))
+    list(Pipeline(cached, 128).generate(ids, Sampling(), 1, snapshots=snaps))
     assert any(cached.keys), "the cached run took no snapshot: nothing compared"
 
     free = _Recording()

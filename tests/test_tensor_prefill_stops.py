@@ -10,22 +10,25 @@ import pytest
 
 import kimi_mlx.cluster.tensor.step as step
 from kimi_mlx.cluster.net.cache_index import HeadCacheIndex
+from kimi_mlx.cluster.net.session import RemoteSession
 from kimi_mlx.cluster.tensor.prefill import open_request
 from kimi_mlx.server.prompt_cache import DEFAULT_EVERY
 
 
-class _Recording:
-    def __init__(self, model, group, n_prefill, restore=(), store=None):
-        self.cached, self.ends, self.snaps, self.pos = 0, [], [], 0
+class _Recording(RemoteSession):
+    """`step.GroupTarget`'s prefill (the shared `RemoteSession.prefill`) with the
+    group's forward command replaced by a record of where each chunk ends."""
 
-    def prefill(self, ids, media=None):
-        self.pos += len(ids)
-        self.ends.append(self.pos)
+    def __init__(self, model, group, n_prefill, restore=(), store=None, prefill_chunk=2048):
+        super().__init__(n_prefill, prefill_chunk)
+        self.ends, self.snaps = [], []
 
-    def snapshot(self, key):
-        self.snaps.append(self.pos)
+    def _prefill_chunk(self, ids, media, snapshot, targets, top_k):
+        self.ends.append(self.offset + len(ids))
+        if snapshot:
+            self.snaps.append(self.offset + len(ids))
 
-    def end(self):
+    def end(self, ok=True):
         pass
 
 

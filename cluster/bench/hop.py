@@ -343,7 +343,7 @@ def _run(args, tmp: Path) -> int:
                 for n in (1, 2, 3):
                     t.load(cluster.fp, cluster.plan(range(n)), "float32", "float32", force=True)
                     c0 = _cpu_seconds(pids)
-                    g = _median_gap(pipe.generate_step(prompt, Sampling(), args.decode_tokens),
+                    g = _median_gap(pipe.generate(prompt, Sampling(), args.decode_tokens),
                                     args.decode_tokens)
                     if r:
                         per[n].append(g)
@@ -384,7 +384,7 @@ def _run(args, tmp: Path) -> int:
 
         def ttft(pipelined: bool) -> float:
             t0 = time.perf_counter()
-            next(pipe.generate_step(long_prompt, Sampling(), 1, pipelined=pipelined))
+            next(pipe.generate(long_prompt, Sampling(), 1, pipelined=pipelined))
             return time.perf_counter() - t0
 
         seq_t, pip_t = [], []

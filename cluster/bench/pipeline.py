@@ -63,7 +63,8 @@ def _run(args, tmp: Path) -> int:
 
     from kimi_mlx.checkpoint.loader import load_model
 
-    from kimi_mlx.cluster.head.pipeline import Pipeline, prefill_chunks
+    from kimi_mlx.cluster.head.pipeline import Pipeline
+    from kimi_mlx.cluster.net.session import prefill_chunks
 
     from kimi_mlx.cluster.net.nodes import check_nodes
 
@@ -124,7 +125,7 @@ def _run(args, tmp: Path) -> int:
         one, three = [], []
         for r in range(args.repeats + 1):  # the first round warms up (compile, caches)
             a = per_token(generate_step(mx.array(prompt), single, max_tokens=n))
-            b = per_token(pipe.generate_step(prompt, Sampling(), n))
+            b = per_token(pipe.generate(prompt, Sampling(), n))
             if r:
                 one.append(a)
                 three.append(b)
@@ -142,7 +143,7 @@ def _run(args, tmp: Path) -> int:
 
         def ttft(pipelined: bool) -> float:
             t0 = time.perf_counter()
-            next(pipe.generate_step(long_prompt, Sampling(), 1, pipelined=pipelined))
+            next(pipe.generate(long_prompt, Sampling(), 1, pipelined=pipelined))
             return time.perf_counter() - t0
 
         def one_process() -> float:

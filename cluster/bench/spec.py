@@ -3,7 +3,7 @@
 Three `kimi-mlx cluster serve` processes on loopback hold the target's layers (each with
 one BLAS thread: each stands for one Mac); the head, this process, runs the draft. For
 each k it times greedy generation of the same prompts through the same loaded stages,
-plain (`Pipeline.generate_step`: one round trip through every stage per token) and
+plain (`Pipeline.generate`: one round trip through every stage per token) and
 speculative (`cluster.head.speculative`: one round trip per verify step of up to k + 1
 tokens), alternating, and reports medians over repeats with the ratio. Tokens/s counts
 generated tokens over the generation wall time (prefill excluded on both sides), as the
@@ -65,7 +65,7 @@ def bench_rows(pipe, draft, model_args, prompts: List[List[int]], tokens: int,
     from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 
     def plain(p):
-        return pipe.generate_step(p, Sampling(), tokens)
+        return pipe.generate(p, Sampling(), tokens)
 
     def spec(k, stats):
         return lambda p: speculative_pipeline_step(

@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 class Batcher:
     """Batched decode through the pipeline: the decode steps of the sessions in flight
-    (`Pipeline.generate_step(batcher=...)`) go through the stages as one message per
+    (`head.pipeline.PipelineTarget` with a batcher) go through the stages as one message per
     step (`Transport.send_rows`), which every stage runs as one batched forward pass
     (`node.runner.StageRunner.run_rows`); each session still receives its own token.
 

@@ -3,7 +3,7 @@ pipeline behind it.
 
 `ClusterEngine` is a `server.engine_base.BaseEngine` (queue, admission, isolation,
 capabilities, health): each of up to `max_concurrency` worker threads runs one request as
-its own pipeline session (`head.pipeline.Pipeline.generate_step`), so different stages work on
+its own pipeline session (`head.pipeline.Pipeline.generate`), so different stages work on
 different requests at once (pipeline fill). With `batch`, the sessions' decode steps
 go through the stages together, one message per step (`head.batcher.Batcher`), each stage
 running them as one batched forward pass (`runner.StageRunner.run_rows`). Past
@@ -27,7 +27,6 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from kimi_mlx.sampling import Sampling
 from kimi_mlx.server.engine_base import BaseEngine
 
 from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
@@ -39,12 +38,13 @@ class ClusterEngine(BaseEngine):
     """Runs server `Job`s through a loaded `Pipeline` (see module doc); `BaseEngine` owns
     the queue, admission, isolation, capabilities and stop."""
 
-    # presence/frequency penalties and logit_bias are applied at the head (`head_chooser`);
+    # presence/frequency penalties and logit_bias are applied at the head (mlx-lm's
+    # processors over the last stage's log-probabilities, `head.pipeline.Pipeline.open`);
     # repetition_penalty is not: it scales raw logits by their sign, and the last stage
     # returns only log-probabilities (a 400 names this)
     unsupported_penalties = ("repetition_penalty",)
     supports_batching = True
-    # the last stage scores a prompt's positions (`Pipeline.generate_step`'s `score`)
+    # the last stage scores a prompt's positions (`net.session.RemoteSession.prefill`)
     supports_scoring = True
     target = "the pipeline"
 
@@ -72,21 +72,23 @@ class ClusterEngine(BaseEngine):
         # net.cache_index.HeadCacheIndex: snapshots on the stages (None: every request
         # prefills its whole prompt; a draft decodes without it)
         self.prompt_cache = prompt_cache if speculation is None else None
-        self._lookups = None
+        # count_lookup(result): one prompt-cache lookup ("hit", "shorter", "miss", "disk",
+        # "refused") in /metrics
+        self.count_lookup = lambda result: None
         if self.prompt_cache is not None and metrics is not None:
-            from kimi_mlx.cluster.net.cache_index import lookup_counter
+            from kimi_mlx.cluster.net.cache_index import lookup_count
 
-            self._lookups = lookup_counter(metrics.registry)
+            self.count_lookup = lookup_count(metrics)
             metrics.registry.register(_StageDiskCollector(self))
         self.keeper = keeper  # recovery.PipelineKeeper (None: a loss is final)
         self._vision_lock = threading.Lock()
 
     def _media(self, job):
-        """`Pipeline.generate_step`'s media for a job with images (the tower runs here,
-        on the head), else None."""
+        """The prefill's media for a job with images (the tower runs here, on the head),
+        else None."""
         if not job.images:
             return None
-        from kimi_mlx.cluster.head.pipeline import media_rows
+        from kimi_mlx.cluster.net.session import media_rows
 
         return media_rows(self.vision, job.images, self.pad_id, self._vision_lock)
 
@@ -135,14 +137,13 @@ class ClusterEngine(BaseEngine):
         from kimi_mlx.server.jobs import Started, stream_to_job
         from kimi_mlx.server.prompt_cache import DEFAULT_EVERY, snapshot_points
 
-        want_lp = job.logprobs is not None
-        choose = head_chooser(job) if job.logits_processors else None
-        # with head-side sampling the last stage samples greedily, and its token is unused
-        sampling = Sampling() if choose else job.sampling
+        # logits processors: mlx-lm's, on the head, over the last stage's log-probabilities
+        kw = dict(return_logprobs=job.logprobs is not None,
+                  logits_processors=job.logits_processors or None)
         tic = time.perf_counter()
         start = {"cached": 0}
         if job.score is not None:
-            gen = self._scored(job, sampling, want_lp or choose is not None, choose, tic)
+            gen = self._scored(job, kw, tic)
             if gen is None:
                 return
         elif self.speculates(job):
@@ -151,19 +152,14 @@ class ClusterEngine(BaseEngine):
                 num_draft_tokens=spec.num_draft_tokens, max_tokens=job.max_tokens,
                 sampling=job.sampling, stats=spec.stats))
         elif self.prompt_cache is not None:
-            gen = self._cached_generate(job, sampling, want_lp or choose is not None, choose,
-                                        start)
+            gen = self._cached_generate(job, kw, start)
         else:
-            extra = {"batcher": self.batcher()} if self.batch else {}
-            media = self._media(job)
-            if media is not None:
-                extra["media"] = media
             # no prompt cache: chunks end at the policy's points all the same, so a reply
             # is computed as a snapshot-restored one would be (one process does the same)
-            extra["stops"] = snapshot_points(len(job.ids), 0, job.segment_ends, DEFAULT_EVERY)
-            gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
-                                              return_logprobs=want_lp or choose is not None,
-                                              choose=choose, **extra)
+            gen = self.pipeline.generate(
+                job.ids, job.sampling, job.max_tokens, batcher=self.batcher(),
+                media=self._media(job), **kw,
+                stops=snapshot_points(len(job.ids), 0, job.segment_ends, DEFAULT_EVERY))
         # the restored prefix is known once the stages took the session (a refused
         # snapshot means a full prefill): Anthropic's message_start waits for Started, so
         # its usage is the one message_delta repeats; closing `gen` ends the session on
@@ -171,7 +167,7 @@ class ClusterEngine(BaseEngine):
         stream_to_job(job, gen, self.eos_ids, tic, self.metrics, cached=lambda: start["cached"],
                       on_first=lambda: job.emit(Started(start["cached"])))
 
-    def _scored(self, job, sampling, return_logprobs, choose, tic):
+    def _scored(self, job, kw, tic):
         """A job with `score` (echo + logprobs): its prompt scored by the last stage, in
         full (no prompt-cache prefix: a restored prefix has no logits; no draft: it
         decodes plainly). Returns the generator of its reply, after which
@@ -181,10 +177,9 @@ class ClusterEngine(BaseEngine):
         from kimi_mlx.server.scoring import finish_scored
 
         scores: list = []
-        extra = {"batcher": self.batcher()} if self.batch and job.max_tokens else {}
-        gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
-                                          return_logprobs=return_logprobs, choose=choose,
-                                          score=job.score, scores=scores, **extra)
+        gen = self.pipeline.generate(job.ids, job.sampling, job.max_tokens, score=job.score,
+                                     scores=scores, **kw,
+                                     batcher=self.batcher() if job.max_tokens else None)
         job.prompt_scores = scores
         if job.max_tokens:
             return gen
@@ -231,36 +226,29 @@ class ClusterEngine(BaseEngine):
         held = set(self.pipeline.transport.cache_lookup([k for _, k in cands]) or ())
         for i, (n, key) in enumerate(cands):
             if key in held:
-                self._count("disk" if guessed else "hit" if i == 0 else "shorter")
+                self.count_lookup("disk" if guessed else "hit" if i == 0 else "shorter")
                 return (key, n), n
         if not guessed:
-            self._count("miss")
+            self.count_lookup("miss")
         return None, 0
 
-    def _count(self, result: str) -> None:
-        if self._lookups is not None:
-            self._lookups.labels(result).inc()
-
-    def _cached_generate(self, job, sampling, return_logprobs, choose, start):
-        """`Pipeline.generate_step` from the longest prefix the stages hold, taking
-        snapshots where the policy says (`HeadCacheIndex.plan`); start["cached"] = prompt
-        tokens restored. A stage that lost the snapshot since the lookup refuses the
-        session before any token: then the prompt is prefilled in full, on the same
-        pipeline."""
+    def _cached_generate(self, job, kw, start):
+        """`Pipeline.generate` from the longest prefix the stages hold, taking snapshots
+        where the policy says (`HeadCacheIndex.plan`); start["cached"] = prompt tokens
+        restored. A stage that lost the snapshot since the lookup refuses the session
+        before any token: then the prompt is prefilled in full, on the same pipeline."""
         from kimi_mlx.cluster.net.cache_keys import CACHE_MISS
         from kimi_mlx.cluster.head.transport import StageFailure
 
         key = job.cache_key  # the ids, with image pads tagged by their image's digest
         restore, cached = self._restore_point(key, job.segment_ends)
         media = self._media(job)
-        extra = {} if media is None else {"media": media}
         while True:
             start["cached"] = cached
             snaps = self.prompt_cache.plan(key, cached, job.segment_ends)
-            gen = self.pipeline.generate_step(job.ids, sampling, job.max_tokens,
-                                              return_logprobs=return_logprobs, choose=choose,
-                                              restore=restore, snapshots=snaps,
-                                              batcher=self.batcher(), **extra)
+            gen = self.pipeline.generate(job.ids, job.sampling, job.max_tokens, **kw,
+                                         restore=restore, snapshots=snaps,
+                                         batcher=self.batcher(), media=media)
             first = True
             try:
                 for item in gen:
@@ -271,37 +259,10 @@ class ClusterEngine(BaseEngine):
                 if restore is None or not first or e.lost or CACHE_MISS not in str(e):
                     raise
                 log.warning("prompt cache: %s; prefilling in full", e)
-                self._count("refused")
+                self.count_lookup("refused")
                 restore, cached = None, 0
             finally:
                 gen.close()
-
-
-def head_chooser(job):
-    """Head-side sampling for a job with logits processors (`Pipeline.generate_step`'s
-    `choose`): logprobs float32 [vocab] from the last stage -> (token, processed logprobs).
-
-    As mlx-lm's `generate_step` (which the one-process server runs from the last prompt
-    token): the processors see the last prompt token plus the tokens generated so far,
-    then the result is normalised (logits - logsumexp) and the job's sampler draws. Only
-    processors that add to the logits may run here (presence / frequency penalties,
-    logit_bias): for those, log-probabilities give the same distribution as logits."""
-    import mlx.core as mx
-
-    sampler = job.sampling.sampler()
-    history = mx.array(job.ids[-1:])
-
-    def choose(logprobs):
-        nonlocal history
-        x = mx.array(logprobs)[None]
-        for proc in job.logits_processors:
-            x = proc(history, x)
-        x = x - mx.logsumexp(x, keepdims=True)
-        token = sampler(x)
-        history = mx.concatenate([history, token.astype(history.dtype)])
-        return token.item(), x[0]
-
-    return choose
 
 
 class _StageDiskCollector:

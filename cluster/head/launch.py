@@ -42,7 +42,7 @@ class LaunchRun:
         ids: prompt token ids. sampling: the stages' `Sampling`. max_tokens: to generate.
         speculation: a `speculative.loop.Speculation` (draft on this head) or None.
         margs: the target's ModelArgs (speculative steps). media: (pad id, image rows)
-            for `Pipeline.generate_step`, or None. seed: seeds this head's random draws
+            for `Pipeline.generate`, or None. seed: seeds this head's random draws
             (draft, acceptance) before a speculative run.
     """
 
@@ -60,7 +60,7 @@ class LaunchRun:
         if speculation is None:
             extra = {} if self.media is None else {"media": self.media}
             return ((t, lp, False) for t, lp in
-                    self.pipeline.generate_step(prompt_ids, self.sampling, max_tokens, **extra))
+                    self.pipeline.generate(prompt_ids, self.sampling, max_tokens, **extra))
         from kimi_mlx.cluster.head.speculative import speculative_pipeline_step
 
         if self.seed is not None:  # the head draws every random number (draft, acceptance)

@@ -1,76 +1,182 @@
 """The head: generate through the pipeline (nodes are found and checked in `net.nodes`,
 planned in `head.plan`, loaded by `head.cluster`; batched decode in `head.batcher`).
 
-Generation mirrors mlx-lm's `generate_step` / `stream_generate` so `kimi-mlx cluster
-launch` prints what `kimi-mlx generate` prints: the prompt except its last token is
-prefilled in chunks (`prefill_chunk` tokens; they stream into stage 0 back to back, so
-stage i works on chunk c while stage i + 1 works on chunk c - 1), then the last prompt
-token is sent alone and the last stage samples it (logprobs = logits - logsumexp, then
-mlx-lm's sampler, as `generate_step` does); each sampled token comes back to the head and
-goes into stage 0 as the next step. Several sessions may run at once (one per thread).
+A request is a `PipelineTarget`, the pipeline's `net.session.RemoteSession`: the prompt
+but its last token is prefilled in chunks (`prefill_chunk` tokens, also ending at the
+prompt-cache snapshot points; they stream into stage 0 back to back, so stage i works on
+chunk c while stage i + 1 works on chunk c - 1), then mlx-lm's `generate_step` decodes
+from the last prompt token over the session, as one process does (`net.session.generate`).
+Each decode message asks the last stage to sample (`Activation.sample`): with no logits
+processors the session takes the last stage's token (`stage_samples`: no logits travel);
+with them (penalties, logit_bias, constraints) the last stage returns log-probabilities
+and mlx-lm's processors and sampler choose on the head. Several sessions may run at once
+(one per thread). Speculative decoding runs over the same session (`head.speculative`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
-from kimi_mlx.cluster.head.batcher import Batcher
-from kimi_mlx.cluster.net import stage_pb2 as pb
-from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
+import mlx.core as mx
+
 from kimi_mlx.cluster.head.transport import StageFailure, Transport
+from kimi_mlx.cluster.net.session import RemoteSession, generate
+from kimi_mlx.sampling import DEFAULT_MAX_TOKENS, Sampling
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PREFILL_CHUNK = 128
 
 
-def prefill_chunks(n_prompt: int, chunk: int, start: int = 0,
-                   stops: Sequence[int] = ()) -> List[Tuple[int, int]]:
-    """(offset, length) of the prefill chunks for a prompt of `n_prompt` tokens: tokens
-    [start, n_prompt - 1) in chunks of at most `chunk` (as mlx-lm's generate_step with
-    prefill_step_size=chunk), also ending at each position of `stops` (prompt-cache
-    snapshot points); the last token is sent on its own to be sampled."""
-    out, off = [], start
-    ends = sorted(e for e in set(stops) if start < e < n_prompt - 1) + [n_prompt - 1]
-    for end in ends:
-        while end - off > 0:
-            n = min(chunk, end - off)
-            out.append((off, n))
-            off += n
-    return out
+class PipelineTarget(RemoteSession):
+    """One session through the pipeline's stages, as a model the head's loops call
+    (`net.session.RemoteSession`: keep/trim, prefill, decode).
 
+    Prefill chunks are sent back to back without waiting (a chunk asked for its scores or
+    captured hidden states is answered after all are sent). A decode position is one
+    message: with `record` (speculative decoding) a verify step that every stage records
+    and the last stage answers with the logits float32 [T, vocab], carrying the previous
+    step's `keep`; else a 1-token step the last stage samples (its token, and its
+    log-probabilities when the session was opened with `return_logprobs`), through
+    `batcher` when given (one batched message per step for the sessions decoding).
 
-def chunk_media(media: Optional[Tuple[int, object]], prompt: Sequence[int], offset: int,
-                length: int) -> Optional[Tuple[int, object]]:
-    """(pad id, rows [P, hidden]) of the `<|media_pad|>` tokens among prompt[offset:
-    offset + length], from a prompt's `media` (pad id, all its rows in order); None when
-    the chunk has none."""
-    if media is None:
-        return None
-    pad, rows = media
-    before = sum(1 for t in prompt[:offset] if t == pad)
-    k = sum(1 for t in prompt[offset:offset + length] if t == pad)
-    return (pad, rows[before:before + k]) if k else None
+    Args:
+        transport: a loaded `Transport`; session: its open session id.
+        args: the checkpoint's `ModelArgs` (vocab_size and hidden_size for the checks;
+            None for plain decoding).
+        n_prefill: prompt tokens that are prefill (len(prompt) - 1).
+        prefill_chunk: prompt tokens per message. step_timeout: seconds per answer (None:
+            as long as every stage is alive).
+        record: decode positions are verify steps. stage_samples: take the last stage's
+            token. return_logprobs: the session asked the last stage for log-probabilities.
+        batcher: a `head.batcher.Batcher` for the plain decode steps, or None.
+    Raises (from calls): StageFailure / TimeoutError from the transport; ValueError for an
+        answer of the wrong kind or shape (naming the stage that sent it).
+    """
 
+    what = "the pipeline"
 
-def media_rows(vision, images: Sequence[object], pad: int, lock: Optional[threading.Lock] = None):
-    """(pad id, rows [sum of the images' tokens, hidden]) for `Pipeline.generate_step`:
-    the head runs the vision tower and projector (`generation.images.Vision`, loaded
-    from the checkpoint folder on the head on first use), under `lock` (one tower run at
-    a time; sessions run on several threads)."""
-    import mlx.core as mx
+    def __init__(self, transport, session: str, args, n_prefill: int, prefill_chunk: int,
+                 step_timeout: Optional[float] = None, *, record: bool = True,
+                 stage_samples: bool = False, return_logprobs: bool = False, batcher=None):
+        super().__init__(n_prefill, prefill_chunk, record, stage_samples)
+        self.transport, self.session, self.args = transport, session, args
+        self.step_timeout, self.return_logprobs, self.batcher = step_timeout, return_logprobs, batcher
+        self.seq = 0
+        self._joined = False
 
-    if lock is None:
-        rows = vision.features(images)
-        mx.eval(rows)
-        return pad, rows
-    with lock:
-        rows = vision.features(images)
-        mx.eval(rows)
-    return pad, rows
+    def _send(self, tokens: Sequence[int], sample: bool, **extra) -> int:
+        seq = self.seq
+        self.transport.send(self.session, seq, self.offset, list(tokens), sample, **extra)
+        self.seq += 1
+        return seq
+
+    pipelined = True  # False: wait for each prefill chunk to clear the last stage (benches)
+
+    def _prefill_chunk(self, ids, media, snapshot, targets, top_k):
+        extra = {}
+        if snapshot:
+            extra["snapshot_key"] = snapshot
+        if media is not None:
+            extra["media"] = media
+        if targets is not None:
+            extra["score"] = (targets, top_k)
+        wait = not self.pipelined
+        seq = self._send(ids, wait and targets is None, **extra)
+        if targets is None:
+            if wait:
+                self._receive(seq)
+            return None
+        if wait:
+            return _score_outs(self._receive(seq), targets)
+        return lambda: _score_outs(self._receive(seq), targets)
+
+    def _prefill_call(self, ids, capture):
+        wire = sorted(capture) if capture else None  # the stages capture in layer order
+        extra = {"capture": wire} if wire else {}  # plain sends keep the plain call
+        sent = []
+        for s in range(0, len(ids), self.prefill_chunk):
+            part = ids[s:s + self.prefill_chunk]
+            sent.append((self._send(part, False, verify=False, keep=None, **extra), len(part)))
+            self.offset += len(part)
+        if not capture:
+            return None
+        return mx.concatenate([self._hidden(self._receive(seq), seq, n, wire, capture)
+                               for seq, n in sent], axis=1)
+
+    def _decode(self, ids, keep, capture):
+        if not self.record:
+            if len(ids) != 1 or capture:
+                raise ValueError(f"plain decoding through the pipeline sends one token a step "
+                                 f"(got {len(ids)}{' with capture' if capture else ''})")
+            return self._sampled(ids[0]), None
+        T = len(ids)
+        wire = sorted(capture) if capture else None
+        extra = {"capture": wire} if wire else {}
+        seq = self._send(ids, False, verify=True, keep=keep, **extra)  # answered with logits
+        r = self._receive(seq)
+        V = self.args.vocab_size
+        if r.logits is None or tuple(r.logits.shape) != (T, V):
+            got = "none" if r.logits is None else list(r.logits.shape)
+            raise ValueError(f"{self._who(r)} answered verify step seq {r.seq} with logits "
+                             f"{got}, expected [{T}, {V}] (a stage of another protocol?)")
+        return r.logits[None], (self._hidden(r, seq, T, wire, capture) if capture else None)
+
+    def _sampled(self, token: int) -> mx.array:
+        """One decode step the last stage samples: its log-probabilities [1, 1, vocab] as
+        the logits (zeros [1, 1, 1] without them); its token for `stage_samples`."""
+        if self.batcher is not None and self._joined:
+            self.batcher.step(self.session, self.seq, self.offset, token)
+            self.seq += 1
+        else:  # the first decode step goes on the session's own stream
+            self._send([token], True)
+            if self.batcher is not None:
+                self.batcher.join(self.session)
+                self._joined = True
+        r = self.transport.receive(self.session, self.step_timeout)
+        self._stage_token = int(r.token)
+        if r.logprobs is not None:
+            return mx.array(r.logprobs).reshape(1, 1, -1)
+        if not self.stage_samples:
+            raise ValueError(f"{self._who(r)} sent no log-probabilities for head-side sampling")
+        return mx.zeros((1, 1, 1), mx.float32)
+
+    def end(self, ok: bool = True) -> None:
+        if self.batcher is not None:
+            self.batcher.leave(self.session)
+        try:
+            self.transport.close(self.session) if ok else self.transport.cancel(self.session)
+        except Exception as e:  # noqa: BLE001 - never wait on a failed pipeline
+            log.debug("close %s: %s", self.session, e)
+
+    def _receive(self, seq: int):
+        r = self.transport.receive(self.session, self.step_timeout)
+        if r.seq != seq:
+            raise ValueError(f"{self._who(r)} answered message seq {r.seq}, expected the "
+                             f"answer to seq {seq}")
+        return r
+
+    def _who(self, r) -> str:
+        """The stage that sent answer `r`, as the transport describes it."""
+        stage = getattr(r, "stage", -1)
+        describe = getattr(self.transport, "describe", None)
+        if describe is not None and 0 <= stage < len(getattr(self.transport, "stages", [])):
+            return describe(stage)
+        return "the last stage" if stage < 0 else f"stage {stage}"
+
+    def _hidden(self, r, seq: int, T: int, wire: List[int], order: List[int]) -> mx.array:
+        """Answer `r`'s captured rows [len(wire), T, D] (layer ids `wire`, ascending)
+        as [1, T, n * D] in the order `order`; ValueError naming the stage when they are
+        missing or misshapen."""
+        want = (len(wire), T, self.args.hidden_size)
+        h = getattr(r, "hidden", None)
+        if h is None or tuple(h.shape) != want:
+            got = "none" if h is None else list(h.shape)
+            raise ValueError(f"{self._who(r)} answered message seq {seq} with captured hidden "
+                             f"states {got}, expected {list(want)} (layers {wire})")
+        return mx.concatenate([h[wire.index(i)] for i in order], axis=-1)[None]
 
 
 class Pipeline:
@@ -79,7 +185,7 @@ class Pipeline:
     Args:
         transport: loaded transport (stages ready).
         prefill_chunk: prompt tokens per message.
-        step_timeout: seconds to wait for one token (None: as long as every stage is
+        step_timeout: seconds to wait for one answer (None: as long as every stage is
             alive; lost stages are reported within the transport's peer timeout).
     """
 
@@ -91,130 +197,61 @@ class Pipeline:
         self.prefill_chunk = prefill_chunk
         self.step_timeout = step_timeout
 
-    def generate_step(self, prompt: Sequence[int], sampling: Optional[Sampling] = None,
-                      max_tokens: int = DEFAULT_MAX_TOKENS, return_logprobs: bool = False,
-                      pipelined: bool = True, session: Optional[str] = None,
-                      choose: Optional[Callable[[object], Tuple[int, object]]] = None,
-                      restore: Optional[Tuple[str, int]] = None,
-                      snapshots: Optional[Dict[int, str]] = None,
-                      stops: Sequence[int] = (),
-                      batcher: Optional["Batcher"] = None,
-                      media: Optional[Tuple[int, object]] = None,
-                      score: Optional[int] = None, scores: Optional[list] = None,
-                      ) -> Iterator[Tuple[int, Optional[object]]]:
-        """Yield (token, logprobs or None), like mlx-lm's `generate_step`.
-
-        Args:
-            prompt: token ids (at least one).
-            max_tokens: tokens to yield (-1: until the caller stops).
-            return_logprobs: also return float32 [vocab] log-probabilities (bytes on the
-                wire: vocab x 4 per token).
-            pipelined: stream prefill chunks back to back (False: wait for each chunk to
-                clear the last stage before sending the next; for measuring).
-            choose: head-side sampling (needs return_logprobs): called with the last
-                stage's logprobs float32 [vocab] for each position, returns (token,
-                logprobs) to yield; that token, not the last stage's, is fed back (the
-                server applies logits processors this way).
-            restore: (prompt-cache key, n): every stage starts from its snapshot of the
-                first n prompt tokens (the head checked they all hold it); the prefill
-                starts at n. A stage that has lost it refuses the session (a
-                `StageFailure` whose message says `net.cache_keys.CACHE_MISS`).
-            snapshots: {position e: key}: every stage keeps a snapshot of the first e
-                prompt tokens (n < e < len(prompt)) under key; chunks end there.
-            stops: more positions where chunks end, with no snapshot (a cache-free
-                prefill ends its chunks at the snapshot policy's points, so that its
-                float operations are those of a reply restored from a snapshot).
-            batcher: decode through this `Batcher` (one batched message per step for
-                all the sessions decoding at once) instead of one message per token.
-            media: (pad id, rows mx.array [P, hidden]): the prompt's images, the vision
-                projector's rows for its P `<|media_pad|>` tokens in order (`media_rows`);
-                each prefill chunk carries the rows of its own pads to stage 0.
-            score: score the prompt's own tokens too (`/v1/completions` echo + logprobs)
-                with this many top alternatives (0..20): every prefill chunk asks the last
-                stage for its positions' scores (their next prompt token's log-probability
-                and the top alternatives, not the logits), which are appended to `scores`
-                (one `server.jobs.TokenOut` per token of prompt[1:]) before the first token
-                is yielded. Then max_tokens may be 0: the prompt is scored, nothing is
-                generated (the last prompt token is not sent). Not with `restore`.
-        Raises:
-            StageFailure: a stage was lost or refused (the session is freed everywhere
-                reachable before this propagates out of the caller's `abort`).
-            ValueError: empty prompt.
-        """
-        if len(prompt) == 0:
-            raise ValueError("the prompt is empty")
-        if choose is not None and not return_logprobs:
-            raise ValueError("head-side sampling (choose) needs return_logprobs")
-        if score is not None and (restore or scores is None):
-            raise ValueError("scoring needs a `scores` list and a full prefill (no restore)")
-        if max_tokens == 0 and score is None:
-            raise ValueError("max_tokens 0 generates nothing; it needs `score`")
-        t = self.transport
-        sampling = sampling or Sampling()
-        sid = session or f"s-{uuid.uuid4().hex[:16]}"
+    def open(self, n_prompt: int, sampling: Optional[Sampling] = None, *,
+             return_logprobs: bool = False, head_samples: bool = False,
+             restore: Optional[Tuple[str, int]] = None, batcher=None, args=None,
+             record: bool = False, session: Optional[str] = None) -> PipelineTarget:
+        """Open a session on every stage for a prompt of `n_prompt` tokens and return its
+        `PipelineTarget`. `head_samples`: the head chooses every token (logits
+        processors): the last stage returns log-probabilities and samples greedily,
+        unused. `restore` (prompt-cache key, n): every stage starts from its snapshot of
+        the first n prompt tokens (a stage that lost it refuses the session: a
+        `StageFailure` naming `net.cache_keys.CACHE_MISS` at the first answer); the
+        prefill starts at n. `record`: speculative decoding (verify steps, `args` the
+        target's ModelArgs). ValueError: a restored prefix outside the prompt."""
         start = restore[1] if restore else 0
-        if not 0 <= start < len(prompt):
-            raise ValueError(f"restored prefix of {start} tokens for a prompt of {len(prompt)}")
-        snapshots = snapshots or {}
-        t.open(sid, sampling, return_logprobs, restore=restore) if restore else \
-            t.open(sid, sampling, return_logprobs)
-        ok = False
-        try:
-            seq = 0
-            chunks = prefill_chunks(len(prompt), self.prefill_chunk, start,
-                                    list(snapshots) + list(stops))
-            for off, n in chunks:
-                extra = {}
-                key = snapshots.get(off + n)
-                if key:
-                    extra["snapshot_key"] = key
-                rows = chunk_media(media, prompt, off, n)
-                if rows is not None:
-                    extra["media"] = rows
-                if score is not None:
-                    extra["score"] = (prompt[off + 1:off + n + 1], score)
-                t.send(sid, seq, off, prompt[off:off + n],
-                       sample=not pipelined and score is None, **extra)
-                seq += 1
-                if not pipelined:
-                    r = t.receive(sid, self.step_timeout)
-                    if score is not None:
-                        scores.extend(_score_outs(r, prompt[off + 1:off + n + 1]))
-            if score is not None and pipelined:
-                for off, n in chunks:  # the chunks' answers, in order
-                    r = t.receive(sid, self.step_timeout)
-                    scores.extend(_score_outs(r, prompt[off + 1:off + n + 1]))
-            if max_tokens == 0:
-                ok = True
-                return
-            offset = len(prompt) - 1
-            t.send(sid, seq, offset, prompt[-1:], sample=True)
-            n = 0
-            if batcher is not None:
-                batcher.join(sid)
-            while True:
-                r = t.receive(sid, self.step_timeout)
-                token, logprobs = (r.token, r.logprobs) if choose is None else choose(r.logprobs)
-                yield token, logprobs
-                n += 1
-                if n == max_tokens:
-                    break
-                seq, offset = seq + 1, offset + 1
-                if batcher is not None:
-                    batcher.step(sid, seq, offset, token)
-                else:
-                    t.send(sid, seq, offset, [token], sample=True)
-            ok = True
-        except GeneratorExit:  # the caller stopped early (end of message): a clean end
-            ok = True
-            raise
-        finally:
-            if batcher is not None:
-                batcher.leave(sid)
-            try:
-                t.close(sid) if ok else t.cancel(sid)  # never wait on a failed pipeline
-            except Exception as e:
-                log.debug("close %s: %s", sid, e)
+        if not 0 <= start < n_prompt:
+            raise ValueError(f"restored prefix of {start} tokens for a prompt of {n_prompt}")
+        sid = session or f"s-{uuid.uuid4().hex[:16]}"
+        stage_sampling = Sampling() if head_samples or record else (sampling or Sampling())
+        lp = (return_logprobs or head_samples) and not record
+        if restore:
+            self.transport.open(sid, stage_sampling, lp, restore=restore)
+        else:
+            self.transport.open(sid, stage_sampling, lp)
+        s = PipelineTarget(self.transport, sid, args, n_prompt - 1, self.prefill_chunk,
+                           self.step_timeout, record=record, stage_samples=not (head_samples or record),
+                           return_logprobs=lp, batcher=batcher)
+        s.offset = s.cached = start
+        return s
+
+    def generate(self, prompt: Sequence[int], sampling: Optional[Sampling] = None,
+                 max_tokens: int = DEFAULT_MAX_TOKENS, *, return_logprobs: bool = False,
+                 logits_processors=None, restore: Optional[Tuple[str, int]] = None,
+                 batcher=None, session: Optional[str] = None, pipelined: bool = True,
+                 **prefill):
+        """Yield (token, logprobs float32 [vocab] or None) for `prompt`, like mlx-lm's
+        `generate_step`: `net.session.generate` over a session opened here (`open`;
+        `logits_processors`: mlx-lm's, applied on the head, which then samples with
+        `sampling`); `prefill`: `snapshots`, `stops`, `media`, `score` / `scores` of
+        `RemoteSession.prefill` (scoring needs a full prefill, no `restore`).
+        `pipelined` False: each prefill chunk waits to clear the last stage (measuring).
+        Raises StageFailure (a stage lost or refused; the session is freed everywhere
+        reachable) and ValueError (empty prompt, max_tokens 0 without a score)."""
+        sampling = sampling or Sampling()
+        if prefill.get("score") is not None and restore:
+            raise ValueError("scoring needs a full prefill (no restore)")
+        head = bool(logits_processors)
+
+        def open_session():
+            s = self.open(len(prompt), sampling, return_logprobs=return_logprobs,
+                          head_samples=head, restore=restore, batcher=batcher, session=session)
+            s.pipelined = pipelined
+            return s
+
+        return generate(open_session, prompt, max_tokens,
+                        sampler=sampling.sampler() if head else None,
+                        logits_processors=logits_processors, **prefill)
 
 
 def _score_outs(r, targets: Sequence[int]) -> list:
@@ -229,15 +266,4 @@ def _score_outs(r, targets: Sequence[int]) -> list:
     return [TokenOut(int(t), lp, top) for t, (lp, top) in zip(targets, r.scores)]
 
 
-def stream_generate(tokens: Iterator[Tuple], tokenizer, n_prompt: int,
-                    max_tokens: int, peak_memory: Callable[[], int]):
-    """mlx-lm's `stream_generate` over a token iterator of (token, logprobs[, from_draft])
-    (`kimi_mlx.generation.streaming.stream_responses`): yields GenerationResponse with text segments,
-    tokens/s and peak memory (GB, the largest of any stage)."""
-    from kimi_mlx.generation.streaming import stream_responses
-
-    yield from stream_responses(tokens, tokenizer, n_prompt, max_tokens, peak_memory)
-
-
-__all__ = ["Pipeline", "stream_generate", "prefill_chunks", "chunk_media", "media_rows",
-           "StageFailure"]
+__all__ = ["Pipeline", "PipelineTarget", "StageFailure"]

@@ -82,3 +82,12 @@ def lookup_counter(registry):
         "prefill), refused (pipeline: lost between lookup and open: full prefill), disk "
         "(none remembered, e.g. after a restart, but every stage / rank held one of the "
         "policy's prefixes: on their disks)", ["result"], registry=registry)
+
+
+def lookup_count(metrics):
+    """count(result): adds one to `lookup_counter`'s result in `metrics`' registry (the
+    server's `Metrics`); does nothing when `metrics` is None."""
+    if metrics is None:
+        return lambda result: None
+    counter = lookup_counter(metrics.registry)
+    return lambda result: counter.labels(result).inc()

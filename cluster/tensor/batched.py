@@ -88,10 +88,8 @@ class BatchHost:
         self.metrics = engine.metrics
         self.prompt_cache = None
         if engine.prompt_cache is not None:
-            counter = engine._lookups.labels if engine._lookups is not None else None
-            self.prompt_cache = RowPromptCache(
-                engine.prompt_cache, rows, engine.store,
-                (lambda r: counter(r).inc()) if counter is not None else None)
+            self.prompt_cache = RowPromptCache(engine.prompt_cache, rows, engine.store,
+                                               engine.count_lookup)
 
     feeds_media_by_id = False  # `GroupRows` takes image rows per prefill chunk (MEDIA)
 
@@ -166,18 +164,13 @@ class BatchHost:
         chunk holding pads carries its own (MEDIA)."""
         import mlx.core as mx
 
+        from kimi_mlx.cluster.net.session import chunk_media, prefill_chunks
+
         key = ids if key is None else key
-        pad = self.engine.pad_id
         snaps = set(self.snapshot_points(ids, start, segment_ends))
-        before = ids[:start].count(pad) if embeddings is not None else 0
-        pos = start
-        for end in sorted(snaps | {len(ids) - 1}):
-            while pos < end:
-                chunk = ids[pos:min(pos + step, end)]
-                n_pad = chunk.count(pad) if embeddings is not None else 0
-                media = (pad, embeddings[before:before + n_pad]) if n_pad else None
-                before += n_pad
-                self.model(mx.array(chunk)[None], cache=cache, media=media)
-                pos += len(chunk)
-            if self.prompt_cache is not None and end in snaps:
-                self.prompt_cache.store(key[:end], cache)
+        media = (self.engine.pad_id, embeddings) if embeddings is not None else None
+        for off, n in prefill_chunks(len(ids), step, start, snaps):  # the sessions' chunking
+            self.model(mx.array(ids[off:off + n])[None], cache=cache,
+                       media=chunk_media(media, ids, off, n))
+            if self.prompt_cache is not None and off + n in snaps:
+                self.prompt_cache.store(key[:off + n], cache)

@@ -40,36 +40,21 @@ that message (also when rank 0 is blocked in a collective: the failure is sent f
 watch), queued ones fail too, every node kills its rank (lease cancelled) and rank 0's
 process is killed.
 
-Healing: rank 0 runs in a child process (`tensor.relay`: MLX cannot form a
-second group in one process), so this server forms the group again by itself. At once
-after the loss (once the request on the old group ended), then every `retry` s, it asks
-the lost node for its Health through the control plane (a new channel
-each time, with the checkpoint's fingerprint, `net.nodes.check_nodes`); once it answers,
-the group is formed again over the same nodes (new leases, a new rank 0 process on a new
-port: the group's epoch goes up and nothing of the old group can reach the new one; a
-late report of an old group's watch is ignored). With --replan, a lost node that does
-not answer is left out and the group is formed over the nodes left, when the model loads
-there (else it waits for the node). /health says which of these it is doing. The next
-group's rank 0 process is started (and imports) while a group serves, `SPARE_AFTER` s
-after it formed (`relay.start_spare`): it then joins at once, before the node's new
-rank first tries to connect to it (a refused try costs 1 s, then 2, 4, 8 s in MLX's ring).
+Healing (`tensor.recovery.GroupKeeper`, as `head.recovery.PipelineKeeper` for a pipeline):
+rank 0 runs in a child process, so this server forms the group again by itself once the
+lost node answers (or without it, with --replan); /health says what it is doing.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from typing import Optional, Sequence
 
 from kimi_mlx.server.engine_base import BaseEngine
 
 log = logging.getLogger(__name__)
-
-# seconds after a group formed before the spare rank 0 process for the next one starts
-# (`tensor.relay.start_spare`): its imports then do not slow the group's first requests
-SPARE_AFTER = 1.0
 
 
 class TensorEngine(BaseEngine):
@@ -121,24 +106,24 @@ class TensorEngine(BaseEngine):
         # without it, as in the pipeline
         self.prompt_cache = prompt_cache if speculation is None or rows > 1 else None
         self._store = store if self.prompt_cache is not None else None
-        self._lookups = None
+        # count_lookup(result): one prompt-cache lookup ("hit", "shorter", "miss", "disk")
+        # in /metrics (`tensor.batched.RowPromptCache` counts the batched rows' too)
+        self.count_lookup = lambda result: None
         if self.prompt_cache is not None and metrics is not None:
-            from kimi_mlx.cluster.net.cache_index import lookup_counter
+            from kimi_mlx.cluster.net.cache_index import lookup_count
 
-            self._lookups = lookup_counter(metrics.registry)
+            self.count_lookup = lookup_count(metrics)
         self._current = None  # the job in flight
         self._failed_ids: set = set()  # ids of jobs failed by the watch
-        self.reform, self.probe, self.replan, self.retry = reform, probe, replan, retry
         self.epoch = 0  # the group's number: a report from an older group's watch is ignored
-        self.excluded: set = set()  # nodes left out by --replan
-        self.recoveries = 0
-        self._lost_nodes: list = []  # NodeInfo of the nodes whose rank was lost
-        self._doing = ""  # what the recovery is doing (for /health)
-        self._wake = threading.Event()  # a loss: the recovery starts now, not at its next poll
-        self._spare_at: Optional[float] = None  # when to start rank 0's spare (`relay`)
         self._bind(watch)
-        self._healer = (threading.Thread(target=self._heal_loop, daemon=True,
-                                         name="kimi-mlx-tensor-heal") if reform else None)
+        # forms the group again after a loss (None: a lost group stays lost)
+        self.keeper = None
+        if reform is not None:
+            from kimi_mlx.cluster.tensor.recovery import GroupKeeper
+
+            self.keeper = GroupKeeper(self, reform, probe, replan, retry,
+                                      spare=hasattr(group, "relay_command"))
 
     @property
     def store(self):
@@ -156,28 +141,51 @@ class TensorEngine(BaseEngine):
 
     def start(self) -> "TensorEngine":
         super().start()
-        if self._healer is not None:
-            self._healer.start()
+        if self.keeper is not None:
+            self.keeper.start()
         return self
 
     def health(self) -> Optional[str]:
         """None while serving; else the loss (naming rank and node) and what the recovery
         is doing about it."""
         with self._lock:
-            if self.lost is None:
+            lost = self.lost
+        if lost is None:
+            return None
+        doing = (self.keeper.doing if self.keeper is not None
+                 else "restart the server to form it again")
+        return f"{lost}; {doing}" if doing else lost
+
+    def group_state(self):
+        """(loss or None, group, watch, whether a request runs on it), for the keeper."""
+        with self._lock:
+            return self.lost, self.group, self.watch, self._current is not None
+
+    def install(self, transport, group, model, watch, ranks) -> Optional[str]:
+        """Serve through a group formed again (`recovery.GroupKeeper`): a new epoch, the
+        batched rows moved over; returns the loss it replaces, or None (and closes
+        `watch`) when the server is stopping."""
+        with self._lock:
+            if self._stopping.is_set():
+                watch.close()
                 return None
-            return f"{self.lost}; {self._doing}" if self._doing else self.lost
+            self.epoch += 1
+            self._bind(watch)
+            self.transport, self.group, self.model, self.watch = transport, group, model, watch
+            if self._rows is not None:  # the batched rows go on over the new group
+                relay = hasattr(group, "relay_command")
+                self._rows.bind(None if relay else model, group, None if relay else self._store)
+            self.ranks = list(ranks)
+            self._failed_ids.clear()
+            was, self.lost = self.lost, None
+        return was
 
     def _after_stop(self) -> None:
         """End the group: EXIT to the other ranks (when it is whole, `_worker_done`),
         close the leases, kill rank 0's process (which finished its disk writes on EXIT);
         end the recovery."""
-        if self._healer is not None and self._healer.ident is not None:
-            self._wake.set()
-            self._healer.join(5)
-            from kimi_mlx.cluster.tensor.relay import stop_spare
-
-            stop_spare()
+        if self.keeper is not None:
+            self.keeper.stop(5)
         with self._lock:
             watch, transport = self.watch, self.transport
         watch.close()
@@ -212,14 +220,12 @@ class TensorEngine(BaseEngine):
             else:
                 node = watch.nodes.get(watch.failed_node) if watch is not None else None
             self.lost = f"tensor group lost: {reason}"
-            self._lost_nodes = [node] if node is not None else []
-            self._doing = ("forming the group again when the lost node answers"
-                           if self.reform else "restart the server to form it again")
             job = self._current
             if job is not None:
                 self._failed_ids.add(id(job))
         log.error("%s", self.lost)
-        self._wake.set()
+        if self.keeper is not None:
+            self.keeper.lost([node] if node is not None else [])
         if job is not None:
             job.emit(Failed(f"generation failed: {self.lost}"))
         self._drain()
@@ -291,9 +297,9 @@ class TensorEngine(BaseEngine):
     def _after_job(self) -> None:
         with self._lock:
             self._current = None
-            drop = self.lost is not None and self.reform is None
-            if self.lost is not None:
-                self._wake.set()  # the request on the old group ended: recover now
+            drop = self.lost is not None and self.keeper is None
+            if self.lost is not None and self.keeper is not None:
+                self.keeper.wake()  # the request on the old group ended: recover now
         if drop:
             import mlx.core as mx
 
@@ -312,118 +318,34 @@ class TensorEngine(BaseEngine):
             except RuntimeError as e:
                 log.warning("ending the tensor group: %s", e)
 
-    # ---------------------------------------------------------------- healing
-
-    def _heal_loop(self) -> None:
-        """Every `retry` s (at once when woken: a loss, the failed request's end): notice
-        rank 0's process ending or stopped on its own, start the spare rank 0 process
-        `SPARE_AFTER` s after a group formed, and while the group is lost, try to form it
-        again (`_heal`)."""
-        if hasattr(self.group, "relay_command"):
-            self._spare_at = time.monotonic() + SPARE_AFTER
-        while True:
-            self._wake.wait(self.retry)
-            self._wake.clear()
-            if self._stopping.is_set():
-                return
-            try:
-                with self._lock:
-                    lost, group, watch = self.lost, self.group, self.watch
-                    # (the batched rows: a command in flight finishes first, `GroupRows.
-                    # bind`; their caches on the old group are dead)
-                    busy = self._current is not None
-                if lost is None:
-                    # rank 0's process ended or stopped on its own (idle or mid-request:
-                    # a stopped one blocks the request and the nodes' ranks in a collective)
-                    own = getattr(group, "state", lambda: None)()
-                    if own is not None:
-                        watch.fail(f"rank 0 (this head's rank process) {own}")
-                    elif self._spare_at is not None and time.monotonic() >= self._spare_at:
-                        # the next group's rank 0 process, imported while this one serves
-                        from kimi_mlx.cluster.tensor.relay import start_spare
-
-                        self._spare_at = None
-                        start_spare()
-                    continue
-                if not busy:  # the request on the old group has failed and ended
-                    self._heal()
-            except Exception as e:  # noqa: BLE001 - the recovery must keep trying
-                log.exception("tensor group recovery")
-                with self._lock:
-                    self._doing = f"recovery failed, trying again: {type(e).__name__}: {e}"
-
-    def _heal(self) -> None:
-        """One attempt: ask the lost node(s) for Health; all answer: form the group again
-        over the same nodes; else with --replan, without them; else keep waiting."""
-        lost = self._lost_nodes
-        excluded = set(self.excluded)
-        if lost:
-            accepted, rejected = self.probe(lost)
-            names = ", ".join(f"{n.node_id} at {n.address}" for n in lost)
-            if not rejected:
-                doing = f"forming the group again (node {names} answers)"
-            elif self.replan:
-                gone = {r.node_id for r in rejected}
-                why = "; ".join(f"{r.node_id}: {r.reason}" for r in rejected)
-                doing = f"re-forming the group without node {', '.join(sorted(gone))} ({why})"
-                excluded |= gone
-            else:
-                why = "; ".join(f"node {r.node_id} at {r.address}: {r.reason}" for r in rejected)
-                with self._lock:
-                    self._doing = f"waiting for it to answer again ({why})"
-                return
-        else:
-            doing = "forming the group again"
-        with self._lock:
-            self._doing = doing
-        t0 = time.monotonic()
-        try:
-            self.transport.shutdown()
-        except Exception as e:  # noqa: BLE001 - best effort
-            log.debug("shutdown: %s", e)
-        try:
-            transport, group, model, watch, ranks = self.reform(excluded, self.epoch + 1,
-                                                                self._stopping.is_set)
-        except Exception as e:  # noqa: BLE001 - shown in /health, tried again
-            with self._lock:
-                self._doing = f"{doing}: failed, trying again: {type(e).__name__}: {e}"
-            log.warning("tensor group recovery: %s", self._doing)
-            return
-        with self._lock:
-            if self._stopping.is_set():
-                watch.close()
-                return
-            self.epoch += 1
-            self._bind(watch)
-            self.transport, self.group, self.model, self.watch = transport, group, model, watch
-            if self._rows is not None:  # the batched rows go on over the new group
-                relay = hasattr(group, "relay_command")
-                self._rows.bind(None if relay else model, group, None if relay else self._store)
-            self.ranks, self.excluded = list(ranks), excluded
-            self.recoveries += 1
-            self._failed_ids.clear()
-            if hasattr(group, "relay_command"):
-                self._spare_at = time.monotonic() + SPARE_AFTER
-            was, self.lost, self._doing, self._lost_nodes = self.lost, None, "", []
-        log.warning("serving again through a tensor-parallel group of %d (epoch %d, formed in "
-                    "%.1f s; rank 0 process pid %s) after %s", group.size(), self.epoch,
-                    time.monotonic() - t0, getattr(getattr(group, "proc", None), "pid", "?"), was)
-
     def _generate(self, job):
         """(token, logprobs [vocab]) of `job` through the group, and the prompt tokens
-        restored from the prompt cache. Without a prompt cache the prompt still goes
-        through `open_request`, whose chunks end at the policy's points as a cached run's
-        do (a one-piece prefill rounds differently: a reply from a snapshot would not be
-        bit for bit the cache-free one)."""
-        if not self.speculates(job):
-            return self._cached_generate(job)
-        return self._plain_generate(job), 0
+        restored from the prompt cache: a draft's loop over the group
+        (`net.session.speculative_run`), or the session's prefill (`tensor.prefill.open_request`,
+        with or without a prompt cache: its chunks end at the policy's points, so a reply from a
+        snapshot is bit for bit the cache-free one) and mlx-lm's `generate_step` from the last prompt
+        token with the job's sampler and logits processors (`net.session.generate`)."""
+        from kimi_mlx.cluster.net.session import generate, speculative_run
+        from kimi_mlx.cluster.tensor.step import GroupTarget
 
-    def _cached_generate(self, job):
-        """`_generate` through `tensor.prefill.open_request` (restore, snapshots, image
-        rows), then plain decoding from the last prompt token."""
+        if self.speculates(job):
+            return self._speculate(job, lambda spec: generate(
+                lambda: GroupTarget(self.model, self.group, len(job.ids) - 1, record=True),
+                job.ids, job.max_tokens, run=speculative_run(
+                    job.ids, spec.draft, num_draft_tokens=spec.num_draft_tokens,
+                    max_tokens=job.max_tokens, sampling=job.sampling, stats=spec.stats))), 0
+        target = self._open_request(job)
+        return self._decode(job, target), target.cached
+
+    def _decode(self, job, target):
+        from kimi_mlx.cluster.net.session import generate
+
+        return generate(target, job.ids, job.max_tokens, sampler=job.sampling.sampler(),
+                        logits_processors=job.logits_processors)
+
+    def _open_request(self, job):
+        """`tensor.prefill.open_request` for `job` (restore, snapshots, image rows)."""
         from kimi_mlx.cluster.tensor.prefill import open_request
-        from kimi_mlx.cluster.tensor.step import group_stream, plain_run
 
         media = None
         if job.images and self.pad_id in job.ids[:-1]:
@@ -435,33 +357,17 @@ class TensorEngine(BaseEngine):
                 return rows
 
             media.pad_id = self.pad_id
-        count = self._lookups.labels if self._lookups is not None else None
-        target = open_request(self.model, self.group, job.ids, key=job.cache_key,
-                              index=self.prompt_cache, store=self.store,
-                              segment_ends=job.segment_ends, media=media,
-                              count=(lambda r: count(r).inc()) if count else None)
-        return group_stream(self.model, self.group, job.ids[-1:], plain_run(
-            job.ids[-1:], job.max_tokens, job.sampling.sampler(), job.logits_processors),
-            target=target), target.cached
-
-    def _plain_generate(self, job):
-        from kimi_mlx.cluster.tensor.step import group_stream, plain_run, speculative_run
-
-        if self.speculates(job):
-            return self._speculate(job, lambda spec: group_stream(
-                self.model, self.group, job.ids, speculative_run(
-                    job.ids, spec.draft, num_draft_tokens=spec.num_draft_tokens,
-                    max_tokens=job.max_tokens, sampling=job.sampling, stats=spec.stats),
-                record=True))
-        return group_stream(self.model, self.group, job.ids, plain_run(
-            job.ids, job.max_tokens, job.sampling.sampler(), job.logits_processors))
+        return open_request(self.model, self.group, job.ids, key=job.cache_key,
+                            index=self.prompt_cache, store=self.store,
+                            segment_ends=job.segment_ends, media=media,
+                            count=self.count_lookup)
 
     def _score(self, job, tic: float):
         """Score the prompt of a job with `score` (`tensor.step.score_prompt`: its logits
         on rank 0, scored as one process scores them); returns the generator of its reply,
         or None when it is score only (finished here). A scored request decodes plainly
         (no draft: the prompt is already in the group's caches)."""
-        from kimi_mlx.cluster.tensor.step import group_stream, plain_run, score_prompt
+        from kimi_mlx.cluster.tensor.step import score_prompt
         from kimi_mlx.server.scoring import finish_scored
 
         job.prompt_scores, target = score_prompt(self.model, self.group, job.ids, job.score)
@@ -469,9 +375,7 @@ class TensorEngine(BaseEngine):
             target.end()
             finish_scored(job, tic, self.metrics)
             return None
-        return group_stream(self.model, self.group, job.ids[-1:], plain_run(
-            job.ids[-1:], job.max_tokens, job.sampling.sampler(), job.logits_processors),
-            target=target)
+        return self._decode(job, target)
 
     def _run(self, job) -> None:
         from kimi_mlx.server.jobs import Started, stream_to_job

@@ -1,7 +1,8 @@
 """A request's start on a tensor group with the prompt cache and images:
 `open_request` restores the longest prefix every rank holds (`prompt_cache.
 agree_restore`), prefills the rest with snapshots where the policy says and image rows in
-the chunks that hold their pads, and hands back the `step.GroupTarget` for decoding."""
+the chunks that hold their pads (`net.session.RemoteSession.prefill`, the pipeline's
+prefill too), and hands back the `step.GroupTarget` for decoding."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
             /metrics.
     Returns:
         the `step.GroupTarget` (its `cached` the positions restored) at position
-        len(ids) - 1: decode goes on from the last prompt token (`group_stream` with
-        `target=`). The caller ends it; it is ended here when the prefill raises.
+        len(ids) - 1: decode goes on from the last prompt token (`net.session.generate`
+        over it). The caller ends it; it is ended here when the prefill raises.
     """
     from kimi_mlx.cluster.net.cache_keys import prefix_key
     from kimi_mlx.cluster.tensor.step import GroupTarget
@@ -51,7 +52,7 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
         # hold them from before (counted as "disk" when restored, not counted otherwise)
         cands, guessed = index.policy_candidates(key, segment_ends)[:MAX_CANDIDATES], True
     target = GroupTarget(model, group, len(ids) - 1, restore=[k for _, k in cands],
-                         store=store)
+                         store=store, prefill_chunk=step)
     try:
         cached = target.cached
         if index is not None and count is not None:
@@ -63,27 +64,11 @@ def open_request(model, group, ids: Sequence[int], *, key: Optional[Sequence] = 
         snaps = index.plan(key, cached, segment_ends) if index is not None else {}
         # without a prompt cache the chunks still end at the policy's points, so that a
         # reply from a snapshot and a cache-free one run the same float operations
-        stops = set(snaps) if index is not None else set(_policy_points(ids, cached, segment_ends))
+        stops = () if index is not None else _policy_points(ids, cached, segment_ends)
         if callable(media):  # the tower runs only when a chunk to prefill holds pads
-            pad, rows = media.pad_id, None
-        else:
-            pad, rows = media if media is not None else (None, None)
-        before = ids[:cached].count(pad) if pad is not None else 0  # rows already cached
-        pos = cached
-        for end in sorted(stops | {len(ids) - 1}):
-            while pos < end:
-                chunk = ids[pos:min(pos + step, end)]
-                part = None
-                n_pad = chunk.count(pad) if pad is not None else 0
-                if n_pad:
-                    if rows is None:
-                        rows = media()
-                    part = (pad, rows[before:before + n_pad])
-                    before += n_pad
-                target.prefill(chunk, part)
-                pos += len(chunk)
-            if end in snaps:
-                target.snapshot(snaps[end] if snaps[end] else prefix_key(key[:end]))
+            media = (media.pad_id, media)
+        target.prefill(ids, snapshots={e: k or prefix_key(key[:e]) for e, k in snaps.items()},
+                       stops=stops, media=media)
     except BaseException:
         target.end()
         raise

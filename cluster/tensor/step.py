@@ -13,7 +13,7 @@ in different collectives.
 
 Speculative decoding (the draft on rank 0 only): post-prefill forward passes are verify
 steps on every rank (`kimi_mlx.speculative.rollback.begin_verify` before the pass). The
-loop's own rollback trims the stand-in cache (as `head.speculative.PipelineTarget`
+loop's own rollback trims the stand-in cache (as `head.pipeline.PipelineTarget`
 does for the pipeline); how many positions of the step it keeps rides on the next
 command (`keep`), and every rank then rolls its real caches back exactly (KDA states
 replayed from the recorded inputs, DSA caches trimmed: `rollback` + `end_verify`), in
@@ -52,7 +52,7 @@ import mlx.core as mx
 from kimi_mlx.cluster.tensor.wire import (HEADER, HIDDEN, INLINE, LOGITS, MEDIA,  # noqa: F401
                                           OP_BEGIN, OP_END, OP_EXIT, OP_FORWARD, OP_RESTORE,
                                           OP_SNAPSHOT, RECORD, _media, broadcast, command)
-from kimi_mlx.speculative.remote_cache import RemoteCache
+from kimi_mlx.cluster.net.session import RemoteSession
 
 
 class _Runner:
@@ -191,15 +191,17 @@ def follow_commands(model, group, store=None) -> int:
             raise RuntimeError(f"unknown command {op} from rank 0 (another kimi-mlx version?)")
 
 
-class GroupTarget:
-    """Rank 0's stand-in model for one request: called like a model on ids [1, T], it
-    commands the group's forward pass and runs its own share (see the module doc).
+class GroupTarget(RemoteSession):
+    """Rank 0's stand-in model for one request (`net.session.RemoteSession`: keep/trim,
+    prefill, decode): each call commands the group's forward pass and runs rank 0's own
+    share (see the module doc).
 
-    Calls before `n_prefill` positions are prefill (caches only; returns None in place of
-    logits, which the loops ignore there); later calls return logits [1, T, vocab] and,
-    with `record`, are verify steps that the loop may trim (`trim`, as a KV cache).
-    `end()` (always call it) sends END with the pending keep; after a failed collective
-    (`broken`) it sends nothing.
+    Prefill positions (before `n_prefill`) fill the caches only (prompt chunks through
+    `prefill`, with image rows, snapshots and scores; the loops' calls return None in
+    place of logits); later calls return logits [1, T, vocab] and, with `record`, are
+    verify steps that the loop may trim (`trim`, as a KV cache). `end()` (always call it)
+    sends END with the pending keep; after a failed collective (`broken`) it sends
+    nothing.
 
     Args:
         model: rank 0's sharded model. group: the MLX group (this process rank 0).
@@ -209,209 +211,118 @@ class GroupTarget:
             begin from: the longest every rank holds is restored on every rank and
             `offset` starts there (`cached`), else every rank begins fresh.
         store: rank 0's `KeyedSnapshotCache` (its shard's snapshots), or None.
+        prefill_chunk: prompt tokens per forward command in `prefill`.
     """
 
+    what = "the tensor group"
+
     def __init__(self, model, group, n_prefill: int, record: bool = False,
-                 restore: Sequence[str] = (), store=None):
-        self.model, self.group, self.n_prefill, self.record = model, group, n_prefill, record
+                 restore: Sequence[str] = (), store=None, prefill_chunk: int = 2048):
+        super().__init__(n_prefill, prefill_chunk, record)
+        self.model, self.group = model, group
         self.args = getattr(model, "args", None)  # vocab_size for the speculative loops
-        self.layers = [None]  # one stand-in cache (mlx-lm's target/draft cache split)
-        self.offset = 0
         self.broken = False
-        self._pending: Optional[int] = None  # start of the last step, while trimmable
         self._runner = (group.make_runner(model) if hasattr(group, "make_runner")
                         else _Runner(model, store))  # rank 0 in a child: it does the work
         if restore:
             from kimi_mlx.cluster.tensor.prompt_cache import encode_keys
 
             self._send(OP_RESTORE, encode_keys(restore))
-            try:
-                self.offset = self._runner.restore(restore, group)
-            except BaseException:
-                self.broken = True
-                raise
+            self.offset = self._run(self._runner.restore, restore, group)
         else:
             self._send(OP_BEGIN)
             self._runner.begin()
         self.cached = self.offset  # prompt positions restored from the prompt cache
 
-    def snapshot(self, key: str) -> None:
+    def snapshot(self, key: str, at: Optional[int] = None) -> None:
         """Every rank keeps its shard of the caches under `key` (a `prefix_key` of the
-        `offset` positions run so far; prefill only)."""
+        positions run so far, `at` (default `offset`); prefill only)."""
         from kimi_mlx.cluster.net.cache_keys import key_length
         from kimi_mlx.cluster.tensor.prompt_cache import encode_keys
 
-        if key_length(key) != self.offset or self._pending is not None:
-            raise ValueError(f"snapshot {key} asked at position {self.offset}")
+        at = self.offset if at is None else at
+        if key_length(key) != at or self._pending is not None:
+            raise ValueError(f"snapshot {key} asked at position {at}")
         self._send(OP_SNAPSHOT, encode_keys([key]))
         self._runner.snapshot(key)
 
-    def prefill(self, ids: Sequence[int], media=None) -> None:
-        """Run prompt positions `ids` (from `offset`, all before `n_prefill`) through the
-        group; `media` (pad id, rows [pads in ids, hidden]) when the chunk holds image
-        pads (MEDIA: the rows are broadcast to every rank)."""
-        ids = [int(t) for t in ids]
+    def _send(self, op, tokens=(), keep=-1, flags=0, media=None, capture=None):
+        return self._run(command, self.group, op, tokens, keep, flags, media, capture)
+
+    def _run(self, fn, *args, **kwargs):
+        """fn(...), marking the group broken when it raises (a failed collective)."""
+        try:
+            return fn(*args, **kwargs)
+        except BaseException:
+            self.broken = True
+            raise
+
+    def _prefill_chunk(self, ids, media, snapshot, targets, top_k):
         if self.offset + len(ids) > self.n_prefill:
             raise ValueError(f"prefill of {len(ids)} tokens at {self.offset} passes the "
                              f"prompt's {self.n_prefill} prefill positions")
-        flags = MEDIA if media is not None else 0
-        self._send(OP_FORWARD, ids, self._keep(), flags, media)
-        try:
-            self._runner.forward(ids, -1, flags, self.group, media)
-        except BaseException:
-            self.broken = True
-            raise
+        flags = (MEDIA if media is not None else 0) | (LOGITS if targets is not None else 0)
+        self._send(OP_FORWARD, ids, -1, flags, media)
+        out = self._run(self._runner.forward, ids, -1, flags, self.group, media)
+        scores = None
+        if targets is not None:
+            from kimi_mlx.server.scoring import score_logits
+
+            scores = score_logits(out[0], targets, top_k)
+        if snapshot:
+            self.snapshot(snapshot, self.offset + len(ids))
+        return scores
+
+    def _prefill_call(self, ids, capture):
+        flags = HIDDEN if capture is not None else 0
+        self._send(OP_FORWARD, ids, -1, flags, capture=capture)
+        out = (self._run(self._runner.forward, ids, -1, flags) if capture is None else
+               self._run(self._runner.forward, ids, -1, flags, capture=capture))
         self.offset += len(ids)
+        return out[1] if capture is not None else None
 
-    def make_cache(self) -> List[Any]:
-        return [RemoteCache(self)]
-
-    def _send(self, op, tokens=(), keep=-1, flags=0, media=None, capture=None):
-        try:
-            return command(self.group, op, tokens, keep, flags, media, capture)
-        except BaseException:
-            self.broken = True
-            raise
-
-    def _keep(self) -> int:
-        if self._pending is None:
-            return -1
-        keep, self._pending = self.offset - self._pending, None
-        return keep
-
-    def trim(self, n: int) -> int:
-        """Drop the last n positions of the last verify step (the next command's keep).
-        ValueError for anything else (a prefill cannot be taken back)."""
-        if n < 0 or self._pending is None or self.offset - n < self._pending:
-            raise ValueError(f"the tensor group can only drop positions of the last verify "
-                             f"step (asked to drop {n} at position {self.offset})")
-        self.offset -= n
-        return n
-
-    def __call__(self, inputs: mx.array, cache=None, **kwargs):
-        return self._forward(inputs, None)
-
-    def forward_capture(self, inputs: mx.array, layer_ids: Sequence[int]):
-        """As a call on ids [1, T], also returning the hidden states of layers
-        `layer_ids` (a block drafter's `target_layer_ids`) for these T positions: (logits
-        [1, T, vocab], or None for prefill positions; hiddens [1, T, n * hidden]). Taken
-        on rank 0 from its own forward pass (`_Runner.forward`'s capture): the other
-        ranks run the same command, so the group's traffic is unchanged.
-        Where rank 0 runs in a child process (`tensor.relay`, the server's groups) the
-        child sends them back with the logits (a copy of [T, n * hidden] float32 on a
-        local socket)."""
-        return self._forward(inputs, list(layer_ids))
-
-    def _forward(self, inputs: mx.array, capture):
-        ids = [int(t) for t in inputs.reshape(-1).tolist()]
-        T = len(ids)
-        prefill = self.offset + T <= self.n_prefill
-        if not prefill and self.offset < self.n_prefill:
-            raise ValueError(f"a forward call of {T} tokens at position {self.offset} mixes "
-                             f"prompt (before {self.n_prefill}) and decode positions")
-        flags = 0 if prefill else LOGITS | (RECORD if self.record else 0)
-        flags |= HIDDEN if capture is not None else 0
-        keep = self._keep()
+    def _decode(self, ids, keep, capture):
+        keep = -1 if keep is None else keep
+        flags = LOGITS | (RECORD if self.record else 0) | (HIDDEN if capture is not None else 0)
         self._send(OP_FORWARD, ids, keep, flags, capture=capture)
-        try:
-            if capture is None:
-                out = self._runner.forward(ids, keep, flags)
-            else:
-                out = self._runner.forward(ids, keep, flags, capture=capture)
-        except BaseException:
-            self.broken = True
-            raise
-        if flags & RECORD:
-            self._pending = self.offset
-        self.offset += T
-        return out
+        if capture is None:
+            return self._run(self._runner.forward, ids, keep, flags), None
+        return self._run(self._runner.forward, ids, keep, flags, capture=capture)
 
-    def end(self) -> None:
+    def end(self, ok: bool = True) -> None:
         """END the request on every rank (settling the last verify step); nothing after a
         failed collective."""
         if self.broken:
             return
-        keep = self._keep()
+        keep = self.take_keep()
+        keep = -1 if keep is None else keep
         self._send(OP_END, keep=keep)
         self._runner.end(keep)
-
-
-def group_stream(model, group, prompt: Sequence[int], run, record: bool = False,
-                 target: Optional[GroupTarget] = None):
-    """Yield what `run(target)` yields (a generator over a `GroupTarget` for `prompt`, or
-    over `target` when given: one that `score_prompt` has already run the prompt through),
-    ending the request on every rank when it ends, is closed, or raises."""
-    if target is None:
-        target = GroupTarget(model, group, len(prompt) - 1, record)
-    gen = run(target)
-    try:
-        yield from gen
-    finally:
-        gen.close()
-        target.end()
 
 
 def score_prompt(model, group, ids: Sequence[int], top_k: int, step: Optional[int] = None):
     """Score a prompt's own tokens through the group (`/v1/completions` echo + logprobs).
 
-    Begins a request on every rank and runs ids[:-1] through it in chunks of `step`
-    positions (default `server.scoring.SCORE_STEP`) with their logits kept on rank 0 (a
-    `GroupTarget` whose prompt is all decode positions), scored by
-    `server.scoring.score_logits`, the one-process computation.
+    Begins a request on every rank and prefills ids[:-1] (`RemoteSession.prefill`, in
+    chunks of `step` positions, default `server.scoring.SCORE_STEP`) with each chunk's
+    logits kept on rank 0 and scored by `server.scoring.score_logits`, the one-process
+    computation.
 
     Returns:
         (scores, target): one `TokenOut` per token of ids[1:], and the `GroupTarget`
-        holding ids[:-1], from which the reply goes on (`group_stream(..., target=)`
-        with the prompt's last token) or which the caller ends (`target.end()`).
+        holding ids[:-1], from which the reply goes on (`net.session.generate` over it)
+        or which the caller ends (`target.end()`).
     Raises:
         what the forward pass raises (RuntimeError: a collective failed); the request is
         ended on every rank first unless the group is broken.
     """
-    from kimi_mlx.server.scoring import SCORE_STEP, score_logits
+    from kimi_mlx.server.scoring import SCORE_STEP
 
-    step = step or SCORE_STEP
     ids = [int(t) for t in ids]
-    target = GroupTarget(model, group, 0)
-    out: list = []
+    target = GroupTarget(model, group, len(ids) - 1, prefill_chunk=step or SCORE_STEP)
     try:
-        for pos in range(0, len(ids) - 1, step):
-            chunk = ids[pos:min(pos + step, len(ids) - 1)]
-            logits = target(mx.array(chunk)[None])
-            out.extend(score_logits(logits[0], ids[pos + 1:pos + len(chunk) + 1], top_k))
+        out = target.prefill(ids, score=top_k)
     except BaseException:
         target.end()
         raise
     return out, target
-
-
-def plain_run(prompt: Sequence[int], max_tokens: int, sampler=None, logits_processors=None,
-              prefill_step: int = 2048):
-    """`run` for `group_stream`: mlx-lm's `generate_step` (sampling on rank 0); yields
-    (token, logprobs [vocab])."""
-    from mlx_lm.generate import generate_step
-
-    def run(target):
-        return generate_step(mx.array(list(prompt)), target, max_tokens=max_tokens,
-                             sampler=sampler, logits_processors=logits_processors,
-                             prefill_step_size=prefill_step)
-
-    return run
-
-
-def speculative_run(prompt: Sequence[int], draft, *, num_draft_tokens: int, max_tokens: int,
-                    sampling=None, stats=None, prefill_step: int = 2048):
-    """`run` for `group_stream` (with record=True): speculative decoding with `draft` on
-    rank 0 (a draft model, or `NgramDraft` whose own loop runs); yields (token, logprobs
-    [vocab], from_draft) as `speculative_generate_step`."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from kimi_mlx.speculative.loop import loop_for
-
-    def run(target):
-        step = loop_for(draft)
-        caches = target.make_cache() + make_prompt_cache(draft)
-        return step(list(prompt), target, draft, num_draft_tokens=num_draft_tokens,
-                    max_tokens=max_tokens, sampling=sampling, prompt_cache=caches,
-                    prefill_step_size=prefill_step, stats=stats)
-
-    return run

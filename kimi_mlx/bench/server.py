@@ -169,7 +169,7 @@ def single_process(model_dir: Path, prompts, max_tokens, concurrency, rounds,
 
 
 def cluster(model_dir: Path, prompts, max_tokens, concurrency, rounds,
-            batch: bool = True) -> List[str]:
+            batch: bool = True, draft: str = "none") -> List[str]:
     from kimi_mlx.cluster.head.engine import ClusterEngine
     from kimi_mlx.cluster.head.pipeline import Pipeline
     from kimi_mlx.cluster.net.nodes import check_nodes
@@ -187,12 +187,21 @@ def cluster(model_dir: Path, prompts, max_tokens, concurrency, rounds,
             accepted, _ = check_nodes(lc.nodes(), t.stub_for, lc.fp)
             stages = plan_stages(model_dir, [n for n, _ in accepted], 4096, concurrency)[1]
             t.load(lc.fp, stages, "float32", "float32")
-            _, wrapper, tok, _ = load_for_generation(str(model_dir))
+            model, wrapper, tok, _ = load_for_generation(str(model_dir))
             svc = make_service(str(model_dir), None, "bench", 1 << 20)
             svc.wrapper, svc.tok, svc.context = wrapper, tok, 4096
+            spec = None
+            if draft == "ngram":  # each session drafts and verifies on its own stream
+                from kimi_mlx.speculative.factory import PIPELINE, build_speculation
+                from kimi_mlx.speculative.settings import DraftSettings
+
+                spec = build_speculation(DraftSettings(kind="ngram"), where=PIPELINE,
+                                         target_wrapper=wrapper)
             svc.engine = ClusterEngine(Pipeline(t, 128), tok.eos_token_ids, concurrency,
-                                       metrics=svc.metrics, batch=batch).start()
-            how = "decode steps batched" if batch else "one message per session per token"
+                                       metrics=svc.metrics, batch=batch, speculation=spec,
+                                       model_args=model.args).start()
+            how = ("--draft ngram, a verify message per session per step" if spec else
+                   "decode steps batched" if batch else "one message per session per token")
             with _serving(svc, 2.0) as url:
                 return bench(url, "bench", prompts, max_tokens,
                              f"3-stage loopback cluster ({concurrency} sessions in flight, {how})",
@@ -430,7 +439,8 @@ def main(argv=None) -> int:
     p.add_argument("--workload", choices=("ordinary", "copy"), default="ordinary",
                    help="prompts: held-out prose, or code the reply copies (n-gram drafts' case)")
     p.add_argument("--draft", choices=("none", "ngram"), default="none",
-                   help="the one-process server with --draft ngram (batched drafts)")
+                   help="the one-process server with --draft ngram (batched drafts); with "
+                   "--only-cluster, the pipeline server with n-gram drafts")
     a = p.parse_args(argv)
     if a.only_tensor:
         prompts = _prompts(Path(a.model or default_model()), a.requests, a.workload)
@@ -450,7 +460,7 @@ def main(argv=None) -> int:
     prompts = _prompts(model_dir, a.requests, a.workload)
     if a.only_cluster:
         for line in cluster(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds,
-                            batch=not a.no_batch):
+                            batch=not a.no_batch, draft=a.draft):
             print(line, flush=True)
         return 0
     for line in single_process(model_dir, prompts, a.max_tokens, a.concurrency, a.rounds,
