@@ -264,3 +264,21 @@ def test_quantized_triples_reach_the_quantized_ops(monkeypatch):
     assert np.array_equal(np.array(got), np.array(ref))
     with pytest.raises(ValueError, match="index keys: 6 packed words"):
         dsa_ops.dsa_prefill_indices(q_idx, w, (kq[0][..., :6], kq[1], kq[2]), 5, S - L)
+
+
+def test_margins_read_the_packed_index_keys(tiny):
+    """`margins()` (kimi_mlx.testing.checkpoints) records the indexer's margins of a model
+    reading its 8-bit cache packed: the same margins as on the dequantize-everything
+    path, whose index keys are the same values unpacked."""
+    from kimi_mlx.testing.checkpoints import margins
+
+    tokens = _tokens(14, seed=7)
+    found = []
+    for ctx in (contextlib.nullcontext, dequantize_everything):
+        with margins() as m, ctx():
+            cache = tiny.make_cache()
+            tiny(tokens[:, :10], cache)
+            tiny(tokens[:, 10:11], cache)
+        found.append(np.concatenate([np.array(a) for a in m.indexer]))
+    assert found[0].shape[0] > 0 and np.all(np.isfinite(found[0]))
+    np.testing.assert_allclose(found[0], found[1], rtol=1e-5, atol=1e-6)
