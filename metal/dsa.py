@@ -25,11 +25,12 @@ the tuple (packed uint32, scales, biases) plus `group_size` and `bits`:
 and `dsa_sparse_decode_quantized` (decode past index_topk). The model's three calls
 (`dsa_prefill_indices`, `sparse_mla_attend`, `dsa_sparse_decode`) take either form: a
 cache tensor given as such a triple is read quantized, its group size and bits read from
-the shapes (`quant_format`), so one call site (and whatever wraps it) serves both caches. Their kernels
-(`dsa_index_topk_q`, `sparse_mla_decode_q`) dequantize in the kernel; their reference ops
-(`dsa_index_topk_q_reference`, `sparse_mla_decode_q_reference`,
-`sparse_mla_attend_quantized`) dequantize only what they read (`dequantize_rows`): the
-index keys, and the selected latent rows, never the whole latent cache.
+the shapes (`quant_format`), so one call site (and whatever wraps it) serves both
+caches. Their kernels (`dsa_index_topk_q`, `sparse_mla_decode_q`) dequantize in the
+kernel; their reference ops (`dsa_index_topk_q_reference`,
+`sparse_mla_decode_q_reference`, `sparse_mla_attend_quantized`) dequantize only what
+they read (`dequantize_rows`): the index keys, and the selected latent rows, never the
+whole latent cache.
 """
 
 from __future__ import annotations

@@ -6,13 +6,14 @@ model-dtype (BF16) cache, in one run:
 - at 4k and 16k tokens of context, on a mid-size random K3.1 whose DSA layers have
   K3.1's cache shapes (`kimi_mlx.bench.model.bench_text_config` with latent 512, rope 64,
   index key 128, index_topk 512; BF16 weights and activations, MXFP4 experts), each
-  format measured in the same process, the context filled with random cache entries up
+  format measured in the same process: the context filled with random cache entries up
   to its last prefill chunk (`fill_dsa`; a real prefill of 16k tokens takes hours on a
-  busy 2-core CPU) and that chunk a real prefill: its peak, the peak of a decode step (the cache
-  plus what a step allocates; weights left out of both) and, at the longest context,
-  decode tokens/s; the 8-bit cache is also decoded the way it was read before the Gated
-  DSA layer read it packed (`kimi_mlx.testing.dsa_reference.dequantize_everything`:
-  the whole cache dequantized every step), the "8-bit, whole" column;
+  busy 2-core CPU), that chunk (512 tokens, `--chunk`) a real prefill, and its peak; the
+  peak of a decode step (the cache plus what a step allocates; weights left out of both);
+  at the longest context, decode tokens/s. The 8-bit cache is also decoded the way it
+  was read before the Gated DSA layer read it packed
+  (`kimi_mlx.testing.dsa_reference.dequantize_everything`: the whole cache dequantized
+  every step), the "8-bit, whole" column;
 - mlx-lm's own `--kv-bits 8` (`generate_step(kv_bits=8)`) on its `kimi_k3` with the same
   weights: whether it runs, and its peak where it does.
 
@@ -173,8 +174,9 @@ def _load_line() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompts", default="4096,16384", help="prompt lengths (default 4096,16384)")
-    p.add_argument("--decode", type=int, default=8, help="decode steps timed at the longest")
-    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    p.add_argument("--decode", type=int, default=4, help="decode steps timed at the longest")
+    p.add_argument("--chunk", type=int, default=512,
+                   help="the real prefill chunk at the end of the context (tokens)")
     p.add_argument("--index-topk", type=int, default=512, help="the bench model's index_topk")
     a = p.parse_args(argv)
     print(f"start: {_load_line()}")

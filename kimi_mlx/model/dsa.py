@@ -20,7 +20,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from kimi_mlx.model.cache import BatchDSACache, DSACache, dequantize  # noqa: F401  (DSACache: old import path)
+from kimi_mlx.model.cache import DSACache  # noqa: F401  (DSACache: old import path)
+from kimi_mlx.model.cache import BatchDSACache, dequantize
 from kimi_mlx.model.config import ModelArgs
 from kimi_mlx.metal.dsa import (allowed_keys, dsa_prefill_indices, dsa_sparse_decode, query_block,
                         sparse_mla_attend)
