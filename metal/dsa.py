@@ -22,16 +22,20 @@ axis, the 512 latent values and the 128 index-key values quantized, the 64 rope 
 not) the same three steps have `_quantized` entry points, each taking a cache tensor as
 the tuple (packed uint32, scales, biases) plus `group_size` and `bits`:
 `dsa_prefill_indices_quantized`, `sparse_mla_attend_quantized` (prefill past index_topk)
-and `dsa_sparse_decode_quantized` (decode past index_topk). Their kernels
-(`dsa_index_topk_q`, `sparse_mla_decode_q`) dequantize in the kernel; their reference ops
-(`dsa_index_topk_q_reference`, `sparse_mla_decode_q_reference`,
-`sparse_mla_attend_quantized`) dequantize only what they read (`dequantize_rows`): the
-index keys, and the selected latent rows, never the whole latent cache.
+and `dsa_sparse_decode_quantized` (decode past index_topk). The model's three calls
+(`dsa_prefill_indices`, `sparse_mla_attend`, `dsa_sparse_decode`) take either form: a
+cache tensor given as such a triple is read quantized, its group size and bits read from
+the shapes (`quant_format`), so one call site (and whatever wraps it) serves both
+caches. Their kernels (`dsa_index_topk_q`, `sparse_mla_decode_q`) dequantize in the
+kernel; their reference ops (`dsa_index_topk_q_reference`,
+`sparse_mla_decode_q_reference`, `sparse_mla_attend_quantized`) dequantize only what
+they read (`dequantize_rows`): the index keys, and the selected latent rows, never the
+whole latent cache.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -160,10 +164,16 @@ def dsa_prefill_indices(
     """Selected keys of a block of queries past `index_topk` (dispatch point: the
     `dsa_index_topk` kernel on Metal or in the emulator, its reference op otherwise).
 
-    Shapes and `starts` as `dsa_index_scores`. Returns [B, L, min(topk, S)] int32, -1
-    padded where a row has fewer allowed keys; the selected set (not the order) is what
-    is defined.
+    Shapes and `starts` as `dsa_index_scores`; k_idx may instead be the quantized triple
+    (packed, scales, biases) of [B, S, Di] keys, then read by
+    `dsa_prefill_indices_quantized` (format from the shapes: `quant_format`). Returns
+    [B, L, min(topk, S)] int32, -1 padded where a row has fewer allowed keys; the
+    selected set (not the order) is what is defined.
     """
+    if isinstance(k_idx, (tuple, list)):
+        group, bits = quant_format(k_idx, q_idx.shape[-1], "index keys")
+        return dsa_prefill_indices_quantized(q_idx, weights, k_idx, topk, offset, starts,
+                                             group_size=group, bits=bits)
     if not kernel_enabled("dsa_index_topk"):
         return dsa_index_topk(q_idx, weights, k_idx, topk, offset, starts)
     from kimi_mlx.metal.kernels import dsa_index_topk as kernel
@@ -196,7 +206,18 @@ def dsa_sparse_decode(
         kernel, then `sparse_mla_decode` over the selected rows (either one replaced by
         its reference op where `kernel_enabled` refuses it). With neither kernel:
         the selection mask as an additive -inf bias on the rope scores, and dense SDPA.
+        With latent and k_idx given as quantized triples (packed, scales, biases) of the
+        [B, 1, S, R] latent and the [B, S, Di] index keys: `dsa_sparse_decode_quantized`,
+        each tensor's format read from its shapes (`quant_format`).
     """
+    if isinstance(latent, (tuple, list)):
+        group, bits = quant_format(latent, q_lat.shape[-1], "latent")
+        igroup, ibits = quant_format(k_idx, q_idx.shape[-1], "index keys")
+        if ibits != bits:
+            raise ValueError(f"latent {bits}-bit and index keys {ibits}-bit: one width per cache")
+        return dsa_sparse_decode_quantized(q_lat, q_pe, latent, k_pe, scale, q_idx, weights,
+                                           k_idx, topk, offset, starts, group_size=group,
+                                           bits=bits, index_group_size=igroup)
     use_index = kernel_enabled("dsa_index_topk")
     use_attend = kernel_enabled("sparse_mla_decode")
     if not use_index and not use_attend:
@@ -234,9 +255,15 @@ def sparse_mla_attend(
         latent: [B, S, R]; k_pe: [B, S, P].
         indices: [B, L, K] int32; entries outside [0, S) (e.g. -1) are skipped.
         scale: softmax scale.
+        latent may instead be the quantized triple (packed, scales, biases) of [B, S, R]:
+        then `sparse_mla_attend_quantized` (format from the shapes: `quant_format`).
     Returns:
         [B, H, L, R] in q_lat's dtype (float32 softmax); zeros for a row with no valid key.
     """
+    if isinstance(latent, (tuple, list)):
+        group, bits = quant_format(latent, q_lat.shape[-1], "latent")
+        return sparse_mla_attend_quantized(q_lat, q_pe, latent, k_pe, indices, scale,
+                                           group_size=group, bits=bits)
     B, H, L, R = q_lat.shape
     S = latent.shape[1]
     valid = (indices >= 0) & (indices < S)  # [B, L, K]
@@ -288,6 +315,25 @@ def query_block(L: int, S: int, K: int, heads: int, index_heads: int, row: int,
 # ---------------------------------------------------------- over a quantized cache
 
 
+def quant_format(parts, dim: int, what: str = "cache tensor") -> Tuple[int, int]:
+    """(group_size, bits) of a quantized cache tensor of `dim`-value vectors, read from
+    its shapes: packed words [.., dim * bits / 32], scales [.., dim / group_size].
+
+    Raises:
+        ValueError (naming `what`): not a (packed, scales, biases) triple, or shapes no
+        supported format (bits 4 or 8, group 32, 64 or 128) gives for `dim`.
+    """
+    if len(parts) != 3:
+        raise ValueError(f"{what}: expected (packed, scales, biases), got {len(parts)} arrays")
+    words, groups = parts[0].shape[-1], parts[1].shape[-1]
+    bits, group = words * 32 // dim, dim // max(groups, 1)
+    if (bits not in (4, 8) or bits * dim != 32 * words or group not in (32, 64, 128)
+            or group * groups != dim):
+        raise ValueError(f"{what}: {words} packed words and {groups} scales per vector do not "
+                         f"hold {dim} values in 4 or 8 bits with groups of 32, 64 or 128")
+    return group, bits
+
+
 def dequantize_rows(parts, group_size: int, bits: int) -> mx.array:
     """`mx.dequantize` of one quantized cache tensor, computed in float32.
 
@@ -298,10 +344,19 @@ def dequantize_rows(parts, group_size: int, bits: int) -> mx.array:
         [..., D] float32: scale * q + bias with the scales and biases taken to float32
         first (what the `_q` kernels compute), so a bf16 cache's values are not rounded
         to bf16 again after dequantizing.
+
+    8-bit words are read as their bytes (value j of a word is byte j on the little-endian
+    machines MLX runs on: mx.quantize's order) and scaled in one broadcast multiply-add,
+    the same float32 arithmetic as `mx.dequantize`, whose CPU version is about 5x
+    slower; other widths go through `mx.dequantize`.
     """
     w, sc, bi = parts
-    return mx.dequantize(w, sc.astype(mx.float32), bi.astype(mx.float32),
-                         group_size=group_size, bits=bits)
+    sc, bi = sc.astype(mx.float32), bi.astype(mx.float32)
+    if bits != 8:
+        return mx.dequantize(w, sc, bi, group_size=group_size, bits=bits)
+    lead, groups = w.shape[:-1], sc.shape[-1]
+    q = mx.view(w, mx.uint8).astype(mx.float32).reshape(*lead, groups, group_size)
+    return (q * sc[..., None] + bi[..., None]).reshape(*lead, groups * group_size)
 
 
 def _gather_rows(parts, rows: mx.array, group_size: int, bits: int) -> mx.array:
@@ -423,6 +478,7 @@ def dsa_sparse_decode_quantized(
     *,
     group_size: int = 64,
     bits: int = 8,
+    index_group_size: Optional[int] = None,
 ) -> mx.array:
     """`dsa_sparse_decode` (one decode token past index_topk) over a quantized cache
     (dispatch point).
@@ -438,7 +494,10 @@ def dsa_sparse_decode_quantized(
             biases [B, S, Di / group_size]): the quantized index keys (a [B, 1, S, *] cache
             entry indexed [:, 0], as `dsa_sparse_decode` takes k_idx).
         topk, offset, starts: as `dsa_sparse_decode`.
-        group_size: 32, 64 or 128; bits: 4 or 8 (keyword-only; both tensors share them).
+        group_size: 32, 64 or 128; bits: 4 or 8 (keyword-only; both tensors share the
+            bits). index_group_size: the index keys' group where it differs from the
+            latent's (a vector shorter than the group is one group: model/cache.py
+            `group_for`); None: group_size.
     Returns:
         [B, H, 1, R] in q_lat's dtype: the `dsa_index_topk_q` kernel (or its reference op),
         then the `sparse_mla_decode_q` kernel (or its reference op) over the selected rows;
@@ -452,13 +511,14 @@ def dsa_sparse_decode_quantized(
     B = q_lat.shape[0]
     S = k_pe.shape[2]
     lat = [p.reshape(B, S, p.shape[-1]) for p in latent]
-    kwargs = dict(group_size=group_size, bits=bits)
     index_op = (kernels.dsa_index_topk_q if kernel_enabled("dsa_index_topk_q")
                 else dsa_index_topk_q_reference)
     attend_op = (kernels.sparse_mla_decode_q if kernel_enabled("sparse_mla_decode_q")
                  else sparse_mla_decode_q_reference)
-    idx = index_op(q_idx, weights, k_idx, topk, offset, starts, **kwargs)  # [B, 1, k]
-    return attend_op(q_lat, q_pe, lat, k_pe[:, 0], idx[:, 0], scale, **kwargs)
+    idx = index_op(q_idx, weights, k_idx, topk, offset, starts, bits=bits,
+                   group_size=index_group_size or group_size)  # [B, 1, k]
+    return attend_op(q_lat, q_pe, lat, k_pe[:, 0], idx[:, 0], scale, group_size=group_size,
+                     bits=bits)
 
 
 def _check_dsa_index_topk_kernel():

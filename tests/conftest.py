@@ -12,8 +12,8 @@ from kimi_mlx.testing.checkpoints import build_checkpoint
 # (timeouts), the disk prompt-cache stores closed after each test (stores), the start-up
 # counter (counting, only under KIMI_MLX_COUNT_STARTUPS), per-test CPU seconds (cputime,
 # only under KIMI_MLX_TEST_CPU) and the long runs left to make test-e2e (long_runs)
-pytest_plugins = ["fixtures.counting", "fixtures.cputime", "fixtures.long_runs", "fixtures.shared",
-                  "fixtures.stores",
+pytest_plugins = ["fixtures.counting", "fixtures.cputime", "fixtures.long_runs", "fixtures.planted",
+                  "fixtures.shared", "fixtures.stores",
                   "fixtures.timeouts"]
 
 

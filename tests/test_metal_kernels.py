@@ -31,9 +31,11 @@ from kimi_mlx.metal import dispatch, kernels
 from kimi_mlx.metal import dsa as dsa_ref
 from kimi_mlx.metal import kda as kda_ref
 from kimi_mlx.metal.dispatch import use_sim
-from kimi_mlx.metal.sim import MetalSimError, MetalSimRaceError
 from kimi_mlx.testing.checkpoints import (
     full_config, margins, model_tolerance, random_model, rel_err, tiny_text_config)
+
+from fixtures.planted import (DEV_BARRIER, TG_BARRIER, assert_close, assert_raced, both, plant,
+                              weaken)
 
 F32_RTOL = 1e-4
 BF16_RTOL = 2e-2
@@ -41,16 +43,6 @@ BF16_RTOL = 2e-2
 
 def _f32(a) -> np.ndarray:
     return np.array(a.astype(mx.float32))
-
-
-def assert_close(out, ref, rtol, what=""):
-    """max |out - ref| <= rtol * max |ref|."""
-    out, ref = _f32(out), _f32(ref)
-    assert out.shape == ref.shape, f"{what}: shape {out.shape} vs {ref.shape}"
-    assert np.all(np.isfinite(out)), f"{what}: non-finite output"
-    err = float(np.max(np.abs(out - ref))) if out.size else 0.0
-    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
-    assert err <= rtol * scale + 1e-30, f"{what}: max abs err {err} vs max |ref| {scale}"
 
 
 def _rtol(dtype):
@@ -373,48 +365,40 @@ def test_sparse_mla_decode_all_masked_row_is_zero():
 # ------------------------------------------------ planted bugs are caught by the checks
 
 
-def _plant(pattern: str, replacement: str):
-    def transform(src: str) -> str:
-        assert src.count(pattern) == 1, f"pattern {pattern!r} not found once"
-        return src.replace(pattern, replacement)
-
-    return transform
-
-
 BROKEN = [
     # kernel, off-by-one planted in its body, the check that must now fail
-    ("kda_decode", _plant("v[row * Dv + dv]", "v[row * Dv + (dv + 1) % Dv]"),
+    ("kda_decode", plant("v[row * Dv + dv]", "v[row * Dv + (dv + 1) % Dv]"),
      lambda: check_kda_decode(2, 1, 2, 16, 8, -5.0, mx.float32)),
     # eps dropped from the l2norm: NaN for the zero-norm rows
-    ("kda_decode", _plant("metal::rsqrt(qq + eps)", "metal::rsqrt(qq)"),
+    ("kda_decode", plant("metal::rsqrt(qq + eps)", "metal::rsqrt(qq)"),
      lambda: check_kda_decode(2, 1, 2, 16, 8, -5.0, mx.float32)),
-    ("kda_decode", _plant("metal::rsqrt(kk + eps)", "metal::rsqrt(kk)"),
+    ("kda_decode", plant("metal::rsqrt(kk + eps)", "metal::rsqrt(kk)"),
      lambda: check_kda_decode(2, 1, 2, 16, 8, -5.0, mx.float32)),
     # one past the end: key channel Dk, token T, value column Dv
-    ("kda_decode", _plant("if (d < Dk) {\n      qv[i]", "if (d <= Dk) {\n      qv[i]"),
+    ("kda_decode", plant("if (d < Dk) {\n      qv[i]", "if (d <= Dk) {\n      qv[i]"),
      lambda: check_kda_decode(2, 3, 2, 40, 12, -5.0, mx.float32)),
-    ("kda_prefill", _plant("if (tok < T) {\n      const uint off", "if (tok <= T) {\n      const uint off"),
+    ("kda_prefill", plant("if (tok < T) {\n      const uint off", "if (tok <= T) {\n      const uint off"),
      lambda: check_kda_prefill(2, 37, 2, 16, 8, mx.float32)),
-    ("kda_prefill", _plant("(j < Dv && d < Dk) ? static_cast<float>(state_in",
+    ("kda_prefill", plant("(j < Dv && d < Dk) ? static_cast<float>(state_in",
                            "(j <= Dv && d < Dk) ? static_cast<float>(state_in"),
      lambda: check_kda_prefill(2, 20, 3, 24, 40, mx.float32)),
-    ("kda_prefill", _plant("for (int m = 0; m <= t; ++m)", "for (int m = 0; m < t; ++m)"),
+    ("kda_prefill", plant("for (int m = 0; m <= t; ++m)", "for (int m = 0; m < t; ++m)"),
      lambda: check_kda_prefill(1, 20, 2, 16, 8, mx.float32)),
-    ("kda_prefill", _plant("const float gend = sgc[C - 1][d];", "const float gend = sgc[C - 2][d];"),
+    ("kda_prefill", plant("const float gend = sgc[C - 1][d];", "const float gend = sgc[C - 2][d];"),
      lambda: check_kda_prefill(1, 20, 2, 16, 8, mx.float32)),
-    ("dsa_index_topk", _plant("offset + int(l) + 1)", "offset + int(l))"),
+    ("dsa_index_topk", plant("offset + int(l) + 1)", "offset + int(l))"),
      lambda: check_dsa_index_topk(1, 6, 6, 2, 8, 3, 0, mx.float32, False)),
-    ("dsa_index_topk", _plant("(key >> shift) & 255u", "((key >> shift) + 1) & 255u"),
+    ("dsa_index_topk", plant("(key >> shift) & 255u", "((key >> shift) + 1) & 255u"),
      lambda: check_dsa_index_topk(2, 1, 40, 2, 16, 8, 39, mx.float32, False)),
     # a batch row's last padding key taken as real
-    ("dsa_index_topk", _plant("metal::min(start[bi], limit)", "metal::min(start[bi] - 1, limit)"),
+    ("dsa_index_topk", plant("metal::min(start[bi], limit)", "metal::min(start[bi] - 1, limit)"),
      lambda: check_dsa_index_topk(2, 1, 40, 2, 16, 8, 39, mx.float32, False, starts=[0, 35])),
-    ("sparse_mla_partial", _plant("metal::min(K, k0 + per)", "metal::min(K, k0 + per - 1)"),
+    ("sparse_mla_partial", plant("metal::min(K, k0 + per)", "metal::min(K, k0 + per - 1)"),
      lambda: check_sparse_mla_decode(2, 3, 40, 8, 30, 12, 3, mx.float32, 0.0)),
     # index S (one past the end) taken as valid
-    ("sparse_mla_partial", _plant("s >= S", "s > S"),
+    ("sparse_mla_partial", plant("s >= S", "s > S"),
      lambda: check_sparse_mla_decode(2, 3, 40, 8, 30, 12, 3, mx.float32, 0.0)),
-    ("sparse_mla_combine", _plant("for (int sp = 0; sp < NSPLIT; ++sp) {\n    const uint prow",
+    ("sparse_mla_combine", plant("for (int sp = 0; sp < NSPLIT; ++sp) {\n    const uint prow",
                                   "for (int sp = 1; sp < NSPLIT; ++sp) {\n    const uint prow"),
      lambda: check_sparse_mla_decode(2, 3, 40, 8, 30, 12, 3, mx.float32, 0.0)),
 ]
@@ -422,43 +406,18 @@ BROKEN = [
 
 @pytest.mark.parametrize("name,transform,check", BROKEN,
                          ids=[f"{b[0]}-{i}" for i, b in enumerate(BROKEN)])
-def test_planted_off_by_one_is_caught(monkeypatch, name, transform, check):
-    check()  # the real kernel passes this check
-    monkeypatch.setitem(kernels.KERNELS, name, kernels.build_kernel(name, transform))
-    with pytest.raises((AssertionError, MetalSimError)):
-        check()
+def test_planted_off_by_one_is_caught(planted, name, transform, check):
+    planted.bug(name, transform, check)
 
 
 # ---------------------------------------------- planted races are reported as races
 
 
-def _weaken(pattern: str, n: int, replacement: str = "/* removed */"):
-    """Replace the n-th occurrence of a barrier statement."""
-
-    def transform(src: str) -> str:
-        at = [i for i in range(len(src)) if src.startswith(pattern, i)]
-        assert n < len(at), f"{pattern!r} occurs {len(at)} times"
-        return src[: at[n]] + replacement + src[at[n] + len(pattern):]
-
-    return transform
-
-
-TG_BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
-DEV_BARRIER = "threadgroup_barrier(mem_flags::mem_device);"
 # dsa_index_topk scores each key on the thread that later reads it back, so its device
 # barrier orders nothing; this mapping (a legal change on its own) makes other threads
 # read the scores, and the barrier then matters.
-_REVERSED_SCORES = _plant("for (int s = tid; s < S; s += NT) {\n  float sc",
+_REVERSED_SCORES = plant("for (int s = tid; s < S; s += NT) {\n  float sc",
                           "for (int s = S - 1 - int(tid); s >= 0; s -= NT) {\n  float sc")
-
-
-def _both(*transforms):
-    def transform(src):
-        for t in transforms:
-            src = t(src)
-        return src
-
-    return transform
 
 
 def _check_prefill():
@@ -483,59 +442,44 @@ def _check_topk_blocked():
 RACES = [
     # kernel, body change, check, memory the report must name (None: found as outputs that
     # differ between thread schedules, e.g. a race through atomics)
-    ("kda_prefill", _weaken(TG_BARRIER, 0), _check_prefill, "sgc"),  # after the chunk load
-    ("kda_prefill", _weaken(TG_BARRIER, 1), _check_prefill, "sgc"),  # after the cumsum
-    ("kda_prefill", _weaken(TG_BARRIER, 2), _check_prefill, "sA"),  # after A and M
-    ("kda_prefill", _weaken(TG_BARRIER, 3), _check_prefill, "sk"),  # after the e^G products
-    ("kda_prefill", _weaken(TG_BARRIER, 4), _check_prefill, "sq"),  # end of a chunk
-    ("kda_prefill", _weaken(TG_BARRIER, 0, "threadgroup_barrier(mem_flags::mem_device);"),
+    ("kda_prefill", weaken(TG_BARRIER, 0), _check_prefill, "sgc"),  # after the chunk load
+    ("kda_prefill", weaken(TG_BARRIER, 1), _check_prefill, "sgc"),  # after the cumsum
+    ("kda_prefill", weaken(TG_BARRIER, 2), _check_prefill, "sA"),  # after A and M
+    ("kda_prefill", weaken(TG_BARRIER, 3), _check_prefill, "sk"),  # after the e^G products
+    ("kda_prefill", weaken(TG_BARRIER, 4), _check_prefill, "sq"),  # end of a chunk
+    ("kda_prefill", weaken(TG_BARRIER, 0, "threadgroup_barrier(mem_flags::mem_device);"),
      _check_prefill, "sgc"),  # the wrong kind of barrier
-    ("kda_prefill", _weaken(TG_BARRIER, 2, "simdgroup_barrier(mem_flags::mem_threadgroup);"),
+    ("kda_prefill", weaken(TG_BARRIER, 2, "simdgroup_barrier(mem_flags::mem_threadgroup);"),
      _check_prefill, "sA"),  # orders one SIMD-group only
-    ("dsa_index_topk", _weaken(TG_BARRIER, 0), _check_topk, "sq"),
-    ("dsa_index_topk", _weaken(TG_BARRIER, 1), _check_topk, None),  # histogram cleared
-    ("dsa_index_topk", _weaken(TG_BARRIER, 2), _check_topk, None),  # histogram filled
-    ("dsa_index_topk", _weaken(TG_BARRIER, 3), _check_topk, "srem"),
-    ("dsa_index_topk", _weaken(TG_BARRIER, 4), _check_topk, "sgt"),
-    ("dsa_index_topk", _weaken(TG_BARRIER, 5), _check_topk_blocked, "sgt"),
-    ("dsa_index_topk", _both(_REVERSED_SCORES, _weaken(DEV_BARRIER, 0)), _check_topk, "scores"),
-    ("dsa_index_topk", _weaken(DEV_BARRIER, 0), _check_topk_padded, "scores"),
-    ("dsa_index_topk", _both(_REVERSED_SCORES, _weaken(DEV_BARRIER, 0, TG_BARRIER)),
+    ("dsa_index_topk", weaken(TG_BARRIER, 0), _check_topk, "sq"),
+    ("dsa_index_topk", weaken(TG_BARRIER, 1), _check_topk, None),  # histogram cleared
+    ("dsa_index_topk", weaken(TG_BARRIER, 2), _check_topk, None),  # histogram filled
+    ("dsa_index_topk", weaken(TG_BARRIER, 3), _check_topk, "srem"),
+    ("dsa_index_topk", weaken(TG_BARRIER, 4), _check_topk, "sgt"),
+    ("dsa_index_topk", weaken(TG_BARRIER, 5), _check_topk_blocked, "sgt"),
+    ("dsa_index_topk", both(_REVERSED_SCORES, weaken(DEV_BARRIER, 0)), _check_topk, "scores"),
+    ("dsa_index_topk", weaken(DEV_BARRIER, 0), _check_topk_padded, "scores"),
+    ("dsa_index_topk", both(_REVERSED_SCORES, weaken(DEV_BARRIER, 0, TG_BARRIER)),
      _check_topk, "scores"),
 ]
 
 
 @pytest.mark.parametrize("name,transform,check,memory", RACES,
                          ids=[f"{r[0]}-{i}" for i, r in enumerate(RACES)])
-def test_planted_race_is_reported(monkeypatch, name, transform, check, memory):
-    check()
-    monkeypatch.setitem(kernels.KERNELS, name, kernels.build_kernel(name, transform))
-    with pytest.raises(MetalSimRaceError) as ei:
-        check()
-    msg = str(ei.value)
-    assert f"kernel '{name}'" in msg
-    if memory is None:
-        assert "depends on the thread order" in msg and "reverse" in msg
-        return
-    # the memory, both threads and both source lines, as CUDA's racecheck names them
-    assert f"'{memory}'" in msg, msg
-    assert msg.count("thread_position_in_threadgroup=") == 2, msg
-    assert msg.count(f"{name}.body.metal:") == 2, msg
+def test_planted_race_is_reported(planted, name, transform, check, memory):
+    planted.race(name, transform, check, memory)
 
 
 def test_kernel_tests_run_with_the_race_checker_on():
     """Every kernel above ran with the race checker and two thread schedules (the
     defaults; KIMI_MLX_SIM_RACECHECK=0 or KIMI_MLX_SIM_SCHEDULES=1 would weaken them)."""
-    for name, k in kernels.KERNELS.items():
-        sk = k.sim_kernel()
-        assert sk.racecheck and sk.checked and sk.schedules >= 2, name
+    assert_raced(kernels.KERNELS)
 
 
-def test_device_barrier_orders_the_reversed_scores(monkeypatch):
+def test_device_barrier_orders_the_reversed_scores(planted):
     """The control for the planted device race: with other threads reading the scores,
     threadgroup_barrier(mem_device) is what makes the kernel race-free."""
-    monkeypatch.setitem(kernels.KERNELS, "dsa_index_topk",
-                        kernels.build_kernel("dsa_index_topk", _REVERSED_SCORES))
+    planted.swap("dsa_index_topk", _REVERSED_SCORES)
     _check_topk()
 
 

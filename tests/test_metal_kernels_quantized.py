@@ -21,8 +21,6 @@ the BF16 path's reference ops (metal/dsa.py `dsa_index_scores` / `dsa_index_topk
 
 from __future__ import annotations
 
-import re
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -30,8 +28,9 @@ import pytest
 from kimi_mlx.metal import dispatch, kernels, selfcheck
 from kimi_mlx.metal import dsa as dsa_ref
 from kimi_mlx.metal.dispatch import use_sim
-from kimi_mlx.metal.sim import MetalSimError, MetalSimRaceError
 from kimi_mlx.testing.checkpoints import tolerance
+
+from fixtures.planted import DEV_BARRIER, TG_BARRIER, assert_close, assert_raced, plant, weaken
 
 BF16_RTOL = 2e-2
 Q_KERNELS = ("dsa_index_topk_q", "sparse_mla_partial_q", "sparse_mla_combine_q")
@@ -46,15 +45,6 @@ def _dequant(parts, gs, bits):
     w, s, b = parts
     return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group_size=gs,
                          bits=bits)
-
-
-def assert_close(out, ref, rtol, what=""):
-    out, ref = _f32(out), _f32(ref)
-    assert out.shape == ref.shape, f"{what}: shape {out.shape} vs {ref.shape}"
-    assert np.all(np.isfinite(out)), f"{what}: non-finite output"
-    err = float(np.max(np.abs(out - ref))) if out.size else 0.0
-    scale = float(np.max(np.abs(ref))) if ref.size else 0.0
-    assert err <= rtol * scale + 1e-30, f"{what}: max abs err {err} vs max |ref| {scale}"
 
 
 # ------------------------------------------------------------------ the packing order
@@ -352,32 +342,24 @@ def test_bad_quantized_inputs_are_clear_errors():
 # ---------------------------------------------------- planted bugs and races are caught
 
 
-def _plant(pattern: str, replacement: str):
-    def transform(src: str) -> str:
-        assert src.count(pattern) == 1, f"pattern {pattern!r} not found once"
-        return src.replace(pattern, replacement)
-
-    return transform
-
-
 BROKEN = [
     # kernel, bug planted in its body, the check that must now fail
     # big end first: the packing order of mx.quantize read backwards
-    ("dsa_index_topk_q", _plant("(word >> (BITS * j))", "(word >> (BITS * (VPW - 1 - j)))"),
+    ("dsa_index_topk_q", plant("(word >> (BITS * j))", "(word >> (BITS * (VPW - 1 - j)))"),
      lambda: check_index_q(2, 1, 40, 2, 32, 8, 39, 8, 32, mx.float32, None, 0)),
     # the next group's scale and bias
-    ("dsa_index_topk_q", _plant("krow * NG + (wd * VPW) / GS", "krow * NG + (wd * VPW) / GS + 1"),
+    ("dsa_index_topk_q", plant("krow * NG + (wd * VPW) / GS", "krow * NG + (wd * VPW) / GS + 1"),
      lambda: check_index_q(2, 1, 40, 2, 64, 8, 39, 8, 32, mx.float32, None, 0)),
-    ("dsa_index_topk_q", _plant("metal::min(start[bi], limit)", "metal::min(start[bi] - 1, limit)"),
+    ("dsa_index_topk_q", plant("metal::min(start[bi], limit)", "metal::min(start[bi] - 1, limit)"),
      lambda: check_index_q(2, 1, 40, 2, 32, 8, 39, 8, 32, mx.float32, [0, 35], 0)),
-    ("sparse_mla_partial_q", _plant("(word >> (BITS * j))", "(word >> (BITS * (VPW - 1 - j)))"),
+    ("sparse_mla_partial_q", plant("(word >> (BITS * j))", "(word >> (BITS * (VPW - 1 - j)))"),
      lambda: check_mla_q(2, 3, 64, 8, 30, 12, 3, 8, 32, mx.float32, 0.0)),
     # scale and bias swapped
-    ("sparse_mla_partial_q", _plant("gs * static_cast<float>((word", "gb * static_cast<float>((word"),
+    ("sparse_mla_partial_q", plant("gs * static_cast<float>((word", "gb * static_cast<float>((word"),
      lambda: check_mla_q(2, 3, 64, 8, 30, 12, 3, 8, 32, mx.float32, 0.0)),
-    ("sparse_mla_partial_q", _plant("s >= S", "s > S"),
+    ("sparse_mla_partial_q", plant("s >= S", "s > S"),
      lambda: check_mla_q(2, 3, 64, 8, 30, 12, 3, 8, 32, mx.float32, 0.0)),
-    ("sparse_mla_combine_q", _plant("for (int sp = 0; sp < NSPLIT; ++sp) {\n    const uint prow",
+    ("sparse_mla_combine_q", plant("for (int sp = 0; sp < NSPLIT; ++sp) {\n    const uint prow",
                                     "for (int sp = 1; sp < NSPLIT; ++sp) {\n    const uint prow"),
      lambda: check_mla_q(2, 3, 64, 8, 30, 12, 3, 8, 32, mx.float32, 0.0)),
 ]
@@ -385,51 +367,28 @@ BROKEN = [
 
 @pytest.mark.parametrize("name,transform,check", BROKEN,
                          ids=[f"{b[0]}-{i}" for i, b in enumerate(BROKEN)])
-def test_planted_bug_is_caught(monkeypatch, name, transform, check):
-    check()  # the real kernel passes this check
-    monkeypatch.setitem(kernels.KERNELS, name, kernels.build_kernel(name, transform))
-    with pytest.raises((AssertionError, MetalSimError)):
-        check()
+def test_planted_bug_is_caught(planted, name, transform, check):
+    planted.bug(name, transform, check)
 
 
 def test_every_quantized_kernel_has_a_planted_bug_and_runs_raced():
     assert {n for n in kernels.SPECS if n.endswith("_q")} == set(Q_KERNELS)
     assert {b[0] for b in BROKEN} == set(Q_KERNELS)
-    for name in Q_KERNELS:
-        sk = kernels.KERNELS[name].sim_kernel()
-        assert sk.racecheck and sk.checked and sk.schedules >= 2, name
-
-
-def _weaken(pattern: str, n: int):
-    def transform(src: str) -> str:
-        at = [m.start() for m in re.finditer(re.escape(pattern), src)]
-        assert n < len(at)
-        return src[: at[n]] + "/* removed */" + src[at[n] + len(pattern):]
-
-    return transform
+    assert_raced(Q_KERNELS)
 
 
 @pytest.mark.parametrize("n,memory,starts", [(0, "sq", None), (3, "srem", None),
                                              (4, "sgt", None)])
-def test_removed_barrier_is_reported_as_a_race(monkeypatch, n, memory, starts):
-    check = lambda: check_index_q(2, 1, 40, 2, 32, 8, 39, 8, 32, mx.float32, starts, 0)  # noqa: E731
-    check()
-    monkeypatch.setitem(kernels.KERNELS, "dsa_index_topk_q", kernels.build_kernel(
-        "dsa_index_topk_q", _weaken("threadgroup_barrier(mem_flags::mem_threadgroup);", n)))
-    with pytest.raises(MetalSimRaceError) as ei:
-        check()
-    msg = str(ei.value)
-    assert "kernel 'dsa_index_topk_q'" in msg and f"'{memory}'" in msg, msg
-    assert msg.count("dsa_index_topk_q.body.metal:") == 2, msg
+def test_removed_barrier_is_reported_as_a_race(planted, n, memory, starts):
+    planted.race("dsa_index_topk_q", weaken(TG_BARRIER, n),
+                 lambda: check_index_q(2, 1, 40, 2, 32, 8, 39, 8, 32, mx.float32, starts, 0),
+                 memory)
 
 
-def test_removed_device_barrier_is_reported_for_a_padded_row(monkeypatch):
-    check = lambda: check_index_q(2, 1, 40, 2, 32, 8, 39, 8, 32, mx.float32, [0, 5], 0)  # noqa: E731
-    check()
-    monkeypatch.setitem(kernels.KERNELS, "dsa_index_topk_q", kernels.build_kernel(
-        "dsa_index_topk_q", _weaken("threadgroup_barrier(mem_flags::mem_device);", 0)))
-    with pytest.raises(MetalSimRaceError, match="'scores'"):
-        check()
+def test_removed_device_barrier_is_reported_for_a_padded_row(planted):
+    planted.race("dsa_index_topk_q", weaken(DEV_BARRIER, 0),
+                 lambda: check_index_q(2, 1, 40, 2, 32, 8, 39, 8, 32, mx.float32, [0, 5], 0),
+                 "scores")
 
 
 # ------------------------------------------------------------------- the device check
@@ -443,7 +402,7 @@ def test_device_checks_pass_in_the_emulator_and_catch_a_planted_bug(monkeypatch)
                        ("sparse_mla_decode_q", "sparse_mla_partial_q")):
         with monkeypatch.context() as mp:
             mp.setitem(kernels.KERNELS, part, kernels.build_kernel(
-                part, _plant("(word >> (BITS * j))", "(word >> (BITS * (VPW - 1 - j)))")))
+                part, plant("(word >> (BITS * j))", "(word >> (BITS * (VPW - 1 - j)))")))
             with use_sim():
                 error = dispatch.run_check(name)
         assert error is not None and ("8-bit" in error or "4-bit" in error), error

@@ -15,9 +15,10 @@ last axis: packed uint32 [.., D*bits/32] in `keys` / `index_keys`, scales and bi
 `index_scales` / `index_biases`, all at the same positions (`AUX_QUANT`); the 64 rope
 values (`values`) stay unquantized. Each token is quantized once, when it is written, so
 a token reads back the same values whatever chunk, batch or rank wrote it.
-`update_and_fetch_all` returns dequantized (latent, k_pe, k_idx) for the reference path;
-`quantized()` gives the packed arrays themselves (`QuantizedDSA`) for kernels that
-dequantize as they read.
+`update_and_fetch_all` returns dequantized (latent, k_pe, k_idx); the Gated DSA layer
+instead writes with `append_all` and reads `quantized()`, the packed arrays themselves
+(`QuantizedDSA`), which metal/dsa.py's quantized ops dequantize only where they read
+(the index keys, and the selected latent rows).
 
 A batched DSA layer runs the whole batch in one call (`BatchDSACache.attend`): each
 row's first real key (`starts`, its left padding) reaches the dense mask, the indexer's
@@ -154,6 +155,11 @@ class DSACache(KVCache):
         (dequantized when the cache is quantized)."""
         return _append_all(self, "offset", latent, k_pe, k_idx)
 
+    def append_all(self, latent: mx.array, k_pe: mx.array, k_idx: mx.array) -> None:
+        """Append L new tokens as `update_and_fetch_all` does, returning nothing (a
+        quantized cache is then read packed through `quantized()`)."""
+        _append_all(self, "offset", latent, k_pe, k_idx, fetch=False)
+
     def quantized(self) -> Optional[QuantizedDSA]:
         """The packed arrays up to the offset (None for an unquantized cache)."""
         return _quantized(self, self.offset)
@@ -213,6 +219,10 @@ class BatchDSACache(BatchKVCache):
     def update_and_fetch_all(self, latent, k_pe, k_idx):
         """Append L new tokens to every row; return the buffers up to `_idx`."""
         return _append_all(self, "_idx", latent, k_pe, k_idx)
+
+    def append_all(self, latent, k_pe, k_idx) -> None:
+        """Append L new tokens to every row without fetching (`DSACache.append_all`)."""
+        _append_all(self, "_idx", latent, k_pe, k_idx, fetch=False)
 
     def quantized(self) -> Optional[QuantizedDSA]:
         """The packed arrays up to `_idx` (None for an unquantized cache)."""
@@ -352,12 +362,13 @@ class BatchDSACache(BatchKVCache):
         return n + sum(getattr(self, a).nbytes for a in _aux(self) if getattr(self, a) is not None)
 
 
-def _append_all(cache, pos: str, latent, k_pe, k_idx):
+def _append_all(cache, pos: str, latent, k_pe, k_idx, fetch: bool = True):
     """Append L tokens (latent [B,1,L,R], k_pe [B,1,L,P], k_idx [B,1,L,Di]) to a DSA cache
     whose write position is the attribute `pos` (`offset` for one sequence, `_idx` for a
     batch); the indexer keys (and a quantized cache's scales and biases) follow the key
     buffer's capacity. Returns (latent, k_pe, k_idx) up to the new position, dequantized
-    when the cache is quantized (then in the dtype of the values written)."""
+    when the cache is quantized (then in the dtype of the values written); None when
+    `fetch` is False."""
     bits, group = cache.kv_bits, cache.kv_group_size
     prev = getattr(cache, pos)
     if bits:
@@ -380,6 +391,8 @@ def _append_all(cache, pos: str, latent, k_pe, k_idx):
             setattr(cache, name, grown)
             buf = grown
         buf[..., prev:end, :] = a
+    if not fetch:
+        return None
     if not bits:
         return latent, k_pe, cache.index_keys[..., :end, :]
     q = _quantized(cache, end)
@@ -408,11 +421,15 @@ class _WholeBatch:
     def __init__(self, batch: BatchDSACache):
         self.batch = batch
         self.offset = batch._idx
+        self.kv_bits = batch.kv_bits
         # from the Python copy of the padding: building it never waits for the device
         self.starts = mx.array(batch._pads, dtype=mx.int32) if any(batch._pads) else None
 
     def update_and_fetch_all(self, latent, k_pe, k_idx):
         return self.batch.update_and_fetch_all(latent, k_pe, k_idx)
+
+    def append_all(self, latent, k_pe, k_idx) -> None:
+        self.batch.append_all(latent, k_pe, k_idx)
 
     def quantized(self) -> Optional[QuantizedDSA]:
         return self.batch.quantized()

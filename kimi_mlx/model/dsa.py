@@ -6,7 +6,11 @@ conventions table (indexer tensor names, `dsa_config`); DeepSeek-V3.2 for the in
 No rotary embedding anywhere (the 64 "rope" dims are used raw; k_pe is shared by all heads).
 
 Cache per token: MLA latent c (kv_lora_rank=512), rope key k_pe (64), indexer key (128);
-with `--kv-bits 8` the latent and indexer key are kept 8-bit (model/cache.py).
+with `--kv-bits 8` the latent and indexer key are kept 8-bit (model/cache.py). An 8-bit
+cache is read packed past index_topk: the indexer scores its quantized keys and only the
+selected latent rows are dequantized (metal/dsa.py's ops given quantized triples: in the
+`_q` kernels on Metal, by their reference ops elsewhere); within index_topk (dense
+attention over at most index_topk tokens) it is dequantized whole.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ from typing import Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from kimi_mlx.model.cache import BatchDSACache, DSACache  # noqa: F401  (DSACache: old import path)
+from kimi_mlx.model.cache import DSACache  # noqa: F401  (DSACache: old import path)
+from kimi_mlx.model.cache import BatchDSACache, dequantize
 from kimi_mlx.model.config import ModelArgs
 from kimi_mlx.metal.dsa import (allowed_keys, dsa_prefill_indices, dsa_sparse_decode, query_block,
                         sparse_mla_attend)
@@ -103,20 +108,31 @@ class GatedDSA(nn.Module):
         offset = cache.offset if cache is not None else 0
         # first real key of each row of a left-padded batch (None: no padding)
         starts = getattr(cache, "starts", None)
-        if cache is not None:
-            # An 8-bit cache (`--kv-bits 8`) returns its latent and index keys dequantized
-            # here (the reference path); its packed arrays are `cache.quantized()`.
+        packed = None  # an 8-bit cache's arrays (`QuantizedDSA`), read as they are kept
+        if cache is not None and getattr(cache, "kv_bits", None):
+            cache.append_all(latent, k_pe, k_idx)
+            packed = cache.quantized()
+            k_pe = packed.k_pe
+        elif cache is not None:
             latent, k_pe, k_idx = cache.update_and_fetch_all(latent, k_pe, k_idx)
-        S = latent.shape[2]
+        S = k_pe.shape[2]
+        if packed is not None and S > self.index_topk:
+            # quantized triples: the ops below score the packed index keys and dequantize
+            # only the latent rows they select (latent [B,1,S,*], index keys [B,S,*] parts)
+            latent, k_idx = packed.latent, tuple(p[:, 0] for p in packed.index)
+        elif packed is not None:  # dense within index_topk: at most index_topk rows
+            latent = dequantize(packed.latent, packed.bits)
+        elif S > self.index_topk:
+            k_idx = k_idx[:, 0]
 
         w_uk, w_uv = self._kv_b()
         if L == 1 and S > self.index_topk:
             # Decode past index_topk: indexer top-k, then attention over the selected latent
-            # rows only (kernels or the reference mask + SDPA: metal/dsa.py).
+            # rows only (kernels, or reference ops: metal/dsa.py).
             q_idx, w = self.indexer.queries(x, qr)
             o = dsa_sparse_decode(
                 q_nope @ w_uk, q_pe, latent, k_pe, self.scale,
-                q_idx, w, k_idx[:, 0], self.index_topk, offset, starts=starts,
+                q_idx, w, k_idx, self.index_topk, offset, starts=starts,
             )
             o = o @ w_uv.swapaxes(-1, -2)  # [B,H,1,v]
             return self._output(x, o)
@@ -129,15 +145,16 @@ class GatedDSA(nn.Module):
             # not by the prompt.
             q_idx, w = self.indexer.queries(x, qr)
             q_lat = q_nope @ w_uk  # [B,H,L,rank]
+            rows = tuple(p[:, 0] for p in latent) if packed is not None else latent[:, 0]
             k = min(self.index_topk, S)
             step = self.query_block or query_block(
                 L, S, k, H, self.indexer.n_heads, self.kv_rank + self.rope)
             outs = []
             for s0 in range(0, L, step):
                 blk = slice(s0, s0 + step)
-                idx = dsa_prefill_indices(q_idx[:, blk], w[:, blk], k_idx[:, 0], k, offset + s0,
+                idx = dsa_prefill_indices(q_idx[:, blk], w[:, blk], k_idx, k, offset + s0,
                                           starts=starts)
-                outs.append(sparse_mla_attend(q_lat[:, :, blk], q_pe[:, :, blk], latent[:, 0],
+                outs.append(sparse_mla_attend(q_lat[:, :, blk], q_pe[:, :, blk], rows,
                                               k_pe[:, 0], idx, self.scale))
                 if step < L:
                     # One block's scores and gathered rows at a time: left lazy, the graph

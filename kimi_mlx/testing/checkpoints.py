@@ -398,8 +398,10 @@ def _indexer_margin(q_idx, weights, k_idx, topk, offset, starts=None):
     harmless to a comparison whose tolerance is larger (the same token in the same local
     context gets nearly the same key, and natural text repeats).
     """
-    from kimi_mlx.metal.dsa import dsa_index_scores
+    from kimi_mlx.metal.dsa import dequantize_rows, dsa_index_scores, quant_format
 
+    if isinstance(k_idx, (tuple, list)):  # an 8-bit cache's index keys, read packed
+        k_idx = dequantize_rows(k_idx, *quant_format(k_idx, q_idx.shape[-1], "index keys"))
     if k_idx.shape[1] <= topk:
         return mx.zeros((0, 2), mx.float32)
     scores = np.array(dsa_index_scores(q_idx, weights, k_idx, offset, starts))  # [B, L, S]
