@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from kimi_mlx.metal.dsa import dequantize_rows, quant_format
 from kimi_mlx.bench.kv_quality import bf16_cache, classify_topk, score_bounds
 from kimi_mlx.model.cache import (KV_DEFAULT_GROUP, DSACache, dequantize,
                                   dequantize_error_bound)
@@ -89,7 +90,11 @@ def _first_dsa_call(model, ids, bits):
     def record(q_idx, w, k_idx, k, offset, starts=None):
         idx = real(q_idx, w, k_idx, k, offset, starts=starts)
         if not seen:
-            seen.append((np.asarray(q_idx[0]), np.asarray(w[0]), np.asarray(k_idx[0]),
+            keys = k_idx
+            if isinstance(k_idx, (tuple, list)):  # an 8-bit cache is read packed: the keys it holds
+                group, nbits = quant_format(k_idx, q_idx.shape[-1], "index keys")
+                keys = dequantize_rows(k_idx, group, nbits)  # in float32, as the indexer reads
+            seen.append((np.asarray(q_idx[0]), np.asarray(w[0]), np.asarray(keys[0]),
                          np.asarray(idx[0]), offset))
         return idx
 
@@ -136,7 +141,11 @@ def test_topk_over_8bit_cache_equals_bf16_outside_near_ties(micro):
     n = dsa.offset
     qi = tuple(a[..., :n, :] for a in (dsa.index_keys, dsa.index_scales, dsa.index_biases))
     err = np.asarray(dequantize_error_bound(qi, 8))[0, 0]
-    assert np.array_equal(np.asarray(dequantize(qi, 8).astype(mx.float32))[0, 0], k8)
+    # what the indexer read is the stored bytes times scale plus bias (NumPy, float64)
+    packed = np.asarray(qi[0])[0, 0].view(np.uint8).astype(np.float64)  # little-endian bytes
+    sc = np.repeat(np.asarray(qi[1].astype(mx.float32))[0, 0], k8.shape[-1] // qi[1].shape[-1], -1)
+    bi = np.repeat(np.asarray(qi[2].astype(mx.float32))[0, 0], k8.shape[-1] // qi[2].shape[-1], -1)
+    assert np.allclose(packed * sc + bi, k8, rtol=1e-6, atol=1e-6 * np.abs(bi).max())
     assert np.all(np.abs(k8 - k16) <= err)
 
     scores, bound, _ = score_bounds(q16, w16, k16, err, off)

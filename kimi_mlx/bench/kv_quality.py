@@ -63,9 +63,11 @@ def bf16_cache():
 
     real = cache_mod._append_all
 
-    def append(cache, pos, latent, k_pe, k_idx):
+    def append(cache, pos, latent, k_pe, k_idx, **kw):
         bf = mx.bfloat16
-        out = real(cache, pos, latent.astype(bf), k_pe.astype(bf), k_idx.astype(bf))
+        out = real(cache, pos, latent.astype(bf), k_pe.astype(bf), k_idx.astype(bf), **kw)
+        if out is None:  # an append without fetch (the packed read of an 8-bit cache)
+            return None
         return tuple(a.astype(latent.dtype) for a in out)
 
     cache_mod._append_all = append
