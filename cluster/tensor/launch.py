@@ -72,7 +72,10 @@ def form_group(cluster: NodeFinder, watch: TensorGroup, backend: str = "auto",
 
     transport = ControlClient(cluster.secret, cluster.settings.tls_secret_path)
     # the DSA caches' format of every rank (`--kv-bits`, `net.nodes.NodeSettings`)
-    kv = (getattr(cluster.settings, "kv_bits", None), getattr(cluster.settings, "kv_group_size", 64))
+    from kimi_mlx.model.cache import KV_DEFAULT_GROUP
+
+    kv = (getattr(cluster.settings, "kv_bits", None),
+          getattr(cluster.settings, "kv_group_size", None) or KV_DEFAULT_GROUP)
     try:
         accepted = cluster.accepted(transport)
         if check is not None:

@@ -32,7 +32,7 @@ def _remove_group_files() -> None:
 
 
 def wire_rank(model_path, group, who: str, tokens: int = 0, sequences: int = 0,
-              kv=(None, 64)) -> None:
+              kv=(None, None)) -> None:
     """MLX's wired limit for this rank's slices and caches before loading them
     (`placement.wired.rank_plan`; a no-op without Metal), the caches of `sequences`
     sequences of `tokens` tokens (the head's plan, `RankRequest.planned_tokens` /
@@ -40,11 +40,13 @@ def wire_rank(model_path, group, who: str, tokens: int = 0, sequences: int = 0,
     ((kv_bits or None/0, kv_group_size): `RankRequest.kv_bits` / `kv_group_size`).
     Raises `WiredLimitError` (one line with the sysctl to run) when they exceed the
     Mac's GPU working set."""
+    from kimi_mlx.model.cache import KV_DEFAULT_GROUP
     from kimi_mlx.placement.wired import rank_plan, wire
 
     wire(lambda: rank_plan(model_path, group.size(), group.rank(), who,
                            context=int(tokens) or None, sequences=max(1, int(sequences)),
-                           kv_bits=kv[0] or None, kv_group_size=int(kv[1] or 64)))
+                           kv_bits=kv[0] or None,
+                           kv_group_size=int(kv[1] or KV_DEFAULT_GROUP)))
 
 
 def rank_main(argv: Optional[Sequence[str]] = None) -> int:

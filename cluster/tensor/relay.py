@@ -616,7 +616,7 @@ def _relay(a, conn, held: dict) -> int:
             _pdeathsig(signal.SIGTERM)
         t1 = time.monotonic()
         wire_rank(a.model, group, "rank 0 (this head's rank process)", *cfg.get("plan", (0, 0)),
-                  kv=(cfg.get("kv_bits"), cfg.get("kv_group_size") or 64))
+                  kv=(cfg.get("kv_bits"), cfg.get("kv_group_size") or KV_DEFAULT_GROUP))
         model, _ = load_sharded(a.model, group)
         model.set_kv_quant(cfg.get("kv_bits") or None,
                            int(cfg.get("kv_group_size") or KV_DEFAULT_GROUP))

@@ -262,7 +262,7 @@ class BatchDSACache(BatchKVCache):
                     setattr(self, name, getattr(self, name)[..., shift:, :])
 
     def extend(self, other: "BatchDSACache"):
-        if (self.kv_bits, self.kv_group_size) != (other.kv_bits, other.kv_group_size):
+        if _format(self) != _format(other):
             raise ValueError(f"cannot extend a kv_bits={self.kv_bits}/{self.kv_group_size} "
                              f"batch cache with a kv_bits={other.kv_bits}/"
                              f"{other.kv_group_size} one")
@@ -310,10 +310,11 @@ class BatchDSACache(BatchKVCache):
 
     @classmethod
     def merge(cls, caches: List[DSACache]) -> "BatchDSACache":
-        quant = {(getattr(c, "kv_bits", None), getattr(c, "kv_group_size", 64)) for c in caches}
+        quant = {_format(c) for c in caches}
         if len(quant) != 1:
             raise ValueError(f"cannot merge DSA caches of different kv_bits/group sizes {quant}")
         bits, group = quant.pop()
+        group = group or KV_DEFAULT_GROUP
         lengths = [c.offset if c.keys is not None else 0 for c in caches]
         n = max(lengths)
         if n == 0:
@@ -360,6 +361,13 @@ class BatchDSACache(BatchKVCache):
     def nbytes(self):
         n = super().nbytes
         return n + sum(getattr(self, a).nbytes for a in _aux(self) if getattr(self, a) is not None)
+
+
+def _format(cache) -> Tuple[Optional[int], Optional[int]]:
+    """(kv_bits, kv_group_size) of a DSA cache, the group None when unquantized (a BF16
+    cache's group setting stores nothing, so caches that differ only there are one format)."""
+    bits = getattr(cache, "kv_bits", None)
+    return bits, (getattr(cache, "kv_group_size", KV_DEFAULT_GROUP) if bits else None)
 
 
 def _append_all(cache, pos: str, latent, k_pe, k_idx, fetch: bool = True):

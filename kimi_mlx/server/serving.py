@@ -269,7 +269,7 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
                  prompt_cache_dir: Optional[str] = None,
                  prompt_cache_disk_bytes: int = DEFAULT_DISK_BYTES,
                  max_image_pixels: Optional[int] = None,
-                 kv: Tuple[Optional[int], int] = (None, 64)) -> None:
+                 kv: Tuple[Optional[int], Optional[int]] = (None, None)) -> None:
     """Load the checkpoint (and the draft `drafts` asks for, through the speculation
     factory) into `svc` (sets tokenizers, context, defaults, engine); `progress`: a
     loading bar on a terminal; `allow_image_urls` / `max_images`: the image policy
@@ -278,7 +278,8 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     (a full disk even after its own temporary files are deleted, a read-only folder) is
     one warning and the gauge kimi_mlx_prompt_cache_disk_enabled 0, and the server runs
     with the memory cache only. `kv`: (kv_bits, kv_group_size) of the DSA caches
-    (`Model.set_kv_quant`; (None, 64) keeps the model dtype), also in the disk fingerprint.
+    (`Model.set_kv_quant`; (None, None) keeps the model dtype; a group of None is
+    `model.cache.KV_DEFAULT_GROUP`), also in the disk fingerprint.
 
     Raises whatever loading raises (FileNotFoundError, ValueError, ...);
     `speculative.loop.TokenizerMismatch` (naming both models) for a draft whose tokenizer is
@@ -290,12 +291,14 @@ def load_service(svc, spec: str, max_concurrency: int, prompt_cache_bytes: int,
     from kimi_mlx.server.prompt_cache import PromptCache
     from kimi_mlx.speculative.factory import ONE_PROCESS, build_speculation
 
+    from kimi_mlx.model.cache import KV_DEFAULT_GROUP
     from kimi_mlx.placement.wired import model_plan, wire
 
+    kv = (kv[0], kv[1] or KV_DEFAULT_GROUP)
     # wired before loading (KIMI_MLX_ALLOW_PAGING, which --allow-paging sets, lets it page)
     wire(lambda: model_plan(resolve(spec), "kimi-mlx server", max_kv_size,
                             max(1, max_concurrency or 1), kv_bits=kv[0],
-                            kv_group_size=kv[1] or 64, drafts=drafts))
+                            kv_group_size=kv[1], drafts=drafts))
     model, wrapper, tok, config = load_for_generation(spec, progress=progress)
     model.set_kv_quant(*kv)  # `--kv-bits` / `--kv-group-size`: the DSA cache format
     # a hub id: the vision tower's shards too (a few hundred MB at K3.1 size), so that the
