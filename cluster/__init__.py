@@ -8,15 +8,15 @@ HTTP head, pipeline -- the Mac the clients call.
     entry: `kimi-mlx cluster server` -> `cli.run` -> `server.run` -> `head.engine.ClusterEngine`
     modules: `server`, `head.engine`, `head.cluster`, `head.plan`, `head.pipeline`,
     `head.transport`, `head.leases`, `head.batcher`, `head.speculative`, `head.recovery`,
-    `net.nodes`, `net.control`, `net.cache_index`; the HTTP API of `kimi_mlx.server`.
+    `net.session`, `net.nodes`, `net.control`, `net.cache_index`; the HTTP API of `kimi_mlx.server`.
 
 HTTP head, tensor (`--parallel tensor`) -- the Mac the clients call; runs the request path
 (tokenizer, sampling, batching) while rank 0's share of the group runs in its child.
     entry: `kimi-mlx cluster server --parallel tensor` -> `server.run` ->
     `tensor.engine.start_tensor_engine`
-    modules: `server`, `tensor.engine`, `tensor.launch`, `tensor.group`, `tensor.batched`,
-    `tensor.rows`, `tensor.prefill`, `tensor.step` and `tensor.wire` (commands), `net.nodes`,
-    `net.cache_index`.
+    modules: `server`, `tensor.engine`, `tensor.recovery` (its keeper), `tensor.launch`,
+    `tensor.group`, `tensor.batched`, `tensor.rows`, `tensor.prefill`, `tensor.step` and
+    `tensor.wire` (commands), `net.session`, `net.nodes`, `net.cache_index`.
 
 Tensor rank 0 child -- a child of the tensor HTTP head (MLX forms one distributed group per
 process, so a lost rank is healed by starting a new child).

@@ -48,6 +48,8 @@ REGISTRY = {
     "cluster/tensor/relay.py:_anonymous_file": "test_host_list_in_a_removed_temp_file_without_memfd",
     "cluster/tensor/relay.py:_pdeathsig": "test_rank0_polls_its_parent_without_pdeathsig",
     "kimi_mlx/bench/ranged.py:drop_cache": "test_cold_read_bench_without_posix_fadvise",
+    "kimi_mlx/generation/background.py:lower_thread_priority":
+        "test_admission_threads_keep_their_priority_on_macos",
     "kimi_mlx/checkpoint/ranged.py:SliceReader._copy_mapped": "test_ranged_read_without_madvise",
     "cluster/net/hostfacts.py:<module>": "test_host_facts_gather_every_recorded_macos_command",
     "cluster/net/hostfacts.py:gather": "test_host_facts_gather_every_recorded_macos_command",
@@ -443,6 +445,37 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_admission_threads_keep_their_priority_on_macos(monkeypatch):
+    """macOS has no per-thread nice value (setpriority on a thread id would renice the
+    whole server or fail): nothing is changed there; on Linux the calling thread alone
+    goes down by the step, read back from the kernel."""
+    import threading
+
+    from kimi_mlx.generation import background
+
+    got = {}
+
+    def in_thread():
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        got["changed"] = background.lower_thread_priority(3)
+        got["delta"] = os.getpriority(os.PRIO_PROCESS, tid) - before
+
+    if sys.platform.startswith("linux"):
+        t = threading.Thread(target=in_thread)
+        t.start()
+        t.join()
+        assert got == {"changed": True, "delta": min(3, 19 - os.getpriority(os.PRIO_PROCESS, 0))}
+        assert os.getpriority(os.PRIO_PROCESS, 0) == os.getpriority(os.PRIO_PROCESS, os.getpid())
+    calls = []
+    monkeypatch.setattr(background.sys, "platform", "darwin")
+    monkeypatch.setattr(background.os, "setpriority", lambda *a: calls.append(a))
+    t = threading.Thread(target=in_thread)
+    t.start()
+    t.join()
+    assert got == {"changed": False, "delta": 0} and calls == []
 
 
 def test_cold_read_bench_without_posix_fadvise(monkeypatch, tmp_path):

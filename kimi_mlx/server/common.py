@@ -154,7 +154,7 @@ def max_schema_bytes(svc: "Service") -> int:
 
 def _schema_too_large(doc: body_json.Document, model: type[BaseModel], schema_bytes: int) -> None:
     """APIError 400 (the wording of `generation.constrain`'s check after parsing) naming
-    the first schema of `model.schema_fields` whose text in the body is over
+    the first schema among the request model's `schema_fields` whose text in the body is over
     `schema_bytes` bytes (whitespace outside strings not counted)."""
     for label, path in getattr(model, "schema_fields", ()):
         for idx, a, b in doc.find(path):
