@@ -138,7 +138,12 @@ def test_bench_tensor_ranks_end_when_the_bench_is_killed(tmp_path):
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     ranks = lambda: _pids_with(marker, "kimi_mlx.testing.tensor_parallel")  # noqa: E731
     try:
-        _wait(lambda: len(ranks()) == 2 or bench.poll() is not None, 400, "two ranks", log)
+        # killed once both ranks are past the ring's init: inside it MLX holds the
+        # interpreter lock until every peer answers, so no watcher can run there
+        joined = lambda: sum("joined" in p.read_text(errors="replace")  # noqa: E731
+                             for p in Path(marker).rglob("rank*.log"))
+        _wait(lambda: (len(ranks()) == 2 and joined() == 2) or bench.poll() is not None, 400,
+              "two ranks past init", log)
         assert bench.poll() is None, log.read_text(errors="replace")[-3000:]
         took = _kill_then_gone(bench, ranks)
         print(f"bench tensor's ranks gone {took:.1f} s after its SIGKILL")

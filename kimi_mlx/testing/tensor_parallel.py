@@ -298,6 +298,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     p.add_argument("--kv-bits", type=int, default=0, help="8: 8-bit DSA caches (`--kv-bits`)")
     a = p.parse_args(argv)
     group = mx.distributed.init(backend="ring", strict=True)
+    print(f"rank {group.rank()} joined", flush=True)  # past the ring's init (harness tests)
     model, loaded = load_tensor_parallel(a.model, group, ranged=a.ranged)
     model.set_kv_quant(a.kv_bits or None)
     if a.plant_error and group.rank() == group.size() - 1:
