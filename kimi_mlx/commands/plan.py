@@ -7,6 +7,7 @@ Hugging Face cache or the config kimi-mlx ships (nothing is downloaded).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import List, Optional
 
@@ -254,6 +255,7 @@ def run(args) -> int:
             raise ValueError(f"--context and --sequences must be >= 1 (got {args.context}, "
                              f"{args.sequences})")
         nodes = parse_macs(args.macs, args.mac_chip, args.wired_limit_mb)
+        _check_draft_arguments(args)  # before any output, not after the tables
         planner = _planner(args)
         model = model_bytes(args.model)
         if args.keep is not None and (not model.num_experts or not 0 < args.keep <= 1):
@@ -322,6 +324,18 @@ def run(args) -> int:
     return 0
 
 
+def _check_draft_arguments(args):
+    """(per-position acceptance, how it was read) of --draft-acceptance; ValueError (naming
+    the flag) for a bad --draft-acceptance / --draft-block-size / --max-draft-tokens, or a
+    --draft-ms that is negative or not finite (a drafter cannot take less than no time:
+    a negative one made drafting look faster than it can be)."""
+    if args.draft_block_size < 2 or args.max_draft_tokens < 1:
+        raise ValueError("--draft-block-size must be >= 2 and --max-draft-tokens >= 1")
+    if not math.isfinite(args.draft_ms) or args.draft_ms < 0:
+        raise ValueError(f"--draft-ms must be a finite number of ms >= 0, got {args.draft_ms:g}")
+    return parse_acceptance(args.draft_acceptance, args.draft_block_size)
+
+
 def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner,
                  tensor=None) -> List[str]:
     """Predicted tok/s per k of a block drafter on this plan, the plan's sequences as rows
@@ -334,9 +348,7 @@ def _speculative(args, plan: Plan, model: ModelBytes, planner: StagePlanner,
         ValueError: a bad --draft-acceptance / --draft-block-size / --max-draft-tokens."""
     from kimi_mlx.placement.expert_union import UnionCurve, load_curve, union_experts
 
-    if args.draft_block_size < 2 or args.max_draft_tokens < 1:
-        raise ValueError("--draft-block-size must be >= 2 and --max-draft-tokens >= 1")
-    acceptance, how = parse_acceptance(args.draft_acceptance, args.draft_block_size)
+    acceptance, how = _check_draft_arguments(args)
     uniform = args.expert_union == "uniform"
     curve = UnionCurve.uniform_bound() if uniform else load_curve()
     B = plan.sequences

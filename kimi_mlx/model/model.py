@@ -20,7 +20,8 @@ import mlx.nn as nn
 
 from kimi_mlx.model.attn_res import Banks, attn_res_mix, res_weights
 from kimi_mlx.model.config import ModelArgs
-from kimi_mlx.model.cache import KV_DEFAULT_GROUP, ArraysCache, DSACache, check_kv_quant
+from kimi_mlx.model.cache import (KV_DEFAULT_GROUP, ArraysCache, DSACache, check_kv_quant,
+                                   group_for)
 from kimi_mlx.model.dsa import GatedDSA
 from kimi_mlx.model.ffn import LatentMoE, SiTUMLP
 from kimi_mlx.model.kda import KimiDeltaAttention
@@ -271,8 +272,18 @@ class Model(nn.Module):
     def set_kv_quant(self, bits: Optional[int], group_size: int = KV_DEFAULT_GROUP) -> None:
         """Make `make_cache` give DSA caches whose latent and index keys are kept in
         `bits`-bit MLX affine format with `group_size` values per scale (model/cache.py);
-        bits None keeps the model dtype. ValueError for an unsupported pair."""
+        bits None keeps the model dtype. ValueError for an unsupported pair, or for a
+        group that cannot split this model's latent (`kv_lora_rank`) or indexer key
+        (`index_head_dim`) vectors (`cache.group_for`), named here at load rather than by
+        the first prefill (a 500 on every server request)."""
         check_kv_quant(bits, group_size)
+        if bits and any(not l.is_kda for l in self.layers):
+            for key in ("kv_lora_rank", "index_head_dim"):
+                dim = getattr(self.args, key)
+                try:
+                    group_for(dim, group_size)
+                except ValueError as e:
+                    raise ValueError(f"--kv-bits {bits}: this model's {key} is {dim}: {e}") from None
         self.kv_bits, self.kv_group_size = bits, group_size
 
     def make_cache(self) -> List[Any]:
