@@ -124,10 +124,13 @@ def test_concurrent_requests_decode_batched_and_equal_single_runs(served, one_pr
     ref_url, _ = one_process
     convs = [[{"role": "user", "content": q}] for q in
              ("Sort a list?", "Reverse a string?", "Read a file?", "Join paths?")]
-    want = [chat(ref_url, m, 24)[0] for m in convs]
+    # 48 tokens each: a request's decode outlasts the next one's prefill, so the decodes
+    # overlap however the prefills fall (with 24, a fresh-clone run once saw none: 92 rows
+    # in 92 steps)
+    want = [chat(ref_url, m, 48)[0] for m in convs]
     steps, rows = (_gauge(server, "kimi_mlx_cluster_batched_" + k) for k in ("steps", "rows"))
     with cf.ThreadPoolExecutor(4) as ex:
-        got = list(ex.map(lambda m: chat(server.url, m, 24)[0], convs))
+        got = list(ex.map(lambda m: chat(server.url, m, 48)[0], convs))
     assert got == want and len(set(want)) > 1
     steps2, rows2 = (_gauge(server, "kimi_mlx_cluster_batched_" + k) for k in ("steps", "rows"))
     # Every decoded token is a row; some steps carried several sessions' rows. How many
