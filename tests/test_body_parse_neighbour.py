@@ -14,7 +14,6 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 
 from kimi_mlx.generation.constrain import SchemaLimits
@@ -22,6 +21,7 @@ from kimi_mlx.generation.request import default_model
 from kimi_mlx.server import body_json
 from kimi_mlx.server.common import MAX_NESTING
 from kimi_mlx.testing.servers import start_server, stop_server
+from fixtures.neighbour import neighbour_seconds
 
 SENDER = r'''
 import http.client, json, sys
@@ -38,33 +38,19 @@ while True:
 '''
 
 
-def _neighbour(url: str) -> float:
-    """Seconds from the request to the last streamed token of a 24-token reply."""
-    t0, last = time.perf_counter(), None
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
-            "model": "micro", "messages": [{"role": "user", "content": "Hello"}],
-            "max_tokens": 24, "temperature": 0, "stream": True, "reasoning_effort": "low"}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                last = time.perf_counter()
-    assert last is not None
-    return last - t0
-
-
 def test_5mb_bodies_do_not_slow_a_neighbours_stream():
     srv, svc = start_server(str(default_model()), None, "micro", 16 << 20, max_concurrency=2)
     svc.schema_limits = SchemaLimits(max_bytes=256 << 10, timeout_s=1.0)
     senders = []
     try:
-        _neighbour(srv.url)
-        alone = statistics.median(_neighbour(srv.url) for _ in range(3))
+        neighbour_seconds(srv.url)
+        alone = statistics.median(neighbour_seconds(srv.url) for _ in range(3))
         senders = [subprocess.Popen([sys.executable, "-c", SENDER, str(srv.port)],
                                     stdout=subprocess.PIPE, text=True) for _ in range(2)]
         deadline = time.monotonic() + 120  # both senders have had a body refused
         while sum(1 for p in senders if p.stdout.readline().strip() == "400") < 2:
             assert time.monotonic() < deadline, "the 5 MB bodies were not refused"
-        loaded = statistics.median(_neighbour(srv.url) for _ in range(3))
+        loaded = statistics.median(neighbour_seconds(srv.url) for _ in range(3))
     finally:
         for p in senders:
             p.kill()

@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 
-import httpx
 import orjson
 import pytest
 
@@ -33,6 +32,7 @@ from kimi_mlx.server.common import MAX_NESTING, APIError, parse_body
 from kimi_mlx.server.ollama_api import OllamaChatRequest, OllamaGenerateRequest
 from kimi_mlx.server.schemas import ChatRequest, MessagesRequest, ResponsesRequest
 from kimi_mlx.testing.servers import start_server, stop_server
+from fixtures.neighbour import neighbour_seconds
 
 SENDER = r'''
 import base64, http.client, json, os, sys
@@ -66,20 +66,6 @@ while True:
     r = c.getresponse(); r.read(); c.close()
     print(r.status, flush=True)
 '''
-
-
-def _neighbour(url: str) -> float:
-    """Seconds from the request to the last streamed token of a 24-token reply."""
-    t0, last = time.perf_counter(), None
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json={
-            "model": "micro", "messages": [{"role": "user", "content": "Hello"}],
-            "max_tokens": 24, "temperature": 0, "stream": True, "reasoning_effort": "low"}) as r:
-        assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                last = time.perf_counter()
-    assert last is not None
-    return last - t0
 
 
 class _Senders:
@@ -118,7 +104,7 @@ def _ratios(srv, modes: dict, rounds: int = 3, n: int = 3,
     (neighbour seconds alone, every sender paused, in the same round); `modes`: name ->
     (the senders' kind, a function that puts the server in that mode). The modes are
     interleaved, so that a change in the machine's load touches each alike."""
-    _neighbour(srv.url)
+    neighbour_seconds(srv.url)
     senders = {}
     out = {m: [] for m in modes}
     try:
@@ -129,13 +115,13 @@ def _ratios(srv, modes: dict, rounds: int = 3, n: int = 3,
                 senders[kind].pause()
         for _ in range(rounds):
             time.sleep(0.3)
-            alone = statistics.median(_neighbour(srv.url) for _ in range(n))
+            alone = statistics.median(neighbour_seconds(srv.url) for _ in range(n))
             for name, (kind, enter) in modes.items():
                 enter()
                 senders[kind].resume()
                 statuses = senders[kind].settle()
                 assert set(statuses) <= refused, (name, statuses)
-                out[name].append(statistics.median(_neighbour(srv.url) for _ in range(n)) / alone)
+                out[name].append(statistics.median(neighbour_seconds(srv.url) for _ in range(n)) / alone)
                 senders[kind].pause()
     finally:
         for p in senders.values():
