@@ -83,11 +83,13 @@ def text_config(folder: Path) -> dict:
 
 
 def cache_by_hand(folder: Path, tokens: int, sequences: int = 1, layers=None,
-                  kda_share: float = 1.0) -> int:
+                  kda_share: float = 1.0, vector_bytes=lambda values: 2 * values) -> int:
     """K31_SPEC.md s.4 with bf16 activations: a KDA layer holds a conv state (kernel-1) x
     3 x heads x head_dim (bf16) and a recurrent state heads x head_dim^2 (fp32) per
     sequence; an attention layer (1-based ids in full_attn_layers) holds the latent and
-    rope key, plus the index key on a DSA layer, per token."""
+    rope key, plus the index key on a DSA layer, per token. `vector_bytes(values)`: what
+    the cache keeps for one latent or index-key vector (BF16 by default); the rope key
+    stays BF16."""
     c = text_config(folder)
     lin, dsa = c["linear_attn_config"], c.get("dsa_config") or {}
     h, d, k = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
@@ -97,9 +99,10 @@ def cache_by_hand(folder: Path, tokens: int, sequences: int = 1, layers=None,
         if i + 1 in lin["kda_layers"]:
             total += sequences * int(kda_state * kda_share)
         else:
-            per_token = c["kv_lora_rank"] + c["qk_rope_head_dim"]
-            per_token += dsa.get("index_head_dim", 0) if i + 1 in dsa.get("dsa_layers", []) else 0
-            total += sequences * per_token * 2 * tokens
+            per_token = vector_bytes(c["kv_lora_rank"]) + c["qk_rope_head_dim"] * 2
+            if i + 1 in dsa.get("dsa_layers", []):
+                per_token += vector_bytes(dsa["index_head_dim"])
+            total += sequences * per_token * tokens
     return total
 
 

@@ -41,20 +41,8 @@ def cache_by_hand_8bit(folder, tokens: int, sequences: int = 1, layers=None,
                        kda_share: float = 1.0, group_size: int = 64) -> int:
     """`test_wired.cache_by_hand` with the attention layers' latent and index key in 8
     bits (`quantized_bytes`) and the rope key in BF16; KDA states as they are."""
-    c = text_config(folder)
-    lin, dsa = c["linear_attn_config"], c.get("dsa_config") or {}
-    h, d, k = lin["num_heads"], lin["head_dim"], lin["short_conv_kernel_size"]
-    kda_state = (k - 1) * 3 * h * d * 2 + h * d * d * 4
-    total = 0
-    for i in (layers if layers is not None else range(c["num_hidden_layers"])):
-        if i + 1 in lin["kda_layers"]:
-            total += sequences * int(kda_state * kda_share)
-        else:
-            per_token = quantized_bytes(c["kv_lora_rank"], group_size) + c["qk_rope_head_dim"] * 2
-            if i + 1 in dsa.get("dsa_layers", []):
-                per_token += quantized_bytes(dsa["index_head_dim"], group_size)
-            total += sequences * per_token * tokens
-    return total
+    return cache_by_hand(folder, tokens, sequences, layers, kda_share,
+                         vector_bytes=lambda values: quantized_bytes(values, group_size))
 
 
 def test_hand_count_is_smaller_than_bf16():
